@@ -1,0 +1,101 @@
+"""The FastAPI application: routers, error mapping, health and readiness."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from controlplane.auth.api import router as auth_router
+from controlplane.db import get_engine, session_factory
+from controlplane.deps import PrincipalCache
+from controlplane.errors import DomainError
+from controlplane.runtimes.api import router as runtimes_router
+from controlplane.settings import Settings, get_settings
+from controlplane.thresholds.api import router as thresholds_router
+from controlplane.thresholds.delivery import ConfigDelivery
+
+log = logging.getLogger("exitplane.api")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the API for `settings` (default: the environment's)."""
+    settings = settings or get_settings()
+    engine = get_engine(settings.effective_database_url)
+    factory = session_factory(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        app.state.config_delivery.close()
+
+    app = FastAPI(title="exitplane control plane", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = factory
+    app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
+    app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s)
+
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse(status_code=413, content={
+                "detail": f"request body of {length} bytes exceeds the limit of "
+                          f"{settings.max_body_bytes} bytes"})
+        return await call_next(request)
+
+    @app.exception_handler(DomainError)
+    async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
+        return JSONResponse(status_code=error.status_code, content={"detail": str(error)},
+                            headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        message = f"{where}: {first.get('msg', 'invalid input')}" if where else "invalid input"
+        return JSONResponse(status_code=422, content={
+            "detail": message, "errors": _jsonable(error.errors())})
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeout)
+    async def store_unavailable(_request: Request, error: Exception) -> JSONResponse:
+        log.warning("store unavailable: %s", type(error).__name__)
+        return JSONResponse(status_code=503, headers={"Retry-After": "2"},
+                            content={"detail": "the store is unavailable; retry shortly"})
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        def ping() -> None:
+            with engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+
+        try:
+            await to_thread.run_sync(ping)
+        except Exception as error:  # any failure to reach the store means not ready
+            return JSONResponse(status_code=503, headers={"Retry-After": "2"},
+                                content={"status": "unavailable", "detail": type(error).__name__})
+        return JSONResponse({"status": "ready"})
+
+    app.include_router(thresholds_router)
+    app.include_router(runtimes_router)
+    app.include_router(auth_router)
+    return app
+
+
+def _jsonable(errors: list[dict]) -> list[dict]:
+    return [{key: (value if isinstance(value, str | int | float | list | None) else str(value))
+             for key, value in err.items() if key != "ctx"} for err in errors]

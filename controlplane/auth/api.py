@@ -1,0 +1,34 @@
+"""Thin routes for API tokens (admin only)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, status
+
+from controlplane.auth import service
+from controlplane.auth.schemas import TokenCreate, TokenCreated, TokenRead
+from controlplane.deps import AdminPrincipal, SessionDep
+from controlplane.thresholds.service import get_deployment
+
+router = APIRouter(prefix="/v1/tokens", tags=["auth"])
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
+def create_token(spec: TokenCreate, session: SessionDep,
+                 principal: AdminPrincipal) -> TokenCreated:
+    deployment = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
+    token, secret = service.create_token(session=session, name=spec.name, scope=spec.scope,
+                                         deployment=deployment)
+    return TokenCreated(**TokenRead.model_validate(token).model_dump(), token=secret)
+
+
+@router.get("", response_model=list[TokenRead])
+def list_tokens(session: SessionDep, principal: AdminPrincipal) -> list[TokenRead]:
+    return [TokenRead.model_validate(t) for t in service.list_tokens(session=session)]
+
+
+@router.delete("/{token_id}", response_model=TokenRead)
+def revoke_token(token_id: int, request: Request, session: SessionDep,
+                 principal: AdminPrincipal) -> TokenRead:
+    token = service.revoke_token(session=session, token_id=token_id)
+    request.app.state.principal_cache.clear()
+    return TokenRead.model_validate(token)

@@ -1,0 +1,32 @@
+"""API shapes for tokens."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    scope: Literal["runtime", "operator", "admin"]
+    deployment: str | None = None
+
+
+class TokenRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    name: str
+    scope: str
+    deployment_id: int | None
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenRead):
+    token: str = Field(description="shown once; store it now")

@@ -1,0 +1,88 @@
+"""API tokens: created once in clear, stored as sha256, looked up by digest in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controlplane.auth.models import SCOPES, ApiToken
+from controlplane.db import utcnow
+from controlplane.errors import Forbidden, Invalid, NotFound, Unauthorized
+from controlplane.thresholds.models import Deployment
+
+TOKEN_PREFIX = "ept_"
+SCOPE_RANK = {"runtime": 0, "operator": 1, "admin": 2}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a token's identity, scope and (for runtime tokens) its one deployment."""
+
+    token_id: int
+    name: str
+    scope: str
+    deployment_id: int | None
+
+    @property
+    def actor(self) -> str:
+        return f"token:{self.name}"
+
+    def require(self, scope: str) -> None:
+        if SCOPE_RANK[self.scope] < SCOPE_RANK[scope]:
+            raise Forbidden(f"this action needs a token with scope {scope!r}; "
+                            f"yours has {self.scope!r}")
+
+    def require_deployment(self, deployment_id: int) -> None:
+        """Runtime tokens reach only their own deployment; operators and admins reach all."""
+        if self.scope == "runtime" and self.deployment_id != deployment_id:
+            raise Forbidden("this runtime token belongs to another deployment")
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create_token(*, session: Session, name: str, scope: str,
+                 deployment: Deployment | None = None) -> tuple[ApiToken, str]:
+    """Create a token; returns the row and the secret, which is never stored or shown again."""
+    if scope not in SCOPES:
+        raise Invalid(f"unknown scope {scope!r}; use one of {', '.join(SCOPES)}")
+    if scope == "runtime" and deployment is None:
+        raise Invalid("a runtime token needs a deployment")
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token = ApiToken(name=name, scope=scope, deployment_id=deployment.id if deployment else None,
+                     prefix=secret[:12], token_hash=digest(secret))
+    session.add(token)
+    session.flush()
+    return token, secret
+
+
+def authenticate(*, session: Session, secret: str) -> Principal:
+    """The principal behind `secret`, or Unauthorized."""
+    wanted = digest(secret)
+    token = session.scalars(select(ApiToken).where(ApiToken.token_hash == wanted)).one_or_none()
+    if token is None or not hmac.compare_digest(token.token_hash, wanted):
+        raise Unauthorized("unknown API token")
+    if token.revoked_at is not None:
+        raise Unauthorized("this API token was revoked")
+    return Principal(token_id=token.id, name=token.name, scope=token.scope,
+                     deployment_id=token.deployment_id)
+
+
+def list_tokens(*, session: Session) -> list[ApiToken]:
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_token(*, session: Session, token_id: int) -> ApiToken:
+    token = session.get(ApiToken, token_id)
+    if token is None:
+        raise NotFound(f"token {token_id} does not exist")
+    if token.revoked_at is None:
+        token.revoked_at = utcnow()
+    session.flush()
+    return token

@@ -1,0 +1,97 @@
+"""Request dependencies in one place: the DB session (commit at the boundary) and the caller."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Annotated
+
+from anyio import to_thread
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from controlplane.auth.service import Principal, authenticate, digest
+from controlplane.errors import Unauthorized
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One unit of work per request: commit when the route returns, roll back on error."""
+    session = request.app.state.session_factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+# scope="function": the commit happens before the response is sent, so a 2xx means stored.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+class PrincipalCache:
+    """Token digest -> principal for a few seconds, so hot paths skip the token lookup.
+
+    A revoked token stops working within `ttl` seconds."""
+
+    def __init__(self, ttl: float) -> None:
+        self._ttl = ttl
+        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Principal | None:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, key: str, principal: Principal) -> None:
+        with self._lock:
+            if len(self._entries) > 10_000:
+                self._entries.clear()
+            self._entries[key] = (time.monotonic() + self._ttl, principal)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise Unauthorized("missing API token: send 'Authorization: Bearer <token>'")
+    return secret.strip()
+
+
+def _lookup(request: Request, secret: str) -> Principal:
+    with request.app.state.session_factory() as session:
+        return authenticate(session=session, secret=secret)
+
+
+async def get_principal(request: Request) -> Principal:
+    """The caller behind the bearer token (cached briefly), or 401."""
+    secret = _bearer(request)
+    cache: PrincipalCache = request.app.state.principal_cache
+    key = digest(secret)
+    principal = cache.get(key)
+    if principal is None:
+        principal = await to_thread.run_sync(_lookup, request, secret)
+        cache.put(key, principal)
+    return principal
+
+
+def require(scope: str):
+    async def dependency(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+        principal.require(scope)
+        return principal
+
+    return dependency
+
+
+RuntimePrincipal = Annotated[Principal, Depends(require("runtime"))]
+OperatorPrincipal = Annotated[Principal, Depends(require("operator"))]
+AdminPrincipal = Annotated[Principal, Depends(require("admin"))]

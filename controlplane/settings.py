@@ -1,0 +1,57 @@
+"""The control plane's settings: one pydantic-settings object, read once from EXITPLANE_* ."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_SECRET = "exitplane-embedded-default-secret"
+
+
+class Settings(BaseSettings):
+    """Everything the API, the workers and the CLI read from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="EXITPLANE_", extra="ignore")
+
+    environment: Literal["embedded", "production"] = "embedded"
+    var_dir: Path = Path("var")
+    database_url: str = ""
+    redis_url: str = ""
+    secret_key: str = DEFAULT_SECRET
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str = ""
+    long_poll_max_s: float = Field(default=60.0, gt=0)
+    config_cache_ttl_s: float = Field(default=0.5, ge=0)
+    token_cache_ttl_s: float = Field(default=2.0, ge=0)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _refuse_default_secret_in_production(self) -> Settings:
+        if self.environment == "production" and self.secret_key == DEFAULT_SECRET:
+            raise ValueError("EXITPLANE_SECRET_KEY must be set to a random value in production")
+        if self.environment == "production" and len(self.secret_key) < 32:
+            raise ValueError("EXITPLANE_SECRET_KEY must be at least 32 characters in production")
+        return self
+
+    @property
+    def effective_database_url(self) -> str:
+        """The configured URL, or the embedded SQLite file under var_dir."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.var_dir / 'exitplane.db').resolve()}"
+
+    @property
+    def base_url(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return Settings()

@@ -1,0 +1,173 @@
+"""Thin routes for deployments, threshold sets, aliases, audit and the runtime config pull."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response, status
+
+from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep
+from controlplane.thresholds import service
+from controlplane.thresholds.delivery import ConfigDelivery
+from controlplane.thresholds.models import Deployment, ThresholdSet
+from controlplane.thresholds.schemas import (
+    AliasMove,
+    AliasName,
+    AuditEventRead,
+    DeploymentCreate,
+    DeploymentRead,
+    DeploymentUpdate,
+    Rollback,
+    ThresholdSetCreate,
+    ThresholdSetRead,
+)
+from exitplane.wire import ThresholdSetWire
+
+router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
+
+
+def _deployment_read(session, deployment: Deployment) -> DeploymentRead:
+    read = DeploymentRead.model_validate(deployment)
+    read.aliases = service.aliases_of(session=session, deployment=deployment)
+    return read
+
+
+def _set_read(threshold_set: ThresholdSet, aliases: dict[str, int]) -> ThresholdSetRead:
+    read = ThresholdSetRead.model_validate(threshold_set)
+    read.thresholds = threshold_set.thresholds_by_layer()
+    read.aliases = sorted(name for name, version in aliases.items()
+                          if version == threshold_set.version)
+    return read
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=DeploymentRead)
+def create_deployment(spec: DeploymentCreate, session: SessionDep,
+                      principal: OperatorPrincipal) -> DeploymentRead:
+    deployment = service.create_deployment(session=session, spec=spec, actor=principal.actor)
+    return _deployment_read(session, deployment)
+
+
+@router.get("", response_model=list[DeploymentRead])
+def list_deployments(session: SessionDep, principal: OperatorPrincipal) -> list[DeploymentRead]:
+    return [_deployment_read(session, d) for d in service.list_deployments(session=session)]
+
+
+@router.get("/{name}", response_model=DeploymentRead)
+def show_deployment(name: str, session: SessionDep,
+                    principal: RuntimePrincipal) -> DeploymentRead:
+    deployment = service.get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    return _deployment_read(session, deployment)
+
+
+@router.patch("/{name}", response_model=DeploymentRead)
+def update_deployment(name: str, spec: DeploymentUpdate, session: SessionDep,
+                      principal: OperatorPrincipal) -> DeploymentRead:
+    deployment = service.get_deployment(session=session, name=name, lock=True)
+    service.update_deployment(session=session, deployment=deployment, spec=spec,
+                              actor=principal.actor)
+    return _deployment_read(session, deployment)
+
+
+@router.post("/{name}/threshold-sets", status_code=status.HTTP_201_CREATED,
+             response_model=ThresholdSetRead)
+def publish_threshold_set(name: str, spec: ThresholdSetCreate, session: SessionDep,
+                          principal: OperatorPrincipal) -> ThresholdSetRead:
+    deployment = service.get_deployment(session=session, name=name, lock=True)
+    threshold_set = service.publish(
+        session=session, deployment=deployment, thresholds=spec.thresholds, signal=spec.signal,
+        reason=spec.reason, actor=principal.actor, expected_metrics=spec.expected_metrics)
+    if spec.activate:
+        service.move_alias(session=session, deployment=deployment, alias="active",
+                           version=threshold_set.version, actor=principal.actor,
+                           reason=spec.reason)
+    return _set_read(threshold_set, service.aliases_of(session=session, deployment=deployment))
+
+
+@router.get("/{name}/threshold-sets", response_model=list[ThresholdSetRead])
+def list_threshold_sets(name: str, session: SessionDep, principal: OperatorPrincipal,
+                        limit: Annotated[int, Query(ge=1, le=500)] = 100,
+                        before_version: int | None = None) -> list[ThresholdSetRead]:
+    deployment = service.get_deployment(session=session, name=name)
+    aliases = service.aliases_of(session=session, deployment=deployment)
+    sets = service.list_threshold_sets(session=session, deployment=deployment, limit=limit,
+                                       before_version=before_version)
+    return [_set_read(s, aliases) for s in sets]
+
+
+@router.get("/{name}/threshold-sets/{version}", response_model=ThresholdSetRead)
+def show_threshold_set(name: str, version: int, session: SessionDep,
+                       principal: OperatorPrincipal) -> ThresholdSetRead:
+    deployment = service.get_deployment(session=session, name=name)
+    threshold_set = service.get_threshold_set(session=session, deployment=deployment,
+                                              version=version)
+    return _set_read(threshold_set, service.aliases_of(session=session, deployment=deployment))
+
+
+@router.put("/{name}/aliases/{alias}", response_model=AuditEventRead)
+def move_alias(name: str, alias: AliasName, move: AliasMove, session: SessionDep,
+               principal: OperatorPrincipal) -> AuditEventRead:
+    deployment = service.get_deployment(session=session, name=name, lock=True)
+    event = service.move_alias(session=session, deployment=deployment, alias=alias,
+                               version=move.version, actor=principal.actor, reason=move.reason)
+    return AuditEventRead.model_validate(event)
+
+
+@router.delete("/{name}/aliases/{alias}", response_model=AuditEventRead)
+def clear_alias(name: str, alias: AliasName, session: SessionDep, principal: OperatorPrincipal,
+                reason: Annotated[str, Query(min_length=1, max_length=2000)]) -> AuditEventRead:
+    deployment = service.get_deployment(session=session, name=name, lock=True)
+    event = service.clear_alias(session=session, deployment=deployment, alias=alias,
+                                actor=principal.actor, reason=reason)
+    return AuditEventRead.model_validate(event)
+
+
+@router.post("/{name}/rollback", response_model=AuditEventRead)
+def rollback(name: str, spec: Rollback, session: SessionDep,
+             principal: OperatorPrincipal) -> AuditEventRead:
+    deployment = service.get_deployment(session=session, name=name, lock=True)
+    event = service.rollback(session=session, deployment=deployment, actor=principal.actor,
+                             reason=spec.reason, to_version=spec.to_version)
+    return AuditEventRead.model_validate(event)
+
+
+@router.get("/{name}/audit", response_model=list[AuditEventRead])
+def audit_log(name: str, session: SessionDep, principal: OperatorPrincipal,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+              before_id: int | None = None) -> list[AuditEventRead]:
+    deployment = service.get_deployment(session=session, name=name)
+    events = service.audit_log(session=session, deployment=deployment, limit=limit,
+                               before_id=before_id)
+    return [AuditEventRead.model_validate(e) for e in events]
+
+
+def _etag_matches(header: str | None, checksum: str) -> bool:
+    if not header:
+        return False
+    candidates = {tag.strip().removeprefix("W/").strip('"') for tag in header.split(",")}
+    return "*" in candidates or checksum in candidates
+
+
+@router.get("/{name}/thresholds", response_model=ThresholdSetWire,
+            responses={304: {"description": "the runtime already applies this set"}})
+async def pull_thresholds(
+    name: str, request: Request, principal: RuntimePrincipal,
+    runtime_id: Annotated[str, Query(min_length=1, max_length=128)],
+    wait: Annotated[float, Query(ge=0, le=300, description="long-poll seconds")] = 0,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The set this runtime should apply; 304 if its ETag is current; `wait` long-polls."""
+    delivery: ConfigDelivery = request.app.state.config_delivery
+    state = await delivery.current(name)
+    principal.require_deployment(state.deployment_id)
+    chosen = state.for_runtime(runtime_id)
+    if wait > 0 and _etag_matches(if_none_match, chosen.checksum):
+        timeout = min(wait, request.app.state.settings.long_poll_max_s)
+        state = await delivery.wait_for_change(name, runtime_id, chosen.checksum, timeout)
+        chosen = state.for_runtime(runtime_id)
+    headers = {"ETag": f'"{chosen.checksum}"', "Cache-Control": "no-cache",
+               "X-Exitplane-Version": str(chosen.version)}
+    if _etag_matches(if_none_match, chosen.checksum):
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    return Response(content=chosen.model_dump_json(), media_type="application/json",
+                    headers=headers)

@@ -1,0 +1,93 @@
+"""ORM for deployments, their immutable threshold sets, aliases and the audit log."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from controlplane.db import Base, utcnow
+
+ALIASES = ("active", "conservative", "canary")
+
+
+class Deployment(Base):
+    """A named runtime fleet and the quality target its thresholds must meet."""
+
+    __tablename__ = "deployments"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    model_ref: Mapped[str] = mapped_column(String(500))
+    head_digest: Mapped[str] = mapped_column(String(71), default="")
+    num_layers: Mapped[int]
+    exit_layers: Mapped[list] = mapped_column()
+    signal: Mapped[str] = mapped_column(String(20))
+    delta: Mapped[float]
+    epsilon: Mapped[float]
+    policy: Mapped[str] = mapped_column(String(20), default="auto")
+    canary_fraction: Mapped[float] = mapped_column(default=0.1)
+    fallback_mode: Mapped[str] = mapped_column(String(20), default="never_exit")
+    fallback_margin: Mapped[float] = mapped_column(default=0.05)
+    # Bumped on every alias move: config caches and long-polls compare it.
+    revision: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    aliases: Mapped[list[Alias]] = relationship(lazy="raise", back_populates="deployment")
+
+
+class ThresholdSet(Base):
+    """One immutable version of per-exit-layer thresholds."""
+
+    __tablename__ = "threshold_sets"
+    __table_args__ = (UniqueConstraint("deployment_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    version: Mapped[int]
+    signal: Mapped[str] = mapped_column(String(20))
+    thresholds: Mapped[dict] = mapped_column()  # {"<exit layer>": threshold}
+    origin: Mapped[str] = mapped_column(String(20))
+    parent_version: Mapped[int | None]
+    calibration_job_id: Mapped[int | None]
+    reason: Mapped[str] = mapped_column(Text, default="")
+    author: Mapped[str] = mapped_column(String(200))
+    expected_metrics: Mapped[dict] = mapped_column(default=dict)
+    checksum: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    def thresholds_by_layer(self) -> dict[int, float]:
+        return {int(layer): float(value) for layer, value in self.thresholds.items()}
+
+
+class Alias(Base):
+    """A named pointer (active, conservative, canary) from a deployment to a version."""
+
+    __tablename__ = "aliases"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(20), primary_key=True)
+    version: Mapped[int]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    deployment: Mapped[Deployment] = relationship(lazy="raise", back_populates="aliases")
+
+
+class AuditEvent(Base):
+    """Who did what to a deployment, when, from which version to which, and why."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_deployment_id_id", "deployment_id", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(50))
+    alias: Mapped[str | None] = mapped_column(String(20))
+    from_version: Mapped[int | None]
+    to_version: Mapped[int | None]
+    reason: Mapped[str] = mapped_column(Text, default="")
+    details: Mapped[dict] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

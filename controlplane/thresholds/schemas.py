@@ -1,0 +1,138 @@
+"""API shapes for deployments, threshold sets, aliases and the audit log."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from exitplane.wire import NAME_PATTERN, Layer, Origin, Signal
+
+Policy = Literal["auto", "canary", "approval"]
+FallbackMode = Literal["never_exit", "last_good"]
+AliasName = Literal["active", "conservative", "canary"]
+
+
+def default_exit_layers(num_layers: int) -> list[int]:
+    """Every 3rd layer from 6, below full depth (SmolLM2-135M: 6, 9, ..., 27)."""
+    return list(range(6, num_layers, 3)) or list(range(1, num_layers))
+
+
+class DeploymentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits, _ . -")
+    model_ref: str = Field(min_length=1, max_length=500)
+    head_digest: str = Field(default="", max_length=71)
+    num_layers: int = Field(ge=2, le=1024)
+    exit_layers: list[Layer] | None = None
+    signal: Signal = Signal.learned
+    delta: float = Field(default=0.01, gt=0, lt=1)
+    epsilon: float = Field(default=0.05, gt=0, lt=1)
+    policy: Policy = "auto"
+    canary_fraction: float = Field(default=0.1, gt=0, le=1)
+    fallback_mode: FallbackMode = "never_exit"
+    fallback_margin: float = Field(default=0.05, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _exit_layers_within_model(self) -> DeploymentCreate:
+        if self.exit_layers is None:
+            self.exit_layers = default_exit_layers(self.num_layers)
+        layers = self.exit_layers
+        if not layers:
+            raise ValueError("exit_layers must name at least one layer")
+        if sorted(set(layers)) != layers:
+            raise ValueError("exit_layers must be strictly increasing")
+        if layers[0] < 1 or layers[-1] >= self.num_layers:
+            raise ValueError(f"exit_layers must lie in [1, {self.num_layers - 1}]")
+        return self
+
+
+class DeploymentUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    delta: float | None = Field(default=None, gt=0, lt=1)
+    epsilon: float | None = Field(default=None, gt=0, lt=1)
+    policy: Policy | None = None
+    canary_fraction: float | None = Field(default=None, gt=0, le=1)
+    fallback_mode: FallbackMode | None = None
+    fallback_margin: float | None = Field(default=None, ge=0, le=1)
+    head_digest: str | None = Field(default=None, max_length=71)
+
+
+class DeploymentRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    model_ref: str
+    head_digest: str
+    num_layers: int
+    exit_layers: list[int]
+    signal: Signal
+    delta: float
+    epsilon: float
+    policy: Policy
+    canary_fraction: float
+    fallback_mode: FallbackMode
+    fallback_margin: float
+    revision: int
+    created_at: datetime
+    aliases: dict[str, int] = {}
+
+
+class ThresholdSetCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Values are checked against the deployment by the service (422 names the layer).
+    thresholds: dict[int, float]
+    signal: Signal | None = None
+    reason: str = Field(min_length=1, max_length=2000)
+    expected_metrics: dict = Field(default_factory=dict)
+    activate: bool = False
+
+
+class ThresholdSetRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    version: int
+    signal: Signal
+    thresholds: dict[int, float]
+    origin: Origin
+    parent_version: int | None
+    calibration_job_id: int | None
+    reason: str
+    author: str
+    expected_metrics: dict
+    checksum: str
+    created_at: datetime
+    aliases: list[str] = []
+
+
+class AliasMove(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1)
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class Rollback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    to_version: int | None = Field(default=None, ge=1,
+                                   description="default: the version active before this one")
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class AuditEventRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    actor: str
+    action: str
+    alias: str | None
+    from_version: int | None
+    to_version: int | None
+    reason: str
+    details: dict
+    created_at: datetime

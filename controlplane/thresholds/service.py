@@ -1,0 +1,214 @@
+"""Deployments, threshold-set publishing, alias moves and rollback: plain keyword-only functions.
+
+Services flush, never commit: the caller's unit of work (the request dependency, a worker's
+session_scope) commits. Every alias move locks the deployment row, so concurrent moves queue
+instead of losing an update, and writes an audit event in the same transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controlplane.db import utcnow
+from controlplane.errors import Conflict, Invalid, NotFound
+from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
+from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
+from exitplane.wire import NEVER_EXIT, Origin, Signal, ThresholdSetWire, validate_thresholds
+
+
+def get_deployment(*, session: Session, name: str, lock: bool = False) -> Deployment:
+    """The deployment called `name`; `lock` takes its row lock for a read-modify-write."""
+    query = select(Deployment).where(Deployment.name == name)
+    if lock:
+        query = query.with_for_update()
+    deployment = session.scalars(query).one_or_none()
+    if deployment is None:
+        raise NotFound(f"deployment {name!r} does not exist")
+    return deployment
+
+
+def list_deployments(*, session: Session) -> list[Deployment]:
+    return list(session.scalars(select(Deployment).order_by(Deployment.name)))
+
+
+def aliases_of(*, session: Session, deployment: Deployment) -> dict[str, int]:
+    rows = session.execute(select(Alias.name, Alias.version)
+                           .where(Alias.deployment_id == deployment.id))
+    return {name: version for name, version in rows}
+
+
+def create_deployment(*, session: Session, spec: DeploymentCreate, actor: str) -> Deployment:
+    """Create a deployment with version 1, a never-exit set that is both active and conservative."""
+    exists = session.scalar(select(Deployment.id).where(Deployment.name == spec.name))
+    if exists is not None:
+        raise Conflict(f"deployment {spec.name!r} already exists")
+    deployment = Deployment(**spec.model_dump())
+    session.add(deployment)
+    session.flush()
+    _audit(session=session, deployment=deployment, actor=actor, action="deployment.create",
+           reason="created", details={"exit_layers": deployment.exit_layers})
+    conservative = publish(
+        session=session, deployment=deployment, actor=actor, origin=Origin.fallback,
+        thresholds=dict.fromkeys(deployment.exit_layers, NEVER_EXIT),
+        reason="built-in conservative set: never exit")
+    for alias in ("conservative", "active"):
+        move_alias(session=session, deployment=deployment, alias=alias,
+                   version=conservative.version, actor=actor, reason="deployment created")
+    return deployment
+
+
+def update_deployment(*, session: Session, deployment: Deployment, spec: DeploymentUpdate,
+                      actor: str) -> Deployment:
+    changes = spec.model_dump(exclude_none=True)
+    before = {key: getattr(deployment, key) for key in changes}
+    for key, value in changes.items():
+        setattr(deployment, key, value)
+    _audit(session=session, deployment=deployment, actor=actor, action="deployment.update",
+           reason="settings changed", details={"before": before, "after": changes})
+    session.flush()
+    return deployment
+
+
+def get_threshold_set(*, session: Session, deployment: Deployment, version: int) -> ThresholdSet:
+    found = session.scalars(select(ThresholdSet).where(
+        ThresholdSet.deployment_id == deployment.id, ThresholdSet.version == version)
+    ).one_or_none()
+    if found is None:
+        raise NotFound(f"deployment {deployment.name!r} has no threshold set version {version}")
+    return found
+
+
+def list_threshold_sets(*, session: Session, deployment: Deployment, limit: int = 100,
+                        before_version: int | None = None) -> list[ThresholdSet]:
+    query = select(ThresholdSet).where(ThresholdSet.deployment_id == deployment.id)
+    if before_version is not None:
+        query = query.where(ThresholdSet.version < before_version)
+    return list(session.scalars(query.order_by(ThresholdSet.version.desc()).limit(limit)))
+
+
+def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, float],
+            reason: str, actor: str, origin: Origin = Origin.manual, signal: Signal | None = None,
+            parent_version: int | None = None, calibration_job_id: int | None = None,
+            expected_metrics: dict | None = None) -> ThresholdSet:
+    """Validate and store the next immutable version of `deployment`'s thresholds."""
+    try:
+        validate_thresholds(thresholds, deployment.exit_layers)
+    except ValueError as error:
+        raise Invalid(str(error)) from error
+    signal = Signal(signal or deployment.signal)
+    # The deployment row lock serialises version numbering between concurrent publishers.
+    session.scalars(select(Deployment.id).where(Deployment.id == deployment.id).with_for_update())
+    version = (session.scalar(select(func.max(ThresholdSet.version))
+                              .where(ThresholdSet.deployment_id == deployment.id)) or 0) + 1
+    wire = ThresholdSetWire.build(deployment=deployment.name, version=version, signal=signal,
+                                  thresholds=thresholds)
+    if parent_version is None:
+        parent_version = aliases_of(session=session, deployment=deployment).get("active")
+    threshold_set = ThresholdSet(
+        deployment_id=deployment.id, version=version, signal=str(signal),
+        thresholds={str(layer): float(value) for layer, value in sorted(thresholds.items())},
+        origin=str(origin), parent_version=parent_version,
+        calibration_job_id=calibration_job_id, reason=reason, author=actor,
+        expected_metrics=expected_metrics or {}, checksum=wire.checksum)
+    session.add(threshold_set)
+    _audit(session=session, deployment=deployment, actor=actor, action="threshold_set.publish",
+           reason=reason, to_version=version, details={"origin": str(origin)})
+    session.flush()
+    return threshold_set
+
+
+def move_alias(*, session: Session, deployment: Deployment, alias: str, version: int,
+               actor: str, reason: str, action: str = "alias.move",
+               details: dict | None = None) -> AuditEvent:
+    """Point `alias` at `version` under the deployment's row lock, with an audit event."""
+    if alias not in ALIASES:
+        raise Invalid(f"unknown alias {alias!r}; use one of {', '.join(ALIASES)}")
+    get_threshold_set(session=session, deployment=deployment, version=version)
+    session.refresh(deployment, with_for_update=True)
+    current = session.get(Alias, (deployment.id, alias), with_for_update=True)
+    from_version = current.version if current else None
+    if current is None:
+        session.add(Alias(deployment_id=deployment.id, name=alias, version=version))
+    else:
+        current.version = version
+        current.updated_at = utcnow()
+    deployment.revision += 1
+    session.info.setdefault("config_changed", set()).add(deployment.name)
+    event = _audit(session=session, deployment=deployment, actor=actor, action=action,
+                   alias=alias, from_version=from_version, to_version=version, reason=reason,
+                   details=details or {})
+    session.flush()
+    return event
+
+
+def clear_alias(*, session: Session, deployment: Deployment, alias: str, actor: str,
+                reason: str) -> AuditEvent:
+    """Remove an optional alias (only `canary` may be removed)."""
+    if alias != "canary":
+        raise Invalid(f"alias {alias!r} cannot be removed; move it to another version instead")
+    session.refresh(deployment, with_for_update=True)
+    current = session.get(Alias, (deployment.id, alias), with_for_update=True)
+    if current is None:
+        raise NotFound(f"deployment {deployment.name!r} has no {alias} alias")
+    from_version = current.version
+    session.delete(current)
+    deployment.revision += 1
+    session.info.setdefault("config_changed", set()).add(deployment.name)
+    event = _audit(session=session, deployment=deployment, actor=actor, action="alias.clear",
+                   alias=alias, from_version=from_version, reason=reason)
+    session.flush()
+    return event
+
+
+def rollback(*, session: Session, deployment: Deployment, actor: str, reason: str,
+             to_version: int | None = None) -> AuditEvent:
+    """Move `active` back: to `to_version`, or to the version it pointed at before."""
+    session.refresh(deployment, with_for_update=True)
+    current = aliases_of(session=session, deployment=deployment)["active"]
+    if to_version is None:
+        to_version = session.scalar(
+            select(AuditEvent.from_version)
+            .where(AuditEvent.deployment_id == deployment.id, AuditEvent.alias == "active",
+                   AuditEvent.to_version == current, AuditEvent.from_version.is_not(None),
+                   AuditEvent.from_version != current)
+            .order_by(AuditEvent.id.desc()).limit(1))
+        if to_version is None:
+            raise Conflict("no earlier active version to roll back to; name one with to_version")
+    if to_version == current:
+        raise Conflict(f"version {to_version} is already active")
+    return move_alias(session=session, deployment=deployment, alias="active", version=to_version,
+                      actor=actor, reason=reason, action="alias.rollback")
+
+
+def audit_log(*, session: Session, deployment: Deployment, limit: int = 100,
+              before_id: int | None = None) -> list[AuditEvent]:
+    query = select(AuditEvent).where(AuditEvent.deployment_id == deployment.id)
+    if before_id is not None:
+        query = query.where(AuditEvent.id < before_id)
+    return list(session.scalars(query.order_by(AuditEvent.id.desc()).limit(limit)))
+
+
+def in_canary(*, runtime_id: str, fraction: float) -> bool:
+    """Hash-sticky canary membership: the same runtime always lands on the same side."""
+    bucket = int.from_bytes(hashlib.sha256(runtime_id.encode()).digest()[:8], "big") / 2**64
+    return bucket < fraction
+
+
+def to_wire(*, deployment: Deployment, threshold_set: ThresholdSet) -> ThresholdSetWire:
+    return ThresholdSetWire(deployment=deployment.name, version=threshold_set.version,
+                            signal=Signal(threshold_set.signal),
+                            thresholds=threshold_set.thresholds_by_layer(),
+                            checksum=threshold_set.checksum)
+
+
+def _audit(*, session: Session, deployment: Deployment, actor: str, action: str, reason: str,
+           alias: str | None = None, from_version: int | None = None,
+           to_version: int | None = None, details: dict | None = None) -> AuditEvent:
+    event = AuditEvent(deployment_id=deployment.id, actor=actor, action=action, alias=alias,
+                       from_version=from_version, to_version=to_version, reason=reason,
+                       details=details or {})
+    session.add(event)
+    return event

@@ -1,0 +1,175 @@
+"""The wire schema shared by runtimes and the control plane: threshold sets, token records,
+telemetry batches and heartbeats. Pydantic only, so the runtime box never imports the server.
+
+Signal convention: every signal is a confidence in [0, 1] (entropy is reported as
+1 - H / ln(V)); a token exits at a layer when its signal is strictly greater than that layer's
+threshold. A threshold of 1.0 therefore never exits.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NEVER_EXIT = 1.0
+MAX_BATCH_RECORDS = 50_000
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+
+
+class Signal(enum.StrEnum):
+    """How an exit point measures confidence."""
+
+    learned = "learned"
+    maxprob = "maxprob"
+    margin = "margin"
+    entropy = "entropy"
+    saturation = "saturation"
+
+
+class Origin(enum.StrEnum):
+    """Where a threshold set came from."""
+
+    manual = "manual"
+    calibration = "calibration"
+    fallback = "fallback"
+    rollback = "rollback"
+
+
+Threshold = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Layer = Annotated[int, Field(ge=0, le=1023)]
+
+
+def canonical_json(payload: Any) -> bytes:
+    """Serialise with sorted keys and no whitespace: the bytes the checksum is taken over."""
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def threshold_checksum(*, deployment: str, version: int, signal: str,
+                       thresholds: dict[int, float]) -> str:
+    """sha256 over the canonical JSON of what a runtime applies; also the HTTP ETag."""
+    body = {
+        "deployment": deployment,
+        "version": version,
+        "signal": str(signal),
+        "thresholds": {str(layer): float(value) for layer, value in sorted(thresholds.items())},
+    }
+    return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def validate_thresholds(thresholds: dict[int, float], exit_layers: list[int]) -> None:
+    """Raise ValueError unless `thresholds` covers exactly `exit_layers` with values in [0, 1]."""
+    unknown = sorted(set(thresholds) - set(exit_layers))
+    if unknown:
+        raise ValueError(f"unknown exit layers {unknown}; this deployment exits at {exit_layers}")
+    missing = sorted(set(exit_layers) - set(thresholds))
+    if missing:
+        raise ValueError(f"missing thresholds for exit layers {missing}")
+    for layer, value in thresholds.items():
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"threshold for layer {layer} must be a number, got {value!r}")
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"threshold for layer {layer} is {value}; signals are in [0, 1]")
+
+
+class ThresholdSetWire(BaseModel):
+    """What a runtime pulls and applies: one immutable version of per-exit-layer thresholds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    deployment: str
+    version: int = Field(ge=0)
+    signal: Signal
+    thresholds: dict[Layer, Threshold]
+    checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    def expected_checksum(self) -> str:
+        return threshold_checksum(deployment=self.deployment, version=self.version,
+                                  signal=self.signal, thresholds=self.thresholds)
+
+    def verify(self) -> None:
+        """Raise ValueError when the checksum does not match the content (tampered or torn)."""
+        if self.checksum != self.expected_checksum():
+            raise ValueError(f"checksum mismatch for {self.deployment} v{self.version}")
+
+    @classmethod
+    def build(cls, *, deployment: str, version: int, signal: Signal | str,
+              thresholds: dict[int, float]) -> ThresholdSetWire:
+        checksum = threshold_checksum(deployment=deployment, version=version, signal=signal,
+                                      thresholds=thresholds)
+        return cls(deployment=deployment, version=version, signal=Signal(signal),
+                   thresholds=thresholds, checksum=checksum)
+
+    @classmethod
+    def never_exit(cls, *, deployment: str, signal: Signal | str,
+                   exit_layers: list[int]) -> ThresholdSetWire:
+        """The built-in conservative set (version 0): every threshold 1.0, nothing exits."""
+        return cls.build(deployment=deployment, version=0, signal=signal,
+                         thresholds=dict.fromkeys(exit_layers, NEVER_EXIT))
+
+
+class ShadowPoint(BaseModel):
+    """One exit point of a shadow token: its signal and whether its top-1 matched full depth."""
+
+    model_config = ConfigDict(frozen=True)
+
+    layer: Layer
+    signal: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    matched: bool
+
+
+class TokenRecord(BaseModel):
+    """One generated token: where it exited and how confident it was."""
+
+    model_config = ConfigDict(frozen=True)
+
+    threshold_version: int = Field(ge=0)
+    request_id: str = Field(min_length=1, max_length=128)
+    position: int = Field(ge=0)
+    # The number of decoder layers the token ran; num_layers means full depth.
+    exit_layer: int = Field(ge=0, le=1024)
+    signal_value: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    latency_us: int = Field(ge=0)
+    ts: float = Field(gt=0, description="unix seconds when the token was produced")
+    shadow: list[ShadowPoint] | None = None
+
+    @field_validator("shadow")
+    @classmethod
+    def _shadow_layers_unique(cls, points: list[ShadowPoint] | None) -> list[ShadowPoint] | None:
+        if points is not None and len({p.layer for p in points}) != len(points):
+            raise ValueError("shadow points repeat an exit layer")
+        return points
+
+
+class TelemetryBatch(BaseModel):
+    """A runtime's unit of shipping: idempotent by batch_id, ordered by seq."""
+
+    batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    deployment: str = Field(pattern=NAME_PATTERN)
+    runtime_id: str = Field(min_length=1, max_length=128)
+    seq: int = Field(ge=0)
+    num_layers: int = Field(ge=1, le=1024)
+    records: list[TokenRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
+
+    @model_validator(mode="after")
+    def _layers_within_model(self) -> TelemetryBatch:
+        for index, record in enumerate(self.records):
+            if record.exit_layer > self.num_layers:
+                raise ValueError(f"record {index}: exit_layer {record.exit_layer} exceeds "
+                                 f"num_layers {self.num_layers}")
+        return self
+
+
+class Heartbeat(BaseModel):
+    """A runtime's periodic report of what it applies and how its shipping is doing."""
+
+    runtime_id: str = Field(min_length=1, max_length=128)
+    applied_version: int | None = Field(default=None, ge=0)
+    applied_checksum: str | None = None
+    ready: bool = True
+    error: str | None = Field(default=None, max_length=2000)
+    spooled_batches: int = Field(default=0, ge=0)
+    dropped_records: int = Field(default=0, ge=0)

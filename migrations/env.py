@@ -1,0 +1,39 @@
+"""Alembic environment: the URL comes from settings unless the caller passes one."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from controlplane.db import make_engine
+from controlplane.models import Base
+from controlplane.settings import get_settings
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def run_migrations() -> None:
+    url = config.get_main_option("sqlalchemy.url") or get_settings().effective_database_url
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            _run(connection)
+    finally:
+        engine.dispose()
+
+
+def _run(connection) -> None:
+    context.configure(connection=connection, target_metadata=target_metadata,
+                      render_as_batch=connection.dialect.name == "sqlite",
+                      compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if context.is_offline_mode():
+    raise SystemExit("offline migrations are not supported; run `exitplane db upgrade`")
+run_migrations()
