@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -25,10 +26,10 @@ from controlplane.thresholds.delivery import ConfigDelivery
 log = logging.getLogger("exitplane.api")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the API for `settings` (default: the environment's)."""
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+    """Build the API for `settings` (default: the environment's), optionally on `engine`."""
     settings = settings or get_settings()
-    engine = get_engine(settings.effective_database_url)
+    engine = engine or get_engine(settings.effective_database_url)
     factory = session_factory(engine)
 
     @asynccontextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
-from sqlalchemy.orm import Mapped, mapped_column, relationship
+from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
 
@@ -33,8 +33,6 @@ class Deployment(Base):
     # Bumped on every alias move: config caches and long-polls compare it.
     revision: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-
-    aliases: Mapped[list[Alias]] = relationship(lazy="raise", back_populates="deployment")
 
 
 class ThresholdSet(Base):
@@ -71,8 +69,6 @@ class Alias(Base):
     name: Mapped[str] = mapped_column(String(20), primary_key=True)
     version: Mapped[int]
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
-
-    deployment: Mapped[Deployment] = relationship(lazy="raise", back_populates="aliases")
 
 
 class AuditEvent(Base):

@@ -127,8 +127,7 @@ def move_alias(*, session: Session, deployment: Deployment, alias: str, version:
     if alias not in ALIASES:
         raise Invalid(f"unknown alias {alias!r}; use one of {', '.join(ALIASES)}")
     get_threshold_set(session=session, deployment=deployment, version=version)
-    session.refresh(deployment, with_for_update=True)
-    current = session.get(Alias, (deployment.id, alias), with_for_update=True)
+    current = _locked_alias(session=session, deployment=deployment, alias=alias)
     from_version = current.version if current else None
     if current is None:
         session.add(Alias(deployment_id=deployment.id, name=alias, version=version))
@@ -149,8 +148,7 @@ def clear_alias(*, session: Session, deployment: Deployment, alias: str, actor: 
     """Remove an optional alias (only `canary` may be removed)."""
     if alias != "canary":
         raise Invalid(f"alias {alias!r} cannot be removed; move it to another version instead")
-    session.refresh(deployment, with_for_update=True)
-    current = session.get(Alias, (deployment.id, alias), with_for_update=True)
+    current = _locked_alias(session=session, deployment=deployment, alias=alias)
     if current is None:
         raise NotFound(f"deployment {deployment.name!r} has no {alias} alias")
     from_version = current.version
@@ -202,6 +200,14 @@ def to_wire(*, deployment: Deployment, threshold_set: ThresholdSet) -> Threshold
                             signal=Signal(threshold_set.signal),
                             thresholds=threshold_set.thresholds_by_layer(),
                             checksum=threshold_set.checksum)
+
+
+def _locked_alias(*, session: Session, deployment: Deployment, alias: str) -> Alias | None:
+    """Lock the deployment row, then read the alias fresh from the store (not the session)."""
+    session.refresh(deployment, with_for_update=True)
+    return session.scalars(
+        select(Alias).where(Alias.deployment_id == deployment.id, Alias.name == alias)
+        .with_for_update().execution_options(populate_existing=True)).one_or_none()
 
 
 def _audit(*, session: Session, deployment: Deployment, actor: str, action: str, reason: str,

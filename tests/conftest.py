@@ -1,0 +1,164 @@
+"""Shared fixtures: a real database per test (SQLite always, PostgreSQL when provisioned),
+built by the migrations, and API clients with tokens of each scope."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from controlplane.db import make_engine
+from controlplane.migrate import upgrade
+from controlplane.models import Base
+
+# The machine is shared with model training; wall-clock deadlines would only add flakiness.
+hypothesis_settings.register_profile("exitplane", deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("exitplane")
+
+POSTGRES_URL = os.environ.get("EXITPLANE_TEST_POSTGRES_URL", "")
+REDIS_URL = os.environ.get("EXITPLANE_TEST_REDIS_URL", "")
+BACKENDS = ["sqlite"] + (["postgresql"] if POSTGRES_URL else [])
+if os.environ.get("CI") and not POSTGRES_URL:
+    raise RuntimeError("CI must run against PostgreSQL: set EXITPLANE_TEST_POSTGRES_URL "
+                       "(scripts/services.sh start writes it)")
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory) -> str:
+    """A SQLite file migrated once; each test gets a copy."""
+    path = tmp_path_factory.mktemp("template") / "template.db"
+    upgrade(f"sqlite:///{path}")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def postgres_migrated() -> str:
+    engine = make_engine(POSTGRES_URL)
+    with engine.begin() as connection:
+        connection.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    engine.dispose()
+    upgrade(POSTGRES_URL)
+    return POSTGRES_URL
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request, tmp_path) -> Iterator[str]:
+    """A clean, migrated database for one test."""
+    if request.param == "sqlite":
+        path = tmp_path / "exitplane.db"
+        shutil.copy(request.getfixturevalue("sqlite_template"), path)
+        yield f"sqlite:///{path}"
+        return
+    url = request.getfixturevalue("postgres_migrated")
+    engine = make_engine(url)
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with engine.begin() as connection:
+        connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+    yield url
+
+
+@pytest.fixture
+def engine(db_url) -> Iterator[Engine]:
+    engine = make_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def session(engine) -> Iterator[Session]:
+    with Session(engine, expire_on_commit=False) as session:
+        yield session
+
+
+@dataclass
+class Tokens:
+    admin: str
+    operator: str
+
+    def headers(self, secret: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {secret}"}
+
+
+@pytest.fixture
+def settings(db_url, tmp_path):
+    from controlplane.settings import Settings
+
+    return Settings(database_url=db_url, var_dir=tmp_path / "var", config_cache_ttl_s=0.2)
+
+
+@pytest.fixture
+def app(settings, engine):
+    from controlplane.app import create_app
+
+    app = create_app(settings, engine=engine)
+    yield app
+    app.state.config_delivery.close()
+
+
+@pytest.fixture
+def tokens(engine) -> Tokens:
+    from controlplane.auth.service import create_token
+
+    with Session(engine) as session:
+        _, admin = create_token(session=session, name="test-admin", scope="admin")
+        _, operator = create_token(session=session, name="test-operator", scope="operator")
+        session.commit()
+    return Tokens(admin=admin, operator=operator)
+
+
+@pytest.fixture
+def client(app):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as client:
+        yield client
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    server: object
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def live_server(app) -> Iterator[LiveServer]:
+    """The app served by a real uvicorn on a loopback port, in a thread."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    live = LiveServer(url=f"http://127.0.0.1:{port}", server=server, thread=thread)
+    yield live
+    live.stop()
