@@ -1,0 +1,1 @@
+"""Statistics behind drift alerts and recalibration: plain functions, no Celery, no database."""

@@ -1,0 +1,412 @@
+"""Threshold selection with a statistical guarantee: Learn-Then-Test over a threshold path.
+
+Policy: a token exits at the first exit layer (increasing order) whose signal is > that layer's
+threshold; threshold 1.0 never exits. Its *risk* is the probability that it exits at a layer
+whose top-1 did not match the full-depth top-1 (the whole policy's disagreement: risk is
+accounted across layers in exit order by simulating the policy on each shadow sample, so a
+token that exits early can no longer disagree later).
+
+Selection (Angelopoulos et al., "Learn then Test", fixed-sequence testing):
+
+1. Split the calibration samples into a *learn* part and a *test* part.
+2. Learn: per exit layer, fit isotonic regression signal -> P(match). A level t in [0, 1] gives
+   per-layer thresholds "exit where the estimated match probability is >= t"; t descending
+   from 1 to 0 is a path of threshold vectors from conservative to aggressive (each layer's
+   threshold never increases along it). `strategy="shared"` instead uses one raw threshold for
+   all layers, from 1.0 down to 0.0, and no learn part.
+3. Test: for each step in path order, the null "policy risk > δ" gets a Hoeffding-Bentkus
+   p-value on the test part; steps are rejected while p <= ε and testing stops at the first
+   failure. The last rejected step is chosen (never-exit if none). Because the path is fixed
+   before the test data is seen, P(risk of the chosen thresholds > δ) <= ε.
+
+Per-layer figures (exit rate, risk contribution, its bound) are descriptive; the p-value and
+the guarantee belong to the whole policy (each layer carries the policy's fixed-sequence
+adjusted p-value at the chosen step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.special import rel_entr
+from scipy.stats import binom, binomtest
+from sklearn.isotonic import IsotonicRegression
+
+NEVER_EXIT = 1.0
+
+
+class NotEnoughShadowData(ValueError):
+    """Fewer shadow samples than required on some exit layer."""
+
+    def __init__(self, counts: dict[int, int], required: int) -> None:
+        self.counts, self.required = counts, required
+        short = {layer: n for layer, n in counts.items() if n < required}
+        super().__init__(
+            f"not enough shadow samples: need at least {required} per exit layer, "
+            f"have {short} on the short layers; widen the sample window or wait for more "
+            "shadow traffic"
+        )
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """Chosen threshold and expected behaviour of one exit layer (on the test split)."""
+
+    layer: int
+    threshold: float
+    exit_rate: float  # share of all tokens exiting here
+    conditional_exit_rate: float  # exits here / tokens reaching here (what drift monitors)
+    risk: float  # share of all tokens exiting here with a mismatch
+    risk_bound: float  # Hoeffding-Bentkus upper bound (level 1-ε) on `risk`
+    p_value: float  # the policy's adjusted p-value at the chosen step
+    conditional_disagreement: float  # mismatches among tokens exiting here
+    samples: int
+    match_curve: list[tuple[float, float]]  # isotonic signal -> P(match), for the report
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One step of the threshold path: quality vs expected speed on the test split."""
+
+    level: float  # calibrated match-probability level t, or the raw shared threshold
+    thresholds: dict[int, float]
+    risk: float
+    risk_bound: float
+    predicted_disagreement: float  # from the isotonic match models
+    p_value: float
+    certified: bool  # rejected "risk > δ" in the fixed sequence
+    exit_rate: float
+    mean_depth: float
+    speedup: float
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
+class HoldoutCheck:
+    """Chosen thresholds replayed on held-out shadow samples."""
+
+    tokens: int
+    disagreements: int
+    disagreement: float
+    exit_rate: float
+    mean_depth: float
+    p_value: float  # one-sided binomial, H0: disagreement <= δ
+    passed: bool
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Chosen per-layer thresholds with their evidence and the quality-vs-speed curve."""
+
+    thresholds: dict[int, float]
+    layers: list[LayerCalibration]
+    delta: float
+    epsilon: float
+    num_layers: int
+    strategy: str
+    risk: float
+    risk_bound: float
+    p_value: float
+    exit_rate: float
+    mean_depth: float
+    speedup: float
+    curve: list[CurvePoint]
+    samples: dict[str, int]
+    holdout: HoldoutCheck | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_rates(self) -> dict[int, float]:
+        return {lc.layer: lc.exit_rate for lc in self.layers}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (layer keys become strings in JSON)."""
+        return asdict(self)
+
+
+def hb_p_value(risk_hat: Any, n: int, delta: float) -> np.ndarray:
+    """Hoeffding-Bentkus p-value for H0: risk > δ, from the empirical risk of n losses in {0,1}.
+
+    p = min(exp(-n h1(min(r̂, δ), δ)), e * P(Binomial(n, δ) <= ceil(n r̂))), with
+    h1(a, b) = a log(a/b) + (1-a) log((1-a)/(1-b)).
+    """
+    r = np.asarray(risk_hat, dtype=float)
+    a = np.minimum(r, delta)
+    h1 = rel_entr(a, delta) + rel_entr(1.0 - a, 1.0 - delta)
+    hoeffding = np.exp(-n * h1)
+    bentkus = np.e * binom.cdf(np.ceil(np.round(n * r, 9)), n, delta)
+    return np.minimum(1.0, np.minimum(hoeffding, bentkus))
+
+
+def hb_upper_bound(risk_hat: Any, n: int, epsilon: float) -> Any:
+    """Smallest R with Hoeffding-Bentkus p-value <= ε: an upper confidence bound at 1-ε.
+
+    Vectorised over `risk_hat`; returns a float for a scalar input.
+    """
+    r = np.asarray(risk_hat, dtype=float)
+    if n == 0:
+        return np.ones_like(r) if r.ndim else 1.0
+    lo, hi = r.copy(), np.ones_like(r)
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        reject = hb_p_value(r, n, mid) <= epsilon
+        hi = np.where(reject, mid, hi)
+        lo = np.where(reject, lo, mid)
+    return hi if r.ndim else float(hi)
+
+
+def simulate_policy(
+    signals: np.ndarray, matched: np.ndarray, thresholds: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exit index per sample (L = full depth) and whether the policy disagrees with full depth."""
+    exits = signals > np.asarray(thresholds, dtype=float)[None, :]  # (n, L); NaN never exits
+    any_exit = exits.any(axis=1)
+    first = np.where(any_exit, exits.argmax(axis=1), signals.shape[1])
+    rows = np.arange(len(first))
+    disagree = any_exit & ~matched[rows, np.minimum(first, signals.shape[1] - 1)]
+    return first, disagree
+
+
+def policy_disagreement(
+    signals: np.ndarray, matched: np.ndarray, thresholds: Sequence[float]
+) -> tuple[int, int]:
+    """(disagreements, samples) of a threshold vector on shadow samples, for drift checks."""
+    _, disagree = simulate_policy(np.asarray(signals), np.asarray(matched, bool), thresholds)
+    return int(disagree.sum()), len(disagree)
+
+
+def fit_match_models(signals: np.ndarray, matched: np.ndarray) -> list[IsotonicRegression]:
+    """Per exit layer, isotonic regression signal -> P(match) (non-decreasing in the signal)."""
+    models = []
+    for j in range(signals.shape[1]):
+        ok = ~np.isnan(signals[:, j])
+        model = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
+        model.fit(signals[ok, j], matched[ok, j].astype(float))
+        models.append(model)
+    return models
+
+
+def _match_curve(model: IsotonicRegression, points: int = 50) -> list[tuple[float, float]]:
+    xs, ys = model.X_thresholds_, model.y_thresholds_
+    keep = np.unique(np.linspace(0, len(xs) - 1, min(points, len(xs))).astype(int))
+    return [(float(xs[i]), float(ys[i])) for i in keep]
+
+
+def _calibrated_thresholds(
+    signals: np.ndarray, models: list[IsotonicRegression], levels: np.ndarray
+) -> np.ndarray:
+    """(levels, L) thresholds: per layer the largest learn signal whose P(match) is below t."""
+    out = np.empty((len(levels), signals.shape[1]))
+    for j, model in enumerate(models):
+        s = np.sort(signals[~np.isnan(signals[:, j]), j])
+        f = model.predict(s)  # non-decreasing
+        below = np.searchsorted(f, levels, side="left")  # how many learn signals have f < t
+        out[:, j] = np.where(
+            below >= len(s), NEVER_EXIT, np.where(below == 0, 0.0, s[np.maximum(below - 1, 0)])
+        )
+    return out
+
+
+def default_levels() -> np.ndarray:
+    """Match-probability levels, dense near 1 where small δ puts the answer."""
+    return 1.0 - np.concatenate([[0.0], np.geomspace(1e-4, 1.0, 160)])
+
+
+def _check_counts(signals: np.ndarray, exit_layers: Sequence[int], required: int) -> None:
+    counts = {
+        int(layer): int((~np.isnan(signals[:, j])).sum()) for j, layer in enumerate(exit_layers)
+    }
+    if min(counts.values(), default=0) < required:
+        raise NotEnoughShadowData(counts, required)
+
+
+def split_shadow_samples(
+    n: int, *, holdout_fraction: float = 0.2, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random (calibration indices, holdout indices)."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_holdout = round(n * holdout_fraction)
+    return np.sort(order[n_holdout:]), np.sort(order[:n_holdout])
+
+
+def _depth(first: np.ndarray, exit_layers: np.ndarray, num_layers: int) -> np.ndarray:
+    return np.append(exit_layers, num_layers)[first]
+
+
+def check_holdout(
+    thresholds: dict[int, float],
+    *,
+    signals: np.ndarray,
+    matched: np.ndarray,
+    exit_layers: Sequence[int],
+    num_layers: int,
+    delta: float,
+    alpha: float = 0.05,
+) -> HoldoutCheck:
+    """Replay thresholds on held-out samples; fails when disagreement > δ is significant."""
+    first, disagree = simulate_policy(signals, matched, [thresholds[k] for k in exit_layers])
+    n, k = len(first), int(disagree.sum())
+    p = binomtest(k, n, p=delta, alternative="greater").pvalue if n else 1.0
+    return HoldoutCheck(
+        tokens=n,
+        disagreements=k,
+        disagreement=k / n if n else 0.0,
+        exit_rate=float((first < len(exit_layers)).mean()) if n else 0.0,
+        mean_depth=float(_depth(first, np.asarray(exit_layers), num_layers).mean()) if n else 0,
+        p_value=float(p),
+        passed=bool(p > alpha),
+    )
+
+
+def calibrate_thresholds(
+    *,
+    signals: np.ndarray,
+    matched: np.ndarray,
+    exit_layers: Sequence[int],
+    num_layers: int,
+    delta: float,
+    epsilon: float,
+    strategy: str = "calibrated",
+    grid: Sequence[float] | None = None,
+    learn_fraction: float = 0.3,
+    holdout_fraction: float = 0.2,
+    min_samples_per_layer: int = 1000,
+    seed: int = 0,
+) -> CalibrationResult:
+    """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
+
+    signals: (n, L) float in [0, 1] (NaN = layer not observed); matched: (n, L) bool;
+    exit_layers: the L exit layers in increasing order. `grid` overrides the path levels
+    (match-probability levels for "calibrated", raw thresholds for "shared"; conservative
+    first). Raises NotEnoughShadowData below `min_samples_per_layer` samples on any layer.
+    """
+    signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
+    layers = np.asarray(exit_layers, dtype=int)
+    if signals.ndim != 2 or signals.shape != matched.shape or signals.shape[1] != len(layers):
+        raise ValueError(
+            f"signals {signals.shape} and matched {matched.shape} must both be (n, "
+            f"{len(layers)}) for exit layers {list(layers)}"
+        )
+    if np.any(np.diff(layers) <= 0):
+        raise ValueError(f"exit layers must be strictly increasing, got {list(layers)}")
+    if not (0 < delta < 1 and 0 < epsilon < 1):
+        raise ValueError(f"need 0 < δ < 1 and 0 < ε < 1, got δ={delta}, ε={epsilon}")
+    _check_counts(signals, layers, min_samples_per_layer)
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(signals))
+    n_holdout = round(len(order) * holdout_fraction)
+    holdout, calib = order[:n_holdout], order[n_holdout:]
+    if strategy == "calibrated":
+        n_learn = round(len(calib) * learn_fraction)
+        learn, test = calib[:n_learn], calib[n_learn:]
+        models = fit_match_models(signals[learn], matched[learn])
+        levels = np.asarray(grid if grid is not None else default_levels(), dtype=float)
+        path = _calibrated_thresholds(signals[learn], models, levels)
+    elif strategy == "shared":
+        learn, test = calib[:0], calib
+        models = fit_match_models(signals[calib], matched[calib])  # report only
+        levels = np.asarray(grid if grid is not None else np.linspace(1.0, 0.0, 201), float)
+        path = np.repeat(levels[:, None], len(layers), axis=1)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; use 'calibrated' or 'shared'")
+    # Never-exit first: risk exactly 0, the fallback when the first test already fails.
+    path = np.vstack([np.full(len(layers), NEVER_EXIT), path])
+    levels = np.concatenate([[np.inf], levels])
+    _, first_idx = np.unique(path, axis=0, return_index=True)
+    keep = np.sort(first_idx)
+    path, levels = path[keep], levels[keep]
+
+    s_test, m_test = signals[test], matched[test]
+    n = len(test)
+    match_prob = np.column_stack(
+        [models[j].predict(np.nan_to_num(s_test[:, j], nan=0.0)) for j in range(len(layers))]
+    )
+    steps = []
+    for thresholds in path:
+        first, disagree = simulate_policy(s_test, m_test, thresholds)
+        exited = first < len(layers)
+        rows = np.flatnonzero(exited)
+        predicted = float((1.0 - match_prob[rows, first[rows]]).sum() / n)
+        steps.append((first, int(disagree.sum()), predicted))
+    risks = np.array([k / n for _, k, _ in steps])
+    p_values = hb_p_value(risks, n, delta)
+    p_values[0] = 0.0  # never-exit is certain, not tested
+    failed = np.flatnonzero(p_values > epsilon)
+    chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
+    adjusted = np.maximum.accumulate(p_values)
+
+    bounds = hb_upper_bound(risks, n, epsilon)
+    curve = []
+    for i, (first, k, predicted) in enumerate(steps):
+        depth = _depth(first, layers, num_layers).mean()
+        curve.append(
+            CurvePoint(
+                level=float(levels[i]) if np.isfinite(levels[i]) else NEVER_EXIT,
+                thresholds={int(layer): float(t) for layer, t in zip(layers, path[i], strict=True)},
+                risk=k / n,
+                risk_bound=float(bounds[i]),
+                predicted_disagreement=predicted,
+                p_value=float(p_values[i]),
+                certified=i <= chosen,
+                exit_rate=float((first < len(layers)).mean()),
+                mean_depth=float(depth),
+                speedup=float(num_layers / depth),
+                chosen=i == chosen,
+            )
+        )
+    best, (first, _, _) = curve[chosen], steps[chosen]
+    disagree = simulate_policy(s_test, m_test, path[chosen])[1]
+    layer_results = []
+    reaching = n
+    for j, layer in enumerate(layers):
+        here = first == j
+        exits, wrong = int(here.sum()), int((here & disagree).sum())
+        layer_results.append(
+            LayerCalibration(
+                layer=int(layer),
+                threshold=float(path[chosen][j]),
+                exit_rate=exits / n,
+                conditional_exit_rate=exits / reaching if reaching else 0.0,
+                risk=wrong / n,
+                risk_bound=hb_upper_bound(wrong / n, n, epsilon),
+                p_value=float(adjusted[chosen]),
+                conditional_disagreement=wrong / exits if exits else 0.0,
+                samples=int((~np.isnan(signals[:, j])).sum()),
+                match_curve=_match_curve(models[j]),
+            )
+        )
+        reaching -= exits
+    thresholds = dict(best.thresholds)
+    holdout_check = None
+    if len(holdout):
+        holdout_check = check_holdout(
+            thresholds,
+            signals=signals[holdout],
+            matched=matched[holdout],
+            exit_layers=[int(x) for x in layers],
+            num_layers=num_layers,
+            delta=delta,
+        )
+    notes = [] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"]
+    return CalibrationResult(
+        thresholds=thresholds,
+        layers=layer_results,
+        delta=delta,
+        epsilon=epsilon,
+        num_layers=num_layers,
+        strategy=strategy,
+        risk=best.risk,
+        risk_bound=best.risk_bound,
+        p_value=float(adjusted[chosen]),
+        exit_rate=best.exit_rate,
+        mean_depth=best.mean_depth,
+        speedup=best.speedup,
+        curve=curve,
+        samples={"total": len(signals), "learn": len(learn), "test": n, "holdout": len(holdout)},
+        holdout=holdout_check,
+        notes=notes,
+    )
