@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import asynccontextmanager
 
@@ -15,13 +16,14 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from controlplane.auth.api import router as auth_router
+from controlplane.auth.service import digest
 from controlplane.db import get_engine, session_factory
 from controlplane.deps import PrincipalCache
 from controlplane.errors import DomainError
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
 from controlplane.thresholds.api import router as thresholds_router
-from controlplane.thresholds.delivery import ConfigDelivery
+from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
 
 log = logging.getLogger("exitplane.api")
 
@@ -44,14 +46,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
     app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s)
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(status_code=413, content={
-                "detail": f"request body of {length} bytes exceeds the limit of "
-                          f"{settings.max_body_bytes} bytes"})
-        return await call_next(request)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
+                       principals=app.state.principal_cache, digest=digest)
 
     @app.exception_handler(DomainError)
     async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
@@ -95,6 +92,51 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(runtimes_router)
     app.include_router(auth_router)
     return app
+
+
+class BodySizeLimit:
+    """Refuse bodies over `max_bytes` with 413 (pure ASGI: no cost on the hot GET paths)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._refuse(send, f"request body of {int(value)} bytes exceeds the limit "
+                                         f"of {self.max_bytes} bytes")
+                return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except BodyTooLarge:
+            await self._refuse(send, f"request body exceeds the limit of {self.max_bytes} bytes")
+
+    @staticmethod
+    async def _refuse(send, message: str) -> None:
+        body = json.dumps({"detail": message}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class BodyTooLarge(Exception):
+    pass
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

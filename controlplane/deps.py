@@ -33,9 +33,11 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 class PrincipalCache:
-    """Token digest -> principal for a few seconds, so hot paths skip the token lookup.
+    """Token digest -> principal for `ttl` seconds, so hot paths skip the token lookup.
 
-    A revoked token stops working within `ttl` seconds."""
+    When an entry expires, the first caller re-checks the store while the others keep using
+    the entry for up to a second; a revoked token therefore stops working within ttl + 1 s
+    (at once in the process that revoked it)."""
 
     def __init__(self, ttl: float) -> None:
         self._ttl = ttl
@@ -43,16 +45,29 @@ class PrincipalCache:
         self._lock = threading.Lock()
 
     def get(self, key: str) -> Principal | None:
+        """A usable principal, or None when the caller must look the token up."""
         entry = self._entries.get(key)
-        if entry is None or entry[0] < time.monotonic():
+        if entry is None:
             return None
-        return entry[1]
+        expires, principal = entry
+        now = time.monotonic()
+        if expires >= now:
+            return principal
+        with self._lock:
+            if self._entries.get(key) is entry:  # we are first past expiry: we refresh
+                self._entries[key] = (now + 1.0, principal)
+                return None
+        return principal
 
     def put(self, key: str, principal: Principal) -> None:
         with self._lock:
             if len(self._entries) > 10_000:
                 self._entries.clear()
             self._entries[key] = (time.monotonic() + self._ttl, principal)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
@@ -79,7 +94,11 @@ async def get_principal(request: Request) -> Principal:
     key = digest(secret)
     principal = cache.get(key)
     if principal is None:
-        principal = await to_thread.run_sync(_lookup, request, secret)
+        try:
+            principal = await to_thread.run_sync(_lookup, request, secret)
+        except Unauthorized:
+            cache.drop(key)
+            raise
         cache.put(key, principal)
     return principal
 

@@ -64,6 +64,7 @@ class ConfigDelivery:
         self._ttl = ttl
         self._states: dict[str, DeliveryState] = {}
         self._events: dict[str, asyncio.Event] = {}
+        self._refreshing: dict[str, asyncio.Future[DeliveryState]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         _change_listeners.append(self.invalidate)
 
@@ -89,14 +90,38 @@ class ConfigDelivery:
                                  canary_fraction=deployment.canary_fraction,
                                  loaded_at=time.monotonic())
 
+    def cached(self, name: str) -> DeliveryState | None:
+        """The cached state if it is fresh, without touching the store."""
+        state = self._states.get(name)
+        if state is None or time.monotonic() - state.loaded_at > self._ttl:
+            return None
+        return state
+
     async def current(self, name: str, *, max_age: float | None = None) -> DeliveryState:
+        """The cached state, refreshed by one caller at a time (stale-while-revalidate).
+
+        While a refresh runs, other callers get the previous state, so a cache expiry under
+        load costs one store read, not one per waiting request."""
         self._loop = asyncio.get_running_loop()
         max_age = self._ttl if max_age is None else max_age
         state = self._states.get(name)
-        if state is None or time.monotonic() - state.loaded_at > max_age:
+        if state is not None and time.monotonic() - state.loaded_at <= max_age:
+            return state
+        refresh = self._refreshing.get(name)
+        if refresh is None:
+            refresh = asyncio.ensure_future(self._refresh(name))
+            self._refreshing[name] = refresh
+        if state is not None and not refresh.done():
+            return state
+        return await asyncio.shield(refresh)
+
+    async def _refresh(self, name: str) -> DeliveryState:
+        try:
             state = await to_thread.run_sync(self.load, name)
             self._states[name] = state
-        return state
+            return state
+        finally:
+            self._refreshing.pop(name, None)
 
     async def wait_for_change(self, name: str, runtime_id: str, etag: str,
                               timeout: float) -> DeliveryState:
@@ -125,3 +150,56 @@ class ConfigDelivery:
         if wake is not None:
             wake.set()
 
+
+
+class NotModifiedFastPath:
+    """Pure-ASGI answer for the hottest request in the system: a runtime polling with a
+    current ETag and no long-poll. When the caller's token and the deployment's state are both
+    in the caches, it answers 304 without entering FastAPI; anything else (a miss, a changed
+    set, a long-poll, a bad token) falls through to the full route, which decides."""
+
+    def __init__(self, app, *, delivery: ConfigDelivery, principals, digest) -> None:
+        self.app = app
+        self.delivery = delivery
+        self.principals = principals
+        self.digest = digest
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET":
+            path: str = scope["path"]
+            if path.startswith("/v1/deployments/") and path.endswith("/thresholds"):
+                headers = await self._answer(scope)
+                if headers is not None:
+                    await send({"type": "http.response.start", "status": 304,
+                                "headers": headers})
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+        await self.app(scope, receive, send)
+
+    async def _answer(self, scope) -> list[tuple[bytes, bytes]] | None:
+        name = scope["path"][len("/v1/deployments/"):-len("/thresholds")]
+        state = self.delivery.cached(name)
+        if state is None:
+            return None
+        query = dict(part.partition("=")[::2]
+                     for part in scope["query_string"].decode("latin-1").split("&") if part)
+        runtime_id = query.get("runtime_id", "")
+        if not runtime_id or "%" in runtime_id or query.get("wait", "0") not in ("", "0"):
+            return None
+        auth = etag = None
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                auth = value.decode("latin-1")
+            elif key == b"if-none-match":
+                etag = value.decode("latin-1")
+        if not auth or not etag or auth[:7].lower() != "bearer ":
+            return None
+        principal = self.principals.get(self.digest(auth[7:].strip()))
+        if principal is None or (principal.scope == "runtime"
+                                 and principal.deployment_id != state.deployment_id):
+            return None
+        chosen = state.for_runtime(runtime_id)
+        if etag.strip().removeprefix("W/").strip('"') != chosen.checksum:
+            return None
+        return [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
+                (b"x-exitplane-version", str(chosen.version).encode())]

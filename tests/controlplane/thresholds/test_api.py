@@ -224,3 +224,38 @@ def test_health_and_readiness(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
     assert client.get("/openapi.json").status_code == 200
+
+
+def test_cached_304_path_still_enforces_deployment_isolation(client, tokens, engine):
+    _setup(client, tokens, "chat")
+    _setup(client, tokens, "code")
+    chat = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    code = {"Authorization": f"Bearer {_runtime_token(engine, 'code')}"}
+    params = {"runtime_id": "rt"}
+    etag = client.get("/v1/deployments/chat/thresholds", params=params,
+                      headers=chat).headers["etag"]
+    client.get("/v1/deployments/code/thresholds", params=params, headers=code)  # warm its token
+    assert client.get("/v1/deployments/chat/thresholds", params=params,
+                      headers={**chat, "If-None-Match": etag}).status_code == 304
+    stolen = client.get("/v1/deployments/chat/thresholds", params=params,
+                        headers={**code, "If-None-Match": etag})
+    assert stolen.status_code == 403
+    anonymous = client.get("/v1/deployments/chat/thresholds", params=params,
+                           headers={"If-None-Match": etag})
+    assert anonymous.status_code == 401
+
+
+def test_oversized_body_gets_413(settings, engine, tokens):
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import create_app
+
+    small = create_app(settings.model_copy(update={"max_body_bytes": 1000}), engine=engine)
+    op = tokens.headers(tokens.operator)
+    with TestClient(small) as client:
+        big = {"thresholds": {"3": 0.9}, "reason": "x" * 5000}
+        response = client.post("/v1/deployments", headers=op, json=big)
+        assert response.status_code == 413 and "exceeds the limit" in response.json()["detail"]
+        small_body = client.post("/v1/deployments", headers=op, json=DEPLOYMENT)
+        assert small_body.status_code == 201
+    small.state.config_delivery.close()

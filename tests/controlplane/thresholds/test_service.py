@@ -1,5 +1,6 @@
 """Registry behaviour through the service functions, on SQLite and PostgreSQL."""
 
+import itertools
 import threading
 
 import pytest
@@ -147,7 +148,7 @@ def test_concurrent_alias_moves_lose_no_update(engine):
             AuditEvent.reason == "race").order_by(AuditEvent.id)))
         assert len(moves) == len(versions)
         # Each move saw the previous one: the chain of from -> to is unbroken.
-        for before, after in zip(moves, moves[1:], strict=False):
+        for before, after in itertools.pairwise(moves):
             assert after.from_version == before.to_version
         active = service.aliases_of(session=session, deployment=deployment)["active"]
         assert active == moves[-1].to_version
