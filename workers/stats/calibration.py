@@ -261,6 +261,89 @@ def check_holdout(
     )
 
 
+def _validate(signals, matched, layers: np.ndarray, delta: float, epsilon: float) -> None:
+    if signals.ndim != 2 or signals.shape != matched.shape or signals.shape[1] != len(layers):
+        raise ValueError(
+            f"signals {signals.shape} and matched {matched.shape} must both be (n, "
+            f"{len(layers)}) for exit layers {list(layers)}"
+        )
+    if np.any(np.diff(layers) <= 0):
+        raise ValueError(f"exit layers must be strictly increasing, got {list(layers)}")
+    if not (0 < delta < 1 and 0 < epsilon < 1):
+        raise ValueError(f"need 0 < δ < 1 and 0 < ε < 1, got δ={delta}, ε={epsilon}")
+
+
+def _threshold_path(
+    strategy: str,
+    signals: np.ndarray,
+    matched: np.ndarray,
+    calib: np.ndarray,
+    *,
+    grid: Sequence[float] | None,
+    learn_fraction: float,
+):
+    """(path (steps, L) conservative first, levels, match models, learn idx, test idx)."""
+    if strategy == "calibrated":
+        n_learn = round(len(calib) * learn_fraction)
+        learn, test = calib[:n_learn], calib[n_learn:]
+        models = fit_match_models(signals[learn], matched[learn])
+        levels = np.asarray(grid if grid is not None else default_levels(), dtype=float)
+        path = _calibrated_thresholds(signals[learn], models, levels)
+    elif strategy == "shared":
+        learn, test = calib[:0], calib
+        models = fit_match_models(signals[calib], matched[calib])  # report only
+        levels = np.asarray(grid if grid is not None else np.linspace(1.0, 0.0, 201), float)
+        path = np.repeat(levels[:, None], signals.shape[1], axis=1)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; use 'calibrated' or 'shared'")
+    # Never-exit first: risk exactly 0, the fallback when the first test already fails.
+    path = np.vstack([np.full(signals.shape[1], NEVER_EXIT), path])
+    levels = np.concatenate([[NEVER_EXIT], levels])
+    _, first_idx = np.unique(path, axis=0, return_index=True)
+    keep = np.sort(first_idx)
+    return path[keep], levels[keep], models, learn, test
+
+
+def _test_path(path, signals, matched, match_prob, *, delta, epsilon):
+    """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen)."""
+    n, n_layers = signals.shape
+    firsts, losses, predicted = [], [], []
+    for thresholds in path:
+        first, disagree = simulate_policy(signals, matched, thresholds)
+        rows = np.flatnonzero(first < n_layers)
+        firsts.append(first)
+        losses.append(int(disagree.sum()))
+        predicted.append(float((1.0 - match_prob[rows, first[rows]]).sum() / n))
+    p_values = hb_p_value(np.array(losses) / n, n, delta)
+    p_values[0] = 0.0  # never-exit is certain, not tested
+    failed = np.flatnonzero(p_values > epsilon)
+    chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
+    return firsts, np.array(losses), predicted, p_values, chosen
+
+
+def _layer_results(first, disagree, path_step, signals, models, layers, epsilon, p_value):
+    n, reaching, out = len(first), len(first), []
+    for j, layer in enumerate(layers):
+        here = first == j
+        exits, wrong = int(here.sum()), int((here & disagree).sum())
+        out.append(
+            LayerCalibration(
+                layer=int(layer),
+                threshold=float(path_step[j]),
+                exit_rate=exits / n,
+                conditional_exit_rate=exits / reaching if reaching else 0.0,
+                risk=wrong / n,
+                risk_bound=hb_upper_bound(wrong / n, n, epsilon),
+                p_value=p_value,
+                conditional_disagreement=wrong / exits if exits else 0.0,
+                samples=int((~np.isnan(signals[:, j])).sum()),
+                match_curve=_match_curve(models[j]),
+            )
+        )
+        reaching -= exits
+    return out
+
+
 def calibrate_thresholds(
     *,
     signals: np.ndarray,
@@ -279,134 +362,79 @@ def calibrate_thresholds(
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
 
     signals: (n, L) float in [0, 1] (NaN = layer not observed); matched: (n, L) bool;
-    exit_layers: the L exit layers in increasing order. `grid` overrides the path levels
-    (match-probability levels for "calibrated", raw thresholds for "shared"; conservative
-    first). Raises NotEnoughShadowData below `min_samples_per_layer` samples on any layer.
+    exit_layers: the L exit layers in increasing order. A random `holdout_fraction` is set
+    aside for `check_holdout`; of the rest, `learn_fraction` builds the path ("calibrated").
+    `grid` overrides the path levels (match-probability levels for "calibrated", raw
+    thresholds for "shared"; conservative first). Raises NotEnoughShadowData below
+    `min_samples_per_layer` samples on any layer, ValueError on malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
     layers = np.asarray(exit_layers, dtype=int)
-    if signals.ndim != 2 or signals.shape != matched.shape or signals.shape[1] != len(layers):
-        raise ValueError(
-            f"signals {signals.shape} and matched {matched.shape} must both be (n, "
-            f"{len(layers)}) for exit layers {list(layers)}"
-        )
-    if np.any(np.diff(layers) <= 0):
-        raise ValueError(f"exit layers must be strictly increasing, got {list(layers)}")
-    if not (0 < delta < 1 and 0 < epsilon < 1):
-        raise ValueError(f"need 0 < δ < 1 and 0 < ε < 1, got δ={delta}, ε={epsilon}")
+    _validate(signals, matched, layers, delta, epsilon)
     _check_counts(signals, layers, min_samples_per_layer)
-
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(signals))
-    n_holdout = round(len(order) * holdout_fraction)
-    holdout, calib = order[:n_holdout], order[n_holdout:]
-    if strategy == "calibrated":
-        n_learn = round(len(calib) * learn_fraction)
-        learn, test = calib[:n_learn], calib[n_learn:]
-        models = fit_match_models(signals[learn], matched[learn])
-        levels = np.asarray(grid if grid is not None else default_levels(), dtype=float)
-        path = _calibrated_thresholds(signals[learn], models, levels)
-    elif strategy == "shared":
-        learn, test = calib[:0], calib
-        models = fit_match_models(signals[calib], matched[calib])  # report only
-        levels = np.asarray(grid if grid is not None else np.linspace(1.0, 0.0, 201), float)
-        path = np.repeat(levels[:, None], len(layers), axis=1)
-    else:
-        raise ValueError(f"unknown strategy {strategy!r}; use 'calibrated' or 'shared'")
-    # Never-exit first: risk exactly 0, the fallback when the first test already fails.
-    path = np.vstack([np.full(len(layers), NEVER_EXIT), path])
-    levels = np.concatenate([[np.inf], levels])
-    _, first_idx = np.unique(path, axis=0, return_index=True)
-    keep = np.sort(first_idx)
-    path, levels = path[keep], levels[keep]
-
-    s_test, m_test = signals[test], matched[test]
-    n = len(test)
+    calib, holdout = split_shadow_samples(
+        len(signals), holdout_fraction=holdout_fraction, seed=seed
+    )
+    calib = np.random.default_rng(seed + 1).permutation(calib)
+    path, levels, models, learn, test = _threshold_path(
+        strategy, signals, matched, calib, grid=grid, learn_fraction=learn_fraction
+    )
+    s_test, m_test, n = signals[test], matched[test], len(test)
     match_prob = np.column_stack(
         [models[j].predict(np.nan_to_num(s_test[:, j], nan=0.0)) for j in range(len(layers))]
+    )  # (n, L)
+    firsts, losses, predicted, p_values, chosen = _test_path(
+        path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon
     )
-    steps = []
-    for thresholds in path:
-        first, disagree = simulate_policy(s_test, m_test, thresholds)
-        exited = first < len(layers)
-        rows = np.flatnonzero(exited)
-        predicted = float((1.0 - match_prob[rows, first[rows]]).sum() / n)
-        steps.append((first, int(disagree.sum()), predicted))
-    risks = np.array([k / n for _, k, _ in steps])
-    p_values = hb_p_value(risks, n, delta)
-    p_values[0] = 0.0  # never-exit is certain, not tested
-    failed = np.flatnonzero(p_values > epsilon)
-    chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
-    adjusted = np.maximum.accumulate(p_values)
-
-    bounds = hb_upper_bound(risks, n, epsilon)
+    adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
+    bounds = hb_upper_bound(losses / n, n, epsilon)
     curve = []
-    for i, (first, k, predicted) in enumerate(steps):
-        depth = _depth(first, layers, num_layers).mean()
+    for i, first in enumerate(firsts):
+        depth = float(_depth(first, layers, num_layers).mean())
         curve.append(
             CurvePoint(
-                level=float(levels[i]) if np.isfinite(levels[i]) else NEVER_EXIT,
-                thresholds={int(layer): float(t) for layer, t in zip(layers, path[i], strict=True)},
-                risk=k / n,
+                level=float(levels[i]),
+                thresholds={int(k): float(t) for k, t in zip(layers, path[i], strict=True)},
+                risk=losses[i] / n,
                 risk_bound=float(bounds[i]),
-                predicted_disagreement=predicted,
+                predicted_disagreement=predicted[i],
                 p_value=float(p_values[i]),
                 certified=i <= chosen,
                 exit_rate=float((first < len(layers)).mean()),
-                mean_depth=float(depth),
-                speedup=float(num_layers / depth),
+                mean_depth=depth,
+                speedup=num_layers / depth,
                 chosen=i == chosen,
             )
         )
-    best, (first, _, _) = curve[chosen], steps[chosen]
+    best = curve[chosen]
     disagree = simulate_policy(s_test, m_test, path[chosen])[1]
-    layer_results = []
-    reaching = n
-    for j, layer in enumerate(layers):
-        here = first == j
-        exits, wrong = int(here.sum()), int((here & disagree).sum())
-        layer_results.append(
-            LayerCalibration(
-                layer=int(layer),
-                threshold=float(path[chosen][j]),
-                exit_rate=exits / n,
-                conditional_exit_rate=exits / reaching if reaching else 0.0,
-                risk=wrong / n,
-                risk_bound=hb_upper_bound(wrong / n, n, epsilon),
-                p_value=float(adjusted[chosen]),
-                conditional_disagreement=wrong / exits if exits else 0.0,
-                samples=int((~np.isnan(signals[:, j])).sum()),
-                match_curve=_match_curve(models[j]),
-            )
-        )
-        reaching -= exits
-    thresholds = dict(best.thresholds)
     holdout_check = None
     if len(holdout):
         holdout_check = check_holdout(
-            thresholds,
+            best.thresholds,
             signals=signals[holdout],
             matched=matched[holdout],
             exit_layers=[int(x) for x in layers],
             num_layers=num_layers,
             delta=delta,
         )
-    notes = [] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"]
     return CalibrationResult(
-        thresholds=thresholds,
-        layers=layer_results,
+        thresholds=dict(best.thresholds),
+        layers=_layer_results(
+            firsts[chosen], disagree, path[chosen], signals, models, layers, epsilon, adjusted
+        ),
         delta=delta,
         epsilon=epsilon,
         num_layers=num_layers,
         strategy=strategy,
         risk=best.risk,
         risk_bound=best.risk_bound,
-        p_value=float(adjusted[chosen]),
+        p_value=adjusted,
         exit_rate=best.exit_rate,
         mean_depth=best.mean_depth,
         speedup=best.speedup,
         curve=curve,
         samples={"total": len(signals), "learn": len(learn), "test": n, "holdout": len(holdout)},
         holdout=holdout_check,
-        notes=notes,
+        notes=[] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"],
     )
