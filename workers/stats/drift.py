@@ -50,6 +50,13 @@ class LayerCounts:
     tokens: int
     exits: int
 
+    def __post_init__(self) -> None:
+        # numpy integers from rollup queries would break JSON evidence later
+        object.__setattr__(self, "tokens", int(self.tokens))
+        object.__setattr__(self, "exits", int(self.exits))
+        if not 0 <= self.exits <= self.tokens:
+            raise ValueError(f"need 0 <= exits <= tokens, got {self.exits} of {self.tokens}")
+
     @property
     def rate(self) -> float:
         return self.exits / self.tokens if self.tokens else float("nan")
@@ -61,6 +68,13 @@ class LayerReference:
 
     rate: float
     tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rate", float(self.rate))
+        if self.tokens is not None:
+            object.__setattr__(self, "tokens", int(self.tokens))
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"reference exit rate must be in [0, 1], got {self.rate}")
 
     @classmethod
     def from_counts(cls, counts: LayerCounts) -> LayerReference:

@@ -80,6 +80,25 @@ class DistributionDriftReport:
         )
 
 
+def histogram_samples(
+    edges: Sequence[float], counts: Sequence[int], *, max_rows: int = 20_000
+) -> np.ndarray:
+    """Bin midpoints repeated by count: samples for Evidently from a rollup's signal histogram.
+
+    Counts are scaled down proportionally when they sum to more than `max_rows`.
+    """
+    edges_arr, counts_arr = np.asarray(edges, dtype=float), np.asarray(counts, dtype=float)
+    if len(edges_arr) != len(counts_arr) + 1:
+        raise ValueError(
+            f"need len(edges) == len(counts) + 1, got {len(edges_arr)}, {len(counts_arr)}"
+        )
+    total = counts_arr.sum()
+    if total > max_rows:
+        counts_arr = counts_arr * (max_rows / total)
+    midpoints = 0.5 * (edges_arr[:-1] + edges_arr[1:])
+    return np.repeat(midpoints, np.round(counts_arr).astype(int))
+
+
 def _frame(data: pd.DataFrame | Mapping[str, Sequence[Any]], columns: Sequence[str]):
     frame = data if isinstance(data, pd.DataFrame) else pd.DataFrame(dict(data))
     missing = [c for c in columns if c not in frame.columns]

@@ -86,6 +86,17 @@ def test_check_exit_rates_holm_correction_changes_the_verdict():
     assert family == []
 
 
+def test_counts_from_numpy_rollups_give_json_evidence():
+    reference = {8: LayerReference(np.float64(0.4), tokens=np.int64(10_000))}
+    recent = {8: LayerCounts(np.int64(2_000), np.int64(100))}
+    (finding,) = drift.check_exit_rates(reference=reference, recent=recent)
+    assert json.loads(json.dumps(finding.to_dict()))["evidence"]["reference"]["exits"] == 4000
+    with pytest.raises(ValueError, match="exits <= tokens"):
+        LayerCounts(10, 11)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        LayerReference(1.5)
+
+
 def test_check_exit_rates_skips_thin_layers():
     reference = {8: LayerReference(0.4)}
     assert drift.check_exit_rates(reference=reference, recent={8: LayerCounts(10, 0)}) == []

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from workers.stats.drift import DISTRIBUTION_DRIFT
-from workers.stats.evidently_drift import distribution_drift_report
+from workers.stats.evidently_drift import distribution_drift_report, histogram_samples
 
 LAYERS = [8, 16, 24, 30]
 
@@ -70,3 +70,22 @@ def test_method_override_and_missing_column():
     assert not report.columns[0].drift_detected
     with pytest.raises(ValueError, match="missing"):
         distribution_drift_report(reference={"signal": [0.1]}, current={"signal": [0.2]})
+
+
+def test_histogram_rollups_feed_the_report():
+    edges = np.linspace(0.0, 1.0, 11)
+    reference = histogram_samples(edges, [0, 0, 10, 40, 100, 200, 300, 200, 100, 50])
+    assert len(reference) == 1000 and reference.min() == pytest.approx(0.25)
+    shifted = histogram_samples(edges, [0, 0, 0, 0, 10, 40, 100, 300, 400, 150])
+    scaled = histogram_samples(edges, [0, 0, 0, 0, 1000, 4000, 10000, 30000, 40000, 15000],
+                               max_rows=1000)  # fmt: skip
+    assert len(scaled) == 1000
+    report = distribution_drift_report(
+        reference={"signal": reference},
+        current={"signal": shifted},
+        categorical_columns=(),
+        include_html=False,
+    )
+    assert report.drift_detected
+    with pytest.raises(ValueError, match="len\\(edges\\)"):
+        histogram_samples([0.0, 1.0], [1, 2])
