@@ -429,7 +429,7 @@ def check_shadow_disagreement(
     disagreements: int,
     shadow_tokens: int,
     delta: float,
-    alpha: float = 0.01,
+    alpha: float = 1e-3,
     layer: int | None = None,
     window: Mapping[str, Any] | None = None,
 ) -> DriftFinding | None:
