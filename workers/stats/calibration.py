@@ -184,7 +184,10 @@ def fit_match_models(signals: np.ndarray, matched: np.ndarray) -> list[IsotonicR
     for j in range(signals.shape[1]):
         ok = ~np.isnan(signals[:, j])
         model = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
-        model.fit(signals[ok, j], matched[ok, j].astype(float))
+        if ok.any():
+            model.fit(signals[ok, j], matched[ok, j].astype(float))
+        else:  # layer never observed: P(match) = 0, so it never exits
+            model.fit([0.0, 1.0], [0.0, 0.0])
         models.append(model)
     return models
 
@@ -202,6 +205,9 @@ def _calibrated_thresholds(
     out = np.empty((len(levels), signals.shape[1]))
     for j, model in enumerate(models):
         s = np.sort(signals[~np.isnan(signals[:, j]), j])
+        if len(s) == 0:
+            out[:, j] = NEVER_EXIT
+            continue
         f = model.predict(s)  # non-decreasing
         below = np.searchsorted(f, levels, side="left")  # how many learn signals have f < t
         out[:, j] = np.where(
@@ -371,7 +377,7 @@ def calibrate_thresholds(
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
     layers = np.asarray(exit_layers, dtype=int)
     _validate(signals, matched, layers, delta, epsilon)
-    _check_counts(signals, layers, min_samples_per_layer)
+    _check_counts(signals, layers, max(1, min_samples_per_layer))
     calib, holdout = split_shadow_samples(
         len(signals), holdout_fraction=holdout_fraction, seed=seed
     )
