@@ -190,3 +190,16 @@ def test_shadow_disagreement_binomial():
         drift.check_shadow_disagreement(disagreements=12, shadow_tokens=1_000, delta=0.01) is None
     )
     assert drift.check_shadow_disagreement(disagreements=0, shadow_tokens=0, delta=0.01) is None
+
+
+def test_monitor_is_independent_of_how_the_stream_is_chunked():
+    tokens = np.concatenate([_stream(11, 5_000, BASE), _stream(12, 3_000, [0.25, 0.40, 0.05])])
+    whole = ExitRateMonitor(LAYERS).update(tokens)
+    pieces = ExitRateMonitor(LAYERS)
+    chunked = [f for i in range(0, len(tokens), 7) for f in pieces.update(tokens[i : i + 7])]
+    assert [(f.layer, f.kind) for f in whole] == [(24, EXIT_RATE_COLLAPSE)]
+    assert [f.to_dict() for f in chunked] == [f.to_dict() for f in whole]
+    # plain lists with None for full-depth tokens are accepted too
+    as_list = [None if t == 30 else int(t) for t in tokens]
+    listed = ExitRateMonitor(LAYERS).update(as_list)
+    assert [f.to_dict() for f in listed] == [f.to_dict() for f in whole]
