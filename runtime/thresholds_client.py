@@ -1,0 +1,361 @@
+"""Pull the deployment's threshold set from the control plane and keep the engine on it.
+
+A background thread long-polls `GET /v1/deployments/{name}/thresholds` with the applied
+checksum as ETag, verifies what comes back (schema, checksum, deployment, exit layers), swaps
+it into the running engine (`engine.set_thresholds`: a small object, nothing rebuilt), keeps a
+local cache file of the last good set and heartbeats what it applies.
+
+Start-up without a control plane: the cached set if there is one, else the built-in
+conservative set (version 0, never exits) with `degraded` set, a warning logged and the
+`builtin_fallback` metric at 1. An invalid set is refused, the previous one stays, and the
+reason goes into the next heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+from pydantic import ValidationError
+
+from exitplane.wire import Heartbeat, Signal, ThresholdSetWire
+
+log = logging.getLogger("exitplane.runtime.thresholds")
+
+SOURCE_CONTROL_PLANE = "control_plane"
+SOURCE_CACHE = "cache"
+SOURCE_BUILTIN = "builtin"
+
+
+class ThresholdTarget(Protocol):
+    """What the client drives: the engine (exit layers and an atomic threshold swap)."""
+
+    exit_layers: list[int]
+
+    def set_thresholds(self, threshold_set: ThresholdSetWire) -> None: ...
+
+
+class TelemetryStats(Protocol):
+    """What a heartbeat reports about shipping (the telemetry shipper provides it)."""
+
+    @property
+    def spooled_batches(self) -> int: ...
+
+    @property
+    def dropped_records(self) -> int: ...
+
+
+class RefusedThresholdSet(ValueError):
+    """A pulled or cached threshold set that must not be applied."""
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so a reader sees the old or the new file, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def backoff_delay(attempt: int, initial_s: float, max_s: float) -> float:
+    """Exponential backoff with jitter: uniform in [d/2, d], d = initial * 2**attempt capped."""
+    delay = min(max_s, initial_s * (2 ** min(attempt, 30)))
+    return random.uniform(delay / 2, delay)
+
+
+def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
+                        exit_layers: list[int]) -> None:
+    """Raise RefusedThresholdSet unless `wire` is intact and fits this runtime exactly."""
+    try:
+        wire.verify()
+    except ValueError as exc:
+        raise RefusedThresholdSet(str(exc)) from exc
+    if wire.deployment != deployment:
+        raise RefusedThresholdSet(f"set v{wire.version} is for deployment {wire.deployment!r}, "
+                                  f"this runtime serves {deployment!r}")
+    got, want = sorted(wire.thresholds), sorted(exit_layers)
+    if got != want:
+        raise RefusedThresholdSet(f"set v{wire.version} has exit layers {got}; this runtime "
+                                  f"exits at {want}")
+
+
+def parse_threshold_set(body: bytes | str) -> ThresholdSetWire:
+    """Validate the wire schema; a wrong type or missing field becomes RefusedThresholdSet."""
+    try:
+        return ThresholdSetWire.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise RefusedThresholdSet(f"invalid threshold set: {where}: {first['msg']}") from exc
+
+
+class ThresholdClient:
+    """Keeps `engine` on its deployment's threshold set; see the module docstring."""
+
+    def __init__(self, engine: ThresholdTarget, *, base_url: str, deployment: str, token: str,
+                 runtime_id: str | None = None, cache_path: str | os.PathLike | None = None,
+                 long_poll_s: float = 30.0, heartbeat_interval_s: float = 15.0,
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
+                 request_timeout_s: float = 10.0, conservative_signal: Signal | str | None = None,
+                 telemetry: TelemetryStats | None = None):
+        self.engine = engine
+        self.deployment = deployment
+        self.runtime_id = runtime_id or getattr(engine, "runtime_id", None) or "runtime-0"
+        self.exit_layers = sorted(engine.exit_layers)
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.long_poll_s = long_poll_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.request_timeout_s = request_timeout_s
+        policy = getattr(engine, "policy", None)
+        self.conservative_signal = Signal(conservative_signal or getattr(policy, "signal", None)
+                                          or Signal.learned)
+        self.telemetry = telemetry
+        self._http = httpx.Client(base_url=base_url.rstrip("/"),
+                                  headers={"Authorization": f"Bearer {token}"},
+                                  timeout=request_timeout_s)
+        self.applied: ThresholdSetWire | None = None
+        self.source: str | None = None
+        self.error: str | None = None
+        self.counters = {"pulls": 0, "not_modified": 0, "applied": 0, "refused": 0,
+                         "pull_errors": 0, "heartbeats": 0, "heartbeat_errors": 0,
+                         "cache_write_errors": 0}
+        self._lock = threading.Lock()
+        self._started = threading.Event()  # the first set (any source) is applied
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beat_due = 0.0
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """A set is applied: the engine may serve (maybe on the conservative built-in set)."""
+        return self.applied is not None
+
+    @property
+    def degraded(self) -> bool:
+        """Serving the built-in never-exit set because neither control plane nor cache had one."""
+        return self.source == SOURCE_BUILTIN
+
+    @property
+    def in_sync(self) -> bool:
+        """Serving a set the control plane (or its cache) gave, with no refused set pending:
+        what a heartbeat reports as `ready`."""
+        return self.ready and not self.degraded and self.error is None
+
+    @property
+    def applied_version(self) -> int | None:
+        return None if self.applied is None else self.applied.version
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Counters and gauges for scraping: pulls, refusals, degraded, applied version."""
+        return {**self.counters, "ready": int(self.ready), "degraded": int(self.degraded),
+                "builtin_fallback": int(self.degraded),
+                "applied_version": -1 if self.applied is None else self.applied.version}
+
+    def start(self) -> ThresholdClient:
+        """Start the background pull/heartbeat thread."""
+        if self._thread is not None:
+            raise RuntimeError("the threshold client is already started")
+        self._thread = threading.Thread(target=self._run, name="exitplane-thresholds",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the first set is applied (control plane, cache or built-in)."""
+        return self._started.wait(timeout) and self.ready
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop pulling. A long-poll in flight is abandoned (daemon thread, nothing applied)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self._http.close()
+
+    def heartbeat(self) -> bool:
+        """Send one heartbeat now; False when the control plane did not take it."""
+        spooled = dropped = 0
+        if self.telemetry is not None:
+            spooled, dropped = self.telemetry.spooled_batches, self.telemetry.dropped_records
+        applied = self.applied
+        beat = Heartbeat(runtime_id=self.runtime_id,
+                         applied_version=None if applied is None else applied.version,
+                         applied_checksum=None if applied is None else applied.checksum,
+                         ready=self.in_sync,
+                         error=None if self.error is None else self.error[:2000],
+                         spooled_batches=spooled, dropped_records=dropped)
+        try:
+            response = self._http.post(f"/v1/deployments/{self.deployment}/heartbeats",
+                                       content=beat.model_dump_json(),
+                                       headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as exc:
+            self.counters["heartbeat_errors"] += 1
+            log.debug("heartbeat failed: %s", exc)
+            return False
+        if response.status_code != 200:
+            self.counters["heartbeat_errors"] += 1
+            log.warning("heartbeat refused with %s: %s", response.status_code,
+                        response.text[:300])
+            return False
+        self.counters["heartbeats"] += 1
+        self._beat_due = time.monotonic() + self.heartbeat_interval_s
+        return True
+
+    # -- the loop --------------------------------------------------------------------------
+    def _run(self) -> None:
+        cached = self._load_cache()
+        failures = 0
+        first = True
+        while not self._stop.is_set():
+            etag = self.applied.checksum if self.applied is not None else (
+                cached.checksum if cached is not None else None)
+            wait = 0.0 if first else min(self.long_poll_s, self.heartbeat_interval_s)
+            reached, changed, problem, refused = True, False, None, False
+            try:
+                changed = self._pull(etag, wait, cached if first else None)
+            except httpx.HTTPError as exc:
+                reached, problem = False, f"control plane unreachable: {exc}"
+                self.counters["pull_errors"] += 1
+            except _PullFailed as exc:
+                problem = str(exc)
+                self.counters["pull_errors"] += 1
+            except RefusedThresholdSet as exc:
+                problem, refused = str(exc), True
+                self._refuse(exc)
+            if problem is None:
+                failures = 0
+            else:
+                if first:
+                    self._fall_back(cached, problem)
+                elif failures == 0 and not refused:
+                    log.warning("%s; keeping threshold set v%s", problem, self.applied_version)
+                failures += 1
+            first = False
+            if self._stop.is_set():
+                break
+            if reached and (changed or time.monotonic() >= self._beat_due):
+                self.heartbeat()
+            if failures:
+                self._stop.wait(backoff_delay(failures - 1, self.backoff_initial_s,
+                                              self.backoff_max_s))
+
+    def _pull(self, etag: str | None, wait: float, cached: ThresholdSetWire | None) -> bool:
+        """One GET; returns True when something new was applied."""
+        params: dict[str, Any] = {"runtime_id": self.runtime_id}
+        headers = {}
+        if etag is not None:
+            headers["If-None-Match"] = f'"{etag}"'
+            if wait > 0:
+                params["wait"] = wait
+        timeout = httpx.Timeout(self.request_timeout_s, read=wait + self.request_timeout_s)
+        response = self._http.get(f"/v1/deployments/{self.deployment}/thresholds",
+                                  params=params, headers=headers, timeout=timeout)
+        self.counters["pulls"] += 1
+        if self._stop.is_set():
+            return False
+        if response.status_code == 304:
+            self.counters["not_modified"] += 1
+            if self.applied is None and cached is not None:
+                self._apply(cached, SOURCE_CONTROL_PLANE, write_cache=False)
+                return True
+            if self.source == SOURCE_CACHE:
+                self.source = SOURCE_CONTROL_PLANE  # confirmed current
+            return False
+        if response.status_code != 200:
+            detail = response.text[:300]
+            if response.status_code in (401, 403):
+                log.error("the control plane refused this runtime's token (%s): %s; check "
+                          "the runtime token and its deployment", response.status_code, detail)
+            raise _PullFailed(f"pull answered {response.status_code}: {detail}")
+        wire = parse_threshold_set(response.content)
+        etag_header = response.headers.get("etag", "").removeprefix("W/").strip('"')
+        if etag_header and etag_header != wire.checksum:
+            raise RefusedThresholdSet(f"ETag {etag_header} does not match the body's checksum "
+                                      f"for set v{wire.version}")
+        self._apply(wire, SOURCE_CONTROL_PLANE, write_cache=True)
+        return True
+
+    def _apply(self, wire: ThresholdSetWire, source: str, *, write_cache: bool) -> None:
+        check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers)
+        try:
+            self.engine.set_thresholds(wire)
+        except ValueError as exc:
+            raise RefusedThresholdSet(f"engine refused set v{wire.version}: {exc}") from exc
+        previous = self.applied
+        with self._lock:
+            self.applied, self.source = wire, source
+            if source == SOURCE_CONTROL_PLANE:
+                self.error = None  # a good set from the control plane clears a refusal
+        self.counters["applied"] += 1
+        if previous is None or previous.checksum != wire.checksum:
+            log.info("applied threshold set v%d (%s, checksum %s) from %s", wire.version,
+                     wire.signal, wire.checksum[:12], source)
+        if write_cache and self.cache_path is not None:
+            try:
+                atomic_write(self.cache_path, wire.model_dump_json().encode())
+            except OSError as exc:
+                self.counters["cache_write_errors"] += 1
+                log.warning("could not write the threshold cache %s: %s", self.cache_path, exc)
+        self._started.set()
+
+    def _refuse(self, exc: RefusedThresholdSet) -> None:
+        self.counters["refused"] += 1
+        kept = "nothing applied yet" if self.applied is None else \
+            f"keeping v{self.applied.version}"
+        self.error = f"refused threshold set: {exc}"
+        log.error("%s; %s", self.error, kept)
+        self._beat_due = 0.0  # report it with the next heartbeat
+
+    def _fall_back(self, cached: ThresholdSetWire | None, reason: str) -> None:
+        """Start-up without a usable pull: the cached set, else the never-exit set."""
+        if self.applied is not None:
+            return
+        if cached is not None:
+            log.warning("%s; serving cached threshold set v%d from %s", reason, cached.version,
+                        self.cache_path)
+            self._apply(cached, SOURCE_CACHE, write_cache=False)
+            return
+        builtin = ThresholdSetWire.never_exit(deployment=self.deployment,
+                                              signal=self.conservative_signal,
+                                              exit_layers=self.exit_layers)
+        log.warning("%s and no cached threshold set: running the built-in conservative set "
+                    "(v0, never exits) in degraded mode until the control plane answers", reason)
+        self._apply(builtin, SOURCE_BUILTIN, write_cache=False)
+
+    def _load_cache(self) -> ThresholdSetWire | None:
+        if self.cache_path is None or not self.cache_path.exists():
+            return None
+        try:
+            wire = parse_threshold_set(self.cache_path.read_bytes())
+            check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers)
+        except (OSError, RefusedThresholdSet) as exc:
+            log.warning("ignoring the threshold cache %s: %s", self.cache_path, exc)
+            return None
+        return wire
+
+
+class _PullFailed(Exception):
+    """The control plane answered, but not with a set (auth, not found, server error)."""

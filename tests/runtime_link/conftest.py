@@ -1,0 +1,147 @@
+"""Fixtures for the runtime <-> control plane link: a control plane that can be stopped and
+started again on the same port, a deployment matching the tiny test model, runtime tokens."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session
+
+from controlplane.auth.service import create_token
+from controlplane.thresholds.service import get_deployment
+
+DEPLOYMENT = "tiny"
+NUM_LAYERS = 6
+EXIT_LAYERS = [2, 4]  # runtime.engine.default_exit_layers(6)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ControlPlane:
+    """The real API served by uvicorn in a thread; stop() and start() keep the port and DB.
+
+    Each start builds a fresh app on the same database, as a restarted process would."""
+
+    make_app: Callable[[], object]
+    port: int
+    _server: object = None
+    _thread: threading.Thread | None = None
+    apps: list = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ControlPlane:
+        import uvicorn
+
+        app = self.make_app()
+        self.apps.append(app)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the control plane did not start on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+        if self._thread.is_alive():
+            raise RuntimeError("the control plane did not stop")
+        self._server = None
+
+    def close(self) -> None:
+        self.stop()
+        for app in self.apps:
+            app.state.config_delivery.close()
+
+
+@pytest.fixture
+def control_plane(settings, engine) -> Iterator[ControlPlane]:
+    """A running control plane on a free port that a test may stop and restart."""
+    from controlplane.app import create_app
+
+    plane = ControlPlane(make_app=lambda: create_app(settings, engine=engine), port=free_port())
+    plane.start()
+    yield plane
+    plane.close()
+
+
+@pytest.fixture
+def operator(control_plane, tokens) -> Iterator[httpx.Client]:
+    """An operator's HTTP client on the control plane, with the tiny deployment created."""
+    with httpx.Client(base_url=control_plane.url, headers=tokens.headers(tokens.operator),
+                      timeout=30) as http:
+        created = http.post("/v1/deployments", json={
+            "name": DEPLOYMENT, "model_ref": "tiny-llama", "num_layers": NUM_LAYERS,
+            "exit_layers": EXIT_LAYERS, "signal": "maxprob"})
+        assert created.status_code == 201, created.text
+        yield http
+
+
+@pytest.fixture
+def runtime_token(engine, operator) -> str:
+    """A runtime-scoped token for the tiny deployment."""
+    with Session(engine) as session:
+        target = get_deployment(session=session, name=DEPLOYMENT)
+        _, secret = create_token(session=session, name="rt-tiny", scope="runtime",
+                                 deployment=target)
+        session.commit()
+    return secret
+
+
+def publish(http: httpx.Client, thresholds: dict[int, float], *, activate: bool = True) -> int:
+    """Publish (and by default activate) a set on the tiny deployment; returns its version."""
+    response = http.post(f"/v1/deployments/{DEPLOYMENT}/threshold-sets", json={
+        "thresholds": {str(k): v for k, v in thresholds.items()}, "reason": "test",
+        "activate": activate})
+    assert response.status_code == 201, response.text
+    return response.json()["version"]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 20.0,
+               message: str = "condition") -> None:
+    """Poll `predicate` until it is truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {message}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from runtime.model import tiny_llama
+
+    return tiny_llama(num_layers=NUM_LAYERS)
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    """Build an early-exit engine over the tiny model (exit layers 2 and 4, maxprob)."""
+    from runtime.engine import Engine, EngineConfig
+
+    def build(**kwargs):
+        return Engine(tiny_model, exit_layers=EXIT_LAYERS,
+                      config=EngineConfig(max_batch=4, max_seq_len=128), **kwargs)
+
+    return build
