@@ -6,15 +6,18 @@ import json
 import logging
 from contextlib import asynccontextmanager
 
+import redis
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from controlplane import metrics
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
 from controlplane.db import get_engine, session_factory
@@ -22,6 +25,8 @@ from controlplane.deps import PrincipalCache
 from controlplane.errors import DomainError
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
+from controlplane.telemetry.api import router as telemetry_router
+from controlplane.telemetry.service import ensure_partitions
 from controlplane.thresholds.api import router as thresholds_router
 from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
 
@@ -36,6 +41,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await to_thread.run_sync(_prepare_store, factory)
         yield
         app.state.config_delivery.close()
 
@@ -45,6 +51,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.session_factory = factory
     app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
     app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s)
+    app.state.redis = redis.Redis.from_url(settings.redis_url) if settings.redis_url else None
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
@@ -52,9 +59,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @app.exception_handler(DomainError)
     async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
-        return JSONResponse(status_code=error.status_code, content={"detail": str(error)},
-                            headers=headers)
+        headers = {}
+        if error.status_code == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if hasattr(error, "retry_after"):
+            headers["Retry-After"] = str(max(1, round(error.retry_after)))
+        return JSONResponse(status_code=error.status_code,
+                            content={"detail": str(error), **error.extra}, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -70,6 +81,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         log.warning("store unavailable: %s", type(error).__name__)
         return JSONResponse(status_code=503, headers={"Retry-After": "2"},
                             content={"detail": "the store is unavailable; retry shortly"})
+
+    @app.get("/metrics", tags=["health"], include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
@@ -91,7 +106,18 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(thresholds_router)
     app.include_router(runtimes_router)
     app.include_router(auth_router)
+    app.include_router(telemetry_router)
     return app
+
+
+def _prepare_store(factory) -> None:
+    """Create the coming days' telemetry partitions (PostgreSQL); a failure only logs."""
+    try:
+        with factory() as session:
+            ensure_partitions(session=session)
+            session.commit()
+    except Exception as error:  # the API must start even when the store is briefly away
+        log.warning("could not prepare telemetry partitions: %s", error)
 
 
 class BodySizeLimit:

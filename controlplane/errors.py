@@ -6,6 +6,11 @@ class DomainError(Exception):
 
     status_code = 400
 
+    @property
+    def extra(self) -> dict:
+        """Fields added to the error body beside `detail`."""
+        return {}
+
 
 class NotFound(DomainError):
     status_code = 404
@@ -29,3 +34,11 @@ class Forbidden(DomainError):
 
 class Unavailable(DomainError):
     status_code = 503
+
+
+class RateLimited(DomainError):
+    status_code = 429
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

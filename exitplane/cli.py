@@ -122,6 +122,42 @@ def demo(host: str | None, port: int | None) -> None:
     serve_api(host=host, port=port, migrate=False)
 
 
+@main.command()
+@click.option("--name", default=None, help="consumer name (default: host-pid)")
+@click.option("--claim-idle-ms", default=30_000, show_default=True,
+              help="reclaim entries another consumer left pending this long")
+def ingest(name: str | None, claim_idle_ms: int) -> None:
+    """Production ingest worker: Redis stream -> store (needs EXITPLANE_REDIS_URL)."""
+    import logging
+    import signal
+    import socket
+    import threading
+
+    import redis
+
+    from controlplane.db import session_factory
+    from controlplane.settings import get_settings
+    from controlplane.telemetry.service import ensure_partitions
+    from controlplane.telemetry.stream import StreamIngestor
+
+    settings = get_settings()
+    if not settings.redis_url:
+        _fail("EXITPLANE_REDIS_URL is not set; the embedded default writes telemetry directly")
+    logging.basicConfig(level=settings.log_level.upper())
+    factory = session_factory()
+    with factory() as session:
+        ensure_partitions(session=session)
+        session.commit()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    consumer = StreamIngestor(redis.Redis.from_url(settings.redis_url), factory,
+                              name=name or f"{socket.gethostname()}-{os.getpid()}",
+                              claim_idle_ms=claim_idle_ms)
+    click.echo(f"ingest worker {consumer.name} reading telemetry streams", err=True)
+    consumer.run_forever(stop)
+
+
 def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     import uvicorn
 

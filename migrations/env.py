@@ -7,9 +7,14 @@ from alembic import context
 from controlplane.db import make_engine
 from controlplane.models import Base
 from controlplane.settings import get_settings
+from controlplane.telemetry.models import is_partition
 
 config = context.config
 target_metadata = Base.metadata
+
+
+def include_name(name, type_, parent_names) -> bool:
+    return not (type_ == "table" and is_partition(name))
 
 
 def run_migrations() -> None:
@@ -29,7 +34,7 @@ def run_migrations() -> None:
 def _run(connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata,
                       render_as_batch=connection.dialect.name == "sqlite",
-                      compare_type=True)
+                      compare_type=True, include_name=include_name)
     with context.begin_transaction():
         context.run_migrations()
 

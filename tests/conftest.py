@@ -61,6 +61,9 @@ def db_url(request, tmp_path) -> Iterator[str]:
         shutil.copy(request.getfixturevalue("sqlite_template"), path)
         yield f"sqlite:///{path}"
         return
+    if not POSTGRES_URL:
+        raise RuntimeError("this test needs PostgreSQL: run `make test`, or set "
+                           "EXITPLANE_TEST_POSTGRES_URL (scripts/services.sh start writes it)")
     url = request.getfixturevalue("postgres_migrated")
     engine = make_engine(url)
     tables = ", ".join(t.name for t in Base.metadata.sorted_tables)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from controlplane import metrics
 from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead
@@ -19,6 +20,11 @@ def heartbeat(name: str, beat: Heartbeat, session: SessionDep,
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
     runtime = service.record_heartbeat(session=session, deployment=deployment, beat=beat)
+    labels = (deployment.name, beat.runtime_id)
+    metrics.runtime_spooled.labels(*labels).set(beat.spooled_batches)
+    metrics.runtime_dropped.labels(*labels).set(beat.dropped_records)
+    if beat.applied_version is not None:
+        metrics.runtime_applied_version.labels(*labels).set(beat.applied_version)
     return RuntimeRead.model_validate(runtime)
 
 

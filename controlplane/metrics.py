@@ -1,0 +1,27 @@
+"""Prometheus metrics of the control plane (one registry per process, served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+registry = CollectorRegistry()
+
+ingested_records = Counter("exitplane_ingested_records", "Token records stored",
+                           ["deployment"], registry=registry)
+ingested_batches = Counter("exitplane_ingested_batches", "Telemetry batches accepted",
+                           ["deployment"], registry=registry)
+duplicate_batches = Counter("exitplane_duplicate_batches", "Replayed batches acknowledged",
+                            ["deployment"], registry=registry)
+rejected_batches = Counter("exitplane_rejected_batches", "Telemetry batches refused",
+                           ["reason"], registry=registry)
+queued_batches = Counter("exitplane_queued_batches", "Batches appended to the Redis stream",
+                         ["deployment"], registry=registry)
+stream_lag = Gauge("exitplane_stream_lag_entries", "Stream entries not yet ingested",
+                   ["deployment"], registry=registry)
+runtime_spooled = Gauge("exitplane_runtime_spooled_batches", "Batches a runtime holds on disk",
+                        ["deployment", "runtime"], registry=registry)
+runtime_dropped = Gauge("exitplane_runtime_dropped_records", "Records a runtime dropped",
+                        ["deployment", "runtime"], registry=registry)
+runtime_applied_version = Gauge("exitplane_runtime_applied_version",
+                                "Threshold version a runtime applies",
+                                ["deployment", "runtime"], registry=registry)

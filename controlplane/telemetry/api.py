@@ -1,0 +1,140 @@
+"""Thin routes: telemetry ingestion and the reads dashboards and workers use."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+import msgpack
+from anyio import to_thread
+from fastapi import APIRouter, Query, Request, status
+from pydantic import ValidationError
+
+from controlplane import metrics
+from controlplane.auth.service import Principal
+from controlplane.deps import RuntimePrincipal, SessionDep
+from controlplane.errors import DomainError, Invalid
+from controlplane.telemetry import service, stream
+from controlplane.telemetry.schemas import (
+    DisagreementPoint,
+    ExitRatePoint,
+    IngestAck,
+    TelemetryCounts,
+)
+from controlplane.thresholds.service import get_deployment
+from exitplane.wire import TelemetryBatch
+
+router = APIRouter(tags=["telemetry"])
+
+
+def decode_batch(body: bytes, content_type: str) -> TelemetryBatch:
+    """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
+    try:
+        if "msgpack" in content_type:
+            payload = msgpack.unpackb(body, raw=False)
+        else:
+            payload = json.loads(body)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
+        raise Invalid(f"body is not valid {'msgpack' if 'msgpack' in content_type else 'JSON'}: "
+                      f"{error}") from error
+    try:
+        return TelemetryBatch.model_validate(payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        loc = list(first["loc"])
+        if len(loc) >= 2 and loc[0] == "records" and isinstance(loc[1], int):
+            field = ".".join(str(part) for part in loc[2:]) or "record"
+            raise service.BadRecord(loc[1], f"{field}: {first['msg']}") from error
+        where = ".".join(str(part) for part in loc) or "batch"
+        raise Invalid(f"{where}: {first['msg']}") from error
+
+
+def _store(request: Request, principal: Principal, body: bytes, content_type: str) -> IngestAck:
+    try:
+        batch = decode_batch(body, content_type)
+        app = request.app
+        with app.state.session_factory() as session:
+            deployment = get_deployment(session=session, name=batch.deployment)
+            principal.require_deployment(deployment.id)
+            versions = service.known_versions(session=session, deployment=deployment)
+            service.check_batch(deployment=deployment, batch=batch, known_versions=versions)
+            if app.state.redis is not None:
+                added = stream.append(app.state.redis, batch)
+                metrics.queued_batches.labels(batch.deployment).inc(int(added))
+                return IngestAck(batch_id=batch.batch_id, accepted=len(batch.records),
+                                 duplicate=not added, queued=True)
+            [result] = service.ingest(session=session, deployment=deployment, batches=[batch])
+            session.commit()
+    except DomainError as error:
+        metrics.rejected_batches.labels(type(error).__name__).inc()
+        raise
+    counter = metrics.duplicate_batches if result.duplicate else metrics.ingested_batches
+    counter.labels(batch.deployment).inc()
+    if not result.duplicate:
+        metrics.ingested_records.labels(batch.deployment).inc(result.accepted)
+    return IngestAck(batch_id=result.batch_id, accepted=result.accepted,
+                     duplicate=result.duplicate)
+
+
+@router.post("/v1/telemetry", status_code=status.HTTP_202_ACCEPTED, response_model=IngestAck,
+             openapi_extra={"requestBody": {"content": {
+                 "application/json": {"schema": TelemetryBatch.model_json_schema()},
+                 "application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
+                 "required": True}})
+async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:
+    """Store (or queue) one batch of token records; a replayed batch id is acknowledged."""
+    body = await request.body()
+    content_type = request.headers.get("content-type", "application/json")
+    return await to_thread.run_sync(_store, request, principal, body, content_type)
+
+
+Since = Annotated[datetime | None, Query(description="default: one hour ago")]
+
+
+def _window(since: datetime | None) -> datetime:
+    return since or datetime.now(UTC) - timedelta(hours=1)
+
+
+@router.get("/v1/deployments/{name}/telemetry/exit-rates", response_model=list[ExitRatePoint])
+def exit_rates(name: str, session: SessionDep, principal: RuntimePrincipal,
+               since: Since = None, until: datetime | None = None, version: int | None = None,
+               runtime_id: str | None = None) -> list[ExitRatePoint]:
+    deployment = get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    rows = service.exit_rates(session=session, deployment=deployment, since=_window(since),
+                              until=until, version=version, runtime_id=runtime_id)
+    return [ExitRatePoint(**row) for row in rows]
+
+
+@router.get("/v1/deployments/{name}/telemetry/disagreement",
+            response_model=list[DisagreementPoint])
+def disagreement(name: str, session: SessionDep, principal: RuntimePrincipal,
+                 since: Since = None, until: datetime | None = None, version: int | None = None,
+                 runtime_id: str | None = None) -> list[DisagreementPoint]:
+    deployment = get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    rows = service.disagreement(session=session, deployment=deployment, since=_window(since),
+                                until=until, version=version, runtime_id=runtime_id)
+    return [DisagreementPoint(**row) for row in rows]
+
+
+@router.get("/v1/deployments/{name}/telemetry/signal-histogram",
+            response_model=dict[int, list[int]])
+def signal_histogram(name: str, session: SessionDep, principal: RuntimePrincipal,
+                     since: Since = None, until: datetime | None = None,
+                     version: int | None = None,
+                     runtime_id: str | None = None) -> dict[int, list[int]]:
+    deployment = get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    return service.signal_histogram(session=session, deployment=deployment,
+                                    since=_window(since), until=until, version=version,
+                                    runtime_id=runtime_id)
+
+
+@router.get("/v1/deployments/{name}/telemetry/count", response_model=TelemetryCounts)
+def telemetry_count(name: str, session: SessionDep,
+                    principal: RuntimePrincipal) -> TelemetryCounts:
+    deployment = get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    return TelemetryCounts(**service.counts(session=session, deployment=deployment))

@@ -1,0 +1,112 @@
+"""ORM for telemetry: received batches (idempotency), raw token records, shadow samples laid
+out for the calibrator, and per-minute rollups per deployment / version / runtime / layer."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, SmallInteger, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from controlplane.db import Base, utcnow
+
+PARTITIONED_TABLES = ("token_records", "shadow_samples")
+HISTOGRAM_BINS = 20  # signal histogram: 20 bins of width 0.05 over [0, 1]
+
+
+def is_partition(table_name: str) -> bool:
+    """Partitions (token_records_p20261129, ..._default) live outside the ORM metadata."""
+    return any(table_name.startswith(f"{parent}_") for parent in PARTITIONED_TABLES)
+
+
+class TelemetryBatchRow(Base):
+    """One accepted batch; its id makes a replay a no-op."""
+
+    __tablename__ = "telemetry_batches"
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    runtime_id: Mapped[str] = mapped_column(String(128))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    records: Mapped[int]
+    received_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class TokenRecordRow(Base):
+    """A generated token as the runtime reported it. On PostgreSQL the table is partitioned
+    by day on `ts` (see the migration), so retention drops whole partitions."""
+
+    __tablename__ = "token_records"
+    __table_args__ = (Index("ix_token_records_deployment_id_ts", "deployment_id", "ts"),
+                      {"postgresql_partition_by": "RANGE (ts)"})
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    idx: Mapped[int] = mapped_column(primary_key=True)
+    ts: Mapped[datetime] = mapped_column(primary_key=True)
+    deployment_id: Mapped[int]
+    runtime_id: Mapped[str] = mapped_column(String(128))
+    threshold_version: Mapped[int]
+    request_id: Mapped[str] = mapped_column(String(128))
+    position: Mapped[int]
+    exit_layer: Mapped[int] = mapped_column(SmallInteger)
+    signal_value: Mapped[float]
+    latency_us: Mapped[int]
+    shadow: Mapped[bool]
+
+
+class ShadowSampleRow(Base):
+    """A shadow token's labels at every exit point, in the deployment's exit-layer order:
+    `signals` is little-endian float32[L], `matched` uint8[L] (1 = that layer's top-1 equals
+    full depth's). Reading n rows gives the (n, L) matrices the calibrator wants."""
+
+    __tablename__ = "shadow_samples"
+    __table_args__ = (Index("ix_shadow_samples_deployment_id_ts", "deployment_id", "ts"),
+                      {"postgresql_partition_by": "RANGE (ts)"})
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    idx: Mapped[int] = mapped_column(primary_key=True)
+    ts: Mapped[datetime] = mapped_column(primary_key=True)
+    deployment_id: Mapped[int]
+    threshold_version: Mapped[int]
+    runtime_id: Mapped[str] = mapped_column(String(128))
+    signals: Mapped[bytes] = mapped_column(LargeBinary)
+    matched: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Rollup(Base):
+    """Per minute, deployment, version, runtime and layer (exit layers plus full depth):
+
+    - tokens: tokens whose check at this layer ran (exit layer >= this layer)
+    - exits: tokens that left at this layer
+    - shadow_total / shadow_matches: shadow tokens labelled at this layer / matching full depth
+    - policy_exits / policy_mismatches: shadow tokens the active policy would have let out here
+      / of those, the ones whose answer differed from full depth (the disagreement)
+    """
+
+    __tablename__ = "rollups"
+
+    deployment_id: Mapped[int] = mapped_column(primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    layer: Mapped[int] = mapped_column(primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    exits: Mapped[int] = mapped_column(BigInteger, default=0)
+    shadow_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    shadow_matches: Mapped[int] = mapped_column(BigInteger, default=0)
+    policy_exits: Mapped[int] = mapped_column(BigInteger, default=0)
+    policy_mismatches: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class RollupHistogram(Base):
+    """Signal-at-exit histogram per minute, deployment, version, runtime, layer and bin."""
+
+    __tablename__ = "rollup_histograms"
+
+    deployment_id: Mapped[int] = mapped_column(primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    layer: Mapped[int] = mapped_column(primary_key=True)
+    bin: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -1,0 +1,397 @@
+"""Telemetry ingestion and reads: plain keyword-only functions over the store.
+
+A batch is checked whole before anything is written; it is stored in one transaction together
+with its rollups, and its id makes a replay a no-op. PostgreSQL gets COPY for the raw rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+from sqlalchemy import delete, func, insert, select, text
+from sqlalchemy.orm import Session
+
+from controlplane.errors import Invalid
+from controlplane.telemetry.models import (
+    HISTOGRAM_BINS,
+    PARTITIONED_TABLES,
+    Rollup,
+    RollupHistogram,
+    ShadowSampleRow,
+    TelemetryBatchRow,
+    TokenRecordRow,
+)
+from controlplane.thresholds.models import Deployment, ThresholdSet
+from exitplane.wire import TelemetryBatch
+
+log = logging.getLogger("exitplane.telemetry")
+
+TOKEN_COLUMNS = ("batch_id", "idx", "ts", "deployment_id", "runtime_id", "threshold_version",
+                 "request_id", "position", "exit_layer", "signal_value", "latency_us", "shadow")
+SHADOW_COLUMNS = ("batch_id", "idx", "ts", "deployment_id", "threshold_version", "runtime_id",
+                  "signals", "matched")
+ROLLUP_COUNTERS = ("tokens", "exits", "shadow_total", "shadow_matches", "policy_exits",
+                   "policy_mismatches")
+
+
+class BadRecord(Invalid):
+    """A batch refused because of one record; `index` points at the first bad one."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"record {index}: {message}")
+        self.index = index
+
+    @property
+    def extra(self) -> dict:
+        return {"index": self.index}
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    batch_id: str
+    accepted: int
+    duplicate: bool
+
+
+def check_batch(*, deployment: Deployment, batch: TelemetryBatch,
+                known_versions: set[int]) -> None:
+    """Refuse the whole batch (BadRecord / Invalid) unless every record fits the deployment."""
+    if batch.deployment != deployment.name:
+        raise Invalid(f"batch is for deployment {batch.deployment!r}, not {deployment.name!r}")
+    if batch.num_layers != deployment.num_layers:
+        raise Invalid(f"batch says num_layers {batch.num_layers}; deployment "
+                      f"{deployment.name!r} has {deployment.num_layers}")
+    allowed = set(deployment.exit_layers) | {deployment.num_layers}
+    exit_layers = set(deployment.exit_layers)
+    for index, record in enumerate(batch.records):
+        if record.exit_layer not in allowed:
+            raise BadRecord(index, f"exit_layer {record.exit_layer} is neither an exit layer "
+                                   f"{sorted(exit_layers)} nor full depth {deployment.num_layers}")
+        if record.threshold_version not in known_versions:
+            raise BadRecord(index, f"threshold_version {record.threshold_version} was never "
+                                   f"published for {deployment.name!r}")
+        if record.shadow is not None and {p.layer for p in record.shadow} != exit_layers:
+            raise BadRecord(index, "shadow points must cover exactly the exit layers "
+                                   f"{sorted(exit_layers)}")
+
+
+def known_versions(*, session: Session, deployment: Deployment) -> set[int]:
+    """Published versions plus 0, the runtime's built-in never-exit set."""
+    versions = session.scalars(select(ThresholdSet.version)
+                               .where(ThresholdSet.deployment_id == deployment.id))
+    return {0, *versions}
+
+
+def ingest(*, session: Session, deployment: Deployment,
+           batches: list[TelemetryBatch]) -> list[IngestResult]:
+    """Store checked batches of one deployment with their rollups; replays are skipped."""
+    if not batches:
+        return []
+    new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
+    fresh = [b for b in batches if b.batch_id in new_ids]
+    if fresh:
+        thresholds = _thresholds_by_version(session=session, deployment=deployment,
+                                            versions={r.threshold_version for b in fresh
+                                                      for r in b.records})
+        tokens, shadows, rollups, histogram = _rows(deployment, fresh, thresholds)
+        _bulk_write(session, TokenRecordRow, TOKEN_COLUMNS, tokens)
+        if shadows:
+            _bulk_write(session, ShadowSampleRow, SHADOW_COLUMNS, shadows)
+        _upsert_counts(session, Rollup, ROLLUP_COUNTERS, deployment.id, rollups)
+        _upsert_counts(session, RollupHistogram, ("count",), deployment.id, histogram)
+    session.flush()
+    return [IngestResult(batch_id=b.batch_id, accepted=len(b.records),
+                         duplicate=b.batch_id not in new_ids) for b in batches]
+
+
+def _claim_batches(*, session: Session, deployment: Deployment,
+                   batches: list[TelemetryBatch]) -> set[str]:
+    """Insert batch ids that are new; return those (a replayed id is not returned)."""
+    seen: set[str] = set()
+    unique = []
+    for batch in batches:
+        if batch.batch_id not in seen:
+            seen.add(batch.batch_id)
+            unique.append(batch)
+    values = [{"batch_id": b.batch_id, "deployment_id": deployment.id,
+               "runtime_id": b.runtime_id, "seq": b.seq, "records": len(b.records),
+               "received_at": datetime.now(UTC)} for b in unique]
+    statement = _dialect_insert(session, TelemetryBatchRow).values(values)
+    statement = statement.on_conflict_do_nothing(index_elements=["batch_id"])
+    return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id)))
+
+
+def _thresholds_by_version(*, session: Session, deployment: Deployment,
+                           versions: set[int]) -> dict[int, np.ndarray]:
+    """Per version, thresholds in exit-layer order (version 0: never exit)."""
+    layers = deployment.exit_layers
+    found = {0: np.ones(len(layers))}
+    rows = session.scalars(select(ThresholdSet).where(
+        ThresholdSet.deployment_id == deployment.id, ThresholdSet.version.in_(versions)))
+    for row in rows:
+        by_layer = row.thresholds_by_layer()
+        found[row.version] = np.array([by_layer[k] for k in layers])
+    return found
+
+
+def _rows(deployment: Deployment, batches: list[TelemetryBatch],
+          thresholds: dict[int, np.ndarray]):
+    """Raw rows, shadow rows and the rollup / histogram increments for `batches`."""
+    layers = deployment.exit_layers
+    full = deployment.num_layers
+    all_layers = [*layers, full]
+    tokens, shadows = [], []
+    exits: Counter = Counter()
+    hist: Counter = Counter()
+    shadow_counts: dict[tuple, list[int]] = {}
+    minutes: dict[int, datetime] = {}
+    for batch in batches:
+        runtime = batch.runtime_id
+        for idx, record in enumerate(batch.records):
+            second = int(record.ts)
+            ts = datetime.fromtimestamp(record.ts, UTC)
+            minute_key = second - second % 60
+            minute = minutes.get(minute_key)
+            if minute is None:
+                minute = minutes[minute_key] = datetime.fromtimestamp(minute_key, UTC)
+            version = record.threshold_version
+            tokens.append((batch.batch_id, idx, ts, deployment.id, runtime, version,
+                           record.request_id, record.position, record.exit_layer,
+                           record.signal_value, record.latency_us, record.shadow is not None))
+            key = (version, runtime, minute)
+            exits[(*key, record.exit_layer)] += 1
+            bin_ = min(int(record.signal_value * HISTOGRAM_BINS), HISTOGRAM_BINS - 1)
+            hist[(*key, record.exit_layer, bin_)] += 1
+            if record.shadow is not None:
+                by_layer = {p.layer: p for p in record.shadow}
+                signal = np.array([by_layer[k].signal for k in layers])
+                matched = np.array([by_layer[k].matched for k in layers], dtype=np.uint8)
+                shadows.append((batch.batch_id, idx, ts, deployment.id, version, runtime,
+                                signal.astype("<f4").tobytes(), matched.tobytes()))
+                exiting = np.nonzero(signal > thresholds[version])[0]
+                policy_at = int(exiting[0]) if len(exiting) else None
+                for position, layer in enumerate(layers):
+                    counts = shadow_counts.setdefault((*key, layer), [0, 0, 0, 0])
+                    counts[0] += 1
+                    counts[1] += int(matched[position])
+                    if position == policy_at:
+                        counts[2] += 1
+                        counts[3] += int(not matched[position])
+    rollups: dict[tuple, list[int]] = {}
+    for (version, runtime, minute, layer), count in exits.items():
+        for target in all_layers:
+            if target <= layer:  # the token's check at `target` ran
+                row = rollups.setdefault((version, runtime, minute, target), [0] * 6)
+                row[0] += count
+                if target == layer:
+                    row[1] += count
+    for (version, runtime, minute, layer), counts in shadow_counts.items():
+        row = rollups.setdefault((version, runtime, minute, layer), [0] * 6)
+        for offset in range(4):
+            row[2 + offset] += int(counts[offset])
+    return tokens, shadows, rollups, {key: [count] for key, count in hist.items()}
+
+
+def _dialect_insert(session: Session, model):
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert(model)
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    return sqlite_insert(model)
+
+
+def _bulk_write(session: Session, model, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    """COPY on PostgreSQL, executemany elsewhere."""
+    connection = session.connection()
+    if connection.dialect.name == "postgresql":
+        raw = connection.connection.driver_connection
+        with raw.cursor() as cursor, cursor.copy(
+                f"COPY {model.__tablename__} ({', '.join(columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        return
+    session.execute(insert(model), [dict(zip(columns, row, strict=True)) for row in rows])
+
+
+def _upsert_counts(session: Session, model, counters: tuple[str, ...], deployment_id: int,
+                   increments: dict[tuple, list[int]]) -> None:
+    """Add `increments` (key columns after deployment_id -> counter values) onto existing
+    rows of one deployment, or insert them."""
+    if not increments:
+        return
+    keys = [column.name for column in model.__table__.primary_key.columns]
+    increments = {(deployment_id, *key): amounts for key, amounts in increments.items()}
+    # Sorted keys: concurrent writers lock rows in the same order and cannot deadlock.
+    values = [dict(zip(keys, key, strict=True)) | dict(zip(counters, amounts, strict=True))
+              for key, amounts in sorted(increments.items(), key=lambda item: str(item[0]))]
+    for start in range(0, len(values), 2000):
+        statement = _dialect_insert(session, model).values(values[start:start + 2000])
+        statement = statement.on_conflict_do_update(
+            index_elements=keys,
+            set_={name: getattr(model, name) + statement.excluded[name] for name in counters})
+        session.execute(statement)
+
+
+# -- reads -------------------------------------------------------------------------------------
+
+def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
+               until: datetime | None = None, version: int | None = None,
+               runtime_id: str | None = None) -> list[dict]:
+    """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement."""
+    query = (select(Rollup.minute, Rollup.layer, *[func.sum(getattr(Rollup, c)).label(c)
+                                                    for c in ROLLUP_COUNTERS])
+             .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
+             .group_by(Rollup.minute, Rollup.layer).order_by(Rollup.minute, Rollup.layer))
+    query = _filters(query, Rollup, until, version, runtime_id)
+    out = []
+    for row in session.execute(query):
+        item = {"minute": row.minute, "layer": row.layer,
+                **{c: int(getattr(row, c)) for c in ROLLUP_COUNTERS}}
+        item["exit_rate"] = item["exits"] / item["tokens"] if item["tokens"] else None
+        out.append(item)
+    return out
+
+
+def disagreement(*, session: Session, deployment: Deployment, since: datetime,
+                 until: datetime | None = None, version: int | None = None,
+                 runtime_id: str | None = None) -> list[dict]:
+    """Per minute: shadow tokens and how many the applied policy would have answered wrong."""
+    first = deployment.exit_layers[0]
+    query = (select(Rollup.minute, func.sum(Rollup.shadow_total).label("shadow_tokens"),
+                    func.sum(Rollup.policy_mismatches).label("mismatches"))
+             .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
+             .group_by(Rollup.minute).order_by(Rollup.minute))
+    query = _filters(query, Rollup, until, version, runtime_id)
+    # shadow_total counts a shadow token once per exit layer; the first layer counts it once.
+    per_minute = {row.minute: int(row.mismatches) for row in session.execute(query)}
+    totals = session.execute(
+        _filters(select(Rollup.minute, func.sum(Rollup.shadow_total).label("n"))
+                 .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since,
+                        Rollup.layer == first).group_by(Rollup.minute), Rollup, until, version,
+                 runtime_id))
+    out = []
+    for row in totals:
+        n = int(row.n)
+        mismatches = per_minute.get(row.minute, 0)
+        out.append({"minute": row.minute, "shadow_tokens": n, "mismatches": mismatches,
+                    "disagreement": mismatches / n if n else None})
+    return sorted(out, key=lambda item: item["minute"])
+
+
+def signal_histogram(*, session: Session, deployment: Deployment, since: datetime,
+                     until: datetime | None = None, version: int | None = None,
+                     runtime_id: str | None = None) -> dict[int, list[int]]:
+    """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1]."""
+    query = (select(RollupHistogram.layer, RollupHistogram.bin,
+                    func.sum(RollupHistogram.count).label("n"))
+             .where(RollupHistogram.deployment_id == deployment.id,
+                    RollupHistogram.minute >= since)
+             .group_by(RollupHistogram.layer, RollupHistogram.bin))
+    query = _filters(query, RollupHistogram, until, version, runtime_id)
+    out: dict[int, list[int]] = {}
+    for row in session.execute(query):
+        out.setdefault(row.layer, [0] * HISTOGRAM_BINS)[row.bin] = int(row.n)
+    return dict(sorted(out.items()))
+
+
+def _filters(query, model, until, version, runtime_id):
+    if until is not None:
+        query = query.where(model.minute < until)
+    if version is not None:
+        query = query.where(model.version == version)
+    if runtime_id is not None:
+        query = query.where(model.runtime_id == runtime_id)
+    return query
+
+
+def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
+                   until: datetime | None = None, version: int | None = None,
+                   limit: int = 1_000_000) -> tuple[np.ndarray, np.ndarray]:
+    """(signals float32 (n, L), matched bool (n, L)) in exit-layer order, oldest first."""
+    query = (select(ShadowSampleRow.signals, ShadowSampleRow.matched)
+             .where(ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
+             .order_by(ShadowSampleRow.ts).limit(limit))
+    if until is not None:
+        query = query.where(ShadowSampleRow.ts < until)
+    if version is not None:
+        query = query.where(ShadowSampleRow.threshold_version == version)
+    rows = session.execute(query).all()
+    width = len(deployment.exit_layers)
+    if not rows:
+        return np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool)
+    signals = np.frombuffer(b"".join(bytes(r.signals) for r in rows), dtype="<f4")
+    matched = np.frombuffer(b"".join(bytes(r.matched) for r in rows), dtype=np.uint8)
+    return signals.reshape(-1, width).copy(), matched.reshape(-1, width).astype(bool)
+
+
+def counts(*, session: Session, deployment: Deployment) -> dict[str, int]:
+    records = session.scalar(select(func.count()).select_from(TokenRecordRow)
+                             .where(TokenRecordRow.deployment_id == deployment.id))
+    batches = session.scalar(select(func.count()).select_from(TelemetryBatchRow)
+                             .where(TelemetryBatchRow.deployment_id == deployment.id))
+    shadow = session.scalar(select(func.count()).select_from(ShadowSampleRow)
+                            .where(ShadowSampleRow.deployment_id == deployment.id))
+    return {"records": int(records or 0), "batches": int(batches or 0),
+            "shadow_samples": int(shadow or 0)}
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+def ensure_partitions(*, session: Session, day: datetime | None = None,
+                      days_ahead: int = 2) -> None:
+    """PostgreSQL: create the daily partitions from `day` to `days_ahead` days later."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    start = (day or datetime.now(UTC)).date()
+    for offset in range(days_ahead + 1):
+        first = start + timedelta(days=offset)
+        for parent in PARTITIONED_TABLES:
+            name = f"{parent}_p{first:%Y%m%d}"
+            savepoint = session.begin_nested()
+            try:
+                session.execute(text(
+                    f"CREATE TABLE IF NOT EXISTS {name} PARTITION OF {parent} "
+                    f"FOR VALUES FROM ('{first}') TO ('{first + timedelta(days=1)}')"))
+                savepoint.commit()
+            except Exception as error:  # e.g. that day's rows already sit in the default
+                savepoint.rollback()
+                log.warning("partition %s not created: %s", name, error)
+
+
+def purge(*, session: Session, older_than: datetime) -> dict[str, int]:
+    """Delete raw records, shadow samples and rollups older than `older_than`.
+
+    On PostgreSQL whole daily partitions before that day are dropped first (cheap); rows left
+    in other partitions are deleted."""
+    dropped = 0
+    if session.get_bind().dialect.name == "postgresql":
+        for parent in PARTITIONED_TABLES:
+            names = session.scalars(text(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "JOIN pg_class p ON p.oid = i.inhparent WHERE p.relname = :parent"),
+                {"parent": parent})
+            for name in list(names):
+                suffix = name.removeprefix(f"{parent}_p")
+                if suffix.isdigit() and len(suffix) == 8:
+                    day_end = datetime.strptime(suffix, "%Y%m%d").replace(tzinfo=UTC) + \
+                        timedelta(days=1)
+                    if day_end <= older_than:
+                        session.execute(text(f"DROP TABLE {name}"))
+                        dropped += 1
+    deleted = {}
+    for model in (TokenRecordRow, ShadowSampleRow):
+        deleted[model.__tablename__] = session.execute(
+            delete(model).where(model.ts < older_than)).rowcount
+    for model in (Rollup, RollupHistogram):
+        deleted[model.__tablename__] = session.execute(
+            delete(model).where(model.minute < older_than)).rowcount
+    session.execute(delete(TelemetryBatchRow).where(TelemetryBatchRow.received_at < older_than))
+    session.flush()
+    return {"partitions_dropped": dropped, **deleted}
+

@@ -1,0 +1,171 @@
+"""Production ingestion through Redis Streams: the API appends checked batches to one stream
+per deployment; ingest workers read them with a consumer group, write them to the store in
+bulk, acknowledge after the commit, and reclaim entries a crashed worker left pending.
+
+No loss: an entry is acknowledged only after its rows are committed. No duplicates: the API
+appends a batch id once (a Lua script sets the id key and appends atomically) and the store
+refuses a batch id it already has, so a reclaimed entry that was committed is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import msgpack
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane import metrics
+from controlplane.telemetry.service import ingest
+from controlplane.thresholds.service import get_deployment
+from exitplane.wire import TelemetryBatch
+
+log = logging.getLogger("exitplane.ingest")
+
+STREAM_PREFIX = "exitplane:telemetry:"
+STREAMS_KEY = "exitplane:telemetry-streams"
+SEEN_PREFIX = "exitplane:batch-seen:"
+GROUP = "ingest"
+DEAD_LETTER = "exitplane:telemetry-dead"
+SEEN_TTL_S = 7 * 24 * 3600
+
+# KEYS: seen key, stream, streams set; ARGV: payload, ttl, stream name.
+_APPEND_ONCE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
+  redis.call('SADD', KEYS[3], ARGV[3])
+  return redis.call('XADD', KEYS[2], '*', 'batch', ARGV[1])
+end
+return false
+"""
+
+
+def stream_key(deployment: str) -> str:
+    return STREAM_PREFIX + deployment
+
+
+def append(client: redis.Redis, batch: TelemetryBatch) -> bool:
+    """Append `batch` to its deployment's stream unless its id was appended before."""
+    payload = msgpack.packb(batch.model_dump(mode="json"), use_bin_type=True)
+    key = stream_key(batch.deployment)
+    added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
+                        payload, SEEN_TTL_S, key)
+    return bool(added)
+
+
+@dataclass
+class ConsumeStats:
+    entries: int = 0
+    batches: int = 0
+    duplicates: int = 0
+    dead: int = 0
+    reclaimed: int = 0
+
+
+class StreamIngestor:
+    """One ingest worker: consumer `name` of group `ingest` on every deployment's stream."""
+
+    def __init__(self, client: redis.Redis, session_factory: sessionmaker[Session], *,
+                 name: str, count: int = 100, block_ms: int = 1000,
+                 claim_idle_ms: int = 30_000) -> None:
+        self.client = client
+        self.session_factory = session_factory
+        self.name = name
+        self.count = count
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.stats = ConsumeStats()
+        self._groups: set[str] = set()
+
+    def streams(self) -> list[str]:
+        keys = sorted(k.decode() if isinstance(k, bytes) else k
+                      for k in self.client.smembers(STREAMS_KEY))
+        for key in keys:
+            if key not in self._groups:
+                try:
+                    self.client.xgroup_create(key, GROUP, id="0", mkstream=True)
+                except redis.ResponseError as error:
+                    if "BUSYGROUP" not in str(error):
+                        raise
+                self._groups.add(key)
+        return keys
+
+    def run_once(self) -> int:
+        """Reclaim stale entries, then read new ones; returns entries processed."""
+        keys = self.streams()
+        if not keys:
+            return 0
+        processed = 0
+        for key in keys:
+            claimed = self.client.xautoclaim(key, GROUP, self.name, self.claim_idle_ms,
+                                             start_id="0-0", count=self.count)
+            entries = claimed[1]
+            if entries:
+                self.stats.reclaimed += len(entries)
+                processed += self._process(key, entries)
+        response = self.client.xreadgroup(GROUP, self.name, dict.fromkeys(keys, ">"),
+                                          count=self.count, block=self.block_ms)
+        for key, entries in response or []:
+            key = key.decode() if isinstance(key, bytes) else key
+            processed += self._process(key, entries)
+        return processed
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+                self.report_lag()
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                log.warning("redis unavailable (%s); retrying", error)
+                self._groups.clear()
+                stop.wait(1.0)
+            except Exception:
+                log.exception("ingest cycle failed; entries stay pending and will be reclaimed")
+                stop.wait(1.0)
+
+    def report_lag(self) -> None:
+        for key in self.streams():
+            for group in self.client.xinfo_groups(key):
+                name = group.get("name")
+                name = name.decode() if isinstance(name, bytes) else name
+                if name == GROUP:
+                    lag = (group.get("lag") or 0) + (group.get("pending") or 0)
+                    metrics.stream_lag.labels(key.removeprefix(STREAM_PREFIX)).set(lag)
+
+    def _process(self, key: str, entries: list) -> int:
+        deployment_name = key.removeprefix(STREAM_PREFIX)
+        batches, ids, dead = [], [], []
+        for entry_id, fields in entries:
+            if not fields:  # deleted while pending
+                ids.append(entry_id)
+                continue
+            try:
+                payload = fields.get(b"batch", fields.get("batch"))
+                batches.append(TelemetryBatch.model_validate(msgpack.unpackb(payload, raw=False)))
+                ids.append(entry_id)
+            except Exception as error:  # never block the stream on one bad entry
+                log.error("stream %s entry %s unreadable (%s); moved to %s", key, entry_id,
+                          error, DEAD_LETTER)
+                dead.append((entry_id, fields))
+        if batches:
+            with self.session_factory() as session:
+                deployment = get_deployment(session=session, name=deployment_name)
+                results = ingest(session=session, deployment=deployment, batches=batches)
+                session.commit()
+            for result in results:
+                if result.duplicate:
+                    self.stats.duplicates += 1
+                    metrics.duplicate_batches.labels(deployment_name).inc()
+                else:
+                    metrics.ingested_batches.labels(deployment_name).inc()
+                    metrics.ingested_records.labels(deployment_name).inc(result.accepted)
+            self.stats.batches += len(batches)
+        for entry_id, fields in dead:
+            self.client.xadd(DEAD_LETTER, {**fields, b"stream": key.encode()})
+            ids.append(entry_id)
+            self.stats.dead += 1
+        if ids:
+            self.client.xack(key, GROUP, *ids)
+        self.stats.entries += len(ids)
+        return len(ids)
