@@ -1,0 +1,187 @@
+"""Ingestion benchmark: end-to-end records/s (HTTP + validation + store + rollups) against the
+raw bulk-write ceiling of the same rows (COPY on PostgreSQL, executemany on SQLite), same run.
+
+Starts `exitplane up` on a fresh database per backend, sends pre-encoded msgpack batches from
+a few concurrent senders, then writes the same rows straight into a fresh copy of the schema.
+
+    .venv/bin/python bench/ingest.py --records 200000 --postgres-url postgresql+psycopg://...
+    (make services writes the bench URL to var/services/env as EXITPLANE_BENCH_POSTGRES_URL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import msgpack
+from sqlalchemy import text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from controlplane.db import make_engine  # noqa: E402
+from controlplane.migrate import upgrade  # noqa: E402
+from controlplane.telemetry.service import (  # noqa: E402
+    SHADOW_COLUMNS,
+    TOKEN_COLUMNS,
+    _bulk_write,
+    _rows,
+)
+from controlplane.thresholds.models import Deployment  # noqa: E402
+from exitplane.wire import TelemetryBatch  # noqa: E402
+
+NUM_LAYERS = 30
+EXIT_LAYERS = list(range(6, 30, 3))
+
+
+def synthetic_batches(records: int, batch_size: int, shadow_rate: float) -> list[dict]:
+    """Batches shaped like a SmolLM2 runtime's: 8 exit layers, ~shadow_rate shadow tokens."""
+    rng = random.Random(0)
+    now = time.time()
+    batches = []
+    for seq in range(records // batch_size):
+        rows = []
+        for i in range(batch_size):
+            shadow = rng.random() < shadow_rate
+            exit_layer = NUM_LAYERS if shadow else rng.choice([*EXIT_LAYERS, NUM_LAYERS])
+            row = {"threshold_version": 2, "request_id": f"req-{seq}-{i // 64}",
+                   "position": i % 64, "exit_layer": exit_layer,
+                   "signal_value": round(rng.random(), 4), "latency_us": rng.randint(800, 40000),
+                   "ts": now + (seq * batch_size + i) * 0.001}
+            if shadow:
+                row["shadow"] = [{"layer": k, "signal": round(rng.random(), 4),
+                                  "matched": rng.random() < 0.7} for k in EXIT_LAYERS]
+            rows.append(row)
+        batches.append({"batch_id": uuid.uuid4().hex, "deployment": "bench",
+                        "runtime_id": f"rt-{seq % 8}", "seq": seq, "num_layers": NUM_LAYERS,
+                        "records": rows})
+    return batches
+
+
+def fresh_database(url: str, workdir: Path, label: str) -> str:
+    if url.startswith("sqlite"):
+        url = f"sqlite:///{workdir / f'{label}.db'}"
+    else:
+        engine = make_engine(url)
+        with engine.begin() as connection:
+            connection.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+        engine.dispose()
+    upgrade(url)
+    return url
+
+
+def end_to_end(url: str, batches: list[dict], senders: int, workdir: Path) -> float:
+    env = {**os.environ, "EXITPLANE_DATABASE_URL": url, "EXITPLANE_VAR_DIR": str(workdir),
+           "EXITPLANE_LOG_LEVEL": "warning", "EXITPLANE_MAX_BODY_BYTES": str(64 << 20)}
+    exe = str(Path(sys.executable).parent / "exitplane")
+    admin = subprocess.run([exe, "token", "create", "--name", "bench", "--scope", "admin"],
+                           env=env, check=True, capture_output=True, text=True).stdout.strip()
+    port = 18000 + random.Random().randint(0, 999)
+    server = subprocess.Popen([exe, "up", "--port", str(port), "--no-migrate"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{base}/readyz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        auth = {"Authorization": f"Bearer {admin}"}
+        httpx.post(f"{base}/v1/deployments", headers=auth, json={
+            "name": "bench", "model_ref": "smollm2-135m", "num_layers": NUM_LAYERS}
+        ).raise_for_status()
+        httpx.post(f"{base}/v1/deployments/bench/threshold-sets", headers=auth, json={
+            "thresholds": {str(k): 0.9 for k in EXIT_LAYERS}, "reason": "bench",
+            "activate": True}).raise_for_status()
+        runtime = httpx.post(f"{base}/v1/tokens", headers=auth, json={
+            "name": "rt", "scope": "runtime", "deployment": "bench"}).json()["token"]
+        bodies = [msgpack.packb(b) for b in batches]
+        headers = {"Authorization": f"Bearer {runtime}", "Content-Type": "application/msgpack"}
+
+        def send(chunk: list[bytes]) -> None:
+            with httpx.Client(base_url=base, timeout=120) as http:
+                for body in chunk:
+                    http.post("/v1/telemetry", content=body, headers=headers).raise_for_status()
+
+        chunks = [bodies[i::senders] for i in range(senders)]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(senders) as pool:
+            list(pool.map(send, chunks))
+        elapsed = time.perf_counter() - started
+        stored = httpx.get(f"{base}/v1/deployments/bench/telemetry/count",
+                           headers=headers).json()["records"]
+        expected = sum(len(b["records"]) for b in batches)
+        if stored != expected:
+            raise RuntimeError(f"stored {stored} records, sent {expected}")
+        return expected / elapsed
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def raw_ceiling(url: str, batches: list[dict]) -> float:
+    """The same token and shadow rows written with the bare bulk path, no HTTP, no checks."""
+    engine = make_engine(url)
+    deployment = Deployment(id=1, name="bench", exit_layers=EXIT_LAYERS, num_layers=NUM_LAYERS)
+    import numpy as np
+
+    parsed = [TelemetryBatch.model_validate(b) for b in batches]
+    tokens, shadows, _, _ = _rows(deployment, parsed, {2: np.full(len(EXIT_LAYERS), 0.9)})
+    from sqlalchemy.orm import Session
+
+    from controlplane.telemetry.models import ShadowSampleRow, TokenRecordRow
+
+    started = time.perf_counter()
+    with Session(engine) as session:
+        _bulk_write(session, TokenRecordRow, TOKEN_COLUMNS, tokens)
+        _bulk_write(session, ShadowSampleRow, SHADOW_COLUMNS, shadows)
+        session.commit()
+    elapsed = time.perf_counter() - started
+    engine.dispose()
+    return len(tokens) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--batch-size", type=int, default=2_000)
+    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--shadow-rate", type=float, default=0.05)
+    parser.add_argument("--postgres-url", default=os.environ.get("EXITPLANE_BENCH_POSTGRES_URL",
+                                                                 ""))
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="exitplane-ingest-"))
+    batches = synthetic_batches(args.records, args.batch_size, args.shadow_rate)
+    records = sum(len(b["records"]) for b in batches)
+    results: dict[str, float | int | str] = {"records": records, "batch_size": args.batch_size,
+                                             "senders": args.senders,
+                                             "shadow_rate": args.shadow_rate}
+    backends = [("sqlite", "sqlite://")] + ([("pg", args.postgres_url)] if args.postgres_url
+                                            else [])
+    for label, url in backends:
+        results[f"{label}_e2e_rps"] = round(end_to_end(fresh_database(url, workdir, label + "_e2e"),
+                                                       batches, args.senders, workdir))
+        results[f"{label}_raw_rps"] = round(raw_ceiling(fresh_database(url, workdir,
+                                                                       label + "_raw"), batches))
+        results[f"{label}_ratio"] = round(results[f"{label}_e2e_rps"]
+                                          / results[f"{label}_raw_rps"], 3)
+    print(f"command: {Path(sys.executable).name} {' '.join(sys.argv)}")
+    print(f"{'backend':<10}{'e2e rec/s':>12}{'raw rec/s':>12}{'ratio':>8}")
+    for label, _ in backends:
+        print(f"{label:<10}{results[f'{label}_e2e_rps']:>12,}{results[f'{label}_raw_rps']:>12,}"
+              f"{results[f'{label}_ratio']:>8.2f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
