@@ -54,7 +54,7 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--revision", default="head", show_default=True)
+@click.option("--revision", default="heads", show_default=True)
 def db_upgrade(revision: str) -> None:
     """Apply migrations to the configured database."""
     from controlplane.migrate import upgrade

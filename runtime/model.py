@@ -138,3 +138,23 @@ def tiny_llama(*, seed: int = 0, num_layers: int = 6, hidden_size: int = 64,
     model = LlamaForCausalLM(config).eval()
     model.requires_grad_(False)
     return model
+
+
+def load_served(source: str | os.PathLike | None = None, *, heads_path: str | None = None,
+                device: str = "cpu", dtype: torch.dtype | None = None):
+    """(model, tokenizer, heads or None): joint-mode heads have their LoRA merged in."""
+    from runtime.heads import ExitHeads, merge_lora
+
+    model, tokenizer = load_model(source, device=device, dtype=dtype)
+    heads = None
+    if heads_path is not None:
+        heads = ExitHeads.load(heads_path, device=device)
+        expected = decoder_parts(model).num_layers
+        trained_for = heads.metadata.get("num_layers", expected)
+        if trained_for != expected:
+            raise ValueError(f"heads {heads_path} were trained for a {trained_for}-layer model; "
+                             f"this model has {expected}")
+        if heads.lora:
+            merge_lora(model, heads.lora, float(heads.metadata.get("lora_scale", 1.0)))
+        heads.to(dtype=decoder_parts(model).dtype)
+    return model, tokenizer, heads
