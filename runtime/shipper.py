@@ -1,0 +1,551 @@
+"""Ship the engine's token records to the control plane without ever blocking the decode loop.
+
+`TelemetryShipper.submit` is the engine's `on_record` callback: it appends to a bounded
+in-memory queue and returns at once (a full queue drops the record and counts it). A sender
+thread cuts batches by size or age, encodes them (msgpack of `TelemetryBatch`, JSON optional)
+and POSTs them to `/v1/telemetry`. A batch that cannot be delivered after a few retries with
+jittered exponential backoff goes to the disk spool (`Spool`); while anything is spooled, new
+batches queue behind it, and the spool replays in order, with the same batch ids, once the
+control plane answers again. The spool is capped; past the cap, batches are dropped and their
+records counted. What is on disk at start-up is replayed too.
+
+Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or another 4xx) the
+batch is bad, logged and counted as rejected, never retried; 413 split in halves (ids derived
+from the parent's, so a replay re-splits to the same ids); 401/403 a configuration error,
+logged loudly, batches stay spooled; 429/503 honour Retry-After; 5xx and network errors retry.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+from pydantic import ValidationError
+
+from exitplane.wire import TelemetryBatch, TokenRecord
+from runtime.thresholds_client import atomic_write, backoff_delay
+
+log = logging.getLogger("exitplane.runtime.shipper")
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+_HEADER = struct.Struct(">II")  # payload length, crc32 of the payload
+_SEQ_BLOCK = 1024  # sequence numbers reserved on disk at a time
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """One batch as sent: id, sequence number, record count, content type and body."""
+
+    batch_id: str
+    seq: int
+    records: int
+    content_type: str
+    body: bytes
+
+    def pack(self) -> bytes:
+        return msgpack.packb([self.batch_id, self.seq, self.records, self.content_type,
+                              self.body], use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> EncodedBatch:
+        batch_id, seq, records, content_type, body = msgpack.unpackb(payload, raw=False)
+        return cls(batch_id, seq, records, content_type, body)
+
+    def decode(self) -> dict[str, Any]:
+        if self.content_type == MSGPACK:
+            return msgpack.unpackb(self.body, raw=False)
+        return json.loads(self.body)
+
+    def split(self) -> list[EncodedBatch]:
+        """Two halves with ids derived from this one (deterministic, so replays match)."""
+        payload = self.decode()
+        records = payload["records"]
+        if len(records) < 2:
+            return []
+        middle = len(records) // 2
+        halves = []
+        for suffix, part in (("a", records[:middle]), ("b", records[middle:])):
+            half = {**payload, "batch_id": self.batch_id + suffix, "records": part}
+            halves.append(EncodedBatch(half["batch_id"], self.seq, len(part), self.content_type,
+                                       _encode(half, self.content_type)))
+        return halves
+
+
+def _encode(payload: dict[str, Any], content_type: str) -> bytes:
+    if content_type == MSGPACK:
+        return msgpack.packb(payload, use_bin_type=True)
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+@dataclass
+class _Segment:
+    path: Path
+    size: int  # bytes in the file
+    count: int  # batches not yet replayed
+    read_offset: int = 0
+
+
+class Spool:
+    """Append-only segment files of length-prefixed, checksummed batches, read in order.
+
+    Each append is flushed and fsynced before it counts as spooled. Segments are named by the
+    first batch's seq, so file order is replay order; a fully replayed segment is deleted."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int,
+                 fsync: bool = True):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self._segments: collections.deque[_Segment] = collections.deque()
+        self._writer = None  # open handle on the last segment, which new batches extend
+        self._head: EncodedBatch | None = None
+        self._head_size = 0
+        self._segments_made = 0
+        self.pending_batches = 0
+        self.total_bytes = 0
+        self.max_seq = -1
+        for path in sorted(self.directory.glob("*.seg")):
+            self._recover(path)
+
+    def _recover(self, path: Path) -> None:
+        """Index a segment left by an earlier process; cut it at the first torn record."""
+        data = path.read_bytes()
+        offset = count = 0
+        while offset + _HEADER.size <= len(data):
+            length, crc = _HEADER.unpack_from(data, offset)
+            payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
+            if len(payload) != length or zlib.crc32(payload) != crc:
+                break
+            self.max_seq = max(self.max_seq, EncodedBatch.unpack(payload).seq)
+            offset += _HEADER.size + length
+            count += 1
+        if offset != len(data):
+            log.warning("spool segment %s has a torn record at byte %d (a crash while "
+                        "writing); keeping the %d whole batches before it", path, offset, count)
+            os.truncate(path, offset)
+        if count == 0:
+            path.unlink()
+            return
+        self._segments.append(_Segment(path, offset, count))
+        self.pending_batches += count
+        self.total_bytes += offset
+
+    def append(self, batch: EncodedBatch) -> bool:
+        """Persist `batch` at the tail; False (nothing written) when the cap would be passed."""
+        payload = batch.pack()
+        record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        if self.total_bytes + len(record) > self.max_bytes:
+            return False
+        tail = self._segments[-1] if self._segments else None
+        if self._writer is None or tail is None or tail.size >= self.segment_bytes:
+            self._close_writer()
+            # seq first (later processes only use higher seqs), then a per-process counter:
+            # the halves of a split batch share its seq and may straddle two segments.
+            name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
+            self._segments_made += 1
+            tail = _Segment(self.directory / name, 0, 0)
+            self._writer = open(tail.path, "ab")  # noqa: SIM115 - held open across appends
+            self._segments.append(tail)
+        self._writer.write(record)
+        self._writer.flush()
+        if self.fsync:
+            os.fsync(self._writer.fileno())
+        tail.size += len(record)
+        tail.count += 1
+        self.pending_batches += 1
+        self.total_bytes += len(record)
+        self.max_seq = max(self.max_seq, batch.seq)
+        return True
+
+    def peek(self) -> EncodedBatch | None:
+        """The oldest batch not yet replayed."""
+        if self._head is None and self._segments:
+            head = self._segments[0]
+            with open(head.path, "rb") as handle:
+                handle.seek(head.read_offset)
+                length, _crc = _HEADER.unpack(handle.read(_HEADER.size))
+                self._head = EncodedBatch.unpack(handle.read(length))
+            self._head_size = _HEADER.size + length
+        return self._head
+
+    def pop(self) -> None:
+        """Forget the batch `peek` returned (it was delivered or rejected)."""
+        if self.peek() is None:
+            return
+        head = self._segments[0]
+        head.read_offset += self._head_size
+        head.count -= 1
+        self.pending_batches -= 1
+        self._head = None
+        if head.count == 0:
+            if len(self._segments) == 1:
+                self._close_writer()
+            self._segments.popleft()
+            head.path.unlink(missing_ok=True)
+            self.total_bytes -= head.size
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def close(self) -> None:
+        self._close_writer()
+
+
+class _SeqCounter:
+    """Per-runtime batch sequence numbers that keep increasing across restarts.
+
+    Blocks of numbers are reserved in a small file before use, so a crash skips numbers but
+    never repeats one."""
+
+    def __init__(self, path: Path, floor: int):
+        self.path = path
+        try:
+            reserved = int(path.read_text())
+        except (OSError, ValueError):
+            reserved = 0
+        self.next = max(reserved, floor)
+        self.reserved = self.next
+        self._reserve()
+
+    def _reserve(self) -> None:
+        self.reserved = self.next + _SEQ_BLOCK
+        atomic_write(self.path, str(self.reserved).encode())
+
+    def take(self) -> int:
+        if self.next >= self.reserved:
+            self._reserve()
+        seq, self.next = self.next, self.next + 1
+        return seq
+
+
+class TelemetryShipper:
+    """Bounded queue + sender thread + disk spool; see the module docstring."""
+
+    def __init__(self, *, base_url: str, token: str, deployment: str, runtime_id: str,
+                 num_layers: int, spool_dir: str | os.PathLike, queue_size: int = 100_000,
+                 batch_records: int = 1000, batch_interval_s: float = 1.0,
+                 spool_max_bytes: int = 256 << 20, segment_bytes: int = 8 << 20,
+                 max_attempts: int = 4, backoff_initial_s: float = 0.2,
+                 backoff_max_s: float = 30.0, request_timeout_s: float = 10.0,
+                 encoding: str = "msgpack", fsync: bool = True):
+        if encoding not in ("msgpack", "json"):
+            raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
+        self.deployment = deployment
+        self.runtime_id = runtime_id
+        self.num_layers = num_layers
+        self.queue_size = queue_size
+        self.batch_records = batch_records
+        self.batch_interval_s = batch_interval_s
+        self.max_attempts = max(1, max_attempts)
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.content_type = MSGPACK if encoding == "msgpack" else JSON
+        self.spool = Spool(spool_dir, max_bytes=spool_max_bytes, segment_bytes=segment_bytes,
+                           fsync=fsync)
+        self._seq = _SeqCounter(Path(spool_dir) / "seq", self.spool.max_seq + 1)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=request_timeout_s,
+                                  headers={"Authorization": f"Bearer {token}"})
+        self._queue: collections.deque[TokenRecord] = collections.deque()
+        self._queue_since: float | None = None  # when the oldest queued record was seen
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._flushes: collections.deque[threading.Event] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.online = True
+        self._probe_at = 0.0
+        self._probe_failures = 0
+        self._head_parts: list[EncodedBatch] | None = None  # a spooled batch split by a 413
+        self._auth_logged_at = -1e9
+        self.dropped_queue_records = 0  # written only by submit (the decode thread)
+        self.counters = {"sent_batches": 0, "sent_records": 0, "duplicate_batches": 0,
+                         "spooled_batches": 0, "replayed_batches": 0, "dropped_spool_records": 0,
+                         "rejected_batches": 0, "rejected_records": 0, "retries": 0,
+                         "send_errors": 0, "auth_errors": 0, "splits": 0}
+        if self.spool.pending_batches:
+            log.info("found %d spooled telemetry batches in %s; replaying them first",
+                     self.spool.pending_batches, self.spool.directory)
+
+    # -- public ----------------------------------------------------------------------------
+    def submit(self, record: TokenRecord) -> bool:
+        """Queue one record (the engine's `on_record`); never blocks, drops when full."""
+        queue = self._queue
+        if self._closed or len(queue) >= self.queue_size:
+            self.dropped_queue_records += 1
+            return False
+        queue.append(record)
+        if self._queue_since is None:
+            self._queue_since = time.monotonic()
+        if len(queue) >= self.batch_records:
+            self._wake.set()
+        return True
+
+    @property
+    def spooled_batches(self) -> int:
+        """Batches on disk waiting for the control plane (what a heartbeat reports)."""
+        return self.spool.pending_batches
+
+    @property
+    def dropped_records(self) -> int:
+        """Records lost: queue full or spool cap reached."""
+        return self.dropped_queue_records + self.counters["dropped_spool_records"]
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        return {**self.counters, "dropped_queue_records": self.dropped_queue_records,
+                "dropped_records": self.dropped_records, "queue_depth": len(self._queue),
+                "spool_pending_batches": self.spool.pending_batches,
+                "spool_bytes": self.spool.total_bytes, "online": int(self.online)}
+
+    def start(self) -> TelemetryShipper:
+        if self._thread is not None:
+            raise RuntimeError("the shipper is already started")
+        self._thread = threading.Thread(target=self._run, name="exitplane-shipper", daemon=True)
+        self._thread.start()
+        return self
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every record submitted so far is delivered, rejected or spooled."""
+        if self._thread is None or not self._thread.is_alive():
+            return not self._queue
+        done = threading.Event()
+        self._flushes.append(done)
+        self._wake.set()
+        return done.wait(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Ship or spool what is queued, then stop; True when the thread finished in time."""
+        self._closed = True
+        self._closing.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+        else:
+            self._drain(closing=True)
+        self.spool.close()
+        self._http.close()
+        return True
+
+    def wait_replayed(self, timeout: float) -> bool:
+        """Block until the spool is empty (for tests and graceful hand-over)."""
+        deadline = time.monotonic() + timeout
+        while self.spool.pending_batches or self._queue:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    # -- the sender thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            flushes = []
+            while self._flushes:
+                flushes.append(self._flushes.popleft())
+            self._drain(force=bool(flushes))
+            for done in flushes:
+                done.set()
+            self._replay()
+            self._wake.wait(self._sleep_s())
+            self._wake.clear()
+        self._drain(closing=True)
+        while self._flushes:
+            self._flushes.popleft().set()
+
+    def _sleep_s(self) -> float:
+        now = time.monotonic()
+        wait = self.batch_interval_s
+        if self._queue_since is not None:
+            wait = self._queue_since + self.batch_interval_s - now
+        if self.spool.pending_batches:
+            wait = min(wait, self._probe_at - now)
+        return max(0.005, wait)
+
+    def _drain(self, *, force: bool = False, closing: bool = False) -> None:
+        """Cut and dispatch every batch that is due (all of them when forced or closing)."""
+        while self._queue:
+            now = time.monotonic()
+            if self._queue_since is None:
+                self._queue_since = now
+            due = (force or closing or len(self._queue) >= self.batch_records
+                   or now - self._queue_since >= self.batch_interval_s)
+            if not due:
+                return
+            batch = self._cut()
+            self._queue_since = now if self._queue else None
+            if batch is not None:
+                self._dispatch(batch, closing=closing)
+
+    def _cut(self) -> EncodedBatch | None:
+        take = min(len(self._queue), self.batch_records)
+        records = [self._queue.popleft() for _ in range(take)]
+        seq = self._seq.take()
+        try:
+            batch = TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
+                                   runtime_id=self.runtime_id, seq=seq,
+                                   num_layers=self.num_layers, records=records)
+        except ValidationError as exc:
+            self.counters["rejected_batches"] += 1
+            self.counters["rejected_records"] += len(records)
+            log.error("dropping a batch of %d records that fails the wire schema: %s",
+                      len(records), exc.errors()[0]["msg"])
+            return None
+        body = _encode(batch.model_dump(mode="json"), self.content_type)
+        return EncodedBatch(batch.batch_id, seq, len(records), self.content_type, body)
+
+    def _dispatch(self, batch: EncodedBatch, *, closing: bool) -> None:
+        if self.spool.pending_batches or not self.online:
+            self._to_spool([batch])  # keep order: nothing overtakes what is spooled
+            return
+        left = self._deliver(batch, attempts=1 if closing else self.max_attempts)
+        if left:
+            self._to_spool(left)
+
+    def _to_spool(self, batches: list[EncodedBatch]) -> None:
+        for batch in batches:
+            if self.spool.append(batch):
+                self.counters["spooled_batches"] += 1
+            else:
+                self.counters["dropped_spool_records"] += batch.records
+                log.error("telemetry spool %s is full (%d bytes): dropped batch %s with %d "
+                          "records", self.spool.directory, self.spool.max_bytes, batch.batch_id,
+                          batch.records)
+
+    def _replay(self) -> None:
+        """Send spooled batches in order while the control plane takes them."""
+        while self.spool.pending_batches and not self._closing.is_set():
+            if not self.online and time.monotonic() < self._probe_at:
+                return
+            head = self.spool.peek()
+            parts = self._head_parts or [head]
+            left = []
+            for index, part in enumerate(parts):
+                left = self._deliver(part, attempts=1)
+                if left:
+                    left += parts[index + 1:]
+                    break
+            if left:
+                self._head_parts = None if left == [head] else left
+                return
+            self._head_parts = None
+            self.spool.pop()
+            self.counters["replayed_batches"] += 1
+            self._drain()  # records that came in meanwhile queue behind the spool
+
+    def _deliver(self, batch: EncodedBatch, *, attempts: int) -> list[EncodedBatch]:
+        """Send `batch` (splitting it on 413); returns what is still undelivered, in order."""
+        for attempt in range(attempts):
+            outcome, retry_after = self._post(batch)
+            if outcome == "done":
+                self._mark_online()
+                return []
+            if outcome == "split":
+                halves = batch.split()
+                if not halves:
+                    self._reject(batch, "a single record exceeds the server's body limit")
+                    return []
+                self.counters["splits"] += 1
+                first = self._deliver(halves[0], attempts=attempts)
+                if first:
+                    return [*first, halves[1]]
+                return self._deliver(halves[1], attempts=attempts)
+            if outcome == "auth" or attempt + 1 == attempts:
+                self._mark_offline(retry_after)
+                return [batch]
+            self.counters["retries"] += 1
+            delay = retry_after if retry_after is not None else backoff_delay(
+                attempt, self.backoff_initial_s, self.backoff_max_s)
+            if self._closing.wait(delay):
+                return [batch]  # shutting down: the spool takes it
+        return [batch]
+
+    def _post(self, batch: EncodedBatch) -> tuple[str, float | None]:
+        """One POST: 'done', 'split', 'auth' or 'retry' (with Retry-After seconds if given)."""
+        try:
+            response = self._http.post("/v1/telemetry", content=batch.body,
+                                       headers={"Content-Type": batch.content_type})
+        except httpx.HTTPError as exc:
+            self.counters["send_errors"] += 1
+            log.debug("telemetry batch %s not sent: %s", batch.batch_id, exc)
+            return "retry", None
+        status = response.status_code
+        if status in (200, 201, 202):
+            duplicate = _json(response).get("duplicate") is True
+            self.counters["sent_batches"] += 1
+            self.counters["duplicate_batches"] += int(duplicate)
+            if not duplicate:
+                self.counters["sent_records"] += batch.records
+            return "done", None
+        if status == 413:
+            return "split", None
+        if status in (401, 403):
+            self.counters["auth_errors"] += 1
+            now = time.monotonic()
+            if now - self._auth_logged_at > 60:
+                self._auth_logged_at = now
+                log.error("the control plane refuses this runtime's telemetry (%d: %s): check "
+                          "the runtime token and its deployment; batches stay spooled", status,
+                          response.text[:300])
+            return "auth", None
+        if status in (408, 429) or status >= 500:
+            self.counters["send_errors"] += 1
+            return "retry", _retry_after(response, self.backoff_max_s)
+        detail = _json(response).get("detail") or response.text[:300]
+        self._reject(batch, f"{status}: {detail}")
+        return "done", None
+
+    def _reject(self, batch: EncodedBatch, reason: str) -> None:
+        self.counters["rejected_batches"] += 1
+        self.counters["rejected_records"] += batch.records
+        log.error("control plane rejected telemetry batch %s (seq %d, %d records): %s; not "
+                  "retrying it", batch.batch_id, batch.seq, batch.records, reason)
+
+    def _mark_online(self) -> None:
+        if not self.online:
+            log.info("control plane takes telemetry again; replaying %d spooled batches",
+                     self.spool.pending_batches)
+        self.online, self._probe_failures = True, 0
+
+    def _mark_offline(self, retry_after: float | None) -> None:
+        if self.online:
+            log.warning("control plane unreachable for telemetry; spooling to %s",
+                        self.spool.directory)
+        self.online = False
+        delay = retry_after if retry_after is not None else backoff_delay(
+            self._probe_failures, self.backoff_initial_s, self.backoff_max_s)
+        self._probe_failures += 1
+        self._probe_at = time.monotonic() + delay
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _retry_after(response: httpx.Response, cap: float) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return None if value is None else min(cap, max(0.0, float(value)))
+    except ValueError:
+        return None
