@@ -292,11 +292,12 @@ class Engine:
         state = signals.SignalState(batch, device)
         mask_only = self.config.batching == "mask"
         thresholds = policy.thresholds
+        checked = self._checked_layers(policy, any(shadow))
         for layer in range(parts.num_layers):
             x = self._layer(layer, x[:, None], rows.slots, rows.positions[:, None], rows,
                             rows.length)[:, 0]
             depth = layer + 1
-            if depth not in thresholds:
+            if depth not in checked:
                 continue
             value, top1, logits = signals.check(policy.signal, self.readout, depth, x, state)
             signal_at[rows.index] = torch.where(rows.done, signal_at[rows.index], value)
@@ -332,6 +333,18 @@ class Engine:
                 self.cache.mark_filled(int(slot), parts.num_layers, int(pos) + 1)
         return {"tokens": tokens, "exit_layer": exit_layer, "signal": signal_at,
                 "shadow_log": shadow_log, "shadow": shadow}
+
+    @staticmethod
+    def _checked_layers(policy: ExitPolicy, shadow: bool) -> frozenset[int]:
+        """Exit layers worth a check: a threshold of 1.0 can never be passed, so unless a
+        shadow row needs labels (or saturation needs its chain) those checks are skipped."""
+        layers = frozenset(policy.thresholds)
+        if shadow:
+            return layers
+        live = frozenset(k for k, t in policy.thresholds.items() if t < 1.0)
+        if policy.signal == Signal.saturation and live:
+            return frozenset(k for k in layers if k <= max(live))
+        return live
 
     def _fill_skipped(self, depth: int, rows: _Rows, leaving: torch.Tensor,
                       hidden: torch.Tensor) -> None:

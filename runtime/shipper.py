@@ -56,15 +56,18 @@ class EncodedBatch:
     body: bytes
 
     def pack(self) -> bytes:
+        """The spool record: id, seq, count, content type and body in one msgpack array."""
         return msgpack.packb([self.batch_id, self.seq, self.records, self.content_type,
                               self.body], use_bin_type=True)
 
     @classmethod
     def unpack(cls, payload: bytes) -> EncodedBatch:
+        """Read a spool record back."""
         batch_id, seq, records, content_type, body = msgpack.unpackb(payload, raw=False)
         return cls(batch_id, seq, records, content_type, body)
 
     def decode(self) -> dict[str, Any]:
+        """The batch as a dict (the model_dump of its TelemetryBatch)."""
         if self.content_type == MSGPACK:
             return msgpack.unpackb(self.body, raw=False)
         return json.loads(self.body)
@@ -205,6 +208,7 @@ class Spool:
             self._writer = None
 
     def close(self) -> None:
+        """Close the open segment; what was appended is already on disk."""
         self._close_writer()
 
 
@@ -229,6 +233,7 @@ class _SeqCounter:
         atomic_write(self.path, str(self.reserved).encode())
 
     def take(self) -> int:
+        """The next sequence number."""
         if self.next >= self.reserved:
             self._reserve()
         seq, self.next = self.next, self.next + 1
@@ -309,12 +314,14 @@ class TelemetryShipper:
 
     @property
     def metrics(self) -> dict[str, int]:
+        """Counters and gauges for scraping or a heartbeat."""
         return {**self.counters, "dropped_queue_records": self.dropped_queue_records,
                 "dropped_records": self.dropped_records, "queue_depth": len(self._queue),
                 "spool_pending_batches": self.spool.pending_batches,
                 "spool_bytes": self.spool.total_bytes, "online": int(self.online)}
 
     def start(self) -> TelemetryShipper:
+        """Start the sender thread (it replays what an earlier process spooled first)."""
         if self._thread is not None:
             raise RuntimeError("the shipper is already started")
         self._thread = threading.Thread(target=self._run, name="exitplane-shipper", daemon=True)
@@ -360,15 +367,23 @@ class TelemetryShipper:
             flushes = []
             while self._flushes:
                 flushes.append(self._flushes.popleft())
-            self._drain(force=bool(flushes))
+            try:
+                self._drain(force=bool(flushes))
+                self._replay()
+            except Exception:  # a disk or encoding fault must not stop shipping for good
+                log.exception("telemetry shipper error; retrying")
+                self._mark_offline(None)
+                self._flushes.extendleft(reversed(flushes))  # not done: they wait on
+                flushes = []
             for done in flushes:
                 done.set()
-            self._replay()
             self._wake.wait(self._sleep_s())
             self._wake.clear()
-        self._drain(closing=True)
-        while self._flushes:
-            self._flushes.popleft().set()
+        try:
+            self._drain(closing=True)
+        finally:
+            while self._flushes:
+                self._flushes.popleft().set()
 
     def _sleep_s(self) -> float:
         now = time.monotonic()

@@ -140,7 +140,6 @@ class ThresholdClient:
         self.counters = {"pulls": 0, "not_modified": 0, "applied": 0, "refused": 0,
                          "pull_errors": 0, "heartbeats": 0, "heartbeat_errors": 0,
                          "cache_write_errors": 0}
-        self._lock = threading.Lock()
         self._started = threading.Event()  # the first set (any source) is applied
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -245,6 +244,10 @@ class ThresholdClient:
             except RefusedThresholdSet as exc:
                 problem, refused = str(exc), True
                 self._refuse(exc)
+            except Exception as exc:  # keep the thread alive: the engine must keep a set
+                log.exception("threshold client error")
+                problem = f"internal error: {exc!r}"
+                self.counters["pull_errors"] += 1
             if problem is None:
                 failures = 0
             else:
@@ -305,10 +308,9 @@ class ThresholdClient:
         except ValueError as exc:
             raise RefusedThresholdSet(f"engine refused set v{wire.version}: {exc}") from exc
         previous = self.applied
-        with self._lock:
-            self.applied, self.source = wire, source
-            if source == SOURCE_CONTROL_PLANE:
-                self.error = None  # a good set from the control plane clears a refusal
+        self.applied, self.source = wire, source
+        if source == SOURCE_CONTROL_PLANE:
+            self.error = None  # a good set from the control plane clears a refusal
         self.counters["applied"] += 1
         if previous is None or previous.checksum != wire.checksum:
             log.info("applied threshold set v%d (%s, checksum %s) from %s", wire.version,

