@@ -142,8 +142,8 @@ def _rows(deployment: Deployment, batches: list[TelemetryBatch],
           thresholds: dict[int, np.ndarray]):
     """Raw rows, shadow rows and the rollup / histogram increments for `batches`."""
     layers = deployment.exit_layers
-    full = deployment.num_layers
-    all_layers = [*layers, full]
+    deployment_id = deployment.id  # hoisted: ORM attribute access costs per record
+    all_layers = [*layers, deployment.num_layers]
     tokens, shadows = [], []
     exits: Counter = Counter()
     hist: Counter = Counter()
@@ -159,7 +159,7 @@ def _rows(deployment: Deployment, batches: list[TelemetryBatch],
             if minute is None:
                 minute = minutes[minute_key] = datetime.fromtimestamp(minute_key, UTC)
             version = record.threshold_version
-            tokens.append((batch.batch_id, idx, ts, deployment.id, runtime, version,
+            tokens.append((batch.batch_id, idx, ts, deployment_id, runtime, version,
                            record.request_id, record.position, record.exit_layer,
                            record.signal_value, record.latency_us, record.shadow is not None))
             key = (version, runtime, minute)
@@ -170,7 +170,7 @@ def _rows(deployment: Deployment, batches: list[TelemetryBatch],
                 by_layer = {p.layer: p for p in record.shadow}
                 signal = np.array([by_layer[k].signal for k in layers])
                 matched = np.array([by_layer[k].matched for k in layers], dtype=np.uint8)
-                shadows.append((batch.batch_id, idx, ts, deployment.id, version, runtime,
+                shadows.append((batch.batch_id, idx, ts, deployment_id, version, runtime,
                                 signal.astype("<f4").tobytes(), matched.tobytes()))
                 exiting = np.nonzero(signal > thresholds[version])[0]
                 policy_at = int(exiting[0]) if len(exiting) else None
@@ -230,12 +230,12 @@ def _upsert_counts(session: Session, model, counters: tuple[str, ...], deploymen
     # Sorted keys: concurrent writers lock rows in the same order and cannot deadlock.
     values = [dict(zip(keys, key, strict=True)) | dict(zip(counters, amounts, strict=True))
               for key, amounts in sorted(increments.items(), key=lambda item: str(item[0]))]
-    for start in range(0, len(values), 2000):
-        statement = _dialect_insert(session, model).values(values[start:start + 2000])
-        statement = statement.on_conflict_do_update(
-            index_elements=keys,
-            set_={name: getattr(model, name) + statement.excluded[name] for name in counters})
-        session.execute(statement)
+    statement = _dialect_insert(session, model)
+    statement = statement.on_conflict_do_update(
+        index_elements=keys,
+        set_={name: getattr(model, name) + statement.excluded[name] for name in counters})
+    # One statement for all rows (executemany): compiled once and cached, whatever the count.
+    session.connection().execute(statement, values)
 
 
 # -- reads -------------------------------------------------------------------------------------
