@@ -140,8 +140,8 @@ def make_engine(tiny_model):
     """Build an early-exit engine over the tiny model (exit layers 2 and 4, maxprob)."""
     from runtime.engine import Engine, EngineConfig
 
-    def build(**kwargs):
-        return Engine(tiny_model, exit_layers=EXIT_LAYERS,
-                      config=EngineConfig(max_batch=4, max_seq_len=128), **kwargs)
+    def build(*, shadow_rate: float = 0.0, **kwargs):
+        config = EngineConfig(max_batch=4, max_seq_len=128, shadow_rate=shadow_rate)
+        return Engine(tiny_model, exit_layers=EXIT_LAYERS, config=config, **kwargs)
 
     return build
