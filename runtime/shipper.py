@@ -269,6 +269,7 @@ class TelemetryShipper:
                                   headers={"Authorization": f"Bearer {token}"})
         self._queue: collections.deque[TokenRecord] = collections.deque()
         self._queue_since: float | None = None  # when the oldest queued record was seen
+        self._in_flight = 0  # records cut from the queue and not yet sent or spooled
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._flushes: collections.deque[threading.Event] = collections.deque()
@@ -353,9 +354,9 @@ class TelemetryShipper:
         return True
 
     def wait_replayed(self, timeout: float) -> bool:
-        """Block until the spool is empty (for tests and graceful hand-over)."""
+        """Block until nothing is queued, in flight or spooled (tests, graceful hand-over)."""
         deadline = time.monotonic() + timeout
-        while self.spool.pending_batches or self._queue:
+        while self.spool.pending_batches or self._queue or self._in_flight:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
@@ -407,7 +408,11 @@ class TelemetryShipper:
             batch = self._cut()
             self._queue_since = now if self._queue else None
             if batch is not None:
-                self._dispatch(batch, closing=closing)
+                self._in_flight = batch.records
+                try:
+                    self._dispatch(batch, closing=closing)
+                finally:
+                    self._in_flight = 0
 
     def _cut(self) -> EncodedBatch | None:
         take = min(len(self._queue), self.batch_records)

@@ -336,10 +336,14 @@ class ThresholdClient:
         if self.applied is not None:
             return
         if cached is not None:
-            log.warning("%s; serving cached threshold set v%d from %s", reason, cached.version,
-                        self.cache_path)
-            self._apply(cached, SOURCE_CACHE, write_cache=False)
-            return
+            try:
+                self._apply(cached, SOURCE_CACHE, write_cache=False)
+            except RefusedThresholdSet as exc:
+                log.warning("cannot use the cached threshold set: %s", exc)
+            else:
+                log.warning("%s; serving cached threshold set v%d from %s", reason,
+                            cached.version, self.cache_path)
+                return
         builtin = ThresholdSetWire.never_exit(deployment=self.deployment,
                                               signal=self.conservative_signal,
                                               exit_layers=self.exit_layers)
