@@ -44,7 +44,7 @@ def main() -> None:
     """exitplane: control plane for early-exit language models."""
 
 
-main.add_command(LazyGroup("runtime", target="runtime.cli:runtime", extra="runtime",
+main.add_command(LazyGroup("runtime", target="runtime.cli:runtime_cli", extra="runtime",
                            help="Early-exit runtime: generate, train heads, benchmark."))
 
 
@@ -88,6 +88,38 @@ def token_create(name: str, scope: str, deployment: str | None) -> None:
     except DomainError as error:
         _fail(str(error))
     click.echo(secret)
+
+
+@main.group()
+def user() -> None:
+    """People who sign in to the admin UI (/ui)."""
+
+
+@user.command("create")
+@click.option("--username", required=True)
+@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True)
+@click.option("--password-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="read the password from this file (default: prompt)")
+def user_create(username: str, role: str, password_file: str | None) -> None:
+    """Create a UI user with a role: viewers read, operators act, admins manage."""
+    from pathlib import Path
+
+    from controlplane.auth.users import create_user
+    from controlplane.db import session_scope
+    from controlplane.errors import DomainError
+
+    if password_file:
+        password = Path(password_file).read_text().rstrip("\r\n")
+    else:
+        password = click.prompt("password", hide_input=True, confirmation_prompt=True)
+    try:
+        with session_scope() as session:
+            created = create_user(session=session, username=username, password=password,
+                                  role=role)
+            name = created.username
+    except DomainError as error:
+        _fail(str(error))
+    click.echo(f"user {name!r} created with role {role}")
 
 
 @main.command()

@@ -85,6 +85,9 @@ class Request:
     stop_token_ids: frozenset[int]
     slot: int = -1
     generated: list[int] = field(default_factory=list)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
 
     @property
     def position(self) -> int:
@@ -193,19 +196,31 @@ class Engine:
         self.policy = policy
 
     def add_request(self, prompt: list[int], *, request_id: str | None = None,
-                    max_new_tokens: int = 64, stop_token_ids: Iterable[int] | None = None) -> str:
-        """Queue a prompt (token ids); it joins the running batch at the next step."""
+                    max_new_tokens: int = 64, stop_token_ids: Iterable[int] | None = None,
+                    temperature: float = 0.0, top_p: float = 1.0,
+                    seed: int | None = None) -> str:
+        """Queue a prompt (token ids); it joins the running batch at the next step.
+
+        temperature 0 is greedy; otherwise the token is sampled (nucleus `top_p`) from the
+        distribution of the layer the token exits at."""
         request_id = request_id or f"req-{next(self._ids)}"
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request {request_id!r} already exists")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if len(prompt) + max_new_tokens > self.config.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds max_seq_len {self.config.max_seq_len}")
         stops = self.parts.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator()  # sampling draws on the CPU
+            generator.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
         self._waiting[request_id] = Request(request_id, list(prompt), max_new_tokens,
-                                            frozenset(stops))
+                                            frozenset(stops), temperature=temperature,
+                                            top_p=top_p, generator=generator)
         return request_id
 
     def cancel(self, request_id: str) -> bool:
@@ -286,6 +301,8 @@ class Engine:
         rows = _Rows.start(slots, positions, shadow)
         x = parts.embed(torch.tensor([r.last_token for r in requests], device=device))  # (B, H)
         tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        greedy = torch.zeros(batch, dtype=torch.long, device=device)  # top-1: shadow labels
+        sampling = any(r.temperature > 0 for r in requests)
         exit_layer = torch.full((batch,), parts.num_layers, dtype=torch.long, device=device)
         signal_at = torch.zeros(batch, device=device)
         shadow_log: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -313,7 +330,9 @@ class Engine:
             exit_logits = logits[leaving] if logits is not None else \
                 self.readout.logits(depth, hidden)
             leaving_rows = rows.index[leaving]
-            tokens[leaving_rows] = exit_logits.argmax(-1)
+            greedy[leaving_rows] = exit_logits.argmax(-1)
+            tokens[leaving_rows] = (_sample(exit_logits, leaving_rows, requests) if sampling
+                                    else greedy[leaving_rows])
             exit_layer[leaving_rows] = depth
             if mask_only:
                 rows.done = rows.done | leaving
@@ -326,12 +345,15 @@ class Engine:
             if len(rows) == 0:
                 break
         if len(rows):
-            final = self.readout.logits(parts.num_layers, x).argmax(-1)
+            logits = self.readout.logits(parts.num_layers, x)
+            final = logits.argmax(-1)
             still = ~rows.done
-            tokens[rows.index[still]] = final[still]
+            greedy[rows.index[still]] = final[still]
+            tokens[rows.index[still]] = (_sample(logits[still], rows.index[still], requests)
+                                         if sampling else final[still])
             for slot, pos in zip(rows.slots_np, rows.positions_np, strict=True):
                 self.cache.mark_filled(int(slot), parts.num_layers, int(pos) + 1)
-        return {"tokens": tokens, "exit_layer": exit_layer, "signal": signal_at,
+        return {"tokens": tokens, "greedy": greedy, "exit_layer": exit_layer, "signal": signal_at,
                 "shadow_log": shadow_log, "shadow": shadow}
 
     @staticmethod
@@ -431,7 +453,7 @@ class Engine:
         tokens = result["tokens"].tolist()
         exit_layers = result["exit_layer"].tolist()
         signal_values = result["signal"].clamp(0.0, 1.0).tolist()
-        shadow_points = self._shadow_points(result, tokens)
+        shadow_points = self._shadow_points(result, result["greedy"].tolist())
         latency_us = int((time.perf_counter() - started) * 1e6)
         now = time.time()
         outputs = []
@@ -466,3 +488,20 @@ class Engine:
             if is_shadow:
                 points.setdefault(row, [])
         return points
+
+
+def _sample(logits: torch.Tensor, rows: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Per row: greedy at temperature 0, else nucleus sampling with the request's generator."""
+    picked = logits.argmax(-1)
+    for i, row in enumerate(rows.tolist()):
+        request = requests[row]
+        if request.temperature <= 0:
+            continue
+        probs = torch.softmax(logits[i].float() / request.temperature, dim=-1)  # (V,)
+        if request.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < request.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        choice = torch.multinomial(probs.cpu(), 1, generator=request.generator)
+        picked[i] = choice.to(picked.device)[0]
+    return picked
