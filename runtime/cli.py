@@ -158,3 +158,67 @@ def bench(args) -> None:
     from runtime.benchmark import main
 
     sys.exit(main(list(args)))
+
+
+@runtime_cli.command()
+@click.option("--deployment", default=None, help="Deployment whose thresholds to pull.")
+@click.option("--control-plane", default=None, help="Control plane URL, e.g. http://cp:8000.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="File holding the runtime's API token.")
+@click.option("--model", "model_source", default=None,
+              help="HF checkpoint dir or .gguf (default SmolLM2-135M-Instruct); 'tiny' serves "
+                   "the tiny random test model with a character tokenizer.")
+@click.option("--heads", "heads_path", default=None, help="Exit heads artifact.")
+@click.option("--thresholds", "thresholds_path", default=None,
+              help="Serve offline with this threshold set instead of a control plane.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--max-batch", default=8, show_default=True)
+@click.option("--max-queue", default=64, show_default=True,
+              help="Requests waiting beyond max-batch before 429.")
+@click.option("--shadow-rate", default=0.05, show_default=True)
+@click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy")
+@click.option("--runtime-id", default=None, help="Default: host-pid.")
+@click.option("--state-dir", default="var/runtime-state", show_default=True,
+              help="Threshold cache and telemetry spool.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8100, show_default=True)
+def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
+          device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
+          port) -> None:
+    """Serve the OpenAI-compatible API on the early-exit engine."""
+    import socket
+
+    import uvicorn
+
+    from runtime.engine import Engine, EngineConfig
+    from runtime.server import build_state, create_serve_app
+
+    _threads()
+    if not control_plane and not thresholds_path:
+        raise click.UsageError("give --control-plane (with --deployment and --token-file) or "
+                               "--thresholds FILE")
+    token = Path(token_file).read_text().strip() if token_file else None
+    if model_source == "tiny":
+        from runtime.model import tiny_llama
+        from runtime.testing import ascii_tokenizer
+
+        model, tokenizer, heads, name = tiny_llama(), ascii_tokenizer(), None, "tiny-llama"
+    else:
+        from runtime.model import load_served, model_name
+
+        model, tokenizer, heads = load_served(model_source, heads_path=heads_path, device=device)
+        name = model_name(model_source)
+    engine = Engine(model, heads=heads,
+                    config=EngineConfig(max_batch=max_batch, shadow_rate=shadow_rate,
+                                        kv_policy=kv_policy),
+                    runtime_id=runtime_id or f"{socket.gethostname()}-{os.getpid()}")
+    static = read_threshold_file(thresholds_path) if thresholds_path else None
+    try:
+        state = build_state(engine=engine, tokenizer=tokenizer, model_name=name,
+                            control_plane=control_plane, deployment=deployment, token=token,
+                            state_dir=state_dir, max_queue=max_queue, static_thresholds=static)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+    click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}",
+               err=True)
+    uvicorn.run(create_serve_app(state), host=host, port=port, log_level="warning")
