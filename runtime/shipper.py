@@ -299,7 +299,7 @@ class TelemetryShipper:
         queue.append(record)
         if self._queue_since is None:
             self._queue_since = time.monotonic()
-        if len(queue) >= self.batch_records:
+        if len(queue) == self.batch_records:  # once per full batch: Event.set is not free
             self._wake.set()
         return True
 
