@@ -200,12 +200,24 @@ def test_a_413_splits_the_batch_until_it_fits(settings, engine, operator, runtim
         shipper.start()
         for record in _records(80):
             shipper.submit(record)
-        assert shipper.flush(20) and shipper.close(10)
-        assert shipper.counters["splits"] >= 3 and shipper.counters["sent_records"] == 80
+        assert shipper.flush(20)
+        assert shipper.counters["splits"] == 3 and shipper.counters["sent_records"] == 80
         stored = _stored_batches(engine)
         parent = stored[0][0][:32]
-        assert all(batch_id.startswith(parent) and len(batch_id) > 32 for batch_id, _ in stored)
-        assert _counts(operator)["records"] == 80
+        assert sorted(batch_id for batch_id, _ in stored) == [
+            parent + suffix for suffix in ("aa", "ab", "ba", "bb")]
+
+        # A spooled batch that meets the limit on replay is split the same way.
+        plane.stop()
+        for record in _records(80, start=80):
+            shipper.submit(record)
+        assert shipper.flush(20)
+        [spooled] = _spooled(tmp_path / "spool")
+        plane.start()
+        assert shipper.wait_replayed(30) and shipper.close(10)
+        replayed = [batch_id for batch_id, _ in _stored_batches(engine)[4:]]
+        assert replayed == [spooled.batch_id + suffix for suffix in ("aa", "ab", "ba", "bb")]
+        assert _counts(operator)["records"] == 160 and shipper.counters["splits"] == 6
     finally:
         plane.close()
 
