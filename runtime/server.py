@@ -47,6 +47,7 @@ class _Base(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     seed: int | None = None
+    ignore_eos: bool = Field(default=False, description="extension: generate max_tokens tokens")
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -269,7 +270,10 @@ class ServeState:
 
     @property
     def ready(self) -> bool:
-        return self.accepting and (self.thresholds is None or self.thresholds.ready)
+        client = self.thresholds
+        # Ready once a set from the control plane or its cache is applied; the built-in
+        # never-exit fallback serves, but is reported not ready.
+        return self.accepting and (client is None or (client.ready and not client.degraded))
 
 
 def create_serve_app(state: ServeState) -> FastAPI:
@@ -359,7 +363,8 @@ async def _serve(state: ServeState, request: Request, body: _Base, prompt: list[
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
     try:
         job = state.worker.submit(prompt, max_tokens=max_tokens,
-                                  stop_ids=list(state.engine.parts.eos_token_ids),
+                                  stop_ids=[] if body.ignore_eos
+                                  else list(state.engine.parts.eos_token_ids),
                                   sampling=sampling)
     except OverflowError:
         state.metrics.requests.labels("rejected").inc()
@@ -420,7 +425,7 @@ async def _tokens(state: ServeState, request: Request, job: _Job,
                 raise HTTPException(422, item[1])
             job.exit_layers.append(item.record.exit_layer)
             delta = detok.push(item.token)
-            is_eos = item.token in state.engine.parts.eos_token_ids
+            is_eos = item.token in state.engine.parts.eos_token_ids and item.finished
             yield "token", delta
             if detok.stopped or (item.finished and is_eos):
                 if not item.finished:
