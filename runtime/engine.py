@@ -110,9 +110,13 @@ class StepOutput:
 
 
 class _Rows:
-    """The active rows of one decode step; compaction keeps a subset of every field at once."""
+    """The active rows of one decode step; compaction keeps a subset of every field at once.
 
-    def __init__(self, index, slots, positions, shadow, done, mask, shadow_np, length):
+    Slots and positions live on the host too (numpy), so bookkeeping never reads the device.
+    """
+
+    def __init__(self, index, slots, positions, shadow, done, mask, *, shadow_np, slots_np,
+                 positions_np, length):
         self.index = index  # (B,) row number within the step
         self.slots = slots  # (B,) KV slot ids
         self.positions = positions  # (B,) position of the fed token
@@ -120,29 +124,33 @@ class _Rows:
         self.done = done  # (B,) bool: mask-only rows that already exited
         self.mask = mask  # (B, 1, 1, T) keys each row may attend to; None for one full row
         self.shadow_np = shadow_np
+        self.slots_np = slots_np
+        self.positions_np = positions_np
         self.length = length  # T: keys read this step
-        self.slots_np = slots.cpu().numpy()
-        self.positions_np = positions.cpu().numpy()
-        self.contiguous = bool((self.slots_np == np.arange(len(self.slots_np))).all())
+        self.contiguous = bool((slots_np == np.arange(len(slots_np))).all())
 
     @classmethod
-    def start(cls, slots: torch.Tensor, positions: torch.Tensor, shadow: list[bool]) -> _Rows:
-        device = slots.device
-        batch = len(shadow)
-        length = int(positions.max()) + 1
+    def start(cls, slots: list[int], positions: list[int], shadow: list[bool],
+              device: torch.device) -> _Rows:
+        batch = len(slots)
+        length = max(positions) + 1
+        slots_t = torch.tensor(slots, device=device)
+        positions_t = torch.tensor(positions, device=device)
         mask = None
         if batch > 1:
             key_pos = torch.arange(length, device=device)
-            mask = (key_pos[None, :] <= positions[:, None])[:, None, None]  # (B, 1, 1, T)
-        return cls(torch.arange(batch, device=device), slots, positions,
+            mask = (key_pos[None, :] <= positions_t[:, None])[:, None, None]  # (B, 1, 1, T)
+        return cls(torch.arange(batch, device=device), slots_t, positions_t,
                    torch.tensor(shadow, device=device),
                    torch.zeros(batch, dtype=torch.bool, device=device), mask,
-                   np.array(shadow, dtype=bool), length)
+                   shadow_np=np.array(shadow, dtype=bool), slots_np=np.array(slots),
+                   positions_np=np.array(positions), length=length)
 
     def keep(self, keep: torch.Tensor, keep_np: np.ndarray) -> _Rows:
         return _Rows(self.index[keep], self.slots[keep], self.positions[keep], self.shadow[keep],
                      self.done[keep], None if self.mask is None else self.mask[keep],
-                     self.shadow_np[keep_np], self.length)
+                     shadow_np=self.shadow_np[keep_np], slots_np=self.slots_np[keep_np],
+                     positions_np=self.positions_np[keep_np], length=self.length)
 
     def __len__(self) -> int:
         return len(self.slots_np)
@@ -295,10 +303,9 @@ class Engine:
         """One token for each request; returns per-row tokens, exit layers, signals, shadow."""
         parts, device = self.parts, self.parts.device
         batch = len(requests)
-        slots = torch.tensor([r.slot for r in requests], device=device)
-        positions = torch.tensor([r.position for r in requests], device=device)
         shadow = [self._rng.random() < self.config.shadow_rate for _ in requests]
-        rows = _Rows.start(slots, positions, shadow)
+        rows = _Rows.start([r.slot for r in requests], [r.position for r in requests], shadow,
+                           device)
         x = parts.embed(torch.tensor([r.last_token for r in requests], device=device))  # (B, H)
         tokens = torch.zeros(batch, dtype=torch.long, device=device)
         greedy = torch.zeros(batch, dtype=torch.long, device=device)  # top-1: shadow labels
@@ -324,7 +331,9 @@ class Engine:
                                else top1[sel])
                 shadow_log.append((depth, rows.index[sel], value[sel], shadow_top1))
             leaving = (value > thresholds[depth]) & ~rows.shadow & ~rows.done
-            if not bool(leaving.any()):  # one host sync per exit layer, none per plain layer
+            # the one device->host read of a live exit layer; plain layers never read back
+            leaving_np = leaving.cpu().numpy()
+            if not leaving_np.any():
                 continue
             hidden = x[leaving]
             exit_logits = logits[leaving] if logits is not None else \
@@ -337,10 +346,9 @@ class Engine:
             if mask_only:
                 rows.done = rows.done | leaving
                 continue
-            self._fill_skipped(depth, rows, leaving, hidden)
+            self._fill_skipped(depth, rows, leaving, leaving_np, hidden)
             keep = ~leaving
-            keep_np = keep.cpu().numpy()
-            rows, x = rows.keep(keep, keep_np), x[keep]
+            rows, x = rows.keep(keep, ~leaving_np), x[keep]
             state.keep(keep)
             if len(rows) == 0:
                 break
@@ -369,7 +377,7 @@ class Engine:
         return live
 
     def _fill_skipped(self, depth: int, rows: _Rows, leaving: torch.Tensor,
-                      hidden: torch.Tensor) -> None:
+                      leaving_np: np.ndarray, hidden: torch.Tensor) -> None:
         """KV for layers depth+1.. of tokens leaving now (and of their pending positions)."""
         slots, positions = rows.slots[leaving], rows.positions[leaving]
         if self.cache.policy == "propagate":
@@ -379,8 +387,9 @@ class Engine:
         else:
             self.cache.stash(slots, positions, hidden)
             depth_filled = depth
-        for slot, pos in zip(slots.tolist(), positions.tolist(), strict=True):
-            self.cache.mark_filled(slot, depth_filled, pos + 1)
+        for slot, pos in zip(rows.slots_np[leaving_np], rows.positions_np[leaving_np],
+                             strict=True):
+            self.cache.mark_filled(int(slot), depth_filled, int(pos) + 1)
 
     def _layer(self, layer: int, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                rows: _Rows | None, length: int, *, mask: torch.Tensor | None = None,

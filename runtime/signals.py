@@ -100,7 +100,7 @@ def check(signal: Signal, readout: ExitReadout, layer: int, hidden: torch.Tensor
     """One exit check: (signal (B,), top1 (B,) or None, logits or None) without host syncs."""
     if signal == Signal.learned:
         return readout.confidence(layer, hidden).float(), None, None
-    logits = readout.logits(layer, hidden)
+    logits = readout.logits(layer, hidden).float()  # bf16 softmax statistics are too coarse
     top1 = logits.argmax(dim=-1)
     if signal == Signal.saturation:
         value, state.run = saturation(top1, state.prev_top1, state.run)

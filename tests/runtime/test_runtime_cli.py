@@ -10,19 +10,15 @@ from click.testing import CliRunner
 from exitplane.wire import ThresholdSetWire
 from runtime.cli import runtime_cli
 from runtime.heads import ExitHeads
-from runtime.model import load_model, smollm2_gguf_path, tiny_llama
+from runtime.model import load_model, tiny_llama
+from runtime.testing import ascii_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A 6-layer random Llama with SmolLM2's tokenizer, saved as a local HF checkpoint."""
-    from transformers import AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    """A 6-layer random Llama with a character tokenizer, saved as a local HF checkpoint."""
+    tokenizer = ascii_tokenizer()
     model = tiny_llama(seed=3, vocab_size=len(tokenizer), hidden_size=64)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
     folder = tmp_path_factory.mktemp("tiny-ckpt")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
