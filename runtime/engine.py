@@ -115,9 +115,10 @@ class _Rows:
     Slots and positions live on the host too (numpy), so bookkeeping never reads the device.
     """
 
-    def __init__(self, index, slots, positions, shadow, done, mask, *, shadow_np, slots_np,
-                 positions_np, length):
+    def __init__(self, index, slots, positions, shadow, done, mask, *, index_np, shadow_np,
+                 slots_np, positions_np, length):
         self.index = index  # (B,) row number within the step
+        self.index_np = index_np
         self.slots = slots  # (B,) KV slot ids
         self.positions = positions  # (B,) position of the fed token
         self.shadow = shadow  # (B,) bool: runs to full depth, labels every exit
@@ -143,13 +144,15 @@ class _Rows:
         return cls(torch.arange(batch, device=device), slots_t, positions_t,
                    torch.tensor(shadow, device=device),
                    torch.zeros(batch, dtype=torch.bool, device=device), mask,
-                   shadow_np=np.array(shadow, dtype=bool), slots_np=np.array(slots),
+                   index_np=np.arange(batch), shadow_np=np.array(shadow, dtype=bool),
+                   slots_np=np.array(slots),
                    positions_np=np.array(positions), length=length)
 
     def keep(self, keep: torch.Tensor, keep_np: np.ndarray) -> _Rows:
         return _Rows(self.index[keep], self.slots[keep], self.positions[keep], self.shadow[keep],
                      self.done[keep], None if self.mask is None else self.mask[keep],
-                     shadow_np=self.shadow_np[keep_np], slots_np=self.slots_np[keep_np],
+                     index_np=self.index_np[keep_np], shadow_np=self.shadow_np[keep_np],
+                     slots_np=self.slots_np[keep_np],
                      positions_np=self.positions_np[keep_np], length=self.length)
 
     def __len__(self) -> int:
@@ -314,6 +317,10 @@ class Engine:
         signal_at = torch.zeros(batch, device=device)
         shadow_log: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         state = signals.SignalState(batch, device)
+        # learned exits defer the vocabulary projection to one matmul at the end of the step:
+        # at batch > 1 each separate projection would re-read the whole (V, hidden) head
+        head_in = x.new_zeros(batch, parts.hidden_size)  # (B, hidden)
+        projected_np = np.zeros(batch, dtype=bool)  # token already chosen from exit logits
         mask_only = self.config.batching == "mask"
         thresholds = policy.thresholds
         checked = self._checked_layers(policy, any(shadow))
@@ -336,12 +343,15 @@ class Engine:
             if not leaving_np.any():
                 continue
             hidden = x[leaving]
-            exit_logits = logits[leaving] if logits is not None else \
-                self.readout.logits(depth, hidden)
             leaving_rows = rows.index[leaving]
-            greedy[leaving_rows] = exit_logits.argmax(-1)
-            tokens[leaving_rows] = (_sample(exit_logits, leaving_rows, requests) if sampling
-                                    else greedy[leaving_rows])
+            if logits is None:
+                head_in[leaving_rows] = self.readout.head_input(depth, hidden)
+            else:  # logit signals already paid for this exit's projection
+                exit_logits = logits[leaving]
+                greedy[leaving_rows] = exit_logits.argmax(-1)
+                tokens[leaving_rows] = (_sample(exit_logits, leaving_rows, requests)
+                                        if sampling else greedy[leaving_rows])
+                projected_np[rows.index_np[leaving_np]] = True
             exit_layer[leaving_rows] = depth
             if mask_only:
                 rows.done = rows.done | leaving
@@ -353,14 +363,16 @@ class Engine:
             if len(rows) == 0:
                 break
         if len(rows):
-            logits = self.readout.logits(parts.num_layers, x)
-            final = logits.argmax(-1)
             still = ~rows.done
-            greedy[rows.index[still]] = final[still]
-            tokens[rows.index[still]] = (_sample(logits[still], rows.index[still], requests)
-                                         if sampling else final[still])
+            head_in[rows.index[still]] = self.readout.head_input(parts.num_layers, x[still])
             for slot, pos in zip(rows.slots_np, rows.positions_np, strict=True):
                 self.cache.mark_filled(int(slot), parts.num_layers, int(pos) + 1)
+        open_rows = np.flatnonzero(~projected_np)
+        if len(open_rows):
+            index = torch.as_tensor(open_rows, device=device)
+            final = parts.lm_head(head_in if len(open_rows) == batch else head_in[index])
+            greedy[index] = final.argmax(-1)
+            tokens[index] = _sample(final, index, requests) if sampling else greedy[index]
         return {"tokens": tokens, "greedy": greedy, "exit_layer": exit_layer, "signal": signal_at,
                 "shadow_log": shadow_log, "shadow": shadow}
 

@@ -26,11 +26,16 @@ class ExitReadout:
     parts: DecoderParts
     heads: ExitHeads | None = None
 
-    def logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits; the final layer and head-less exits use the model's own norm."""
+    def head_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) what the shared LM head projects: exit adapter output, or the model's
+        own final norm for the last layer and for head-less exits (logit lens)."""
         if layer >= self.parts.num_layers or self.heads is None:
-            return self.parts.lm_head(self.parts.norm(hidden))
-        return self.heads.exit_logits(layer, hidden, self.parts.lm_head)
+            return self.parts.norm(hidden)
+        return self.heads.adapters[str(layer)](hidden)
+
+    def logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, V) vocabulary logits of exit `layer`."""
+        return self.parts.lm_head(self.head_input(layer, hidden))
 
     def confidence(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         if self.heads is None:
