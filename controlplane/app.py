@@ -21,7 +21,7 @@ from controlplane import metrics
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
 from controlplane.db import get_engine, session_factory
-from controlplane.deps import PrincipalCache
+from controlplane.deps import PrincipalCache, RateLimiter
 from controlplane.errors import DomainError
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
@@ -50,12 +50,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.engine = engine
     app.state.session_factory = factory
     app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
+    app.state.rate_limiters = {"pull": RateLimiter(settings.rate_limit_pull_per_s),
+                               "ingest": RateLimiter(settings.rate_limit_ingest_per_s)}
     app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s)
     app.state.redis = redis.Redis.from_url(settings.redis_url) if settings.redis_url else None
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
-                       principals=app.state.principal_cache, digest=digest)
+                       principals=app.state.principal_cache, digest=digest,
+                       limiter=app.state.rate_limiters["pull"])
 
     @app.exception_handler(DomainError)
     async def domain_error(_request: Request, error: DomainError) -> JSONResponse:

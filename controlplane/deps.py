@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import Principal, authenticate, digest
-from controlplane.errors import Unauthorized
+from controlplane.errors import RateLimited, Unauthorized
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -72,6 +72,46 @@ class PrincipalCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+class RateLimiter:
+    """A token bucket per key: `rate` requests per second with bursts of 2 x rate."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = max(1.0, 2 * rate)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, key: str) -> float | None:
+        """Take one request from `key`'s bucket; the seconds to wait when it is empty."""
+        if self.rate <= 0:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            level, last = self._buckets.get(key, (self.burst, now))
+            level = min(self.burst, level + (now - last) * self.rate)
+            if level < 1.0:
+                self._buckets[key] = (level, now)
+                return (1.0 - level) / self.rate
+            self._buckets[key] = (level - 1.0, now)
+            if len(self._buckets) > 100_000:
+                self._buckets.clear()
+            return None
+
+
+def rate_limited(kind: str):
+    """A dependency that refuses a token's request with 429 + Retry-After past its rate."""
+
+    async def dependency(request: Request, principal: Annotated[Principal, Depends(
+            get_principal)]) -> None:
+        limiter: RateLimiter = request.app.state.rate_limiters[kind]
+        wait = limiter.retry_after(str(principal.token_id))
+        if wait is not None:
+            raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
+                              retry_after=wait)
+
+    return Depends(dependency)
 
 
 def _bearer(request: Request) -> str:

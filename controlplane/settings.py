@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     token_cache_ttl_s: float = Field(default=2.0, ge=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     log_level: str = "info"
+    # Per-token rate limits (token bucket per API process); 0 turns a limit off.
+    rate_limit_pull_per_s: float = Field(default=50.0, ge=0)
+    rate_limit_ingest_per_s: float = Field(default=100.0, ge=0)
 
     @model_validator(mode="after")
     def _refuse_default_secret_in_production(self) -> Settings:

@@ -44,13 +44,22 @@ def sqlite_template(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def postgres_migrated() -> str:
-    engine = make_engine(POSTGRES_URL)
-    with engine.begin() as connection:
-        connection.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-    engine.dispose()
-    upgrade(POSTGRES_URL)
-    return POSTGRES_URL
+def postgres_migrated() -> Iterator[str]:
+    """A database of this test session's own on the test server (parallel runs don't meet),
+    migrated once and dropped at the end."""
+    from sqlalchemy.engine import make_url
+
+    base = make_url(POSTGRES_URL)
+    name = f"exitplane_t{os.getpid()}_{int(time.time())}"
+    admin = make_engine(base.set(database="postgres").render_as_string(hide_password=False))
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = base.set(database=name).render_as_string(hide_password=False)
+    upgrade(url)
+    yield url
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 @pytest.fixture(params=BACKENDS)

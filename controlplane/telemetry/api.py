@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from controlplane import metrics
 from controlplane.auth.service import Principal
-from controlplane.deps import RuntimePrincipal, SessionDep
+from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited
 from controlplane.errors import DomainError, Invalid
 from controlplane.telemetry import service, stream
 from controlplane.telemetry.schemas import (
@@ -81,7 +81,7 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
              openapi_extra={"requestBody": {"content": {
                  "application/json": {"schema": TelemetryBatch.model_json_schema()},
                  "application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
-                 "required": True}})
+                 "required": True}}, dependencies=[rate_limited("ingest")])
 async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:
     """Store (or queue) one batch of token records; a replayed batch id is acknowledged."""
     body = await request.body()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
-from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep
+from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
 from controlplane.thresholds import service
 from controlplane.thresholds.delivery import ConfigDelivery
 from controlplane.thresholds.models import Deployment, ThresholdSet
@@ -149,7 +149,9 @@ def _etag_matches(header: str | None, checksum: str) -> bool:
 
 
 @router.get("/{name}/thresholds", response_model=ThresholdSetWire,
-            responses={304: {"description": "the runtime already applies this set"}})
+            responses={304: {"description": "the runtime already applies this set"},
+                       429: {"description": "rate limited; see Retry-After"}},
+            dependencies=[rate_limited("pull")])
 async def pull_thresholds(
     name: str, request: Request, principal: RuntimePrincipal,
     runtime_id: Annotated[str, Query(min_length=1, max_length=128)],

@@ -158,11 +158,12 @@ class NotModifiedFastPath:
     in the caches, it answers 304 without entering FastAPI; anything else (a miss, a changed
     set, a long-poll, a bad token) falls through to the full route, which decides."""
 
-    def __init__(self, app, *, delivery: ConfigDelivery, principals, digest) -> None:
+    def __init__(self, app, *, delivery: ConfigDelivery, principals, digest, limiter) -> None:
         self.app = app
         self.delivery = delivery
         self.principals = principals
         self.digest = digest
+        self.limiter = limiter
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
@@ -201,5 +202,7 @@ class NotModifiedFastPath:
         chosen = state.for_runtime(runtime_id)
         if etag.strip().removeprefix("W/").strip('"') != chosen.checksum:
             return None
+        if self.limiter.retry_after(str(principal.token_id)) is not None:
+            return None  # the full route answers 429
         return [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
                 (b"x-exitplane-version", str(chosen.version).encode())]

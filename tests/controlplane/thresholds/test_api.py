@@ -259,3 +259,39 @@ def test_oversized_body_gets_413(settings, engine, tokens):
         small_body = client.post("/v1/deployments", headers=op, json=DEPLOYMENT)
         assert small_body.status_code == 201
     small.state.config_delivery.close()
+
+
+def test_pull_and_ingest_are_rate_limited_per_token(settings, engine, tokens):
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import create_app
+
+    limited = create_app(settings.model_copy(update={"rate_limit_pull_per_s": 1.0,
+                                                     "rate_limit_ingest_per_s": 1.0}),
+                         engine=engine)
+    with TestClient(limited) as client:
+        _setup(client, tokens)
+        first = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+        statuses = [client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "a"},
+                               headers=first).status_code for _ in range(4)]
+        assert statuses[:2] == [200, 200] and statuses[-1] == 429
+        refused = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "a"},
+                             headers=first)
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "too many pull requests" in refused.json()["detail"]
+        # Another token has its own bucket.
+        with Session(engine) as session:
+            _, other = create_token(session=session, name="rt-2", scope="runtime",
+                                    deployment=get_deployment(session=session, name="chat"))
+            session.commit()
+        assert client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "b"},
+                          headers={"Authorization": f"Bearer {other}"}).status_code == 200
+        batch = {"batch_id": "b" * 16, "deployment": "chat", "runtime_id": "a", "seq": 0,
+                 "num_layers": 12, "records": [{"threshold_version": 1, "request_id": "r",
+                                                "position": 0, "exit_layer": 12,
+                                                "signal_value": 0.5, "latency_us": 1,
+                                                "ts": time.time()}]}
+        codes = [client.post("/v1/telemetry", json=batch, headers=first).status_code
+                 for _ in range(4)]
+        assert codes[:2] == [202, 202] and codes[-1] == 429
+    limited.state.config_delivery.close()
