@@ -1,0 +1,302 @@
+"""Pictures of a deployment's exit behaviour: Plotly figure dicts and inline SVG sparklines.
+
+Everything here reads through `controlplane.telemetry.service` (the per-minute rollups) and
+the threshold audit log; nothing recomputes what the services already provide.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from markupsafe import Markup, escape
+from sqlalchemy.orm import Session
+
+from controlplane.db import utcnow
+from controlplane.telemetry import service as telemetry
+from controlplane.telemetry.models import HISTOGRAM_BINS
+from controlplane.thresholds import service as thresholds
+from controlplane.thresholds.models import Deployment
+
+WINDOWS = {"15m": 15, "1h": 60, "6h": 360, "24h": 1440}
+# Okabe-Ito: distinguishable with the common colour-vision deficiencies.
+PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
+           "#F0E442"]
+DANGER = "#B3261E"
+MARKER_ACTIONS = {"alias.move", "alias.rollback", "alias.clear"}
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A moment worth a vertical line on the time charts: a version change or an alert."""
+
+    at: datetime
+    label: str
+    kind: str  # "version" or "alert"
+
+
+@dataclass
+class MinuteSummary:
+    minute: datetime
+    tokens: int = 0
+    early_exits: int = 0
+    depth_sum: int = 0
+    shadow_tokens: int = 0
+    mismatches: int = 0
+
+    @property
+    def early_exit_rate(self) -> float | None:
+        return self.early_exits / self.tokens if self.tokens else None
+
+    @property
+    def mean_depth(self) -> float | None:
+        return self.depth_sum / self.tokens if self.tokens else None
+
+    @property
+    def disagreement(self) -> float | None:
+        return self.mismatches / self.shadow_tokens if self.shadow_tokens else None
+
+
+def since_for(minutes: int) -> datetime:
+    now = utcnow().replace(second=0, microsecond=0)
+    return now - timedelta(minutes=minutes - 1)
+
+
+def per_minute(*, session: Session, deployment: Deployment, since: datetime,
+               rates: list[dict] | None = None) -> list[MinuteSummary]:
+    """Tokens, early exits, depth and shadow disagreement per minute (oldest first)."""
+    if rates is None:
+        rates = telemetry.exit_rates(session=session, deployment=deployment, since=since)
+    first = deployment.exit_layers[0]
+    minutes: dict[datetime, MinuteSummary] = {}
+    for row in rates:
+        summary = minutes.setdefault(row["minute"], MinuteSummary(row["minute"]))
+        if row["layer"] == first:
+            summary.tokens += row["tokens"]  # every token is checked at the first exit layer
+        if row["layer"] < deployment.num_layers:
+            summary.early_exits += row["exits"]
+        summary.depth_sum += row["exits"] * row["layer"]
+    for row in telemetry.disagreement(session=session, deployment=deployment, since=since):
+        summary = minutes.setdefault(row["minute"], MinuteSummary(row["minute"]))
+        summary.shadow_tokens += row["shadow_tokens"]
+        summary.mismatches += row["mismatches"]
+    return [minutes[key] for key in sorted(minutes)]
+
+
+def totals(deployment: Deployment, minutes: list[MinuteSummary]) -> dict:
+    """Window totals for the stat cards."""
+    tokens = sum(m.tokens for m in minutes)
+    shadow = sum(m.shadow_tokens for m in minutes)
+    mismatches = sum(m.mismatches for m in minutes)
+    depth = sum(m.depth_sum for m in minutes) / tokens if tokens else None
+    return {
+        "tokens": tokens,
+        "early_exit_rate": sum(m.early_exits for m in minutes) / tokens if tokens else None,
+        "shadow_tokens": shadow,
+        "disagreement": mismatches / shadow if shadow else None,
+        "delta": deployment.delta,
+        "mean_depth": depth,
+        "speedup": deployment.num_layers / depth if depth else None,
+        "num_layers": deployment.num_layers,
+    }
+
+
+def version_markers(*, session: Session, deployment: Deployment,
+                    since: datetime) -> list[Marker]:
+    markers = []
+    for event in thresholds.audit_log(session=session, deployment=deployment, limit=500):
+        if event.created_at < since:
+            break
+        if event.action in MARKER_ACTIONS and event.alias in ("active", "canary"):
+            target = f"v{event.to_version}" if event.to_version else "cleared"
+            verb = "rollback" if event.action == "alias.rollback" else event.alias
+            markers.append(Marker(event.created_at, f"{verb} → {target}", "version"))
+    return markers
+
+
+def _layout(title: str, y_title: str, **extra) -> dict:
+    layout = {
+        "title": {"text": title, "x": 0, "xanchor": "left", "font": {"size": 15}},
+        "margin": {"l": 56, "r": 16, "t": 40, "b": 40},
+        "height": 300,
+        "paper_bgcolor": "#ffffff",
+        "plot_bgcolor": "#ffffff",
+        "font": {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
+                 "color": "#1f2328", "size": 12},
+        "legend": {"orientation": "h", "y": -0.2, "x": 0},
+        "yaxis": {"title": {"text": y_title}, "gridcolor": "#e6e8eb", "zeroline": False},
+        "xaxis": {"gridcolor": "#e6e8eb"},
+        "hovermode": "x unified",
+    }
+    layout.update(extra)
+    return layout
+
+
+def _with_markers(layout: dict, markers: list[Marker]) -> dict:
+    shapes, notes = [], []
+    for marker in markers:
+        color = DANGER if marker.kind == "alert" else "#57606a"
+        when = marker.at.isoformat()
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": when, "x1": when,
+                       "y0": 0, "y1": 1, "line": {"color": color, "width": 1.5,
+                                                  "dash": "dot"}})
+        notes.append({"x": when, "xref": "x", "yref": "paper", "y": 1, "yanchor": "bottom",
+                      "text": escape(marker.label), "showarrow": False,
+                      "font": {"size": 10, "color": color}, "textangle": 0})
+    layout["shapes"] = layout.get("shapes", []) + shapes
+    layout["annotations"] = layout.get("annotations", []) + notes
+    return layout
+
+
+def _x_range(since: datetime) -> list[str]:
+    return [since.isoformat(), (utcnow() + timedelta(seconds=30)).isoformat()]
+
+
+def deployment_figures(*, session: Session, deployment: Deployment, minutes: int,
+                       markers: list[Marker]) -> dict:
+    """Everything the deployment page draws, as JSON-ready Plotly figures plus totals."""
+    since = since_for(minutes)
+    rates = telemetry.exit_rates(session=session, deployment=deployment, since=since)
+    summary = per_minute(session=session, deployment=deployment, since=since, rates=rates)
+    markers = [m for m in markers if m.at >= since]
+    x_axis = {"type": "date", "range": _x_range(since), "gridcolor": "#e6e8eb"}
+    layers = [*deployment.exit_layers, deployment.num_layers]
+    colour = {layer: PALETTE[i % len(PALETTE)] for i, layer in enumerate(layers)}
+
+    by_layer: dict[int, list[dict]] = defaultdict(list)
+    exits_by_layer: dict[int, int] = dict.fromkeys(layers, 0)
+    for row in rates:
+        by_layer[row["layer"]].append(row)
+        exits_by_layer[row["layer"]] = exits_by_layer.get(row["layer"], 0) + row["exits"]
+    exit_traces = [{
+        "type": "scatter", "mode": "lines+markers", "name": f"layer {layer}",
+        "x": [r["minute"].isoformat() for r in by_layer[layer]],
+        "y": [r["exit_rate"] for r in by_layer[layer]],
+        "line": {"color": colour[layer], "width": 2}, "marker": {"size": 4},
+        "hovertemplate": "%{y:.1%}",
+    } for layer in deployment.exit_layers]
+    exit_rate = {"data": exit_traces, "layout": _with_markers(_layout(
+        "Exit rate by layer", "exits / tokens reaching the layer",
+        xaxis=x_axis, yaxis={"title": {"text": "exit rate"}, "tickformat": ".0%",
+                             "rangemode": "tozero", "gridcolor": "#e6e8eb"}), markers)}
+
+    delta = deployment.delta
+    disagreement = {"data": [
+        {"type": "scatter", "mode": "lines+markers", "name": "shadow disagreement",
+         "x": [m.minute.isoformat() for m in summary if m.shadow_tokens],
+         "y": [m.disagreement for m in summary if m.shadow_tokens],
+         "customdata": [[m.mismatches, m.shadow_tokens] for m in summary if m.shadow_tokens],
+         "hovertemplate": "%{y:.2%} (%{customdata[0]} of %{customdata[1]})",
+         "line": {"color": PALETTE[0], "width": 2}, "marker": {"size": 4}},
+        {"type": "scatter", "mode": "lines", "name": f"δ = {delta:g}",
+         "x": _x_range(since), "y": [delta, delta], "hoverinfo": "skip",
+         "line": {"color": DANGER, "width": 2, "dash": "dash"}},
+    ], "layout": _with_markers(_layout(
+        "Shadow disagreement vs δ", "disagreement", xaxis=x_axis,
+        yaxis={"title": {"text": "disagreement"}, "tickformat": ".1%", "rangemode": "tozero",
+               "gridcolor": "#e6e8eb"}), markers)}
+
+    with_tokens = [m for m in summary if m.tokens]
+    depth = {"data": [
+        {"type": "scatter", "mode": "lines+markers", "name": "mean exit depth",
+         "x": [m.minute.isoformat() for m in with_tokens],
+         "y": [round(m.mean_depth, 3) for m in with_tokens],
+         "line": {"color": PALETTE[0], "width": 2}, "marker": {"size": 4}},
+        {"type": "scatter", "mode": "lines", "name": "estimated speed-up", "yaxis": "y2",
+         "x": [m.minute.isoformat() for m in with_tokens],
+         "y": [round(deployment.num_layers / m.mean_depth, 3) for m in with_tokens],
+         "line": {"color": PALETTE[1], "width": 2, "dash": "dot"},
+         "hovertemplate": "%{y:.2f}×"},
+    ], "layout": _with_markers(_layout(
+        "Mean exit depth and estimated speed-up", "layers run", xaxis=x_axis,
+        yaxis={"title": {"text": "layers run"}, "range": [0, deployment.num_layers + 0.5],
+               "gridcolor": "#e6e8eb"},
+        yaxis2={"title": {"text": "speed-up (layers)"}, "overlaying": "y", "side": "right",
+                "rangemode": "tozero", "showgrid": False, "ticksuffix": "×"},
+        margin={"l": 56, "r": 56, "t": 40, "b": 40}), markers)}
+
+    total = sum(exits_by_layer.values())
+    histogram = {"data": [{
+        "type": "bar", "name": "tokens",
+        "x": [f"L{layer}" if layer < deployment.num_layers else f"full ({layer})"
+              for layer in layers],
+        "y": [exits_by_layer[layer] for layer in layers],
+        "text": [f"{exits_by_layer[layer] / total:.0%}" if total else "" for layer in layers],
+        "textposition": "outside", "cliponaxis": False,
+        "marker": {"color": [colour[layer] for layer in layers]},
+        "hovertemplate": "%{x}: %{y} tokens<extra></extra>",
+    }], "layout": _layout("Where tokens exit", "tokens", hovermode="closest",
+                          xaxis={"type": "category", "title": {"text": "exit layer"}},
+                          showlegend=False)}
+
+    hist = telemetry.signal_histogram(session=session, deployment=deployment, since=since)
+    centers = [(i + 0.5) / HISTOGRAM_BINS for i in range(HISTOGRAM_BINS)]
+    signal_traces = []
+    for layer, counts in hist.items():
+        n = sum(counts)
+        if not n:
+            continue
+        name = f"layer {layer}" if layer < deployment.num_layers else "full depth"
+        signal_traces.append({
+            "type": "scatter", "mode": "lines", "name": name, "x": centers,
+            "y": [c / n for c in counts], "line": {"shape": "hvh", "width": 2,
+                                                   "color": colour.get(layer, "#57606a")},
+            "hovertemplate": "%{y:.1%}"})
+    signal = {"data": signal_traces, "layout": _layout(
+        f"Signal at exit ({deployment.signal})", "share of the layer's tokens",
+        hovermode="closest", xaxis={"range": [0, 1], "title": {"text": "signal value"},
+                                    "gridcolor": "#e6e8eb"},
+        legend={"orientation": "h", "y": -0.3, "x": 0},
+        margin={"l": 56, "r": 16, "t": 40, "b": 64},
+        yaxis={"title": {"text": "share"}, "tickformat": ".0%", "rangemode": "tozero",
+               "gridcolor": "#e6e8eb"})}
+
+    return {"figures": {"exit_rate": exit_rate, "disagreement": disagreement, "depth": depth,
+                        "histogram": histogram, "signal": signal},
+            "totals": totals(deployment, summary),
+            "updated": utcnow().isoformat(timespec="seconds")}
+
+
+def sparkline(values: list[float | None], *, label: str, ceiling: float | None = None,
+              limit: float | None = None, width: int = 132, height: int = 32) -> Markup:
+    """A small inline SVG line of `values` (gaps for None), with an optional limit line."""
+    points = [(i, v) for i, v in enumerate(values) if v is not None]
+    top = max([ceiling or 0.0, *(v for _, v in points), limit or 0.0]) or 1.0
+    span = max(len(values) - 1, 1)
+
+    def xy(i: int, v: float) -> str:
+        return f"{i / span * (width - 2) + 1:.1f},{height - 2 - v / top * (height - 4):.1f}"
+
+    segments, current = [], []
+    for i, v in enumerate(values):
+        if v is None:
+            if current:
+                segments.append(current)
+            current = []
+        else:
+            current.append(xy(i, v))
+    if current:
+        segments.append(current)
+    paths = "".join(
+        f'<polyline points="{" ".join(seg)}" fill="none" stroke="#0b5cad" stroke-width="1.6"'
+        f' stroke-linejoin="round"/>' if len(seg) > 1 else
+        f'<circle cx="{seg[0].split(",")[0]}" cy="{seg[0].split(",")[1]}" r="1.6" '
+        f'fill="#0b5cad"/>' for seg in segments)
+    if limit is not None:
+        y = height - 2 - limit / top * (height - 4)
+        paths += (f'<line x1="0" x2="{width}" y1="{y:.1f}" y2="{y:.1f}" stroke="{DANGER}" '
+                  f'stroke-width="1" stroke-dasharray="3 2"/>')
+    if not points:
+        paths = (f'<text x="{width / 2}" y="{height / 2 + 4}" text-anchor="middle" '
+                 f'font-size="11" fill="#57606a">no data</text>')
+    return Markup(f'<svg class="spark" role="img" aria-label="{escape(label)}" '
+                  f'width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
+                  f'<title>{escape(label)}</title>{paths}</svg>')
+
+
+def minute_series(summary: list[MinuteSummary], since: datetime, minutes: int,
+                  attribute: str) -> list[float | None]:
+    """One value per minute of the window (None where no telemetry arrived)."""
+    by_minute = {m.minute: getattr(m, attribute) for m in summary}
+    return [by_minute.get(since + timedelta(minutes=i)) for i in range(minutes)]

@@ -1,0 +1,118 @@
+"""Admin pages: API tokens (created once, listed, revoked) and the people who sign in."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import Response
+
+from controlplane.auth import service as tokens
+from controlplane.auth import users
+from controlplane.auth.models import ROLES, SCOPES
+from controlplane.deps import SessionDep
+from controlplane.errors import DomainError, Invalid
+from controlplane.thresholds import service as thresholds
+from dashboards.security import Admin, Csrf
+from dashboards.templating import render
+from dashboards.views import attempt
+
+router = APIRouter()
+
+
+def _tokens_page(request: Request, session, status_code: int = 200, **extra) -> Response:
+    deployments = thresholds.list_deployments(session=session)
+    names = {d.id: d.name for d in deployments}
+    return render(request, "tokens.html", status_code=status_code,
+                  tokens=tokens.list_tokens(session=session), scopes=SCOPES,
+                  deployments=deployments, deployment_names=names, **extra)
+
+
+@router.get("/tokens")
+def tokens_page(request: Request, session: SessionDep, _user: Admin) -> Response:
+    return _tokens_page(request, session)
+
+
+@router.post("/tokens", dependencies=[Csrf])
+def create_token(request: Request, session: SessionDep, _user: Admin,
+                 name: Annotated[str, Form(max_length=200)],
+                 scope: Annotated[str, Form()],
+                 deployment: Annotated[str, Form()] = "") -> Response:
+    """Create a token and show its secret on this one response (never stored in clear)."""
+    try:
+        if not name.strip():
+            raise Invalid("give the token a name: who or what will hold it")
+        target = (thresholds.get_deployment(session=session, name=deployment)
+                  if deployment else None)
+        token, secret = tokens.create_token(session=session, name=name.strip(), scope=scope,
+                                            deployment=target)
+    except DomainError as error:
+        session.rollback()
+        return _tokens_page(request, session, status_code=error.status_code,
+                            error=str(error))
+    return _tokens_page(request, session, status_code=201, created=token, secret=secret)
+
+
+@router.post("/tokens/{token_id}/revoke", dependencies=[Csrf])
+def revoke_token(token_id: int, request: Request, session: SessionDep, _user: Admin) -> Response:
+    def perform() -> str:
+        token = tokens.revoke_token(session=session, token_id=token_id)
+        request.app.state.principal_cache.clear()
+        return f"Token {token.name!r} ({token.prefix}…) is revoked."
+
+    return attempt(request, session, "/tokens", perform)
+
+
+@router.get("/users")
+def users_page(request: Request, session: SessionDep, user: Admin) -> Response:
+    return render(request, "users.html", users=users.list_users(session=session), roles=ROLES,
+                  min_password=users.MIN_PASSWORD_LENGTH)
+
+
+@router.post("/users", dependencies=[Csrf])
+def create_user(request: Request, session: SessionDep, _user: Admin,
+                username: Annotated[str, Form(max_length=64)],
+                password: Annotated[str, Form(max_length=1024)],
+                role: Annotated[str, Form()]) -> Response:
+    def perform() -> str:
+        created = users.create_user(session=session, username=username, password=password,
+                                    role=role)
+        return f"User {created.username!r} created as {created.role}."
+
+    return attempt(request, session, "/users", perform)
+
+
+@router.post("/users/{user_id}/role", dependencies=[Csrf])
+def set_role(user_id: int, request: Request, session: SessionDep, _user: Admin,
+             role: Annotated[str, Form()]) -> Response:
+    def perform() -> str:
+        target = users.set_role(session=session, user=users.get_user(session=session,
+                                                                     user_id=user_id), role=role)
+        return f"{target.username!r} is now {target.role}."
+
+    return attempt(request, session, "/users", perform)
+
+
+@router.post("/users/{user_id}/disabled", dependencies=[Csrf])
+def set_disabled(user_id: int, request: Request, session: SessionDep, _user: Admin,
+                 disabled: Annotated[str, Form()]) -> Response:
+    def perform() -> str:
+        target = users.set_disabled(session=session,
+                                    user=users.get_user(session=session, user_id=user_id),
+                                    disabled=disabled == "true")
+        state = "disabled and signed out" if target.disabled else "enabled"
+        return f"{target.username!r} is {state}."
+
+    return attempt(request, session, "/users", perform)
+
+
+@router.post("/users/{user_id}/password", dependencies=[Csrf])
+def set_password(user_id: int, request: Request, session: SessionDep, _user: Admin,
+                 password: Annotated[str, Form(max_length=1024)]) -> Response:
+    def perform() -> str:
+        target = users.set_password(session=session,
+                                    user=users.get_user(session=session, user_id=user_id),
+                                    password=password)
+        return f"Password of {target.username!r} changed; their sessions ended."
+
+    return attempt(request, session, "/users", perform)

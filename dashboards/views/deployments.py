@@ -1,0 +1,56 @@
+"""A deployment's page: live charts of its exit behaviour, its runtimes and its activity."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from controlplane.deps import SessionDep
+from controlplane.runtimes.service import list_runtimes
+from controlplane.thresholds import service as thresholds
+from dashboards import charts
+from dashboards.security import Viewer
+from dashboards.templating import render
+from dashboards.views.overview import REPORTING_WITHIN, runtime_counts
+
+router = APIRouter()
+
+REFRESH_S = 15
+
+
+def _window(window: str) -> tuple[str, int]:
+    return (window, charts.WINDOWS[window]) if window in charts.WINDOWS else ("1h", 60)
+
+
+@router.get("/deployments/{name}")
+def deployment_page(name: str, request: Request, session: SessionDep, _user: Viewer,
+                    window: str = "1h") -> Response:
+    deployment = thresholds.get_deployment(session=session, name=name)
+    window, minutes = _window(window)
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    active = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                          version=aliases["active"])
+    runtimes = list_runtimes(session=session, deployment=deployment)
+    markers = charts.version_markers(session=session, deployment=deployment,
+                                     since=charts.since_for(minutes))
+    initial = charts.deployment_figures(session=session, deployment=deployment,
+                                        minutes=minutes, markers=markers)
+    return render(
+        request, "deployment.html", deployment=deployment, aliases=aliases, active=active,
+        runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
+        reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
+        initial=initial, totals=initial["totals"], refresh_s=REFRESH_S,
+        events=thresholds.audit_log(session=session, deployment=deployment, limit=20))
+
+
+@router.get("/deployments/{name}/charts.json")
+def deployment_charts(name: str, session: SessionDep, _user: Viewer,
+                      window: str = "1h") -> JSONResponse:
+    """The deployment page's figures, fetched again every REFRESH_S seconds."""
+    deployment = thresholds.get_deployment(session=session, name=name)
+    _, minutes = _window(window)
+    markers = charts.version_markers(session=session, deployment=deployment,
+                                     since=charts.since_for(minutes))
+    return JSONResponse(charts.deployment_figures(session=session, deployment=deployment,
+                                                  minutes=minutes, markers=markers),
+                        headers={"Cache-Control": "no-store"})

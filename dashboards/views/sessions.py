@@ -1,0 +1,95 @@
+"""Sign in and sign out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Form, Request
+from fastapi.responses import Response
+
+from controlplane.auth.models import User
+from controlplane.auth.users import authenticate_user
+from controlplane.deps import SessionDep
+from controlplane.errors import Unauthorized
+from dashboards.security import Csrf, current_user, end_session, optional_user, start_session
+from dashboards.templating import redirect, render, ui_root
+
+router = APIRouter()
+
+MAX_FAILURES = 5
+FAILURE_WINDOW_S = 300.0
+
+
+class LoginThrottle:
+    """Refuse further attempts on a username after MAX_FAILURES failures in FAILURE_WINDOW_S
+    (per API process), so a password cannot be guessed at argon2's pace forever."""
+
+    def __init__(self) -> None:
+        self._failures: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def blocked_for(self, username: str) -> float:
+        now = time.monotonic()
+        with self._lock:
+            recent = [t for t in self._failures.get(username, []) if now - t < FAILURE_WINDOW_S]
+            self._failures[username] = recent
+            if len(recent) < MAX_FAILURES:
+                return 0.0
+            return FAILURE_WINDOW_S - (now - recent[0])
+
+    def failed(self, username: str) -> None:
+        with self._lock:
+            if len(self._failures) > 10_000:
+                self._failures.clear()
+            self._failures.setdefault(username, []).append(time.monotonic())
+
+    def succeeded(self, username: str) -> None:
+        with self._lock:
+            self._failures.pop(username, None)
+
+
+throttle = LoginThrottle()
+
+
+def _safe_next(request: Request, wanted: str | None) -> str:
+    """Only paths inside the UI: never another site (open redirect)."""
+    root = ui_root(request)
+    if wanted and wanted.startswith(root + "/") and not wanted.startswith("//") \
+            and "\\" not in wanted:
+        return wanted[len(root):]
+    return "/"
+
+
+@router.get("/login")
+def login_page(request: Request, user: Annotated[User | None, Depends(optional_user)],
+               next: str = "") -> Response:
+    if user is not None:
+        return redirect(request, _safe_next(request, next))
+    return render(request, "login.html", next=next, username="")
+
+
+@router.post("/login", dependencies=[Csrf])
+def login(request: Request, session: SessionDep, username: Annotated[str, Form()],
+          password: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
+    key = username.strip().lower()
+    wait = throttle.blocked_for(key)
+    if wait > 0:
+        return render(request, "login.html", status_code=429, next=next, username=username,
+                      error=f"Too many failed attempts; try again in {int(wait) + 1} s.")
+    try:
+        user = authenticate_user(session=session, username=username, password=password)
+    except Unauthorized:
+        throttle.failed(key)
+        return render(request, "login.html", status_code=401, next=next, username=username,
+                      error="Wrong username or password.")
+    throttle.succeeded(key)
+    start_session(request, user)
+    return redirect(request, _safe_next(request, next))
+
+
+@router.post("/logout", dependencies=[Csrf])
+def logout(request: Request, _user: Annotated[User, Depends(current_user)]) -> Response:
+    end_session(request)
+    return redirect(request, "/login", "You are signed out.")

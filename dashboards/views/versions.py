@@ -1,0 +1,237 @@
+"""Threshold-set versions: history, side-by-side diff, and the actions that move aliases.
+
+Every action goes through a confirmation page that shows what changes (a diff against the
+active version) and asks for a reason; the POST calls the thresholds services, which write
+the audit log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Form, Request
+from fastapi.responses import Response
+from sqlalchemy.orm import Session
+from starlette.datastructures import FormData
+
+from controlplane.deps import SessionDep
+from controlplane.errors import Invalid, NotFound
+from controlplane.thresholds import service as thresholds
+from controlplane.thresholds.models import Deployment, ThresholdSet
+from dashboards.security import Csrf, Operator, Viewer, actor
+from dashboards.templating import render
+from dashboards.views import attempt
+from exitplane.wire import NEVER_EXIT
+
+router = APIRouter()
+
+
+@dataclass(frozen=True)
+class Action:
+    key: str
+    title: str
+    button: str
+    explain: str
+    needs_version: bool
+
+
+ACTIONS = {a.key: a for a in (
+    Action("activate", "Activate a version", "Activate",
+           "Runtimes switch to this version on their next pull (seconds).", True),
+    Action("rollback", "Roll back", "Roll back",
+           "Moves `active` back; without a version, to the one active before the current.",
+           False),
+    Action("canary", "Start a canary", "Start canary",
+           "A hash-sticky fraction of runtimes (the deployment's canary fraction) applies "
+           "this version; the others keep the active one.", True),
+    Action("canary-stop", "Stop the canary", "Stop canary",
+           "Every runtime returns to the active version.", False),
+    Action("promote", "Promote the canary", "Promote canary",
+           "The canary version becomes active for every runtime and the canary ends.", False),
+)}
+
+
+def _flatten(metrics: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+@dataclass
+class Diff:
+    a: ThresholdSet
+    b: ThresholdSet
+    layers: list[tuple[int, float | None, float | None]]
+    metrics: list[tuple[str, object, object]]
+
+
+def diff(deployment: Deployment, a: ThresholdSet, b: ThresholdSet) -> Diff:
+    ta, tb = a.thresholds_by_layer(), b.thresholds_by_layer()
+    layers = [(layer, ta.get(layer), tb.get(layer))
+              for layer in sorted(set(ta) | set(tb) | set(deployment.exit_layers))]
+    ma, mb = _flatten(a.expected_metrics or {}), _flatten(b.expected_metrics or {})
+    metrics = [(key, ma.get(key), mb.get(key)) for key in sorted(set(ma) | set(mb))]
+    return Diff(a=a, b=b, layers=layers, metrics=metrics)
+
+
+def _history(session: Session, deployment: Deployment) -> tuple[list[ThresholdSet], set[int]]:
+    """Every version (newest first) and the versions that were ever active."""
+    sets = thresholds.list_threshold_sets(session=session, deployment=deployment, limit=500)
+    events = thresholds.audit_log(session=session, deployment=deployment, limit=1000)
+    ever_active = {e.to_version for e in events if e.alias == "active" and e.to_version}
+    return sets, ever_active
+
+
+@router.get("/deployments/{name}/versions")
+def versions_page(name: str, request: Request, session: SessionDep, _user: Viewer) -> Response:
+    deployment = thresholds.get_deployment(session=session, name=name)
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    sets, ever_active = _history(session, deployment)
+    return render(request, "versions.html", deployment=deployment, aliases=aliases, sets=sets,
+                  ever_active=ever_active, never_exit=NEVER_EXIT)
+
+
+@router.get("/deployments/{name}/diff")
+def diff_page(name: str, request: Request, session: SessionDep, _user: Viewer,
+              a: int, b: int) -> Response:
+    deployment = thresholds.get_deployment(session=session, name=name)
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    left = thresholds.get_threshold_set(session=session, deployment=deployment, version=a)
+    right = thresholds.get_threshold_set(session=session, deployment=deployment, version=b)
+    sets, _ = _history(session, deployment)
+    return render(request, "diff.html", deployment=deployment, aliases=aliases,
+                  diff=diff(deployment, left, right), sets=sets)
+
+
+def _target(session: Session, deployment: Deployment, action: Action,
+            version: int | None) -> ThresholdSet | None:
+    """The version an action would make active or canary (None: the service decides)."""
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    if action.key in ("promote", "canary-stop"):
+        if "canary" not in aliases:
+            raise NotFound(f"deployment {deployment.name!r} has no canary running")
+        return thresholds.get_threshold_set(session=session, deployment=deployment,
+                                            version=aliases["canary"])
+    if version is None:
+        if action.needs_version:
+            raise Invalid(f"{action.button} needs a version")
+        return None
+    return thresholds.get_threshold_set(session=session, deployment=deployment,
+                                        version=version)
+
+
+def _action(key: str) -> Action:
+    if key not in ACTIONS:
+        raise NotFound(f"unknown action {key!r}; use one of {', '.join(ACTIONS)}")
+    return ACTIONS[key]
+
+
+@router.get("/deployments/{name}/act/{key}")
+def confirm_page(name: str, key: str, request: Request, session: SessionDep, _user: Operator,
+                 version: int | None = None) -> Response:
+    action = _action(key)
+    deployment = thresholds.get_deployment(session=session, name=name)
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    active = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                          version=aliases["active"])
+    target = _target(session, deployment, action, version)
+    return render(request, "confirm.html", deployment=deployment, aliases=aliases,
+                  action=action, target=target, version=version,
+                  diff=diff(deployment, active, target) if target else None)
+
+
+def _perform(*, session: Session, deployment: Deployment, action: Action, version: int | None,
+             who: str, reason: str) -> str:
+    """Call the thresholds services for `action`; returns what happened, in words."""
+    if action.key == "activate":
+        thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                              version=version, actor=who, reason=reason)
+        return f"Version {version} is now active."
+    if action.key == "rollback":
+        event = thresholds.rollback(session=session, deployment=deployment, actor=who,
+                                    reason=reason, to_version=version)
+        return f"Rolled back: version {event.to_version} is active again."
+    if action.key == "canary":
+        thresholds.move_alias(session=session, deployment=deployment, alias="canary",
+                              version=version, actor=who, reason=reason)
+        return (f"Canary started: {deployment.canary_fraction:.0%} of runtimes apply "
+                f"version {version}.")
+    canary = thresholds.aliases_of(session=session, deployment=deployment).get("canary")
+    if action.key == "promote":
+        if canary is None:
+            raise NotFound("there is no canary to promote")
+        thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                              version=canary, actor=who, reason=reason)
+    thresholds.clear_alias(session=session, deployment=deployment, alias="canary", actor=who,
+                           reason=reason)
+    if action.key == "promote":
+        return f"Canary promoted: version {canary} is active for every runtime."
+    return "Canary stopped: every runtime applies the active version."
+
+
+@router.post("/deployments/{name}/act/{key}", dependencies=[Csrf])
+def act(name: str, key: str, request: Request, session: SessionDep, user: Operator,
+        reason: Annotated[str, Form(max_length=2000)],
+        version: Annotated[str, Form()] = "") -> Response:
+    action = _action(key)
+    deployment = thresholds.get_deployment(session=session, name=name, lock=True)
+
+    def perform() -> str:
+        if not reason.strip():
+            raise Invalid("give a reason: it goes into the audit log")
+        target = int(version) if version.strip().isdigit() else None
+        if action.needs_version and target is None:
+            raise Invalid(f"{action.button} needs a version number")
+        return _perform(session=session, deployment=deployment, action=action,
+                        version=target, who=actor(user), reason=reason.strip())
+
+    return attempt(request, session, f"/deployments/{name}/versions", perform)
+
+
+@router.get("/deployments/{name}/versions/new")
+def new_version_page(name: str, request: Request, session: SessionDep,
+                     _user: Operator) -> Response:
+    deployment = thresholds.get_deployment(session=session, name=name)
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    active = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                          version=aliases["active"])
+    return render(request, "new_version.html", deployment=deployment, aliases=aliases,
+                  active=active, current=active.thresholds_by_layer())
+
+
+async def _form(request: Request) -> FormData:
+    return await request.form()
+
+
+@router.post("/deployments/{name}/versions", dependencies=[Csrf])
+def publish(name: str, request: Request, session: SessionDep, user: Operator,
+            form: Annotated[FormData, Depends(_form)]) -> Response:
+    deployment = thresholds.get_deployment(session=session, name=name, lock=True)
+
+    def perform() -> str:
+        reason = str(form.get("reason", "")).strip()
+        if not reason:
+            raise Invalid("give a reason: it goes into the audit log")
+        values: dict[int, float] = {}
+        for layer in deployment.exit_layers:
+            raw = str(form.get(f"layer_{layer}", "")).strip()
+            try:
+                values[layer] = float(raw)
+            except ValueError:
+                raise Invalid(f"threshold for layer {layer} must be a number in [0, 1], "
+                              f"got {raw!r}") from None
+        created = thresholds.publish(session=session, deployment=deployment, thresholds=values,
+                                     reason=reason, actor=actor(user))
+        if form.get("activate") == "on":
+            thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                                  version=created.version, actor=actor(user), reason=reason)
+            return f"Version {created.version} published and active."
+        return f"Version {created.version} published (not active)."
+
+    return attempt(request, session, f"/deployments/{name}/versions", perform)

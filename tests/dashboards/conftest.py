@@ -1,0 +1,163 @@
+"""Fixtures for the admin UI: people of each role, a deployment with an hour of telemetry,
+and a signed-in test client."""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from controlplane.auth.users import create_user
+from controlplane.runtimes.service import record_heartbeat
+from controlplane.telemetry.service import ingest
+from controlplane.thresholds import service as thresholds
+from controlplane.thresholds.models import AuditEvent, ThresholdSet
+from controlplane.thresholds.schemas import DeploymentCreate
+from exitplane.wire import Heartbeat, Origin, TelemetryBatch
+
+PASSWORD = "correct horse battery staple"
+LAYERS = [3, 6, 9]
+FULL = 12
+ROLES = ("viewer", "operator", "admin")
+
+
+@pytest.fixture
+def people(engine) -> dict[str, str]:
+    """One user per role, each named after the role, all with PASSWORD."""
+    with Session(engine) as session:
+        for role in ROLES:
+            create_user(session=session, username=role, password=PASSWORD, role=role)
+        session.commit()
+    return {role: role for role in ROLES}
+
+
+def _batch(rng: random.Random, *, name: str, version: int, start: float, n: int,
+           runtime_id: str, seq: int, exit_bias: float) -> TelemetryBatch:
+    records = []
+    for i in range(n):
+        signal = rng.random()
+        deep = rng.random() > exit_bias
+        record = {"threshold_version": version, "request_id": f"r{seq}-{i % 7}", "position": i,
+                  "exit_layer": FULL if deep else rng.choice(LAYERS), "signal_value": signal,
+                  "latency_us": rng.randint(2000, 9000), "ts": start + i * 55.0 / n}
+        if rng.random() < 0.25:
+            record["exit_layer"] = FULL
+            record["shadow"] = [{"layer": k, "signal": rng.random(),
+                                 "matched": rng.random() < 0.85 + k / 100} for k in LAYERS]
+        records.append(record)
+    return TelemetryBatch.model_validate({
+        "batch_id": uuid.uuid4().hex, "deployment": name, "runtime_id": runtime_id, "seq": seq,
+        "num_layers": FULL, "records": records})
+
+
+@dataclass
+class Seeded:
+    name: str
+    versions: list[int]
+
+
+def seed_deployment(engine, name: str = "chat", minutes: int = 40) -> Seeded:
+    """A deployment with v1 (conservative), v2 manual, v3 calibration (active) and v4 (a
+    candidate), `minutes` of telemetry across the versions and two runtimes reporting."""
+    rng = random.Random(7)
+    with Session(engine) as session:
+        deployment = thresholds.create_deployment(session=session, spec=DeploymentCreate(
+            name=name, model_ref="HuggingFaceTB/SmolLM2-135M-Instruct", num_layers=FULL,
+            exit_layers=LAYERS, delta=0.05), actor="user:seed")
+        v2 = thresholds.publish(session=session, deployment=deployment,
+                                thresholds={3: 0.95, 6: 0.9, 9: 0.8}, reason="first tuning",
+                                actor="user:seed")
+        thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                              version=v2.version, actor="user:seed", reason="first tuning")
+        v3 = thresholds.publish(
+            session=session, deployment=deployment, thresholds={3: 0.9, 6: 0.85, 9: 0.7},
+            reason="recalibrated on last hour", actor="system", origin=Origin.calibration,
+            expected_metrics={"exit_rate": {"3": 0.12, "6": 0.2, "9": 0.3},
+                              "risk_upper_bound": 0.041, "speedup": 1.42})
+        thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                              version=v3.version, actor="system", reason="auto-promote")
+        v4 = thresholds.publish(
+            session=session, deployment=deployment, thresholds={3: 0.85, 6: 0.8, 9: 0.65},
+            reason="candidate awaiting approval", actor="system", origin=Origin.calibration,
+            expected_metrics={"exit_rate": {"3": 0.16, "6": 0.25, "9": 0.33},
+                              "risk_upper_bound": 0.048, "speedup": 1.6})
+        now = time.time()
+        first = now - minutes * 60
+        batches = []
+        for minute in range(minutes):
+            version = 2 if minute < minutes // 2 else 3
+            bias = 0.35 + 0.25 * (version == 3) + 0.05 * rng.random()
+            for runtime in ("rt-a", "rt-b"):
+                batches.append(_batch(rng, name=name, version=version,
+                                      start=first + minute * 60, n=24, runtime_id=runtime,
+                                      seq=minute, exit_bias=bias))
+        ingest(session=session, deployment=deployment, batches=batches)
+        _backdate(session, deployment, {2: first + 20, 3: first + (minutes // 2) * 60,
+                                        4: now - 300})
+        for runtime, applied in (("rt-a", 3), ("rt-b", 2)):
+            record_heartbeat(session=session, deployment=deployment, beat=Heartbeat(
+                runtime_id=runtime, applied_version=applied, ready=True))
+        session.commit()
+        return Seeded(name=name, versions=[1, v2.version, v3.version, v4.version])
+
+
+def _backdate(session: Session, deployment, when: dict[int, float]) -> None:
+    """Spread the seeded history over the telemetry window, as it would have happened."""
+    for version, ts in when.items():
+        at = datetime.fromtimestamp(ts, UTC)
+        session.execute(update(AuditEvent).where(AuditEvent.deployment_id == deployment.id,
+                                                 AuditEvent.to_version == version)
+                        .values(created_at=at))
+        session.execute(update(ThresholdSet).where(ThresholdSet.deployment_id == deployment.id,
+                                                   ThresholdSet.version == version)
+                        .values(created_at=at))
+
+
+@pytest.fixture
+def seeded(engine) -> Seeded:
+    return seed_deployment(engine)
+
+
+CSRF_FIELD = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+
+def csrf_of(html: str) -> str:
+    match = CSRF_FIELD.search(html)
+    assert match, "the page has no CSRF field"
+    return match.group(1)
+
+
+def sign_in(client, username: str, password: str = PASSWORD):
+    """Sign `client` in through the login form; returns the response after the redirect."""
+    page = client.get("/ui/login")
+    response = client.post("/ui/login", data={"username": username, "password": password,
+                                              "csrf_token": csrf_of(page.text)})
+    return response
+
+
+@pytest.fixture
+def ui(app):
+    """A test client on https://testserver so Secure cookies round-trip."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, base_url="https://testserver") as client:
+        yield client
+
+
+@pytest.fixture
+def as_role(ui, people):
+    """Sign the UI client in as the given role; returns the client."""
+
+    def signed(role: str):
+        response = sign_in(ui, people[role])
+        assert response.status_code == 200, response.text
+        return ui
+
+    return signed

@@ -1,0 +1,180 @@
+"""The admin UI in a real browser: sign in with the keyboard, read a deployment's live charts,
+roll a version back, and check that a viewer cannot act. Screenshots of each page at 1280 px
+and 390 px land in test-artifacts/screenshots/."""
+
+from __future__ import annotations
+
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from sqlalchemy.orm import Session
+
+from controlplane.thresholds import service as thresholds
+from tests.dashboards.browser import (
+    check_page_quality,
+    screenshot,
+    start_chromium,
+    wait,
+    wait_for,
+)
+from tests.dashboards.conftest import PASSWORD
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    driver = start_chromium()
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def browser(chromium, live_server, people, seeded):
+    chromium.delete_all_cookies()
+    chromium.get_log("browser")  # drop what earlier tests left
+    chromium.base = live_server.url
+    yield chromium
+
+
+def sign_in_with_keyboard(driver, username: str) -> None:
+    driver.get(f"{driver.base}/ui/")
+    wait_for(driver, "form input#username")
+    assert driver.switch_to.active_element.get_attribute("id") == "username"  # autofocus
+    driver.switch_to.active_element.send_keys(username, Keys.TAB)
+    assert driver.switch_to.active_element.get_attribute("id") == "password"
+    driver.switch_to.active_element.send_keys(PASSWORD, Keys.ENTER)
+    wait_for(driver, ".deployment-card")
+
+
+def test_operator_reads_charts_and_rolls_back(browser, engine, seeded):
+    driver = browser
+    driver.get(f"{driver.base}/ui/login")
+    wait_for(driver, "form input#username")
+    check_page_quality(driver, "login")
+    screenshot(driver, "login")
+
+    sign_in_with_keyboard(driver, "operator")
+    card = driver.find_element(By.CSS_SELECTOR, ".deployment-card")
+    assert "chat" in card.text and "v3" in card.text
+    assert "2 reporting" in card.text and "1 on v3" in card.text
+    assert len(card.find_elements(By.CSS_SELECTOR, "svg.spark polyline")) == 2
+    check_page_quality(driver, "overview")
+    screenshot(driver, "overview")
+
+    card.find_element(By.LINK_TEXT, "chat").click()
+    wait(driver).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#charts .js-plotly-plot .main-svg').length") >= 5)
+    traces = driver.execute_script(
+        "return document.querySelectorAll('#chart-exit_rate .scatterlayer .trace').length")
+    assert traces == 3  # one line per exit layer
+    bars = driver.execute_script(
+        "return document.querySelectorAll('#chart-histogram .bars .point').length")
+    assert bars == 4  # three exit layers and full depth
+    markers = driver.execute_script(
+        "return document.querySelectorAll('#chart-exit_rate .shapelayer path').length")
+    assert markers >= 1  # the version changes from the audit log
+    assert "%" in driver.find_element(By.CSS_SELECTOR, "[data-stat=early_exit_rate]").text
+    check_page_quality(driver, "deployment")
+    screenshot(driver, "deployment")
+
+    driver.find_element(By.LINK_TEXT, "Versions").click()
+    wait_for(driver, "table.versions")
+    active_row = driver.find_element(By.CSS_SELECTOR, "tr.is-active")
+    assert active_row.get_attribute("id") == "v3"
+    assert "candidate" in driver.find_element(By.ID, "v4").text
+    check_page_quality(driver, "versions")
+    screenshot(driver, "versions")
+
+    driver.find_element(By.LINK_TEXT, "Roll back to v2").click()
+    reason = wait_for(driver, "textarea#reason")
+    assert driver.switch_to.active_element == reason  # ready to type
+    assert "v3 → v2" in driver.find_element(By.ID, "confirm-title").text
+    check_page_quality(driver, "rollback-confirm")
+    screenshot(driver, "rollback-confirm")
+    reason.send_keys("exit rate spiked after v3")
+    driver.find_element(By.CSS_SELECTOR, ".reason-form button[type=submit]").click()
+    flash = wait_for(driver, ".flash-ok")
+    assert "version 2 is active again" in flash.text
+    assert driver.find_element(By.CSS_SELECTOR, "tr.is-active").get_attribute("id") == "v2"
+    screenshot(driver, "versions-after-rollback")
+
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        assert thresholds.aliases_of(session=session, deployment=deployment)["active"] == 2
+        event = thresholds.audit_log(session=session, deployment=deployment, limit=1)[0]
+    assert (event.action, event.actor, event.reason) == (
+        "alias.rollback", "user:operator", "exit rate spiked after v3")
+
+    driver.get(f"{driver.base}/ui/deployments/chat/diff?a=3&b=4")
+    wait_for(driver, "table.diff-table")
+    check_page_quality(driver, "diff")
+    screenshot(driver, "diff")
+
+
+def test_viewer_sees_but_cannot_act(browser, engine):
+    driver = browser
+    sign_in_with_keyboard(driver, "viewer")
+    driver.get(f"{driver.base}/ui/deployments/chat/versions")
+    wait_for(driver, "table.versions")
+    assert driver.find_elements(By.PARTIAL_LINK_TEXT, "Roll back") == []
+    assert driver.find_elements(By.CSS_SELECTOR, ".row-actions") == []
+    assert driver.find_elements(By.LINK_TEXT, "Tokens") == []
+    screenshot(driver, "versions-viewer")
+
+    driver.get(f"{driver.base}/ui/deployments/chat/act/rollback?version=2")
+    assert "Not allowed" in wait_for(driver, "h1").text
+    screenshot(driver, "forbidden")
+    # Even a hand-made POST with the viewer's own valid CSRF token is refused.
+    status = driver.execute_script("""
+        const token = document.querySelector('input[name=csrf_token]').value;
+        const body = new URLSearchParams({csrf_token: token, reason: 'sneaky', version: '2'});
+        return fetch('/ui/deployments/chat/act/rollback', {method: 'POST', body: body})
+          .then(r => r.status);""")
+    assert status == 403
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        assert thresholds.aliases_of(session=session, deployment=deployment)["active"] == 3
+
+
+def test_admin_manages_tokens_and_users(browser):
+    driver = browser
+    sign_in_with_keyboard(driver, "admin")
+    driver.find_element(By.LINK_TEXT, "Tokens").click()
+    name = wait_for(driver, "#token-name")
+    name.send_keys("runtime chat-eu-1")
+    driver.find_element(By.CSS_SELECTOR, "#token-scope option[value=runtime]").click()
+    driver.find_element(By.CSS_SELECTOR, "#token-deployment option[value=chat]").click()
+    driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]").click()
+    secret = wait_for(driver, "#new-secret").get_attribute("value")
+    assert secret.startswith("ept_")
+    check_page_quality(driver, "tokens-created")
+    screenshot(driver, "tokens-created")
+    driver.get(f"{driver.base}/ui/tokens")
+    assert secret not in driver.page_source  # shown once
+    driver.find_element(By.CSS_SELECTOR,
+                        "button[aria-label='Revoke token runtime chat-eu-1']").click()
+    assert "is revoked" in wait_for(driver, ".flash-ok").text
+    screenshot(driver, "tokens")
+
+    driver.find_element(By.LINK_TEXT, "Users").click()
+    wait_for(driver, "#new-username").send_keys("dana")
+    driver.find_element(By.ID, "new-password").send_keys("a long enough password")
+    driver.find_element(By.CSS_SELECTOR, "#new-role option[value=operator]").click()
+    driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]").click()
+    assert "'dana' created as operator" in wait_for(driver, ".flash-ok").text
+    check_page_quality(driver, "users")
+    screenshot(driver, "users")
+
+
+def test_the_contrast_check_catches_faint_text(browser):
+    """The readability check above is real: faint grey on white is flagged."""
+    from tests.dashboards.browser import LOW_CONTRAST
+
+    browser.get(f"{browser.base}/ui/login")
+    wait_for(browser, "form input#username")
+    assert browser.execute_script(LOW_CONTRAST) == []
+    browser.execute_script("""const p = document.createElement('p');
+        p.textContent = 'faint'; p.style.color = '#c8c8c8';
+        document.querySelector('main').appendChild(p);""")
+    assert browser.execute_script(LOW_CONTRAST) == ['P "faint" 1.57']  # on the page's #f6f8fa
