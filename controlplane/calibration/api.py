@@ -1,0 +1,118 @@
+"""Thin routes: start a recalibration, list / show jobs, approve / reject a candidate, canary."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response, status
+
+from controlplane.calibration import service
+from controlplane.calibration.canary import promote_canary, revert_canary, running_canary
+from controlplane.calibration.schemas import (
+    CalibrationCreate,
+    CalibrationJobDetail,
+    CalibrationJobRead,
+    CalibrationRequested,
+    CanaryRead,
+    Decision,
+)
+from controlplane.deps import OperatorPrincipal, SessionDep
+from controlplane.errors import Conflict, NotFound
+from controlplane.thresholds.service import get_deployment
+
+router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"])
+
+
+@router.post("/calibrations", status_code=status.HTTP_202_ACCEPTED,
+             response_model=CalibrationRequested,
+             responses={200: {"description": "a job was already open; it is returned"}})
+def start_calibration(name: str, spec: CalibrationCreate, session: SessionDep,
+                      principal: OperatorPrincipal, request: Request,
+                      response: Response) -> CalibrationRequested:
+    """Queue a recalibration on the shadow samples of a window (the worker runs it)."""
+    settings = request.app.state.settings
+    deployment = get_deployment(session=session, name=name, lock=True)
+    job, created = service.request_calibration(
+        session=session, deployment=deployment, actor=principal.actor, trigger="manual",
+        since=spec.since, until=spec.until, reason=spec.reason or "requested by an operator",
+        policy=service.CalibrationPolicy.from_settings(settings))
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return CalibrationRequested(job=CalibrationJobRead.model_validate(job), created=created)
+
+
+@router.get("/calibrations", response_model=list[CalibrationJobRead])
+def list_calibrations(name: str, session: SessionDep, principal: OperatorPrincipal,
+                      limit: Annotated[int, Query(ge=1, le=500)] = 50,
+                      before_id: int | None = None) -> list[CalibrationJobRead]:
+    deployment = get_deployment(session=session, name=name)
+    jobs = service.list_jobs(session=session, deployment=deployment, limit=limit,
+                             before_id=before_id)
+    return [CalibrationJobRead.model_validate(job) for job in jobs]
+
+
+@router.get("/calibrations/{job_id}", response_model=CalibrationJobDetail)
+def show_calibration(name: str, job_id: int, session: SessionDep,
+                     principal: OperatorPrincipal) -> CalibrationJobDetail:
+    deployment = get_deployment(session=session, name=name)
+    job = service.get_job(session=session, deployment=deployment, job_id=job_id)
+    return CalibrationJobDetail.model_validate(job)
+
+
+@router.post("/calibrations/{job_id}/approve", response_model=CalibrationJobRead)
+def approve(name: str, job_id: int, decision: Decision, session: SessionDep,
+            principal: OperatorPrincipal) -> CalibrationJobRead:
+    """Promote a candidate waiting for approval (or whose canary paused) to active."""
+    deployment = get_deployment(session=session, name=name, lock=True)
+    job = service.get_job(session=session, deployment=deployment, job_id=job_id)
+    service.approve(session=session, deployment=deployment, job=job, actor=principal.actor,
+                    reason=decision.reason)
+    return CalibrationJobRead.model_validate(job)
+
+
+@router.post("/calibrations/{job_id}/reject", response_model=CalibrationJobRead)
+def reject(name: str, job_id: int, decision: Decision, session: SessionDep,
+           principal: OperatorPrincipal) -> CalibrationJobRead:
+    """Refuse a candidate waiting for approval, or revert its canary."""
+    deployment = get_deployment(session=session, name=name, lock=True)
+    job = service.get_job(session=session, deployment=deployment, job_id=job_id)
+    service.reject(session=session, deployment=deployment, job=job, actor=principal.actor,
+                   reason=decision.reason)
+    return CalibrationJobRead.model_validate(job)
+
+
+@router.get("/canary", response_model=CanaryRead)
+def canary_status(name: str, session: SessionDep, principal: OperatorPrincipal) -> CanaryRead:
+    """The newest canary run of the deployment with every window's verdict."""
+    deployment = get_deployment(session=session, name=name)
+    run = running_canary(session=session, deployment=deployment)
+    if run is None:
+        raise NotFound(f"deployment {name!r} never ran a canary")
+    return CanaryRead.model_validate(run)
+
+
+@router.post("/canary/promote", response_model=CanaryRead)
+def promote(name: str, decision: Decision, session: SessionDep,
+            principal: OperatorPrincipal) -> CanaryRead:
+    deployment = get_deployment(session=session, name=name, lock=True)
+    run = _open_canary(session, deployment)
+    promote_canary(session=session, deployment=deployment, run=run, actor=principal.actor,
+                   reason=decision.reason)
+    return CanaryRead.model_validate(run)
+
+
+@router.post("/canary/revert", response_model=CanaryRead)
+def revert(name: str, decision: Decision, session: SessionDep,
+           principal: OperatorPrincipal) -> CanaryRead:
+    deployment = get_deployment(session=session, name=name, lock=True)
+    run = _open_canary(session, deployment)
+    revert_canary(session=session, deployment=deployment, run=run, actor=principal.actor,
+                  reason=decision.reason, fire_alert=False)
+    return CanaryRead.model_validate(run)
+
+
+def _open_canary(session, deployment):
+    run = running_canary(session=session, deployment=deployment, lock=True)
+    if run is None or run.status not in ("running", "paused"):
+        raise Conflict(f"deployment {deployment.name!r} has no running or paused canary")
+    return run

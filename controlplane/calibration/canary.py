@@ -1,0 +1,292 @@
+"""Canary with automatic revert (Flagger / Argo Rollouts style), as plain functions.
+
+A candidate on the `canary` alias is served to a hash-sticky fraction of runtimes; their records
+carry the canary version, so rollups with `version == canary` are the canary group and
+`version == active` the stable group. Every `interval` the last whole-minute window is checked:
+
+- failed: canary shadow disagreement significantly above δ (one-sided binomial test), or its exit
+  rate significantly and materially above the calibration's expectation (quality at risk);
+- inconclusive: too few canary shadow tokens, or disagreement above δ but not significantly;
+- clean otherwise.
+
+`clean_windows` clean windows promote the candidate to `active`; `failure_limit` failed checks
+revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows pause
+the canary for a human (approve / reject the job, or promote / revert the canary).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from scipy.stats import binomtest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controlplane.calibration.models import CalibrationJob, CanaryRun
+from controlplane.db import utcnow
+from controlplane.errors import Conflict, NotFound
+from controlplane.telemetry.models import Rollup
+from controlplane.thresholds.models import Deployment, ThresholdSet
+from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
+from workers.stats.drift import LayerCounts, LayerReference, proportion_z_test
+
+log = logging.getLogger("exitplane.canary")
+
+
+@dataclass(frozen=True)
+class CanaryPolicy:
+    """Interval, the verdict thresholds and the limits that end a canary."""
+
+    interval: timedelta = timedelta(minutes=1)
+    clean_windows: int = 3
+    failure_limit: int = 1
+    max_inconclusive: int = 10
+    min_shadow_tokens: int = 200
+    alpha: float = 0.01
+    exit_rate_tolerance: float = 0.10  # absolute excess over the expected exit rate that fails
+
+    @classmethod
+    def from_settings(cls, settings) -> CanaryPolicy:
+        return cls(interval=timedelta(seconds=settings.canary_interval_s),
+                   clean_windows=settings.canary_clean_windows,
+                   failure_limit=settings.canary_failure_limit,
+                   max_inconclusive=settings.canary_max_inconclusive,
+                   min_shadow_tokens=settings.canary_min_shadow_tokens)
+
+
+def floor_minute(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0)
+
+
+def start_canary(*, session: Session, deployment: Deployment, version: int, actor: str,
+                 job_id: int | None = None, now: datetime | None = None) -> CanaryRun:
+    """Point `canary` at `version` and start checking it (an older canary is aborted)."""
+    now = now or utcnow()
+    for old in session.scalars(select(CanaryRun).where(
+            CanaryRun.deployment_id == deployment.id,
+            CanaryRun.status.in_(("running", "paused")))):
+        _end(old, "aborted", f"replaced by a canary of version {version}", now)
+    baseline = aliases_of(session=session, deployment=deployment)["active"]
+    move_alias(session=session, deployment=deployment, alias="canary", version=version,
+               actor=actor, action="canary.start",
+               reason=f"canary of version {version} on {deployment.canary_fraction:.0%} of "
+                      f"runtimes (stable: version {baseline})",
+               details={"calibration_job_id": job_id})
+    # Windows start at the next whole minute: the current one mixes in pre-canary traffic.
+    run = CanaryRun(deployment_id=deployment.id, version=version, baseline_version=baseline,
+                    job_id=job_id, status="running", started_at=now,
+                    next_window_start=floor_minute(now) + timedelta(minutes=1))
+    session.add(run)
+    session.flush()
+    return run
+
+
+def running_canary(*, session: Session, deployment: Deployment,
+                   lock: bool = False) -> CanaryRun | None:
+    """The deployment's newest canary run, whatever its status (None if it never had one)."""
+    query = (select(CanaryRun).where(CanaryRun.deployment_id == deployment.id)
+             .order_by(CanaryRun.id.desc()).limit(1))
+    if lock:
+        query = query.with_for_update()
+    return session.scalars(query).one_or_none()
+
+
+def group_figures(*, session: Session, deployment: Deployment, version: int,
+                  since: datetime, until: datetime) -> dict:
+    """Tokens, exit rate, shadow tokens and policy disagreement of one version's runtimes."""
+    first = deployment.exit_layers[0]
+    exit_layers = deployment.exit_layers
+    base = (Rollup.deployment_id == deployment.id, Rollup.version == version,
+            Rollup.minute >= since, Rollup.minute < until)
+    tokens, shadow = session.execute(
+        select(func.coalesce(func.sum(Rollup.tokens), 0),
+               func.coalesce(func.sum(Rollup.shadow_total), 0))
+        .where(*base, Rollup.layer == first)).one()
+    exits, mismatches = session.execute(
+        select(func.coalesce(func.sum(Rollup.exits), 0),
+               func.coalesce(func.sum(Rollup.policy_mismatches), 0))
+        .where(*base, Rollup.layer.in_(exit_layers))).one()
+    tokens, shadow, exits, mismatches = int(tokens), int(shadow), int(exits), int(mismatches)
+    served = tokens - shadow  # shadow tokens never exit: the exit rate is over the others
+    return {"version": version, "tokens": tokens, "served_tokens": served, "exits": exits,
+            "exit_rate": exits / served if served else None, "shadow_tokens": shadow,
+            "mismatches": mismatches, "disagreement": mismatches / shadow if shadow else None}
+
+
+def _verdict(*, canary: dict, expected_exit_rate: float | None, delta: float,
+             policy: CanaryPolicy) -> tuple[str, str, dict]:
+    """(clean | failed | inconclusive, why, test figures) for one window of the canary."""
+    n, k = canary["shadow_tokens"], canary["mismatches"]
+    tests: dict = {}
+    if n:
+        p_quality = binomtest(k, n, p=delta, alternative="greater").pvalue
+        tests["disagreement_p_value"] = float(p_quality)
+        if p_quality <= policy.alpha:
+            return "failed", (f"canary disagreement {k / n:.4f} on {n} shadow tokens is "
+                              f"significantly above δ={delta} (p={p_quality:.2g})"), tests
+    if expected_exit_rate is not None and canary["served_tokens"]:
+        observed = LayerCounts(tokens=canary["served_tokens"], exits=canary["exits"])
+        z, p_rate = proportion_z_test(observed, LayerReference(rate=expected_exit_rate))
+        tests |= {"exit_rate_z": z, "exit_rate_p_value": p_rate,
+                  "expected_exit_rate": expected_exit_rate}
+        excess = observed.rate - expected_exit_rate
+        if z > 0 and p_rate <= policy.alpha and excess > policy.exit_rate_tolerance:
+            return "failed", (f"canary exit rate {observed.rate:.3f} is {excess:.3f} above the "
+                              f"calibration's expected {expected_exit_rate:.3f} "
+                              f"(p={p_rate:.2g})"), tests
+    if n < policy.min_shadow_tokens:
+        return "inconclusive", (f"only {n} canary shadow tokens in the window; need "
+                                f"{policy.min_shadow_tokens}"), tests
+    if k / n > delta:
+        return "inconclusive", (f"canary disagreement {k / n:.4f} is above δ={delta} but not "
+                                "significantly"), tests
+    return "clean", f"canary disagreement {k / n:.4f} <= δ={delta} on {n} shadow tokens", tests
+
+
+def evaluate_canary(*, session: Session, deployment: Deployment,
+                    policy: CanaryPolicy = CanaryPolicy(),
+                    now: datetime | None = None) -> CanaryRun | None:
+    """Check the running canary's windows that completed since the last check and act on the
+    verdicts; returns the run (None when no canary runs)."""
+    now = now or utcnow()
+    session.refresh(deployment, with_for_update=True)  # one evaluator at a time
+    run = session.scalars(select(CanaryRun).where(
+        CanaryRun.deployment_id == deployment.id, CanaryRun.status == "running")
+        .order_by(CanaryRun.id.desc()).limit(1).with_for_update()).one_or_none()
+    if run is None:
+        return None
+    aliases = aliases_of(session=session, deployment=deployment)
+    if aliases.get("canary") != run.version:
+        _end(run, "aborted", "the canary alias was moved or cleared by hand", now)
+        _settle_job(session=session, run=run, promotion="superseded")
+        session.flush()
+        return run
+    candidate = session.scalars(select(ThresholdSet).where(
+        ThresholdSet.deployment_id == deployment.id, ThresholdSet.version == run.version)).one()
+    expected = (candidate.expected_metrics or {}).get("total_exit_rate")
+    while run.status == "running":
+        start = run.next_window_start
+        end = start + policy.interval
+        if end > floor_minute(now):  # only whole minutes that are over
+            break
+        figures = group_figures(session=session, deployment=deployment, version=run.version,
+                                since=start, until=end)
+        stable = group_figures(session=session, deployment=deployment,
+                               version=aliases["active"], since=start, until=end)
+        verdict, why, tests = _verdict(canary=figures, expected_exit_rate=expected,
+                                       delta=deployment.delta, policy=policy)
+        run.checks = [*run.checks, {
+            "window": [start.isoformat(), end.isoformat()], "verdict": verdict, "reason": why,
+            "canary": figures, "stable": stable, "tests": tests, "at": now.isoformat()}]
+        run.next_window_start = end
+        _count(session=session, deployment=deployment, run=run, verdict=verdict, why=why,
+               policy=policy, now=now)
+    session.flush()
+    return run
+
+
+def _count(*, session: Session, deployment: Deployment, run: CanaryRun, verdict: str, why: str,
+           policy: CanaryPolicy, now: datetime) -> None:
+    actor = "canary"
+    if verdict == "clean":
+        run.clean_windows += 1
+        if run.clean_windows >= policy.clean_windows:
+            promote_canary(session=session, deployment=deployment, run=run, actor=actor,
+                           reason=f"{run.clean_windows} clean windows", now=now)
+    elif verdict == "failed":
+        run.failed_checks += 1
+        if run.failed_checks >= policy.failure_limit:
+            revert_canary(session=session, deployment=deployment, run=run, actor=actor,
+                          reason=why, now=now)
+    else:
+        run.inconclusive_windows += 1
+        if run.inconclusive_windows >= policy.max_inconclusive:
+            run.status = "paused"
+            run.status_reason = (f"{run.inconclusive_windows} inconclusive windows ({why}); "
+                                 "waiting for an operator to promote or revert")
+            log.warning("canary of %s v%d paused: %s", deployment.name, run.version, why)
+
+
+def promote_canary(*, session: Session, deployment: Deployment, run: CanaryRun, actor: str,
+                   reason: str, now: datetime | None = None) -> CanaryRun:
+    """Make the canary version active and clear the canary alias."""
+    _require_open(run)
+    now = now or utcnow()
+    move_alias(session=session, deployment=deployment, alias="active", version=run.version,
+               actor=actor, action="canary.promote", reason=f"canary promoted: {reason}",
+               details={"canary_run_id": run.id, "calibration_job_id": run.job_id})
+    clear_alias(session=session, deployment=deployment, alias="canary", actor=actor,
+                reason=f"canary of version {run.version} promoted")
+    _end(run, "promoted", reason, now)
+    _settle_job(session=session, run=run, promotion="canary_promoted")
+    session.flush()
+    return run
+
+
+def revert_canary(*, session: Session, deployment: Deployment, run: CanaryRun, actor: str,
+                  reason: str, now: datetime | None = None, fire_alert: bool = True) -> CanaryRun:
+    """Clear the canary alias (canary runtimes return to the stable set); alert by default."""
+    _require_open(run)
+    now = now or utcnow()
+    if aliases_of(session=session, deployment=deployment).get("canary") == run.version:
+        clear_alias(session=session, deployment=deployment, alias="canary", actor=actor,
+                    reason=f"canary of version {run.version} reverted: {reason}")
+    _end(run, "reverted", reason, now)
+    _settle_job(session=session, run=run, promotion="canary_reverted")
+    if fire_alert:
+        _alert_revert(session=session, deployment=deployment, run=run, reason=reason, now=now)
+    session.flush()
+    return run
+
+
+def get_canary(*, session: Session, deployment: Deployment, run_id: int) -> CanaryRun:
+    run = session.get(CanaryRun, run_id)
+    if run is None or run.deployment_id != deployment.id:
+        raise NotFound(f"deployment {deployment.name!r} has no canary run {run_id}")
+    return run
+
+
+def abort_canary(*, session: Session, deployment: Deployment, actor: str, reason: str) -> None:
+    """Stop a running or paused canary without a verdict (the fallback does this)."""
+    now = utcnow()
+    for run in session.scalars(select(CanaryRun).where(
+            CanaryRun.deployment_id == deployment.id,
+            CanaryRun.status.in_(("running", "paused")))):
+        _end(run, "aborted", reason, now)
+        _settle_job(session=session, run=run, promotion="canary_reverted")
+    if "canary" in aliases_of(session=session, deployment=deployment):
+        clear_alias(session=session, deployment=deployment, alias="canary", actor=actor,
+                    reason=reason)
+
+
+def _require_open(run: CanaryRun) -> None:
+    if run.status not in ("running", "paused"):
+        raise Conflict(f"canary run {run.id} is already {run.status}")
+
+
+def _end(run: CanaryRun, status: str, reason: str, now: datetime) -> None:
+    run.status, run.status_reason, run.finished_at = status, reason, now
+
+
+def _settle_job(*, session: Session, run: CanaryRun, promotion: str) -> None:
+    if run.job_id is not None:
+        job = session.get(CalibrationJob, run.job_id)
+        if job is not None:
+            job.promotion, job.updated_at = promotion, utcnow()
+
+
+def _alert_revert(*, session: Session, deployment: Deployment, run: CanaryRun, reason: str,
+                  now: datetime) -> None:
+    from controlplane.alerts.service import Condition, fire
+
+    last = run.checks[-1] if run.checks else {}
+    alert, _ = fire(session=session, deployment=deployment, now=now, condition=Condition(
+        kind="canary_failed", severity="critical", subject=f"v{run.version}",
+        summary=f"canary of version {run.version} reverted: {reason}",
+        evidence={"canary_run_id": run.id, "version": run.version,
+                  "baseline_version": run.baseline_version, "calibration_job_id": run.job_id,
+                  "failed_checks": run.failed_checks, "last_check": last}))
+    alert.action_taken = (f"canary alias cleared: canary runtimes are back on version "
+                          f"{run.baseline_version}")

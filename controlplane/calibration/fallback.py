@@ -1,0 +1,213 @@
+"""Automatic conservative fallback when an alert says quality is at risk.
+
+`engage_fallback` runs inside the task that fired the alert (no human, no second hop): it makes
+a conservative set active, stops any canary, queues a recalibration on the traffic since the
+alert, and writes on the alert what it did. How conservative is the deployment's choice:
+
+- `never_exit`: the `conservative` alias (version 1 of every deployment: never exit);
+- `last_good`: the most recent earlier active version whose shadow disagreement stayed within δ
+  (on at least `min_shadow_tokens` of its own traffic, and on the recent traffic when there is
+  enough of it), republished with every threshold raised by `fallback_margin` (origin
+  `fallback`); the `conservative` alias when no version qualifies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controlplane.alerts.service import QUALITY_AT_RISK
+from controlplane.calibration.canary import abort_canary
+from controlplane.calibration.service import CalibrationPolicy, request_calibration
+from controlplane.db import utcnow
+from controlplane.telemetry.models import Rollup
+from controlplane.telemetry.service import shadow_samples
+from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
+from controlplane.thresholds.service import aliases_of, move_alias, publish
+from exitplane.wire import NEVER_EXIT, Origin
+from workers.stats.calibration import policy_disagreement
+
+log = logging.getLogger("exitplane.fallback")
+
+ACTOR = "fallback"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """What the fallback did: the version now active and how it was chosen."""
+
+    from_version: int | None
+    to_version: int
+    mode: str
+    source_version: int | None  # last_good: the version whose thresholds were raised
+    calibration_job_id: int | None
+    moved: bool
+
+    def describe(self) -> str:
+        if not self.moved:
+            text = f"conservative version {self.to_version} was already active"
+        elif self.source_version is not None:
+            text = (f"fallback engaged: active {self.from_version} -> {self.to_version} "
+                    f"(last good version {self.source_version} with thresholds raised)")
+        else:
+            text = (f"fallback engaged: active {self.from_version} -> {self.to_version} "
+                    "(conservative set)")
+        if self.calibration_job_id is not None:
+            text += f"; recalibration job {self.calibration_job_id} queued"
+        return text
+
+
+def engage_fallback(*, session: Session, deployment: Deployment, alert,
+                    policy: CalibrationPolicy = CalibrationPolicy(),
+                    min_shadow_tokens: int = 200, now: datetime | None = None) -> Fallback:
+    """Make a conservative set active because of `alert`, queue a recalibration, and record
+    both on the alert (`action_taken`). Safe to call twice for one alert."""
+    now = now or utcnow()
+    session.refresh(deployment, with_for_update=True)
+    aliases = aliases_of(session=session, deployment=deployment)
+    current = aliases["active"]
+    reason = f"automatic fallback on alert {alert.id} ({alert.kind})"
+    details = {"alert_id": alert.id, "alert_kind": alert.kind, "alert_layer": alert.layer,
+               "fallback_mode": deployment.fallback_mode}
+    if "canary" in aliases:
+        abort_canary(session=session, deployment=deployment, actor=ACTOR,
+                     reason=f"{reason}: canary stopped")
+    target, source = aliases["conservative"], None
+    if _already_fell_back(session=session, deployment=deployment, alert_id=alert.id,
+                          current=current):
+        target = current
+    elif deployment.fallback_mode == "last_good":
+        target, source = _last_good_target(
+            session=session, deployment=deployment, current=current, alert=alert,
+            since=_alert_time(alert), min_shadow_tokens=min_shadow_tokens, reason=reason)
+    moved = target != current
+    if moved:
+        move_alias(session=session, deployment=deployment, alias="active", version=target,
+                   actor=ACTOR, action="alias.fallback", reason=reason,
+                   details=details | {"source_version": source})
+    job, _ = request_calibration(
+        session=session, deployment=deployment, actor=ACTOR, trigger="alert",
+        alert_id=alert.id, since=_alert_time(alert), policy=policy,
+        reason=f"traffic changed: alert {alert.id} ({alert.kind})")
+    outcome = Fallback(from_version=current, to_version=target if moved else current,
+                       mode=deployment.fallback_mode, source_version=source,
+                       calibration_job_id=job.id, moved=moved)
+    previous = (alert.action_taken or "").strip()
+    alert.action_taken = f"{previous}; {outcome.describe()}" if previous else outcome.describe()
+    log.warning("%s: %s", deployment.name, outcome.describe())
+    session.flush()
+    return outcome
+
+
+def _alert_time(alert) -> datetime:
+    return getattr(alert, "fired_at", None) or utcnow()
+
+
+def _already_fell_back(*, session: Session, deployment: Deployment, alert_id: int,
+                       current: int) -> bool:
+    """True when this alert's fallback already moved `active` to where it points now."""
+    last = session.scalars(select(AuditEvent).where(
+        AuditEvent.deployment_id == deployment.id, AuditEvent.action == "alias.fallback")
+        .order_by(AuditEvent.id.desc()).limit(1)).one_or_none()
+    return (last is not None and last.to_version == current
+            and (last.details or {}).get("alert_id") == alert_id)
+
+
+def last_good_version(*, session: Session, deployment: Deployment, exclude: set[int],
+                      min_shadow_tokens: int, recent: tuple | None = None) -> ThresholdSet | None:
+    """The newest earlier active, non-fallback version whose own shadow disagreement stayed
+    within δ; with `recent` (signals, matched) also within δ on the recent traffic."""
+    versions = session.scalars(
+        select(AuditEvent.to_version).where(AuditEvent.deployment_id == deployment.id,
+                                            AuditEvent.alias == "active",
+                                            AuditEvent.to_version.is_not(None))
+        .order_by(AuditEvent.id.desc()))
+    seen: set[int] = set()
+    for version in versions:
+        if version in seen or version in exclude:
+            continue
+        seen.add(version)
+        candidate = session.scalars(select(ThresholdSet).where(
+            ThresholdSet.deployment_id == deployment.id, ThresholdSet.version == version)).one()
+        if candidate.origin == str(Origin.fallback):
+            continue
+        shadow, mismatches = _version_disagreement(session=session, deployment=deployment,
+                                                   version=version)
+        if shadow < min_shadow_tokens or mismatches / shadow > deployment.delta:
+            continue
+        if recent is not None and len(recent[0]) >= min_shadow_tokens:
+            by_layer = candidate.thresholds_by_layer()
+            wrong, n = policy_disagreement(recent[0], recent[1],
+                                           [by_layer[k] for k in deployment.exit_layers])
+            if wrong / n > deployment.delta:
+                continue
+        return candidate
+    return None
+
+
+def _version_disagreement(*, session: Session, deployment: Deployment,
+                          version: int) -> tuple[int, int]:
+    """(shadow tokens, policy mismatches) over all stored rollups of `version`."""
+    shadow = session.scalar(select(func.coalesce(func.sum(Rollup.shadow_total), 0)).where(
+        Rollup.deployment_id == deployment.id, Rollup.version == version,
+        Rollup.layer == deployment.exit_layers[0]))
+    mismatches = session.scalar(select(func.coalesce(func.sum(Rollup.policy_mismatches), 0))
+                                .where(Rollup.deployment_id == deployment.id,
+                                       Rollup.version == version))
+    return int(shadow), int(mismatches)
+
+
+def _last_good_target(*, session: Session, deployment: Deployment, current: int, alert,
+                      since: datetime, min_shadow_tokens: int,
+                      reason: str) -> tuple[int, int | None]:
+    """(version to make active, the good version it came from) for `last_good` mode."""
+    conservative = aliases_of(session=session, deployment=deployment)["conservative"]
+    recent = shadow_samples(session=session, deployment=deployment, since=since)
+    good = last_good_version(session=session, deployment=deployment,
+                             exclude={current, conservative},
+                             min_shadow_tokens=min_shadow_tokens, recent=recent)
+    if good is None:
+        return conservative, None
+    margin = deployment.fallback_margin
+    raised = {layer: min(NEVER_EXIT, value + margin)
+              for layer, value in good.thresholds_by_layer().items()}
+    published = publish(
+        session=session, deployment=deployment, thresholds=raised, origin=Origin.fallback,
+        parent_version=good.version, actor=ACTOR,
+        reason=f"{reason}: version {good.version} with thresholds raised by {margin:g}",
+        expected_metrics={"source_version": good.version, "margin": margin,
+                          "alert_id": alert.id})
+    return published.version, good.version
+
+
+def react_to_alert(*, session: Session, alert,
+                   policy: CalibrationPolicy = CalibrationPolicy()) -> str:
+    """What a newly fired alert sets off (called from the alerts' `on_alert_fired`):
+    quality at risk -> fallback and recalibration; exit-rate collapse -> recalibration only.
+
+    Runs in a savepoint: if it fails, the alert still fires and says so."""
+    if alert.kind not in QUALITY_AT_RISK and alert.kind != "exit_rate_collapse":
+        return ""
+    deployment = session.get(Deployment, alert.deployment_id)
+    savepoint = session.begin_nested()
+    try:
+        if alert.kind in QUALITY_AT_RISK:
+            engage_fallback(session=session, deployment=deployment, alert=alert, policy=policy)
+        else:
+            job, _ = request_calibration(
+                session=session, deployment=deployment, actor=ACTOR, trigger="alert",
+                alert_id=alert.id, since=_alert_time(alert), policy=policy,
+                reason=f"exits collapsed: alert {alert.id}")
+            alert.action_taken = f"recalibration job {job.id} queued (quality is not at risk)"
+        savepoint.commit()
+    except Exception as error:
+        savepoint.rollback()
+        log.exception("automatic reaction to alert %s failed", alert.id)
+        alert.action_taken = (f"automatic fallback FAILED ({type(error).__name__}: {error}); "
+                              "move the active alias to the conservative version by hand")
+        session.flush()
+    return alert.action_taken

@@ -1,0 +1,78 @@
+"""API shapes for recalibration jobs, operator decisions and the canary."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+
+class CalibrationCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    since: AwareDatetime | None = Field(
+        default=None, description="start of the shadow-sample window (default: lookback)")
+    until: AwareDatetime | None = Field(
+        default=None, description="end of the window (default: when the job runs)")
+    reason: str = Field(default="", max_length=2000)
+
+
+class Decision(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class CalibrationJobRead(BaseModel):
+    """A job without its curve and per-layer match curves (see CalibrationJobDetail)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    trigger: str
+    alert_id: int | None
+    requested_by: str
+    reason: str
+    since: datetime
+    until: datetime | None
+    status: str
+    status_reason: str
+    attempts: int
+    summary: dict
+    result_version: int | None
+    promotion: str | None
+    decided_by: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime
+
+
+class CalibrationJobDetail(CalibrationJobRead):
+    """Per layer: threshold, empirical risk, bound, p-value, expected exit rate; the curve."""
+
+    layers: list[dict]
+    curve: list[dict]
+
+
+class CalibrationRequested(BaseModel):
+    job: CalibrationJobRead
+    created: bool = Field(description="false: a job was already open and is returned instead")
+
+
+class CanaryRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    version: int
+    baseline_version: int
+    job_id: int | None
+    status: str
+    status_reason: str
+    clean_windows: int
+    failed_checks: int
+    inconclusive_windows: int
+    next_window_start: datetime
+    checks: list[dict]
+    started_at: datetime
+    finished_at: datetime | None

@@ -1,0 +1,83 @@
+"""Helpers for the calibration tests: deployments and runtime-like shadow telemetry written
+through the real ingestion service."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from controlplane.telemetry.service import ingest
+from controlplane.thresholds.schemas import DeploymentCreate
+from controlplane.thresholds.service import create_deployment, get_deployment
+from exitplane.wire import TelemetryBatch
+
+LAYERS = [3, 6, 9]
+FULL = 12
+
+
+def make_deployment(session: Session, name: str = "chat", **overrides):
+    spec = {"name": name, "model_ref": "tiny", "num_layers": FULL, "exit_layers": LAYERS,
+            "delta": 0.05, "epsilon": 0.1} | overrides
+    deployment = create_deployment(session=session, spec=DeploymentCreate(**spec), actor="test")
+    session.flush()
+    return deployment
+
+
+def separable_samples(n: int, *, seed: int, mismatch_below: float = 0.5,
+                      noise: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Signals uniform on [0, 1); a layer matches full depth exactly when its signal is above
+    `mismatch_below` (flipped with probability `noise`): the right thresholds are known."""
+    rng = np.random.default_rng(seed)
+    signals = rng.random((n, len(LAYERS))).astype(np.float32)
+    matched = signals > mismatch_below
+    if noise:
+        matched ^= rng.random(matched.shape) < noise
+    return signals, matched
+
+
+def policy_exit(signals: np.ndarray, thresholds: dict[int, float]) -> np.ndarray:
+    """Exit layer per token under `thresholds` (FULL when no layer exits)."""
+    limits = np.array([thresholds[k] for k in LAYERS])
+    exits = signals > limits[None, :]
+    first = np.where(exits.any(axis=1), exits.argmax(axis=1), len(LAYERS))
+    return np.array([*LAYERS, FULL])[first]
+
+
+def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
+                  matched: np.ndarray, *, start: datetime, spacing_s: float = 0.05,
+                  version: int = 0, thresholds: dict[int, float] | None = None,
+                  shadow_every: int = 1, runtime_id: str = "rt-1",
+                  batch_size: int = 5000) -> None:
+    """Store tokens as a runtime applying `version` would ship them: every `shadow_every`-th
+    token is a shadow token (full depth, labels at every exit layer), the others exit where
+    `thresholds` let them."""
+    deployment = get_deployment(session=session, name=deployment_name)
+    exit_at = (policy_exit(signals, thresholds) if thresholds is not None
+               else np.full(len(signals), FULL))
+    t0 = start.timestamp()
+    records = []
+    for i in range(len(signals)):
+        shadow = i % shadow_every == 0
+        layer = FULL if shadow else int(exit_at[i])
+        column = LAYERS.index(layer) if layer in LAYERS else len(LAYERS) - 1
+        record = {"threshold_version": version, "request_id": f"req-{i // 64}",
+                  "position": i % 64, "exit_layer": layer,
+                  "signal_value": float(signals[i, column]), "latency_us": 900,
+                  "ts": t0 + i * spacing_s}
+        if shadow:
+            record["shadow"] = [{"layer": k, "signal": float(signals[i, j]),
+                                 "matched": bool(matched[i, j])} for j, k in enumerate(LAYERS)]
+        records.append(record)
+    batches = [TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=deployment_name,
+                              runtime_id=runtime_id, seq=index, num_layers=FULL,
+                              records=records[offset:offset + batch_size])
+               for index, offset in enumerate(range(0, len(records), batch_size))]
+    ingest(session=session, deployment=deployment, batches=batches)
+    session.flush()
+
+
+def minute(year_month_day_hour_minute: str) -> datetime:
+    return datetime.fromisoformat(year_month_day_hour_minute).replace(tzinfo=UTC)

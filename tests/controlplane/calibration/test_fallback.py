@@ -1,0 +1,166 @@
+"""Automatic fallback: an alert that puts quality at risk makes a conservative set active in the
+same transaction, names the alert in the audit log, queues a recalibration and says so."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controlplane.alerts.models import Alert
+from controlplane.alerts.service import Condition, fire
+from controlplane.calibration import fallback
+from controlplane.calibration.canary import start_canary
+from controlplane.calibration.models import CalibrationJob
+from controlplane.db import session_scope, utcnow
+from controlplane.thresholds.models import AuditEvent
+from controlplane.thresholds.service import (
+    aliases_of,
+    get_deployment,
+    get_threshold_set,
+    move_alias,
+    publish,
+)
+from tests.controlplane.calibration.support import (
+    make_deployment,
+    separable_samples,
+    write_traffic,
+)
+
+GOOD = {3: 0.9, 6: 0.8, 9: 0.7}
+BAD = {3: 0.1, 6: 0.1, 9: 0.1}
+
+
+def _activate(session, thresholds, reason="tuned"):
+    deployment = get_deployment(session=session, name="chat")
+    version = publish(session=session, deployment=deployment, thresholds=thresholds,
+                      reason=reason, actor="ops").version
+    move_alias(session=session, deployment=deployment, alias="active", version=version,
+               actor="ops", reason=reason)
+    return version
+
+
+def _fire(engine, kind="quality_regression") -> int:
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        alert, created = fire(session=session, deployment=deployment, condition=Condition(
+            kind=kind, severity="critical", summary=f"{kind} on chat",
+            evidence={"disagreement_rate": 0.2}))
+        assert created
+        return alert.id
+
+
+def test_quality_regression_makes_the_conservative_set_active_at_once(engine, outbox):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        assert _activate(session, GOOD) == 2
+    alert_id = _fire(engine)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+        event = session.scalars(select(AuditEvent).where(
+            AuditEvent.action == "alias.fallback")).one()
+        assert (event.from_version, event.to_version, event.actor) == (2, 1, "fallback")
+        assert event.details["alert_id"] == alert_id and f"alert {alert_id}" in event.reason
+        job = session.scalars(select(CalibrationJob)).one()
+        alert = session.get(Alert, alert_id)
+        assert (job.trigger, job.alert_id, job.status) == ("alert", alert_id, "queued")
+        assert job.since == alert.fired_at
+        assert alert.action_taken == (f"fallback engaged: active 2 -> 1 (conservative set); "
+                                      f"recalibration job {job.id} queued")
+    assert ("calibration.run", [job.id]) in outbox
+
+
+def test_exit_rate_spike_falls_back_too_and_a_second_call_changes_nothing(engine, outbox):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+    alert_id = _fire(engine, kind="exit_rate_spike")
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        again = fallback.engage_fallback(session=session, deployment=deployment,
+                                         alert=session.get(Alert, alert_id))
+        assert not again.moved and again.to_version == 1
+    with Session(engine) as session:
+        assert len(session.scalars(select(AuditEvent).where(
+            AuditEvent.action == "alias.fallback")).all()) == 1
+        assert len(session.scalars(select(CalibrationJob)).all()) == 1
+
+
+def test_last_good_republishes_the_last_version_within_delta_with_a_margin(engine, outbox):
+    signals, matched = separable_samples(1000, seed=3)  # exits above 0.5 always match
+    start = utcnow() - timedelta(hours=2)
+    with session_scope(engine) as session:
+        make_deployment(session, fallback_mode="last_good", fallback_margin=0.05)
+        good = _activate(session, GOOD)
+        write_traffic(session, "chat", signals, matched, start=start, version=good,
+                      thresholds=GOOD, shadow_every=2)
+        bad = _activate(session, BAD, reason="too aggressive")
+        write_traffic(session, "chat", signals, matched, start=start + timedelta(hours=1),
+                      version=bad, thresholds=BAD, shadow_every=2)
+    alert_id = _fire(engine)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        active = aliases_of(session=session, deployment=deployment)["active"]
+        fallback_set = get_threshold_set(session=session, deployment=deployment, version=active)
+        assert active == 4 and fallback_set.origin == "fallback"
+        assert fallback_set.parent_version == good
+        assert fallback_set.thresholds_by_layer() == pytest.approx({3: 0.95, 6: 0.85, 9: 0.75})
+        assert fallback_set.expected_metrics["alert_id"] == alert_id
+        assert "last good version 2" in session.get(Alert, alert_id).action_taken
+
+
+def test_last_good_without_a_qualifying_version_uses_the_conservative_set(engine, outbox):
+    with session_scope(engine) as session:
+        make_deployment(session, fallback_mode="last_good")
+        _activate(session, GOOD)  # never saw traffic: not known to be good
+        _activate(session, BAD)
+    _fire(engine)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+
+
+def test_exit_rate_collapse_only_queues_a_recalibration(engine, outbox):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+    alert_id = _fire(engine, kind="exit_rate_collapse")
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 2
+        job = session.scalars(select(CalibrationJob)).one()
+        assert "recalibration job" in session.get(Alert, alert_id).action_taken
+    assert ("calibration.run", [job.id]) in outbox
+
+
+def test_fallback_stops_a_running_canary(engine, outbox):
+    with session_scope(engine) as session:
+        deployment = make_deployment(session)
+        _activate(session, GOOD)
+        candidate = publish(session=session, deployment=deployment, thresholds=BAD,
+                            reason="candidate", actor="ops").version
+        start_canary(session=session, deployment=deployment, version=candidate, actor="ops")
+    _fire(engine)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment) == {
+            "active": 1, "conservative": 1}
+
+
+def test_a_failing_reaction_still_fires_the_alert_and_says_so(engine, outbox, monkeypatch):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+
+    def broken(**kwargs):
+        raise RuntimeError("store hiccup")
+
+    monkeypatch.setattr(fallback, "engage_fallback", broken)
+    alert_id = _fire(engine)
+    with Session(engine) as session:
+        alert = session.get(Alert, alert_id)
+        assert alert.status == "firing"
+        assert alert.action_taken.startswith("automatic fallback FAILED (RuntimeError")
