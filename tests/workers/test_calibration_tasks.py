@@ -1,0 +1,173 @@
+"""Calibration and canary tasks on a real Celery worker (a subprocess, solo pool): the embedded
+stack (SQLite store, SQLite broker) and the production one (PostgreSQL store, Redis broker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controlplane.alerts.models import Alert
+from controlplane.alerts.service import Condition, fire
+from controlplane.calibration import service
+from controlplane.calibration.canary import start_canary
+from controlplane.calibration.models import CalibrationJob, CanaryRun
+from controlplane.db import session_scope, utcnow
+from controlplane.settings import Settings
+from controlplane.thresholds.models import ThresholdSet
+from controlplane.thresholds.service import aliases_of, get_deployment, move_alias, publish
+from tests.conftest import REDIS_URL
+from tests.controlplane.calibration.support import (
+    make_deployment,
+    separable_samples,
+    write_traffic,
+)
+from workers.celery_app import make_celery
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _redis_db(url: str, db: int = 11) -> str:
+    """A Redis database of our own, so other suites' workers never take our tasks."""
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
+class Worker:
+    """`celery worker` in a subprocess against the test's store and broker."""
+
+    def __init__(self, env: dict, log: Path) -> None:
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+             "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
+             "--without-heartbeat"], cwd=ROOT, env=env, stdout=log.open("w"),
+            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while "ready." not in log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"celery worker did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def stack(db_url, tmp_path, monkeypatch):
+    """(celery app of this test, worker): SQLite broker for SQLite, Redis for PostgreSQL."""
+    redis_url = _redis_db(REDIS_URL) if db_url.startswith("postgresql") and REDIS_URL else ""
+    if redis_url:
+        import redis
+
+        redis.Redis.from_url(redis_url).flushdb()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EXITPLANE_DATABASE_URL": db_url,
+           "EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_REDIS_URL": redis_url,
+           "EXITPLANE_CALIBRATION_MIN_SAMPLES": "500", "EXITPLANE_CALIBRATION_RETRY_S": "1"}
+    app = make_celery(Settings(database_url=db_url, var_dir=tmp_path / "var",
+                               redis_url=redis_url))
+    monkeypatch.setattr("controlplane.alerts.service.send_task",
+                        lambda name, args: app.send_task(name, args=args))
+    worker = Worker(env, tmp_path / "worker.log")
+    yield app, worker
+    worker.stop()
+
+
+def _wait_for(engine, job_id: int, statuses=("succeeded", "failed"), timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with Session(engine) as session:
+            job = session.get(CalibrationJob, job_id)
+            if job.status in statuses:
+                return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} stayed {job.status}: {job.status_reason}")
+
+
+def test_alert_fallback_then_recalibration_on_the_worker(engine, stack):
+    _, worker = stack
+    fired_at = utcnow() - timedelta(hours=1)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session)
+        version = publish(session=session, deployment=deployment,
+                          thresholds={3: 0.2, 6: 0.2, 9: 0.2}, reason="old", actor="ops").version
+        move_alias(session=session, deployment=deployment, alias="active", version=version,
+                   actor="ops", reason="old traffic")
+    signals, matched = separable_samples(3000, seed=8)
+    with session_scope(engine) as session:
+        write_traffic(session, "chat", signals, matched, start=fired_at + timedelta(minutes=1))
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        alert, _ = fire(session=session, deployment=deployment, now=fired_at,
+                        condition=Condition(kind="quality_regression", severity="critical",
+                                            summary="disagreement above δ"))
+        # In the same transaction as the alert: the conservative set is active.
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+        alert_id = alert.id
+    with Session(engine) as session:
+        job_id = session.scalars(select(CalibrationJob.id)).one()
+    job = _wait_for(engine, job_id)  # the worker got calibration.run after the commit
+    assert job.status == "succeeded", f"{job.status_reason}\n{worker.log.read_text()[-3000:]}"
+    assert job.alert_id == alert_id and job.summary["samples"]["total"] == 3000
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == job.result_version
+        published = session.scalars(select(ThresholdSet).where(
+            ThresholdSet.version == job.result_version)).one()
+        assert published.origin == "calibration" and published.parent_version == 1
+        assert "recalibration job" in session.get(Alert, alert_id).action_taken
+
+
+def test_a_job_waiting_for_data_is_retried_until_the_samples_arrive(engine, stack):
+    since = utcnow() - timedelta(hours=1)
+    signals, matched = separable_samples(3000, seed=9)
+    with session_scope(engine) as session:
+        make_deployment(session)
+        write_traffic(session, "chat", signals[:200], matched[:200], start=since)
+    with session_scope(engine) as session:
+        job, _ = service.request_calibration(
+            session=session, deployment=get_deployment(session=session, name="chat"),
+            actor="ops", since=since)
+        job_id = job.id
+    job = _wait_for(engine, job_id, statuses=("waiting_for_data",))
+    assert job.summary["required"] == 500
+    with session_scope(engine) as session:
+        write_traffic(session, "chat", signals[200:], matched[200:],
+                      start=since + timedelta(minutes=10))
+    job = _wait_for(engine, job_id)
+    assert job.status == "succeeded" and job.attempts >= 2
+    assert job.summary["samples"]["total"] == 3000
+
+
+def test_canary_evaluate_all_runs_on_the_worker(engine, stack):
+    app, _ = stack
+    with session_scope(engine) as session:
+        deployment = make_deployment(session, policy="canary")
+        version = publish(session=session, deployment=deployment,
+                          thresholds={3: 0.6, 6: 0.6, 9: 0.6}, reason="candidate",
+                          actor="ops").version
+        start_canary(session=session, deployment=deployment, version=version, actor="ops",
+                     now=utcnow() - timedelta(minutes=30))
+    queued = app.send_task("canary.evaluate_all").get(timeout=120)
+    assert queued == [1]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with Session(engine) as session:
+            run = session.scalars(select(CanaryRun)).one()
+            if run.checks:
+                break
+        time.sleep(0.3)
+    # No canary traffic in 28 whole minutes: inconclusive windows until the run pauses.
+    assert run.status == "paused" and run.inconclusive_windows == 10
+    assert all(check["verdict"] == "inconclusive" for check in run.checks)
