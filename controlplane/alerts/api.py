@@ -1,0 +1,165 @@
+"""Thin routes: alerts (list, show, ack, resolve, report), hooks (admin) and deliveries."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.responses import FileResponse
+
+from controlplane.alerts import service
+from controlplane.alerts.models import Alert, AlertHook
+from controlplane.alerts.schemas import (
+    AlertAck,
+    AlertRead,
+    AlertResolve,
+    DeliveryRead,
+    HookCreate,
+    HookCreated,
+    HookRead,
+    HookUpdate,
+)
+from controlplane.deps import AdminPrincipal, OperatorPrincipal, SessionDep
+from controlplane.thresholds.models import Deployment
+from controlplane.thresholds.service import get_deployment
+
+router = APIRouter(prefix="/v1", tags=["alerts"])
+Limit = Annotated[int, Query(ge=1, le=1000)]
+
+
+def _names(session, ids) -> dict[int, str]:
+    return {d.id: d.name for d in (session.get(Deployment, i) for i in set(ids) if i) if d}
+
+
+def _alert_read(request: Request, alert: Alert, names: dict[int, str]) -> AlertRead:
+    read = AlertRead.model_validate(alert)
+    read.deployment = names.get(alert.deployment_id, "")
+    if alert.report_path:
+        read.report_url = f"{request.app.state.settings.base_url}/v1/alerts/{alert.id}/report"
+    return read
+
+
+def _hook_read(hook: AlertHook, names: dict[int, str], model=HookRead) -> HookRead:
+    read = model.model_validate(hook)
+    read.deployment = names.get(hook.deployment_id) if hook.deployment_id else None
+    read.has_secret = bool(hook.secret)
+    read.has_routing_key = bool(hook.routing_key)
+    return read
+
+
+@router.get("/alerts", response_model=list[AlertRead])
+def list_alerts(request: Request, session: SessionDep, principal: OperatorPrincipal,
+                deployment: str | None = None,
+                status: Annotated[str | None, Query(description="open, firing, acknowledged, "
+                                                    "resolved")] = None,
+                kind: str | None = None, limit: Limit = 100,
+                before_id: int | None = None) -> list[AlertRead]:
+    target = get_deployment(session=session, name=deployment) if deployment else None
+    alerts = service.list_alerts(session=session, deployment=target, status=status, kind=kind,
+                                 limit=limit, before_id=before_id)
+    names = _names(session, [a.deployment_id for a in alerts])
+    return [_alert_read(request, a, names) for a in alerts]
+
+
+@router.get("/alerts/{alert_id}", response_model=AlertRead)
+def show_alert(alert_id: int, request: Request, session: SessionDep,
+               principal: OperatorPrincipal) -> AlertRead:
+    alert = service.get_alert(session=session, alert_id=alert_id)
+    return _alert_read(request, alert, _names(session, [alert.deployment_id]))
+
+
+@router.post("/alerts/{alert_id}/ack", response_model=AlertRead)
+def acknowledge(alert_id: int, body: AlertAck, request: Request, session: SessionDep,
+                principal: OperatorPrincipal) -> AlertRead:
+    alert = service.get_alert(session=session, alert_id=alert_id, lock=True)
+    service.acknowledge(session=session, alert=alert, actor=principal.actor, note=body.note)
+    return _alert_read(request, alert, _names(session, [alert.deployment_id]))
+
+
+@router.post("/alerts/{alert_id}/resolve", response_model=AlertRead)
+def resolve(alert_id: int, body: AlertResolve, request: Request, session: SessionDep,
+            principal: OperatorPrincipal) -> AlertRead:
+    alert = service.get_alert(session=session, alert_id=alert_id, lock=True)
+    service.resolve(session=session, alert=alert, actor=principal.actor, reason=body.reason)
+    return _alert_read(request, alert, _names(session, [alert.deployment_id]))
+
+
+@router.get("/alerts/{alert_id}/report", response_class=FileResponse)
+def alert_report(alert_id: int, request: Request, session: SessionDep,
+                 principal: OperatorPrincipal) -> FileResponse:
+    alert = service.get_alert(session=session, alert_id=alert_id)
+    path = service.report_file(alert=alert,
+                               reports_dir=request.app.state.settings.var_dir / "reports")
+    return FileResponse(path, media_type="text/html")
+
+
+@router.get("/alerts/{alert_id}/deliveries", response_model=list[DeliveryRead])
+def alert_deliveries(alert_id: int, session: SessionDep,
+                     principal: OperatorPrincipal, limit: Limit = 100) -> list[DeliveryRead]:
+    alert = service.get_alert(session=session, alert_id=alert_id)
+    return [DeliveryRead.model_validate(d)
+            for d in service.list_deliveries(session=session, alert=alert, limit=limit)]
+
+
+@router.get("/hooks", response_model=list[HookRead])
+def list_hooks(session: SessionDep, principal: AdminPrincipal,
+               deployment: str | None = None) -> list[HookRead]:
+    target = get_deployment(session=session, name=deployment) if deployment else None
+    found = service.list_hooks(session=session, deployment=target)
+    names = _names(session, [h.deployment_id for h in found])
+    return [_hook_read(h, names) for h in found]
+
+
+@router.post("/hooks", status_code=status.HTTP_201_CREATED, response_model=HookCreated)
+def create_hook(spec: HookCreate, session: SessionDep, principal: AdminPrincipal) -> HookCreated:
+    target = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
+    hook = service.create_hook(
+        session=session, name=spec.name, kind=spec.kind, url=str(spec.url), actor=principal.actor,
+        deployment=target, min_severity=spec.min_severity, secret=spec.secret,
+        routing_key=spec.routing_key, enabled=spec.enabled)
+    read = _hook_read(hook, _names(session, [hook.deployment_id]), model=HookCreated)
+    read.secret = hook.secret
+    return read
+
+
+@router.get("/hooks/{hook_id}", response_model=HookRead)
+def show_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> HookRead:
+    hook = service.get_hook(session=session, hook_id=hook_id)
+    return _hook_read(hook, _names(session, [hook.deployment_id]))
+
+
+@router.patch("/hooks/{hook_id}", response_model=HookRead)
+def update_hook(hook_id: int, spec: HookUpdate, session: SessionDep,
+                principal: AdminPrincipal) -> HookRead:
+    hook = service.get_hook(session=session, hook_id=hook_id)
+    changes = spec.model_dump(exclude_none=True)
+    if "url" in changes:
+        changes["url"] = str(changes["url"])
+    service.update_hook(session=session, hook=hook, changes=changes)
+    return _hook_read(hook, _names(session, [hook.deployment_id]))
+
+
+@router.delete("/hooks/{hook_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> Response:
+    service.delete_hook(session=session, hook=service.get_hook(session=session, hook_id=hook_id))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/hooks/{hook_id}/test", response_model=DeliveryRead)
+def send_test_alert(hook_id: int, request: Request, session: SessionDep,
+                    principal: AdminPrincipal) -> DeliveryRead:
+    """Send a test alert to the hook now and return the logged attempt."""
+    settings = request.app.state.settings
+    hook = service.get_hook(session=session, hook_id=hook_id)
+    delivery = service.send_test_alert(session=session, hook=hook, base_url=settings.base_url,
+                                       actor=principal.actor,
+                                       timeout_s=settings.delivery_timeout_s)
+    return DeliveryRead.model_validate(delivery)
+
+
+@router.get("/hooks/{hook_id}/deliveries", response_model=list[DeliveryRead])
+def hook_deliveries(hook_id: int, session: SessionDep, principal: AdminPrincipal,
+                    limit: Limit = 100, before_id: int | None = None) -> list[DeliveryRead]:
+    hook = service.get_hook(session=session, hook_id=hook_id)
+    return [DeliveryRead.model_validate(d) for d in service.list_deliveries(
+        session=session, hook=hook, limit=limit, before_id=before_id)]
