@@ -36,6 +36,7 @@ def create_ui(parent: FastAPI) -> FastAPI:
     ui.state.settings = parent.state.settings
     ui.state.session_factory = parent.state.session_factory
     ui.state.principal_cache = parent.state.principal_cache
+    ui.state.login_throttle = sessions.LoginThrottle()
 
     @ui.middleware("http")
     async def security_headers(request: Request, call_next) -> Response:

@@ -50,9 +50,6 @@ class LoginThrottle:
             self._failures.pop(username, None)
 
 
-throttle = LoginThrottle()
-
-
 def _safe_next(request: Request, wanted: str | None) -> str:
     """Only paths inside the UI: never another site (open redirect)."""
     root = ui_root(request)
@@ -74,6 +71,7 @@ def login_page(request: Request, user: Annotated[User | None, Depends(optional_u
 def login(request: Request, session: SessionDep, username: Annotated[str, Form()],
           password: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
     key = username.strip().lower()
+    throttle: LoginThrottle = request.app.state.login_throttle
     wait = throttle.blocked_for(key)
     if wait > 0:
         return render(request, "login.html", status_code=429, next=next, username=username,

@@ -28,6 +28,17 @@ FULL = 12
 ROLES = ("viewer", "operator", "admin")
 
 
+@pytest.fixture(autouse=True)
+def quick_hashing(monkeypatch):
+    """Argon2 with minimal cost: these tests exercise the UI, not the hash's strength."""
+    from argon2 import PasswordHasher
+
+    from controlplane.auth import users
+
+    monkeypatch.setattr(users, "_hasher", PasswordHasher(time_cost=1, memory_cost=1024,
+                                                         parallelism=1))
+
+
 @pytest.fixture
 def people(engine) -> dict[str, str]:
     """One user per role, each named after the role, all with PASSWORD."""
@@ -121,8 +132,10 @@ def _backdate(session: Session, deployment, when: dict[int, float]) -> None:
 
 
 @pytest.fixture
-def seeded(engine) -> Seeded:
-    return seed_deployment(engine)
+def seeded(engine, request) -> Seeded:
+    """The seeded deployment: 40 minutes of telemetry for charts, 3 for everything else."""
+    return seed_deployment(engine, minutes=40 if request.node.get_closest_marker("browser")
+                           else 3)
 
 
 CSRF_FIELD = re.compile(r'name="csrf_token" value="([^"]+)"')

@@ -1,0 +1,230 @@
+"""Every UI action checks the role and the CSRF token server-side; a table lists them all and a
+test proves the table covers every POST route the UI serves."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controlplane.auth.models import User
+from controlplane.thresholds.models import AuditEvent
+from tests.dashboards.conftest import PASSWORD, csrf_of, sign_in
+
+# (route template, concrete path, form, weakest role allowed)
+ACTIONS = [
+    ("/deployments/{name}/act/{key}", "/ui/deployments/chat/act/activate",
+     {"version": "4", "reason": "approve"}, "operator"),
+    ("/deployments/{name}/act/{key}", "/ui/deployments/chat/act/rollback",
+     {"reason": "bad"}, "operator"),
+    ("/deployments/{name}/act/{key}", "/ui/deployments/chat/act/canary",
+     {"version": "4", "reason": "try"}, "operator"),
+    ("/deployments/{name}/act/{key}", "/ui/deployments/chat/act/canary-stop",
+     {"reason": "stop"}, "operator"),
+    ("/deployments/{name}/act/{key}", "/ui/deployments/chat/act/promote",
+     {"reason": "ship"}, "operator"),
+    ("/deployments/{name}/versions", "/ui/deployments/chat/versions",
+     {"layer_3": "0.9", "layer_6": "0.9", "layer_9": "0.9", "reason": "manual"}, "operator"),
+    ("/tokens", "/ui/tokens", {"name": "ci", "scope": "operator"}, "admin"),
+    ("/tokens/{token_id}/revoke", "/ui/tokens/1/revoke", {}, "admin"),
+    ("/users", "/ui/users", {"username": "eve", "password": PASSWORD, "role": "viewer"},
+     "admin"),
+    ("/users/{user_id}/role", "/ui/users/1/role", {"role": "viewer"}, "admin"),
+    ("/users/{user_id}/disabled", "/ui/users/1/disabled", {"disabled": "true"}, "admin"),
+    ("/users/{user_id}/password", "/ui/users/1/password", {"password": PASSWORD + "!"},
+     "admin"),
+    ("/logout", "/ui/logout", {}, "viewer"),
+]
+PUBLIC_POSTS = {"/login"}  # checked for CSRF in test_login_needs_csrf
+ROLE_RANK = {"viewer": 0, "operator": 1, "admin": 2}
+ACTION_IDS = [path.removeprefix("/ui/") for _, path, _, _ in ACTIONS]
+
+
+def _ui_app(app):
+    return next(route.app for route in app.routes if getattr(route, "path", "") == "/ui")
+
+
+def _routes(routes):
+    """Routes, looking inside included routers (FastAPI keeps them as wrappers)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _routes(inner.routes)
+        else:
+            yield route
+
+
+def test_the_table_covers_every_post_route(app):
+    posts = {route.path for route in _routes(_ui_app(app).routes)
+             if "POST" in getattr(route, "methods", ())}
+    assert posts == {template for template, *_ in ACTIONS} | PUBLIC_POSTS
+
+
+def _audit_count(engine) -> int:
+    with Session(engine) as session:
+        return session.scalar(select(func.count()).select_from(AuditEvent))
+
+
+def _csrf(client) -> str:
+    return csrf_of(client.get("/ui/login" if "exitplane_session" not in client.cookies
+                              else "/ui/").text)
+
+
+@pytest.mark.parametrize(("template", "path", "form", "needed"), ACTIONS, ids=ACTION_IDS)
+def test_actions_refuse_missing_wrong_or_foreign_csrf(as_role, seeded, engine, template, path,
+                                                       form, needed):
+    client = as_role("admin")
+    before = _audit_count(engine)
+    missing = client.post(path, data=form, follow_redirects=False)
+    wrong = client.post(path, data={**form, "csrf_token": "forged"}, follow_redirects=False)
+    foreign = client.post(path, data={**form, "csrf_token": _csrf(client)},
+                          headers={"Origin": "https://evil.example"}, follow_redirects=False)
+    for response in (missing, wrong, foreign):
+        assert response.status_code == 403, response.text
+        assert "Not allowed" in response.text
+    assert _audit_count(engine) == before
+    assert client.get("/ui/").status_code == 200  # still signed in
+
+
+@pytest.mark.parametrize(("template", "path", "form", "needed"), ACTIONS, ids=ACTION_IDS)
+@pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
+def test_actions_need_their_role(as_role, seeded, engine, template, path, form, needed, role):
+    client = as_role(role)
+    before = _audit_count(engine)
+    response = client.post(path, data={**form, "csrf_token": _csrf(client)},
+                           follow_redirects=False)
+    if ROLE_RANK[role] < ROLE_RANK[needed]:
+        assert response.status_code == 403
+        assert f"needs the {needed} role" in response.text
+        assert _audit_count(engine) == before
+    else:
+        assert response.status_code in (201, 303), response.text
+
+
+@pytest.mark.parametrize(("template", "path", "form", "needed"), ACTIONS, ids=ACTION_IDS)
+def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form, needed):
+    token = csrf_of(ui.get("/ui/login").text)  # an anonymous session's valid token
+    response = ui.post(path, data={**form, "csrf_token": token}, follow_redirects=False)
+    assert response.status_code == 303
+    assert response.headers["location"].startswith("/ui/login")
+
+
+@pytest.mark.parametrize(("path", "needed"), [
+    ("/ui/", "viewer"), ("/ui/deployments/chat", "viewer"),
+    ("/ui/deployments/chat/charts.json", "viewer"), ("/ui/deployments/chat/versions", "viewer"),
+    ("/ui/deployments/chat/diff?a=2&b=3", "viewer"),
+    ("/ui/deployments/chat/act/rollback", "operator"),
+    ("/ui/deployments/chat/act/activate?version=4", "operator"),
+    ("/ui/deployments/chat/versions/new", "operator"),
+    ("/ui/tokens", "admin"), ("/ui/users", "admin"),
+])
+@pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
+def test_pages_need_their_role(as_role, seeded, path, needed, role):
+    response = as_role(role).get(path)
+    expected = 200 if ROLE_RANK[role] >= ROLE_RANK[needed] else 403
+    assert response.status_code == expected
+
+
+def test_pages_need_sign_in(ui, seeded):
+    response = ui.get("/ui/deployments/chat", follow_redirects=False)
+    assert response.status_code == 303
+    assert response.headers["location"] == "/ui/login?next=/ui/deployments/chat"
+    assert ui.get("/ui/deployments/chat/charts.json",
+                  follow_redirects=False).status_code == 303
+
+
+def test_login_needs_csrf(ui, people):
+    response = ui.post("/ui/login", data={"username": "admin", "password": PASSWORD},
+                       follow_redirects=False)
+    assert response.status_code == 403
+    assert ui.get("/ui/", follow_redirects=False).status_code == 303
+
+
+def test_session_cookie_flags(ui, people):
+    response = sign_in(ui, "admin").history[0]
+    cookie = response.headers["set-cookie"]
+    assert re.search(r"exitplane_session=[^;]+; HttpOnly; Max-Age=\d+; Path=/ui; "
+                     r"SameSite=lax; Secure", cookie), cookie
+
+
+def test_plain_http_loopback_cookie_is_not_secure_but_elsewhere_it_is(app, people):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, base_url="http://127.0.0.1") as loopback:
+        cookie = sign_in(loopback, "admin").history[0].headers["set-cookie"]
+        assert "HttpOnly" in cookie and "Secure" not in cookie
+    with TestClient(app, base_url="http://exitplane.internal") as remote:
+        cookie = remote.get("/ui/login").headers["set-cookie"]
+        assert "Secure" in cookie
+
+
+def test_tampered_session_is_anonymous(ui, people):
+    sign_in(ui, "viewer")
+    value = ui.cookies["exitplane_session"]
+    body, _, mac = value.partition(".")
+    forged = body.replace(body[5], "A" if body[5] != "A" else "B", 1) + "." + mac
+    ui.cookies.clear()
+    assert ui.get("/ui/", headers={"Cookie": f"exitplane_session={value}"},
+                  follow_redirects=False).status_code == 200
+    ui.cookies.clear()
+    assert ui.get("/ui/", headers={"Cookie": f"exitplane_session={forged}"},
+                  follow_redirects=False).status_code == 303
+
+
+def test_disabling_a_user_ends_their_session(as_role, app, engine, people):
+    from fastapi.testclient import TestClient
+
+    viewer = as_role("viewer")
+    assert viewer.get("/ui/", follow_redirects=False).status_code == 200
+    with TestClient(app, base_url="https://testserver") as admin:
+        sign_in(admin, "admin")
+        with Session(engine) as session:
+            viewer_id = session.scalar(select(User.id).where(User.username == "viewer"))
+        page = admin.get("/ui/users")
+        done = admin.post(f"/ui/users/{viewer_id}/disabled",
+                          data={"disabled": "true", "csrf_token": csrf_of(page.text)})
+        assert "viewer&#39; is disabled and signed out" in done.text
+    assert viewer.get("/ui/", follow_redirects=False).status_code == 303
+    assert sign_in(viewer, "viewer").status_code == 401
+
+
+def test_wrong_password_then_throttled(ui, people):
+    for _ in range(5):
+        response = sign_in(ui, "operator", password="not the password")
+        assert response.status_code == 401
+        assert "Wrong username or password" in response.text
+    assert sign_in(ui, "operator").status_code == 429  # even with the right password
+    assert sign_in(ui, "nobody", password="whatever").status_code == 401
+
+
+def test_next_never_leaves_the_ui(ui, people):
+    page = ui.get("/ui/login?next=https://evil.example/")
+    response = ui.post("/ui/login", data={"username": "admin", "password": PASSWORD,
+                                          "next": "https://evil.example/",
+                                          "csrf_token": csrf_of(page.text)},
+                       follow_redirects=False)
+    assert response.headers["location"] == "/ui/"
+    page = ui.get("/ui/login")
+    ui.cookies.clear()
+    page = ui.get("/ui/login")
+    response = ui.post("/ui/login", data={"username": "admin", "password": PASSWORD,
+                                          "next": "/ui/tokens",
+                                          "csrf_token": csrf_of(page.text)},
+                       follow_redirects=False)
+    assert response.headers["location"] == "/ui/tokens"
+
+
+def test_logout_ends_the_session(as_role):
+    client = as_role("operator")
+    response = client.post("/ui/logout", data={"csrf_token": _csrf(client)})
+    assert "You are signed out" in response.text
+    assert client.get("/ui/", follow_redirects=False).status_code == 303
+
+
+def test_security_headers(ui, people):
+    response = ui.get("/ui/login")
+    assert "script-src 'self'" in response.headers["content-security-policy"]
+    assert response.headers["x-frame-options"] == "DENY"
+    assert response.headers["cache-control"] == "no-store"
