@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start (or stop) the PostgreSQL and Redis that the test suite runs against, on loopback,
 # with their data under var/services/. Installs Debian's packages first when missing and we
-# are root. Writes var/services/env with the EXITPLANE_TEST_* URLs for the test run.
+# are root (also Chromium + driver, promtool and Alertmanager, which tests start themselves).
+# Writes var/services/env with the EXITPLANE_TEST_* URLs for the test run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -25,6 +26,11 @@ install_missing() {
   local missing=()
   [ -n "$(pg_bin)" ] && [ -x "$(pg_bin)/postgres" ] || missing+=(postgresql)
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  # The browser tests drive Debian's Chromium; the alert tests use promtool and Alertmanager.
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+  command -v prometheus-alertmanager >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" != 0 ]; then
       echo "services.sh: missing ${missing[*]}; install them (apt-get install ${missing[*]})" >&2
