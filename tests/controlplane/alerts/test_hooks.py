@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import hooks, service
 from controlplane.alerts.service import Condition
+from controlplane.db import utcnow
 from tests.conftest import free_port
 from tests.controlplane.alerts.support import make_deployment
 
@@ -225,3 +226,31 @@ def test_alertmanager_shows_the_alert_firing_then_resolved(session: Session, ale
     # endsAt = the resolution time, now past: Alertmanager treats it as resolved and drops it
     # from its list of alerts.
     assert _am_alerts(alertmanager) == []
+
+
+def test_alertmanager_alerts_are_refreshed_before_their_endsat_lapses(session: Session,
+                                                                       receiver, outbox):
+    deployment, alert = _fire(session)
+    am = service.create_hook(session=session, name="am", kind="alertmanager", url=receiver.url,
+                             actor="test")
+    service.create_hook(session=session, name="slack", kind="slack", url=receiver.url,
+                        actor="test")
+    sent = _deliver(session, alert, am, "firing")
+    assert sent.ok
+    first = json.loads(receiver.requests[0].body)[0]
+    assert receiver.requests[0].path == "/api/v2/alerts"
+    assert first["endsAt"] > first["startsAt"]  # held open, not resolved
+    session.commit()
+    outbox.clear()
+    # Still observed half an hour after it was sent: only the Alertmanager hook is refreshed.
+    sent.created_at = utcnow() - hooks.ALERTMANAGER_HOLD / 2
+    service.reconcile(session=session, deployment=deployment, conditions=[QUALITY],
+                      checked_kinds=["quality_regression"], clear_after_s=60)
+    session.commit()
+    assert [args for name, args in outbox if name == "alerts.deliver"] == [
+        [alert.id, am.id, "refresh"]]
+    refreshed = _deliver(session, alert, am, "refresh")
+    assert refreshed.ok and json.loads(receiver.requests[-1].body)[0]["startsAt"] == \
+        first["startsAt"]
+    # Just refreshed: a duplicate refresh task is a no-op.
+    assert _deliver(session, alert, am, "refresh") is None

@@ -1,0 +1,160 @@
+"""Store-backed gauges for Prometheus: what `dashboards/prometheus/alerts.yml` alerts on.
+
+Read from the store at scrape time, so every API replica exports the same values whichever
+process ingested the telemetry (the rules aggregate with max by deployment / layer):
+
+- exitplane_exit_rate{deployment,layer}: conditional exit rate of the active version over the
+  last `WINDOW` (exits / tokens that reached the layer); exitplane_tokens_checked: that
+  denominator, so rules can ignore thin traffic
+- exitplane_shadow_disagreement{deployment}, exitplane_shadow_tokens, and
+  exitplane_disagreement_target (the deployment's δ)
+- exitplane_last_ingest_timestamp_seconds{deployment}
+- exitplane_runtime_last_seen_timestamp_seconds{deployment,runtime} and
+  exitplane_runtime_behind_active (1 when it applies neither the active nor the canary version);
+  runtimes silent for a day are left out
+- exitplane_alerts_open{deployment,kind,severity}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from datetime import timedelta
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from controlplane import metrics
+from controlplane.alerts.models import Alert
+from controlplane.db import utcnow
+from controlplane.runtimes.models import Runtime
+from controlplane.telemetry.models import Rollup, TelemetryBatchRow
+from controlplane.thresholds.models import Alias, Deployment
+
+log = logging.getLogger("exitplane.metrics")
+
+WINDOW = timedelta(minutes=5)
+FORGET_RUNTIME = timedelta(days=1)
+
+
+def _families() -> dict[str, GaugeMetricFamily]:
+    specs = {
+        "exit_rate": ("Conditional exit rate of the active version over the last 5 minutes",
+                      ["deployment", "layer"]),
+        "tokens_checked": ("Tokens that reached the layer in the last 5 minutes (active version)",
+                           ["deployment", "layer"]),
+        "shadow_disagreement": ("Shadow tokens the active policy would have answered "
+                                "differently from full depth, last 5 minutes", ["deployment"]),
+        "shadow_tokens": ("Shadow tokens in the last 5 minutes (active version)",
+                          ["deployment"]),
+        "disagreement_target": ("The deployment's maximum disagreement δ", ["deployment"]),
+        "active_version": ("Threshold version the active alias points at", ["deployment"]),
+        "last_ingest_timestamp_seconds": ("When the last telemetry batch was stored",
+                                          ["deployment"]),
+        "runtime_last_seen_timestamp_seconds": ("A runtime's last heartbeat",
+                                                ["deployment", "runtime"]),
+        "runtime_behind_active": ("1 when a runtime applies neither the active nor the canary "
+                                  "version", ["deployment", "runtime"]),
+        "alerts_open": ("Open (firing or acknowledged) alerts", ["deployment", "kind",
+                                                                 "severity"]),
+    }
+    return {name: GaugeMetricFamily(f"exitplane_{name}", doc, labels=labels)
+            for name, (doc, labels) in specs.items()}
+
+
+class StoreCollector(Collector):
+    """Collects the gauges above from the store of the most recently bound session factory."""
+
+    def __init__(self) -> None:
+        self._factory = None
+
+    def bind(self, factory) -> None:
+        self._factory = factory
+
+    def describe(self):
+        return list(_families().values())
+
+    def collect(self):
+        families = _families()
+        if self._factory is not None:
+            try:
+                with self._factory() as session:
+                    _fill(session, families)
+            except Exception as error:  # a scrape must not fail because the store is away
+                log.warning("store metrics unavailable: %s", error)
+                families = _families()
+        yield from families.values()
+
+
+def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
+    now = utcnow()
+    deployments = {d.id: d for d in session.scalars(select(Deployment))}
+    aliases: dict[int, dict[str, int]] = defaultdict(dict)
+    for row in session.execute(select(Alias.deployment_id, Alias.name, Alias.version)):
+        aliases[row.deployment_id][row.name] = row.version
+    for deployment in deployments.values():
+        active = aliases[deployment.id].get("active")
+        families["disagreement_target"].add_metric([deployment.name], deployment.delta)
+        if active is not None:
+            families["active_version"].add_metric([deployment.name], active)
+
+    rollups = session.execute(
+        select(Rollup.deployment_id, Rollup.version, Rollup.layer,
+               func.sum(Rollup.tokens).label("tokens"), func.sum(Rollup.exits).label("exits"),
+               func.sum(Rollup.shadow_total).label("shadow"),
+               func.sum(Rollup.policy_mismatches).label("mismatches"))
+        .where(Rollup.minute >= now - WINDOW)
+        .group_by(Rollup.deployment_id, Rollup.version, Rollup.layer))
+    shadow: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for row in rollups:
+        deployment = deployments.get(row.deployment_id)
+        if deployment is None or row.version != aliases[deployment.id].get("active"):
+            continue
+        if row.layer not in deployment.exit_layers:
+            continue
+        labels = [deployment.name, str(row.layer)]
+        tokens = int(row.tokens or 0)
+        families["tokens_checked"].add_metric(labels, tokens)
+        if tokens:
+            families["exit_rate"].add_metric(labels, int(row.exits or 0) / tokens)
+        if row.layer == deployment.exit_layers[0]:
+            shadow[deployment.id][0] += int(row.shadow or 0)
+        shadow[deployment.id][1] += int(row.mismatches or 0)
+    for deployment_id, (total, mismatches) in shadow.items():
+        name = deployments[deployment_id].name
+        families["shadow_tokens"].add_metric([name], total)
+        if total:
+            families["shadow_disagreement"].add_metric([name], mismatches / total)
+
+    for row in session.execute(select(TelemetryBatchRow.deployment_id,
+                                      func.max(TelemetryBatchRow.received_at).label("last"))
+                               .group_by(TelemetryBatchRow.deployment_id)):
+        if row.deployment_id in deployments and row.last is not None:
+            last = row.last if row.last.tzinfo else row.last.replace(tzinfo=now.tzinfo)
+            families["last_ingest_timestamp_seconds"].add_metric(
+                [deployments[row.deployment_id].name], last.timestamp())
+
+    for runtime in session.scalars(select(Runtime).where(
+            Runtime.last_seen >= now - FORGET_RUNTIME)):
+        deployment = deployments.get(runtime.deployment_id)
+        if deployment is None:
+            continue
+        labels = [deployment.name, runtime.runtime_id]
+        families["runtime_last_seen_timestamp_seconds"].add_metric(
+            labels, runtime.last_seen.timestamp())
+        current = {aliases[deployment.id].get("active"), aliases[deployment.id].get("canary")}
+        families["runtime_behind_active"].add_metric(
+            labels, 0.0 if runtime.applied_version in current else 1.0)
+
+    for row in session.execute(select(Alert.deployment_id, Alert.kind, Alert.severity,
+                                      func.count().label("n"))
+                               .where(Alert.open_key.is_not(None))
+                               .group_by(Alert.deployment_id, Alert.kind, Alert.severity)):
+        if row.deployment_id in deployments:
+            families["alerts_open"].add_metric(
+                [deployments[row.deployment_id].name, row.kind, row.severity], row.n)
+
+
+store_collector = StoreCollector()
+metrics.registry.register(store_collector)
