@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -63,10 +63,14 @@ class Fallback:
 
 def engage_fallback(*, session: Session, deployment: Deployment, alert,
                     policy: CalibrationPolicy = CalibrationPolicy(),
-                    min_shadow_tokens: int = 200, now: datetime | None = None) -> Fallback:
+                    min_shadow_tokens: int = 200,
+                    recent_window: timedelta = timedelta(minutes=10)) -> Fallback:
     """Make a conservative set active because of `alert`, queue a recalibration, and record
-    both on the alert (`action_taken`). Safe to call twice for one alert."""
-    now = now or utcnow()
+    both on the alert (`action_taken`). Safe to call twice for one alert.
+
+    `last_good` checks a candidate version on the shadow samples of `recent_window` before the
+    alert too (the traffic that set it off), so a version good only on the old traffic is
+    skipped."""
     session.refresh(deployment, with_for_update=True)
     aliases = aliases_of(session=session, deployment=deployment)
     current = aliases["active"]
@@ -83,7 +87,8 @@ def engage_fallback(*, session: Session, deployment: Deployment, alert,
     elif deployment.fallback_mode == "last_good":
         target, source = _last_good_target(
             session=session, deployment=deployment, current=current, alert=alert,
-            since=_alert_time(alert), min_shadow_tokens=min_shadow_tokens, reason=reason)
+            since=_alert_time(alert) - recent_window, min_shadow_tokens=min_shadow_tokens,
+            reason=reason)
     moved = target != current
     if moved:
         move_alias(session=session, deployment=deployment, alias="active", version=target,

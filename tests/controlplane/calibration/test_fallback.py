@@ -15,7 +15,7 @@ from controlplane.calibration import fallback
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.models import AuditEvent
+from controlplane.thresholds.models import AuditEvent, ThresholdSet
 from controlplane.thresholds.service import (
     aliases_of,
     get_deployment,
@@ -164,3 +164,24 @@ def test_a_failing_reaction_still_fires_the_alert_and_says_so(engine, outbox, mo
         alert = session.get(Alert, alert_id)
         assert alert.status == "firing"
         assert alert.action_taken.startswith("automatic fallback FAILED (RuntimeError")
+
+
+def test_last_good_skips_a_version_that_fails_on_the_traffic_that_fired(engine, outbox):
+    now = utcnow()
+    old_signals, old_matched = separable_samples(1000, seed=3)
+    new_signals, new_matched = separable_samples(600, seed=4, mismatch_below=0.97)
+    with session_scope(engine) as session:
+        make_deployment(session, fallback_mode="last_good")
+        good = _activate(session, GOOD)
+        write_traffic(session, "chat", old_signals, old_matched, version=good, thresholds=GOOD,
+                      start=now - timedelta(hours=2), shadow_every=2)
+        bad = _activate(session, BAD)
+        # The new traffic: only near-certain early answers match, so GOOD's exits go wrong.
+        write_traffic(session, "chat", new_signals, new_matched, version=bad, thresholds=BAD,
+                      start=now - timedelta(minutes=5), spacing_s=0.2)
+    _fire(engine)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+        assert session.scalars(select(ThresholdSet).where(
+            ThresholdSet.origin == "fallback", ThresholdSet.version > 1)).all() == []
