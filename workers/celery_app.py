@@ -55,6 +55,8 @@ def make_celery(settings: Settings | None = None) -> Celery:
                                "schedule": max(15.0, settings.runtime_stale_after_s / 4),
                                "options": {"expires": 60}},
             "retention": {"task": "retention.run", "schedule": crontab(hour=3, minute=17)},
+            "delivery-sweep": {"task": "alerts.sweep", "schedule": 300.0,
+                               "options": {"expires": 300}},
             "canary-evaluate": {"task": "canary.evaluate_all",
                                 "schedule": settings.canary_interval_s,
                                 "options": {"expires": settings.canary_interval_s}},

@@ -92,7 +92,8 @@ def snapshot(*, alert, deployment: str, base_url: str) -> dict[str, Any]:
         "acknowledged_by": alert.acknowledged_by, "resolved_at": _iso(alert.resolved_at),
         "resolved_by": alert.resolved_by, "resolution": alert.resolution,
         "url": f"{base}/ui/alerts/{alert.id}",
-        "report_url": f"{base}/v1/alerts/{alert.id}/report" if alert.report_path else None,
+        # The UI's route: people follow this link from a page, with a browser session.
+        "report_url": f"{base}/ui/alerts/{alert.id}/report" if alert.report_path else None,
     }
 
 

@@ -154,10 +154,10 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
 def on_alert_fired(session: Session, alert: Alert) -> None:
     """The one place where the system reacts to a newly fired alert.
 
-    Today it pages: every matching hook gets a delivery, enqueued after the commit. For the kinds
-    in QUALITY_AT_RISK (quality_regression, exit_rate_spike) this is also where the automatic
-    fallback to the `conservative` set and the recalibration job hook in (fallback issue); they
-    record what they did in `alert.action_taken` before the delivery task reads it."""
+    First the automatic response (`controlplane.calibration.fallback`: for the QUALITY_AT_RISK
+    kinds the `conservative` set becomes active and a recalibration is queued), which records
+    what it did in `alert.action_taken`; then every matching hook gets a delivery, enqueued
+    after the commit, so the page says what the system already did."""
     from controlplane.calibration.fallback import react_to_alert  # calibration imports alerts
 
     react_to_alert(session=session, alert=alert)
@@ -399,6 +399,30 @@ def _attempt(*, session: Session, hook: AlertHook, alert_id: int | None, event: 
         log.warning("delivery of %s/%s to hook %s failed (attempt %d): %s", alert_id, event,
                     hook.id, attempt, outcome.error)
     return delivery
+
+
+def undelivered(*, session: Session, since: datetime, before: datetime
+                ) -> list[tuple[int, int, str]]:
+    """(alert id, hook id, event) of firing / resolved events between `since` and `before`
+    that no hook attempt was ever logged for: sends lost with the broker, for a sweep."""
+    window = (Alert.fired_at >= since) & (Alert.fired_at < before)
+    resolved = (Alert.resolved_at >= since) & (Alert.resolved_at < before)
+    alerts = list(session.scalars(select(Alert).where(or_(window, resolved))))
+    if not alerts:
+        return []
+    attempted = set(session.execute(
+        select(AlertDelivery.alert_id, AlertDelivery.hook_id, AlertDelivery.event)
+        .where(AlertDelivery.alert_id.in_([a.id for a in alerts]))).tuples())
+    missing = []
+    for alert in alerts:
+        events = [("firing", alert.fired_at), ("resolved", alert.resolved_at)]
+        for event_name, moment in events:
+            if moment is None or not since <= moment < before:
+                continue
+            for hook in hooks_for(session=session, alert=alert, event=event_name):
+                if hook.created_at <= moment and (alert.id, hook.id, event_name) not in attempted:
+                    missing.append((alert.id, hook.id, event_name))
+    return missing
 
 
 def list_deliveries(*, session: Session, hook: AlertHook | None = None,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 
 from celery import shared_task
 
 from controlplane.alerts.service import deliver as deliver_once
-from controlplane.alerts.service import is_retryable
-from controlplane.db import get_engine, session_scope
+from controlplane.alerts.service import is_retryable, undelivered
+from controlplane.db import get_engine, session_scope, utcnow
 from controlplane.settings import get_settings
 
 BACKOFF_MAX_S = 600.0
@@ -36,3 +37,16 @@ def deliver(self, alert_id: int, hook_id: int, event: str) -> dict:
     if outcome["retry"] and self.request.retries < settings.delivery_max_retries:
         raise self.retry(countdown=backoff_s(self.request.retries, settings.delivery_backoff_s))
     return outcome
+
+
+@shared_task(name="alerts.sweep")
+def sweep() -> list[list]:
+    """Queue deliveries whose send was lost (broker away at commit) in the last day."""
+    settings = get_settings()
+    now = utcnow()
+    with session_scope(get_engine(settings.effective_database_url)) as session:
+        missing = undelivered(session=session, since=now - timedelta(days=1),
+                              before=now - timedelta(minutes=2))
+    for alert_id, hook_id, event in missing:
+        deliver.apply_async(args=[alert_id, hook_id, event])
+    return [list(item) for item in missing]

@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.alerts import service
+from controlplane.alerts.models import AlertDelivery
 from controlplane.alerts.service import Condition
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid
@@ -124,3 +125,24 @@ def test_invalid_input_is_refused_with_a_reason(session: Session):
     webhook = service.create_hook(session=session, name="w", kind="webhook", url="http://x",
                                   actor="t")
     assert webhook.secret and len(webhook.secret) >= 32
+
+
+def test_a_sweep_finds_events_whose_send_was_lost(session: Session, outbox):
+    deployment = make_deployment(session)
+    page, chat, _ = _hooks(session, deployment)
+    alert, _ = service.fire(session=session, deployment=deployment, condition=SPIKE)
+    session.commit()  # imagine the broker was away: the sends in the outbox were lost
+    window = {"since": utcnow() - timedelta(days=1), "before": utcnow() + timedelta(seconds=1)}
+    assert sorted(service.undelivered(session=session, **window)) == [
+        (alert.id, page.id, "firing"), (alert.id, chat.id, "firing")]
+    session.add(AlertDelivery(hook_id=page.id, alert_id=alert.id, event="firing", attempt=1,
+                              ok=False, status_code=500, error="HTTP 500", duration_ms=1.0))
+    service.resolve(session=session, alert=alert, actor="token:ops", reason="done")
+    late = service.create_hook(session=session, name="late", kind="slack",
+                               url="http://127.0.0.1:9/late", actor="test")
+    session.flush()
+    window["before"] = utcnow() + timedelta(seconds=1)
+    found = sorted(service.undelivered(session=session, **window))
+    assert found == [(alert.id, page.id, "resolved"), (alert.id, chat.id, "firing"),
+                     (alert.id, chat.id, "resolved")]
+    assert all(hook_id != late.id for _, hook_id, _ in found)  # created after the events
