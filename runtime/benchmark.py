@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads-joint", default=str(corpus.cache_dir()
                                                      / "heads-joint.safetensors"))
     parser.add_argument("--prompts", type=int, default=8, help="evaluation prompts")
-    parser.add_argument("--calibration-prompts", type=int, default=8)
+    parser.add_argument("--calibration-prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--signal", default="learned", choices=[s.value for s in Signal])
@@ -163,86 +163,139 @@ def histogram(records: list[TokenRecord]) -> dict[int, int]:
     return dict(sorted(Counter(r.exit_layer for r in records).items()))
 
 
-def evaluate_heads(mode, path, args, eval_ids, calib_ids, full_ref) -> dict | None:
-    """Calibrate on shadow samples, run early exit at every target, measure quality."""
-    if not Path(path).exists():
-        print(f"[{mode}] no heads at {path}; train them with "
-              f"`exitplane runtime train-heads --mode {mode}`")
-        return None
-    model, _, heads = load_served(args.model, heads_path=path, device=args.device)
-    layers = heads.exit_layers
+class Tally:
+    """Tokens, seconds and outputs of one configuration, accumulated prompt by prompt."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.outputs, self.records = 0, 0.0, [], []
+
+    def add(self, outputs, records, seconds) -> None:
+        self.tokens += sum(map(len, outputs))
+        self.seconds += seconds
+        self.outputs.extend(outputs)
+        self.records.extend(records)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def served_variants(args, base) -> list[dict]:
+    """Each available heads mode with its served model (joint: LoRA merged into a copy)."""
+    variants = []
+    for mode, path in (("post-hoc", args.heads_post_hoc), ("joint", args.heads_joint)):
+        if not Path(path).exists():
+            print(f"[{mode}] no heads at {path}; train them with "
+                  f"`exitplane runtime train-heads --mode {mode}`")
+            continue
+        heads = ExitHeads.load(path, device=args.device)
+        model = base
+        if heads.lora:
+            model, _, heads = load_served(args.model, heads_path=path, device=args.device)
+        variants.append({"mode": mode, "model": model, "heads": heads, "curve": {}})
+    return variants
+
+
+def calibrate_variant(variant, args, calib_ids) -> None:
+    """Shadow-sample the calibration prompts at full depth; pick thresholds per target."""
     signal = Signal(args.signal)
-    full, _, full_s = run_engine(model, heads, eval_ids, args.max_new_tokens)
-    full_tokens = sum(map(len, full))
-    _, shadow_records, _ = run_engine(model, heads, calib_ids, args.max_new_tokens,
-                                      batch=args.batch, shadow_rate=1.0,
-                                      policy=ExitPolicy.never_exit(layers, signal))
-    result = {"mode": mode, "digest": heads.digest, "full_tok_s": full_tokens / full_s,
-              "heldout": heads.metadata.get("heldout"), "curve": {}, "full": full,
-              "matches_original": full == full_ref}
+    layers = variant["heads"].exit_layers
+    _, records, _ = run_engine(variant["model"], variant["heads"], calib_ids,
+                               args.max_new_tokens, batch=args.batch, shadow_rate=1.0,
+                               policy=ExitPolicy.never_exit(layers, signal))
+    variant["shadow_tokens"] = len(records)
     for target in TARGETS:
-        policy, cal = calibrate(shadow_records, layers, target, signal)
-        ee, records, seconds = run_engine(model, heads, eval_ids, args.max_new_tokens,
-                                          policy=policy)
-        tokens = sum(map(len, ee))
-        rate, first = free_running(ee, full)
-        point = {**cal, "tok_s": tokens / seconds, "speedup": (tokens / seconds)
-                 / result["full_tok_s"], "teacher_forced": teacher_forced(model, eval_ids, ee),
-                 "free_running_disagreement": rate, "first_divergence": first,
-                 "mean_exit_layer": statistics.mean(r.exit_layer for r in records),
-                 "histogram": histogram(records), "policy": policy}
-        result["curve"][target] = point
-    result["model"] = model
-    result["heads"] = heads
-    return result
+        policy, info = calibrate(records, layers, target, signal)
+        variant["curve"][target] = {"policy": policy, **info}
 
 
-def batch_runs(result, args, eval_ids) -> dict:
-    model, heads = result["model"], result["heads"]
-    policy = result["curve"][0.01]["policy"]
-    out = {}
-    for name, kwargs in {"full": {}, "mask": {"policy": policy, "batching": "mask"},
-                         "compact": {"policy": policy, "batching": "compact"}}.items():
-        generated, _, seconds = run_engine(model, heads, eval_ids, args.max_new_tokens,
-                                           batch=args.batch, **kwargs)
-        out[name] = sum(map(len, generated)) / seconds
-    return out
+def interleaved_runs(base, variants, args, eval_ids, eos) -> dict[str, Tally]:
+    """Every configuration on each prompt in turn, so machine load hits them alike."""
+    tallies: dict[str, Tally] = {}
+
+    def run(name, fn):
+        outputs, records, seconds = fn()
+        tallies.setdefault(name, Tally()).add(outputs, records, seconds)
+
+    for prompt in eval_ids:
+        run("hf", lambda p=prompt: _hf_run(base, p, args.max_new_tokens, eos))
+        run("full", lambda p=prompt: run_engine(base, None, [p], args.max_new_tokens))
+        for v in variants:
+            m, h = v["model"], v["heads"]
+            if m is not base:
+                run(f"{v['mode']}:full", lambda p=prompt, m=m, h=h: run_engine(
+                    m, h, [p], args.max_new_tokens))
+            for target, point in v["curve"].items():
+                run(f"{v['mode']}:{target}", lambda p=prompt, m=m, h=h, pol=point["policy"]:
+                    run_engine(m, h, [p], args.max_new_tokens, policy=pol))
+    return tallies
+
+
+def _hf_run(model, prompt, max_new_tokens, eos):
+    outputs, seconds = timed(lambda: hf_generate(model, [prompt], max_new_tokens, eos))
+    return outputs, [], seconds
+
+
+def batch_runs(variant, args, eval_ids, rounds: int = 2) -> dict[str, float]:
+    """Batch-8 tok/s: full depth vs early exit mask-only vs compaction, alternated."""
+    model, heads = variant["model"], variant["heads"]
+    policy = variant["curve"][0.01]["policy"]
+    configs = {"full": {}, "mask": {"policy": policy, "batching": "mask"},
+               "compact": {"policy": policy, "batching": "compact"}}
+    tallies = {name: Tally() for name in configs}
+    for _ in range(rounds):
+        for name, kwargs in configs.items():
+            tallies[name].add(*run_engine(model, heads, eval_ids, args.max_new_tokens,
+                                          batch=args.batch, **kwargs))
+    return {name: t.tok_s for name, t in tallies.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     base, tokenizer = load_model(args.model, device=args.device)
-    eos = list(Engine(base).parts.eos_token_ids)
+    probe = Engine(base)
+    eos, num_layers = list(probe.parts.eos_token_ids), probe.parts.num_layers
     prompts = corpus.HELD_OUT_PROMPTS
     eval_ids = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts[: args.prompts]]
     calib_ids = [corpus.chat_prompt_ids(tokenizer, p)
                  for p in prompts[args.prompts: args.prompts + args.calibration_prompts]]
-    hf_out, hf_s = timed(lambda: hf_generate(base, eval_ids, args.max_new_tokens, eos))
-    ours, _, ours_s = run_engine(base, None, eval_ids, args.max_new_tokens)
-    hf_tok_s = sum(map(len, hf_out)) / hf_s
-    base_full_tok_s = sum(map(len, ours)) / ours_s
-    print(f"HF generate: {hf_tok_s:.1f} tok/s; engine full depth: {base_full_tok_s:.1f} tok/s; "
-          f"token-identical: {ours == hf_out}")
-    results = [r for r in (evaluate_heads(m, p, args, eval_ids, calib_ids, hf_out)
-                           for m, p in (("post-hoc", args.heads_post_hoc),
-                                        ("joint", args.heads_joint))) if r is not None]
-    summary = {"hf_tok_s": round(hf_tok_s, 2), "full_tok_s": round(base_full_tok_s, 2),
-               "full_matches_hf": ours == hf_out, "num_layers": Engine(base).parts.num_layers,
+    variants = served_variants(args, base)
+    for variant in variants:
+        calibrate_variant(variant, args, calib_ids)
+    tallies = interleaved_runs(base, variants, args, eval_ids, eos)
+    hf, full = tallies["hf"], tallies["full"]
+    summary = {"hf_tok_s": round(hf.tok_s, 2), "full_tok_s": round(full.tok_s, 2),
+               "full_vs_hf": round(full.tok_s / hf.tok_s, 3),
+               "full_matches_hf": full.outputs == hf.outputs, "num_layers": num_layers,
                "model": model_name(args.model), "max_new_tokens": args.max_new_tokens,
-               "eval_prompts": len(eval_ids), "signal": args.signal}
-    if not results:
+               "eval_prompts": len(eval_ids), "calibration_prompts": len(calib_ids),
+               "signal": args.signal, "threads": args.threads}
+    print(f"HF generate {hf.tok_s:.1f} tok/s, engine full depth {full.tok_s:.1f} tok/s "
+          f"({full.tok_s / hf.tok_s:.2f}x), token-identical: {full.outputs == hf.outputs}")
+    if not variants:
         summary.update(check_costs(base, None))
         print(json.dumps(summary))
         return 0
-    print_curves(results)
-    best = max(results, key=lambda r: r["curve"][0.01]["speedup"])
+    for v in variants:
+        ref = tallies.get(f"{v['mode']}:full", full)
+        v["full_tok_s"] = ref.tok_s
+        for target, point in v["curve"].items():
+            t = tallies[f"{v['mode']}:{target}"]
+            rate, first = free_running(t.outputs, ref.outputs)
+            point.update({"tok_s": t.tok_s, "speedup": t.tok_s / ref.tok_s,
+                          "teacher_forced": teacher_forced(v["model"], eval_ids, t.outputs),
+                          "free_running_disagreement": rate, "first_divergence": first,
+                          "mean_exit_layer": statistics.mean(r.exit_layer for r in t.records),
+                          "histogram": histogram(t.records)})
+    print_curves(variants)
+    best = max(variants, key=lambda v: v["curve"][0.01]["speedup"])
     point = best["curve"][0.01]
     batch = batch_runs(best, args, eval_ids)
     costs = check_costs(best["model"], best["heads"])
     print_main_table(summary, best, point, batch, costs)
     summary.update({
-        "heads_mode": best["mode"], "heads_digest": best["digest"],
+        "heads_mode": best["mode"], "heads_digest": best["heads"].digest,
         "served_full_tok_s": round(best["full_tok_s"], 2),
         "ee_tok_s": round(point["tok_s"], 2), "speedup": round(point["speedup"], 3),
         "agreement_teacher_forced": round(point["teacher_forced"], 4),
@@ -254,23 +307,24 @@ def main(argv: list[str] | None = None) -> int:
         "batch8_mask_tok_s": round(batch["mask"], 2),
         "batch8_compact_tok_s": round(batch["compact"], 2),
         "speedup_curve": {str(t): round(best["curve"][t]["speedup"], 3) for t in TARGETS},
-        "speedup_curves": {r["mode"]: {str(t): round(r["curve"][t]["speedup"], 3)
-                                       for t in TARGETS} for r in results},
-        "agreement_curves": {r["mode"]: {str(t): round(r["curve"][t]["teacher_forced"], 4)
-                                         for t in TARGETS} for r in results},
+        "speedup_curves": {v["mode"]: {str(t): round(v["curve"][t]["speedup"], 3)
+                                       for t in TARGETS} for v in variants},
+        "agreement_curves": {v["mode"]: {str(t): round(v["curve"][t]["teacher_forced"], 4)
+                                         for t in TARGETS} for v in variants},
+        "heldout": {v["mode"]: v["heads"].metadata.get("heldout") for v in variants},
         "check_costs": costs,
     })
     print(json.dumps(summary))
     return 0
 
 
-def print_curves(results) -> None:
+def print_curves(variants) -> None:
     print("\nspeed-quality curve (thresholds calibrated on shadow samples of other prompts)")
     print(f"{'heads':<9}{'target':>7}{'thr':>8}{'speedup':>9}{'agree TF':>10}"
           f"{'free dis':>10}{'1st div':>9}{'mean exit':>10}")
-    for r in results:
-        for target, p in r["curve"].items():
-            print(f"{r['mode']:<9}{target:>7.3f}{p['threshold']:>8.3f}{p['speedup']:>9.2f}"
+    for v in variants:
+        for target, p in v["curve"].items():
+            print(f"{v['mode']:<9}{target:>7.3f}{p['threshold']:>8.3f}{p['speedup']:>9.2f}"
                   f"{p['teacher_forced']:>10.4f}{p['free_running_disagreement']:>10.4f}"
                   f"{p['first_divergence']:>9.1f}{p['mean_exit_layer']:>10.2f}")
 

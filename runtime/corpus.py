@@ -84,6 +84,22 @@ HELD_OUT_PROMPTS = [
     "Give two examples of renewable energy and explain them.",
     "How do I remove duplicates from a list in Python?",
     "What is the purpose of a README file?",
+    "Write a Python function that counts the vowels in a string.",
+    "Explain what a variable is in programming.",
+    "Give three reasons to learn a second language.",
+    "What is the difference between RAM and storage?",
+    "Write a short thank-you note to a teacher.",
+    "How do I loop over a dictionary in Python?",
+    "What is an ecosystem?",
+    "Write a function that checks whether a string is a palindrome.",
+    "Explain what encryption is.",
+    "Describe how to plant a tree.",
+    "What are the three states of matter?",
+    "Write a Python set of the vowels and show how to test membership.",
+    "Explain what a compiler does.",
+    "Give two tips for saving money.",
+    "How do I join a list of strings in Python?",
+    "What is the purpose of comments in code?",
 ]
 
 
