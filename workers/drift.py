@@ -84,18 +84,21 @@ def active_version(*, session: Session, deployment: Deployment) -> ActiveVersion
 
 def expected_reference(expected_metrics: Mapping, exit_layers: list[int]
                        ) -> dict[int, LayerReference] | None:
-    """Known conditional exit rates from a calibration's expected metrics, when present:
-    `conditional_exit_rates` {layer: rate}, `layers` [{layer, conditional_exit_rate}], or
-    `exit_rates` {layer: share of all tokens}."""
-    rates: dict[int, float] = {}
-    if isinstance(expected_metrics.get("conditional_exit_rates"), Mapping):
-        rates = {int(k): float(v) for k, v in expected_metrics["conditional_exit_rates"].items()}
-    elif isinstance(expected_metrics.get("layers"), list):
+    """Known conditional exit rates from a calibration's expected metrics, when they cover
+    every exit layer: `conditional_exit_rate` {layer: rate} (what `calibration.run` stores),
+    `layers` [{layer, conditional_exit_rate}], or `exit_rate` {layer: share of all tokens}."""
+    def by_layer(key: str) -> dict[int, float] | None:
+        found = expected_metrics.get(key)
+        return {int(k): float(v) for k, v in found.items()} if isinstance(found, Mapping) \
+            else None
+
+    rates = by_layer("conditional_exit_rate") or by_layer("conditional_exit_rates")
+    if rates is None and isinstance(expected_metrics.get("layers"), list):
         rates = {int(item["layer"]): float(item["conditional_exit_rate"])
                  for item in expected_metrics["layers"] if "conditional_exit_rate" in item}
-    elif isinstance(expected_metrics.get("exit_rates"), Mapping):
-        shares = {int(k): float(v) for k, v in expected_metrics["exit_rates"].items()}
-        rates = conditional_exit_rates(shares)
+    if rates is None:
+        shares = by_layer("exit_rate") or by_layer("exit_rates")
+        rates = conditional_exit_rates(shares) if shares else None
     if not rates or not set(exit_layers) <= set(rates):
         return None
     return {layer: LayerReference(min(max(rates[layer], 0.0), 1.0)) for layer in exit_layers}
@@ -160,7 +163,9 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
     if reference is None and found is not None:
         reference, reference_origin = found[0], "first_window_after_activation"
 
-    since = max(reference_until, now - timedelta(seconds=options.lookback_s))
+    # A learned reference's own window is not tested against itself; a known one is.
+    monitored_from = start if reference_origin == "expected_metrics" else reference_until
+    since = max(monitored_from, now - timedelta(seconds=options.lookback_s))
     windows = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
                                          version=active.version), layers)
     if reference is not None and windows:

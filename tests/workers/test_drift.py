@@ -59,9 +59,10 @@ def test_exit_rate_collapse_at_one_layer(session: Session, tmp_path, outbox):
 
 def test_exit_rate_spike_against_the_calibrations_expected_rates(session: Session, tmp_path,
                                                                  outbox):
-    expected = {"layers": [{"layer": 4, "conditional_exit_rate": 0.25},
-                           {"layer": 8, "conditional_exit_rate": 0.4},
-                           {"layer": 12, "conditional_exit_rate": 0.3}]}
+    # The shape `calibration.run` stores on the threshold sets it publishes.
+    expected = {"exit_rate": {"4": 0.25, "8": 0.3, "12": 0.135},
+                "conditional_exit_rate": {"4": 0.25, "8": 0.4, "12": 0.3},
+                "total_exit_rate": 0.685}
     deployment, start, now = _setup(session, minutes=20, expected_metrics=expected)
     send_traffic(session, deployment, start=start, seed=3,
                  phases=[Phase(10, BASE_RATES), Phase(10, (0.25, 0.4, 0.65))])
@@ -76,9 +77,12 @@ def test_exit_rate_spike_against_the_calibrations_expected_rates(session: Sessio
 def test_expected_reference_shapes():
     layers = [4, 8]
     assert expected_reference({}, layers) is None
-    shares = expected_reference({"exit_rates": {"4": 0.2, "8": 0.4}}, layers)
+    shares = expected_reference({"exit_rate": {"4": 0.2, "8": 0.4}}, layers)
     assert shares[4].rate == 0.2 and abs(shares[8].rate - 0.5) < 1e-12  # 0.4 of the 0.8 left
-    assert expected_reference({"conditional_exit_rates": {"4": 0.1}}, layers) is None
+    listed = expected_reference({"layers": [{"layer": 4, "conditional_exit_rate": 0.1},
+                                            {"layer": 8, "conditional_exit_rate": 0.3}]}, layers)
+    assert (listed[4].rate, listed[8].rate, listed[8].tokens) == (0.1, 0.3, None)
+    assert expected_reference({"conditional_exit_rate": {"4": 0.1}}, layers) is None
 
 
 def test_quality_regression_when_disagreement_exceeds_delta(session: Session, tmp_path, outbox):
