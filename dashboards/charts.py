@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from markupsafe import Markup, escape
 from sqlalchemy.orm import Session
 
+from controlplane.alerts import service as alerts
 from controlplane.db import utcnow
 from controlplane.telemetry import service as telemetry
 from controlplane.telemetry.models import HISTOGRAM_BINS
@@ -113,6 +114,18 @@ def version_markers(*, session: Session, deployment: Deployment,
             verb = "rollback" if event.action == "alias.rollback" else event.alias
             markers.append(Marker(event.created_at, f"{verb} → {target}", "version"))
     return markers
+
+
+def alert_markers(*, session: Session, deployment: Deployment, since: datetime) -> list[Marker]:
+    """Where alerts fired, from the alerts domain."""
+    found = alerts.list_alerts(session=session, deployment=deployment, limit=200)
+    return [Marker(a.fired_at, f"⚠ {a.kind}" + (f" L{a.layer}" if a.layer is not None else ""),
+                   "alert") for a in found if a.fired_at >= since]
+
+
+def markers_for(*, session: Session, deployment: Deployment, since: datetime) -> list[Marker]:
+    return (version_markers(session=session, deployment=deployment, since=since)
+            + alert_markers(session=session, deployment=deployment, since=since))
 
 
 def _layout(title: str, y_title: str, **extra) -> dict:

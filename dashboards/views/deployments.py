@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from controlplane.alerts import service as alerts
 from controlplane.deps import SessionDep
 from controlplane.runtimes.service import list_runtimes
 from controlplane.thresholds import service as thresholds
@@ -31,15 +32,16 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
     active = thresholds.get_threshold_set(session=session, deployment=deployment,
                                           version=aliases["active"])
     runtimes = list_runtimes(session=session, deployment=deployment)
-    markers = charts.version_markers(session=session, deployment=deployment,
-                                     since=charts.since_for(minutes))
+    markers = charts.markers_for(session=session, deployment=deployment,
+                                 since=charts.since_for(minutes))
     initial = charts.deployment_figures(session=session, deployment=deployment,
                                         minutes=minutes, markers=markers)
     return render(
         request, "deployment.html", deployment=deployment, aliases=aliases, active=active,
         runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
         reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
-        initial=initial, totals=initial["totals"], refresh_s=REFRESH_S,
+        initial=initial, totals=initial["totals"], refresh_s=REFRESH_S, alerts_enabled=True,
+        open_alerts=alerts.open_alerts(session=session, deployment=deployment),
         events=thresholds.audit_log(session=session, deployment=deployment, limit=20))
 
 
@@ -49,8 +51,8 @@ def deployment_charts(name: str, session: SessionDep, _user: Viewer,
     """The deployment page's figures, fetched again every REFRESH_S seconds."""
     deployment = thresholds.get_deployment(session=session, name=name)
     _, minutes = _window(window)
-    markers = charts.version_markers(session=session, deployment=deployment,
-                                     since=charts.since_for(minutes))
+    markers = charts.markers_for(session=session, deployment=deployment,
+                                 since=charts.since_for(minutes))
     return JSONResponse(charts.deployment_figures(session=session, deployment=deployment,
                                                   minutes=minutes, markers=markers),
                         headers={"Cache-Control": "no-store"})

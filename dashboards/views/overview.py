@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from markupsafe import Markup
 from sqlalchemy.orm import Session
 
+from controlplane.alerts import service as alerts
 from controlplane.db import utcnow
 from controlplane.deps import SessionDep
 from controlplane.runtimes.models import Runtime
@@ -88,7 +89,8 @@ def health(*, session: Session, deployment: Deployment) -> DeploymentHealth:
         disagreement_spark=charts.sparkline(
             dis_series, limit=deployment.delta, ceiling=deployment.delta * 2,
             label=f"shadow disagreement per minute vs δ {deployment.delta:g}, last hour"),
-        firing_alerts=0)
+        firing_alerts=sum(1 for a in alerts.open_alerts(session=session, deployment=deployment)
+                          if a.status == "firing"))
 
 
 @router.get("/")

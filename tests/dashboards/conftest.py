@@ -110,7 +110,8 @@ def seed_deployment(engine, name: str = "chat", minutes: int = 40) -> Seeded:
                                       start=first + minute * 60, n=24, runtime_id=runtime,
                                       seq=minute, exit_bias=bias))
         ingest(session=session, deployment=deployment, batches=batches)
-        _backdate(session, deployment, {2: first + 20, 3: first + (minutes // 2) * 60,
+        _backdate(session, deployment, {1: first - 120, 2: first + 20,
+                                        3: first + (minutes // 2) * 60,
                                         4: now - 300})
         for runtime, applied in (("rt-a", 3), ("rt-b", 2)):
             record_heartbeat(session=session, deployment=deployment, beat=Heartbeat(
@@ -174,3 +175,65 @@ def as_role(ui, people):
         return ui
 
     return signed
+
+
+@pytest.fixture
+def firing_alert(engine, settings, seeded) -> int:
+    """A distribution-drift alert on layer 6 that fired ten minutes ago, with a report."""
+    from datetime import timedelta
+
+    from controlplane.alerts.service import Condition, fire
+    from controlplane.db import utcnow
+
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name=seeded.name)
+        alert, _ = fire(session=session, deployment=deployment, condition=Condition(
+            kind="distribution_drift", severity="warning", layer=6, subject="6",
+            summary="signal distribution at layer 6 drifted (PSI 0.31 > 0.2)",
+            evidence={"test": "psi", "statistic": 0.31, "threshold": 0.2,
+                      "reference": {"minutes": 30}, "current": {"minutes": 10}},
+            report_html="<html><body><h1>Evidently report</h1><script>1</script></body></html>"),
+            now=utcnow() - timedelta(minutes=10), reports_dir=settings.var_dir / "reports")
+        session.commit()
+        return alert.id
+
+
+@pytest.fixture
+def hook_receiver():
+    """A local HTTP endpoint that accepts hook deliveries and remembers them."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            received.append({"path": self.path, "headers": dict(self.headers), "body": body})
+            self.send_response(202)
+            self.end_headers()
+
+        def log_message(self, *_args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.received = received
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def dead_hook(engine) -> int:
+    """A webhook pointing at a closed local port: deliveries fail fast."""
+    from controlplane.alerts.service import create_hook
+    from tests.conftest import free_port
+
+    with Session(engine) as session:
+        hook = create_hook(session=session, name="dead end", kind="webhook",
+                           url=f"http://127.0.0.1:{free_port()}/nothing", actor="user:seed")
+        session.commit()
+        return hook.id

@@ -137,6 +137,38 @@ def test_viewer_sees_but_cannot_act(browser, engine):
         assert thresholds.aliases_of(session=session, deployment=deployment)["active"] == 3
 
 
+def test_operator_acknowledges_an_alert(browser, engine, firing_alert):
+    from controlplane.alerts import service as alerts
+
+    driver = browser
+    sign_in_with_keyboard(driver, "operator")
+    assert "1 firing" in driver.find_element(By.CSS_SELECTOR, ".deployment-card").text
+    driver.find_element(By.LINK_TEXT, "Alerts").click()
+    wait_for(driver, "table.alerts")
+    check_page_quality(driver, "alerts")
+    screenshot(driver, "alerts")
+    driver.find_element(By.PARTIAL_LINK_TEXT, "distribution_drift").click()
+    note = wait_for(driver, "#ack-note")
+    check_page_quality(driver, "alert")
+    screenshot(driver, "alert")
+    note.send_keys("looking into layer 6", Keys.ENTER)  # Enter submits the form
+    assert "acknowledged" in wait_for(driver, ".flash-ok").text
+    assert driver.find_elements(By.ID, "ack-form") == []
+    screenshot(driver, "alert-acknowledged")
+    with Session(engine) as session:
+        alert = alerts.get_alert(session=session, alert_id=firing_alert)
+    assert (alert.status, alert.acknowledged_by) == ("acknowledged", "user:operator")
+
+    driver.get(f"{driver.base}/ui/deployments/chat")
+    wait(driver).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#charts .js-plotly-plot .main-svg').length") >= 5)
+    labels = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#chart-exit_rate .annotation-text'))"
+        ".map(e => e.textContent)")
+    assert "⚠ distribution_drift L6" in labels
+    screenshot(driver, "deployment-with-alert")
+
+
 def test_admin_manages_tokens_and_users(browser):
     driver = browser
     sign_in_with_keyboard(driver, "admin")
@@ -165,6 +197,15 @@ def test_admin_manages_tokens_and_users(browser):
     assert "'dana' created as operator" in wait_for(driver, ".flash-ok").text
     check_page_quality(driver, "users")
     screenshot(driver, "users")
+
+    driver.find_element(By.LINK_TEXT, "Hooks").click()
+    wait_for(driver, "#hook-name").send_keys("team slack")
+    driver.find_element(By.CSS_SELECTOR, "#hook-kind option[value=slack]").click()
+    driver.find_element(By.ID, "hook-url").send_keys("https://hooks.slack.example/T000/B000")
+    driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]").click()
+    assert "team slack" in wait_for(driver, "table").text
+    check_page_quality(driver, "hooks")
+    screenshot(driver, "hooks")
 
 
 def test_the_contrast_check_catches_faint_text(browser):

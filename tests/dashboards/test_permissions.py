@@ -35,11 +35,21 @@ ACTIONS = [
     ("/users/{user_id}/disabled", "/ui/users/1/disabled", {"disabled": "true"}, "admin"),
     ("/users/{user_id}/password", "/ui/users/1/password", {"password": PASSWORD + "!"},
      "admin"),
+    ("/alerts/{alert_id}/ack", "/ui/alerts/1/ack", {"note": "on it"}, "operator"),
+    ("/alerts/{alert_id}/resolve", "/ui/alerts/1/resolve", {"reason": "fixed"}, "operator"),
+    ("/hooks", "/ui/hooks", {"name": "pager", "kind": "slack",
+                             "url": "https://hooks.example/x"}, "admin"),
+    ("/hooks/{hook_id}/test", "/ui/hooks/1/test", {}, "admin"),
+    ("/hooks/{hook_id}/enabled", "/ui/hooks/1/enabled", {"enabled": "false"}, "admin"),
+    ("/hooks/{hook_id}/delete", "/ui/hooks/1/delete", {}, "admin"),
     ("/logout", "/ui/logout", {}, "viewer"),
 ]
 PUBLIC_POSTS = {"/login"}  # checked for CSRF in test_login_needs_csrf
 ROLE_RANK = {"viewer": 0, "operator": 1, "admin": 2}
 ACTION_IDS = [path.removeprefix("/ui/") for _, path, _, _ in ACTIONS]
+
+# Every test here has a deployment, a firing alert (id 1) and a hook (id 1) to act on.
+pytestmark = pytest.mark.usefixtures("seeded", "firing_alert", "dead_hook")
 
 
 def _ui_app(app):
@@ -119,6 +129,8 @@ def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form
     ("/ui/deployments/chat/act/activate?version=4", "operator"),
     ("/ui/deployments/chat/versions/new", "operator"),
     ("/ui/tokens", "admin"), ("/ui/users", "admin"),
+    ("/ui/alerts", "viewer"), ("/ui/alerts?status=all", "viewer"), ("/ui/alerts/1", "viewer"),
+    ("/ui/alerts/1/report", "viewer"), ("/ui/hooks", "admin"), ("/ui/hooks/1", "admin"),
 ])
 @pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
 def test_pages_need_their_role(as_role, seeded, path, needed, role):
