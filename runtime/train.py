@@ -40,7 +40,7 @@ class TrainConfig:
     generation_tokens: int = 96
     heldout_fraction: float = 0.1
     adapter_steps: int = 400
-    joint_steps: int = 60
+    joint_steps: int = 40
     batch_tokens: int = 512
     joint_batch_seqs: int = 4
     negatives: int = 2048
@@ -237,10 +237,12 @@ def train_joint(model, heads: ExitHeads, ids, valid, teacher: dict, config: Trai
     offsets = torch.cumsum(valid.sum(1), 0) - valid.sum(1)  # row -> first teacher index
     model.train()
     steps = 0
+    order = torch.randperm(len(ids))
     for _ in tqdm(range(config.joint_steps), desc="joint", unit="step"):
         if time.monotonic() > deadline:
             break
-        rows = torch.randint(0, len(ids), (config.joint_batch_seqs,))
+        start = (steps * config.joint_batch_seqs) % len(ids)
+        rows = order[start:start + config.joint_batch_seqs]
         x, m = ids[rows], valid[rows]
         out = model.model(input_ids=x, attention_mask=m.long(), output_hidden_states=True)
         tidx = torch.cat([offsets[r] + torch.arange(int(valid[r].sum())) for r in rows])
@@ -277,6 +279,9 @@ def train_heads(model, tokenizer, config: TrainConfig) -> ExitHeads:
                       eps=float(parts.norm.variance_epsilon), norm_weight=parts.norm.weight)
     embedding = parts.lm_head.weight.detach()
     post_hoc = config.mode == "post-hoc"
+    if not post_hoc:  # joint steps see at most this many sequences: label only those
+        used = min(len(train_ids), config.joint_steps * config.joint_batch_seqs)
+        train_ids, train_valid = train_ids[:used], train_valid[:used]
     teacher = teacher_pass(model, train_ids, train_valid, exit_layers, keep_hidden=post_hoc)
     steps = 0
     if post_hoc:
@@ -285,8 +290,11 @@ def train_heads(model, tokenizer, config: TrainConfig) -> ExitHeads:
                                started + 0.75 * config.time_budget_s)
         hidden, final_top1 = teacher["hidden"], teacher["top1"]
     elif config.mode == "joint":
+        # a slow teacher pass must not starve the joint phase entirely
+        deadline = max(started + 0.7 * config.time_budget_s,
+                       time.monotonic() + 0.4 * config.time_budget_s)
         lora, steps = train_joint(model, heads, train_ids, train_valid, teacher, config,
-                                  started + 0.7 * config.time_budget_s)
+                                  deadline)
         heads.lora = lora
     else:
         raise ValueError(f"mode must be 'post-hoc' or 'joint', not {config.mode!r}")
