@@ -249,7 +249,8 @@ class Engine:
         return bool(self._waiting or self._running)
 
     def drain_records(self) -> list[TokenRecord]:
-        """Everything the loop queued since the last drain (call outside the step)."""
+        """Records queued since the last drain (call outside the step). Without an
+        `on_record` callback every record lands in this queue; with one, none do."""
         drained = []
         while True:
             try:
@@ -492,9 +493,10 @@ class Engine:
                 self._running.pop(request.request_id, None)
                 self.cache.release(request.slot)
             outputs.append(StepOutput(request.request_id, token, record, finished))
-            self.records.put(record)
-            if self.on_record is not None:
+            if self.on_record is not None:  # must not block: e.g. TelemetryShipper.submit
                 self.on_record(record)
+            else:
+                self.records.put(record)
         return outputs
 
     @staticmethod
