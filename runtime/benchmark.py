@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from exitplane.wire import Signal, TokenRecord
@@ -72,31 +73,58 @@ def run_engine(model, heads, prompts, max_new_tokens, *, policy=None, batch=1,
     return generated, engine.drain_records(), seconds
 
 
-def calibrate(records: list[TokenRecord], exit_layers: list[int], target: float,
-              signal: Signal) -> tuple[ExitPolicy, dict]:
-    """The lowest common threshold whose simulated disagreement on shadow records <= target.
+def simulate(signal: np.ndarray, matched: np.ndarray, thresholds: np.ndarray,
+             layers: np.ndarray, num_layers: int) -> tuple[int, float]:
+    """(disagreements, mean exit layer) when each token leaves at its first passing exit."""
+    passing = signal > thresholds[None, :]  # (N, E)
+    exits = passing.any(axis=1)
+    first = passing.argmax(axis=1)
+    wrong = int((exits & ~matched[np.arange(len(first)), first]).sum())
+    depth = np.where(exits, layers[first], num_layers)
+    return wrong, float(depth.mean())
 
-    A token exits at the first exit layer whose signal beats the threshold; it disagrees when
-    that layer's top-1 did not match full depth. (The control plane's calibration is the
-    statistically guarded version of this; here it only picks bench thresholds.)
+
+def calibrate(records: list[TokenRecord], exit_layers: list[int], target: float,
+              signal: Signal, num_layers: int, levels: int = 40) -> tuple[ExitPolicy, dict]:
+    """Per-layer thresholds from shadow samples: greedily lower the threshold that saves the
+    most depth per added disagreement while simulated disagreement stays <= target.
+
+    (The control plane's calibration is the statistically guarded version; this only picks
+    bench thresholds, and the bench then measures agreement on other prompts.)
     """
-    shadows = [r.shadow for r in records if r.shadow]
-    values = sorted({round(p.signal, 4) for s in shadows for p in s})
-    grid = values[:: max(1, len(values) // 300)]
-    for tau in grid:
-        exits = wrong = 0
-        for points in shadows:
-            hit = next((p for p in points if p.signal > tau), None)
-            if hit is not None:
-                exits += 1
-                wrong += not hit.matched
-        if shadows and wrong / len(shadows) <= target:
-            policy = ExitPolicy(version=1, signal=signal,
-                                thresholds=dict.fromkeys(exit_layers, tau))
-            return policy, {"threshold": tau,
-                            "calibration_exit_rate": round(exits / len(shadows), 4)}
-    return ExitPolicy.never_exit(exit_layers, signal), {"threshold": 1.0,
-                                                         "calibration_exit_rate": 0.0}
+    shadows = [r.shadow for r in records if r.shadow and len(r.shadow) == len(exit_layers)]
+    if not shadows:
+        return ExitPolicy.never_exit(exit_layers, signal), {"threshold": 1.0}
+    sig = np.array([[p.signal for p in points] for points in shadows])  # (N, E)
+    hit = np.array([[p.matched for p in points] for points in shadows])
+    layers = np.array(exit_layers)
+    budget = int(target * len(shadows))
+    grid = [np.unique(np.quantile(sig[:, e], np.linspace(0.0, 1.0, levels)))[::-1]
+            for e in range(len(exit_layers))]
+    current = np.ones(len(exit_layers))
+    wrong, depth = simulate(sig, hit, current, layers, num_layers)
+    while True:
+        best = None
+        for e in range(len(exit_layers)):
+            for tau in grid[e]:
+                if tau >= current[e]:
+                    continue
+                trial = current.copy()
+                trial[e] = tau
+                w, d = simulate(sig, hit, trial, layers, num_layers)
+                if w > budget or d >= depth:
+                    continue
+                score = (depth - d) / (w - wrong + 1)
+                if best is None or score > best[0]:
+                    best = (score, e, tau, w, d)
+        if best is None:
+            break
+        _, e, tau, wrong, depth = best
+        current[e] = tau
+    thresholds = {k: float(round(t, 6)) for k, t in zip(exit_layers, current, strict=True)}
+    policy = ExitPolicy(version=1, signal=signal, thresholds=thresholds)
+    return policy, {"threshold": thresholds, "calibration_disagreement": wrong / len(shadows),
+                    "calibration_mean_exit_layer": round(depth, 2)}
 
 
 def free_running(ee: list[list[int]], full: list[list[int]]) -> tuple[float, float]:
@@ -205,7 +233,8 @@ def calibrate_variant(variant, args, calib_ids) -> None:
                                policy=ExitPolicy.never_exit(layers, signal))
     variant["shadow_tokens"] = len(records)
     for target in TARGETS:
-        policy, info = calibrate(records, layers, target, signal)
+        policy, info = calibrate(records, layers, target, signal,
+                                 variant["model"].config.num_hidden_layers)
         variant["curve"][target] = {"policy": policy, **info}
 
 
@@ -320,11 +349,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_curves(variants) -> None:
     print("\nspeed-quality curve (thresholds calibrated on shadow samples of other prompts)")
-    print(f"{'heads':<9}{'target':>7}{'thr':>8}{'speedup':>9}{'agree TF':>10}"
+    print(f"{'heads':<9}{'target':>7}{'cal exit':>9}{'speedup':>9}{'agree TF':>10}"
           f"{'free dis':>10}{'1st div':>9}{'mean exit':>10}")
     for v in variants:
         for target, p in v["curve"].items():
-            print(f"{v['mode']:<9}{target:>7.3f}{p['threshold']:>8.3f}{p['speedup']:>9.2f}"
+            cal = p.get("calibration_mean_exit_layer", float("nan"))
+            print(f"{v['mode']:<9}{target:>7.3f}{cal:>9.2f}{p['speedup']:>9.2f}"
                   f"{p['teacher_forced']:>10.4f}{p['free_running_disagreement']:>10.4f}"
                   f"{p['first_divergence']:>9.1f}{p['mean_exit_layer']:>10.2f}")
 
