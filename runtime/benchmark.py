@@ -164,12 +164,18 @@ def check_costs(model, heads: ExitHeads | None, repeats: int = 200) -> dict:
     x = torch.randn(1, 1, parts.hidden_size, device=dev, dtype=parts.dtype)
     slots, pos = torch.tensor([0], device=dev), torch.tensor([[256]], device=dev)
 
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
     def per_call(fn) -> float:
         for _ in range(10):
             fn()
+        sync()
         started = time.perf_counter()
         for _ in range(repeats):
             fn()
+        sync()
         return (time.perf_counter() - started) / repeats * 1e6
 
     layer_us = per_call(lambda: engine._layer(10, x, slots, pos, None, 257))
