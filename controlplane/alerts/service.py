@@ -410,9 +410,9 @@ def undelivered(*, session: Session, since: datetime, before: datetime
     alerts = list(session.scalars(select(Alert).where(or_(window, resolved))))
     if not alerts:
         return []
-    attempted = set(session.execute(
+    attempted = {tuple(row) for row in session.execute(
         select(AlertDelivery.alert_id, AlertDelivery.hook_id, AlertDelivery.event)
-        .where(AlertDelivery.alert_id.in_([a.id for a in alerts]))).tuples())
+        .where(AlertDelivery.alert_id.in_([a.id for a in alerts])))}
     missing = []
     for alert in alerts:
         events = [("firing", alert.fired_at), ("resolved", alert.resolved_at)]
