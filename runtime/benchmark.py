@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -288,6 +289,7 @@ def batch_runs(variant, args, eval_ids, rounds: int = 2) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()[0]  # other work on a shared machine skews every figure
     base, tokenizer = load_model(args.model, device=args.device)
     probe = Engine(base)
     eos, num_layers = list(probe.parts.eos_token_ids), probe.parts.num_layers
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                "full_matches_hf": full.outputs == hf.outputs, "num_layers": num_layers,
                "model": model_name(args.model), "max_new_tokens": args.max_new_tokens,
                "eval_prompts": len(eval_ids), "calibration_prompts": len(calib_ids),
-               "signal": args.signal, "threads": args.threads}
+               "signal": args.signal, "threads": args.threads,
+               "load_avg_1m_at_start": round(load_at_start, 2)}
     print(f"HF generate {hf.tok_s:.1f} tok/s, engine full depth {full.tok_s:.1f} tok/s "
           f"({full.tok_s / hf.tok_s:.2f}x), token-identical: {full.outputs == hf.outputs}")
     if not variants:
@@ -348,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                                          for t in TARGETS} for v in variants},
         "heldout": {v["mode"]: v["heads"].metadata.get("heldout") for v in variants},
         "check_costs": costs,
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     })
     print(json.dumps(summary))
     return 0
