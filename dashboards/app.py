@@ -19,7 +19,15 @@ from starlette.exceptions import HTTPException
 from controlplane.errors import DomainError
 from dashboards.security import LoginRequired, save_session
 from dashboards.templating import render, ui_root
-from dashboards.views import admin, alerts, deployments, overview, sessions, versions
+from dashboards.views import (
+    admin,
+    alerts,
+    calibration,
+    deployments,
+    overview,
+    sessions,
+    versions,
+)
 
 STATIC = Path(__file__).parent / "static"
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -81,7 +89,7 @@ def create_ui(parent: FastAPI) -> FastAPI:
                             headers={"Cache-Control": "public, max-age=86400"})
 
     ui.mount("/static", StaticFiles(directory=STATIC), name="static")
-    for module in (sessions, overview, deployments, versions, alerts, admin):
+    for module in (sessions, overview, deployments, versions, calibration, alerts, admin):
         ui.include_router(module.router)
     return ui
 

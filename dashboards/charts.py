@@ -313,3 +313,50 @@ def minute_series(summary: list[MinuteSummary], since: datetime, minutes: int,
     """One value per minute of the window (None where no telemetry arrived)."""
     by_minute = {m.minute: getattr(m, attribute) for m in summary}
     return [by_minute.get(since + timedelta(minutes=i)) for i in range(minutes)]
+
+
+def calibration_curve(*, job, delta: float) -> dict | None:
+    """The quality-vs-expected-speed curve a calibration job walked, the chosen point marked."""
+    points = job.curve or []
+    if not points:
+        return None
+    certified = [p for p in points if p.get("certified")]
+    refused = [p for p in points if not p.get("certified")]
+    chosen = [p for p in points if p.get("chosen")]
+
+    def trace(subset: list[dict], name: str, **style) -> dict:
+        return {"type": "scatter", "name": name,
+                "x": [p.get("speedup") for p in subset],
+                "y": [p.get("risk_bound") for p in subset],
+                "customdata": [[p.get("risk"), p.get("exit_rate"), p.get("level")]
+                               for p in subset],
+                "hovertemplate": "speed-up %{x:.2f}×<br>bound %{y:.2%}<br>"
+                                 "empirical %{customdata[0]:.2%}<br>"
+                                 "exit rate %{customdata[1]:.1%}<extra>" + name + "</extra>",
+                **style}
+
+    data = [
+        {"type": "scatter", "mode": "lines", "name": "threshold path", "hoverinfo": "skip",
+         "x": [p.get("speedup") for p in points], "y": [p.get("risk_bound") for p in points],
+         "line": {"color": "#8c959f", "width": 1}},
+        trace(certified, "certified", mode="markers",
+              marker={"color": PALETTE[2], "size": 7}),
+        trace(refused, "not certified", mode="markers",
+              marker={"color": PALETTE[1], "size": 7, "symbol": "x"}),
+        trace(chosen, "chosen", mode="markers+text", text=["chosen"] * len(chosen),
+              textposition="top center",
+              marker={"color": PALETTE[0], "size": 16, "symbol": "star",
+                      "line": {"color": "#1f2328", "width": 1}}),
+    ]
+    speedups = [p.get("speedup") or 1.0 for p in points]
+    data.append({"type": "scatter", "mode": "lines", "name": f"δ = {delta:g}",
+                 "x": [min(speedups), max(speedups)], "y": [delta, delta], "hoverinfo": "skip",
+                 "line": {"color": DANGER, "dash": "dash", "width": 2}})
+    return {"data": data, "layout": _layout(
+        "Quality vs expected speed-up", "disagreement bound", hovermode="closest",
+        xaxis={"title": {"text": "expected speed-up (layers)"}, "ticksuffix": "×",
+               "gridcolor": "#e6e8eb"},
+        yaxis={"title": {"text": "upper bound on disagreement"}, "tickformat": ".1%",
+               "rangemode": "tozero", "gridcolor": "#e6e8eb"},
+        legend={"orientation": "h", "y": -0.3, "x": 0},
+        margin={"l": 64, "r": 16, "t": 40, "b": 64}, height=340)}

@@ -106,7 +106,7 @@ def acknowledge(alert_id: int, request: Request, session: SessionDep, user: Oper
 
 @router.post("/alerts/{alert_id}/resolve", dependencies=[Csrf])
 def resolve(alert_id: int, request: Request, session: SessionDep, user: Operator,
-            reason: Annotated[str, Form(max_length=2000)]) -> Response:
+            reason: Annotated[str, Form(max_length=2000)] = "") -> Response:
     def perform() -> str:
         if not reason.strip():
             raise Invalid("give a reason: it is recorded with the alert and sent to the hooks")

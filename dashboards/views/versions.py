@@ -15,6 +15,8 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
+from controlplane.calibration import canary as canary_service
+from controlplane.calibration.canary import running_canary
 from controlplane.deps import SessionDep
 from controlplane.errors import Invalid, NotFound
 from controlplane.thresholds import service as thresholds
@@ -34,6 +36,7 @@ class Action:
     button: str
     explain: str
     needs_version: bool
+    asks_reason: bool = True
 
 
 ACTIONS = {a.key: a for a in (
@@ -44,7 +47,10 @@ ACTIONS = {a.key: a for a in (
            False),
     Action("canary", "Start a canary", "Start canary",
            "A hash-sticky fraction of runtimes (the deployment's canary fraction) applies "
-           "this version; the others keep the active one.", True),
+           "this version; the others keep the active one. The canary monitor compares its "
+           "windows with the expected metrics and promotes or reverts it; the audit log "
+           "records the version, the fraction and the stable version.", True,
+           asks_reason=False),
     Action("canary-stop", "Stop the canary", "Stop canary",
            "Every runtime returns to the active version.", False),
     Action("promote", "Promote the canary", "Promote canary",
@@ -94,7 +100,8 @@ def versions_page(name: str, request: Request, session: SessionDep, _user: Viewe
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     sets, ever_active = _history(session, deployment)
     return render(request, "versions.html", deployment=deployment, aliases=aliases, sets=sets,
-                  ever_active=ever_active, never_exit=NEVER_EXIT)
+                  ever_active=ever_active, never_exit=NEVER_EXIT,
+                  canary=running_canary(session=session, deployment=deployment))
 
 
 @router.get("/deployments/{name}/diff")
@@ -158,14 +165,25 @@ def _perform(*, session: Session, deployment: Deployment, action: Action, versio
                                     reason=reason, to_version=version)
         return f"Rolled back: version {event.to_version} is active again."
     if action.key == "canary":
-        thresholds.move_alias(session=session, deployment=deployment, alias="canary",
-                              version=version, actor=who, reason=reason)
+        # The canary service writes its own audit reason (version, fraction, baseline).
+        canary_service.start_canary(session=session, deployment=deployment, version=version,
+                                    actor=who)
         return (f"Canary started: {deployment.canary_fraction:.0%} of runtimes apply "
                 f"version {version}.")
+    run = running_canary(session=session, deployment=deployment, lock=True)
+    if run is not None and run.status in ("running", "paused"):
+        # A canary the calibration domain is watching: its services settle the run and job.
+        if action.key == "promote":
+            canary_service.promote_canary(session=session, deployment=deployment, run=run,
+                                          actor=who, reason=reason)
+            return f"Canary promoted: version {run.version} is active for every runtime."
+        canary_service.revert_canary(session=session, deployment=deployment, run=run,
+                                     actor=who, reason=reason, fire_alert=False)
+        return "Canary stopped: every runtime applies the active version."
     canary = thresholds.aliases_of(session=session, deployment=deployment).get("canary")
+    if canary is None:
+        raise NotFound(f"deployment {deployment.name!r} has no canary running")
     if action.key == "promote":
-        if canary is None:
-            raise NotFound("there is no canary to promote")
         thresholds.move_alias(session=session, deployment=deployment, alias="active",
                               version=canary, actor=who, reason=reason)
     thresholds.clear_alias(session=session, deployment=deployment, alias="canary", actor=who,
@@ -177,13 +195,13 @@ def _perform(*, session: Session, deployment: Deployment, action: Action, versio
 
 @router.post("/deployments/{name}/act/{key}", dependencies=[Csrf])
 def act(name: str, key: str, request: Request, session: SessionDep, user: Operator,
-        reason: Annotated[str, Form(max_length=2000)],
+        reason: Annotated[str, Form(max_length=2000)] = "",
         version: Annotated[str, Form()] = "") -> Response:
     action = _action(key)
     deployment = thresholds.get_deployment(session=session, name=name, lock=True)
 
     def perform() -> str:
-        if not reason.strip():
+        if action.asks_reason and not reason.strip():
             raise Invalid("give a reason: it goes into the audit log")
         target = int(version) if version.strip().isdigit() else None
         if action.needs_version and target is None:

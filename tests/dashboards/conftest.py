@@ -50,7 +50,8 @@ def people(engine) -> dict[str, str]:
 
 
 def _batch(rng: random.Random, *, name: str, version: int, start: float, n: int,
-           runtime_id: str, seq: int, exit_bias: float) -> TelemetryBatch:
+           runtime_id: str, seq: int, exit_bias: float,
+           shadow_rate: float = 0.3) -> TelemetryBatch:
     records = []
     for i in range(n):
         signal = rng.random()
@@ -58,10 +59,15 @@ def _batch(rng: random.Random, *, name: str, version: int, start: float, n: int,
         record = {"threshold_version": version, "request_id": f"r{seq}-{i % 7}", "position": i,
                   "exit_layer": FULL if deep else rng.choice(LAYERS), "signal_value": signal,
                   "latency_us": rng.randint(2000, 9000), "ts": start + i * 55.0 / n}
-        if rng.random() < 0.25:
+        if rng.random() < shadow_rate:
+            # Confident exits agree with the full model; unsure ones often do not.
             record["exit_layer"] = FULL
-            record["shadow"] = [{"layer": k, "signal": rng.random(),
-                                 "matched": rng.random() < 0.85 + k / 100} for k in LAYERS]
+            record["shadow"] = []
+            for k in LAYERS:
+                shadow_signal = rng.random()
+                matched = (shadow_signal > 0.4 and rng.random() < 0.985) or rng.random() < 0.3
+                record["shadow"].append({"layer": k, "signal": shadow_signal,
+                                         "matched": matched})
         records.append(record)
     return TelemetryBatch.model_validate({
         "batch_id": uuid.uuid4().hex, "deployment": name, "runtime_id": runtime_id, "seq": seq,
@@ -237,3 +243,44 @@ def dead_hook(engine) -> int:
                            url=f"http://127.0.0.1:{free_port()}/nothing", actor="user:seed")
         session.commit()
         return hook.id
+
+
+@pytest.fixture
+def calibrated(engine, seeded) -> int:
+    """A finished recalibration on the seeded shadow samples whose candidate (v5) awaits
+    approval (the deployment's policy is set to approval first)."""
+    from controlplane.calibration import service as calibration
+    from controlplane.thresholds.schemas import DeploymentUpdate
+
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name=seeded.name)
+        thresholds.update_deployment(session=session, deployment=deployment,
+                                     spec=DeploymentUpdate(policy="approval"), actor="user:seed")
+        rng = random.Random(11)
+        ingest(session=session, deployment=deployment, batches=[
+            _batch(rng, name=seeded.name, version=3, start=time.time() - 120 + i, n=500,
+                   runtime_id="rt-a", seq=1000 + i, exit_bias=0.5, shadow_rate=1.0)
+            for i in range(4)])
+        job, _ = calibration.request_calibration(
+            session=session, deployment=deployment, actor="user:seed", enqueue=False,
+            since=datetime.fromtimestamp(time.time() - 3600, UTC), reason="nightly")
+        calibration.start_job(session=session, job=job)
+        calibration.run_calibration(session=session, job=job, policy=calibration.CalibrationPolicy(
+            min_samples_per_layer=50))
+        session.commit()
+        assert (job.status, job.promotion) == ("succeeded", "awaiting_approval"), \
+            job.status_reason
+        return job.id
+
+
+@pytest.fixture
+def queued_job(engine, seeded) -> int:
+    """A recalibration job that no worker picked up yet (id 1)."""
+    from controlplane.calibration import service as calibration
+
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name=seeded.name)
+        job, _ = calibration.request_calibration(session=session, deployment=deployment,
+                                                 actor="user:seed", enqueue=False)
+        session.commit()
+        return job.id

@@ -56,9 +56,14 @@ def test_canary_start_promote_and_stop(as_role, engine):
     assert "Promote the canary: v3 → v4" in page.text
     promoted = _post(client, "/ui/deployments/chat/act/promote", {"reason": "canary clean"})
     assert "version 4 is active for every runtime" in promoted.text
-    aliases, event = _state(engine)
-    assert aliases == {"active": 4, "conservative": 1}
-    assert (event.action, event.reason) == ("alias.clear", "canary clean")
+    assert _state(engine)[0] == {"active": 4, "conservative": 1}
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        promote, clear = thresholds.audit_log(session=session, deployment=deployment,
+                                              limit=2)[::-1]
+    assert (promote.action, promote.actor, promote.reason) == (
+        "canary.promote", "user:operator", "canary promoted: canary clean")
+    assert clear.action == "alias.clear"
     _post(client, "/ui/deployments/chat/act/canary", {"version": "2", "reason": "again"})
     stopped = _post(client, "/ui/deployments/chat/act/canary-stop", {"reason": "enough"})
     assert "Canary stopped" in stopped.text

@@ -169,6 +169,28 @@ def test_operator_acknowledges_an_alert(browser, engine, firing_alert):
     screenshot(driver, "deployment-with-alert")
 
 
+def test_operator_approves_a_calibrated_candidate(browser, engine, calibrated):
+    driver = browser
+    sign_in_with_keyboard(driver, "operator")
+    driver.get(f"{driver.base}/ui/deployments/chat/calibrations")
+    wait_for(driver, "table.jobs")
+    check_page_quality(driver, "calibrations")
+    screenshot(driver, "calibrations")
+    driver.find_element(By.LINK_TEXT, f"#{calibrated}").click()
+    wait_for(driver, "#figure-curve[data-drawn]")
+    stars = driver.execute_script(
+        "return document.querySelectorAll('#figure-curve .scatterlayer .trace')[3]"
+        ".querySelectorAll('.point').length")
+    assert stars == 1  # the chosen point
+    check_page_quality(driver, "calibration-job")
+    screenshot(driver, "calibration-job")
+    driver.find_element(By.ID, "approve-reason").send_keys("bound well under delta", Keys.ENTER)
+    assert "approved: it is active" in wait_for(driver, ".flash-ok").text
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        assert thresholds.aliases_of(session=session, deployment=deployment)["active"] == 5
+
+
 def test_admin_manages_tokens_and_users(browser):
     driver = browser
     sign_in_with_keyboard(driver, "admin")

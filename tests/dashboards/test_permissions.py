@@ -4,6 +4,7 @@ test proves the table covers every POST route the UI serves."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 from sqlalchemy import func, select
@@ -35,6 +36,12 @@ ACTIONS = [
     ("/users/{user_id}/disabled", "/ui/users/1/disabled", {"disabled": "true"}, "admin"),
     ("/users/{user_id}/password", "/ui/users/1/password", {"password": PASSWORD + "!"},
      "admin"),
+    ("/deployments/{name}/calibrations", "/ui/deployments/chat/calibrations",
+     {"hours": "24", "reason": "drift"}, "operator"),
+    ("/deployments/{name}/calibrations/{job_id}/{decision}",
+     "/ui/deployments/chat/calibrations/1/approve", {"reason": "ok"}, "operator"),
+    ("/deployments/{name}/calibrations/{job_id}/{decision}",
+     "/ui/deployments/chat/calibrations/1/reject", {"reason": "no"}, "operator"),
     ("/alerts/{alert_id}/ack", "/ui/alerts/1/ack", {"note": "on it"}, "operator"),
     ("/alerts/{alert_id}/resolve", "/ui/alerts/1/resolve", {"reason": "fixed"}, "operator"),
     ("/hooks", "/ui/hooks", {"name": "pager", "kind": "slack",
@@ -48,8 +55,17 @@ PUBLIC_POSTS = {"/login"}  # checked for CSRF in test_login_needs_csrf
 ROLE_RANK = {"viewer": 0, "operator": 1, "admin": 2}
 ACTION_IDS = [path.removeprefix("/ui/") for _, path, _, _ in ACTIONS]
 
-# Every test here has a deployment, a firing alert (id 1) and a hook (id 1) to act on.
-pytestmark = pytest.mark.usefixtures("seeded", "firing_alert", "dead_hook")
+# Every test here has a deployment, a firing alert, a hook and a calibration job (id 1 each).
+pytestmark = pytest.mark.usefixtures("seeded", "firing_alert", "dead_hook", "queued_job")
+
+
+@pytest.fixture
+def db_url(sqlite_template, tmp_path) -> str:
+    """Roles and CSRF do not depend on the store, so this module runs on SQLite only (the
+    action, alert and calibration tests run on every backend)."""
+    path = tmp_path / "exitplane.db"
+    shutil.copy(sqlite_template, path)
+    return f"sqlite:///{path}"
 
 
 def _ui_app(app):
@@ -129,6 +145,8 @@ def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form
     ("/ui/deployments/chat/act/activate?version=4", "operator"),
     ("/ui/deployments/chat/versions/new", "operator"),
     ("/ui/tokens", "admin"), ("/ui/users", "admin"),
+    ("/ui/deployments/chat/calibrations", "viewer"),
+    ("/ui/deployments/chat/calibrations/1", "viewer"),
     ("/ui/alerts", "viewer"), ("/ui/alerts?status=all", "viewer"), ("/ui/alerts/1", "viewer"),
     ("/ui/alerts/1/report", "viewer"), ("/ui/hooks", "admin"), ("/ui/hooks/1", "admin"),
 ])
