@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
-from controlplane.db import session_scope, utcnow
+import pytest
+from click.testing import CliRunner
+
+from controlplane.db import dispose_engines, session_scope, utcnow
+from controlplane.settings import get_settings
+from exitplane.cli import _moment, main
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
@@ -16,32 +18,45 @@ from tests.controlplane.calibration.support import (
 )
 
 
-def _cli(db_url, tmp_path, *args):
-    env = {**os.environ, "EXITPLANE_DATABASE_URL": db_url,
-           "EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_CALIBRATION_MIN_SAMPLES": "500"}
-    return subprocess.run([sys.executable, "-m", "exitplane.cli", "calibrate", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def calibrate(db_url, tmp_path, monkeypatch):
+    """Run `exitplane calibrate ARGS` against the test database."""
+    monkeypatch.setenv("EXITPLANE_DATABASE_URL", db_url)
+    monkeypatch.setenv("EXITPLANE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("EXITPLANE_CALIBRATION_MIN_SAMPLES", "500")
+    get_settings.cache_clear()
+    yield lambda *args: CliRunner().invoke(main, ["calibrate", *args])
+    get_settings.cache_clear()
+    dispose_engines()
 
 
-def test_calibrate_publishes_and_reports(db_url, engine, tmp_path):
+def test_calibrate_publishes_and_reports(engine, calibrate):
     signals, matched = separable_samples(3000, seed=6)
     with session_scope(engine) as session:
         make_deployment(session)
         write_traffic(session, "chat", signals, matched, start=utcnow() - timedelta(hours=1))
-    done = _cli(db_url, tmp_path, "--deployment", "chat", "--since", "2h")
-    assert done.returncode == 0, done.stderr
+    done = calibrate("--deployment", "chat", "--since", "2h")
+    assert done.exit_code == 0, done.output
     outcome = json.loads(done.stdout)
     assert outcome["status"] == "succeeded" and outcome["version"] == 2
     assert outcome["promotion"] == "active" and outcome["risk_bound"] <= 0.05
     assert set(outcome["thresholds"]) == {"3", "6", "9"}
 
 
-def test_calibrate_explains_bad_input(db_url, engine, tmp_path):
+def test_calibrate_explains_bad_input_and_short_data(engine, calibrate):
     with session_scope(engine) as session:
         make_deployment(session)
-    unknown = _cli(db_url, tmp_path, "--deployment", "nope")
-    assert unknown.returncode == 2 and "deployment 'nope' does not exist" in unknown.stderr
-    garbled = _cli(db_url, tmp_path, "--deployment", "chat", "--since", "yesterday")
-    assert garbled.returncode == 2 and "neither an ISO time nor an age" in garbled.stderr
-    short = _cli(db_url, tmp_path, "--deployment", "chat", "--since", "30m")
-    assert short.returncode == 0 and json.loads(short.stdout)["status"] == "waiting_for_data"
+    unknown = calibrate("--deployment", "nope")
+    assert unknown.exit_code == 2 and "deployment 'nope' does not exist" in unknown.stderr
+    garbled = calibrate("--deployment", "chat", "--since", "yesterday")
+    assert garbled.exit_code == 2 and "neither an ISO time nor an age" in garbled.stderr
+    short = calibrate("--deployment", "chat", "--since", "30m")
+    assert short.exit_code == 0 and json.loads(short.stdout)["status"] == "waiting_for_data"
+    assert "stays open" in short.stderr
+
+
+def test_moments():
+    assert _moment("2026-11-29T10:00:00") == datetime(2026, 11, 29, 10, tzinfo=UTC)
+    assert abs((utcnow() - _moment("90m")) - timedelta(minutes=90)) < timedelta(seconds=5)
+    with pytest.raises(ValueError, match="neither an ISO time"):
+        _moment("5 weeks")
