@@ -304,7 +304,8 @@ def sparkline(values: list[float | None], *, label: str, ceiling: float | None =
         paths = (f'<text x="{width / 2}" y="{height / 2 + 4}" text-anchor="middle" '
                  f'font-size="11" fill="#57606a">no data</text>')
     return Markup(f'<svg class="spark" role="img" aria-label="{escape(label)}" '
-                  f'width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
+                  f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+                  f'preserveAspectRatio="none">'
                   f'<title>{escape(label)}</title>{paths}</svg>')
 
 
