@@ -1,10 +1,15 @@
 """Recalibration jobs: request, run (Learn-Then-Test on in-domain shadow samples), publish a
 candidate and apply the deployment's policy; operators approve or reject. Plain functions.
 
-Crash safety: `run_calibration` publishes the candidate, moves the alias and marks the job
-succeeded in the caller's one transaction, under the job's row lock. A worker killed before the
-commit leaves no version behind; the job stays `running` (or `queued`) and a rerun starts it
-again from the samples; a rerun after the commit finds the job finished and does nothing.
+A run is three steps: `read_window` (the job's shadow samples), `calibrate_window` (the
+statistics, outside any transaction) and `apply_outcome`, which publishes the candidate, moves
+the alias and marks the job succeeded in one transaction under the job's row lock.
+`run_calibration` does all three in the caller's transaction; the worker task gives each its own
+so that the store is not held while the statistics run.
+
+Crash safety: a worker killed before `apply_outcome` commits leaves no version behind; the job
+stays `running` (or `queued`) and a rerun starts again from the samples; a rerun after the
+commit, or a duplicate run racing it, finds the job finished and does nothing.
 
 The automatic fallback lives in `controlplane.calibration.fallback` and the canary in
 `controlplane.calibration.canary` (its functions are re-exported here).
@@ -16,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -38,8 +44,9 @@ from exitplane.wire import Origin
 from workers.stats.calibration import CalibrationResult, NotEnoughShadowData, calibrate_thresholds
 
 __all__ = [
-    "CalibrationPolicy", "CanaryPolicy", "approve", "evaluate_canary", "get_job", "list_jobs",
-    "promote_canary", "reject", "request_calibration", "revert_canary", "run_calibration",
+    "CalibrationPolicy", "CanaryPolicy", "ShadowWindow", "apply_outcome", "approve",
+    "calibrate_window", "evaluate_canary", "get_job", "list_jobs", "promote_canary",
+    "read_window", "reject", "request_calibration", "revert_canary", "run_calibration",
     "running_canary", "start_job",
 ]
 
@@ -130,48 +137,95 @@ def start_job(*, session: Session, job: CalibrationJob) -> bool:
     return True
 
 
-def run_calibration(*, session: Session, job: CalibrationJob,
-                    policy: CalibrationPolicy = CalibrationPolicy(),
-                    now: datetime | None = None) -> CalibrationJob:
-    """Calibrate on the job's window and publish + promote the candidate, all in the caller's
-    transaction; a finished job is returned unchanged (idempotent)."""
+@dataclass(frozen=True)
+class ShadowWindow:
+    """What a job calibrates on: its shadow samples and the quality target of that moment."""
+
+    job_id: int
+    signals: np.ndarray  # (n, L) float32, exit-layer order
+    matched: np.ndarray  # (n, L) bool
+    exit_layers: list[int]
+    num_layers: int
+    delta: float
+    epsilon: float
+
+
+def read_window(*, session: Session, job: CalibrationJob,
+                now: datetime | None = None) -> ShadowWindow | None:
+    """The job's shadow samples (None when the job is already finished)."""
+    session.refresh(job)
+    if job.status in FINISHED:
+        return None
+    deployment = session.get(Deployment, job.deployment_id)
+    signals, matched = shadow_samples(session=session, deployment=deployment, since=job.since,
+                                      until=job.until or now or utcnow())
+    return ShadowWindow(job_id=job.id, signals=signals, matched=matched,
+                        exit_layers=list(deployment.exit_layers),
+                        num_layers=deployment.num_layers, delta=deployment.delta,
+                        epsilon=deployment.epsilon)
+
+
+def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = CalibrationPolicy()
+                     ) -> CalibrationResult | NotEnoughShadowData:
+    """Threshold selection on the window, outside any transaction (it takes seconds)."""
+    try:
+        return calibrate_thresholds(
+            signals=window.signals, matched=window.matched, exit_layers=window.exit_layers,
+            num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
+            strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
+            seed=policy.seed)
+    except NotEnoughShadowData as shortage:
+        return shortage
+
+
+def apply_outcome(*, session: Session, job: CalibrationJob,
+                  outcome: CalibrationResult | NotEnoughShadowData,
+                  policy: CalibrationPolicy = CalibrationPolicy(),
+                  now: datetime | None = None) -> CalibrationJob:
+    """Record the outcome and, for a publishable result, publish + promote the candidate: one
+    transaction under the job's row lock; a job finished meanwhile is left as it is."""
     session.refresh(job, with_for_update=True)
     if job.status in FINISHED:
         return job
     now = now or utcnow()
-    deployment = session.get(Deployment, job.deployment_id)
-    signals, matched = shadow_samples(session=session, deployment=deployment, since=job.since,
-                                      until=job.until or now)
     job.updated_at = now
-    try:
-        result = calibrate_thresholds(
-            signals=signals, matched=matched, exit_layers=deployment.exit_layers,
-            num_layers=deployment.num_layers, delta=deployment.delta,
-            epsilon=deployment.epsilon, strategy=policy.strategy,
-            min_samples_per_layer=policy.min_samples_per_layer, seed=policy.seed)
-    except NotEnoughShadowData as shortage:
-        _not_enough_data(job=job, shortage=shortage, policy=policy, now=now)
+    if isinstance(outcome, NotEnoughShadowData):
+        _not_enough_data(job=job, shortage=outcome, policy=policy, now=now)
         session.flush()
         return job
-    _record_result(job=job, result=result)
-    refusal = _refusal(result=result, deployment=deployment)
+    deployment = session.get(Deployment, job.deployment_id)
+    _record_result(job=job, result=outcome)
+    refusal = _refusal(result=outcome, deployment=deployment)
     if refusal:
         _finish(job, "failed", refusal, now)
         session.flush()
         return job
     active = aliases_of(session=session, deployment=deployment).get("active")
     candidate = publish(
-        session=session, deployment=deployment, thresholds=result.thresholds,
+        session=session, deployment=deployment, thresholds=outcome.thresholds,
         origin=Origin.calibration, parent_version=active, calibration_job_id=job.id,
-        actor=f"calibration-job-{job.id}", expected_metrics=expected_metrics(result),
-        reason=f"calibration job {job.id} ({job.trigger}): {len(signals)} shadow samples, "
-               f"disagreement <= {deployment.delta} with probability >= "
-               f"{1 - deployment.epsilon:g}")
+        actor=f"calibration-job-{job.id}", expected_metrics=expected_metrics(outcome),
+        reason=f"calibration job {job.id} ({job.trigger}): {outcome.samples['total']} shadow "
+               f"samples, disagreement <= {outcome.delta} with probability >= "
+               f"{1 - outcome.epsilon:g}")
     job.result_version = candidate.version
     _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
     _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion})", now)
     session.flush()
     return job
+
+
+def run_calibration(*, session: Session, job: CalibrationJob,
+                    policy: CalibrationPolicy = CalibrationPolicy(),
+                    now: datetime | None = None) -> CalibrationJob:
+    """Read, calibrate and apply in the caller's one transaction (the worker task runs the
+    three steps in separate short transactions instead); a finished job is returned
+    unchanged."""
+    window = read_window(session=session, job=job, now=now)
+    if window is None:
+        return job
+    return apply_outcome(session=session, job=job, outcome=calibrate_window(window, policy),
+                         policy=policy, now=now)
 
 
 def expected_metrics(result: CalibrationResult) -> dict:

@@ -1,8 +1,9 @@
 """Recalibration and canary tasks: thin, named, idempotent; the services do the work.
 
-`calibration.run` marks the job running in one short transaction, then calibrates, publishes and
-promotes in a second one; a worker killed in between leaves the job `running` with no version,
-and the redelivered task (acks_late) or the sweep runs it again from the start.
+`calibration.run` marks the job running, reads its shadow samples, calibrates outside any
+transaction, then publishes and promotes in one last transaction; a worker killed before that
+commit leaves the job `running` with no version, and the redelivered task (acks_late) or the
+sweep runs it again from the start.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from controlplane.calibration.canary import CanaryPolicy, evaluate_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.calibration.service import (
     CalibrationPolicy,
+    apply_outcome,
+    calibrate_window,
     queued_job_ids,
-    run_calibration,
+    read_window,
     start_job,
 )
 from controlplane.db import get_engine, session_scope, utcnow
@@ -37,10 +40,15 @@ def run(self, job_id: int) -> dict:
             return {"skipped": f"calibration job {job_id} no longer exists"}
         if not start_job(session=session, job=job):
             return {"job": job_id, "status": job.status, "skipped": "already finished"}
-    with session_scope(engine) as session:
-        job = session.get(CalibrationJob, job_id)
-        run_calibration(session=session, job=job,
-                        policy=CalibrationPolicy.from_settings(settings))
+    policy = CalibrationPolicy.from_settings(settings)
+    with session_scope(engine) as session:  # a short read: the store is not held meanwhile
+        window = read_window(session=session, job=session.get(CalibrationJob, job_id))
+    if window is None:
+        return {"job": job_id, "skipped": "already finished"}
+    result = calibrate_window(window, policy)
+    with session_scope(engine) as session:  # publish + promote + status: one transaction
+        job = apply_outcome(session=session, job=session.get(CalibrationJob, job_id),
+                            outcome=result, policy=policy)
         outcome = {"job": job_id, "status": job.status, "version": job.result_version,
                    "promotion": job.promotion, "reason": job.status_reason}
     if outcome["status"] == "waiting_for_data":

@@ -274,3 +274,26 @@ def test_calibration_is_reproducible_from_the_stored_window(engine, outbox):
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
         assert job.status == "succeeded" and job.summary["samples"]["total"] == 4000
+
+
+def test_two_workers_racing_on_one_job_publish_one_version(engine, outbox):
+    _, _, start = _seed(engine)
+    with session_scope(engine) as session:
+        job, _ = service.request_calibration(
+            session=session, deployment=get_deployment(session=session, name="chat"),
+            actor="test", since=start)
+        job_id = job.id
+    outcomes = []
+    for _ in range(2):  # both read and calibrate before either applies
+        with session_scope(engine) as session:
+            window = service.read_window(session=session, job=session.get(CalibrationJob, job_id))
+        outcomes.append(service.calibrate_window(window, POLICY))
+    for outcome in outcomes:
+        with session_scope(engine) as session:
+            service.apply_outcome(session=session, job=session.get(CalibrationJob, job_id),
+                                  outcome=outcome, policy=POLICY)
+    with Session(engine) as session:
+        assert [s.version for s in _calibration_versions(session)] == [2]
+        assert session.get(CalibrationJob, job_id).status == "succeeded"
+        assert service.read_window(session=session,
+                                   job=session.get(CalibrationJob, job_id)) is None
