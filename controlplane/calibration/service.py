@@ -199,6 +199,7 @@ def apply_outcome(*, session: Session, job: CalibrationJob,
     if refusal:
         _finish(job, "failed", refusal, now)
         session.flush()
+        log.warning("%s: calibration job %d failed: %s", deployment.name, job.id, refusal)
         return job
     active = aliases_of(session=session, deployment=deployment).get("active")
     candidate = publish(
@@ -212,6 +213,9 @@ def apply_outcome(*, session: Session, job: CalibrationJob,
     _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
     _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion})", now)
     session.flush()
+    log.info("%s: calibration job %d published version %d (%s): exit rate %.3f, risk bound "
+             "%.4f", deployment.name, job.id, candidate.version, job.promotion,
+             outcome.exit_rate, outcome.risk_bound)
     return job
 
 
