@@ -217,8 +217,9 @@ def promote_canary(*, session: Session, deployment: Deployment, run: CanaryRun, 
     move_alias(session=session, deployment=deployment, alias="active", version=run.version,
                actor=actor, action="canary.promote", reason=f"canary promoted: {reason}",
                details={"canary_run_id": run.id, "calibration_job_id": run.job_id})
-    clear_alias(session=session, deployment=deployment, alias="canary", actor=actor,
-                reason=f"canary of version {run.version} promoted")
+    if aliases_of(session=session, deployment=deployment).get("canary") == run.version:
+        clear_alias(session=session, deployment=deployment, alias="canary", actor=actor,
+                    reason=f"canary of version {run.version} promoted")
     _end(run, "promoted", reason, now)
     _settle_job(session=session, run=run, promotion="canary_promoted")
     session.flush()
