@@ -127,7 +127,7 @@ def _heads(model, tokenizer, quick: bool, timeline: Timeline):
     path = default_heads_path("post-hoc")
     if path.exists():
         timeline.mark(f"exit heads loaded from {path}")
-        return ExitHeads.load(path), path
+        return ExitHeads.load(path), path, False
     timeline.mark("training exit heads (post-hoc; cached for the next run)")
     config = TrainConfig(mode="post-hoc", time_budget_s=150.0 if quick else 300.0,
                          model_name=DEFAULT_MODEL)
@@ -135,7 +135,7 @@ def _heads(model, tokenizer, quick: bool, timeline: Timeline):
     path.parent.mkdir(parents=True, exist_ok=True)
     heads.save(path)
     timeline.mark(f"exit heads trained and saved to {path}")
-    return ExitHeads.load(path), path
+    return ExitHeads.load(path), path, True
 
 
 def _code_prompts(tokenizer, count: int, tokens: int = 96) -> list[list[int]]:
@@ -239,7 +239,7 @@ def run_demo(*, quick: bool, serve: bool, port: int) -> int:
     shutil.rmtree(demo_dir, ignore_errors=True)
     demo_dir.mkdir(parents=True)
     delta, epsilon = 0.05, 0.1
-    min_samples = 150 if quick else 300
+    min_samples = 300 if quick else 600
     env = {**os.environ, "EXITPLANE_VAR_DIR": str(demo_dir), "EXITPLANE_PORT": str(port),
            "EXITPLANE_DRIFT_INTERVAL_S": "5", "EXITPLANE_DRIFT_RECENT_S": "120",
            "EXITPLANE_CALIBRATION_MIN_SAMPLES": str(min_samples),
@@ -256,8 +256,9 @@ def run_demo(*, quick: bool, serve: bool, port: int) -> int:
     runtime = None
     try:
         model, tokenizer = load_model(None)
-        heads, heads_path = _heads(model, tokenizer, quick, timeline)
-        model, tokenizer = load_model(None)  # a fresh copy: training may have adapted weights
+        heads, heads_path, trained = _heads(model, tokenizer, quick, timeline)
+        if trained:  # training leaves the model it used behind; serve a fresh copy
+            model, tokenizer = load_model(None)
         api = _api(cp, admin)
         api.post("/v1/deployments", json={
             "name": "demo", "model_ref": DEFAULT_MODEL, "head_digest": file_sha256(heads_path),
@@ -310,22 +311,28 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, min_s
                 return True
         return False
 
-    # 1. Chat traffic, all shadow, until the first calibration has enough samples.
+    # 1. Chat traffic, all shadow, until a first calibration certifies a version.
     warmup = PhaseStats("A chat: collect shadow samples (never exit)")
     phases.append(warmup)
-    serve_until(warmup, chat, lambda: warmup.shadow >= min_samples + 40, 600)
-    runtime.shipper.flush(30)
-    job = api.post("/v1/deployments/demo/calibrations",
-                   json={"reason": "first calibration on chat traffic"}).json()
-    timeline.mark(f"calibration job {job['id']} requested on {warmup.shadow} shadow tokens")
-    first = _wait_job(api, job["id"], timeout=300)
-    if first.get("result_version") is None:
-        timeline.mark(f"first calibration did not publish: {first.get('status_reason')}")
+    version_a = None
+    for attempt in range(1, 5):
+        serve_until(warmup, chat, lambda n=attempt: warmup.shadow >= n * min_samples + 40, 900)
+        runtime.shipper.flush(30)
+        job = api.post("/v1/deployments/demo/calibrations", json={
+            "reason": f"calibration on chat traffic (attempt {attempt})"}).json()["job"]
+        timeline.mark(f"calibration job {job['id']} requested on {warmup.shadow} shadow tokens")
+        done = _wait_job(api, job["id"], timeout=300)
+        if done.get("result_version") is not None:
+            version_a = done["result_version"]
+            break
+        timeline.mark(f"job {job['id']} published nothing ({done.get('status_reason')}); "
+                      "collecting more shadow samples")
+    if version_a is None:
+        _report(timeline, phases, delta)
         return 1
-    version_a = first["result_version"]
     _wait(lambda: runtime.client.applied_version == version_a, 60, lambda: time.sleep(0.5))
     timeline.mark(f"version {version_a} active and applied by the runtime "
-                  f"(expected exit rate {first['summary'].get('exit_rate')})")
+                  f"(expected exit rate {done['summary'].get('exit_rate')})")
 
     runtime.engine.config.shadow_rate = 0.25
     serving_a = PhaseStats("A chat: early exit (calibrated)")
@@ -354,10 +361,21 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, min_s
 
     def recalibrated() -> bool:
         version = active_version()
-        return version not in (version_a,) and api.get(
-            f"/v1/deployments/demo/threshold-sets/{version}").json()["origin"] == "calibration"
+        if version != version_a and api.get(
+                f"/v1/deployments/demo/threshold-sets/{version}").json()["origin"] == "calibration":
+            return True
+        jobs = api.get("/v1/deployments/demo/calibrations").json()
+        if jobs and all(j["status"] in ("succeeded", "failed") for j in jobs):
+            # The automatic job found nothing it could certify yet: ask again on a window that
+            # has grown since (what an operator would do; the demo does it for them).
+            job = api.post("/v1/deployments/demo/calibrations", json={
+                "reason": "retry on the code traffic collected since the fallback",
+                "since": jobs[0]["since"]}).json()["job"]
+            timeline.mark(f"calibration job {job['id']} requested again "
+                          f"({jobs[0]['status_reason'][:80]})")
+        return False
 
-    if not serve_until(fallback, code, recalibrated, 600):
+    if not serve_until(fallback, code, recalibrated, 900):
         timeline.mark("recalibration did not publish within the time limit")
         _report(timeline, phases, delta)
         return 1
