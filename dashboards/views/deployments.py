@@ -16,7 +16,7 @@ from dashboards.views.overview import REPORTING_WITHIN, runtime_counts
 
 router = APIRouter()
 
-REFRESH_S = 15
+REFRESH_S = 15  # default; the UI app's state.refresh_s overrides it
 
 
 def _window(window: str) -> tuple[str, int]:
@@ -40,7 +40,8 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
         request, "deployment.html", deployment=deployment, aliases=aliases, active=active,
         runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
         reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
-        initial=initial, totals=initial["totals"], refresh_s=REFRESH_S, alerts_enabled=True,
+        initial=initial, totals=initial["totals"], alerts_enabled=True,
+        refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
         open_alerts=alerts.open_alerts(session=session, deployment=deployment),
         events=thresholds.audit_log(session=session, deployment=deployment, limit=20))
 

@@ -198,3 +198,13 @@ def test_users_admin(as_role):
                          r'Role of admin', page).group(1)
     demoted = _post(admin, f"/ui/users/{admin_id}/role", {"role": "viewer"}, page="/ui/users")
     assert "last enabled admin" in demoted.text
+
+
+@pytest.mark.parametrize("path", ["/ui/login", "/ui/", "/ui/deployments/chat",
+                                  "/ui/deployments/chat/versions", "/ui/tokens"])
+def test_pages_load_nothing_from_elsewhere(as_role, path):
+    """No CDN: every script, stylesheet and image comes from the control plane itself."""
+    page = as_role("admin").get(path).text
+    sources = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="([^"]+)"', page)
+    assert sources, "the page loads no assets at all?"
+    assert all(source.startswith("/ui/") for source in sources), sources

@@ -4,6 +4,9 @@ and 390 px land in test-artifacts/screenshots/."""
 
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -110,6 +113,28 @@ def test_operator_reads_charts_and_rolls_back(browser, engine, seeded):
     wait_for(driver, "table.diff-table")
     check_page_quality(driver, "diff")
     screenshot(driver, "diff")
+
+
+def test_deployment_page_refreshes_itself(browser, app, engine, seeded):
+    """New telemetry shows up without a reload (the page polls charts.json)."""
+    from controlplane.telemetry.service import ingest
+    from tests.dashboards.conftest import _batch
+
+    ui = next(r.app for r in app.routes if getattr(r, "path", "") == "/ui")
+    ui.state.refresh_s = 1
+    driver = browser
+    sign_in_with_keyboard(driver, "viewer")
+    driver.get(f"{driver.base}/ui/deployments/chat?window=15m")
+    tokens = wait_for(driver, "[data-stat=tokens]")
+    before = int(tokens.text.replace(",", ""))
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        ingest(session=session, deployment=deployment, batches=[_batch(
+            random.Random(3), name="chat", version=3, start=time.time() - 5, n=100,
+            runtime_id="rt-a", seq=999, exit_bias=0.5)])
+        session.commit()
+    wait(driver).until(lambda d: int(d.find_element(
+        By.CSS_SELECTOR, "[data-stat=tokens]").text.replace(",", "")) == before + 100)
 
 
 def test_viewer_sees_but_cannot_act(browser, engine):
