@@ -18,8 +18,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from controlplane import metrics
+from controlplane.alerts.api import router as alerts_router
+from controlplane.alerts.exporter import store_collector
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
+from controlplane.calibration.api import router as calibration_router
 from controlplane.db import get_engine, session_factory
 from controlplane.deps import PrincipalCache, RateLimiter
 from controlplane.errors import DomainError
@@ -29,6 +32,7 @@ from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.service import ensure_partitions
 from controlplane.thresholds.api import router as thresholds_router
 from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
+from dashboards.app import mount_ui
 
 log = logging.getLogger("exitplane.api")
 
@@ -49,6 +53,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = factory
+    store_collector.bind(factory)  # /metrics reads alert-rule gauges from this store
     app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
     app.state.rate_limiters = {"pull": RateLimiter(settings.rate_limit_pull_per_s),
                                "ingest": RateLimiter(settings.rate_limit_ingest_per_s)}
@@ -110,6 +115,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(runtimes_router)
     app.include_router(auth_router)
     app.include_router(telemetry_router)
+    app.include_router(alerts_router)
+    app.include_router(calibration_router)
+    mount_ui(app)
     return app
 
 

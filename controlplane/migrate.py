@@ -18,7 +18,7 @@ def alembic_config(url: str) -> Config:
     return config
 
 
-def upgrade(url: str, revision: str = "heads") -> None:
+def upgrade(url: str, revision: str = "head") -> None:
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     command.upgrade(alembic_config(url), revision)

@@ -1,6 +1,8 @@
 """Every ORM model, imported in one place so Alembic and tests see the whole schema."""
 
-from controlplane.auth.models import ApiToken
+from controlplane.alerts.models import Alert, AlertDelivery, AlertHook
+from controlplane.auth.models import ApiToken, User
+from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import Base
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import (
@@ -13,6 +15,7 @@ from controlplane.telemetry.models import (
 from controlplane.thresholds.models import Alias, AuditEvent, Deployment, ThresholdSet
 
 __all__ = [
-    "Alias", "ApiToken", "AuditEvent", "Base", "Deployment", "Rollup", "RollupHistogram",
-    "Runtime", "ShadowSampleRow", "TelemetryBatchRow", "ThresholdSet", "TokenRecordRow",
+    "Alert", "AlertDelivery", "AlertHook", "Alias", "ApiToken", "AuditEvent", "Base",
+    "CalibrationJob", "CanaryRun", "Deployment", "Rollup", "RollupHistogram", "Runtime",
+    "ShadowSampleRow", "TelemetryBatchRow", "ThresholdSet", "TokenRecordRow", "User",
 ]

@@ -33,6 +33,26 @@ class Settings(BaseSettings):
     # Per-token rate limits (token bucket per API process); 0 turns a limit off.
     rate_limit_pull_per_s: float = Field(default=50.0, ge=0)
     rate_limit_ingest_per_s: float = Field(default=100.0, ge=0)
+    # Workers, drift detection and alerts (issue 5).
+    drift_interval_s: float = Field(default=30.0, gt=0)
+    drift_lookback_s: float = Field(default=1800.0, gt=0)
+    drift_recent_s: float = Field(default=600.0, gt=0)
+    alert_clear_after_s: float = Field(default=300.0, ge=0)
+    runtime_stale_after_s: float = Field(default=120.0, gt=0)
+    delivery_max_retries: int = Field(default=6, ge=0)
+    delivery_backoff_s: float = Field(default=2.0, ge=0)
+    delivery_timeout_s: float = Field(default=10.0, gt=0)
+    telemetry_retention_days: int = Field(default=14, ge=1)
+    # Recalibration, fallback and canary (issue 6).
+    calibration_min_samples: int = Field(default=1000, ge=1)
+    calibration_lookback_s: float = Field(default=86400.0, gt=0)
+    calibration_retry_s: float = Field(default=60.0, gt=0)
+    calibration_wait_max_s: float = Field(default=3600.0, gt=0)
+    canary_interval_s: float = Field(default=60.0, gt=0)
+    canary_clean_windows: int = Field(default=3, ge=1)
+    canary_failure_limit: int = Field(default=1, ge=1)
+    canary_max_inconclusive: int = Field(default=10, ge=1)
+    canary_min_shadow_tokens: int = Field(default=200, ge=1)
 
     @model_validator(mode="after")
     def _refuse_default_secret_in_production(self) -> Settings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -54,7 +55,7 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--revision", default="heads", show_default=True)
+@click.option("--revision", default="head", show_default=True)
 def db_upgrade(revision: str) -> None:
     """Apply migrations to the configured database."""
     from controlplane.migrate import upgrade
@@ -126,32 +127,82 @@ def user_create(username: str, role: str, password_file: str | None) -> None:
 @click.option("--host", default=None, help="default: EXITPLANE_HOST or 127.0.0.1")
 @click.option("--port", type=int, default=None, help="default: EXITPLANE_PORT or 8000")
 @click.option("--migrate/--no-migrate", default=True, show_default=True)
-def up(host: str | None, port: int | None, migrate: bool) -> None:
-    """Run the control plane API (migrating the database first)."""
-    serve_api(host=host, port=port, migrate=migrate)
-
-
-@main.command()
-@click.option("--host", default=None)
-@click.option("--port", type=int, default=None)
-def demo(host: str | None, port: int | None) -> None:
-    """Start the control plane on the embedded default with an admin token under var/."""
+@click.option("--workers/--no-workers", default=None,
+              help="also run a Celery worker and beat as subprocesses "
+                   "(default: on in the embedded environment)")
+def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) -> None:
+    """Run the control plane API (migrating the database first), with worker and beat."""
     from controlplane.settings import get_settings
 
     settings = get_settings()
-    _migrate(settings.effective_database_url)
-    token_file = settings.var_dir / "admin.token"
-    if not token_file.exists():
-        from controlplane.auth.service import create_token
-        from controlplane.db import session_scope
+    if migrate:
+        _migrate(settings.effective_database_url)
+    if workers is None:
+        workers = settings.environment == "embedded"
+    with background_workers(enabled=workers):
+        serve_api(host=host, port=port, migrate=False)
 
-        with session_scope() as session:
-            _, secret = create_token(session=session, name="demo-admin", scope="admin")
-        token_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.write_text(secret + "\n")
-        token_file.chmod(0o600)
-    click.echo(f"admin token: {token_file} (use: -H \"Authorization: Bearer $(cat {token_file})\")")
-    serve_api(host=host, port=port, migrate=False)
+
+@main.command()
+@click.option("--loglevel", default="info", show_default=True)
+@click.option("--concurrency", type=int, default=None,
+              help="prefork worker processes (default: the solo pool, one task at a time)")
+def worker(loglevel: str, concurrency: int | None) -> None:
+    """Run a Celery worker: drift detection, alert delivery, recalibration, retention."""
+    from workers.celery_app import app
+
+    pool = [f"--concurrency={concurrency}", "--pool=prefork"] if concurrency else ["--pool=solo"]
+    app.worker_main(["worker", f"--loglevel={loglevel}", *pool])
+
+
+@main.command()
+@click.option("--loglevel", default="info", show_default=True)
+def beat(loglevel: str) -> None:
+    """Run Celery beat: drift checks every 30 s, stale runtimes, canaries, daily retention."""
+    from workers.celery_app import app
+
+    app.start(["beat", f"--loglevel={loglevel}"])
+
+
+@contextmanager
+def background_workers(*, enabled: bool):
+    """A worker and beat as subprocesses for the embedded default, stopped on the way out."""
+    if not enabled:
+        yield
+        return
+    import signal
+    import subprocess
+
+    # uvicorn re-raises the SIGTERM it caught after shutting down; as SystemExit it unwinds
+    # through the `finally` below instead of killing us with the children still running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    processes = [subprocess.Popen([sys.executable, "-m", "exitplane.cli", name,
+                                   "--loglevel=warning"]) for name in ("worker", "beat")]
+    click.echo(f"exitplane worker (pid {processes[0].pid}) and beat (pid {processes[1].pid}) "
+               "started", err=True)
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@main.command()
+@click.option("--quick", is_flag=True, help="a shorter run (fewer tokens per phase)")
+@click.option("--serve/--no-serve", default=True, show_default=True,
+              help="keep the control plane and its UI up after the summary")
+@click.option("--port", type=int, default=8000, show_default=True)
+def demo(quick: bool, serve: bool, port: int) -> None:
+    """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
+    from exitplane.demo import run_demo
+
+    sys.exit(run_demo(quick=quick, serve=serve, port=port))
 
 
 @main.command()
@@ -188,6 +239,82 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
                               claim_idle_ms=claim_idle_ms)
     click.echo(f"ingest worker {consumer.name} reading telemetry streams", err=True)
     consumer.run_forever(stop)
+
+
+@main.command()
+@click.option("--deployment", required=True, help="the deployment to recalibrate")
+@click.option("--since", default=None,
+              help="window start: ISO time (UTC if no offset) or an age like 30m, 6h, 2d "
+                   "(default: EXITPLANE_CALIBRATION_LOOKBACK_S ago)")
+@click.option("--until", default=None, help="window end, same forms (default: now)")
+@click.option("--reason", default="requested from the command line", show_default=True)
+@click.option("--enqueue", is_flag=True, help="hand the job to the workers instead of "
+                                              "running it here")
+def calibrate(deployment: str, since: str | None, until: str | None, reason: str,
+              enqueue: bool) -> None:
+    """Recalibrate a deployment's thresholds on its recent shadow samples."""
+    import json
+
+    from controlplane.calibration.models import CalibrationJob
+    from controlplane.calibration.service import (
+        CalibrationPolicy,
+        request_calibration,
+        run_calibration,
+        start_job,
+    )
+    from controlplane.db import session_scope
+    from controlplane.errors import DomainError
+    from controlplane.settings import get_settings
+    from controlplane.thresholds.service import get_deployment
+
+    settings = get_settings()
+    policy = CalibrationPolicy.from_settings(settings)
+    try:
+        window = [_moment(value) if value else None for value in (since, until)]
+        with session_scope() as session:
+            target = get_deployment(session=session, name=deployment, lock=True)
+            job, created = request_calibration(
+                session=session, deployment=target, actor="cli", trigger="manual",
+                since=window[0], until=window[1], reason=reason, policy=policy,
+                enqueue=enqueue)
+            job_id = job.id
+        if not created:
+            click.echo(f"calibration job {job_id} is already open; continuing it", err=True)
+        if enqueue:
+            click.echo(json.dumps({"job": job_id, "status": "queued"}))
+            return
+        with session_scope() as session:
+            start_job(session=session, job=session.get(CalibrationJob, job_id))
+        with session_scope() as session:
+            job = run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+                                  policy=policy)
+            outcome = {"job": job.id, "status": job.status, "reason": job.status_reason,
+                       "version": job.result_version, "promotion": job.promotion,
+                       "thresholds": job.summary.get("thresholds"),
+                       "exit_rate": job.summary.get("exit_rate"),
+                       "risk_bound": job.summary.get("risk_bound")}
+    except (DomainError, ValueError) as error:
+        _fail(str(error))
+    click.echo(json.dumps(outcome, indent=2))
+    if outcome["status"] == "waiting_for_data":
+        click.echo(f"job {outcome['job']} stays open: the workers retry it, or rerun this "
+                   "command once more shadow samples arrived", err=True)
+    if outcome["status"] == "failed":
+        sys.exit(1)
+
+
+def _moment(value: str):
+    """An ISO time (UTC when it has no offset) or an age like 30m, 6h, 2d before now."""
+    from datetime import UTC, datetime, timedelta
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if value[-1:] in units and value[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(UTC) - timedelta(seconds=float(value[:-1]) * units[value[-1]])
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is neither an ISO time nor an age like 30m, 6h, 2d") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
