@@ -28,16 +28,16 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane.db import make_engine  # noqa: E402
-from controlplane.migrate import upgrade  # noqa: E402
-from controlplane.telemetry.service import (  # noqa: E402
+from controlplane.db import make_engine
+from controlplane.migrate import upgrade
+from controlplane.telemetry.service import (
     SHADOW_COLUMNS,
     TOKEN_COLUMNS,
     _bulk_write,
     _rows,
 )
-from controlplane.thresholds.models import Deployment  # noqa: E402
-from exitplane.wire import TelemetryBatch  # noqa: E402
+from controlplane.thresholds.models import Deployment
+from exitplane.wire import TelemetryBatch
 
 NUM_LAYERS = 30
 EXIT_LAYERS = list(range(6, 30, 3))

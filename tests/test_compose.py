@@ -63,7 +63,7 @@ def test_no_secret_is_baked_in():
 
 def test_every_service_command_exists_in_the_cli():
     seen = set()
-    for name, service in COMPOSE["services"].items():
+    for service in COMPOSE["services"].values():
         for args in _exitplane_invocations(service.get("command", [])):
             seen.add(_parse(args).name)
     assert seen >= {"upgrade", "up", "ingest", "worker", "beat", "serve"}
