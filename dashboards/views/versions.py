@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
@@ -21,6 +22,7 @@ from controlplane.deps import SessionDep
 from controlplane.errors import Invalid, NotFound
 from controlplane.thresholds import service as thresholds
 from controlplane.thresholds.models import Deployment, ThresholdSet
+from controlplane.thresholds.schemas import DeploymentUpdate
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.templating import render
 from dashboards.views import attempt
@@ -251,5 +253,34 @@ def publish(name: str, request: Request, session: SessionDep, user: Operator,
                                   version=created.version, actor=actor(user), reason=reason)
             return f"Version {created.version} published and active."
         return f"Version {created.version} published (not active)."
+
+    return attempt(request, session, f"/deployments/{name}/versions", perform)
+
+
+SETTINGS_FIELDS = ("delta", "epsilon", "policy", "canary_fraction", "fallback_mode",
+                   "fallback_margin")
+
+
+@router.post("/deployments/{name}/settings", dependencies=[Csrf])
+def update_settings(name: str, request: Request, session: SessionDep, user: Operator,
+                    form: Annotated[FormData, Depends(_form)]) -> Response:
+    """Change the quality target and promotion policy (the service audits before/after)."""
+    deployment = thresholds.get_deployment(session=session, name=name, lock=True)
+
+    def perform() -> str:
+        wanted = {key: str(form.get(key, "")).strip() for key in SETTINGS_FIELDS}
+        try:
+            spec = DeploymentUpdate(**{k: v for k, v in wanted.items() if v})
+        except ValidationError as error:
+            problem = error.errors()[0]
+            raise Invalid(f"{'.'.join(str(p) for p in problem['loc'])}: "
+                          f"{problem['msg']}") from None
+        changes = {key: value for key, value in spec.model_dump(exclude_none=True).items()
+                   if getattr(deployment, key) != value}
+        if not changes:
+            return "Nothing changed."
+        thresholds.update_deployment(session=session, deployment=deployment,
+                                     spec=DeploymentUpdate(**changes), actor=actor(user))
+        return "Settings saved: " + ", ".join(f"{k} = {v}" for k, v in changes.items()) + "."
 
     return attempt(request, session, f"/deployments/{name}/versions", perform)

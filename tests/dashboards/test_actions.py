@@ -208,3 +208,21 @@ def test_pages_load_nothing_from_elsewhere(as_role, path):
     sources = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="([^"]+)"', page)
     assert sources, "the page loads no assets at all?"
     assert all(source.startswith("/ui/") for source in sources), sources
+
+
+def test_settings_change_only_what_changed_and_are_audited(as_role, engine):
+    client = as_role("operator")
+    page = "/ui/deployments/chat/versions"
+    saved = _post(client, "/ui/deployments/chat/settings",
+                  {"delta": "0.02", "epsilon": "0.05", "policy": "approval",
+                   "canary_fraction": "0.1", "fallback_mode": "never_exit",
+                   "fallback_margin": "0.05"}, page)
+    assert "Settings saved: delta = 0.02, policy = approval." in saved.text
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        assert (deployment.delta, deployment.policy) == (0.02, "approval")
+        event = thresholds.audit_log(session=session, deployment=deployment, limit=1)[0]
+    assert event.action == "deployment.update" and event.actor == "user:operator"
+    assert event.details["after"] == {"delta": 0.02, "policy": "approval"}
+    bad = _post(client, "/ui/deployments/chat/settings", {"delta": "2"}, page)
+    assert "delta: Input should be less than 1" in bad.text

@@ -28,6 +28,8 @@ ACTIONS = [
      {"reason": "ship"}, "operator"),
     ("/deployments/{name}/versions", "/ui/deployments/chat/versions",
      {"layer_3": "0.9", "layer_6": "0.9", "layer_9": "0.9", "reason": "manual"}, "operator"),
+    ("/deployments/{name}/settings", "/ui/deployments/chat/settings",
+     {"policy": "approval", "delta": "0.02"}, "operator"),
     ("/tokens", "/ui/tokens", {"name": "ci", "scope": "operator"}, "admin"),
     ("/tokens/{token_id}/revoke", "/ui/tokens/1/revoke", {}, "admin"),
     ("/users", "/ui/users", {"username": "eve", "password": PASSWORD, "role": "viewer"},
