@@ -132,3 +132,14 @@ def set_password(*, session: Session, user: User, password: str) -> User:
     user.session_epoch += 1
     session.flush()
     return user
+
+
+def change_own_password(*, session: Session, user: User, current: str, new: str) -> User:
+    """A user replacing their own password: the current one must be right."""
+    try:
+        _hasher.verify(user.password_hash, current)
+    except (VerifyMismatchError, VerificationError, InvalidHashError):
+        raise Unauthorized("the current password is wrong") from None
+    if new == current:
+        raise Invalid("the new password is the same as the current one")
+    return set_password(session=session, user=user, password=new)

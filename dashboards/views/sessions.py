@@ -1,4 +1,4 @@
-"""Sign in and sign out."""
+"""Sign in, sign out, and your own account."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import Response
 
+from controlplane.auth import users
 from controlplane.auth.models import User
 from controlplane.auth.users import authenticate_user
 from controlplane.deps import SessionDep
-from controlplane.errors import Unauthorized
+from controlplane.errors import DomainError, Invalid, Unauthorized
 from dashboards.security import Csrf, current_user, end_session, optional_user, start_session
 from dashboards.templating import redirect, render, ui_root
 
@@ -91,3 +92,26 @@ def login(request: Request, session: SessionDep, username: Annotated[str, Form()
 def logout(request: Request, _user: Annotated[User, Depends(current_user)]) -> Response:
     end_session(request)
     return redirect(request, "/login", "You are signed out.")
+
+
+@router.get("/account")
+def account_page(request: Request, user: Annotated[User, Depends(current_user)]) -> Response:
+    return render(request, "account.html", account=user,
+                  min_password=users.MIN_PASSWORD_LENGTH)
+
+
+@router.post("/account/password", dependencies=[Csrf])
+def change_password(request: Request, session: SessionDep,
+                    user: Annotated[User, Depends(current_user)],
+                    current: Annotated[str, Form()] = "", new: Annotated[str, Form()] = "",
+                    confirm: Annotated[str, Form()] = "") -> Response:
+    """Change your own password; your other sessions end, this one continues."""
+    try:
+        if new != confirm:
+            raise Invalid("the two new passwords differ")
+        users.change_own_password(session=session, user=user, current=current, new=new)
+    except DomainError as error:
+        session.rollback()
+        return redirect(request, "/account", str(error), "error")
+    start_session(request, user)
+    return redirect(request, "/account", "Password changed; your other sessions are signed out.")

@@ -255,6 +255,11 @@ def test_admin_manages_tokens_and_users(browser):
     check_page_quality(driver, "hooks")
     screenshot(driver, "hooks")
 
+    driver.find_element(By.CSS_SELECTOR, "a.who").click()
+    wait_for(driver, "#current")
+    check_page_quality(driver, "account")
+    screenshot(driver, "account")
+
 
 def test_the_contrast_check_catches_faint_text(browser):
     """The readability check above is real: faint grey on white is flagged."""

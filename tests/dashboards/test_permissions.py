@@ -51,6 +51,8 @@ ACTIONS = [
     ("/hooks/{hook_id}/test", "/ui/hooks/1/test", {}, "admin"),
     ("/hooks/{hook_id}/enabled", "/ui/hooks/1/enabled", {"enabled": "false"}, "admin"),
     ("/hooks/{hook_id}/delete", "/ui/hooks/1/delete", {}, "admin"),
+    ("/account/password", "/ui/account/password",
+     {"current": PASSWORD, "new": PASSWORD + "+", "confirm": PASSWORD + "+"}, "viewer"),
     ("/logout", "/ui/logout", {}, "viewer"),
 ]
 PUBLIC_POSTS = {"/login"}  # checked for CSRF in test_login_needs_csrf
@@ -148,7 +150,7 @@ def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form
     ("/ui/deployments/chat/versions/new", "operator"),
     ("/ui/tokens", "admin"), ("/ui/users", "admin"),
     ("/ui/deployments/chat/calibrations", "viewer"),
-    ("/ui/deployments/chat/calibrations/1", "viewer"),
+    ("/ui/deployments/chat/calibrations/1", "viewer"), ("/ui/account", "viewer"),
     ("/ui/alerts", "viewer"), ("/ui/alerts?status=all", "viewer"), ("/ui/alerts/1", "viewer"),
     ("/ui/alerts/1/report", "viewer"), ("/ui/hooks", "admin"), ("/ui/hooks/1", "admin"),
 ])
@@ -260,3 +262,20 @@ def test_security_headers(ui, people):
     assert "script-src 'self'" in response.headers["content-security-policy"]
     assert response.headers["x-frame-options"] == "DENY"
     assert response.headers["cache-control"] == "no-store"
+
+
+def test_changing_your_password_keeps_this_session_and_ends_the_others(as_role, app):
+    from fastapi.testclient import TestClient
+
+    here = as_role("operator")
+    with TestClient(app, base_url="https://testserver") as elsewhere:
+        sign_in(elsewhere, "operator")
+        form = {"current": "not it", "new": PASSWORD + "+", "confirm": PASSWORD + "+"}
+        wrong = here.post("/ui/account/password", data={**form, "csrf_token": _csrf(here)})
+        assert "the current password is wrong" in wrong.text
+        form["current"] = PASSWORD
+        done = here.post("/ui/account/password", data={**form, "csrf_token": _csrf(here)})
+        assert "Password changed" in done.text
+        assert here.get("/ui/", follow_redirects=False).status_code == 200
+        assert elsewhere.get("/ui/", follow_redirects=False).status_code == 303
+        assert sign_in(elsewhere, "operator", password=PASSWORD + "+").status_code == 200
