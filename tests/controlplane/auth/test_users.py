@@ -76,3 +76,17 @@ def test_cli_creates_a_user_from_a_password_file(db_url, engine, tmp_path, monke
     with Session(engine) as session:
         user = users.authenticate_user(session=session, username="ops", password=PASSWORD)
         assert user.role == "operator"
+
+
+def test_own_password_change_needs_the_current_one(session: Session):
+    user = users.create_user(session=session, username="fay", password=PASSWORD, role="viewer")
+    epoch = user.session_epoch
+    with pytest.raises(Unauthorized, match="current password is wrong"):
+        users.change_own_password(session=session, user=user, current="nope nope nope",
+                                  new=PASSWORD + "!")
+    with pytest.raises(Invalid, match="same as the current"):
+        users.change_own_password(session=session, user=user, current=PASSWORD, new=PASSWORD)
+    users.change_own_password(session=session, user=user, current=PASSWORD, new=PASSWORD + "!")
+    assert user.session_epoch == epoch + 1
+    assert users.authenticate_user(session=session, username="fay",
+                                   password=PASSWORD + "!") is user
