@@ -143,3 +143,10 @@ def change_own_password(*, session: Session, user: User, current: str, new: str)
     if new == current:
         raise Invalid("the new password is the same as the current one")
     return set_password(session=session, user=user, password=new)
+
+
+def end_sessions(*, session: Session, user: User) -> User:
+    """Invalidate every session cookie issued to `user` (sign-out everywhere)."""
+    user.session_epoch += 1
+    session.flush()
+    return user

@@ -89,7 +89,10 @@ def login(request: Request, session: SessionDep, username: Annotated[str, Form()
 
 
 @router.post("/logout", dependencies=[Csrf])
-def logout(request: Request, _user: Annotated[User, Depends(current_user)]) -> Response:
+def logout(request: Request, session: SessionDep,
+           user: Annotated[User, Depends(current_user)]) -> Response:
+    """Sign out; a copy of the cookie taken earlier stops working too (on every device)."""
+    users.end_sessions(session=session, user=user)
     end_session(request)
     return redirect(request, "/login", "You are signed out.")
 

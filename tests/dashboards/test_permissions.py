@@ -250,11 +250,15 @@ def test_next_never_leaves_the_ui(ui, people):
     assert response.headers["location"] == "/ui/tokens"
 
 
-def test_logout_ends_the_session(as_role):
+def test_logout_ends_the_session_and_old_copies_of_the_cookie(as_role):
     client = as_role("operator")
+    stolen = client.cookies["exitplane_session"]
     response = client.post("/ui/logout", data={"csrf_token": _csrf(client)})
     assert "You are signed out" in response.text
     assert client.get("/ui/", follow_redirects=False).status_code == 303
+    client.cookies.clear()
+    assert client.get("/ui/", headers={"Cookie": f"exitplane_session={stolen}"},
+                      follow_redirects=False).status_code == 303
 
 
 def test_security_headers(ui, people):
