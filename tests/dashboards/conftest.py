@@ -29,6 +29,17 @@ ROLES = ("viewer", "operator", "admin")
 
 
 @pytest.fixture(autouse=True)
+def sent_tasks(monkeypatch) -> list[tuple[str, list]]:
+    """Celery tasks the UI's actions hand to the workers after commit, recorded instead of
+    sent: no worker runs here, and the process-wide broker is not this test's database's."""
+    from controlplane.alerts import service as outbox
+
+    sent: list[tuple[str, list]] = []
+    monkeypatch.setattr(outbox, "send_task", lambda name, args: sent.append((name, args)))
+    return sent
+
+
+@pytest.fixture(autouse=True)
 def quick_hashing(monkeypatch):
     """Argon2 with minimal cost: these tests exercise the UI, not the hash's strength."""
     from argon2 import PasswordHasher
