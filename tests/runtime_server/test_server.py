@@ -174,7 +174,10 @@ def test_threshold_change_mid_stream_takes_effect_on_the_next_step(served):
     aggressive = ThresholdSetWire.build(deployment="local", version=2, signal="maxprob",
                                         thresholds={2: 0.0, 4: 0.0})
 
+    records = []
+
     def swap_after_sixth_token(record) -> None:  # runs in the engine thread, between steps
+        records.append(record)
         if record.position == 5:
             engine.set_thresholds(aggressive)
 
@@ -182,7 +185,6 @@ def test_threshold_change_mid_stream_takes_effect_on_the_next_step(served):
     chunks = list(served.client.completions.create(model="t", prompt="abc", max_tokens=30,
                                                    temperature=0, stream=True,
                                                    extra_body={"ignore_eos": True}))
-    records = engine.drain_records()
     assert [r.threshold_version for r in records] == [0] * 6 + [2] * 24
     assert {r.exit_layer for r in records[6:]} == {2}  # the very next step exits at layer 2
     assert {r.exit_layer for r in records[:6]} == {6}
