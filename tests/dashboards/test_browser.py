@@ -134,7 +134,7 @@ def test_deployment_page_refreshes_itself(browser, app, engine, seeded):
             random.Random(3), name="chat", version=3, start=time.time() - 5, n=100,
             runtime_id="rt-a", seq=999, exit_bias=0.5)])
         session.commit()
-    wait(driver).until(lambda d: int(d.find_element(
+    wait(driver, 60).until(lambda d: int(d.find_element(
         By.CSS_SELECTOR, "[data-stat=tokens]").text.replace(",", "")) == before + 100)
 
 
