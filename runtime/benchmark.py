@@ -57,7 +57,9 @@ def hf_generate(model, prompts, max_new_tokens, eos):
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+        # An explicit mask: the pad id is <|im_end|>, which every chat prompt contains.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=list(eos), pad_token_id=eos[0])
         outputs.append(out[0, len(prompt):].tolist())
     return outputs

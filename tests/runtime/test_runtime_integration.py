@@ -32,7 +32,11 @@ def prompts(smollm2):
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
     model, _ = smollm2
-    return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+    # An explicit mask: SmolLM2's pad id is <|im_end|> (2), which its chat template puts in
+    # every prompt, so generate() would otherwise mask those prompt tokens out.
+    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                                                         dtype=torch.long),
+                           max_new_tokens=NEW_TOKENS, do_sample=False,
                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
 
 
