@@ -54,25 +54,34 @@ def timed(fn):
 
 
 def hf_generate(model, prompts, max_new_tokens, eos):
+    """Greedy HF generate of exactly max_new_tokens (EOS does not stop it, as in our runs)."""
     outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=model.device)
-        # An explicit mask: the pad id is <|im_end|>, which every chat prompt contains.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=list(eos), pad_token_id=eos[0])
-        outputs.append(out[0, len(prompt):].tolist())
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=model.device)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=eos[0])
+            outputs.append(out[0, len(prompt):].tolist())
+    finally:
+        model.generation_config.eos_token_id = saved
     return outputs
 
 
 def run_engine(model, heads, prompts, max_new_tokens, *, policy=None, batch=1,
                batching="compact", shadow_rate=0.0):
-    """(generations, records, seconds) for one engine configuration."""
+    """(generations, records, seconds) for one engine configuration.
+
+    Every run generates exactly max_new_tokens: an early-exited EOS would otherwise end a
+    sequence early, and prefill / a half-empty batch would then decide tokens per second.
+    """
     engine = Engine(model, heads=heads, config=EngineConfig(
         max_batch=batch, max_seq_len=1024, batching=batching, shadow_rate=shadow_rate))
     if policy is not None:
         engine.set_thresholds(policy)
-    generated, seconds = timed(lambda: engine.generate(prompts, max_new_tokens=max_new_tokens))
+    generated, seconds = timed(lambda: engine.generate(prompts, max_new_tokens=max_new_tokens,
+                                                       stop_token_ids=[]))
     return generated, engine.drain_records(), seconds
 
 
