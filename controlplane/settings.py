@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     telemetry_retention_days: int = Field(default=14, ge=1)
     # Recalibration, fallback and canary (issue 6).
     calibration_min_samples: int = Field(default=1000, ge=1)
+    # Share of the calibration split that fits the threshold path (the rest tests it).
+    calibration_learn_fraction: float = Field(default=0.3, gt=0, lt=1)
     calibration_lookback_s: float = Field(default=86400.0, gt=0)
     calibration_retry_s: float = Field(default=60.0, gt=0)
     calibration_wait_max_s: float = Field(default=3600.0, gt=0)

@@ -244,6 +244,8 @@ def run_demo(*, quick: bool, serve: bool, port: int) -> int:
            "EXITPLANE_DRIFT_INTERVAL_S": "5", "EXITPLANE_DRIFT_RECENT_S": "120",
            "EXITPLANE_CALIBRATION_MIN_SAMPLES": str(min_samples),
            "EXITPLANE_CALIBRATION_RETRY_S": "5", "EXITPLANE_CALIBRATION_LOOKBACK_S": "3600",
+           # Few samples: a larger share fits the isotonic path, which then has fine steps.
+           "EXITPLANE_CALIBRATION_LEARN_FRACTION": "0.5",
            "EXITPLANE_LOG_LEVEL": "warning"}
     env.pop("EXITPLANE_DATABASE_URL", None)
     env.pop("EXITPLANE_REDIS_URL", None)

@@ -63,13 +63,15 @@ class CalibrationPolicy:
     lookback: timedelta = timedelta(hours=24)
     wait_max: timedelta = timedelta(hours=1)
     strategy: str = "calibrated"
+    learn_fraction: float = 0.3  # of the non-holdout samples, spent on fitting the path
     seed: int = 0
 
     @classmethod
     def from_settings(cls, settings) -> CalibrationPolicy:
         return cls(min_samples_per_layer=settings.calibration_min_samples,
                    lookback=timedelta(seconds=settings.calibration_lookback_s),
-                   wait_max=timedelta(seconds=settings.calibration_wait_max_s))
+                   wait_max=timedelta(seconds=settings.calibration_wait_max_s),
+                   learn_fraction=settings.calibration_learn_fraction)
 
 
 # -- jobs --------------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
             signals=window.signals, matched=window.matched, exit_layers=window.exit_layers,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
-            seed=policy.seed)
+            learn_fraction=policy.learn_fraction, seed=policy.seed)
     except NotEnoughShadowData as shortage:
         return shortage
 
