@@ -13,7 +13,7 @@ from runtime.model import load_model
 from runtime.train import TrainConfig, train_heads
 
 pytestmark = pytest.mark.integration
-NEW_TOKENS = 20
+NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_real_model_never_exit_is_hf_greedy(smollm2, prompts, reference, kv_poli
 def test_real_model_heads_small_budget(smollm2, prompts, tmp_path, monkeypatch):
     monkeypatch.setenv("EXITPLANE_CACHE_DIR", str(tmp_path))
     model, tokenizer = smollm2
-    config = TrainConfig(generation_prompts=4, generation_tokens=24, stdlib_chars=12_000,
-                         adapter_steps=15, batch_tokens=256, label_tokens=2000,
+    config = TrainConfig(generation_prompts=3, generation_tokens=16, stdlib_chars=8_000,
+                         adapter_steps=10, batch_tokens=256, label_tokens=1500,
                          confidence_epochs=4, time_budget_s=150, model_name="smollm2-test")
     heads = train_heads(model, tokenizer, config)
     path = tmp_path / "heads.safetensors"
