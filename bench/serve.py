@@ -55,7 +55,8 @@ def calibrated_thresholds(args, workdir: Path) -> tuple[Path, Path, dict]:
     prompts = corpus.HELD_OUT_PROMPTS[-args.calibration_prompts:]
     ids = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts]
     engine.generate(ids, max_new_tokens=args.max_tokens)
-    policy, info = calibrate(engine.drain_records(), engine.exit_layers, 0.01, signal)
+    policy, info = calibrate(engine.drain_records(), engine.exit_layers, 0.01, signal,
+                             engine.parts.num_layers)
     files = []
     for name, thresholds in (("ee", policy.thresholds),
                              ("full", dict.fromkeys(engine.exit_layers, 1.0))):
@@ -64,7 +65,9 @@ def calibrated_thresholds(args, workdir: Path) -> tuple[Path, Path, dict]:
         path = workdir / f"{name}.json"
         path.write_text(wire.model_dump_json())
         files.append(path)
-    return files[0], files[1], {**info, "signal": str(signal)}
+    return files[0], files[1], {**info, "signal": str(signal),
+                                "thresholds": {str(k): round(float(v), 4)
+                                               for k, v in policy.thresholds.items()}}
 
 
 async def one_client(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -169,7 +172,7 @@ def main() -> None:
     print(json.dumps({
         "clients": args.clients, "max_tokens": args.max_tokens,
         "model": args.model or "SmolLM2-135M-Instruct", "heads": args.heads,
-        "signal": info["signal"], "threshold": info["threshold"],
+        "signal": info["signal"], "thresholds": info["thresholds"],
         "tok_s_ee": round(ee["tok_s"], 2), "tok_s_full": round(full["tok_s"], 2),
         "speedup": round(ee["tok_s"] / full["tok_s"], 3),
         "ttft_p99_ms_ee": round(ee["ttft_p99_ms"], 1),
