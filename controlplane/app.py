@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from controlplane import metrics
@@ -82,6 +82,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         message = f"{where}: {first.get('msg', 'invalid input')}" if where else "invalid input"
         return JSONResponse(status_code=422, content={
             "detail": message, "errors": _jsonable(error.errors())})
+
+    @app.exception_handler(OverflowError)
+    @app.exception_handler(DataError)
+    async def out_of_range(_request: Request, error: Exception) -> JSONResponse:
+        # A number the schema allows but the store cannot hold (e.g. past 64 bits).
+        return JSONResponse(status_code=422, content={
+            "detail": "a number in the request is out of range for the store"})
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)

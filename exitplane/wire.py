@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 NEVER_EXIT = 1.0
 MAX_BATCH_RECORDS = 50_000
+INT32 = 2**31 - 1  # what an INTEGER column holds on every backend
+INT63 = 2**63 - 1
+MAX_TS = 1e10  # unix seconds (year 2286): anything later is a clock bug
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 
@@ -81,7 +84,7 @@ class ThresholdSetWire(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     deployment: str
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=INT32)
     signal: Signal
     thresholds: dict[Layer, Threshold]
     checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -126,14 +129,14 @@ class TokenRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    threshold_version: int = Field(ge=0)
+    threshold_version: int = Field(ge=0, le=INT32)
     request_id: str = Field(min_length=1, max_length=128)
-    position: int = Field(ge=0)
+    position: int = Field(ge=0, le=INT32)
     # The number of decoder layers the token ran; num_layers means full depth.
     exit_layer: int = Field(ge=0, le=1024)
     signal_value: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
-    latency_us: int = Field(ge=0)
-    ts: float = Field(gt=0, description="unix seconds when the token was produced")
+    latency_us: int = Field(ge=0, le=INT32)
+    ts: float = Field(gt=0, le=MAX_TS, description="unix seconds when the token was produced")
     shadow: list[ShadowPoint] | None = None
 
     @field_validator("shadow")
@@ -150,7 +153,7 @@ class TelemetryBatch(BaseModel):
     batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     deployment: str = Field(pattern=NAME_PATTERN)
     runtime_id: str = Field(min_length=1, max_length=128)
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, le=INT63)
     num_layers: int = Field(ge=1, le=1024)
     records: list[TokenRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
 
@@ -167,9 +170,9 @@ class Heartbeat(BaseModel):
     """A runtime's periodic report of what it applies and how its shipping is doing."""
 
     runtime_id: str = Field(min_length=1, max_length=128)
-    applied_version: int | None = Field(default=None, ge=0)
+    applied_version: int | None = Field(default=None, ge=0, le=INT32)
     applied_checksum: str | None = None
     ready: bool = True
     error: str | None = Field(default=None, max_length=2000)
-    spooled_batches: int = Field(default=0, ge=0)
-    dropped_records: int = Field(default=0, ge=0)
+    spooled_batches: int = Field(default=0, ge=0, le=INT32)
+    dropped_records: int = Field(default=0, ge=0, le=INT32)

@@ -295,3 +295,14 @@ def test_pull_and_ingest_are_rate_limited_per_token(settings, engine, tokens):
                  for _ in range(4)]
         assert codes[:2] == [202, 202] and codes[-1] == 429
     limited.state.config_delivery.close()
+
+
+def test_numbers_beyond_the_store_get_422_not_500(client, tokens, engine):
+    op = _setup(client, tokens)
+    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    beat = client.post("/v1/deployments/chat/heartbeats", headers=runtime,
+                       json={"runtime_id": "r", "dropped_records": 10524813163201822696})
+    assert beat.status_code == 422 and "dropped_records" in beat.json()["detail"]
+    move = client.put("/v1/deployments/chat/aliases/active", headers=op,
+                      json={"version": 2**70, "reason": "r"})
+    assert move.status_code == 422 and move.json()["detail"]
