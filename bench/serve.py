@@ -81,8 +81,9 @@ async def one_client(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> d
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"][0]["delta"].get("content") is not None and \
-                    chunk["choices"][0]["finish_reason"] is None:
+            delta = chunk["choices"][0]["delta"]
+            # The first chunk only announces the role; tokens are the chunks after it.
+            if "role" not in delta and chunk["choices"][0]["finish_reason"] is None:
                 stamps.append(time.perf_counter())
             if chunk["choices"][0]["finish_reason"] is not None:
                 tokens = chunk["usage"]["completion_tokens"]
