@@ -30,15 +30,15 @@ def start_chromium() -> webdriver.Chrome:
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
+    driver.set_page_load_timeout(90)  # a loaded 2-core machine renders slowly
     return driver
 
 
-def wait(driver, seconds: float = 15) -> WebDriverWait:
+def wait(driver, seconds: float = 45) -> WebDriverWait:
     return WebDriverWait(driver, seconds)
 
 
-def wait_for(driver, css: str, seconds: float = 15):
+def wait_for(driver, css: str, seconds: float = 45):
     return wait(driver, seconds).until(
         expected_conditions.presence_of_element_located((By.CSS_SELECTOR, css)))
 
