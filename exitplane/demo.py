@@ -352,7 +352,7 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, min_s
         timeline.mark("no drift reaction within the time limit")
         _report(timeline, phases, delta)
         return 1
-    alerts = api.get("/v1/deployments/demo/alerts").json()
+    alerts = api.get("/v1/alerts", params={"deployment": "demo"}).json()
     fired = ", ".join(sorted({a["kind"] for a in alerts})) or "none listed"
     timeline.mark(f"drift detected ({fired}); conservative set is active "
                   f"(v{active_version()}), recalibration queued")
