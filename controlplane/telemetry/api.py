@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 import msgpack
 from anyio import to_thread
-from fastapi import APIRouter, Query, Request, status
+from fastapi import APIRouter, Depends, Query, Request, status
 from pydantic import ValidationError
 
 from controlplane import metrics
@@ -89,52 +90,57 @@ async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> Ing
     return await to_thread.run_sync(_store, request, principal, body, content_type)
 
 
-Since = Annotated[datetime | None, Query(description="default: one hour ago")]
+@dataclass(frozen=True)
+class Window:
+    """The query every telemetry read takes: a time window, optionally one version/runtime."""
+
+    since: Annotated[datetime | None, Query(description="default: one hour ago")] = None
+    until: datetime | None = None
+    version: int | None = None
+    runtime_id: str | None = None
+
+    def filters(self) -> dict:
+        since = self.since or datetime.now(UTC) - timedelta(hours=1)
+        return {"since": since, "until": self.until, "version": self.version,
+                "runtime_id": self.runtime_id}
 
 
-def _window(since: datetime | None) -> datetime:
-    return since or datetime.now(UTC) - timedelta(hours=1)
+WindowDep = Annotated[Window, Depends()]
+
+
+def _own_deployment(session, principal: Principal, name: str):
+    deployment = get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    return deployment
 
 
 @router.get("/v1/deployments/{name}/telemetry/exit-rates", response_model=list[ExitRatePoint])
 def exit_rates(name: str, session: SessionDep, principal: RuntimePrincipal,
-               since: Since = None, until: datetime | None = None, version: int | None = None,
-               runtime_id: str | None = None) -> list[ExitRatePoint]:
-    deployment = get_deployment(session=session, name=name)
-    principal.require_deployment(deployment.id)
-    rows = service.exit_rates(session=session, deployment=deployment, since=_window(since),
-                              until=until, version=version, runtime_id=runtime_id)
+               window: WindowDep) -> list[ExitRatePoint]:
+    deployment = _own_deployment(session, principal, name)
+    rows = service.exit_rates(session=session, deployment=deployment, **window.filters())
     return [ExitRatePoint(**row) for row in rows]
 
 
 @router.get("/v1/deployments/{name}/telemetry/disagreement",
             response_model=list[DisagreementPoint])
 def disagreement(name: str, session: SessionDep, principal: RuntimePrincipal,
-                 since: Since = None, until: datetime | None = None, version: int | None = None,
-                 runtime_id: str | None = None) -> list[DisagreementPoint]:
-    deployment = get_deployment(session=session, name=name)
-    principal.require_deployment(deployment.id)
-    rows = service.disagreement(session=session, deployment=deployment, since=_window(since),
-                                until=until, version=version, runtime_id=runtime_id)
+                 window: WindowDep) -> list[DisagreementPoint]:
+    deployment = _own_deployment(session, principal, name)
+    rows = service.disagreement(session=session, deployment=deployment, **window.filters())
     return [DisagreementPoint(**row) for row in rows]
 
 
 @router.get("/v1/deployments/{name}/telemetry/signal-histogram",
             response_model=dict[int, list[int]])
 def signal_histogram(name: str, session: SessionDep, principal: RuntimePrincipal,
-                     since: Since = None, until: datetime | None = None,
-                     version: int | None = None,
-                     runtime_id: str | None = None) -> dict[int, list[int]]:
-    deployment = get_deployment(session=session, name=name)
-    principal.require_deployment(deployment.id)
-    return service.signal_histogram(session=session, deployment=deployment,
-                                    since=_window(since), until=until, version=version,
-                                    runtime_id=runtime_id)
+                     window: WindowDep) -> dict[int, list[int]]:
+    deployment = _own_deployment(session, principal, name)
+    return service.signal_histogram(session=session, deployment=deployment, **window.filters())
 
 
 @router.get("/v1/deployments/{name}/telemetry/count", response_model=TelemetryCounts)
 def telemetry_count(name: str, session: SessionDep,
                     principal: RuntimePrincipal) -> TelemetryCounts:
-    deployment = get_deployment(session=session, name=name)
-    principal.require_deployment(deployment.id)
+    deployment = _own_deployment(session, principal, name)
     return TelemetryCounts(**service.counts(session=session, deployment=deployment))
