@@ -43,6 +43,14 @@ def wait_for(driver, css: str, seconds: float = 45):
         expected_conditions.presence_of_element_located((By.CSS_SELECTOR, css)))
 
 
+def navigate(driver, element, seconds: float = 45) -> None:
+    """Click a link or submit button and wait until the browser has left the page: waiting for an
+    element right after a click could otherwise find it on the old page, about to go stale."""
+    page = driver.find_element(By.TAG_NAME, "html")
+    element.click()
+    wait(driver, seconds).until(expected_conditions.staleness_of(page))
+
+
 def set_width(driver, width: int, height: int = 900) -> None:
     driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
         "width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600})

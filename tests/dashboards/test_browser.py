@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from controlplane.thresholds import service as thresholds
 from tests.dashboards.browser import (
     check_page_quality,
+    navigate,
     screenshot,
     start_chromium,
     wait,
@@ -81,7 +82,7 @@ def test_operator_reads_charts_and_rolls_back(browser, engine, seeded):
     check_page_quality(driver, "deployment")
     screenshot(driver, "deployment")
 
-    driver.find_element(By.LINK_TEXT, "Versions").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, "Versions"))
     wait_for(driver, "table.versions")
     active_row = driver.find_element(By.CSS_SELECTOR, "tr.is-active")
     assert active_row.get_attribute("id") == "v3"
@@ -89,14 +90,14 @@ def test_operator_reads_charts_and_rolls_back(browser, engine, seeded):
     check_page_quality(driver, "versions")
     screenshot(driver, "versions")
 
-    driver.find_element(By.LINK_TEXT, "Roll back to v2").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, "Roll back to v2"))
     reason = wait_for(driver, "textarea#reason")
     assert driver.switch_to.active_element == reason  # ready to type
     assert "v3 → v2" in driver.find_element(By.ID, "confirm-title").text
     check_page_quality(driver, "rollback-confirm")
     screenshot(driver, "rollback-confirm")
     reason.send_keys("exit rate spiked after v3")
-    driver.find_element(By.CSS_SELECTOR, ".reason-form button[type=submit]").click()
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, ".reason-form button[type=submit]"))
     flash = wait_for(driver, ".flash-ok")
     assert "version 2 is active again" in flash.text
     assert driver.find_element(By.CSS_SELECTOR, "tr.is-active").get_attribute("id") == "v2"
@@ -169,11 +170,11 @@ def test_operator_acknowledges_an_alert(browser, engine, firing_alert):
     driver = browser
     sign_in_with_keyboard(driver, "operator")
     assert "1 firing" in driver.find_element(By.CSS_SELECTOR, ".deployment-card").text
-    driver.find_element(By.LINK_TEXT, "Alerts").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, "Alerts"))
     wait_for(driver, "table.alerts")
     check_page_quality(driver, "alerts")
     screenshot(driver, "alerts")
-    driver.find_element(By.PARTIAL_LINK_TEXT, "distribution_drift").click()
+    navigate(driver, driver.find_element(By.PARTIAL_LINK_TEXT, "distribution_drift"))
     note = wait_for(driver, "#ack-note")
     check_page_quality(driver, "alert")
     screenshot(driver, "alert")
@@ -202,7 +203,7 @@ def test_operator_approves_a_calibrated_candidate(browser, engine, calibrated):
     wait_for(driver, "table.jobs")
     check_page_quality(driver, "calibrations")
     screenshot(driver, "calibrations")
-    driver.find_element(By.LINK_TEXT, f"#{calibrated}").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, f"#{calibrated}"))
     wait_for(driver, "#figure-curve[data-drawn]")
     stars = driver.execute_script(
         "return document.querySelectorAll('#figure-curve .scatterlayer .trace')[3]"
@@ -220,42 +221,42 @@ def test_operator_approves_a_calibrated_candidate(browser, engine, calibrated):
 def test_admin_manages_tokens_and_users(browser):
     driver = browser
     sign_in_with_keyboard(driver, "admin")
-    driver.find_element(By.LINK_TEXT, "Tokens").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, "Tokens"))
     name = wait_for(driver, "#token-name")
     name.send_keys("runtime chat-eu-1")
     driver.find_element(By.CSS_SELECTOR, "#token-scope option[value=runtime]").click()
     driver.find_element(By.CSS_SELECTOR, "#token-deployment option[value=chat]").click()
-    driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]").click()
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]"))
     secret = wait_for(driver, "#new-secret").get_attribute("value")
     assert secret.startswith("ept_")
     check_page_quality(driver, "tokens-created")
     screenshot(driver, "tokens-created")
     driver.get(f"{driver.base}/ui/tokens")
     assert secret not in driver.page_source  # shown once
-    driver.find_element(By.CSS_SELECTOR,
-                        "button[aria-label='Revoke token runtime chat-eu-1']").click()
+    navigate(driver, driver.find_element(By.CSS_SELECTOR,
+                        "button[aria-label='Revoke token runtime chat-eu-1']"))
     assert "is revoked" in wait_for(driver, ".flash-ok").text
     screenshot(driver, "tokens")
 
-    driver.find_element(By.LINK_TEXT, "Users").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, "Users"))
     wait_for(driver, "#new-username").send_keys("dana")
     driver.find_element(By.ID, "new-password").send_keys("a long enough password")
     driver.find_element(By.CSS_SELECTOR, "#new-role option[value=operator]").click()
-    driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]").click()
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]"))
     assert "'dana' created as operator" in wait_for(driver, ".flash-ok").text
     check_page_quality(driver, "users")
     screenshot(driver, "users")
 
-    driver.find_element(By.LINK_TEXT, "Hooks").click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, "Hooks"))
     wait_for(driver, "#hook-name").send_keys("team slack")
     driver.find_element(By.CSS_SELECTOR, "#hook-kind option[value=slack]").click()
     driver.find_element(By.ID, "hook-url").send_keys("https://hooks.slack.example/T000/B000")
-    driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]").click()
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]"))
     assert "team slack" in wait_for(driver, "table").text
     check_page_quality(driver, "hooks")
     screenshot(driver, "hooks")
 
-    driver.find_element(By.CSS_SELECTOR, "a.who").click()
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "a.who"))
     wait_for(driver, "#current")
     check_page_quality(driver, "account")
     screenshot(driver, "account")
