@@ -58,7 +58,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.rate_limiters = {"pull": RateLimiter(settings.rate_limit_pull_per_s),
                                "ingest": RateLimiter(settings.rate_limit_ingest_per_s)}
     app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s)
-    app.state.redis = redis.Redis.from_url(settings.redis_url) if settings.redis_url else None
+    # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
+    app.state.redis = (redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                            socket_timeout=5)
+                       if settings.redis_url else None)
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
@@ -97,6 +100,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         return JSONResponse(status_code=503, headers={"Retry-After": "2"},
                             content={"detail": "the store is unavailable; retry shortly"})
 
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def queue_unavailable(_request: Request, error: Exception) -> JSONResponse:
+        log.warning("telemetry queue unavailable: %s", type(error).__name__)
+        return JSONResponse(status_code=503, headers={"Retry-After": "2"},
+                            content={"detail": "the telemetry queue is unavailable; "
+                                               "retry shortly"})
+
     @app.get("/metrics", tags=["health"], include_in_schema=False)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -110,6 +121,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         def ping() -> None:
             with engine.connect() as connection:
                 connection.execute(text("SELECT 1"))
+            if app.state.redis is not None:
+                app.state.redis.ping()
 
         try:
             await to_thread.run_sync(ping)

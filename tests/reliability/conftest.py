@@ -1,4 +1,4 @@
-"""A private PostgreSQL cluster per test that needs to stop and start its database."""
+"""Private servers for tests that stop and start them: a PostgreSQL cluster, a Redis."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import contextlib
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.conftest import free_port
 
@@ -57,6 +60,58 @@ class PrivatePostgres:
 @pytest.fixture
 def private_postgres():
     server = PrivatePostgres()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, configured as docker-compose.yml runs it (append-only
+    file on), so that it can be killed and brought back with its data."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="exitplane-redis-"))
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is missing: run scripts/services.sh start")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--save", "", "--protected-mode", "no"],
+            stdout=(self.dir / "log").open("a"), stderr=subprocess.STDOUT)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.BusyLoadingError:
+                pass
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+        client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown (nothing gets a chance to save)."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+            self.process = None
+
+    def cleanup(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def private_redis():
+    server = PrivateRedis()
     server.start()
     yield server
     server.cleanup()
