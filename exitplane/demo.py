@@ -361,20 +361,20 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, min_s
     fallback = PhaseStats("B code: conservative fallback (collecting samples)")
     phases.append(fallback)
 
+    waiting_noted: set[int] = set()
+
     def recalibrated() -> bool:
         version = active_version()
         if version != version_a and api.get(
                 f"/v1/deployments/demo/threshold-sets/{version}").json()["origin"] == "calibration":
             return True
         jobs = api.get("/v1/deployments/demo/calibrations").json()
-        if jobs and all(j["status"] in ("succeeded", "failed") for j in jobs):
-            # The automatic job found nothing it could certify yet: ask again on a window that
-            # has grown since (what an operator would do; the demo does it for them).
-            job = api.post("/v1/deployments/demo/calibrations", json={
-                "reason": "retry on the code traffic collected since the fallback",
-                "since": jobs[0]["since"]}).json()["job"]
-            timeline.mark(f"calibration job {job['id']} requested again "
-                          f"({jobs[0]['status_reason'][:80]})")
+        if jobs and jobs[0]["status"] == "waiting_for_data" and jobs[0]["id"] not in waiting_noted:
+            # The alert's job found nothing it can certify on the first code samples; it waits
+            # for the window to grow and tries again by itself.
+            waiting_noted.add(jobs[0]["id"])
+            timeline.mark(f"calibration job {jobs[0]['id']} waits for more code samples "
+                          f"({jobs[0]['status_reason'][:70]}...)")
         return False
 
     if not serve_until(fallback, code, recalibrated, 900):

@@ -198,6 +198,12 @@ def apply_outcome(*, session: Session, job: CalibrationJob,
     deployment = session.get(Deployment, job.deployment_id)
     _record_result(job=job, result=outcome)
     refusal = _refusal(result=outcome, deployment=deployment)
+    if refusal and _waits_for_more(job=job, result=outcome, policy=policy, now=now):
+        job.status = "waiting_for_data"
+        job.status_reason = (f"{refusal} Waiting for more shadow samples: the window grows "
+                             f"until {policy.wait_max.total_seconds():.0f} s after the request.")
+        session.flush()
+        return job
     if refusal:
         _finish(job, "failed", refusal, now)
         session.flush()
@@ -292,9 +298,22 @@ def _record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
     }
 
 
+def _nothing_certified(result: CalibrationResult) -> bool:
+    return result.exit_rate == 0.0 and all(t >= 1.0 for t in result.thresholds.values())
+
+
+def _waits_for_more(*, job: CalibrationJob, result: CalibrationResult,
+                    policy: CalibrationPolicy, now: datetime) -> bool:
+    """An automatic job whose open window certified nothing yet waits for the window to grow
+    (as it waits for a minimum of samples) instead of failing; a manual job reports at once,
+    and so does a fixed window, which more waiting cannot change."""
+    return (job.trigger != "manual" and job.until is None and _nothing_certified(result)
+            and now - job.created_at < policy.wait_max)
+
+
 def _refusal(*, result: CalibrationResult, deployment: Deployment) -> str:
     """Why the result must not be published ("" when it may)."""
-    if result.exit_rate == 0.0 and all(t >= 1.0 for t in result.thresholds.values()):
+    if _nothing_certified(result):
         return (f"no exit step could be certified at δ={deployment.delta}, "
                 f"ε={deployment.epsilon} on these samples; the current active set stays. "
                 "Widen the window, collect more shadow samples or retrain the exit heads.")

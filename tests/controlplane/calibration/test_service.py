@@ -41,11 +41,12 @@ def _seed(engine, n=4000, *, seed=1, policy="auto", start=None, **samples):
     return signals, matched, start
 
 
-def _run(engine, *, since, policy=POLICY, now=None) -> int:
+def _run(engine, *, since, policy=POLICY, now=None, trigger="manual") -> int:
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         job, _ = service.request_calibration(session=session, deployment=deployment,
-                                             actor="test", since=since, policy=policy)
+                                             actor="test", since=since, policy=policy,
+                                             trigger=trigger)
         job_id = job.id
     with session_scope(engine) as session:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
@@ -108,6 +109,38 @@ def test_nothing_certifiable_fails_and_publishes_nothing(engine, outbox):
         assert job.status == "failed"
         assert "no exit step could be certified" in job.status_reason
         assert job.result_version is None and _calibration_versions(session) == []
+
+
+def test_an_automatic_job_that_certifies_nothing_waits_for_the_window_to_grow(engine, outbox):
+    # After a fallback the first samples of the new traffic may certify nothing; the job the
+    # alert queued waits for more instead of failing, then publishes from the grown window.
+    _, _, start = _seed(engine, mismatch_below=1.1)
+    job_id = _run(engine, since=start, trigger="alert")
+    with Session(engine) as session:
+        job = session.get(CalibrationJob, job_id)
+        assert job.status == "waiting_for_data"
+        assert "no exit step could be certified" in job.status_reason
+        assert "Waiting for more shadow samples" in job.status_reason
+        assert job.result_version is None and _calibration_versions(session) == []
+        assert job.curve  # what it found so far is on record
+    signals, matched = separable_samples(40000, seed=7)
+    with session_scope(engine) as session:
+        write_traffic(session, "chat", signals, matched, start=start + timedelta(minutes=5))
+    with session_scope(engine) as session:  # the retried task
+        assert service.start_job(session=session, job=session.get(CalibrationJob, job_id))
+    with session_scope(engine) as session:
+        job = service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+                                      policy=POLICY)
+        assert job.status == "succeeded", job.status_reason
+        assert job.attempts == 2 and job.result_version == 2
+
+
+def test_an_automatic_job_stops_waiting_for_certifiable_samples_after_the_wait(engine, outbox):
+    _, _, start = _seed(engine, mismatch_below=1.1)
+    job_id = _run(engine, since=start, trigger="alert", now=utcnow() + timedelta(hours=2))
+    with Session(engine) as session:
+        job = session.get(CalibrationJob, job_id)
+        assert job.status == "failed" and "no exit step could be certified" in job.status_reason
 
 
 def test_not_enough_data_waits_then_continues_with_the_new_samples(engine, outbox):
