@@ -44,7 +44,8 @@ def browser(chromium, live_server, people, seeded):
 def sign_in_with_keyboard(driver, username: str) -> None:
     driver.get(f"{driver.base}/ui/")
     wait_for(driver, "form input#username")
-    assert driver.switch_to.active_element.get_attribute("id") == "username"  # autofocus
+    wait(driver).until(  # autofocus (applied once the page has loaded)
+        lambda d: d.switch_to.active_element.get_attribute("id") == "username")
     driver.switch_to.active_element.send_keys(username, Keys.TAB)
     assert driver.switch_to.active_element.get_attribute("id") == "password"
     driver.switch_to.active_element.send_keys(PASSWORD, Keys.ENTER)
@@ -92,7 +93,7 @@ def test_operator_reads_charts_and_rolls_back(browser, engine, seeded):
 
     navigate(driver, driver.find_element(By.LINK_TEXT, "Roll back to v2"))
     reason = wait_for(driver, "textarea#reason")
-    assert driver.switch_to.active_element == reason  # ready to type
+    wait(driver).until(lambda d: d.switch_to.active_element == reason)  # ready to type
     assert "v3 → v2" in driver.find_element(By.ID, "confirm-title").text
     check_page_quality(driver, "rollback-confirm")
     screenshot(driver, "rollback-confirm")
