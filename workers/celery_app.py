@@ -25,13 +25,13 @@ def broker_urls(settings: Settings) -> tuple[str, str]:
     if settings.redis_url:
         return settings.redis_url, settings.redis_url
     var_dir = settings.var_dir.resolve()
-    var_dir.mkdir(parents=True, exist_ok=True)
     return f"sqla+sqlite:///{var_dir / 'broker.db'}", f"db+sqlite:///{var_dir / 'results.db'}"
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
     """A Celery app for `settings` (default: the environment's)."""
     settings = settings or get_settings()
+    settings.var_dir.resolve().mkdir(parents=True, exist_ok=True)  # broker files, beat schedule
     broker, backend = broker_urls(settings)
     app = Celery("exitplane", broker=broker, backend=backend, include=TASK_MODULES)
     app.conf.update(

@@ -4,13 +4,10 @@ Retry-After while the queue is away, and Celery tasks queued before the crash ru
 a worker that started during the outage."""
 
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,53 +24,8 @@ from controlplane.thresholds.service import get_deployment
 from exitplane.wire import TokenRecord
 from runtime.shipper import TelemetryShipper
 from tests.conftest import free_port
+from tests.reliability.processes import EXITPLANE, Processes, wait
 from workers.celery_app import make_celery
-
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Processes:
-    """Service processes of the test (ingest worker, Celery workers), stopped at the end."""
-
-    def __init__(self, env: dict, logs: Path) -> None:
-        self.env, self.logs, self.running = env, logs, []
-
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        with (self.logs / f"{name}.log").open("a") as out:
-            process = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        self.running.append(process)
-        return process
-
-    def stop(self, process: subprocess.Popen) -> None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    def close(self) -> None:
-        for process in self.running:
-            if process.poll() is None:
-                self.stop(process)
-
-    def celery_worker(self, name: str) -> subprocess.Popen:
-        return self.start(name, [
-            sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--pool=solo",
-            "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-n", f"{name}-{os.getpid()}@localhost"])
 
 
 @pytest.mark.postgres
@@ -91,7 +43,7 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
     server = uvicorn.Server(uvicorn.Config(create_app(settings, engine=engine), host="127.0.0.1",
                                            port=free_port(), log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()
-    _wait(lambda: server.started, 30, "the API to start")
+    wait(lambda: server.started, 30, "the API to start")
     base = f"http://127.0.0.1:{server.config.port}"
     httpx.post(f"{base}/v1/deployments", headers={"Authorization": f"Bearer {admin}"}, json={
         "name": "chat", "model_ref": "m", "num_layers": 12, "exit_layers": [3, 6, 9]}
@@ -133,7 +85,7 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
         celery = make_celery(settings)
         assert celery.send_task("retention.run").get(timeout=120)["token_records"] == 0
         producer.start()
-        _wait(lambda: stored() > 0, 60, "the ingest worker to store records")
+        wait(lambda: stored() > 0, 60, "the ingest worker to store records")
 
         # A consumer reads entries and dies with Redis before committing them: they stay
         # pending in the consumer group, which the append-only file brings back.
@@ -146,7 +98,7 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
         # A task queued while no worker listens must survive the crash.
         processes.stop(worker_a)
         queued = celery.send_task("retention.run")
-        doomed = _wait(read_some, 30, "entries to read before the ingest worker does")
+        doomed = wait(read_some, 30, "entries to read before the ingest worker does")
         private_redis.kill()
 
         probe = httpx.post(f"{base}/v1/telemetry", headers=runtime_auth, timeout=30, json={
@@ -164,7 +116,7 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
         held = client.xpending_range(stream, GROUP, min="-", max="+", count=100,
                                      consumername="doomed")
         assert [entry["message_id"] for entry in held] == doomed  # back from the AOF
-        _wait(lambda: httpx.get(f"{base}/readyz", timeout=30).status_code == 200, 60,
+        wait(lambda: httpx.get(f"{base}/readyz", timeout=30).status_code == 200, 60,
               "the API to be ready again")
         assert queued.get(timeout=120)["token_records"] == 0  # ran after the restart
         assert celery.send_task("retention.run").get(timeout=120)["token_records"] == 0
@@ -177,7 +129,7 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
         shipper.close(30)
         assert shipper.dropped_records == 0
         assert shipper.counters["spooled_batches"] + shipper.counters["retries"] > 0
-        _wait(lambda: stored() >= sent, 120, f"all {sent} records to be stored")
+        wait(lambda: stored() >= sent, 120, f"all {sent} records to be stored")
         time.sleep(1.0)  # a duplicate would land now
         assert stored() == sent  # every record once: none lost, none doubled
         # The entries the dead consumer held were reclaimed by the ingest worker.
