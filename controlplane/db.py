@@ -69,14 +69,20 @@ def _configure_sqlite(engine: Engine) -> None:
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for `url` with the per-backend settings exitplane relies on."""
+    """An engine for `url` with the per-backend settings exitplane relies on.
+
+    Statement parameters stay out of error messages and SQL logging (`hide_parameters`): the
+    store holds webhook HMAC keys in the clear, and a failed INSERT of a hook would otherwise
+    carry its secret into the log that reports the failure."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               hide_parameters=True)
         _configure_sqlite(engine)
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                         hide_parameters=True)
 
 
 _engines: dict[str, Engine] = {}

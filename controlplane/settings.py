@@ -15,13 +15,15 @@ DEFAULT_SECRET = "exitplane-embedded-default-secret"
 class Settings(BaseSettings):
     """Everything the API, the workers and the CLI read from the environment."""
 
-    model_config = SettingsConfigDict(env_prefix="EXITPLANE_", extra="ignore")
+    # Neither a refusal at start-up nor a repr may print the values: URLs carry passwords.
+    model_config = SettingsConfigDict(env_prefix="EXITPLANE_", extra="ignore",
+                                      hide_input_in_errors=True)
 
     environment: Literal["embedded", "production"] = "embedded"
     var_dir: Path = Path("var")
-    database_url: str = ""
-    redis_url: str = ""
-    secret_key: str = DEFAULT_SECRET
+    database_url: str = Field(default="", repr=False)
+    redis_url: str = Field(default="", repr=False)
+    secret_key: str = Field(default=DEFAULT_SECRET, repr=False)
     host: str = "127.0.0.1"
     port: int = 8000
     public_url: str = ""

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -199,15 +201,64 @@ def _slack(hook, alert: dict, event: str, now: datetime) -> HookRequest:
 
 
 def post(request: HookRequest, *, timeout_s: float) -> Outcome:
-    """Send the request; 2xx is success, 429/5xx and network errors may be retried."""
+    """Send the request; 2xx is success, 429/5xx and network errors may be retried.
+
+    A hook's URL is a credential (Slack, Teams and many webhooks carry their key in the path
+    or the query), so neither the error text, which is logged and shown, nor httpx's request
+    log says more of it than scheme, host and port."""
+    sending = _sending_to_hook.set(True)
     try:
         response = httpx.post(request.url, content=request.body, headers=request.headers,
                               timeout=timeout_s)
     except httpx.HTTPError as error:
-        return Outcome(False, None, f"{type(error).__name__}: {error}"[:2000], True)
+        text = scrub_url(f"{type(error).__name__}: {error}", request.url)
+        return Outcome(False, None, text[:2000], True)
+    finally:
+        _sending_to_hook.reset(sending)
     if 200 <= response.status_code < 300:
         return Outcome(True, response.status_code, None, False)
     retryable = response.status_code == 429 or response.status_code >= 500
-    detail = response.text[:500].strip()
+    # Error pages often echo the path they were asked for.
+    detail = scrub_url(response.text[:500].strip(), request.url)
     return Outcome(False, response.status_code,
                    f"HTTP {response.status_code}" + (f": {detail}" if detail else ""), retryable)
+
+
+def redact_url(url: str | httpx.URL) -> str:
+    """What may be said of a hook's URL: its scheme, host and port."""
+    parsed = httpx.URL(str(url))
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    port = f":{parsed.port}" if parsed.port else ""
+    return f"{parsed.scheme}://{host}{port}/…"
+
+
+def scrub_url(text: str, url: str) -> str:
+    """`text` without `url`, its path and query (raw or decoded), its user info, or any long
+    path segment or query value (where keys live) on its own."""
+    parsed = httpx.URL(url)
+    parts = [url, str(parsed), parsed.raw_path.decode("ascii", "replace"), parsed.path,
+             parsed.query.decode("ascii", "replace"), parsed.userinfo.decode("ascii", "replace"),
+             parsed.password or ""]
+    parts += [piece for piece in [*parsed.path.split("/"), *parsed.params.values()]
+              if len(piece) >= 16]
+    for part in sorted(parts, key=len, reverse=True):
+        if len(part) > 1:
+            text = text.replace(part, "…")
+    return text
+
+
+_sending_to_hook: ContextVar[bool] = ContextVar("exitplane_sending_to_hook", default=False)
+
+
+class _HookUrlFilter(logging.Filter):
+    """httpx logs each request's full URL at INFO; while a hook is sent, only its origin."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _sending_to_hook.get() and isinstance(record.args, tuple):
+            record.args = tuple(redact_url(arg) if isinstance(arg, httpx.URL) else arg
+                                for arg in record.args)
+        return True
+
+
+if not any(isinstance(f, _HookUrlFilter) for f in logging.getLogger("httpx").filters):
+    logging.getLogger("httpx").addFilter(_HookUrlFilter())
