@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from exitplane.wire import ShadowPoint, Signal, TokenRecord
-from runtime.benchmark import calibrate, free_running, simulate
+from runtime.benchmark import calibrate, free_running, oracle_bound, simulate
 
 
 def shadow_record(i: int, points: list[tuple[int, float, bool]]) -> TokenRecord:
@@ -47,3 +47,17 @@ def test_free_running_counts_length_differences():
     rate, first = free_running([[1, 2, 3], [5, 6]], [[1, 2, 4], [5, 6, 7]])
     assert rate == 2 / 6
     assert first == (2 + 2) / 2
+
+
+def test_oracle_bound_exits_each_token_at_its_first_matching_exit():
+    records = [shadow_record(0, [(2, 0.9, True), (4, 0.9, True)]),    # leaves at 2
+               shadow_record(1, [(2, 0.8, False), (4, 0.2, True)]),   # leaves at 4
+               shadow_record(2, [(2, 0.1, False), (4, 0.1, False)]),  # full depth 6
+               shadow_record(3, [(2, 0.7, True), (4, 0.8, False)])]   # leaves at 2
+    bound = oracle_bound(records, [2, 4], num_layers=6)
+    assert bound["oracle_mean_exit_layer"] == (2 + 4 + 6 + 2) / 4
+    assert bound["oracle_speedup_bound"] == round(6 / 3.5, 3)
+    assert bound["agreement_per_layer"] == {"2": 0.5, "4": 0.5}
+    # layer 2 ranks 0.9 (match), 0.8 (miss): only the top token is at 99% precision;
+    # layer 4 ranks 0.9 (match), 0.8 (miss) as well.
+    assert bound["coverage_at_99_precision"] == {"2": 0.25, "4": 0.25}
