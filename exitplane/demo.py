@@ -129,8 +129,11 @@ def _heads(model, tokenizer, quick: bool, timeline: Timeline):
         timeline.mark(f"exit heads loaded from {path}")
         return ExitHeads.load(path), path, False
     timeline.mark("training exit heads (post-hoc; cached for the next run)")
-    config = TrainConfig(mode="post-hoc", time_budget_s=150.0 if quick else 300.0,
-                         model_name=DEFAULT_MODEL)
+    # --quick trains on about half the text (the model's answers to 24 prompts, 60k characters
+    # of stdlib source) so that a fresh clone closes the loop within its 10-minute budget.
+    config = (TrainConfig(mode="post-hoc", time_budget_s=100.0, generation_prompts=24,
+                          stdlib_chars=60_000, model_name=DEFAULT_MODEL) if quick else
+              TrainConfig(mode="post-hoc", time_budget_s=300.0, model_name=DEFAULT_MODEL))
     heads = train_heads(model, tokenizer, config)
     path.parent.mkdir(parents=True, exist_ok=True)
     heads.save(path)
