@@ -30,14 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
-from controlplane.telemetry.service import (
-    SHADOW_COLUMNS,
-    TOKEN_COLUMNS,
-    _bulk_write,
-    _rows,
-)
-from controlplane.thresholds.models import Deployment
-from exitplane.wire import TelemetryBatch
+from controlplane.telemetry.bulk import write_rows
+from controlplane.telemetry.columns import parse_batch
+from controlplane.telemetry.tables import tables_of
 
 NUM_LAYERS = 30
 EXIT_LAYERS = list(range(6, 30, 3))
@@ -131,24 +126,23 @@ def end_to_end(url: str, batches: list[dict], senders: int, workdir: Path) -> fl
 
 def raw_ceiling(url: str, batches: list[dict]) -> float:
     """The same token and shadow rows written with the bare bulk path, no HTTP, no checks."""
-    engine = make_engine(url)
-    deployment = Deployment(id=1, name="bench", exit_layers=EXIT_LAYERS, num_layers=NUM_LAYERS)
     import numpy as np
-
-    parsed = [TelemetryBatch.model_validate(b) for b in batches]
-    tokens, shadows, _, _ = _rows(deployment, parsed, {2: np.full(len(EXIT_LAYERS), 0.9)})
     from sqlalchemy.orm import Session
 
     from controlplane.telemetry.models import ShadowSampleRow, TokenRecordRow
 
+    engine = make_engine(url)
+    tables = tables_of(deployment_id=1, exit_layers=EXIT_LAYERS, num_layers=NUM_LAYERS,
+                       batches=[parse_batch(b) for b in batches],
+                       thresholds={2: np.full(len(EXIT_LAYERS), 0.9)})
     started = time.perf_counter()
     with Session(engine) as session:
-        _bulk_write(session, TokenRecordRow, TOKEN_COLUMNS, tokens)
-        _bulk_write(session, ShadowSampleRow, SHADOW_COLUMNS, shadows)
+        write_rows(session, TokenRecordRow, tables.tokens)
+        write_rows(session, ShadowSampleRow, tables.shadows)
         session.commit()
     elapsed = time.perf_counter() - started
     engine.dispose()
-    return len(tokens) / elapsed
+    return len(tables.tokens["idx"]) / elapsed
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -331,7 +332,12 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     click.echo(f"exitplane control plane listening on http://{host}:{port} "
                f"(API docs: http://{host}:{port}/docs; store: "
                f"{_redact(settings.effective_database_url)})", err=True)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level,
+    app = create_app(settings)
+    # What is alive now (modules, ORM metadata, routes) lives as long as the process. Frozen,
+    # it is no longer walked by every full collection (200 ms each with the stack imported)
+    # while requests allocate, e.g. telemetry decoding ~25,000 objects per 2,000 records.
+    gc.freeze()
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level,
                 access_log=os.environ.get("EXITPLANE_ACCESS_LOG", "0") == "1")
 
 

@@ -17,6 +17,7 @@ from controlplane.auth.service import Principal
 from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited
 from controlplane.errors import DomainError, Invalid
 from controlplane.telemetry import service, stream
+from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.schemas import (
     DisagreementPoint,
     ExitRatePoint,
@@ -29,7 +30,7 @@ from exitplane.wire import TelemetryBatch
 router = APIRouter(tags=["telemetry"])
 
 
-def decode_batch(body: bytes, content_type: str) -> TelemetryBatch:
+def decode_batch(body: bytes, content_type: str) -> BatchColumns:
     """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
     try:
         if "msgpack" in content_type:
@@ -40,7 +41,7 @@ def decode_batch(body: bytes, content_type: str) -> TelemetryBatch:
         raise Invalid(f"body is not valid {'msgpack' if 'msgpack' in content_type else 'JSON'}: "
                       f"{error}") from error
     try:
-        return TelemetryBatch.model_validate(payload)
+        return parse_batch(payload)
     except ValidationError as error:
         first = error.errors()[0]
         loc = list(first["loc"])
@@ -63,7 +64,7 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
             if app.state.redis is not None:
                 added = stream.append(app.state.redis, batch)
                 metrics.queued_batches.labels(batch.deployment).inc(int(added))
-                return IngestAck(batch_id=batch.batch_id, accepted=len(batch.records),
+                return IngestAck(batch_id=batch.batch_id, accepted=len(batch),
                                  duplicate=not added, queued=True)
             [result] = service.ingest(session=session, deployment=deployment, batches=[batch])
             session.commit()

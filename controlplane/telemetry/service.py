@@ -1,21 +1,24 @@
 """Telemetry ingestion and reads: plain keyword-only functions over the store.
 
 A batch is checked whole before anything is written; it is stored in one transaction together
-with its rollups, and its id makes a replay a no-op. PostgreSQL gets COPY for the raw rows.
+with its rollups, and its id makes a replay a no-op. Ingestion works on columns (see
+columns.py and tables.py); PostgreSQL gets binary COPY for the raw rows.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
-from sqlalchemy import delete, func, insert, select, text
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.errors import Invalid
+from controlplane.telemetry import bulk
+from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import (
     HISTOGRAM_BINS,
     PARTITIONED_TABLES,
@@ -25,17 +28,11 @@ from controlplane.telemetry.models import (
     TelemetryBatchRow,
     TokenRecordRow,
 )
+from controlplane.telemetry.tables import ROLLUP_COUNTERS, tables_of
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from exitplane.wire import TelemetryBatch
 
 log = logging.getLogger("exitplane.telemetry")
-
-TOKEN_COLUMNS = ("batch_id", "idx", "ts", "deployment_id", "runtime_id", "threshold_version",
-                 "request_id", "position", "exit_layer", "signal_value", "latency_us", "shadow")
-SHADOW_COLUMNS = ("batch_id", "idx", "ts", "deployment_id", "threshold_version", "runtime_id",
-                  "signals", "matched")
-ROLLUP_COUNTERS = ("tokens", "exits", "shadow_total", "shadow_matches", "policy_exits",
-                   "policy_mismatches")
 
 
 class BadRecord(Invalid):
@@ -57,7 +54,7 @@ class IngestResult:
     duplicate: bool
 
 
-def check_batch(*, deployment: Deployment, batch: TelemetryBatch,
+def check_batch(*, deployment: Deployment, batch: BatchColumns,
                 known_versions: set[int]) -> None:
     """Refuse the whole batch (BadRecord / Invalid) unless every record fits the deployment."""
     if batch.deployment != deployment.name:
@@ -65,18 +62,26 @@ def check_batch(*, deployment: Deployment, batch: TelemetryBatch,
     if batch.num_layers != deployment.num_layers:
         raise Invalid(f"batch says num_layers {batch.num_layers}; deployment "
                       f"{deployment.name!r} has {deployment.num_layers}")
-    allowed = set(deployment.exit_layers) | {deployment.num_layers}
     exit_layers = set(deployment.exit_layers)
-    for index, record in enumerate(batch.records):
-        if record.exit_layer not in allowed:
-            raise BadRecord(index, f"exit_layer {record.exit_layer} is neither an exit layer "
-                                   f"{sorted(exit_layers)} nor full depth {deployment.num_layers}")
-        if record.threshold_version not in known_versions:
-            raise BadRecord(index, f"threshold_version {record.threshold_version} was never "
-                                   f"published for {deployment.name!r}")
-        if record.shadow is not None and {p.layer for p in record.shadow} != exit_layers:
-            raise BadRecord(index, "shadow points must cover exactly the exit layers "
-                                   f"{sorted(exit_layers)}")
+    bad = ~np.isin(batch.exit_layer, [*exit_layers, deployment.num_layers])
+    bad |= ~np.isin(batch.threshold_version, list(known_versions))
+    # A shadow covers exactly the exit layers: as many points, none elsewhere (none repeats).
+    points = np.bincount(batch.shadow_owner, minlength=len(batch.shadowed))
+    stray = np.bincount(batch.shadow_owner, minlength=len(batch.shadowed),
+                        weights=~np.isin(batch.shadow_layer, list(exit_layers)))
+    bad[batch.shadowed] |= (points != len(exit_layers)) | (stray > 0)
+    if not bad.any():
+        return
+    index = int(np.argmax(bad))
+    exit_layer, version = int(batch.exit_layer[index]), int(batch.threshold_version[index])
+    if exit_layer not in exit_layers and exit_layer != deployment.num_layers:
+        raise BadRecord(index, f"exit_layer {exit_layer} is neither an exit layer "
+                               f"{sorted(exit_layers)} nor full depth {deployment.num_layers}")
+    if version not in known_versions:
+        raise BadRecord(index, f"threshold_version {version} was never published for "
+                               f"{deployment.name!r}")
+    raise BadRecord(index, f"shadow points must cover exactly the exit layers "
+                           f"{sorted(exit_layers)}")
 
 
 def known_versions(*, session: Session, deployment: Deployment) -> set[int]:
@@ -87,29 +92,33 @@ def known_versions(*, session: Session, deployment: Deployment) -> set[int]:
 
 
 def ingest(*, session: Session, deployment: Deployment,
-           batches: list[TelemetryBatch]) -> list[IngestResult]:
+           batches: Sequence[BatchColumns | TelemetryBatch]) -> list[IngestResult]:
     """Store checked batches of one deployment with their rollups; replays are skipped."""
     if not batches:
         return []
+    batches = [batch if isinstance(batch, BatchColumns) else BatchColumns.from_model(batch)
+               for batch in batches]
     new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
     fresh = [b for b in batches if b.batch_id in new_ids]
     if fresh:
+        versions = set(np.unique(np.concatenate([b.threshold_version for b in fresh])).tolist())
         thresholds = _thresholds_by_version(session=session, deployment=deployment,
-                                            versions={r.threshold_version for b in fresh
-                                                      for r in b.records})
-        tokens, shadows, rollups, histogram = _rows(deployment, fresh, thresholds)
-        _bulk_write(session, TokenRecordRow, TOKEN_COLUMNS, tokens)
-        if shadows:
-            _bulk_write(session, ShadowSampleRow, SHADOW_COLUMNS, shadows)
-        _upsert_counts(session, Rollup, ROLLUP_COUNTERS, deployment.id, rollups)
-        _upsert_counts(session, RollupHistogram, ("count",), deployment.id, histogram)
+                                            versions=versions)
+        tables = tables_of(deployment_id=deployment.id, exit_layers=deployment.exit_layers,
+                           num_layers=deployment.num_layers, batches=fresh,
+                           thresholds=thresholds)
+        bulk.write_rows(session, TokenRecordRow, tables.tokens)
+        if len(tables.shadows["idx"]):
+            bulk.write_rows(session, ShadowSampleRow, tables.shadows)
+        bulk.add_counts(session, Rollup, tables.rollups, ROLLUP_COUNTERS)
+        bulk.add_counts(session, RollupHistogram, tables.histogram, ("count",))
     session.flush()
-    return [IngestResult(batch_id=b.batch_id, accepted=len(b.records),
+    return [IngestResult(batch_id=b.batch_id, accepted=len(b),
                          duplicate=b.batch_id not in new_ids) for b in batches]
 
 
 def _claim_batches(*, session: Session, deployment: Deployment,
-                   batches: list[TelemetryBatch]) -> set[str]:
+                   batches: list[BatchColumns]) -> set[str]:
     """Insert batch ids that are new; return those (a replayed id is not returned)."""
     seen: set[str] = set()
     unique = []
@@ -118,11 +127,12 @@ def _claim_batches(*, session: Session, deployment: Deployment,
             seen.add(batch.batch_id)
             unique.append(batch)
     values = [{"batch_id": b.batch_id, "deployment_id": deployment.id,
-               "runtime_id": b.runtime_id, "seq": b.seq, "records": len(b.records),
+               "runtime_id": b.runtime_id, "seq": b.seq, "records": len(b),
                "received_at": datetime.now(UTC)} for b in unique]
-    statement = _dialect_insert(session, TelemetryBatchRow).values(values)
+    statement = _dialect_insert(session, TelemetryBatchRow)
     statement = statement.on_conflict_do_nothing(index_elements=["batch_id"])
-    return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id)))
+    # executemany: one compiled (cached) statement whatever the number of batches.
+    return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id), values))
 
 
 def _thresholds_by_version(*, session: Session, deployment: Deployment,
@@ -130,70 +140,12 @@ def _thresholds_by_version(*, session: Session, deployment: Deployment,
     """Per version, thresholds in exit-layer order (version 0: never exit)."""
     layers = deployment.exit_layers
     found = {0: np.ones(len(layers))}
-    rows = session.scalars(select(ThresholdSet).where(
+    rows = session.execute(select(ThresholdSet.version, ThresholdSet.thresholds).where(
         ThresholdSet.deployment_id == deployment.id, ThresholdSet.version.in_(versions)))
-    for row in rows:
-        by_layer = row.thresholds_by_layer()
-        found[row.version] = np.array([by_layer[k] for k in layers])
+    for version, thresholds in rows:
+        by_layer = {int(layer): float(value) for layer, value in thresholds.items()}
+        found[version] = np.array([by_layer[k] for k in layers])
     return found
-
-
-def _rows(deployment: Deployment, batches: list[TelemetryBatch],
-          thresholds: dict[int, np.ndarray]):
-    """Raw rows, shadow rows and the rollup / histogram increments for `batches`."""
-    layers = deployment.exit_layers
-    deployment_id = deployment.id  # hoisted: ORM attribute access costs per record
-    all_layers = [*layers, deployment.num_layers]
-    tokens, shadows = [], []
-    exits: Counter = Counter()
-    hist: Counter = Counter()
-    shadow_counts: dict[tuple, list[int]] = {}
-    minutes: dict[int, datetime] = {}
-    for batch in batches:
-        runtime = batch.runtime_id
-        for idx, record in enumerate(batch.records):
-            second = int(record.ts)
-            ts = datetime.fromtimestamp(record.ts, UTC)
-            minute_key = second - second % 60
-            minute = minutes.get(minute_key)
-            if minute is None:
-                minute = minutes[minute_key] = datetime.fromtimestamp(minute_key, UTC)
-            version = record.threshold_version
-            tokens.append((batch.batch_id, idx, ts, deployment_id, runtime, version,
-                           record.request_id, record.position, record.exit_layer,
-                           record.signal_value, record.latency_us, record.shadow is not None))
-            key = (version, runtime, minute)
-            exits[(*key, record.exit_layer)] += 1
-            bin_ = min(int(record.signal_value * HISTOGRAM_BINS), HISTOGRAM_BINS - 1)
-            hist[(*key, record.exit_layer, bin_)] += 1
-            if record.shadow is not None:
-                by_layer = {p.layer: p for p in record.shadow}
-                signal = np.array([by_layer[k].signal for k in layers])
-                matched = np.array([by_layer[k].matched for k in layers], dtype=np.uint8)
-                shadows.append((batch.batch_id, idx, ts, deployment_id, version, runtime,
-                                signal.astype("<f4").tobytes(), matched.tobytes()))
-                exiting = np.nonzero(signal > thresholds[version])[0]
-                policy_at = int(exiting[0]) if len(exiting) else None
-                for position, layer in enumerate(layers):
-                    counts = shadow_counts.setdefault((*key, layer), [0, 0, 0, 0])
-                    counts[0] += 1
-                    counts[1] += int(matched[position])
-                    if position == policy_at:
-                        counts[2] += 1
-                        counts[3] += int(not matched[position])
-    rollups: dict[tuple, list[int]] = {}
-    for (version, runtime, minute, layer), count in exits.items():
-        for target in all_layers:
-            if target <= layer:  # the token's check at `target` ran
-                row = rollups.setdefault((version, runtime, minute, target), [0] * 6)
-                row[0] += count
-                if target == layer:
-                    row[1] += count
-    for (version, runtime, minute, layer), counts in shadow_counts.items():
-        row = rollups.setdefault((version, runtime, minute, layer), [0] * 6)
-        for offset in range(4):
-            row[2 + offset] += int(counts[offset])
-    return tokens, shadows, rollups, {key: [count] for key, count in hist.items()}
 
 
 def _dialect_insert(session: Session, model):
@@ -204,38 +156,6 @@ def _dialect_insert(session: Session, model):
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
     return sqlite_insert(model)
-
-
-def _bulk_write(session: Session, model, columns: tuple[str, ...], rows: list[tuple]) -> None:
-    """COPY on PostgreSQL, executemany elsewhere."""
-    connection = session.connection()
-    if connection.dialect.name == "postgresql":
-        raw = connection.connection.driver_connection
-        with raw.cursor() as cursor, cursor.copy(
-                f"COPY {model.__tablename__} ({', '.join(columns)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-        return
-    session.execute(insert(model), [dict(zip(columns, row, strict=True)) for row in rows])
-
-
-def _upsert_counts(session: Session, model, counters: tuple[str, ...], deployment_id: int,
-                   increments: dict[tuple, list[int]]) -> None:
-    """Add `increments` (key columns after deployment_id -> counter values) onto existing
-    rows of one deployment, or insert them."""
-    if not increments:
-        return
-    keys = [column.name for column in model.__table__.primary_key.columns]
-    increments = {(deployment_id, *key): amounts for key, amounts in increments.items()}
-    # Sorted keys: concurrent writers lock rows in the same order and cannot deadlock.
-    values = [dict(zip(keys, key, strict=True)) | dict(zip(counters, amounts, strict=True))
-              for key, amounts in sorted(increments.items(), key=lambda item: str(item[0]))]
-    statement = _dialect_insert(session, model)
-    statement = statement.on_conflict_do_update(
-        index_elements=keys,
-        set_={name: getattr(model, name) + statement.excluded[name] for name in counters})
-    # One statement for all rows (executemany): compiled once and cached, whatever the count.
-    session.connection().execute(statement, values)
 
 
 # -- reads -------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
+from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.service import get_deployment
-from exitplane.wire import TelemetryBatch
 
 log = logging.getLogger("exitplane.ingest")
 
@@ -45,9 +45,9 @@ def stream_key(deployment: str) -> str:
     return STREAM_PREFIX + deployment
 
 
-def append(client: redis.Redis, batch: TelemetryBatch) -> bool:
+def append(client: redis.Redis, batch: BatchColumns) -> bool:
     """Append `batch` to its deployment's stream unless its id was appended before."""
-    payload = msgpack.packb(batch.model_dump(mode="json"), use_bin_type=True)
+    payload = msgpack.packb(batch.to_wire(), use_bin_type=True)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
                         payload, SEEN_TTL_S, key)
@@ -142,7 +142,7 @@ class StreamIngestor:
                 continue
             try:
                 payload = fields.get(b"batch", fields.get("batch"))
-                batches.append(TelemetryBatch.model_validate(msgpack.unpackb(payload, raw=False)))
+                batches.append(parse_batch(msgpack.unpackb(payload, raw=False)))
                 ids.append(entry_id)
             except Exception as error:  # never block the stream on one bad entry
                 log.error("stream %s entry %s unreadable (%s); moved to %s", key, entry_id,

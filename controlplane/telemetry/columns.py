@@ -1,0 +1,169 @@
+"""A telemetry batch column by column: what ingestion checks, stores and rolls up.
+
+`parse_batch` accepts exactly what `TelemetryBatch.model_validate` accepts and fails with the
+same ValidationError, without building a model per record. Every column goes through one
+pydantic validator made from the wire model's own field (the wire schema stays the one
+definition). What a field cannot say (the models' own validators, listed in MODEL_RULES) is
+only guarded here: a payload that might break one of those rules, or that this path does not
+take (a bad value, a missing field, an odd type), is handed to `TelemetryBatch` itself, which
+then accepts it or names the first bad record exactly as it always has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import TypeAdapter, ValidationError
+
+from exitplane.wire import ShadowPoint, TelemetryBatch, TokenRecord
+
+# The wire models' validators beyond their fields, each guarded in `_parse_columns`.
+MODEL_RULES = {"TelemetryBatch._layers_within_model", "TokenRecord._shadow_layers_unique"}
+
+_DTYPES = {int: np.int64, float: np.float64, bool: np.bool_}
+
+
+def _field_type(model, name: str):
+    """The annotated type of one field of a wire model, constraints included."""
+    field = model.model_fields[name]
+    return Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+
+
+def _column_adapters(model, skip: str = "") -> dict[str, TypeAdapter]:
+    return {name: TypeAdapter(list[_field_type(model, name)])
+            for name in model.model_fields if name != skip}
+
+
+_HEADER = {name: TypeAdapter(_field_type(TelemetryBatch, name))
+           for name in TelemetryBatch.model_fields if name != "records"}
+_RECORDS = TypeAdapter(Annotated[list[Any], *TelemetryBatch.model_fields["records"].metadata])
+_RECORD_COLUMNS = _column_adapters(TokenRecord, skip="shadow")
+_POINT_COLUMNS = _column_adapters(ShadowPoint)
+
+
+class _NotFast(Exception):
+    """The payload needs the model's own validation (to accept it or to name what is wrong)."""
+
+
+@dataclass(frozen=True, eq=False)
+class BatchColumns:
+    """One validated batch: the header fields and one array (or list) per record field.
+
+    Shadow points are flat: point i belongs to record `shadowed[shadow_owner[i]]`, in the order
+    the runtime sent them; `shadowed` lists the records whose shadow is not None."""
+
+    batch_id: str
+    deployment: str
+    runtime_id: str
+    seq: int
+    num_layers: int
+    threshold_version: np.ndarray  # int64 (n,)
+    request_id: list[str]
+    position: np.ndarray  # int64 (n,)
+    exit_layer: np.ndarray  # int64 (n,)
+    signal_value: np.ndarray  # float64 (n,)
+    latency_us: np.ndarray  # int64 (n,)
+    ts: np.ndarray  # float64 (n,), unix seconds
+    shadowed: np.ndarray  # int64 (m,), ascending record indices
+    shadow_owner: np.ndarray  # int64 (k,), index into `shadowed`
+    shadow_layer: np.ndarray  # int64 (k,)
+    shadow_signal: np.ndarray  # float64 (k,)
+    shadow_matched: np.ndarray  # bool (k,)
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    @classmethod
+    def from_model(cls, batch: TelemetryBatch) -> BatchColumns:
+        """The columns of an already validated batch."""
+        records = batch.records
+        shadowed = [index for index, record in enumerate(records) if record.shadow is not None]
+        points = [point for index in shadowed for point in records[index].shadow]
+        return cls._build(
+            batch.model_dump(exclude={"records"}),
+            {name: [getattr(record, name) for record in records] for name in _RECORD_COLUMNS},
+            shadowed, [len(records[index].shadow) for index in shadowed],
+            {name: [getattr(point, name) for point in points] for name in _POINT_COLUMNS})
+
+    @classmethod
+    def _build(cls, header: dict, columns: dict[str, list], shadowed: list[int],
+               points_per_record: list[int], points: dict[str, list]) -> BatchColumns:
+        arrays = {name: _array(TokenRecord, name, values) for name, values in columns.items()}
+        point_arrays = {f"shadow_{name}": _array(ShadowPoint, name, values)
+                        for name, values in points.items()}
+        return cls(**header, **arrays, **point_arrays,
+                   shadowed=np.array(shadowed, dtype=np.int64),
+                   shadow_owner=np.repeat(np.arange(len(shadowed)), points_per_record))
+
+    def to_wire(self) -> dict:
+        """The batch as `TelemetryBatch.model_dump(mode="json")` gives it."""
+        names = list(_RECORD_COLUMNS)
+        columns = [_listed(getattr(self, name)) for name in names]
+        records = [dict(zip(names, values, strict=True)) | {"shadow": None}
+                   for values in zip(*columns, strict=True)]
+        for index in self.shadowed.tolist():
+            records[index]["shadow"] = []
+        point_names = list(_POINT_COLUMNS)
+        point_columns = [_listed(getattr(self, f"shadow_{name}")) for name in point_names]
+        for owner, values in zip(self.shadowed[self.shadow_owner].tolist(),
+                                 zip(*point_columns, strict=True), strict=True):
+            records[owner]["shadow"].append(dict(zip(point_names, values, strict=True)))
+        return {"batch_id": self.batch_id, "deployment": self.deployment,
+                "runtime_id": self.runtime_id, "seq": self.seq, "num_layers": self.num_layers,
+                "records": records}
+
+
+def parse_batch(payload: Any) -> BatchColumns:
+    """Validate a decoded batch (msgpack or JSON) the way `TelemetryBatch` does, column-wise.
+
+    Raises the ValidationError `TelemetryBatch.model_validate(payload)` raises."""
+    try:
+        return _parse_columns(payload)
+    except _NotFast:
+        return BatchColumns.from_model(TelemetryBatch.model_validate(payload))
+
+
+def _parse_columns(payload: Any) -> BatchColumns:
+    if type(payload) is not dict:
+        raise _NotFast
+    try:
+        header = {name: adapter.validate_python(payload[name])
+                  for name, adapter in _HEADER.items()}
+        records = _RECORDS.validate_python(payload["records"])
+        if set(map(type, records)) != {dict}:
+            raise _NotFast
+        columns = {name: adapter.validate_python([record[name] for record in records])
+                   for name, adapter in _RECORD_COLUMNS.items()}
+        shadowed = [index for index, record in enumerate(records)
+                    if record.get("shadow") is not None]
+        shadows = [records[index]["shadow"] for index in shadowed]
+        if any(type(shadow) is not list for shadow in shadows):
+            raise _NotFast
+        points = [point for shadow in shadows for point in shadow]
+        if any(type(point) is not dict for point in points):
+            raise _NotFast
+        point_columns = {name: adapter.validate_python([point[name] for point in points])
+                         for name, adapter in _POINT_COLUMNS.items()}
+    except (KeyError, ValidationError) as error:
+        raise _NotFast from error
+    batch = BatchColumns._build(header, columns, shadowed, [len(s) for s in shadows],
+                                point_columns)
+    # Guards for MODEL_RULES: no exit layer past the model, no shadow layer twice in a record.
+    if len(batch) and batch.exit_layer.max() > batch.num_layers:
+        raise _NotFast
+    order = np.lexsort((batch.shadow_layer, batch.shadow_owner))
+    owner, layer = batch.shadow_owner[order], batch.shadow_layer[order]
+    if np.any((owner[1:] == owner[:-1]) & (layer[1:] == layer[:-1])):
+        raise _NotFast
+    return batch
+
+
+def _array(model, name: str, values: list) -> np.ndarray | list:
+    dtype = _DTYPES.get(model.model_fields[name].annotation)
+    return values if dtype is None else np.array(values, dtype=dtype)
+
+
+def _listed(values: np.ndarray | list) -> list:
+    return values.tolist() if isinstance(values, np.ndarray) else values

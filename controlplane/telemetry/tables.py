@@ -1,0 +1,140 @@
+"""What checked batches add to the store, computed column-wise: raw token rows, shadow-sample
+rows, and the per-minute rollup and signal-histogram increments (see models.Rollup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from controlplane.telemetry.bulk import Table, number_groups
+from controlplane.telemetry.columns import BatchColumns
+from controlplane.telemetry.models import HISTOGRAM_BINS
+
+ROLLUP_COUNTERS = ("tokens", "exits", "shadow_total", "shadow_matches", "policy_exits",
+                   "policy_mismatches")
+
+
+@dataclass(frozen=True)
+class BatchTables:
+    tokens: Table  # TokenRecordRow
+    shadows: Table  # ShadowSampleRow
+    rollups: Table  # Rollup increments, distinct keys in key order
+    histogram: Table  # RollupHistogram increments, distinct keys in key order
+
+
+def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
+              batches: list[BatchColumns], thresholds: dict[int, np.ndarray]) -> BatchTables:
+    """Rows and rollup increments for `batches` (thresholds: per version, in exit-layer order)."""
+    sizes = [len(batch) for batch in batches]
+    count = sum(sizes)
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(batch, name) for batch in batches])
+
+    def repeated(name: str) -> list:
+        return list(chain.from_iterable([getattr(batch, name)] * len(batch) for batch in batches))
+
+    version, ts = joined("threshold_version"), joined("ts")
+    idx = np.concatenate([np.arange(size) for size in sizes])
+    shadow_at = np.concatenate([start + batch.shadowed for start, batch in zip(
+        np.cumsum([0, *sizes[:-1]]), batches, strict=True)])
+    shadowed = np.zeros(count, dtype=bool)
+    shadowed[shadow_at] = True
+    # What datetime.fromtimestamp(ts, UTC) gives: whole seconds, microseconds half-to-even.
+    seconds = np.trunc(ts)
+    micros = seconds.astype(np.int64) * 1_000_000 + np.rint((ts - seconds) * 1e6).astype(np.int64)
+    moment = micros.astype("datetime64[us]")
+
+    tokens = {"batch_id": repeated("batch_id"), "idx": idx, "ts": moment,
+              "deployment_id": np.full(count, deployment_id),
+              "runtime_id": repeated("runtime_id"), "threshold_version": version,
+              "request_id": list(chain.from_iterable(batch.request_id for batch in batches)),
+              "position": joined("position"), "exit_layer": joined("exit_layer"),
+              "signal_value": joined("signal_value"), "latency_us": joined("latency_us"),
+              "shadow": shadowed}
+    labels = [_shadow_labels(batch, exit_layers) for batch in batches]
+    signals = np.concatenate([signal for signal, _ in labels])
+    matched = np.concatenate([match for _, match in labels])
+    shadows = {name: tokens[name][shadow_at] if isinstance(tokens[name], np.ndarray)
+               else [tokens[name][i] for i in shadow_at.tolist()]
+               for name in ("batch_id", "idx", "ts", "deployment_id", "threshold_version",
+                            "runtime_id")}
+    shadows |= {"signals": signals.astype("<f4").view(np.uint8),
+                "matched": matched.astype(np.uint8)}
+
+    # Rollup groups: one per (version, runtime, minute), numbered in key order.
+    runtimes = sorted({batch.runtime_id for batch in batches})
+    runtime = np.repeat([runtimes.index(batch.runtime_id) for batch in batches], sizes)
+    minute = seconds.astype(np.int64) // 60 * 60
+    keys, group = number_groups(version, runtime, minute)
+    key_of = _KeyColumns(deployment_id, keys, runtimes)
+    layers = np.unique([*exit_layers, num_layers])
+    slot = np.searchsorted(layers, tokens["exit_layer"])  # one of `layers` (checked)
+    cell = group * len(layers) + slot
+    rollups = _rollups(key_of, layers, cell, shadow_at, group[shadow_at], exit_layers,
+                       signals > np.array([thresholds[v] for v in version[shadow_at].tolist()])
+                       .reshape(signals.shape), matched)
+    bins = np.minimum((tokens["signal_value"] * HISTOGRAM_BINS).astype(np.int64),
+                      HISTOGRAM_BINS - 1)
+    counts = np.bincount(cell * HISTOGRAM_BINS + bins,
+                         minlength=len(keys[0]) * len(layers) * HISTOGRAM_BINS)
+    [filled] = np.nonzero(counts)
+    at_group, rest = np.divmod(filled, len(layers) * HISTOGRAM_BINS)
+    histogram = {**key_of(at_group), "layer": layers[rest // HISTOGRAM_BINS],
+                 "bin": rest % HISTOGRAM_BINS, "count": counts[filled]}
+    return BatchTables(tokens=tokens, shadows=shadows, rollups=rollups, histogram=histogram)
+
+
+def _shadow_labels(batch: BatchColumns, exit_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(signals float64, matched bool), each (shadow tokens, exit layers) in exit-layer order.
+
+    A checked batch has exactly one point per exit layer for each shadow token."""
+    order = np.argsort(exit_layers)
+    column = order[np.searchsorted(np.asarray(exit_layers)[order], batch.shadow_layer)]
+    shape = (len(batch.shadowed), len(exit_layers))
+    signals, matched = np.zeros(shape), np.zeros(shape, dtype=bool)
+    signals[batch.shadow_owner, column] = batch.shadow_signal
+    matched[batch.shadow_owner, column] = batch.shadow_matched
+    return signals, matched
+
+
+def _rollups(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray, shadow_at: np.ndarray,
+             shadow_group: np.ndarray, exit_layers: list[int], over: np.ndarray,
+             matched: np.ndarray) -> Table:
+    """Rollup increments; a (group, layer) row exists once a token reached it or was labelled
+    there. `over`: (shadow tokens, exit layers), where the signal beat the threshold."""
+    groups, width = key_of.groups, len(layers)
+    exits = np.bincount(cell, minlength=groups * width).reshape(groups, width)
+    reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]  # a token's checks ran up to its exit
+    shadow = np.zeros((groups, width, 4), dtype=np.int64)
+    if len(shadow_at):
+        policy = over & (np.cumsum(over, axis=1) == 1)  # the first layer the policy exits at
+        labels = np.stack([np.ones_like(matched), matched, policy, policy & ~matched], axis=-1)
+        np.add.at(shadow, (shadow_group[:, None], np.searchsorted(layers, exit_layers)[None, :]),
+                  labels)
+    at_group, at_slot = np.nonzero((reached > 0) | (shadow[..., 0] > 0))
+    return {**key_of(at_group), "layer": layers[at_slot], "tokens": reached[at_group, at_slot],
+            "exits": exits[at_group, at_slot],
+            **{name: shadow[at_group, at_slot, offset]
+               for offset, name in enumerate(ROLLUP_COUNTERS[2:])}}
+
+
+@dataclass(frozen=True)
+class _KeyColumns:
+    """Rollup key columns before `layer` for group numbers (keys: version, runtime, minute)."""
+
+    deployment_id: int
+    keys: list[np.ndarray]
+    runtimes: list[str]
+
+    @property
+    def groups(self) -> int:
+        return len(self.keys[0])
+
+    def __call__(self, group: np.ndarray) -> Table:
+        version, runtime, minute = (key[group] for key in self.keys)
+        return {"deployment_id": np.full(len(group), self.deployment_id), "version": version,
+                "runtime_id": [self.runtimes[number] for number in runtime.tolist()],
+                "minute": minute.astype("datetime64[s]")}
