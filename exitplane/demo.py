@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -235,6 +236,10 @@ def run_demo(*, quick: bool, serve: bool, port: int) -> int:
     from runtime.heads import file_sha256
     from runtime.model import DEFAULT_MODEL, load_model
 
+    with socket.socket() as probe:  # a control plane left running would answer instead
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise click.ClickException(f"port {port} is already in use (another exitplane "
+                                       "demo or `exitplane up`?); stop it or pass --port")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     timeline = Timeline()
     var_dir = Path(os.environ.get("EXITPLANE_VAR_DIR", "var")).resolve()
