@@ -1,5 +1,6 @@
 """Ingestion benchmark: end-to-end records/s (HTTP + validation + store + rollups) against the
-raw bulk-write ceiling of the same rows (COPY on PostgreSQL, executemany on SQLite), same run.
+raw bulk-write ceiling of the same rows, same run: the store's own bulk writer (one binary COPY
+on PostgreSQL, executemany on SQLite) with no HTTP, no validation and no rollups.
 
 Starts `exitplane up` on a fresh database per backend, sends pre-encoded msgpack batches from
 a few concurrent senders, then writes the same rows straight into a fresh copy of the schema.

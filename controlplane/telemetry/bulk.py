@@ -2,8 +2,8 @@
 `unnest` upsert per rollup table; other backends get executemany.
 
 A table is a dict of column name -> values for n rows: a numpy array (integers, floats,
-booleans, datetime64[us] for timestamps, (n, k) uint8 for fixed-width bytes) or a list of
-str / bytes. The binary encoding follows each column's SQL type in the ORM model.
+booleans, datetime64 for timestamps, (n, k) uint8 for fixed-width bytes) or, for text, a
+list of str. The binary encoding follows each column's SQL type in the ORM model.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     insert,
 )
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeDecorator
 
@@ -36,13 +37,15 @@ def write_rows(session: Session, model, table: Table) -> None:
     """Insert the rows of `table` into `model`'s table."""
     connection = session.connection()
     if connection.dialect.name == "postgresql":
+        quote = connection.dialect.identifier_preparer.quote
+        columns = ", ".join(quote(column) for column in table)
         raw = connection.connection.driver_connection
         with raw.cursor() as cursor, cursor.copy(
-                f"COPY {model.__tablename__} ({', '.join(table)}) FROM STDIN (FORMAT BINARY)"
+                f"COPY {quote(model.__tablename__)} ({columns}) FROM STDIN (FORMAT BINARY)"
         ) as copy:
             copy.write(binary_copy(model, table))
         return
-    session.execute(insert(model), rows_of(table))
+    session.execute(insert(model), _rows_of(table))
 
 
 def add_counts(session: Session, model, table: Table, counters: tuple[str, ...]) -> None:
@@ -65,17 +68,15 @@ def add_counts(session: Session, model, table: Table, counters: tuple[str, ...])
             f"ON CONFLICT ({', '.join(quote(key) for key in keys)}) DO UPDATE SET {additions}",
             tuple(_array_literal(values) for values in table.values()))
         return
-    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
     statement = sqlite_insert(model)
     statement = statement.on_conflict_do_update(
         index_elements=keys,
         set_={counter: getattr(model, counter) + statement.excluded[counter]
               for counter in counters})
-    connection.execute(statement, rows_of(table))
+    connection.execute(statement, _rows_of(table))
 
 
-def rows_of(table: Table) -> list[dict]:
+def _rows_of(table: Table) -> list[dict]:
     """The rows of `table` as dicts of Python values (executemany parameters)."""
     names = list(table)
     columns = [_python_values(values) for values in table.values()]

@@ -73,17 +73,10 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
     layers = np.unique([*exit_layers, num_layers])
     slot = np.searchsorted(layers, tokens["exit_layer"])  # one of `layers` (checked)
     cell = group * len(layers) + slot
-    rollups = _rollups(key_of, layers, cell, shadow_at, group[shadow_at], exit_layers,
-                       signals > np.array([thresholds[v] for v in version[shadow_at].tolist()])
-                       .reshape(signals.shape), matched)
-    bins = np.minimum((tokens["signal_value"] * HISTOGRAM_BINS).astype(np.int64),
-                      HISTOGRAM_BINS - 1)
-    counts = np.bincount(cell * HISTOGRAM_BINS + bins,
-                         minlength=len(keys[0]) * len(layers) * HISTOGRAM_BINS)
-    [filled] = np.nonzero(counts)
-    at_group, rest = np.divmod(filled, len(layers) * HISTOGRAM_BINS)
-    histogram = {**key_of(at_group), "layer": layers[rest // HISTOGRAM_BINS],
-                 "bin": rest % HISTOGRAM_BINS, "count": counts[filled]}
+    over = signals > np.array([thresholds[v] for v in version[shadow_at].tolist()]).reshape(
+        signals.shape)  # where each shadow token's signal beat its version's threshold
+    rollups = _rollups(key_of, layers, cell, group[shadow_at], exit_layers, over, matched)
+    histogram = _histogram(key_of, layers, cell, tokens["signal_value"])
     return BatchTables(tokens=tokens, shadows=shadows, rollups=rollups, histogram=histogram)
 
 
@@ -100,25 +93,36 @@ def _shadow_labels(batch: BatchColumns, exit_layers: list[int]) -> tuple[np.ndar
     return signals, matched
 
 
-def _rollups(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray, shadow_at: np.ndarray,
+def _rollups(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
              shadow_group: np.ndarray, exit_layers: list[int], over: np.ndarray,
              matched: np.ndarray) -> Table:
     """Rollup increments; a (group, layer) row exists once a token reached it or was labelled
-    there. `over`: (shadow tokens, exit layers), where the signal beat the threshold."""
+    there. `over` and `matched`: (shadow tokens, exit layers) in exit-layer order."""
     groups, width = key_of.groups, len(layers)
     exits = np.bincount(cell, minlength=groups * width).reshape(groups, width)
     reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]  # a token's checks ran up to its exit
-    shadow = np.zeros((groups, width, 4), dtype=np.int64)
-    if len(shadow_at):
-        policy = over & (np.cumsum(over, axis=1) == 1)  # the first layer the policy exits at
-        labels = np.stack([np.ones_like(matched), matched, policy, policy & ~matched], axis=-1)
-        np.add.at(shadow, (shadow_group[:, None], np.searchsorted(layers, exit_layers)[None, :]),
-                  labels)
+    policy = over & (np.cumsum(over, axis=1) == 1)  # the first layer the policy exits at
+    labelled = (shadow_group[:, None] * width + np.searchsorted(layers, exit_layers)).ravel()
+    shadow = np.stack([np.bincount(labelled, weights=label.ravel(), minlength=groups * width)
+                       for label in (np.ones_like(matched), matched, policy, policy & ~matched)],
+                      axis=-1).astype(np.int64).reshape(groups, width, 4)
     at_group, at_slot = np.nonzero((reached > 0) | (shadow[..., 0] > 0))
     return {**key_of(at_group), "layer": layers[at_slot], "tokens": reached[at_group, at_slot],
             "exits": exits[at_group, at_slot],
             **{name: shadow[at_group, at_slot, offset]
                for offset, name in enumerate(ROLLUP_COUNTERS[2:])}}
+
+
+def _histogram(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
+               signal_value: np.ndarray) -> Table:
+    """Signal-at-exit histogram increments: one row per non-empty (group, layer, bin)."""
+    bins = np.minimum((signal_value * HISTOGRAM_BINS).astype(np.int64), HISTOGRAM_BINS - 1)
+    counts = np.bincount(cell * HISTOGRAM_BINS + bins,
+                         minlength=key_of.groups * len(layers) * HISTOGRAM_BINS)
+    [filled] = np.nonzero(counts)
+    at_group, rest = np.divmod(filled, len(layers) * HISTOGRAM_BINS)
+    return {**key_of(at_group), "layer": layers[rest // HISTOGRAM_BINS],
+            "bin": rest % HISTOGRAM_BINS, "count": counts[filled]}
 
 
 @dataclass(frozen=True)
