@@ -59,14 +59,17 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
         with app.state.session_factory() as session:
             deployment = get_deployment(session=session, name=batch.deployment)
             principal.require_deployment(deployment.id)
-            versions = service.known_versions(session=session, deployment=deployment)
-            service.check_batch(deployment=deployment, batch=batch, known_versions=versions)
+            thresholds = service.thresholds_by_version(
+                session=session, deployment=deployment, versions=batch.threshold_version.tolist())
+            service.check_batch(deployment=deployment, batch=batch,
+                                known_versions=set(thresholds))
             if app.state.redis is not None:
                 added = stream.append(app.state.redis, batch)
                 metrics.queued_batches.labels(batch.deployment).inc(int(added))
                 return IngestAck(batch_id=batch.batch_id, accepted=len(batch),
                                  duplicate=not added, queued=True)
-            [result] = service.ingest(session=session, deployment=deployment, batches=[batch])
+            [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
+                                      thresholds=thresholds)
             session.commit()
     except DomainError as error:
         metrics.rejected_batches.labels(type(error).__name__).inc()

@@ -8,7 +8,7 @@ columns.py and tables.py); PostgreSQL gets binary COPY for the raw rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -84,16 +84,12 @@ def check_batch(*, deployment: Deployment, batch: BatchColumns,
                            f"{sorted(exit_layers)}")
 
 
-def known_versions(*, session: Session, deployment: Deployment) -> set[int]:
-    """Published versions plus 0, the runtime's built-in never-exit set."""
-    versions = session.scalars(select(ThresholdSet.version)
-                               .where(ThresholdSet.deployment_id == deployment.id))
-    return {0, *versions}
-
-
 def ingest(*, session: Session, deployment: Deployment,
-           batches: Sequence[BatchColumns | TelemetryBatch]) -> list[IngestResult]:
-    """Store checked batches of one deployment with their rollups; replays are skipped."""
+           batches: Sequence[BatchColumns | TelemetryBatch],
+           thresholds: dict[int, np.ndarray] | None = None) -> list[IngestResult]:
+    """Store checked batches of one deployment with their rollups; replays are skipped.
+
+    `thresholds`: what `thresholds_by_version` gave for these batches, if the caller has it."""
     if not batches:
         return []
     batches = [batch if isinstance(batch, BatchColumns) else BatchColumns.from_model(batch)
@@ -102,8 +98,9 @@ def ingest(*, session: Session, deployment: Deployment,
     fresh = [b for b in batches if b.batch_id in new_ids]
     if fresh:
         versions = set(np.unique(np.concatenate([b.threshold_version for b in fresh])).tolist())
-        thresholds = _thresholds_by_version(session=session, deployment=deployment,
-                                            versions=versions)
+        if thresholds is None or not versions <= thresholds.keys():
+            thresholds = thresholds_by_version(session=session, deployment=deployment,
+                                               versions=versions)
         tables = tables_of(deployment_id=deployment.id, exit_layers=deployment.exit_layers,
                            num_layers=deployment.num_layers, batches=fresh,
                            thresholds=thresholds)
@@ -135,13 +132,14 @@ def _claim_batches(*, session: Session, deployment: Deployment,
     return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id), values))
 
 
-def _thresholds_by_version(*, session: Session, deployment: Deployment,
-                           versions: set[int]) -> dict[int, np.ndarray]:
-    """Per version, thresholds in exit-layer order (version 0: never exit)."""
+def thresholds_by_version(*, session: Session, deployment: Deployment,
+                          versions: Iterable[int]) -> dict[int, np.ndarray]:
+    """Thresholds in exit-layer order of those `versions` that exist: the published ones, and
+    0, the runtime's built-in never-exit set."""
     layers = deployment.exit_layers
     found = {0: np.ones(len(layers))}
     rows = session.execute(select(ThresholdSet.version, ThresholdSet.thresholds).where(
-        ThresholdSet.deployment_id == deployment.id, ThresholdSet.version.in_(versions)))
+        ThresholdSet.deployment_id == deployment.id, ThresholdSet.version.in_(set(versions))))
     for version, thresholds in rows:
         by_layer = {int(layer): float(value) for layer, value in thresholds.items()}
         found[version] = np.array([by_layer[k] for k in layers])
