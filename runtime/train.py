@@ -266,6 +266,13 @@ def train_joint(model, heads: ExitHeads, ids, valid, teacher: dict, config: Trai
     return lora, steps
 
 
+def phase_deadline(started: float, now: float, budget_s: float, share: float) -> float:
+    """When the training phase must stop: at `share` of the budget, leaving the rest for
+    labels, confidence heads and the held-out report -- but never less than 40% of the budget
+    from now, so slow text generation or a slow teacher pass cannot starve it of steps."""
+    return max(started + share * budget_s, now + 0.4 * budget_s)
+
+
 def train_heads(model, tokenizer, config: TrainConfig) -> ExitHeads:
     """Train exit heads for `model` per `config`; the model is left as it was given."""
     torch.manual_seed(config.seed)
@@ -285,14 +292,11 @@ def train_heads(model, tokenizer, config: TrainConfig) -> ExitHeads:
     teacher = teacher_pass(model, train_ids, train_valid, exit_layers, keep_hidden=post_hoc)
     steps = 0
     if post_hoc:
-        # leave a quarter of the budget for labels, confidence heads and held-out evaluation
-        steps = train_adapters(heads, teacher["hidden"], teacher, embedding, config,
-                               started + 0.75 * config.time_budget_s)
+        deadline = phase_deadline(started, time.monotonic(), config.time_budget_s, 0.75)
+        steps = train_adapters(heads, teacher["hidden"], teacher, embedding, config, deadline)
         hidden, final_top1 = teacher["hidden"], teacher["top1"]
     elif config.mode == "joint":
-        # a slow teacher pass must not starve the joint phase entirely
-        deadline = max(started + 0.7 * config.time_budget_s,
-                       time.monotonic() + 0.4 * config.time_budget_s)
+        deadline = phase_deadline(started, time.monotonic(), config.time_budget_s, 0.7)
         lora, steps = train_joint(model, heads, train_ids, train_valid, teacher, config,
                                   deadline)
         heads.lora = lora

@@ -85,3 +85,12 @@ def test_merge_lora_adds_low_rank_delta():
     a, b = torch.randn(2, 128), torch.randn(64, 2)
     assert merge_lora(model, {"1.down_proj.A": a, "1.down_proj.B": b}, 0.5) == 1
     torch.testing.assert_close(parts.layers[1].mlp.down_proj.weight, before + 0.5 * b @ a)
+
+
+def test_a_slow_corpus_does_not_starve_the_training_phase():
+    from runtime.train import phase_deadline
+
+    # On time: the phase ends at its share of the budget.
+    assert phase_deadline(started=0.0, now=10.0, budget_s=100.0, share=0.75) == 75.0
+    # Text generation and the teacher pass took 90 of 100 s: the phase still gets 40 s.
+    assert phase_deadline(started=0.0, now=90.0, budget_s=100.0, share=0.75) == 130.0
