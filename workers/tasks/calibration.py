@@ -29,8 +29,8 @@ from controlplane.thresholds.models import Deployment
 from workers.tasks import RETRY_ON_STORE_ERRORS
 
 
-@shared_task(name="calibration.run", bind=True, **RETRY_ON_STORE_ERRORS)
-def run(self, job_id: int) -> dict:
+@shared_task(name="calibration.run", **RETRY_ON_STORE_ERRORS)
+def run(job_id: int) -> dict:
     """Run one calibration job; while it waits for shadow data, check again later."""
     settings = get_settings()
     engine = get_engine(settings.effective_database_url)
@@ -52,7 +52,9 @@ def run(self, job_id: int) -> dict:
         outcome = {"job": job_id, "status": job.status, "version": job.result_version,
                    "promotion": job.promotion, "reason": job.status_reason}
     if outcome["status"] == "waiting_for_data":
-        raise self.retry(countdown=settings.calibration_retry_s, max_retries=None)
+        # Waiting is not failing: a fresh message, not a retry that Celery's retry limit would
+        # end (the job's own wait_max bounds the wait; the sweep re-sends a lost message).
+        run.apply_async(args=[job_id], countdown=settings.calibration_retry_s)
     return outcome
 
 
