@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +55,34 @@ class Processes:
             sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--pool=solo",
             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"{name}-{os.getpid()}@localhost"])
+
+
+class RecordProducer:
+    """A runtime's decode loop as far as telemetry goes: `per_tick` token records handed to the
+    shipper every `interval_s`, counted, until stopped."""
+
+    def __init__(self, shipper, *, per_tick: int, interval_s: float) -> None:
+        self.shipper, self.per_tick, self.interval_s = shipper, per_tick, interval_s
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        from exitplane.wire import TokenRecord
+
+        while not self._stop.is_set():
+            for _ in range(self.per_tick):
+                self.shipper.submit(TokenRecord(
+                    threshold_version=1, request_id=uuid.uuid4().hex, position=0,
+                    exit_layer=12, signal_value=0.5, latency_us=10, ts=time.time()))
+                self.sent += 1
+            time.sleep(self.interval_s)
+
+    def start(self) -> RecordProducer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()

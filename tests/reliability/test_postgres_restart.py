@@ -17,9 +17,9 @@ from controlplane.db import make_engine
 from controlplane.migrate import upgrade
 from controlplane.settings import Settings
 from controlplane.thresholds.service import get_deployment
-from exitplane.wire import TokenRecord
 from runtime.shipper import TelemetryShipper
 from tests.conftest import free_port
+from tests.reliability.processes import RecordProducer
 
 
 @pytest.mark.postgres
@@ -50,20 +50,7 @@ def test_postgres_restart_under_ingestion_load(private_postgres):
                                spool_dir=tempfile.mkdtemp(), batch_records=50,
                                batch_interval_s=0.1, backoff_initial_s=0.05,
                                backoff_max_s=0.5, max_attempts=2).start()
-    sent = 0
-    stop = threading.Event()
-
-    def produce() -> None:
-        nonlocal sent
-        while not stop.is_set():
-            for _ in range(25):
-                shipper.submit(TokenRecord(threshold_version=1, request_id=uuid.uuid4().hex,
-                                           position=0, exit_layer=12, signal_value=0.5,
-                                           latency_us=10, ts=time.time()))
-                sent += 1
-            time.sleep(0.02)
-
-    producer = threading.Thread(target=produce)
+    producer = RecordProducer(shipper, per_tick=25, interval_s=0.02)
     producer.start()
     try:
         time.sleep(1.0)
@@ -85,14 +72,13 @@ def test_postgres_restart_under_ingestion_load(private_postgres):
             assert time.monotonic() < deadline, "the API did not recover"
             time.sleep(0.2)
     finally:
-        stop.set()
-        producer.join()
+        producer.stop()
     assert shipper.flush(60) and shipper.wait_replayed(60)
     shipper.close(30)
     counts = httpx.get(f"{base}/v1/deployments/chat/telemetry/count",
                        headers={"Authorization": f"Bearer {runtime}"}).json()
     assert shipper.dropped_records == 0
-    assert counts["records"] == sent  # every record once: none lost, none doubled
+    assert counts["records"] == producer.sent  # every record once: none lost, none doubled
     assert shipper.counters["spooled_batches"] + shipper.counters["retries"] > 0
     server.should_exit = True
     engine.dispose()

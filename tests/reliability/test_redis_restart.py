@@ -21,10 +21,9 @@ from controlplane.db import make_engine
 from controlplane.settings import Settings
 from controlplane.telemetry.stream import GROUP, stream_key
 from controlplane.thresholds.service import get_deployment
-from exitplane.wire import TokenRecord
 from runtime.shipper import TelemetryShipper
 from tests.conftest import free_port
-from tests.reliability.processes import EXITPLANE, Processes, wait
+from tests.reliability.processes import EXITPLANE, Processes, RecordProducer, wait
 from workers.celery_app import make_celery
 
 
@@ -63,20 +62,7 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
                                spool_dir=tempfile.mkdtemp(), batch_records=20,
                                batch_interval_s=0.1, backoff_initial_s=0.05,
                                backoff_max_s=0.5, max_attempts=2).start()
-    sent = 0
-    stop = threading.Event()
-
-    def produce() -> None:
-        nonlocal sent
-        while not stop.is_set():
-            for _ in range(10):
-                shipper.submit(TokenRecord(threshold_version=1, request_id=uuid.uuid4().hex,
-                                           position=0, exit_layer=12, signal_value=0.5,
-                                           latency_us=10, ts=time.time()))
-                sent += 1
-            time.sleep(0.05)
-
-    producer = threading.Thread(target=produce)
+    producer = RecordProducer(shipper, per_tick=10, interval_s=0.05)
     client = redis.Redis.from_url(private_redis.url)
     try:
         processes.start("ingest", [EXITPLANE, "ingest", "--name", "ingest-a",
@@ -121,17 +107,15 @@ def test_redis_crash_and_restart(private_redis, db_url, tmp_path):
         assert queued.get(timeout=120)["token_records"] == 0  # ran after the restart
         assert celery.send_task("retention.run").get(timeout=120)["token_records"] == 0
     finally:
-        stop.set()
-        if producer.is_alive():
-            producer.join()
+        producer.stop()
     try:
         assert shipper.flush(60) and shipper.wait_replayed(60)
         shipper.close(30)
         assert shipper.dropped_records == 0
         assert shipper.counters["spooled_batches"] + shipper.counters["retries"] > 0
-        wait(lambda: stored() >= sent, 120, f"all {sent} records to be stored")
+        wait(lambda: stored() >= producer.sent, 120, f"all {producer.sent} records to be stored")
         time.sleep(1.0)  # a duplicate would land now
-        assert stored() == sent  # every record once: none lost, none doubled
+        assert stored() == producer.sent  # every record once: none lost, none doubled
         # The entries the dead consumer held were reclaimed by the ingest worker.
         pending = client.xpending_range(stream, GROUP, min="-", max="+", count=1000)
         assert pending == []
