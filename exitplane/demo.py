@@ -438,9 +438,9 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float) -> bool:
                f"{'shadow':>8}{'disagree':>9}  versions")
     for p in phases:
         disagreement = "-" if p.disagreement is None else f"{p.disagreement:.3f}"
-        click.echo(f"  {p.name:<50}{p.tok_s:>7.1f}{p.exit_rate:>10.1%}"
-                   f"{p.mean_exit_layer:>10.1f}{p.shadow:>8}{disagreement:>9}  "
-                   f"{sorted(p.versions)}")
+        depth = f"{p.mean_exit_layer:.1f}" if p.served else "full"  # all-shadow: full depth
+        click.echo(f"  {p.name:<50}{p.tok_s:>7.1f}{p.exit_rate:>10.1%}{depth:>10}"
+                   f"{p.shadow:>8}{disagreement:>9}  {sorted(p.versions)}")
     by_name = {p.name: p for p in phases}
     recovered = by_name.get("B code: recalibrated")
     fallback = by_name.get("B code: conservative fallback (collecting samples)")
