@@ -1,8 +1,9 @@
 """Alembic is the only way the schema changes: the models and the migrations must agree."""
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from controlplane.migrate import downgrade, upgrade
 from controlplane.models import Base
@@ -24,3 +25,13 @@ def test_downgrade_and_upgrade_round_trip(db_url, engine):
     assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
     upgrade(db_url)
     assert set(inspect(engine).get_table_names()) >= {t.name for t in Base.metadata.sorted_tables}
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # a PostgreSQL setting
+def test_rollup_tables_leave_room_for_in_place_updates(engine):
+    with engine.connect() as connection:
+        options = dict(connection.execute(text(
+            "SELECT relname, reloptions FROM pg_class "
+            "WHERE relname IN ('rollups', 'rollup_histograms')")).all())
+    assert options == {"rollups": ["fillfactor=70"], "rollup_histograms": ["fillfactor=70"]}
