@@ -61,7 +61,10 @@ def hf_generate(model, prompts, max_new_tokens, eos):
     try:
         for prompt in prompts:
             ids = torch.tensor([prompt], device=model.device)
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+            # An explicit mask: inferred from pad_token_id it would mask the prompt's own
+            # <|im_end|> tokens on SmolLM2 (pad = eos = <|im_end|>) and change the output.
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=eos[0])
             outputs.append(out[0, len(prompt):].tolist())
     finally:
