@@ -139,6 +139,20 @@ def client(app):
         yield client
 
 
+def wait_until(predicate, timeout: float = 20.0, message: str = "condition",
+               interval: float = 0.05):
+    """Poll `predicate` until it returns something truthy, and return that; fail the test
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {message}")
+        time.sleep(interval)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,27 +1,30 @@
-"""Service processes started the way an operator starts them, stopped at the end of a test."""
+"""What the reliability tests share: service processes started the way an operator starts them,
+the API serving one deployment to a runtime's shipper, and a producer of token records."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+import uvicorn
+from sqlalchemy.orm import Session
+
+from controlplane.app import create_app
+from controlplane.auth.service import create_token
+from controlplane.thresholds.service import get_deployment
+from runtime.shipper import TelemetryShipper
+from tests.conftest import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-
-
-def wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Processes:
@@ -86,3 +89,63 @@ class RecordProducer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+
+
+@dataclass
+class ServedDeployment:
+    """The API (uvicorn in a thread) with deployment `chat` (12 layers) and a runtime token."""
+
+    base: str
+    runtime_token: str
+    server: uvicorn.Server
+
+    @property
+    def runtime_auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.runtime_token}"}
+
+    def shipper(self, *, batch_records: int) -> TelemetryShipper:
+        """A runtime's shipper with short retries, so outages reach its spool quickly."""
+        return TelemetryShipper(base_url=self.base, token=self.runtime_token, deployment="chat",
+                                runtime_id="rt-1", num_layers=12,
+                                spool_dir=tempfile.mkdtemp(), batch_records=batch_records,
+                                batch_interval_s=0.1, backoff_initial_s=0.05,
+                                backoff_max_s=0.5, max_attempts=2).start()
+
+    def stored(self) -> int:
+        return httpx.get(f"{self.base}/v1/deployments/chat/telemetry/count",
+                         headers=self.runtime_auth, timeout=30).json()["records"]
+
+    def probe(self) -> httpx.Response:
+        """One batch of one record, posted directly (not through the shipper)."""
+        return httpx.post(f"{self.base}/v1/telemetry", headers=self.runtime_auth, timeout=30,
+                          json={"batch_id": uuid.uuid4().hex, "deployment": "chat",
+                                "runtime_id": "probe", "seq": 0, "num_layers": 12,
+                                "records": [{"threshold_version": 1, "request_id": "p",
+                                             "position": 0, "exit_layer": 12,
+                                             "signal_value": 0.5, "latency_us": 1,
+                                             "ts": time.time()}]})
+
+    def ready(self) -> bool:
+        return httpx.get(f"{self.base}/readyz", timeout=30).status_code == 200
+
+    def close(self) -> None:
+        self.server.should_exit = True
+
+
+def serve_deployment(settings, engine) -> ServedDeployment:
+    with Session(engine) as session:
+        _, admin = create_token(session=session, name="admin", scope="admin")
+        session.commit()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine=engine), host="127.0.0.1",
+                                           port=free_port(), log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    wait_until(lambda: server.started, 30, "the API to start")
+    base = f"http://127.0.0.1:{server.config.port}"
+    httpx.post(f"{base}/v1/deployments", headers={"Authorization": f"Bearer {admin}"}, json={
+        "name": "chat", "model_ref": "m", "num_layers": 12, "exit_layers": [3, 6, 9]}
+    ).raise_for_status()
+    with Session(engine) as session:
+        _, runtime = create_token(session=session, name="rt", scope="runtime",
+                                  deployment=get_deployment(session=session, name="chat"))
+        session.commit()
+    return ServedDeployment(base=base, runtime_token=runtime, server=server)

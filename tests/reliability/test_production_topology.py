@@ -25,8 +25,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from controlplane.db import make_engine
-from tests.conftest import POSTGRES_URL, free_port
-from tests.reliability.processes import EXITPLANE, ROOT, Processes, wait
+from tests.conftest import POSTGRES_URL, free_port, wait_until
+from tests.reliability.processes import EXITPLANE, ROOT, Processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -84,7 +84,7 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
     processes = Processes(env, tmp_path)
     try:
         processes.start("api", _command("api", replacements))
-        wait(lambda: _ready(f"{api_url}/readyz"), 120, "the api to migrate and be ready")
+        wait_until(lambda: _ready(f"{api_url}/readyz"), 120, "the api to migrate and be ready")
         for service in ("ingest", "worker", "beat"):
             processes.start(service, _command(service, replacements))
         admin = _exitplane(env, "token", "create", "--name", "ops", "--scope", "admin")
@@ -103,14 +103,14 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
         del runtime[heads:heads + 2]  # the tiny model has no trained heads
         processes.start("runtime", [*runtime, "--model", "tiny", "--shadow-rate", "0.75",
                                     "--max-batch", "16"])
-        wait(lambda: _ready(f"{runtime_url}/readyz"), 120, "the runtime to apply a set")
+        wait_until(lambda: _ready(f"{runtime_url}/readyz"), 120, "the runtime to apply a set")
         traffic = Traffic(runtime_url)
         assert traffic.send("A", 8)["versions"] == {tuned}
 
         # The traffic shifts; the workers see the regression and fall back on their own.
         shifted_at = datetime.now(UTC)
         traffic.start("B")
-        alert = wait(lambda: _alert(ops, "quality_regression"), 180,
+        alert = wait_until(lambda: _alert(ops, "quality_regression"), 180,
                      "the beat-scheduled drift check to fire quality_regression")
         assert alert["deployment"] == "chat"
         audit = ops.get("/v1/deployments/chat/audit").json()
@@ -118,9 +118,9 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
         assert (fallback["alias"], fallback["to_version"]) == ("active", 1)
         assert fallback["details"]["alert_id"] == alert["id"]  # the audit names the alert
         # The alert's job waits for B's shadow samples, then publishes and promotes.
-        recalibrated = wait(lambda: _calibrated_version(ops), 300,
+        recalibrated = wait_until(lambda: _calibrated_version(ops), 300,
                             "the recalibrated version to become active")
-        wait(lambda: _applied(ops, recalibrated), 60, "the runtime to apply it")
+        wait_until(lambda: _applied(ops, recalibrated), 60, "the runtime to apply it")
         traffic.stop()
         jobs = ops.get("/v1/deployments/chat/calibrations").json()
         assert jobs[0]["trigger"] == "alert" and jobs[0]["result_version"] == recalibrated
@@ -132,7 +132,7 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
         assert served["mean_exit_layer"] < 6.0  # some tokens leave early
         with httpx.Client(base_url=api_url, timeout=30, headers={
                 "Authorization": f"Bearer {token_file.read_text().strip()}"}) as runtime_api:
-            wait(lambda: _shadow_tokens(runtime_api, since, recalibrated) >= 200, 60,
+            wait_until(lambda: _shadow_tokens(runtime_api, since, recalibrated) >= 200, 60,
                  "the runtime's telemetry to be ingested through the stream")
             windows = runtime_api.get("/v1/deployments/chat/telemetry/disagreement", params={
                 "since": since, "version": recalibrated}).json()

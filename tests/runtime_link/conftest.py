@@ -3,7 +3,6 @@ started again on the same port, a deployment matching the tiny test model, runti
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,16 +14,11 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
+from tests.conftest import free_port
 
 DEPLOYMENT = "tiny"
 NUM_LAYERS = 6
 EXIT_LAYERS = [2, 4]  # runtime.engine.default_exit_layers(6)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -116,16 +110,6 @@ def publish(http: httpx.Client, thresholds: dict[int, float], *, activate: bool 
         "activate": activate})
     assert response.status_code == 201, response.text
     return response.json()["version"]
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 20.0,
-               message: str = "condition") -> None:
-    """Poll `predicate` until it is truthy; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {message}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ from controlplane.telemetry.models import ShadowSampleRow, TokenRecordRow
 from runtime.engine import Engine
 from runtime.shipper import TelemetryShipper
 from runtime.thresholds_client import ThresholdClient
-from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, publish, wait_until
+from tests.conftest import wait_until
+from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, publish
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 from controlplane.telemetry.models import TelemetryBatchRow
 from exitplane.wire import TokenRecord
 from runtime.shipper import EncodedBatch, Spool, TelemetryShipper
-from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, ControlPlane, free_port, wait_until
+from tests.conftest import free_port, wait_until
+from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, ControlPlane
 
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

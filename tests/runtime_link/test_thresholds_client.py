@@ -13,7 +13,8 @@ import pytest
 
 from exitplane.wire import ThresholdSetWire, threshold_checksum
 from runtime.thresholds_client import ThresholdClient
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish, wait_until
+from tests.conftest import wait_until
+from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

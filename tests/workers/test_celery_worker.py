@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from controlplane.alerts.models import Alert, AlertDelivery
 from controlplane.db import make_engine, utcnow
 from controlplane.models import Base
 from controlplane.settings import Settings
-from tests.conftest import POSTGRES_URL, REDIS_URL
+from tests.conftest import POSTGRES_URL, REDIS_URL, wait_until
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
 from workers.celery_app import make_celery
 
@@ -97,16 +96,6 @@ def worker(stack, tmp_path):
         redis.Redis.from_url(redis_url).flushdb()
 
 
-def _wait(predicate, timeout_s: float = 90.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_worker_detects_drift_and_delivers_with_retries(worker, engine, receiver, tmp_path):
     start = (utcnow() - timedelta(minutes=10)).replace(second=0, microsecond=0)
     with Session(engine) as session:
@@ -128,10 +117,10 @@ def test_worker_detects_drift_and_delivers_with_retries(worker, engine, receiver
     alert_id = fired[0].id
 
     # The worker enqueued the delivery after its commit; the receiver fails twice, then takes it.
-    _wait(lambda: len(receiver.requests) >= 3, what="three delivery attempts")
+    wait_until(lambda: len(receiver.requests) >= 3, 90, "three delivery attempts")
     with Session(engine) as session:
-        _wait(lambda: session.scalars(select(AlertDelivery).where(
-            AlertDelivery.ok.is_(True))).first(), what="the successful attempt to be logged")
+        wait_until(lambda: session.scalars(select(AlertDelivery).where(
+            AlertDelivery.ok.is_(True))).first(), 90, "the successful attempt to be logged")
         log = session.scalars(select(AlertDelivery).where(
             AlertDelivery.alert_id == alert_id).order_by(AlertDelivery.id)).all()
     assert [(d.hook_id, d.event, d.attempt, d.status_code, d.ok) for d in log] == [

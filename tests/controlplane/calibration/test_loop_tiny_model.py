@@ -25,7 +25,8 @@ from runtime.engine import Engine, EngineConfig
 from runtime.model import tiny_llama
 from runtime.shipper import TelemetryShipper
 from runtime.thresholds_client import ThresholdClient
-from tests.runtime_link.conftest import ControlPlane, free_port, wait_until
+from tests.conftest import free_port, wait_until
+from tests.runtime_link.conftest import ControlPlane
 from workers.drift import DriftOptions, check_deployment
 
 pytestmark = [pytest.mark.integration,
