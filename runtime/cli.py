@@ -182,21 +182,34 @@ def bench(args) -> None:
               help="Threshold cache and telemetry spool.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True)
+@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="API keys, one per line; with keys (here or in EXITPLANE_RUNTIME_API_KEYS, "
+                   "comma-separated) every /v1 route needs 'Authorization: Bearer <key>'. "
+                   "/healthz, /readyz and /metrics stay open.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True,
+              help="Larger request bodies get 413 before they are parsed.")
+@click.option("--max-prompt-chars", default=None, type=click.IntRange(min=1),
+              help="Longer prompts get 413 before tokenizing (default: 32 x max_seq_len).")
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
-          port) -> None:
+          port, api_key_file, max_body_bytes, max_prompt_chars) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine."""
     import socket
 
     import uvicorn
 
     from runtime.engine import Engine, EngineConfig
+    from runtime.serve_guard import load_api_keys
     from runtime.server import build_state, create_serve_app
 
     _threads()
     if not control_plane and not thresholds_path:
         raise click.UsageError("give --control-plane (with --deployment and --token-file) or "
                                "--thresholds FILE")
+    try:
+        api_keys = load_api_keys(api_key_file)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
     token = Path(token_file).read_text().strip() if token_file else None
     if model_source == "tiny":
         from runtime.model import tiny_llama
@@ -216,9 +229,12 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     try:
         state = build_state(engine=engine, tokenizer=tokenizer, model_name=name,
                             control_plane=control_plane, deployment=deployment, token=token,
-                            state_dir=state_dir, max_queue=max_queue, static_thresholds=static)
+                            state_dir=state_dir, max_queue=max_queue, static_thresholds=static,
+                            api_keys=api_keys, max_body_bytes=max_body_bytes,
+                            max_prompt_chars=max_prompt_chars)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
-    click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}",
+    click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"
+               f" ({'API keys required' if api_keys else 'no API key: keep this port internal'})",
                err=True)
     uvicorn.run(create_serve_app(state), host=host, port=port, log_level="warning")

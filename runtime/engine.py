@@ -32,6 +32,17 @@ from runtime.kv import KVCache
 from runtime.model import DecoderParts, decoder_parts
 
 
+class StepFailed(RuntimeError):
+    """A step raised; the requests it names were dropped (slots freed), the rest carry on.
+
+    `request_ids` holds the one request whose prefill failed, or every request of the
+    failed decode batch: a decode error cannot be pinned on one row."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"step failed for {len(request_ids)} request(s)")
+        self.request_ids = request_ids
+
+
 def default_exit_layers(num_layers: int) -> list[int]:
     """Every 3rd layer from 6 (SmolLM2: 6, 9, ..., 27); tiny models: every 2nd from 2."""
     start, step = (6, 3) if num_layers >= 12 else (2, 2)
@@ -261,15 +272,24 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests, decode one token for every running request."""
+        """Admit waiting requests, decode one token for every running request.
+
+        Raises StepFailed naming the requests an exception dropped; the engine stays usable."""
         self._admit()
         if not self._running:
             return []
         requests = list(self._running.values())
         started = time.perf_counter()
         policy = self.policy  # read once: a swap lands between steps, never inside one
-        result = self._decode(requests, policy)
-        return self._finish(requests, result, policy, started)
+        try:
+            result = self._decode(requests, policy)
+            return self._finish(requests, result, policy, started)
+        except Exception as error:
+            # A half-run step leaves these rows' KV and pending state undefined: drop them
+            # (freeing their slots) rather than decode on from it.
+            for request in requests:
+                self.cancel(request.request_id)
+            raise StepFailed([r.request_id for r in requests]) from error
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 64,
                  stop_token_ids: Iterable[int] | None = None) -> list[list[int]]:
@@ -287,7 +307,11 @@ class Engine:
             request_id, request = self._waiting.popitem(last=False)
             request.slot = self.cache.allocate()
             self._running[request_id] = request
-            self._prefill(request)
+            try:
+                self._prefill(request)
+            except Exception as error:
+                self.cancel(request_id)
+                raise StepFailed([request_id]) from error
 
     def _prefill(self, request: Request) -> None:
         """Run prompt[:-1] through every layer; the last prompt token goes through `step`."""

@@ -9,6 +9,7 @@ the network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -30,36 +32,73 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from runtime.engine import StepFailed, StepOutput
+from runtime.serve_guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
 log = logging.getLogger("exitplane.serve")
 
 
 # -- request shapes (the subset of OpenAI's API that clients use) -------------------------------
 
+# Bounds the engine accepts; a value outside them is a 422 naming the field, never an error
+# from deep inside torch (a seed past 2**63-1 used to surface as "Overflow when unpacking").
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+SEED_MAX = 2**63 - 1
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     stream: bool = False
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     ignore_eos: bool = Field(default=False, description="extension: generate max_tokens tokens")
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters")
+        return stop
 
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if len(stops) > 4 or any(not s for s in stops):
-            raise HTTPException(422, "stop takes at most 4 non-empty strings")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _unsupported_logprobs(value: Any) -> Any:
+    if value:
+        raise ValueError("logprobs are not supported by this server")
+    return value
+
+
+_NoLogprobs = AfterValidator(_unsupported_logprobs)
 
 
 class CompletionRequest(_Base):
     prompt: str | list[str]
+    logprobs: Annotated[int | None, Field(ge=0, le=5), _NoLogprobs] = None
+    best_of: int | None = Field(default=None, ge=1, le=1)
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else "".join(self.prompt)
+
+    def prompt_chars(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, str) else sum(map(len, self.prompt))
 
 
 class ChatMessage(BaseModel):
@@ -69,8 +108,19 @@ class ChatMessage(BaseModel):
     content: str
 
 
+# what the chat template adds per message, roughly: counted so that many empty messages
+# cannot slip a huge render past the character check
+_MESSAGE_OVERHEAD_CHARS = 16
+
+
 class ChatRequest(_Base):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
+    logprobs: Annotated[bool | None, _NoLogprobs] = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=20), _NoLogprobs] = None
+
+    def prompt_chars(self) -> int:
+        return sum(len(m.content) + _MESSAGE_OVERHEAD_CHARS for m in self.messages)
 
 
 # -- the engine thread ------------------------------------------------------------------------
@@ -83,9 +133,30 @@ class _Job:
     exit_layers: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class JobError:
+    """What a request's queue gets instead of tokens when it failed: a status and a plain
+    message for the client (internal details go to the log only)."""
+
+    status: int
+    message: str
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is gone; only a restart brings it back."""
+
+
+ENGINE_FAILED = JobError(500, "the engine failed while generating this request; retry it")
+ENGINE_DEAD = JobError(503, "the engine stopped; this runtime needs a restart")
+
+
 class EngineWorker:
     """Owns the engine: admits and cancels requests between steps, runs steps while there is
-    work, and hands every token to its request's asyncio queue."""
+    work, and hands every token to its request's asyncio queue.
+
+    A step that raises fails the requests it names (or the whole batch) and the loop goes on;
+    anything that escapes the loop marks the worker dead, fails every open request with 503
+    and turns /healthz to 503, so that an orchestrator restarts the process."""
 
     def __init__(self, engine, *, max_queue: int, metrics: ServeMetrics) -> None:
         self.engine = engine
@@ -96,6 +167,7 @@ class EngineWorker:
         self._pending = 0  # accepted, not finished (read on the event loop)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.failure: str | None = None  # why the engine thread died, for the log and probes
         self._thread = threading.Thread(target=self._run, name="exitplane-engine", daemon=True)
 
     def start(self) -> None:
@@ -107,28 +179,38 @@ class EngineWorker:
         self._thread.join(timeout)
 
     @property
+    def alive(self) -> bool:
+        """The engine thread runs and has not died of an error."""
+        return self.failure is None and self._thread.is_alive()
+
+    @property
     def in_flight(self) -> int:
         return self._pending
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: list[int],
                sampling: dict) -> _Job:
-        """Queue a request; raises OverflowError when the bounded queue is full."""
-        with self._lock:
+        """Queue a request; raises OverflowError when the bounded queue is full and
+        EngineStopped when the engine thread is gone."""
+        job = _Job(f"cmpl-{uuid.uuid4().hex[:24]}", asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:  # the same lock the dying thread takes: no job slips past its sweep
+            if not self.alive:
+                raise EngineStopped(self.failure or "the engine is not running")
             if self._pending >= self.engine.config.max_batch + self.max_queue:
                 raise OverflowError
             self._pending += 1
-        job = _Job(f"cmpl-{uuid.uuid4().hex[:24]}", asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", job, prompt, max_tokens, stop_ids, sampling))
+            self._commands.put(("add", job, prompt, max_tokens, stop_ids, sampling))
         return job
 
     def cancel(self, job: _Job) -> None:
         self._commands.put(("cancel", job.request_id))
 
-    def _done(self, job: _Job, error: str | None = None) -> None:
+    def _done(self, job: _Job, error: JobError | None = None) -> None:
         with self._lock:
             self._pending -= 1
         self._jobs.pop(job.request_id, None)
-        job.loop.call_soon_threadsafe(job.out.put_nowait, ("error", error) if error else None)
+        if error is not None:
+            self.metrics.requests.labels("error").inc()
+        job.loop.call_soon_threadsafe(job.out.put_nowait, error)
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
@@ -138,8 +220,12 @@ class EngineWorker:
                 self.engine.add_request(prompt, request_id=job.request_id,
                                         max_new_tokens=max_tokens, stop_token_ids=stop_ids,
                                         **sampling)
-            except ValueError as error:
-                self._done(job, str(error))
+            except ValueError as error:  # the engine's own checks: what to change, in words
+                self._done(job, JobError(422, str(error)))
+                return
+            except Exception:
+                log.exception("engine refused request %s", job.request_id)
+                self._done(job, ENGINE_FAILED)
                 return
             self._jobs[job.request_id] = job
         elif kind == "cancel":
@@ -149,6 +235,12 @@ class EngineWorker:
                 self._done(job)
 
     def _run(self) -> None:
+        try:
+            self._serve_steps()
+        except BaseException as error:  # whatever killed the loop, say so and stay dead
+            self._die(error)
+
+    def _serve_steps(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_work
             try:
@@ -162,11 +254,18 @@ class EngineWorker:
             started = time.perf_counter()
             try:
                 outputs = self.engine.step()
-            except Exception as error:  # a broken step fails its requests, not the server
+            except StepFailed as failed:  # the engine dropped these rows; the rest go on
+                log.error("engine step failed for %s", failed.request_ids,
+                          exc_info=failed.__cause__)
+                for request_id in failed.request_ids:
+                    if (job := self._jobs.get(request_id)) is not None:
+                        self._done(job, ENGINE_FAILED)
+                continue
+            except Exception:  # not attributable: fail every running request
                 log.exception("engine step failed")
                 for job in list(self._jobs.values()):
                     self.engine.cancel(job.request_id)
-                    self._done(job, f"engine error: {type(error).__name__}")
+                    self._done(job, ENGINE_FAILED)
                 continue
             self.metrics.observe_step(outputs, time.perf_counter() - started)
             for output in outputs:
@@ -176,6 +275,25 @@ class EngineWorker:
                 job.loop.call_soon_threadsafe(job.out.put_nowait, output)
                 if output.finished:
                     self._done(job)
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every open request with 503 and stay dead: /healthz reports it."""
+        log.critical("the engine thread died; /healthz now answers 503", exc_info=error)
+        with self._lock:
+            self.failure = type(error).__name__
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            while True:  # requests queued but never admitted
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "add":
+                    jobs.append(command[1])
+            self._pending = 0
+        for job in jobs:
+            with contextlib.suppress(RuntimeError):  # that request's event loop is closed
+                job.loop.call_soon_threadsafe(job.out.put_nowait, ENGINE_DEAD)
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -217,35 +335,97 @@ class ServeMetrics:
 
 # -- text ----------------------------------------------------------------------------------
 
+class _StopMatcher:
+    """Knuth-Morris-Pratt over the generated text, fed only the characters each token adds:
+    finding a stop (and how much of the tail could still become one) costs O(new characters)
+    per token, however long the text and the stop string are."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0  # length of the longest suffix of the text that is a prefix of stop
+        self._fail = [0] * len(stop)  # KMP failure function
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._fail[i] = k
+
+    def feed(self, text: str) -> int | None:
+        """Advance over text; the index in it just past the first complete match, or None."""
+        stop, fail, k = self.stop, self._fail, self.state
+        for i, char in enumerate(text):
+            while k and char != stop[k]:
+                k = fail[k - 1]
+            if char == stop[k]:
+                k += 1
+                if k == len(stop):
+                    self.state = k
+                    return i + 1
+        self.state = k
+        return None
+
+
 class _Detokenizer:
-    """Incremental decoding that never emits half a UTF-8 character, and applies stops."""
+    """Incremental decoding that never emits half a UTF-8 character, and applies stops.
+
+    Each token decodes a short window of ids (from the last emitted boundary), not the whole
+    generation, so a token costs the same at position 10 and 4,000; callers run it off the
+    event loop (ServeState.text_pool)."""
+
+    MAX_PENDING = 8  # tokens held for an incomplete character before it is emitted as is
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
         self.tokenizer = tokenizer
-        self.stops = stops
+        self._matchers = [_StopMatcher(stop) for stop in stops]
         self.ids: list[int] = []
+        self._prefix_at = 0  # window start: one token before the unread ones (word spacing)
+        self._read_at = 0  # ids before this are in self.text
         self.emitted = 0
         self.text = ""
         self.stopped = False
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at != -1:
-                text = text[:at]
-                self.stopped = True
-        if text.endswith("\ufffd") and not self.stopped:
+        """The text delta this token releases ('' while a character or a stop is pending)."""
+        if self.stopped:
             return ""
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self._prefix_at:self._read_at])
+        window = self._decode(self.ids[self._prefix_at:])
+        new = window[len(prefix):]
+        pending = len(self.ids) - self._read_at
+        if (not new or new.endswith("\ufffd")) and pending < self.MAX_PENDING:
+            return ""
+        self._prefix_at, self._read_at = self._read_at, len(self.ids)
+        start = len(self.text)
+        self.text += new
+        cut = None
+        for matcher in self._matchers:
+            end = matcher.feed(new)
+            if end is not None:
+                at = start + end - len(matcher.stop)
+                cut = at if cut is None else min(cut, at)
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.stopped = True
         # Hold back a tail that could still become a stop string.
-        hold = 0 if self.stopped else max(
-            (n for stop in self.stops for n in range(len(stop) - 1, 0, -1)
-             if text.endswith(stop[:n])), default=0)
-        delta = text[self.emitted:len(text) - hold]
+        hold = 0 if self.stopped else max((m.state for m in self._matchers), default=0)
+        delta = self.text[self.emitted:len(self.text) - hold]
         self.emitted += len(delta)
-        self.text = text
         return delta
+
+    def push_many(self, tokens: list[int]) -> list[str]:
+        """push() each token until a stop matches; one delta per token pushed."""
+        deltas = []
+        for token in tokens:
+            if self.stopped:
+                break
+            deltas.append(self.push(token))
+        return deltas
 
     def finish(self) -> str:
         delta = self.text[self.emitted:]
@@ -267,6 +447,16 @@ class ServeState:
     default_max_tokens: int = 256
     shutdown_grace_s: float = 10.0
     accepting: bool = True
+    api_keys: tuple[str, ...] = ()  # empty: /v1 is open (loopback or an internal network)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_chars: int = 32_768  # checked before tokenizing
+    # Tokenizing and detokenizing run here, never on the event loop: a huge prompt or a slow
+    # decode must not stall every other stream. Prompts get their own pool so that a burst of
+    # long prompts cannot queue in front of the per-token work of running streams.
+    prompt_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        2, thread_name_prefix="exitplane-prompt"))
+    text_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        2, thread_name_prefix="exitplane-text"))
 
     @property
     def ready(self) -> bool:
@@ -274,6 +464,11 @@ class ServeState:
         # Ready once a set from the control plane or its cache is applied; the built-in
         # never-exit fallback serves, but is reported not ready.
         return self.accepting and (client is None or (client.ready and not client.degraded))
+
+
+def _error_body(message: str, status: int) -> dict:
+    return {"error": {"message": message, "code": status,
+                      "type": "invalid_request_error" if status < 500 else "server_error"}}
 
 
 def create_serve_app(state: ServeState) -> FastAPI:
@@ -285,24 +480,35 @@ def create_serve_app(state: ServeState) -> FastAPI:
 
     app = FastAPI(title="exitplane runtime", lifespan=lifespan)
     app.state.serve = state
+    app.add_middleware(RequestGuard, api_keys=state.api_keys,
+                       max_body_bytes=state.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse(status_code=422, content={"error": {
-            "message": f"{where}: {first.get('msg')}", "type": "invalid_request_error"}})
+        return JSONResponse(status_code=422,
+                            content=_error_body(f"{where}: {first.get('msg')}", 422))
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(status_code=error.status_code, headers=error.headers,
-                            content={"error": {"message": error.detail,
-                                               "type": "invalid_request_error"
-                                               if error.status_code < 500 else "server_error"}})
+                            content=_error_body(error.detail, error.status_code))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, _error: Exception) -> JSONResponse:
+        # The traceback goes to the log (Starlette re-raises after this); the client gets
+        # no internal text.
+        return JSONResponse(status_code=500, content=_error_body(
+            "internal error while serving this request; see the runtime's log", 500))
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
+    async def healthz() -> JSONResponse:
+        """Liveness: 503 once the engine thread is gone, so an orchestrator restarts us."""
+        if state.worker.alive:
+            return JSONResponse({"status": "ok", "engine": "running"})
+        return JSONResponse({"status": "unhealthy", "engine": "stopped",
+                             "reason": state.worker.failure or "stopped"}, status_code=503)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -324,22 +530,44 @@ def create_serve_app(state: ServeState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt if isinstance(body.prompt, str) else "".join(body.prompt)
+        _check_prompt_chars(state, body)
+        prompt = body.prompt_text()
         if not prompt:
             raise HTTPException(422, "prompt must not be empty")
-        ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = await _off_loop(state.prompt_pool, _encode, state.tokenizer, prompt)
         return await _serve(state, request, body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        _check_prompt_chars(state, body)
         messages = [m.model_dump() for m in body.messages]
-        ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=True)
-        if not isinstance(ids, list):  # newer tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        return await _serve(state, request, body, list(ids), chat=True)
+        ids = await _off_loop(state.prompt_pool, _encode_chat, state.tokenizer, messages)
+        return await _serve(state, request, body, ids, chat=True)
 
     return app
+
+
+def _check_prompt_chars(state: ServeState, body: CompletionRequest | ChatRequest) -> None:
+    chars = body.prompt_chars()
+    if chars > state.max_prompt_chars:
+        raise HTTPException(413, f"the prompt is {chars} characters; this server takes at most "
+                                 f"{state.max_prompt_chars} (exitplane runtime serve "
+                                 "--max-prompt-chars)")
+
+
+async def _off_loop(pool: ThreadPoolExecutor, function, *args):
+    return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # newer tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def _refresh_gauges(state: ServeState) -> None:
@@ -358,7 +586,8 @@ async def _serve(state: ServeState, request: Request, body: _Base, prompt: list[
     if not prompt:
         raise HTTPException(422, "the prompt encodes to no tokens")
     stops = body.stops()
-    max_tokens = body.max_tokens or state.default_max_tokens
+    max_tokens = (body.max_tokens or getattr(body, "max_completion_tokens", None)
+                  or state.default_max_tokens)
     sampling = {} if body.temperature == 0 else {
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
     try:
@@ -370,6 +599,8 @@ async def _serve(state: ServeState, request: Request, body: _Base, prompt: list[
         state.metrics.requests.labels("rejected").inc()
         raise HTTPException(429, "the server is at capacity; retry shortly",
                             headers={"Retry-After": "1"}) from None
+    except EngineStopped:
+        raise HTTPException(ENGINE_DEAD.status, ENGINE_DEAD.message) from None
     detok = _Detokenizer(state.tokenizer, stops)
     created = int(time.time())
     if body.stream:
@@ -408,32 +639,45 @@ def _extension(state: ServeState, job: _Job) -> dict:
 
 async def _tokens(state: ServeState, request: Request, job: _Job,
                   detok: _Detokenizer) -> AsyncIterator[tuple[str, Any]]:
-    """Yield ("token", text delta) per token, then ("finish", reason); cancels on disconnect."""
+    """Yield ("token", text delta) per token, then ("finish", reason); cancels on disconnect.
+
+    Raises HTTPException when the engine failed the request or died."""
+    eos_ids = state.engine.parts.eos_token_ids
     try:
         while True:
             try:
                 item = await asyncio.wait_for(job.out.get(), timeout=1.0)
             except TimeoutError:
+                if not state.worker.alive:  # belt and braces: never wait on a dead engine
+                    raise HTTPException(ENGINE_DEAD.status, ENGINE_DEAD.message) from None
                 if await request.is_disconnected():
                     state.worker.cancel(job)
                     return
                 continue
-            if item is None:
+            # Tokens that arrived together are detokenized in one trip to the text pool.
+            items = [item]
+            while isinstance(item, StepOutput) and not job.out.empty():
+                item = job.out.get_nowait()
+                items.append(item)
+            outputs = [i for i in items if isinstance(i, StepOutput)]
+            deltas = await _off_loop(state.text_pool, detok.push_many,
+                                     [o.token for o in outputs]) if outputs else []
+            for output, delta in zip(outputs, deltas, strict=False):
+                job.exit_layers.append(output.record.exit_layer)
+                yield "token", delta
+                if detok.stopped or (output.finished and output.token in eos_ids):
+                    if not output.finished:
+                        state.worker.cancel(job)
+                    yield "finish", "stop"
+                    return
+                if output.finished:
+                    yield "finish", "length"
+                    return
+            last = items[-1]
+            if isinstance(last, JobError):
+                raise HTTPException(last.status, last.message)
+            if last is None:
                 yield "finish", "stop" if detok.stopped else "length"
-                return
-            if isinstance(item, tuple):
-                raise HTTPException(422, item[1])
-            job.exit_layers.append(item.record.exit_layer)
-            delta = detok.push(item.token)
-            is_eos = item.token in state.engine.parts.eos_token_ids and item.finished
-            yield "token", delta
-            if detok.stopped or (item.finished and is_eos):
-                if not item.finished:
-                    state.worker.cancel(job)
-                yield "finish", "stop"
-                return
-            if item.finished:
-                yield "finish", "length"
                 return
     except asyncio.CancelledError:
         state.worker.cancel(job)
@@ -474,7 +718,11 @@ async def _stream(state, request, job, detok, body, prompt, created, chat, max_t
         state.metrics.requests.labels("ok").inc()
         yield "data: [DONE]\n\n"
     except HTTPException as error:
-        yield f"data: {json.dumps({'error': {'message': error.detail}})}\n\n"
+        yield f"data: {json.dumps(_error_body(error.detail, error.status_code))}\n\n"
+    except Exception:  # headers are sent: end the stream with an error event, never hang
+        log.exception("stream %s failed", job.request_id)
+        state.worker.cancel(job)
+        yield (f"data: {json.dumps(_error_body(ENGINE_FAILED.message, 500))}\n\n")
 
 
 async def _shutdown(state: ServeState) -> None:
@@ -487,6 +735,8 @@ async def _shutdown(state: ServeState) -> None:
     for job in list(state.worker._jobs.values()):
         state.worker.cancel(job)
     await asyncio.to_thread(state.worker.stop)
+    state.prompt_pool.shutdown(wait=False, cancel_futures=True)
+    state.text_pool.shutdown(wait=False, cancel_futures=True)
     if state.thresholds is not None:
         await asyncio.to_thread(state.thresholds.stop)
     if state.shipper is not None:
@@ -498,9 +748,14 @@ async def _shutdown(state: ServeState) -> None:
 def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None,
                 deployment: str | None, token: str | None, state_dir, max_queue: int = 64,
                 static_thresholds=None, default_max_tokens: int = 256,
-                shutdown_grace_s: float = 10.0, long_poll_s: float = 30.0) -> ServeState:
+                shutdown_grace_s: float = 10.0, long_poll_s: float = 30.0,
+                api_keys: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                max_prompt_chars: int | None = None) -> ServeState:
     """Start the engine thread, and the threshold client and shipper when a control plane is
-    given; with a static set instead, apply it and serve offline."""
+    given; with a static set instead, apply it and serve offline.
+
+    max_prompt_chars defaults to 32 characters per token of the engine's max_seq_len: more
+    than any real tokenizer packs, so only prompts that could never fit are refused unread."""
     from pathlib import Path
 
     metrics = ServeMetrics(engine.parts.num_layers)
@@ -527,4 +782,6 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
     worker.start()
     return ServeState(engine=engine, tokenizer=tokenizer, model_name=model_name, worker=worker,
                       metrics=metrics, thresholds=thresholds, shipper=shipper,
-                      default_max_tokens=default_max_tokens, shutdown_grace_s=shutdown_grace_s)
+                      default_max_tokens=default_max_tokens, shutdown_grace_s=shutdown_grace_s,
+                      api_keys=tuple(api_keys), max_body_bytes=max_body_bytes,
+                      max_prompt_chars=max_prompt_chars or 32 * engine.config.max_seq_len)

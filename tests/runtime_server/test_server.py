@@ -7,55 +7,20 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
-import uvicorn
 
 from exitplane.wire import ThresholdSetWire
-from runtime.engine import Engine, EngineConfig
-from runtime.model import tiny_llama
-from runtime.server import build_state, create_serve_app
+from runtime.server import build_state
 from runtime.testing import ascii_tokenizer
 from tests.conftest import free_port
-
-EXIT_LAYERS = [2, 4]
-
-
-class Served:
-    def __init__(self, state, url: str, server) -> None:
-        self.state, self.url, self.server = state, url, server
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-def _serve(state) -> Iterator[Served]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_serve_app(state), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield Served(state, f"http://127.0.0.1:{port}", server)
-    server.should_exit = True
-    thread.join(timeout=30)
-
-
-def _engine(max_batch: int = 4, **config) -> Engine:
-    return Engine(tiny_llama(seed=3), exit_layers=EXIT_LAYERS,
-                  config=EngineConfig(max_batch=max_batch, max_seq_len=256, **config))
-
-
-def never_exit() -> ThresholdSetWire:
-    return ThresholdSetWire.never_exit(deployment="local", signal="maxprob",
-                                       exit_layers=EXIT_LAYERS)
+from tests.runtime_server.serving import EXIT_LAYERS, Served, tiny_state
+from tests.runtime_server.serving import serve as _serve
+from tests.runtime_server.serving import tiny_engine as _engine
 
 
 @pytest.fixture
 def served() -> Iterator[Served]:
-    state = build_state(engine=_engine(), tokenizer=ascii_tokenizer(), model_name="tiny-llama",
-                        control_plane=None, deployment=None, token=None, state_dir=None,
-                        static_thresholds=never_exit(), max_queue=8)
-    yield from _serve(state)
+    yield from _serve(tiny_state())
 
 
 def test_completion_and_chat_with_usage_and_extension(served):
@@ -147,9 +112,7 @@ def test_bad_requests_get_4xx_with_a_message(served):
 
 
 def test_cancellation_frees_the_slot_and_overload_gets_429():
-    state = build_state(engine=_engine(max_batch=1), tokenizer=ascii_tokenizer(),
-                        model_name="t", control_plane=None, deployment=None, token=None,
-                        state_dir=None, static_thresholds=never_exit(), max_queue=0)
+    state = tiny_state(engine=_engine(max_batch=1), max_queue=0)
     for served in _serve(state):
         with httpx.stream("POST", f"{served.url}/v1/completions", json={
                 "prompt": "long", "max_tokens": 200, "stream": True, "temperature": 0,

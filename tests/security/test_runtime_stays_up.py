@@ -1,0 +1,189 @@
+"""Issue #13 point 2: the runtime server stays up and honest. A fault injected inside an engine
+step fails only the request(s) it belongs to, with a plain 5xx (or an error event on a stream)
+and no internal text; the engine thread serves the next request; a dead engine thread turns
+/healthz to 503. All against the real server on a uvicorn port with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.conftest import wait_until
+from tests.runtime_server.serving import served_on_a_port, tiny_state
+
+POISON = "POISON"
+INTERNAL = "device-side assert at /build/secret/kernel.cu:42"
+
+
+def _is_poison(request) -> bool:
+    return request.prompt == [ord(c) for c in POISON]  # the ASCII tokenizer: id = code
+
+
+class EngineKilled(BaseException):
+    """Escapes `except Exception`, as a fatal error in the engine thread would."""
+
+
+def _stream_lines(url: str, body: dict, into: list[str], done: threading.Event) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    into.append(line)
+    finally:
+        done.set()
+
+
+def _long_stream(url: str, lines: list[str]) -> threading.Event:
+    done = threading.Event()
+    threading.Thread(target=_stream_lines, daemon=True, args=(url, {
+        "prompt": "steady", "max_tokens": 200, "temperature": 0, "ignore_eos": True},
+        lines, done)).start()
+    wait_until(lambda: len(lines) >= 3, 30, "the long stream to start")
+    return done
+
+
+def _events(lines: list[str]) -> list:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+
+def _slow_steps(engine, seconds: float = 0.01) -> None:
+    """Keep a 200-token stream running for a couple of seconds (the tiny model is fast)."""
+    import time
+
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow
+
+
+def _assert_plain_error(response: httpx.Response, status: int) -> None:
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    assert INTERNAL not in message and "Error" not in message and "Traceback" not in message
+
+
+def test_a_fault_in_one_requests_prefill_fails_that_request_only():
+    state = tiny_state()
+    engine = state.engine
+    prefill = engine._prefill
+
+    def faulty_prefill(request):
+        if _is_poison(request):
+            raise RuntimeError(INTERNAL)
+        return prefill(request)
+
+    engine._prefill = faulty_prefill
+    _slow_steps(engine)
+    with served_on_a_port(state) as served:
+        lines: list[str] = []
+        done = _long_stream(served.url, lines)
+
+        failed = httpx.post(f"{served.url}/v1/completions",
+                            json={"prompt": POISON, "max_tokens": 4}, timeout=30)
+        _assert_plain_error(failed, 500)
+        with httpx.stream("POST", f"{served.url}/v1/completions", timeout=30, json={
+                "prompt": POISON, "max_tokens": 4, "stream": True}) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines() if line]
+        assert [set(e) for e in events] == [{"error"}]  # one error event, then the end
+        assert INTERNAL not in events[0]["error"]["message"]
+
+        assert done.wait(60), "the concurrent stream hung"
+        streamed = _events(lines)
+        assert streamed[-1] == "[DONE]"  # the other stream was not touched
+        assert streamed[-2]["usage"]["completion_tokens"] == 200
+        after = httpx.post(f"{served.url}/v1/completions",
+                           json={"prompt": "next", "max_tokens": 5, "temperature": 0})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
+        assert httpx.get(f"{served.url}/healthz").status_code == 200
+
+
+def test_a_fault_in_a_decode_step_fails_that_batch_and_the_engine_serves_on():
+    state = tiny_state()
+    engine = state.engine
+    decode = engine._decode
+
+    def faulty_decode(requests, policy):
+        if any(_is_poison(r) for r in requests):
+            raise RuntimeError(INTERNAL)
+        return decode(requests, policy)
+
+    engine._decode = faulty_decode
+    _slow_steps(engine)
+    with served_on_a_port(state) as served:
+        lines: list[str] = []
+        done = _long_stream(served.url, lines)
+        failed = httpx.post(f"{served.url}/v1/completions",
+                            json={"prompt": POISON, "max_tokens": 4}, timeout=30)
+        _assert_plain_error(failed, 500)
+        # The stream shared the failed step: it ends with an error event instead of hanging.
+        assert done.wait(30), "the stream in the failed batch hung"
+        last = _events(lines)[-1]
+        assert set(last) == {"error"} and last["error"]["code"] == 500
+        assert INTERNAL not in last["error"]["message"]
+
+        after = httpx.post(f"{served.url}/v1/completions",
+                           json={"prompt": "next", "max_tokens": 5, "temperature": 0})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
+        assert httpx.get(f"{served.url}/healthz").json()["engine"] == "running"
+
+
+def test_a_dead_engine_thread_turns_healthz_to_503_and_fails_requests_fast():
+    state = tiny_state()
+    engine = state.engine
+    decode = engine._decode
+
+    def fatal_decode(requests, policy):
+        if any(_is_poison(r) for r in requests):
+            raise EngineKilled("the engine thread is gone")
+        return decode(requests, policy)
+
+    engine._decode = fatal_decode
+    _slow_steps(engine)
+    with served_on_a_port(state) as served:
+        assert httpx.get(f"{served.url}/healthz").status_code == 200
+        lines: list[str] = []
+        done = _long_stream(served.url, lines)
+        killed = httpx.post(f"{served.url}/v1/completions",
+                            json={"prompt": POISON, "max_tokens": 4}, timeout=30)
+        assert killed.status_code == 503, killed.text
+        assert done.wait(30), "a stream hung on the dead engine"
+        assert _events(lines)[-1]["error"]["code"] == 503
+
+        health = httpx.get(f"{served.url}/healthz")
+        assert health.status_code == 503 and health.json()["engine"] == "stopped"
+        later = httpx.post(f"{served.url}/v1/completions",
+                           json={"prompt": "hello", "max_tokens": 4}, timeout=10)
+        _assert_plain_error(later, 503)
+        assert "restart" in later.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("seed", 2**64), ("seed", -1), ("n", 2), ("temperature", 7.5), ("top_p", 0),
+    ("max_tokens", 10**12), ("logprobs", 3), ("presence_penalty", 1e9), ("best_of", 4)])
+def test_every_numeric_field_is_bounded_with_a_422_naming_it(field, value):
+    with served_on_a_port(tiny_state()) as served:
+        response = httpx.post(f"{served.url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 3, "temperature": 1.0, field: value})
+        assert response.status_code == 422, response.text
+        message = response.json()["error"]["message"]
+        assert message.startswith(f"{field}: ") and "Overflow" not in message
+        chat = httpx.post(f"{served.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+            "temperature": 1.0, field: value})
+        if field not in ("logprobs", "best_of"):  # chat's logprobs is a flag; no best_of
+            assert chat.status_code == 422 and field in chat.json()["error"]["message"]
+        assert httpx.get(f"{served.url}/healthz").status_code == 200
+
+
+def test_the_largest_seed_still_samples():
+    with served_on_a_port(tiny_state()) as served:
+        response = httpx.post(f"{served.url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 3, "temperature": 1.0, "seed": 2**63 - 1})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
