@@ -183,6 +183,7 @@ def bench(args) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True)
 @click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              envvar="EXITPLANE_RUNTIME_API_KEY_FILE",
               help="API keys, one per line; with keys (here or in EXITPLANE_RUNTIME_API_KEYS, "
                    "comma-separated) every /v1 route needs 'Authorization: Bearer <key>'. "
                    "/healthz, /readyz and /metrics stay open.")

@@ -92,8 +92,12 @@ def test_the_serve_command_takes_keys_from_a_file_and_the_environment(tmp_path):
         process.terminate()
         process.wait(30)
 
+    # The compose override names the file through the environment instead of the flag.
     key_file.write_text("# nothing but a comment\n")
-    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    without_flag = command[:command.index("--api-key-file")]
+    refused = subprocess.run(without_flag, env={**env, "EXITPLANE_RUNTIME_API_KEY_FILE":
+                                                 str(key_file)},
+                             capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "holds no API key" in refused.stderr
 
 
