@@ -588,6 +588,10 @@ async def _serve(state: ServeState, request: Request, body: _Base, prompt: list[
     stops = body.stops()
     max_tokens = (body.max_tokens or getattr(body, "max_completion_tokens", None)
                   or state.default_max_tokens)
+    max_seq_len = state.engine.config.max_seq_len
+    if len(prompt) + max_tokens > max_seq_len:  # a 422 before a stream starts, not inside it
+        raise HTTPException(422, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                                 f"exceeds max_seq_len {max_seq_len}")
     sampling = {} if body.temperature == 0 else {
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
     try:

@@ -109,6 +109,9 @@ def test_bad_requests_get_4xx_with_a_message(served):
     too_long = httpx.post(f"{served.url}/v1/completions",
                           json={"prompt": "x" * 250, "max_tokens": 100})
     assert too_long.status_code == 422 and "max_seq_len" in too_long.json()["error"]["message"]
+    streamed = httpx.post(f"{served.url}/v1/completions",
+                          json={"prompt": "x" * 250, "max_tokens": 100, "stream": True})
+    assert streamed.status_code == 422  # refused before the stream starts
 
 
 def test_cancellation_frees_the_slot_and_overload_gets_429():

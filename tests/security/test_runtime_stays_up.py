@@ -187,3 +187,44 @@ def test_the_largest_seed_still_samples():
         response = httpx.post(f"{served.url}/v1/completions", json={
             "prompt": "x", "max_tokens": 3, "temperature": 1.0, "seed": 2**63 - 1})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("thresholds", [{2: 1.0, 4: 1.0}, {2: 0.3, 4: 0.0}],
+                         ids=["never-exit", "exits-with-lazy-kv"])
+def test_after_a_failed_step_the_engine_generates_what_a_fresh_one_does(thresholds):
+    """A step that dies half-way (some layers' KV written) drops its rows and frees their
+    slots; nothing stale leaks into the next request on those slots."""
+    from exitplane.wire import Signal
+    from runtime.engine import ExitPolicy, StepFailed
+    from tests.runtime_server.serving import tiny_engine
+
+    def engine_with_policy():
+        engine = tiny_engine(max_batch=2)
+        engine.set_thresholds(ExitPolicy(version=1, signal=Signal.maxprob,
+                                         thresholds=thresholds))
+        return engine
+
+    prompt = [ord(c) for c in "abc"]
+    expected = engine_with_policy().generate([prompt], max_new_tokens=12, stop_token_ids=[])
+    engine = engine_with_policy()
+    engine.add_request(prompt, request_id="a", max_new_tokens=30, stop_token_ids=[])
+    engine.add_request([ord(c) for c in "other"], request_id="b", max_new_tokens=30,
+                       stop_token_ids=[])
+    for _ in range(3):
+        engine.step()
+    layer = engine._layer
+    calls = []
+
+    def broken_layer(index, *args, **kwargs):
+        calls.append(index)
+        if len(calls) == 4:  # after three layers of this step wrote their KV
+            raise RuntimeError(INTERNAL)
+        return layer(index, *args, **kwargs)
+
+    engine._layer = broken_layer
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert sorted(failed.value.request_ids) == ["a", "b"]
+    assert not engine.has_work and engine.cache.free_slots == 2
+    engine._layer = layer
+    assert engine.generate([prompt], max_new_tokens=12, stop_token_ids=[]) == expected
