@@ -191,9 +191,11 @@ def bench(args) -> None:
               help="Larger request bodies get 413 before they are parsed.")
 @click.option("--max-prompt-chars", default=None, type=click.IntRange(min=1),
               help="Longer prompts get 413 before tokenizing (default: 32 x max_seq_len).")
+@click.option("--stuck-after-s", default=120.0, show_default=True,
+              help="/healthz answers 503 while one engine step has run longer than this.")
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
-          port, api_key_file, max_body_bytes, max_prompt_chars) -> None:
+          port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine."""
     import socket
 
@@ -232,7 +234,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
                             control_plane=control_plane, deployment=deployment, token=token,
                             state_dir=state_dir, max_queue=max_queue, static_thresholds=static,
                             api_keys=api_keys, max_body_bytes=max_body_bytes,
-                            max_prompt_chars=max_prompt_chars)
+                            max_prompt_chars=max_prompt_chars, stuck_after_s=stuck_after_s)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"

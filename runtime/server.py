@@ -158,8 +158,11 @@ class EngineWorker:
     anything that escapes the loop marks the worker dead, fails every open request with 503
     and turns /healthz to 503, so that an orchestrator restarts the process."""
 
-    def __init__(self, engine, *, max_queue: int, metrics: ServeMetrics) -> None:
+    def __init__(self, engine, *, max_queue: int, metrics: ServeMetrics,
+                 stuck_after_s: float = 120.0) -> None:
         self.engine = engine
+        self.stuck_after_s = stuck_after_s
+        self._step_started: float | None = None  # monotonic, while a step runs
         self.max_queue = max_queue
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -182,6 +185,15 @@ class EngineWorker:
     def alive(self) -> bool:
         """The engine thread runs and has not died of an error."""
         return self.failure is None and self._thread.is_alive()
+
+    @property
+    def stuck_for(self) -> float | None:
+        """Seconds the current step has run, when that is past stuck_after_s (a hung device
+        or a deadlock: the thread lives but serves nobody)."""
+        started = self._step_started
+        if started is None or time.monotonic() - started < self.stuck_after_s:
+            return None
+        return time.monotonic() - started
 
     @property
     def in_flight(self) -> int:
@@ -252,6 +264,7 @@ class EngineWorker:
             if not self.engine.has_work:
                 continue
             started = time.perf_counter()
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except StepFailed as failed:  # the engine dropped these rows; the rest go on
@@ -267,6 +280,8 @@ class EngineWorker:
                     self.engine.cancel(job.request_id)
                     self._done(job, ENGINE_FAILED)
                 continue
+            finally:
+                self._step_started = None
             self.metrics.observe_step(outputs, time.perf_counter() - started)
             for output in outputs:
                 job = self._jobs.get(output.request_id)
@@ -504,11 +519,16 @@ def create_serve_app(state: ServeState) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        """Liveness: 503 once the engine thread is gone, so an orchestrator restarts us."""
-        if state.worker.alive:
-            return JSONResponse({"status": "ok", "engine": "running"})
-        return JSONResponse({"status": "unhealthy", "engine": "stopped",
-                             "reason": state.worker.failure or "stopped"}, status_code=503)
+        """Liveness: 503 once the engine thread is gone or one step has hung past
+        stuck_after_s, so that an orchestrator restarts the process."""
+        worker = state.worker
+        if not worker.alive:
+            return JSONResponse({"status": "unhealthy", "engine": "stopped",
+                                 "reason": worker.failure or "stopped"}, status_code=503)
+        if (stuck := worker.stuck_for) is not None:
+            return JSONResponse({"status": "unhealthy", "engine": "stuck",
+                                 "reason": f"one step has run {stuck:.0f} s"}, status_code=503)
+        return JSONResponse({"status": "ok", "engine": "running"})
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -754,12 +774,14 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                 static_thresholds=None, default_max_tokens: int = 256,
                 shutdown_grace_s: float = 10.0, long_poll_s: float = 30.0,
                 api_keys: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                max_prompt_chars: int | None = None) -> ServeState:
+                max_prompt_chars: int | None = None,
+                stuck_after_s: float = 120.0) -> ServeState:
     """Start the engine thread, and the threshold client and shipper when a control plane is
     given; with a static set instead, apply it and serve offline.
 
     max_prompt_chars defaults to 32 characters per token of the engine's max_seq_len: more
-    than any real tokenizer packs, so only prompts that could never fit are refused unread."""
+    than any real tokenizer packs, so only prompts that could never fit are refused unread.
+    A step running longer than stuck_after_s turns /healthz to 503."""
     from pathlib import Path
 
     metrics = ServeMetrics(engine.parts.num_layers)
@@ -782,7 +804,8 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                                      long_poll_s=long_poll_s, telemetry=shipper).start()
     elif static_thresholds is not None:
         engine.set_thresholds(static_thresholds)
-    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics)
+    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics,
+                          stuck_after_s=stuck_after_s)
     worker.start()
     return ServeState(engine=engine, tokenizer=tokenizer, model_name=model_name, worker=worker,
                       metrics=metrics, thresholds=thresholds, shipper=shipper,

@@ -228,3 +228,33 @@ def test_after_a_failed_step_the_engine_generates_what_a_fresh_one_does(threshol
     assert not engine.has_work and engine.cache.free_slots == 2
     engine._layer = layer
     assert engine.generate([prompt], max_new_tokens=12, stop_token_ids=[]) == expected
+
+
+def test_a_hung_step_turns_healthz_to_503_until_it_returns():
+    state = tiny_state(stuck_after_s=0.5)
+    engine = state.engine
+    step, release, entered = engine.step, threading.Event(), threading.Event()
+
+    def hanging_step():
+        if any(_is_poison(r) for r in engine._waiting.values()):
+            entered.set()
+            release.wait(60)  # a device that stopped answering
+        return step()
+
+    engine.step = hanging_step
+    with served_on_a_port(state) as served:
+        answer: list[httpx.Response] = []
+        thread = threading.Thread(daemon=True, target=lambda: answer.append(httpx.post(
+            f"{served.url}/v1/completions", json={"prompt": POISON, "max_tokens": 3},
+            timeout=60)))
+        thread.start()
+        try:
+            assert entered.wait(30)
+            stuck = wait_until(lambda: (r := httpx.get(f"{served.url}/healthz")).status_code
+                               == 503 and r, 30, "/healthz to report the hung step")
+            assert stuck.json()["engine"] == "stuck"
+        finally:
+            release.set()
+        thread.join(60)
+        assert answer[0].status_code == 200
+        assert httpx.get(f"{served.url}/healthz").status_code == 200
