@@ -126,7 +126,10 @@ def test_the_default_body_limit_is_one_mebibyte():
     with served_on_a_port(tiny_state(max_prompt_chars=10**7)) as served:
         over = httpx.post(f"{served.url}/v1/completions",
                           json={"prompt": "x" * (1 << 20), "max_tokens": 2})
-        assert over.status_code == 413
+        assert over.status_code == 413 and "over 1048576 bytes" in over.json()["error"]["message"]
+        under = httpx.post(f"{served.url}/v1/completions",
+                           json={"prompt": "x" * 200_000, "max_tokens": 2})
+        assert under.status_code == 422  # read and tokenized: too many tokens for the model
 
 
 def test_a_prompt_over_the_character_limit_is_refused_unread():
