@@ -205,6 +205,47 @@ def test_tokenizing_a_huge_prompt_does_not_stall_a_concurrent_stream():
         assert lines[-1] == "data: [DONE]"
 
 
+class GatedDecoder:
+    """The real tokenizer whose next decode, once armed, waits until the test releases it."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.armed, self.entered, self.release = False, threading.Event(), threading.Event()
+
+    def decode(self, ids, **kwargs):
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.release.wait(60)
+        return self._tokenizer.decode(ids, **kwargs)
+
+    def __call__(self, text, **kwargs):
+        return self._tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_detokenizing_runs_off_the_event_loop():
+    tokenizer = GatedDecoder(ascii_tokenizer())
+    with served_on_a_port(tiny_state(tokenizer=tokenizer)) as served:
+        tokenizer.armed = True
+        answer: list[httpx.Response] = []
+        thread = threading.Thread(daemon=True, target=lambda: answer.append(httpx.post(
+            f"{served.url}/v1/completions", timeout=90, json={
+                "prompt": "abc", "max_tokens": 4, "ignore_eos": True, "temperature": 0})))
+        thread.start()
+        try:
+            assert tokenizer.entered.wait(30), "nothing was detokenized"
+            # a decode is stuck: the event loop still answers
+            assert httpx.get(f"{served.url}/healthz", timeout=20).status_code == 200
+        finally:
+            tokenizer.release.set()
+        thread.join(60)
+        assert answer[0].status_code == 200 and answer[0].json()["usage"][
+            "completion_tokens"] == 4
+
+
 def test_stop_strings_are_capped_in_count_and_length():
     with served_on_a_port(tiny_state()) as served:
         too_long = httpx.post(f"{served.url}/v1/completions", json={
