@@ -193,9 +193,13 @@ def bench(args) -> None:
               help="Longer prompts get 413 before tokenizing (default: 32 x max_seq_len).")
 @click.option("--stuck-after-s", default=120.0, show_default=True,
               help="/healthz answers 503 while one engine step has run longer than this.")
+@click.option("--engine-death-exit-s", default=15.0, show_default=True,
+              help="After the engine thread dies, answer 503 this long, then exit with status "
+                   "3 so that a restart policy brings the runtime back (negative: never exit).")
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
-          port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s) -> None:
+          port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s,
+          engine_death_exit_s) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine."""
     import socket
 
@@ -203,7 +207,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
 
     from runtime.engine import Engine, EngineConfig
     from runtime.serve_guard import load_api_keys
-    from runtime.server import build_state, create_serve_app
+    from runtime.server import build_state, create_serve_app, exit_when_engine_dies
 
     _threads()
     if not control_plane and not thresholds_path:
@@ -240,4 +244,12 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"
                f" ({'API keys required' if api_keys else 'no API key: keep this port internal'})",
                err=True)
-    uvicorn.run(create_serve_app(state), host=host, port=port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(create_serve_app(state), host=host, port=port,
+                                           log_level="warning"))
+    if engine_death_exit_s >= 0:
+        exit_when_engine_dies(state, server, grace_s=engine_death_exit_s)
+    server.run()
+    if state.worker.failure is not None:
+        click.echo(f"exitplane runtime: the engine thread died ({state.worker.failure}); "
+                   "exiting for a restart", err=True)
+        sys.exit(3)

@@ -767,6 +767,25 @@ async def _shutdown(state: ServeState) -> None:
         await asyncio.to_thread(state.shipper.close, 30.0)
 
 
+def exit_when_engine_dies(state: ServeState, server, *, grace_s: float) -> threading.Thread:
+    """After the engine thread dies, keep answering 503 for grace_s (probes and load balancers
+    see it), then stop the uvicorn server so that the process exits and a plain restart policy
+    (docker compose `restart:`) brings it back; Docker alone never restarts on unhealthy."""
+
+    def watch() -> None:
+        while state.worker.failure is None:
+            if not state.accepting:  # a normal shutdown
+                return
+            time.sleep(0.2)
+        time.sleep(grace_s)
+        log.critical("exiting: the engine thread died (%s)", state.worker.failure)
+        server.should_exit = True
+
+    thread = threading.Thread(target=watch, name="exitplane-engine-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 # -- wiring and the command ----------------------------------------------------------------
 
 def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None,

@@ -11,6 +11,7 @@ import threading
 import httpx
 import pytest
 
+from runtime.server import exit_when_engine_dies
 from tests.conftest import wait_until
 from tests.runtime_server.serving import served_on_a_port, tiny_state
 
@@ -258,3 +259,30 @@ def test_a_hung_step_turns_healthz_to_503_until_it_returns():
         thread.join(60)
         assert answer[0].status_code == 200
         assert httpx.get(f"{served.url}/healthz").status_code == 200
+
+
+def test_after_the_engine_dies_the_server_stops_so_a_restart_policy_revives_it():
+    state = tiny_state()
+    engine = state.engine
+    step = engine.step
+
+    def fatal_step():
+        if any(_is_poison(r) for r in engine._waiting.values()):
+            raise EngineKilled("gone")
+        return step()
+
+    engine.step = fatal_step
+    with served_on_a_port(state) as served:
+        exit_when_engine_dies(state, served.server, grace_s=1.0)
+        assert httpx.post(f"{served.url}/v1/completions",
+                          json={"prompt": POISON, "max_tokens": 2}).status_code == 503
+        assert httpx.get(f"{served.url}/healthz").status_code == 503  # during the grace
+        wait_until(lambda: served.server.should_exit, 30, "the server to be told to exit")
+
+
+def test_a_normal_shutdown_does_not_count_as_engine_death():
+    state = tiny_state()
+    with served_on_a_port(state) as served:
+        watcher = exit_when_engine_dies(state, served.server, grace_s=0.0)
+    watcher.join(10)
+    assert not watcher.is_alive() and state.worker.failure is None
