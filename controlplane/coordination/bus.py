@@ -50,8 +50,11 @@ def notify_after_commit(*, session: Session, topic: str, message: str) -> None:
     if topic not in TOPICS:
         raise ValueError(f"unknown notification topic {topic!r}")
     if topic in EPOCH_TOPICS:
-        session.execute(update(Epoch).where(Epoch.topic == topic)
-                        .values(epoch=Epoch.epoch + 1))
+        bumped = session.execute(update(Epoch).where(Epoch.topic == topic)
+                                 .values(epoch=Epoch.epoch + 1))
+        if bumped.rowcount == 0:  # the migration seeds the row; recreate it if it went
+            session.add(Epoch(topic=topic, epoch=1))
+            session.flush()
     session.info.setdefault("notify_after_commit", []).append((topic, message))
 
 
