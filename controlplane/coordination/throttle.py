@@ -1,10 +1,10 @@
 """Sign-in throttling: failures counted per (username, client address), exponential backoff.
 
-The first `FREE_FAILURES` failures of a pair cost nothing; each further one locks that pair for
-BASE_S x 2^(n - FREE_FAILURES - 1) seconds, at most MAX_LOCK_S. A pair's count is forgotten
-FORGET_S after its last failure; a success forgets only that pair. Keying by the address as well
-means an attacker elsewhere cannot lock the admin out, and nothing clears every entry at once,
-so an attacker cannot reset the counts by flooding.
+The first FREE_FAILURES - 1 failures of a pair cost nothing; the n-th from then on locks that
+pair for BASE_S x 2^(n - FREE_FAILURES) seconds (2, 4, 8 ... s), at most MAX_LOCK_S. A pair's
+count is forgotten FORGET_S after its last failure; a success forgets only that pair. Keying
+by the address as well means an attacker elsewhere cannot lock the admin out, and nothing
+clears every entry at once, so an attacker cannot reset the counts by flooding.
 
 With Redis configured the counts live there (every API process sees the same); without it
 (the embedded default runs one API process) they live in the process.
@@ -18,8 +18,8 @@ import time
 
 import redis
 
-FREE_FAILURES = 3
-BASE_S = 1.0
+FREE_FAILURES = 5
+BASE_S = 2.0
 MAX_LOCK_S = 900.0
 FORGET_S = 86400.0
 KEY_PREFIX = "exitplane:signin:"
@@ -28,9 +28,9 @@ LOCAL_SOFT_CAP = 50_000
 
 def lock_seconds(failures: int) -> float:
     """How long the pair is locked after its `failures`-th failure."""
-    if failures <= FREE_FAILURES:
+    if failures < FREE_FAILURES:
         return 0.0
-    return min(MAX_LOCK_S, BASE_S * 2 ** min(failures - FREE_FAILURES - 1, 30))
+    return min(MAX_LOCK_S, BASE_S * 2 ** min(failures - FREE_FAILURES, 30))
 
 
 def _pair(username: str, address: str) -> str:
@@ -92,5 +92,5 @@ class SignInThrottle:
         """Bound memory by dropping pairs whose loss changes nothing an attacker could use:
         forgotten ones, and unlocked ones that had not passed their free failures."""
         for pair, (failures, locked_until, last) in list(self._local.items()):
-            if now - last > FORGET_S or (failures <= FREE_FAILURES and locked_until <= now):
+            if now - last > FORGET_S or (failures < FREE_FAILURES and locked_until <= now):
                 del self._local[pair]
