@@ -154,7 +154,7 @@ class TelemetryBatch(BaseModel):
 
     batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     deployment: str = Field(pattern=NAME_PATTERN)
-    runtime_id: str = Field(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)
+    runtime_id: str = Field(min_length=1, max_length=128)
     seq: int = Field(ge=0, le=INT63)
     num_layers: int = Field(ge=1, le=1024)
     records: list[TokenRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
