@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     # State shared across API processes (issues 13.4/13.6/13.7/13.8, 14.4): limits, revocation,
     # wake-ups and gauges go through Redis when configured, else the database / this process.
     revocation_poll_s: float = Field(default=0.5, gt=0)
-    rate_limit_heartbeat_per_s: float = Field(default=20.0, ge=0)
+    # Per token: a fleet sharing one token beats every 15 s, so 100/s serves ~1,500 runtimes.
+    rate_limit_heartbeat_per_s: float = Field(default=100.0, ge=0)
     max_runtimes_per_deployment: int = Field(default=5000, ge=1)
     metrics_cache_ttl_s: float = Field(default=2.0, ge=0)
     metrics_token: str = Field(default="", repr=False)

@@ -7,16 +7,20 @@ by the address as well means an attacker elsewhere cannot lock the admin out, an
 clears every entry at once, so an attacker cannot reset the counts by flooding.
 
 With Redis configured the counts live there (every API process sees the same); without it
-(the embedded default runs one API process) they live in the process.
+(the embedded default runs one API process) they live in the process. While Redis cannot be
+reached the process's own counts apply, so sign-in stays possible and still throttled.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 
 import redis
+
+log = logging.getLogger("exitplane.coordination")
 
 FREE_FAILURES = 5
 BASE_S = 2.0
@@ -50,8 +54,14 @@ class SignInThrottle:
         """Seconds before this pair may try again (0: now)."""
         pair = _pair(username, address)
         if self._client is not None:
-            remaining_ms = self._client.pttl(KEY_PREFIX + pair + ":lock")
-            return max(0.0, remaining_ms / 1000)
+            try:
+                remaining_ms = self._client.pttl(KEY_PREFIX + pair + ":lock")
+                return max(0.0, remaining_ms / 1000, self._local_lock(pair))
+            except (redis.RedisError, OSError) as error:
+                log.warning("shared sign-in throttle unavailable (%s)", type(error).__name__)
+        return self._local_lock(pair)
+
+    def _local_lock(self, pair: str) -> float:
         with self._lock:
             _, locked_until, _ = self._local.get(pair, (0, 0.0, 0.0))
         return max(0.0, locked_until - time.time())
@@ -60,13 +70,22 @@ class SignInThrottle:
         """Count a failure; returns the seconds the pair is now locked for."""
         pair = _pair(username, address)
         if self._client is not None:
-            count_key = KEY_PREFIX + pair + ":n"
-            with self._client.pipeline(transaction=True) as pipe:
-                failures, _ = pipe.incr(count_key).expire(count_key, int(FORGET_S)).execute()
-            wait = lock_seconds(int(failures))
-            if wait > 0:
-                self._client.set(KEY_PREFIX + pair + ":lock", "1", px=int(wait * 1000))
-            return wait
+            try:
+                return self._failed_shared(pair)
+            except (redis.RedisError, OSError) as error:
+                log.warning("shared sign-in throttle unavailable (%s)", type(error).__name__)
+        return self._failed_local(pair)
+
+    def _failed_shared(self, pair: str) -> float:
+        count_key = KEY_PREFIX + pair + ":n"
+        with self._client.pipeline(transaction=True) as pipe:
+            failures, _ = pipe.incr(count_key).expire(count_key, int(FORGET_S)).execute()
+        wait = lock_seconds(int(failures))
+        if wait > 0:
+            self._client.set(KEY_PREFIX + pair + ":lock", "1", px=int(wait * 1000))
+        return wait
+
+    def _failed_local(self, pair: str) -> float:
         now = time.time()
         with self._lock:
             failures, _, last = self._local.get(pair, (0, 0.0, now))
@@ -83,8 +102,10 @@ class SignInThrottle:
         """Forget this pair's failures (and only this pair's)."""
         pair = _pair(username, address)
         if self._client is not None:
-            self._client.delete(KEY_PREFIX + pair + ":n", KEY_PREFIX + pair + ":lock")
-            return
+            try:
+                self._client.delete(KEY_PREFIX + pair + ":n", KEY_PREFIX + pair + ":lock")
+            except (redis.RedisError, OSError) as error:
+                log.warning("shared sign-in throttle unavailable (%s)", type(error).__name__)
         with self._lock:
             self._local.pop(pair, None)
 

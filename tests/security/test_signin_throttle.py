@@ -106,3 +106,14 @@ def test_redis_throttle_backs_off_and_forgets_one_pair(private_redis):
     assert limiter.blocked_for("admin", ATTACKER[0]) > 3  # the other pair is untouched
     assert all(key.startswith(b"exitplane:signin:") and b"admin" not in key
                for key in client.keys("*"))  # neither names nor addresses in the keys
+
+
+def test_without_redis_reachable_the_process_still_throttles(private_redis):
+    import redis
+
+    limiter = SignInThrottle(redis.Redis.from_url(private_redis.url, socket_connect_timeout=0.5,
+                                                  socket_timeout=0.5))
+    private_redis.kill()
+    assert [limiter.failed("admin", ATTACKER[0]) for _ in range(5)] == [0, 0, 0, 0, 2]
+    assert limiter.blocked_for("admin", ATTACKER[0]) > 1
+    assert limiter.blocked_for("admin", ADMIN[0]) == 0
