@@ -61,7 +61,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     store_collector.bind(factory)  # /metrics reads alert-rule gauges from this store
     # Whatever limits, revokes or wakes up is shared by every API process (Redis, else the
     # store's epochs); see controlplane/coordination/.
-    app.state.bus = Bus(redis_url=settings.redis_url, session_factory=factory,
+    # Without Redis the bus polls the store's epochs, except on SQLite: the embedded default
+    # runs one API process (told in process), and every SQLite transaction takes the write
+    # lock; there a second process still honours the token cache's maximum age.
+    polled = factory if engine.dialect.name != "sqlite" else None
+    app.state.bus = Bus(redis_url=settings.redis_url, session_factory=polled,
                         epoch_poll_s=settings.revocation_poll_s)
     app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
     app.state.bus.subscribe("revocation", app.state.principal_cache.on_revocation)
