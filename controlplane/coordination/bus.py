@@ -109,6 +109,12 @@ class Bus:
         """True when other processes hear this one's notifications at once (Redis)."""
         return bool(self.redis_url)
 
+    @property
+    def listening(self) -> bool:
+        """True while this process hears every other process's notices at once (subscribed
+        to Redis); otherwise callers must re-read the store on their own schedule."""
+        return self.shared and self.subscribed.is_set()
+
     def subscribe(self, topic: str, listener: Listener) -> None:
         self._listeners[topic].append(listener)
 
@@ -178,7 +184,10 @@ class Bus:
                     topic = message["channel"].decode().removeprefix(CHANNEL_PREFIX)
                     self.deliver(topic, message["data"].decode())
             except (redis.RedisError, OSError) as error:
-                self.subscribed.clear()
+                if self.subscribed.is_set():
+                    self.subscribed.clear()
+                    # Wake whoever waits on a notice: until we are back they must re-read.
+                    self._reset_all()
                 log.warning("notification bus lost Redis (%s); reconnecting",
                             type(error).__name__)
                 self._stop.wait(1.0)

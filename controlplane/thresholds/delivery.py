@@ -5,8 +5,8 @@ The resolved state of a deployment (active set, canary set and fraction) is cach
 bus ("config" topic, after the commit): this process's cache is dropped and its long-polls
 wake at once. With Redis configured the same notice reaches every other API process through
 pub/sub, whether the move was made by an API replica or a Celery worker, so long-polls simply
-wait for it. Without Redis (one API process, workers elsewhere) a long-poll also re-reads the
-state every `ttl`, which is how moves made by a worker are seen.
+wait for it. Without Redis (one API process, workers elsewhere), or while Redis is away, a
+long-poll also re-reads the state every `ttl`, which is how moves made elsewhere are seen.
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ class ConfigDelivery:
                               timeout: float) -> DeliveryState:
         """Return as soon as this runtime's set differs from `etag`, or after `timeout`."""
         deadline = time.monotonic() + timeout
-        # With a shared bus every move wakes us; without it a worker's move is only seen by
-        # re-reading the store.
-        recheck = float("inf") if self._bus.shared else max(self._ttl, 0.05)
         while True:
+            # Subscribed to Redis, every move (any process, any worker) wakes us; otherwise a
+            # move made elsewhere is only seen by re-reading the store.
+            recheck = float("inf") if self._bus.listening else max(self._ttl, 0.05)
             wake = self._events.setdefault(name, asyncio.Event())
             state = await self.current(name)
             remaining = deadline - time.monotonic()

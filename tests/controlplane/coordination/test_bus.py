@@ -67,3 +67,57 @@ def test_other_processes_hear_through_redis_and_reset_after_an_outage(private_re
     finally:
         receiver.close()
         sender.close()
+
+
+def test_long_polls_reread_the_store_while_redis_is_away(settings, engine, tokens,
+                                                         private_redis, tmp_path):
+    """A move whose notice cannot travel (Redis is down) still reaches a waiting long-poll,
+    within the config cache's TTL, because the poll re-reads while not subscribed."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import create_app
+    from tests.reliability.processes import ROOT
+
+    app = create_app(settings.model_copy(update={"redis_url": private_redis.url,
+                                                 "config_cache_ttl_s": 0.2}), engine=engine)
+    admin = tokens.headers(tokens.admin)
+    with TestClient(app) as client:
+        wait_until(app.state.bus.subscribed.is_set, 10, "the bus to subscribe")
+        assert client.post("/v1/deployments", headers=admin, json={
+            "name": "chat", "model_ref": "m", "num_layers": 12,
+            "exit_layers": [3, 6, 9]}).status_code == 201
+        assert client.post("/v1/deployments/chat/threshold-sets", headers=admin, json={
+            "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "v2",
+            "activate": True}).status_code == 201
+        etag = client.get("/v1/deployments/chat/thresholds", headers=admin,
+                          params={"runtime_id": "rt-1"}).headers["etag"]
+        private_redis.kill()
+        wait_until(lambda: not app.state.bus.listening, 15, "the bus to notice Redis is gone")
+        answers: list = []
+        waiting = threading.Thread(target=lambda: answers.append(client.get(
+            "/v1/deployments/chat/thresholds", headers={**admin, "If-None-Match": etag},
+            params={"runtime_id": "rt-1", "wait": 20})))
+        waiting.start()
+        time.sleep(0.5)
+        moved_at = time.monotonic()
+        env = {**os.environ, "EXITPLANE_DATABASE_URL": settings.database_url,
+               "EXITPLANE_REDIS_URL": private_redis.url, "EXITPLANE_VAR_DIR": str(tmp_path)}
+        subprocess.run([sys.executable, "-c", (
+            "from sqlalchemy.orm import Session\n"
+            "from controlplane.db import make_engine\n"
+            "from controlplane.settings import get_settings\n"
+            "from controlplane.thresholds import service\n"
+            "with Session(make_engine(get_settings().database_url)) as session:\n"
+            "    d = service.get_deployment(session=session, name='chat', lock=True)\n"
+            "    service.move_alias(session=session, deployment=d, alias='active', version=1,\n"
+            "                       actor='worker', reason='fallback')\n"
+            "    session.commit()\n")], cwd=ROOT, env=env, check=True, timeout=60)
+        waiting.join(timeout=25)
+        assert answers and answers[0].status_code == 200
+        assert answers[0].headers["etag"] != etag
+        assert time.monotonic() - moved_at < 10  # not the 20 s wait
