@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -23,9 +24,11 @@ from controlplane.alerts.exporter import store_collector
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
 from controlplane.calibration.api import router as calibration_router
+from controlplane.coordination.bus import Bus
+from controlplane.coordination.limits import make_rate_limiters
 from controlplane.db import get_engine, session_factory
-from controlplane.deps import PrincipalCache, RateLimiter
-from controlplane.errors import DomainError
+from controlplane.deps import PrincipalCache
+from controlplane.errors import DomainError, Unauthorized
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
@@ -46,7 +49,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await to_thread.run_sync(_prepare_store, factory)
+        app.state.bus.start()
         yield
+        app.state.bus.close()
         app.state.config_delivery.close()
 
     app = FastAPI(title="exitplane control plane", version="0.1.0", lifespan=lifespan)
@@ -54,10 +59,21 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.engine = engine
     app.state.session_factory = factory
     store_collector.bind(factory)  # /metrics reads alert-rule gauges from this store
+    # Whatever limits, revokes or wakes up is shared by every API process (Redis, else the
+    # store's epochs); see controlplane/coordination/.
+    # Without Redis the bus polls the store's epochs, except on SQLite: the embedded default
+    # runs one API process (told in process), and every SQLite transaction takes the write
+    # lock; there a second process still honours the token cache's maximum age.
+    polled = factory if engine.dialect.name != "sqlite" else None
+    app.state.bus = Bus(redis_url=settings.redis_url, session_factory=polled,
+                        epoch_poll_s=settings.revocation_poll_s)
     app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
-    app.state.rate_limiters = {"pull": RateLimiter(settings.rate_limit_pull_per_s),
-                               "ingest": RateLimiter(settings.rate_limit_ingest_per_s)}
-    app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s)
+    app.state.bus.subscribe("revocation", app.state.principal_cache.on_revocation)
+    app.state.rate_limiters = make_rate_limiters(redis_url=settings.redis_url, rates={
+        "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
+        "heartbeat": settings.rate_limit_heartbeat_per_s})
+    app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s,
+                                               bus=app.state.bus)
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
     app.state.redis = (redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                             socket_timeout=5)
@@ -108,9 +124,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                             content={"detail": "the telemetry queue is unavailable; "
                                                "retry shortly"})
 
+    store_collector.ttl = settings.metrics_cache_ttl_s
+
     @app.get("/metrics", tags=["health"], include_in_schema=False)
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics(request: Request) -> Response:
+        if settings.metrics_token:
+            _require_metrics_token(request, settings.metrics_token)
+        # The store-backed gauges query the store: off the event loop (and cached briefly).
+        body = await to_thread.run_sync(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
@@ -139,6 +161,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.include_router(calibration_router)
     mount_ui(app)
     return app
+
+
+def _require_metrics_token(request: Request, token: str) -> None:
+    """Refuse a scrape without `Authorization: Bearer <EXITPLANE_METRICS_TOKEN>`."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                             token.encode()):
+        raise Unauthorized("/metrics needs 'Authorization: Bearer <EXITPLANE_METRICS_TOKEN>'")
 
 
 def _prepare_store(factory) -> None:

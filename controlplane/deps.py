@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import Principal, authenticate, digest
+from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter
 from controlplane.errors import RateLimited, Unauthorized
 
 
@@ -33,71 +34,64 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 class PrincipalCache:
-    """Token digest -> principal for `ttl` seconds, so hot paths skip the token lookup.
+    """Token digest -> principal for at most `ttl` seconds after the lookup began, so hot paths
+    skip the token lookup.
 
-    When an entry expires, the first caller re-checks the store while the others keep using
-    the entry for up to a second; a revoked token therefore stops working within ttl + 1 s
-    (at once in the process that revoked it)."""
+    The age is a hard maximum: reading never extends an entry. A revocation clears the entry
+    in every API process (the notification bus: at commit in this process, through Redis pub/sub
+    in the others, or through the revocation epoch within `revocation_poll_s` without Redis), so
+    a revoked token stops working within `ttl` even if that notice is lost. A lookup that was
+    under way when a revocation arrived is not cached (generation check), so it cannot bring
+    the old principal back."""
 
     def __init__(self, ttl: float) -> None:
         self._ttl = ttl
         self._entries: dict[str, tuple[float, Principal]] = {}
+        self._generation = 0
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> Principal | None:
-        """A usable principal, or None when the caller must look the token up."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        expires, principal = entry
-        now = time.monotonic()
-        if expires >= now:
-            return principal
-        with self._lock:
-            if self._entries.get(key) is entry:  # we are first past expiry: we refresh
-                self._entries[key] = (now + 1.0, principal)
-                return None
-        return principal
+    @property
+    def generation(self) -> int:
+        """Changes whenever entries are dropped; pass it back to `put`."""
+        return self._generation
 
-    def put(self, key: str, principal: Principal) -> None:
+    def peek(self, key: str) -> Principal | None:
+        """The cached principal if it is younger than the maximum age; no side effects."""
+        entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, key: str, principal: Principal, *, generation: int, started: float) -> None:
+        """Cache a lookup that began at `started` (monotonic) under `generation`; ignored when
+        something was dropped since, as the lookup may predate a revocation."""
         with self._lock:
+            if generation != self._generation:
+                return
             if len(self._entries) > 10_000:
-                self._entries.clear()
-            self._entries[key] = (time.monotonic() + self._ttl, principal)
+                now = time.monotonic()
+                self._entries = {k: e for k, e in self._entries.items() if e[0] >= now}
+            self._entries[key] = (started + self._ttl, principal)
 
     def drop(self, key: str) -> None:
         with self._lock:
+            self._generation += 1
             self._entries.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
+            self._generation += 1
             self._entries.clear()
 
+    def on_revocation(self, token_hash: str | None) -> None:
+        """Bus listener: drop one token's entry, or all when the notice names none."""
+        if token_hash is None:
+            self.clear()
+        else:
+            self.drop(token_hash)
 
-class RateLimiter:
-    """A token bucket per key: `rate` requests per second with bursts of 2 x rate."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.burst = max(1.0, 2 * rate)
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def retry_after(self, key: str) -> float | None:
-        """Take one request from `key`'s bucket; the seconds to wait when it is empty."""
-        if self.rate <= 0:
-            return None
-        now = time.monotonic()
-        with self._lock:
-            level, last = self._buckets.get(key, (self.burst, now))
-            level = min(self.burst, level + (now - last) * self.rate)
-            if level < 1.0:
-                self._buckets[key] = (level, now)
-                return (1.0 - level) / self.rate
-            self._buckets[key] = (level - 1.0, now)
-            if len(self._buckets) > 100_000:
-                self._buckets.clear()
-            return None
+RateLimiter = LocalRateLimiter | RedisRateLimiter
 
 
 def rate_limited(kind: str):
@@ -106,7 +100,7 @@ def rate_limited(kind: str):
     async def dependency(request: Request, principal: Annotated[Principal, Depends(
             get_principal)]) -> None:
         limiter: RateLimiter = request.app.state.rate_limiters[kind]
-        wait = limiter.retry_after(str(principal.token_id))
+        wait = await limiter.retry_after(str(principal.token_id))
         if wait is not None:
             raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
                               retry_after=wait)
@@ -132,14 +126,11 @@ async def get_principal(request: Request) -> Principal:
     secret = _bearer(request)
     cache: PrincipalCache = request.app.state.principal_cache
     key = digest(secret)
-    principal = cache.get(key)
+    principal = cache.peek(key)
     if principal is None:
-        try:
-            principal = await to_thread.run_sync(_lookup, request, secret)
-        except Unauthorized:
-            cache.drop(key)
-            raise
-        cache.put(key, principal)
+        generation, started = cache.generation, time.monotonic()
+        principal = await to_thread.run_sync(_lookup, request, secret)
+        cache.put(key, principal, generation=generation, started=started)
     return principal
 
 

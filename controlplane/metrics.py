@@ -18,10 +18,5 @@ queued_batches = Counter("exitplane_queued_batches", "Batches appended to the Re
                          ["deployment"], registry=registry)
 stream_lag = Gauge("exitplane_stream_lag_entries", "Stream entries not yet ingested",
                    ["deployment"], registry=registry)
-runtime_spooled = Gauge("exitplane_runtime_spooled_batches", "Batches a runtime holds on disk",
-                        ["deployment", "runtime"], registry=registry)
-runtime_dropped = Gauge("exitplane_runtime_dropped_records", "Records a runtime dropped",
-                        ["deployment", "runtime"], registry=registry)
-runtime_applied_version = Gauge("exitplane_runtime_applied_version",
-                                "Threshold version a runtime applies",
-                                ["deployment", "runtime"], registry=registry)
+# Runtime gauges (applied version, spool, drops) are read from the store at scrape time:
+# controlplane/alerts/exporter.py, so every API process shows the same series.

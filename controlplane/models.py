@@ -3,6 +3,7 @@
 from controlplane.alerts.models import Alert, AlertDelivery, AlertHook
 from controlplane.auth.models import ApiToken, User
 from controlplane.calibration.models import CalibrationJob, CanaryRun
+from controlplane.coordination.models import Epoch
 from controlplane.db import Base
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import (
@@ -16,6 +17,6 @@ from controlplane.thresholds.models import Alias, AuditEvent, Deployment, Thresh
 
 __all__ = [
     "Alert", "AlertDelivery", "AlertHook", "Alias", "ApiToken", "AuditEvent", "Base",
-    "CalibrationJob", "CanaryRun", "Deployment", "Rollup", "RollupHistogram", "Runtime",
+    "CalibrationJob", "CanaryRun", "Deployment", "Epoch", "Rollup", "RollupHistogram", "Runtime",
     "ShadowSampleRow", "TelemetryBatchRow", "ThresholdSet", "TokenRecordRow", "User",
 ]

@@ -29,10 +29,12 @@ class Settings(BaseSettings):
     public_url: str = ""
     long_poll_max_s: float = Field(default=60.0, gt=0)
     config_cache_ttl_s: float = Field(default=0.5, ge=0)
+    # Hard maximum age of a cached token lookup: a revoked token stops working within it even
+    # when the revocation notice is lost.
     token_cache_ttl_s: float = Field(default=2.0, ge=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     log_level: str = "info"
-    # Per-token rate limits (token bucket per API process); 0 turns a limit off.
+    # Per-token rate limits (shared through Redis when configured); 0 turns a limit off.
     rate_limit_pull_per_s: float = Field(default=50.0, ge=0)
     rate_limit_ingest_per_s: float = Field(default=100.0, ge=0)
     # Workers, drift detection and alerts (issue 5).
@@ -57,6 +59,14 @@ class Settings(BaseSettings):
     canary_failure_limit: int = Field(default=1, ge=1)
     canary_max_inconclusive: int = Field(default=10, ge=1)
     canary_min_shadow_tokens: int = Field(default=200, ge=1)
+    # State shared across API processes (issues 13.4/13.6/13.7/13.8, 14.4): limits, revocation,
+    # wake-ups and gauges go through Redis when configured, else the database / this process.
+    revocation_poll_s: float = Field(default=0.5, gt=0)
+    # Per token: a fleet sharing one token beats every 15 s, so 100/s serves ~1,500 runtimes.
+    rate_limit_heartbeat_per_s: float = Field(default=100.0, ge=0)
+    max_runtimes_per_deployment: int = Field(default=5000, ge=1)
+    metrics_cache_ttl_s: float = Field(default=2.0, ge=0)
+    metrics_token: str = Field(default="", repr=False)
 
     @model_validator(mode="after")
     def _refuse_default_secret_in_production(self) -> Settings:

@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import DomainError
 from dashboards.security import LoginRequired, save_session
 from dashboards.templating import render, ui_root
@@ -44,7 +45,8 @@ def create_ui(parent: FastAPI) -> FastAPI:
     ui.state.settings = parent.state.settings
     ui.state.session_factory = parent.state.session_factory
     ui.state.principal_cache = parent.state.principal_cache
-    ui.state.login_throttle = sessions.LoginThrottle()
+    # Shared by every API process through Redis when configured (parent.state.redis).
+    ui.state.login_throttle = SignInThrottle(parent.state.redis)
 
     @ui.middleware("http")
     async def security_headers(request: Request, call_next) -> Response:

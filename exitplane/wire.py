@@ -21,6 +21,8 @@ INT32 = 2**31 - 1  # what an INTEGER column holds on every backend
 INT63 = 2**63 - 1
 MAX_TS = 1e10  # unix seconds (year 2286): anything later is a clock bug
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+# A runtime's id: what the fleet view, gauges and alerts show, so printable and bounded.
+RUNTIME_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 
 
 class Signal(enum.StrEnum):
@@ -169,7 +171,7 @@ class TelemetryBatch(BaseModel):
 class Heartbeat(BaseModel):
     """A runtime's periodic report of what it applies and how its shipping is doing."""
 
-    runtime_id: str = Field(min_length=1, max_length=128)
+    runtime_id: str = Field(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)
     applied_version: int | None = Field(default=None, ge=0, le=INT32)
     applied_checksum: str | None = None
     ready: bool = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import httpx
 from pydantic import ValidationError
 
-from exitplane.wire import Heartbeat, Signal, ThresholdSetWire
+from exitplane.wire import RUNTIME_ID_PATTERN, Heartbeat, Signal, ThresholdSetWire
 
 log = logging.getLogger("exitplane.runtime.thresholds")
 
@@ -120,6 +121,10 @@ class ThresholdClient:
         self.engine = engine
         self.deployment = deployment
         self.runtime_id = runtime_id or getattr(engine, "runtime_id", None) or "runtime-0"
+        if not re.fullmatch(RUNTIME_ID_PATTERN, self.runtime_id):
+            # The control plane refuses such an id on every pull and heartbeat: say so now.
+            raise ValueError(f"runtime id {self.runtime_id[:140]!r} must match "
+                             f"{RUNTIME_ID_PATTERN} (letters, digits, '_.:-'; at most 128)")
         self.exit_layers = sorted(engine.exit_layers)
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.long_poll_s = long_poll_s

@@ -24,7 +24,13 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts.service import Condition, Reconciled, open_alerts, reconcile
+from controlplane.alerts.service import (
+    Condition,
+    Reconciled,
+    jsonable,
+    open_alerts,
+    reconcile,
+)
 from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import HISTOGRAM_BINS
@@ -267,36 +273,48 @@ def check_deployment(*, session: Session, deployment: Deployment, options: Drift
                      reports_dir=reports_dir)
 
 
+STALE_NAMED = 20  # runtimes named in a runtime_stale summary; the evidence lists up to 200
+STALE_LISTED = 200
+
+
 def stale_runtime_conditions(*, session: Session, deployment: Deployment, now: datetime,
                              stale_after_s: float, forget_after_s: float = 86400.0
                              ) -> list[Condition]:
-    """Runtimes silent for `stale_after_s`, or still applying a version other than the active
-    (or canary) one `stale_after_s` after the alias moved. Runtimes silent for longer than
-    `forget_after_s` are considered decommissioned."""
+    """At most one condition per deployment, listing its runtimes silent for `stale_after_s`
+    or still applying a version other than the active (or canary) one `stale_after_s` after
+    the alias moved: a thousand silent runtimes page once, not a thousand times. Runtimes
+    silent for longer than `forget_after_s` are considered decommissioned."""
     aliases = aliases_of(session=session, deployment=deployment)
     current = {aliases["active"], aliases.get("canary")} - {None}
     active = active_version(session=session, deployment=deployment)
     settled = (now - active.activated_at).total_seconds() >= stale_after_s
-    conditions = []
+    stale = []
     for runtime in session.scalars(select(Runtime).where(
             Runtime.deployment_id == deployment.id).order_by(Runtime.runtime_id)):
         silent = (now - runtime.last_seen).total_seconds()
-        evidence = {"runtime_id": runtime.runtime_id, "last_seen": runtime.last_seen,
-                    "silent_s": silent, "applied_version": runtime.applied_version,
-                    "active_version": aliases["active"], "stale_after_s": stale_after_s}
         if silent > forget_after_s:
             continue
         if silent > stale_after_s:
-            summary = (f"runtime {runtime.runtime_id} sent no heartbeat for {silent:.0f} s "
-                       f"(limit {stale_after_s:g} s)")
+            reason = f"no heartbeat for {silent:.0f} s (limit {stale_after_s:g} s)"
         elif settled and runtime.applied_version not in current:
-            summary = (f"runtime {runtime.runtime_id} still applies version "
-                       f"{runtime.applied_version}; active is {aliases['active']}")
+            reason = (f"still applies version {runtime.applied_version}; "
+                      f"active is {aliases['active']}")
         else:
             continue
-        conditions.append(Condition(kind=RUNTIME_STALE, severity="warning", summary=summary,
-                                    subject=runtime.runtime_id, evidence=evidence))
-    return conditions
+        stale.append({"runtime_id": runtime.runtime_id, "reason": reason,
+                      "last_seen": runtime.last_seen, "silent_s": silent,
+                      "applied_version": runtime.applied_version})
+    if not stale:
+        return []
+    named = "; ".join(f"{entry['runtime_id']}: {entry['reason']}"
+                      for entry in stale[:STALE_NAMED])
+    more = f"; and {len(stale) - STALE_NAMED} more" if len(stale) > STALE_NAMED else ""
+    noun = "runtime is" if len(stale) == 1 else "runtimes are"
+    summary = f"{len(stale)} {noun} stale: {named}{more}"
+    evidence = {"stale_runtimes": len(stale), "runtimes": stale[:STALE_LISTED],
+                "active_version": aliases["active"], "stale_after_s": stale_after_s}
+    return [Condition(kind=RUNTIME_STALE, severity="warning", summary=summary,
+                      subject="all", evidence=evidence)]
 
 
 def check_runtimes(*, session: Session, deployment: Deployment, stale_after_s: float,
@@ -304,5 +322,10 @@ def check_runtimes(*, session: Session, deployment: Deployment, stale_after_s: f
     now = now or utcnow()
     conditions = stale_runtime_conditions(session=session, deployment=deployment, now=now,
                                           stale_after_s=stale_after_s)
-    return reconcile(session=session, deployment=deployment, conditions=conditions,
-                     checked_kinds=[RUNTIME_STALE], clear_after_s=clear_after_s, now=now)
+    result = reconcile(session=session, deployment=deployment, conditions=conditions,
+                       checked_kinds=[RUNTIME_STALE], clear_after_s=clear_after_s, now=now)
+    for alert in result.refreshed:  # the open alert says which runtimes are stale now
+        alert.summary = conditions[0].summary
+        alert.evidence = jsonable(conditions[0].evidence)
+    session.flush()
+    return result

@@ -9,15 +9,22 @@ process ingested the telemetry (the rules aggregate with max by deployment / lay
 - exitplane_shadow_disagreement{deployment}, exitplane_shadow_tokens, and
   exitplane_disagreement_target (the deployment's δ)
 - exitplane_last_ingest_timestamp_seconds{deployment}
-- exitplane_runtime_last_seen_timestamp_seconds{deployment,runtime} and
-  exitplane_runtime_behind_active (1 when it applies neither the active nor the canary version);
-  runtimes silent for a day are left out
+- exitplane_runtime_last_seen_timestamp_seconds{deployment,runtime},
+  exitplane_runtime_behind_active (1 when it applies neither the active nor the canary version),
+  exitplane_runtime_applied_version, exitplane_runtime_spooled_batches and
+  exitplane_runtime_dropped_records (from the runtime's last heartbeat, whichever process took
+  it); runtimes silent for a day, or deleted, are left out: their series disappear
 - exitplane_alerts_open{deployment,kind,severity}
+
+The /metrics route runs the collection off the event loop; the values are cached for `ttl`
+seconds (EXITPLANE_METRICS_CACHE_TTL_S) so frequent scrapes cost one set of queries.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import defaultdict
 from datetime import timedelta
 
@@ -29,13 +36,13 @@ from controlplane import metrics
 from controlplane.alerts.models import Alert
 from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
+from controlplane.runtimes.service import FORGET_AFTER
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
 from controlplane.thresholds.models import Alias, Deployment
 
 log = logging.getLogger("exitplane.metrics")
 
 WINDOW = timedelta(minutes=5)
-FORGET_RUNTIME = timedelta(days=1)
 
 
 def _families() -> dict[str, GaugeMetricFamily]:
@@ -56,6 +63,12 @@ def _families() -> dict[str, GaugeMetricFamily]:
                                                 ["deployment", "runtime"]),
         "runtime_behind_active": ("1 when a runtime applies neither the active nor the canary "
                                   "version", ["deployment", "runtime"]),
+        "runtime_applied_version": ("Threshold version a runtime applies (last heartbeat)",
+                                    ["deployment", "runtime"]),
+        "runtime_spooled_batches": ("Telemetry batches a runtime holds on disk (last heartbeat)",
+                                    ["deployment", "runtime"]),
+        "runtime_dropped_records": ("Telemetry records a runtime dropped (last heartbeat)",
+                                    ["deployment", "runtime"]),
         "alerts_open": ("Open (firing or acknowledged) alerts", ["deployment", "kind",
                                                                  "severity"]),
     }
@@ -68,14 +81,27 @@ class StoreCollector(Collector):
 
     def __init__(self) -> None:
         self._factory = None
+        self.ttl = 0.0
+        self._cached: tuple[float, list[GaugeMetricFamily]] | None = None
+        self._lock = threading.Lock()
 
     def bind(self, factory) -> None:
-        self._factory = factory
+        with self._lock:
+            self._factory = factory
+            self._cached = None
 
     def describe(self):
         return list(_families().values())
 
     def collect(self):
+        with self._lock:  # one scrape at a time queries the store; the others reuse its values
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] > self.ttl:
+                self._cached = (now, self._collect_now())
+            families = self._cached[1]
+        yield from families
+
+    def _collect_now(self) -> list[GaugeMetricFamily]:
         families = _families()
         if self._factory is not None:
             try:
@@ -84,7 +110,7 @@ class StoreCollector(Collector):
             except Exception as error:  # a scrape must not fail because the store is away
                 log.warning("store metrics unavailable: %s", error)
                 families = _families()
-        yield from families.values()
+        return list(families.values())
 
 
 def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
@@ -136,7 +162,7 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
                 [deployments[row.deployment_id].name], last.timestamp())
 
     for runtime in session.scalars(select(Runtime).where(
-            Runtime.last_seen >= now - FORGET_RUNTIME)):
+            Runtime.last_seen >= now - FORGET_AFTER)):
         deployment = deployments.get(runtime.deployment_id)
         if deployment is None:
             continue
@@ -146,6 +172,10 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         current = {aliases[deployment.id].get("active"), aliases[deployment.id].get("canary")}
         families["runtime_behind_active"].add_metric(
             labels, 0.0 if runtime.applied_version in current else 1.0)
+        if runtime.applied_version is not None:
+            families["runtime_applied_version"].add_metric(labels, runtime.applied_version)
+        families["runtime_spooled_batches"].add_metric(labels, runtime.spooled_batches)
+        families["runtime_dropped_records"].add_metric(labels, runtime.dropped_records)
 
     for row in session.execute(select(Alert.deployment_id, Alert.kind, Alert.severity,
                                       func.count().label("n"))

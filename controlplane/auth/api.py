@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, status
+from fastapi import APIRouter, status
 
 from controlplane.auth import service
 from controlplane.auth.schemas import TokenCreate, TokenCreated, TokenRead
@@ -27,8 +27,6 @@ def list_tokens(session: SessionDep, principal: AdminPrincipal) -> list[TokenRea
 
 
 @router.delete("/{token_id}", response_model=TokenRead)
-def revoke_token(token_id: int, request: Request, session: SessionDep,
-                 principal: AdminPrincipal) -> TokenRead:
+def revoke_token(token_id: int, session: SessionDep, principal: AdminPrincipal) -> TokenRead:
     token = service.revoke_token(session=session, token_id=token_id)
-    request.app.state.principal_cache.clear()
     return TokenRead.model_validate(token)

@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.models import SCOPES, ApiToken
+from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
 from controlplane.errors import Forbidden, Invalid, NotFound, Unauthorized
 from controlplane.thresholds.models import Deployment
@@ -79,10 +80,13 @@ def list_tokens(*, session: Session) -> list[ApiToken]:
 
 
 def revoke_token(*, session: Session, token_id: int) -> ApiToken:
+    """Revoke a token; every API process drops its cached lookup once this commits (never
+    before: a lookup in between would cache the old principal again)."""
     token = session.get(ApiToken, token_id)
     if token is None:
         raise NotFound(f"token {token_id} does not exist")
     if token.revoked_at is None:
         token.revoked_at = utcnow()
+        notify_after_commit(session=session, topic="revocation", message=token.token_hash)
     session.flush()
     return token

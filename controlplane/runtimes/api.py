@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from controlplane import metrics
-from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep
+from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.thresholds.service import get_deployment
@@ -14,17 +13,17 @@ from exitplane.wire import Heartbeat
 router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 
-@router.post("/{name}/heartbeats", response_model=RuntimeRead)
-def heartbeat(name: str, beat: Heartbeat, session: SessionDep,
+@router.post("/{name}/heartbeats", response_model=RuntimeRead,
+             responses={409: {"description": "the deployment has its maximum of runtimes"},
+                        429: {"description": "rate limited; see Retry-After"}},
+             dependencies=[rate_limited("heartbeat")])
+def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
               principal: RuntimePrincipal) -> RuntimeRead:
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
-    runtime = service.record_heartbeat(session=session, deployment=deployment, beat=beat)
-    labels = (deployment.name, beat.runtime_id)
-    metrics.runtime_spooled.labels(*labels).set(beat.spooled_batches)
-    metrics.runtime_dropped.labels(*labels).set(beat.dropped_records)
-    if beat.applied_version is not None:
-        metrics.runtime_applied_version.labels(*labels).set(beat.applied_version)
+    runtime = service.record_heartbeat(
+        session=session, deployment=deployment, beat=beat,
+        max_runtimes=request.app.state.settings.max_runtimes_per_deployment)
     return RuntimeRead.model_validate(runtime)
 
 

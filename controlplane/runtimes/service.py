@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from datetime import timedelta
+
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
+from controlplane.errors import Conflict
 from controlplane.runtimes.models import Runtime
 from controlplane.thresholds.models import Deployment
 from exitplane.wire import Heartbeat
 
+# A runtime silent this long is gone: it leaves the gauges and no longer counts against the
+# deployment's cap of runtimes.
+FORGET_AFTER = timedelta(days=1)
 
-def record_heartbeat(*, session: Session, deployment: Deployment, beat: Heartbeat) -> Runtime:
-    """Upsert the runtime's row from a heartbeat."""
+
+def record_heartbeat(*, session: Session, deployment: Deployment, beat: Heartbeat,
+                     max_runtimes: int | None = None) -> Runtime:
+    """Upsert the runtime's row from a heartbeat; a new runtime beyond `max_runtimes` live
+    ones (seen within FORGET_AFTER) is refused with Conflict."""
     runtime = session.scalars(select(Runtime).where(
         Runtime.deployment_id == deployment.id, Runtime.runtime_id == beat.runtime_id)
     ).one_or_none()
     if runtime is None:
+        if max_runtimes is not None:
+            _check_room(session=session, deployment=deployment, max_runtimes=max_runtimes)
         runtime = Runtime(deployment_id=deployment.id, runtime_id=beat.runtime_id)
         session.add(runtime)
     runtime.applied_version = beat.applied_version
@@ -28,6 +39,19 @@ def record_heartbeat(*, session: Session, deployment: Deployment, beat: Heartbea
     runtime.last_seen = utcnow()
     session.flush()
     return runtime
+
+
+def _check_room(*, session: Session, deployment: Deployment, max_runtimes: int) -> None:
+    # The deployment's row lock serialises new runtimes, so concurrent ones cannot all slip
+    # under the cap (SQLite's BEGIN IMMEDIATE already serialises writers).
+    session.execute(select(Deployment.id).where(Deployment.id == deployment.id)
+                    .with_for_update())
+    live = session.scalar(select(func.count()).select_from(Runtime).where(
+        Runtime.deployment_id == deployment.id, Runtime.last_seen >= utcnow() - FORGET_AFTER))
+    if live >= max_runtimes:
+        raise Conflict(f"deployment {deployment.name!r} already has {live} runtimes reporting "
+                       f"(the cap is {max_runtimes}); reuse a runtime_id, or raise "
+                       "EXITPLANE_MAX_RUNTIMES_PER_DEPLOYMENT")
 
 
 def list_runtimes(*, session: Session, deployment: Deployment) -> list[Runtime]:

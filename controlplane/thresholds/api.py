@@ -21,7 +21,7 @@ from controlplane.thresholds.schemas import (
     ThresholdSetCreate,
     ThresholdSetRead,
 )
-from exitplane.wire import ThresholdSetWire
+from exitplane.wire import RUNTIME_ID_PATTERN, ThresholdSetWire
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 
@@ -154,7 +154,7 @@ def _etag_matches(header: str | None, checksum: str) -> bool:
             dependencies=[rate_limited("pull")])
 async def pull_thresholds(
     name: str, request: Request, principal: RuntimePrincipal,
-    runtime_id: Annotated[str, Query(min_length=1, max_length=128)],
+    runtime_id: Annotated[str, Query(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)],
     wait: Annotated[float, Query(ge=0, le=300, description="long-poll seconds")] = 0,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:

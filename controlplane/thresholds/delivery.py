@@ -1,9 +1,12 @@
 """Config delivery: which threshold set each runtime should apply, cached, with long-poll.
 
 The resolved state of a deployment (active set, canary set and fraction) is cached for
-`ttl` seconds per API process. A commit that moves an alias in this process invalidates the
-cache and wakes the long-polls at once; moves made by other processes (workers) are seen
-within `ttl`, because a long-poll re-reads the state that often.
+`ttl` seconds per API process. A commit that moves an alias announces it on the notification
+bus ("config" topic, after the commit): this process's cache is dropped and its long-polls
+wake at once. With Redis configured the same notice reaches every other API process through
+pub/sub, whether the move was made by an API replica or a Celery worker, so long-polls simply
+wait for it. Without Redis (one API process, workers elsewhere), or while Redis is away, a
+long-poll also re-reads the state every `ttl`, which is how moves made elsewhere are seen.
 """
 
 from __future__ import annotations
@@ -11,31 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from anyio import to_thread
-from sqlalchemy import event, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane.coordination.bus import Bus
 from controlplane.thresholds.models import Alias, ThresholdSet
 from controlplane.thresholds.service import get_deployment, in_canary, to_wire
 from exitplane.wire import ThresholdSetWire
-
-_change_listeners: list[Callable[[str], None]] = []
-
-
-@event.listens_for(Session, "after_commit")
-def _announce_config_changes(session: Session) -> None:
-    changed = session.info.pop("config_changed", None)
-    for name in changed or ():
-        for listener in list(_change_listeners):
-            listener(name)
-
-
-@event.listens_for(Session, "after_rollback")
-def _forget_config_changes(session: Session) -> None:
-    session.info.pop("config_changed", None)
 
 
 @dataclass(frozen=True)
@@ -59,18 +47,18 @@ class DeliveryState:
 class ConfigDelivery:
     """Per-process cache of DeliveryState plus wake-ups for long-polling runtimes."""
 
-    def __init__(self, session_factory: sessionmaker[Session], ttl: float) -> None:
+    def __init__(self, session_factory: sessionmaker[Session], ttl: float, *, bus: Bus) -> None:
         self._session_factory = session_factory
         self._ttl = ttl
+        self._bus = bus
         self._states: dict[str, DeliveryState] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._refreshing: dict[str, asyncio.Future[DeliveryState]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        _change_listeners.append(self.invalidate)
+        bus.subscribe("config", self.invalidate)
 
     def close(self) -> None:
-        if self.invalidate in _change_listeners:
-            _change_listeners.remove(self.invalidate)
+        self._bus.unsubscribe("config", self.invalidate)
 
     def load(self, name: str) -> DeliveryState:
         """Read the deployment's aliases and sets from the store (blocking)."""
@@ -127,8 +115,10 @@ class ConfigDelivery:
                               timeout: float) -> DeliveryState:
         """Return as soon as this runtime's set differs from `etag`, or after `timeout`."""
         deadline = time.monotonic() + timeout
-        recheck = max(self._ttl, 0.05)
         while True:
+            # Subscribed to Redis, every move (any process, any worker) wakes us; otherwise a
+            # move made elsewhere is only seen by re-reading the store.
+            recheck = float("inf") if self._bus.listening else max(self._ttl, 0.05)
             wake = self._events.setdefault(name, asyncio.Event())
             state = await self.current(name)
             remaining = deadline - time.monotonic()
@@ -137,18 +127,25 @@ class ConfigDelivery:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=min(recheck, remaining))
 
-    def invalidate(self, name: str) -> None:
-        """Drop the cached state and wake long-polls (safe to call from any thread)."""
-        self._states.pop(name, None)
+    def invalidate(self, name: str | None) -> None:
+        """Drop the cached state of `name` (None: of every deployment) and wake its long-polls
+        (safe to call from any thread)."""
+        if name is None:
+            self._states.clear()
+        else:
+            self._states.pop(name, None)
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake, name)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake, name)
 
-    def _wake(self, name: str) -> None:
-        self._states.pop(name, None)
-        wake = self._events.pop(name, None)
-        if wake is not None:
-            wake.set()
+    def _wake(self, name: str | None) -> None:
+        names = list(self._events) if name is None else [name]
+        for each in names:
+            self._states.pop(each, None)
+            wake = self._events.pop(each, None)
+            if wake is not None:
+                wake.set()
 
 
 
@@ -195,14 +192,15 @@ class NotModifiedFastPath:
                 etag = value.decode("latin-1")
         if not auth or not etag or auth[:7].lower() != "bearer ":
             return None
-        principal = self.principals.get(self.digest(auth[7:].strip()))
+        # peek: this path never extends a cached principal's life (revocation must hold).
+        principal = self.principals.peek(self.digest(auth[7:].strip()))
         if principal is None or (principal.scope == "runtime"
                                  and principal.deployment_id != state.deployment_id):
             return None
         chosen = state.for_runtime(runtime_id)
         if etag.strip().removeprefix("W/").strip('"') != chosen.checksum:
             return None
-        if self.limiter.retry_after(str(principal.token_id)) is not None:
+        if await self.limiter.retry_after(str(principal.token_id)) is not None:
             return None  # the full route answers 429
         return [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
                 (b"x-exitplane-version", str(chosen.version).encode())]

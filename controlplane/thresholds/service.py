@@ -12,6 +12,7 @@ import hashlib
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
@@ -135,7 +136,7 @@ def move_alias(*, session: Session, deployment: Deployment, alias: str, version:
         current.version = version
         current.updated_at = utcnow()
     deployment.revision += 1
-    session.info.setdefault("config_changed", set()).add(deployment.name)
+    notify_after_commit(session=session, topic="config", message=deployment.name)
     event = _audit(session=session, deployment=deployment, actor=actor, action=action,
                    alias=alias, from_version=from_version, to_version=version, reason=reason,
                    details=details or {})
@@ -154,7 +155,7 @@ def clear_alias(*, session: Session, deployment: Deployment, alias: str, actor: 
     from_version = current.version
     session.delete(current)
     deployment.revision += 1
-    session.info.setdefault("config_changed", set()).add(deployment.name)
+    notify_after_commit(session=session, topic="config", message=deployment.name)
     event = _audit(session=session, deployment=deployment, actor=actor, action="alias.clear",
                    alias=alias, from_version=from_version, reason=reason)
     session.flush()

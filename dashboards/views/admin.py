@@ -57,7 +57,6 @@ def create_token(request: Request, session: SessionDep, _user: Admin,
 def revoke_token(token_id: int, request: Request, session: SessionDep, _user: Admin) -> Response:
     def perform() -> str:
         token = tokens.revoke_token(session=session, token_id=token_id)
-        request.app.state.principal_cache.clear()
         return f"Token {token.name!r} ({token.prefix}…) is revoked."
 
     return attempt(request, session, "/tokens", perform)

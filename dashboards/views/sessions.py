@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Form, Request
@@ -12,44 +10,13 @@ from fastapi.responses import Response
 from controlplane.auth import users
 from controlplane.auth.models import User
 from controlplane.auth.users import authenticate_user
+from controlplane.coordination.throttle import SignInThrottle
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid, Unauthorized
 from dashboards.security import Csrf, current_user, end_session, optional_user, start_session
 from dashboards.templating import redirect, render, ui_root
 
 router = APIRouter()
-
-MAX_FAILURES = 5
-FAILURE_WINDOW_S = 300.0
-
-
-class LoginThrottle:
-    """Refuse further attempts on a username after MAX_FAILURES failures in FAILURE_WINDOW_S
-    (per API process), so a password cannot be guessed at argon2's pace forever."""
-
-    def __init__(self) -> None:
-        self._failures: dict[str, list[float]] = {}
-        self._lock = threading.Lock()
-
-    def blocked_for(self, username: str) -> float:
-        now = time.monotonic()
-        with self._lock:
-            recent = [t for t in self._failures.get(username, []) if now - t < FAILURE_WINDOW_S]
-            self._failures[username] = recent
-            if len(recent) < MAX_FAILURES:
-                return 0.0
-            return FAILURE_WINDOW_S - (now - recent[0])
-
-    def failed(self, username: str) -> None:
-        with self._lock:
-            if len(self._failures) > 10_000:
-                self._failures.clear()
-            self._failures.setdefault(username, []).append(time.monotonic())
-
-    def succeeded(self, username: str) -> None:
-        with self._lock:
-            self._failures.pop(username, None)
-
 
 def _safe_next(request: Request, wanted: str | None) -> str:
     """Only paths inside the UI: never another site (open redirect)."""
@@ -71,19 +38,20 @@ def login_page(request: Request, user: Annotated[User | None, Depends(optional_u
 @router.post("/login", dependencies=[Csrf])
 def login(request: Request, session: SessionDep, username: Annotated[str, Form()],
           password: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
-    key = username.strip().lower()
-    throttle: LoginThrottle = request.app.state.login_throttle
-    wait = throttle.blocked_for(key)
+    # Keyed by name and address: guessing from one address slows that address only.
+    address = request.client.host if request.client else ""
+    throttle: SignInThrottle = request.app.state.login_throttle
+    wait = throttle.blocked_for(username, address)
     if wait > 0:
         return render(request, "login.html", status_code=429, next=next, username=username,
                       error=f"Too many failed attempts; try again in {int(wait) + 1} s.")
     try:
         user = authenticate_user(session=session, username=username, password=password)
     except Unauthorized:
-        throttle.failed(key)
+        throttle.failed(username, address)
         return render(request, "login.html", status_code=401, next=next, username=username,
                       error="Wrong username or password.")
-    throttle.succeeded(key)
+    throttle.succeeded(username, address)
     start_session(request, user)
     return redirect(request, _safe_next(request, next))
 

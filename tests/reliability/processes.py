@@ -149,3 +149,23 @@ def serve_deployment(settings, engine) -> ServedDeployment:
                                   deployment=get_deployment(session=session, name="chat"))
         session.commit()
     return ServedDeployment(base=base, runtime_token=runtime, server=server)
+
+
+def start_api(processes: Processes, name: str) -> str:
+    """One API process as compose runs it (`exitplane up --no-workers`, the schema already
+    migrated) on a free loopback port; returns its base URL once it answers /readyz."""
+    port = free_port()
+    process = processes.start(name, [EXITPLANE, "up", "--host", "127.0.0.1", "--port", str(port),
+                                     "--no-migrate", "--no-workers"])
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"{name} exited: see {processes.logs / (name + '.log')}")
+        try:
+            return httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, 90, f"{name} to be ready")
+    return base

@@ -242,3 +242,12 @@ def test_no_cache_and_no_control_plane_runs_the_conservative_set_degraded(
             assert ThresholdSetWire.model_validate_json(cache.read_bytes()).version == 1
         finally:
             client.stop()
+
+
+def test_a_runtime_id_the_control_plane_would_refuse_is_refused_at_once(
+        control_plane, runtime_token, make_engine):
+    engine = make_engine(runtime_id="rt-ok")
+    for bad in ("my runtime", "<rt>", "x" * 129):
+        with pytest.raises(ValueError, match="must match"):
+            _client(engine, control_plane.url, runtime_token, runtime_id=bad)
+    assert _client(engine, control_plane.url, runtime_token, runtime_id="gpu-7.pod:3").runtime_id

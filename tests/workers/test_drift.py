@@ -118,16 +118,39 @@ def test_runtime_stale_on_silence_or_old_version(session: Session, outbox):
     silent.last_seen = now - timedelta(seconds=400)
     result = check_runtimes(session=session, deployment=deployment, stale_after_s=120,
                             clear_after_s=60, now=now)
-    fired = {a.dedup_key: a for a in result.fired}
-    assert set(fired) == {"chat:runtime_stale:rt-silent", "chat:runtime_stale:rt-old"}
-    assert "no heartbeat for 400 s" in fired["chat:runtime_stale:rt-silent"].summary
-    assert "still applies version 1; active is 2" in fired["chat:runtime_stale:rt-old"].summary
-    # rt-silent comes back: its alert clears, then resolves after the clear period.
+    # One alert for the deployment, naming both runtimes (not one page per runtime).
+    [alert] = result.fired
+    assert alert.dedup_key == "chat:runtime_stale:all"
+    assert "2 runtimes are stale" in alert.summary
+    assert "rt-silent: no heartbeat for 400 s" in alert.summary
+    assert "rt-old: still applies version 1; active is 2" in alert.summary
+    assert [r["runtime_id"] for r in alert.evidence["runtimes"]] == ["rt-old", "rt-silent"]
+    # rt-silent comes back: the open alert now names rt-old only.
     silent.last_seen = now + timedelta(seconds=60)
     lagging.last_seen = now + timedelta(seconds=60)
+    result = check_runtimes(session=session, deployment=deployment, stale_after_s=120,
+                            clear_after_s=60, now=now + timedelta(seconds=61))
+    assert result.fired == [] and [a.id for a in result.refreshed] == [alert.id]
+    assert alert.summary.startswith("1 runtime is stale: rt-old") and "rt-silent" not in \
+        alert.summary
+    # rt-old applies the active version: the alert clears, then resolves after the period.
+    lagging.applied_version = 2
+    fresh.last_seen = now + timedelta(seconds=60)
     check_runtimes(session=session, deployment=deployment, stale_after_s=120, clear_after_s=60,
-                   now=now + timedelta(seconds=61))
+                   now=now + timedelta(seconds=62))
     result = check_runtimes(session=session, deployment=deployment, stale_after_s=120,
                             clear_after_s=60, now=now + timedelta(seconds=125))
-    assert [a.dedup_key for a in result.resolved] == ["chat:runtime_stale:rt-silent"]
-    assert [a.dedup_key for a in result.refreshed] == ["chat:runtime_stale:rt-old"]
+    assert [a.dedup_key for a in result.resolved] == ["chat:runtime_stale:all"]
+
+
+def test_a_thousand_silent_runtimes_page_once(session: Session, outbox):
+    deployment, _, now = _setup(session, minutes=10)
+    for index in range(1000):
+        runtime = record_heartbeat(session=session, deployment=deployment,
+                                   beat=Heartbeat(runtime_id=f"rt-{index:04d}", applied_version=2))
+        runtime.last_seen = now - timedelta(seconds=400)
+    result = check_runtimes(session=session, deployment=deployment, stale_after_s=120,
+                            clear_after_s=60, now=now)
+    [alert] = result.fired
+    assert "1000 runtimes are stale" in alert.summary and "and 980 more" in alert.summary
+    assert alert.evidence["stale_runtimes"] == 1000 and len(alert.evidence["runtimes"]) == 200

@@ -1,0 +1,113 @@
+"""Per-key rate limits: `rate` requests per second with bursts of 2 x rate.
+
+With Redis configured, one GCRA bucket per key lives in Redis (a Lua script, atomic, timed by the
+Redis server's clock), so every API process draws from the same bucket whichever one answers.
+Without Redis (the embedded default runs one API process) the bucket lives in the process:
+the same limit, and nothing to share it with.
+
+If Redis cannot be reached the check falls back to this process's bucket rather than refusing
+traffic: a Redis outage must not stop runtimes from pulling their thresholds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+import redis.asyncio
+
+log = logging.getLogger("exitplane.coordination")
+
+KEY_PREFIX = "exitplane:ratelimit:"
+
+# GCRA: the key holds the theoretical arrival time (TAT, microseconds of the Redis clock).
+# A request is allowed when TAT - now <= tolerance; it then advances TAT by one interval.
+_GCRA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval = tonumber(ARGV[1])
+local tolerance = tonumber(ARGV[2])
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+if tat - now > tolerance then
+  return math.max(1, math.ceil(tat - now - tolerance))
+end
+tat = tat + interval
+redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+return 0
+"""
+
+
+class LocalRateLimiter:
+    """A token bucket per key, in this process."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = max(1.0, 2 * rate)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float | None:
+        """Take one request from `key`'s bucket; the seconds to wait when it is empty."""
+        if self.rate <= 0:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            level, last = self._buckets.get(key, (self.burst, now))
+            level = min(self.burst, level + (now - last) * self.rate)
+            if level < 1.0:
+                self._buckets[key] = (level, now)
+                return (1.0 - level) / self.rate
+            self._buckets[key] = (level - 1.0, now)
+            if len(self._buckets) > 100_000:
+                # Only full buckets are forgotten: dropping one loses nothing.
+                full = [k for k, (lvl, t) in self._buckets.items()
+                        if lvl + (now - t) * self.rate >= self.burst]
+                for stale in full:
+                    del self._buckets[stale]
+            return None
+
+    async def retry_after(self, key: str) -> float | None:
+        return self.take(key)
+
+
+class RedisRateLimiter:
+    """A GCRA bucket per key in Redis, shared by every API process."""
+
+    def __init__(self, rate: float, *, kind: str, client: redis.asyncio.Redis) -> None:
+        self.rate = rate
+        self.burst = max(1.0, 2 * rate)
+        self._prefix = f"{KEY_PREFIX}{kind}:"
+        self._client = client
+        self._script = client.register_script(_GCRA)
+        self._local = LocalRateLimiter(rate)
+
+    async def retry_after(self, key: str) -> float | None:
+        """Take one request from `key`'s shared bucket; the seconds to wait when it is empty."""
+        if self.rate <= 0:
+            return None
+        interval_us = 1_000_000 / self.rate
+        tolerance_us = (self.burst - 1) * interval_us
+        try:
+            wait_us = await self._script(keys=[self._prefix + key],
+                                         args=[f"{interval_us:.0f}", f"{tolerance_us:.0f}"])
+        except (redis.RedisError, OSError) as error:
+            log.warning("shared rate limit unavailable (%s); limiting in process",
+                        type(error).__name__)
+            return self._local.take(key)
+        wait = float(wait_us) / 1_000_000
+        return wait if wait > 0 else None
+
+
+def make_rate_limiters(*, rates: dict[str, float], redis_url: str
+                       ) -> dict[str, LocalRateLimiter | RedisRateLimiter]:
+    """One limiter per kind: shared through Redis when `redis_url`, else in process."""
+    if not redis_url:
+        return {kind: LocalRateLimiter(rate) for kind, rate in rates.items()}
+    # Short timeouts: a limit check sits on the hot path of every pull.
+    client = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=0.5,
+                                          socket_timeout=0.5)
+    return {kind: RedisRateLimiter(rate, kind=kind, client=client)
+            for kind, rate in rates.items()}

@@ -1,0 +1,59 @@
+"""Rate limits (issue 14.4): with Redis, one GCRA bucket per key whichever process takes from
+it; without Redis, a bucket per process; when Redis is away, the process's own bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio
+
+from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter
+from tests.reliability.conftest import PrivateRedis
+
+
+@pytest.fixture
+def private_redis():
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+def _limiter(url: str, rate: float) -> RedisRateLimiter:
+    """A limiter with its own connection pool, as in another API process."""
+    return RedisRateLimiter(rate, kind="pull", client=redis.asyncio.Redis.from_url(url))
+
+
+def test_two_processes_draw_from_one_bucket(private_redis):
+    async def scenario():
+        first, second = _limiter(private_redis.url, 2.0), _limiter(private_redis.url, 2.0)
+        # Burst of 2 x rate = 4, shared: alternate between the two "processes".
+        answers = [await (first, second)[i % 2].retry_after("token-7") for i in range(6)]
+        assert answers[:4] == [None] * 4
+        assert all(0 < wait <= 0.5 for wait in answers[4:])
+        assert await first.retry_after("token-8") is None  # another token, another bucket
+        await asyncio.sleep(answers[-1] + 0.05)
+        assert await second.retry_after("token-7") is None  # refilled at 2 per second
+
+    asyncio.run(scenario())
+
+
+def test_a_missing_redis_falls_back_to_the_process_bucket(private_redis):
+    async def scenario():
+        limiter = _limiter(private_redis.url, 1.0)
+        private_redis.kill()
+        started = time.monotonic()
+        answers = [await limiter.retry_after("token-1") for _ in range(3)]
+        assert answers[:2] == [None, None] and answers[2] > 0  # still limited, in process
+        assert time.monotonic() - started < 5
+
+    asyncio.run(scenario())
+
+
+def test_the_local_bucket_limits_and_refills():
+    limiter = LocalRateLimiter(5.0)
+    answers = [limiter.take("t") for _ in range(11)]
+    assert answers[:10] == [None] * 10 and answers[10] > 0
+    assert LocalRateLimiter(0).take("t") is None  # 0 turns the limit off
