@@ -26,6 +26,7 @@ from controlplane.calibration.api import router as calibration_router
 from controlplane.db import get_engine, session_factory
 from controlplane.deps import PrincipalCache, RateLimiter
 from controlplane.errors import DomainError
+from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
@@ -40,6 +41,9 @@ log = logging.getLogger("exitplane.api")
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
     """Build the API for `settings` (default: the environment's), optionally on `engine`."""
     settings = settings or get_settings()
+    problem = weak_secret_problem(settings, settings.host)
+    if problem:
+        raise RuntimeError(problem)
     engine = engine or get_engine(settings.effective_database_url)
     factory = session_factory(engine)
 

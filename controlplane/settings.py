@@ -9,8 +9,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_SECRET = "exitplane-embedded-default-secret"
-
 
 class Settings(BaseSettings):
     """Everything the API, the workers and the CLI read from the environment."""
@@ -23,7 +21,8 @@ class Settings(BaseSettings):
     var_dir: Path = Path("var")
     database_url: str = Field(default="", repr=False)
     redis_url: str = Field(default="", repr=False)
-    secret_key: str = Field(default=DEFAULT_SECRET, repr=False)
+    # Empty: a random key generated once under var_dir (controlplane/keys.py, issue 13).
+    secret_key: str = Field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 8000
     public_url: str = ""
@@ -57,13 +56,19 @@ class Settings(BaseSettings):
     canary_failure_limit: int = Field(default=1, ge=1)
     canary_max_inconclusive: int = Field(default=10, ge=1)
     canary_min_shadow_tokens: int = Field(default=200, ge=1)
+    # Security (issue 13): hooks may reach non-public addresses only when listed here
+    # (comma-separated host names, IP addresses or CIDR networks, e.g. a local Alertmanager).
+    hook_allowed_hosts: str = ""
+    # Request bodies of every route but /v1/telemetry (which keeps max_body_bytes).
+    max_control_body_bytes: int = Field(default=64 * 1024, gt=0)
 
     @model_validator(mode="after")
-    def _refuse_default_secret_in_production(self) -> Settings:
-        if self.environment == "production" and self.secret_key == DEFAULT_SECRET:
-            raise ValueError("EXITPLANE_SECRET_KEY must be set to a random value in production")
+    def _refuse_weak_secret_in_production(self) -> Settings:
+        # Production replicas need one shared key, so it is never generated there.
         if self.environment == "production" and len(self.secret_key) < 32:
-            raise ValueError("EXITPLANE_SECRET_KEY must be at least 32 characters in production")
+            raise ValueError("EXITPLANE_SECRET_KEY must be set to at least 32 random characters "
+                             "in production, e.g. export EXITPLANE_SECRET_KEY=\"$(python -c "
+                             "'import secrets; print(secrets.token_urlsafe(48))')\"")
         return self
 
     @property
