@@ -66,8 +66,8 @@ class Settings(BaseSettings):
     def _refuse_weak_secret_in_production(self) -> Settings:
         # Production replicas need one shared key, so it is never generated there.
         if self.environment == "production" and len(self.secret_key) < 32:
-            raise ValueError("EXITPLANE_SECRET_KEY must be set to at least 32 random characters "
-                             "in production, e.g. export EXITPLANE_SECRET_KEY=\"$(python -c "
+            raise ValueError("EXITPLANE_SECRET_KEY must be at least 32 characters (random) in "
+                             "production, e.g. export EXITPLANE_SECRET_KEY=\"$(python -c "
                              "'import secrets; print(secrets.token_urlsafe(48))')\"")
         return self
 
