@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -84,11 +85,13 @@ class Destination:
 @dataclass(frozen=True)
 class HookGuard:
     """What hook code needs from the settings: the allow-list, the vault of hook credentials
-    and (replaceable in tests) the resolver."""
+    and (replaceable in tests) the resolver and the TLS trust."""
 
     vault: Vault
     allowed: AllowList = AllowList()
     resolve: Resolver = field(default=system_resolver)
+    # Certificates are verified against the hook's host name (True: the system's trust store).
+    tls_verify: ssl.SSLContext | bool = True
 
     @classmethod
     def from_settings(cls, settings) -> HookGuard:

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import secrets
+import ssl
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -232,7 +233,8 @@ NO_ANSWER = "no answer from the destination (connection failed or timed out)"
 REDIRECT_REFUSED = "redirect refused: hooks do not follow redirects"
 
 
-def post(request: HookRequest, *, destination, timeout_s: float) -> Outcome:
+def post(request: HookRequest, *, destination, timeout_s: float,
+         verify: ssl.SSLContext | bool = True) -> Outcome:
     """Send the request to the vetted `destination` (a `guard.Destination`): the connection
     goes to its checked address while the Host header and TLS name stay the URL's host, so
     DNS is not asked again. 2xx is success, 429/5xx and network errors may be retried, and
@@ -246,8 +248,12 @@ def post(request: HookRequest, *, destination, timeout_s: float) -> Outcome:
     extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
     sending = _sending_to_hook.set(True)
     try:
-        # trust_env=False: a proxy from the environment would connect on its own terms.
-        with httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout_s) as client:
+        # An explicit transport: no proxy from the environment (it would connect on its own
+        # terms); trust_env=False on the client: no ~/.netrc credentials sent to a hook. The
+        # transport still honours SSL_CERT_FILE for a private CA.
+        transport = httpx.HTTPTransport(verify=verify)
+        with httpx.Client(transport=transport, trust_env=False, follow_redirects=False,
+                          timeout=timeout_s) as client:
             response = client.post(pinned, content=request.body, headers=headers,
                                    extensions=extensions)
     except httpx.HTTPError:

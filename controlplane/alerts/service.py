@@ -435,7 +435,8 @@ def _attempt(*, session: Session, hook: AlertHook, alert_id: int | None, event: 
                                 refused.retryable)
     else:
         request = hooks.build_request(hook=target, alert=snapshot, event=event)
-        outcome = hooks.post(request, destination=destination, timeout_s=timeout_s)
+        outcome = hooks.post(request, destination=destination, timeout_s=timeout_s,
+                             verify=guard.tls_verify)
     delivery = AlertDelivery(hook_id=hook.id, alert_id=alert_id, event=event, attempt=attempt,
                              ok=outcome.ok, status_code=outcome.status_code,
                              error=outcome.error,

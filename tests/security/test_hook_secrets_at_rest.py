@@ -80,7 +80,18 @@ def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, s
                 "enabled, created_by, created_at) VALUES ('old', 'webhook', :url, :secret, "
                 "NULL, 'info', true, 'test', CURRENT_TIMESTAMP)"),
                 {"url": receiver.url + "/old-hook", "secret": HMAC_SECRET})
+            # What deliveries used to log: the receiver's answer, the network error's text.
+            for code, error in ((500, "HTTP 500: FATAL: password authentication failed"),
+                                (None, "ConnectError: [Errno 111] Connection refused")):
+                connection.execute(text(
+                    "INSERT INTO alert_deliveries (hook_id, event, attempt, ok, status_code, "
+                    "error, duration_ms, created_at) SELECT id, 'test', 1, false, :code, "
+                    ":error, 1.0, CURRENT_TIMESTAMP FROM alert_hooks"),
+                    {"code": code, "error": error})
         upgrade(db_url)
+        with engine.connect() as connection:
+            assert sorted(connection.execute(text(
+                "SELECT error FROM alert_deliveries")).scalars()) == ["HTTP 500", hooks.NO_ANSWER]
         [(url, secret, routing_key)] = _stored(engine)
         assert url.startswith(ENCRYPTED_PREFIX) and secret.startswith(ENCRYPTED_PREFIX)
         assert HMAC_SECRET not in secret and "old-hook" not in url and routing_key is None

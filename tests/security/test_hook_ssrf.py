@@ -8,7 +8,9 @@ followed; a failed delivery keeps only its status code and a fixed reason."""
 
 from __future__ import annotations
 
+import datetime
 import socket
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -61,10 +63,12 @@ def settings(db_url, tmp_path):
 
 
 class Server:
-    """A real HTTP server on `host`, answering `status` with `body` (and `headers`)."""
+    """A real HTTP server on `host`, answering `status` with `body` (and `headers`); HTTPS
+    when given a server-side `tls` context."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, status: int = 200,
-                 body: bytes = b"ok", headers: dict[str, str] | None = None) -> None:
+                 body: bytes = b"ok", headers: dict[str, str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict] = []
         server = self
 
@@ -84,6 +88,8 @@ class Server:
                 pass
 
         self.http = ThreadingHTTPServer((host, port), Handler)
+        if tls is not None:
+            self.http.socket = tls.wrap_socket(self.http.socket, server_side=True)
         self.port = self.http.server_address[1]
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
@@ -115,6 +121,17 @@ def test_the_allow_list_admits_hosts_addresses_and_networks(client, tokens, app)
     refused = client.post("/v1/hooks", headers=admin, json={
         "name": "metadata", "kind": "webhook", "url": "http://169.254.169.254/"})
     assert refused.status_code == 422
+
+
+def test_changing_a_hook_url_is_checked_too(client, tokens):
+    admin = tokens.headers(tokens.admin)
+    hook_id = client.post("/v1/hooks", headers=admin, json={
+        "name": "n", "kind": "webhook", "url": "https://receiver.example.com/in"}).json()["id"]
+    moved = client.patch(f"/v1/hooks/{hook_id}", headers=admin,
+                         json={"url": "http://169.254.169.254/latest/meta-data/"})
+    assert moved.status_code == 422 and "link-local" in moved.json()["detail"]
+    shown = client.get(f"/v1/hooks/{hook_id}", headers=admin).json()
+    assert shown["url"] == "https://receiver.example.com/…"
 
 
 def test_slack_and_pagerduty_hooks_stay_on_their_official_hosts(client, tokens):
@@ -172,6 +189,73 @@ def test_a_rebinding_resolver_cannot_switch_the_connection(session: Session, res
         [request] = vetted.requests
         assert request["headers"]["Host"] == f"rebind.example.com:{port}"
         assert request["path"] == "/hook"
+    finally:
+        vetted.stop()
+        other.stop()
+
+
+def _certificate(tmp_path, name: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server context, client context trusting only it) for a self-signed certificate of
+    DNS name `name` (no IP address in it)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]),
+                                  critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                                  critical=True)
+                   .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert_path, key_path)
+    client = ssl.create_default_context(cafile=str(cert_path))
+    return server, client
+
+
+def test_a_pinned_https_connection_still_verifies_the_hook_host_name(session: Session,
+                                                                     resolving, tmp_path):
+    """Connecting to the vetted address keeps TLS honest: SNI and the certificate check use
+    the hook's host name (the certificate names no address, so a check against the address
+    would fail), and a certificate for another name is refused."""
+    server_tls, client_tls = _certificate(tmp_path, "pinned.example.com")
+    port = free_port()
+    vetted = Server(host="127.0.0.2", port=port, tls=server_tls)
+    other = Server(host="127.0.0.1", port=port)
+    try:
+        guard = HookGuard(vault=vault(Settings()), allowed=AllowList.parse("127.0.0.2"),
+                          tls_verify=client_tls)
+        deployment = make_deployment(session)
+        hook = service.create_hook(session=session, name="x", kind="webhook", actor="test",
+                                   url=f"https://pinned.example.com:{port}/hook",
+                                   deployment=deployment, guard=guard)
+        resolving["pinned.example.com"] = ["127.0.0.2", "127.0.0.1"]
+        delivery = service.send_test_alert(session=session, hook=hook, base_url=BASE,
+                                           actor="test", timeout_s=5, guard=guard)
+        assert delivery.ok, delivery.error
+        assert len(vetted.requests) == 1 and other.requests == []
+        assert vetted.requests[0]["headers"]["Host"] == f"pinned.example.com:{port}"
+
+        resolving["impostor.example.com"] = ["127.0.0.2"]
+        impostor = service.create_hook(session=session, name="y", kind="webhook", actor="test",
+                                       url=f"https://impostor.example.com:{port}/hook",
+                                       deployment=deployment, guard=guard)
+        refused = service.send_test_alert(session=session, hook=impostor, base_url=BASE,
+                                          actor="test", timeout_s=5, guard=guard)
+        assert not refused.ok and refused.error == hooks.NO_ANSWER
+        assert len(vetted.requests) == 1
     finally:
         vetted.stop()
         other.stop()
