@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+HOST_NAME = re.compile(r"(?i)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 
 
 class Settings(BaseSettings):
@@ -61,6 +65,20 @@ class Settings(BaseSettings):
     hook_allowed_hosts: str = ""
     # Request bodies of every route but /v1/telemetry (which keeps max_body_bytes).
     max_control_body_bytes: int = Field(default=64 * 1024, gt=0)
+
+    @field_validator("hook_allowed_hosts")
+    @classmethod
+    def _allowed_hosts_are_hosts_or_networks(cls, value: str) -> str:
+        for entry in (part.strip() for part in value.split(",")):
+            if not entry:
+                continue
+            try:
+                ipaddress.ip_network(entry.strip("[]"), strict=False)
+            except ValueError:
+                if not HOST_NAME.fullmatch(entry):
+                    raise ValueError(f"EXITPLANE_HOOK_ALLOWED_HOSTS: {entry!r} is neither a host "
+                                     "name, an IP address nor a CIDR network") from None
+        return value
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -285,3 +285,14 @@ def test_deliveries_store_no_response_text_and_follow_no_redirect(client, tokens
     finally:
         leaky.stop()
         moved.stop()
+
+
+@pytest.mark.parametrize("entry", ["10.0.0.0/33", "hooks example", "http://10.0.0.1/"])
+def test_a_malformed_allow_list_refuses_to_start(entry):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="EXITPLANE_HOOK_ALLOWED_HOSTS"):
+        Settings(hook_allowed_hosts=f"127.0.0.1,{entry}")
+    parsed = AllowList.parse(Settings(hook_allowed_hosts="Alertmanager., 10.0.0.0/8,::1")
+                             .hook_allowed_hosts)
+    assert parsed.names == {"alertmanager"} and len(parsed.networks) == 2

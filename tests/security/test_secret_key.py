@@ -152,3 +152,18 @@ def test_no_constant_in_the_code_signs():
 
     assert not hasattr(controlplane.settings, "DEFAULT_SECRET")
     assert Settings.model_fields["secret_key"].default == ""
+
+
+def test_processes_starting_together_share_one_generated_key(tmp_path):
+    """API, worker and beat start at once on a fresh var dir: one key wins, all read it."""
+    var_dir = tmp_path / "var"
+    script = ("from controlplane.keys import secret_key\n"
+              "from controlplane.settings import Settings\n"
+              "print(secret_key(Settings()))")
+    processes = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=_env(var_dir),
+                                  stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    keys = {process.communicate(timeout=60)[0].strip() for process in processes}
+    assert all(process.returncode == 0 for process in processes)
+    assert keys == {(var_dir / "secret_key").read_text().strip()}
+    assert stat.S_IMODE((var_dir / "secret_key").stat().st_mode) == 0o600
+    assert [path.name for path in var_dir.iterdir()] == ["secret_key"]  # no temporary left
