@@ -230,6 +230,9 @@ def _slack_link(url: str) -> str:
 # receiver's answer nor the network error's text (both would turn "send test" into a way to
 # read internal services or scan ports).
 NO_ANSWER = "no answer from the destination (connection failed or timed out)"
+REFUSED = "destination refused"  # by controlplane.alerts.guard: not retried
+UNRESOLVED = "destination unresolved"  # DNS had no answer: retried
+UNREADABLE = "credentials unreadable"  # the secret key changed: not retried
 REDIRECT_REFUSED = "redirect refused: hooks do not follow redirects"
 
 

@@ -388,8 +388,11 @@ def deliver(*, session: Session, alert_id: int, hook_id: int, event: str, base_u
 
 
 def is_retryable(delivery: AlertDelivery) -> bool:
-    """Network errors, 429 and 5xx are worth another attempt; other 4xx are not."""
+    """Network errors, 429 and 5xx are worth another attempt; other 4xx are not, nor a
+    destination the guard refused or credentials that do not decrypt."""
     code = delivery.status_code
+    if (delivery.error or "").startswith((hooks.REFUSED, hooks.UNREADABLE)):
+        return False
     return not delivery.ok and (code is None or code == 429 or code >= 500)
 
 
@@ -429,10 +432,11 @@ def _attempt(*, session: Session, hook: AlertHook, alert_id: int | None, event: 
         # Checked again at every delivery: DNS may point the name elsewhere since creation.
         destination = guard.check(target.url, kind=hook.kind)
     except SecretUnreadable as error:
-        outcome = hooks.Outcome(False, None, str(error), False)
+        outcome = hooks.Outcome(False, None, f"{hooks.UNREADABLE}: {error}", False)
     except DestinationRefused as refused:
-        outcome = hooks.Outcome(False, None, f"destination refused: {refused}",
-                                refused.retryable)
+        # A name that does not resolve may come back; a refused address will not.
+        reason = hooks.UNRESOLVED if refused.retryable else hooks.REFUSED
+        outcome = hooks.Outcome(False, None, f"{reason}: {refused}", refused.retryable)
     else:
         request = hooks.build_request(hook=target, alert=snapshot, event=event)
         outcome = hooks.post(request, destination=destination, timeout_s=timeout_s,

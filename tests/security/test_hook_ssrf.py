@@ -164,7 +164,16 @@ def test_a_name_that_turns_inward_after_creation_is_refused_at_delivery(session:
                                            actor="test", timeout_s=5, guard=guard)
         assert not delivery.ok and delivery.status_code is None
         assert delivery.error.startswith("destination refused") and "loopback" in delivery.error
+        assert not service.is_retryable(delivery)  # the workers do not keep knocking
         assert internal.requests == []
+        # A name DNS does not answer for is accepted when made, and retried when delivered.
+        lost = service.create_hook(session=session, name="y", kind="webhook", actor="test",
+                                   url="https://nowhere.invalid/hook", deployment=deployment,
+                                   guard=guard)
+        unresolved = service.send_test_alert(session=session, hook=lost, base_url=BASE,
+                                             actor="test", timeout_s=5, guard=guard)
+        assert unresolved.error.startswith("destination unresolved")
+        assert service.is_retryable(unresolved)
     finally:
         internal.stop()
 
