@@ -129,9 +129,10 @@ class HookGuard:
         for address in addresses:
             category = _non_public(address)
             if category and not allowed_name and not self.allowed.holds(address):
+                article = "an" if category[0] in "aeiou" else "a"
                 raise DestinationRefused(
-                    f"{host!r} is {'' if literal else 'resolves to '}a {category} address; "
-                    f"hooks may only reach it when it is listed in {SETTING}")
+                    f"{host!r} {'is' if literal else 'resolves to'} {article} {category} "
+                    f"address; hooks may only reach it when it is listed in {SETTING}")
         return Destination(url=parsed, address=str(addresses[0]))
 
 

@@ -303,6 +303,7 @@ def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
 
 def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
                 guard: HookGuard | None = None) -> AlertHook:
+    """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted."""
     guard = guard or hook_guard()
     for name, value in changes.items():
         if name == "min_severity" and value not in SEVERITIES:
