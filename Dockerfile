@@ -15,6 +15,8 @@ COPY migrations migrations
 
 FROM base AS controlplane
 RUN pip install '.[controlplane]'
+# The embedded default keeps its store and its generated secret key (mode 0600) under var/.
+RUN mkdir -p /app/var && chown exitplane:exitplane /app/var
 USER exitplane
 EXPOSE 8000
 CMD ["exitplane", "up", "--host", "0.0.0.0"]

@@ -29,6 +29,7 @@ from controlplane.coordination.limits import make_rate_limiters
 from controlplane.db import get_engine, session_factory
 from controlplane.deps import PrincipalCache
 from controlplane.errors import DomainError, Unauthorized
+from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
@@ -43,6 +44,9 @@ log = logging.getLogger("exitplane.api")
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
     """Build the API for `settings` (default: the environment's), optionally on `engine`."""
     settings = settings or get_settings()
+    problem = weak_secret_problem(settings, settings.host)
+    if problem:
+        raise RuntimeError(problem)
     engine = engine or get_engine(settings.effective_database_url)
     factory = session_factory(engine)
 
@@ -79,7 +83,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                                             socket_timeout=5)
                        if settings.redis_url else None)
 
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_control_body_bytes,
+                       routes={TELEMETRY_PATH: settings.max_body_bytes})
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
                        principals=app.state.principal_cache, digest=digest,
                        limiter=app.state.rate_limiters["pull"])
@@ -181,49 +186,79 @@ def _prepare_store(factory) -> None:
         log.warning("could not prepare telemetry partitions: %s", error)
 
 
-class BodySizeLimit:
-    """Refuse bodies over `max_bytes` with 413 (pure ASGI: no cost on the hot GET paths)."""
+TELEMETRY_PATH = "/v1/telemetry"
 
-    def __init__(self, app, max_bytes: int) -> None:
+
+class BodySizeLimit:
+    """Refuse a request body over its route's limit with 413 before anything parses it (pure
+    ASGI: no cost on the hot GET paths). Control routes get `max_bytes` (kilobytes: nothing
+    there needs more, and auth runs only after the body is read); `routes` maps paths (and
+    what lies below them) to their own limit, e.g. telemetry batches.
+
+    A declared Content-Length is refused at once. Otherwise the body is read here, counted
+    chunk by chunk (chunked uploads declare no length), and handed to the app only once it is
+    complete and within the limit: no route, form parser or middleware sees a byte before."""
+
+    def __init__(self, app, max_bytes: int, routes: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.routes = routes or {}
+
+    def limit_for(self, scope) -> int:
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        for prefix, limit in self.routes.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return limit
+        return self.max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
+        limit = self.limit_for(scope)
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(send, f"request body of {int(value)} bytes exceeds the limit "
-                                         f"of {self.max_bytes} bytes")
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._refuse(send, f"request body of {int(value)} bytes exceeds the "
+                                         f"limit of {limit} bytes for this route")
                 return
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
+        chunks, received = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete: nobody to answer
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > limit:
+                await self._refuse(send, f"request body exceeds the limit of {limit} bytes "
+                                         "for this route")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except BodyTooLarge:
-            await self._refuse(send, f"request body exceeds the limit of {self.max_bytes} bytes")
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # http.disconnect, when the client goes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
     @staticmethod
     async def _refuse(send, message: str) -> None:
         body = json.dumps({"detail": message}).encode()
+        # Connection: close, as the rest of the body is never read.
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

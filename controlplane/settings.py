@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_SECRET = "exitplane-embedded-default-secret"
+HOST_NAME = re.compile(r"(?i)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 
 
 class Settings(BaseSettings):
@@ -23,7 +25,8 @@ class Settings(BaseSettings):
     var_dir: Path = Path("var")
     database_url: str = Field(default="", repr=False)
     redis_url: str = Field(default="", repr=False)
-    secret_key: str = Field(default=DEFAULT_SECRET, repr=False)
+    # Empty: a random key generated once under var_dir (controlplane/keys.py, issue 13).
+    secret_key: str = Field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 8000
     public_url: str = ""
@@ -67,13 +70,33 @@ class Settings(BaseSettings):
     max_runtimes_per_deployment: int = Field(default=5000, ge=1)
     metrics_cache_ttl_s: float = Field(default=2.0, ge=0)
     metrics_token: str = Field(default="", repr=False)
+    # Security (issue 13): hooks may reach non-public addresses only when listed here
+    # (comma-separated host names, IP addresses or CIDR networks, e.g. a local Alertmanager).
+    hook_allowed_hosts: str = ""
+    # Request bodies of every route but /v1/telemetry (which keeps max_body_bytes).
+    max_control_body_bytes: int = Field(default=64 * 1024, gt=0)
+
+    @field_validator("hook_allowed_hosts")
+    @classmethod
+    def _allowed_hosts_are_hosts_or_networks(cls, value: str) -> str:
+        for entry in (part.strip() for part in value.split(",")):
+            if not entry:
+                continue
+            try:
+                ipaddress.ip_network(entry.strip("[]"), strict=False)
+            except ValueError:
+                if not HOST_NAME.fullmatch(entry):
+                    raise ValueError(f"EXITPLANE_HOOK_ALLOWED_HOSTS: {entry!r} is neither a host "
+                                     "name, an IP address nor a CIDR network") from None
+        return value
 
     @model_validator(mode="after")
-    def _refuse_default_secret_in_production(self) -> Settings:
-        if self.environment == "production" and self.secret_key == DEFAULT_SECRET:
-            raise ValueError("EXITPLANE_SECRET_KEY must be set to a random value in production")
+    def _refuse_weak_secret_in_production(self) -> Settings:
+        # Production replicas need one shared key, so it is never generated there.
         if self.environment == "production" and len(self.secret_key) < 32:
-            raise ValueError("EXITPLANE_SECRET_KEY must be at least 32 characters in production")
+            raise ValueError("EXITPLANE_SECRET_KEY must be at least 32 characters (random) in "
+                             "production, e.g. export EXITPLANE_SECRET_KEY=\"$(python -c "
+                             "'import secrets; print(secrets.token_urlsafe(48))')\"")
         return self
 
     @property

@@ -27,6 +27,7 @@ from controlplane.auth.models import User
 from controlplane.auth.users import has_role
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Forbidden
+from controlplane.keys import secret_key
 
 SESSION_COOKIE = "exitplane_session"
 FLASH_COOKIE = "exitplane_flash"
@@ -62,7 +63,8 @@ class SignedIn:
 
 
 def _key(request: Request, purpose: str) -> bytes:
-    secret = request.app.state.settings.secret_key.encode()
+    # Never a constant: the configured key or the one generated under var_dir (issue 13).
+    secret = secret_key(request.app.state.settings).encode()
     return hmac.new(secret, f"exitplane-ui:{purpose}".encode(), hashlib.sha256).digest()
 
 

@@ -133,9 +133,14 @@ def user_create(username: str, role: str, password_file: str | None) -> None:
                    "(default: on in the embedded environment)")
 def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) -> None:
     """Run the control plane API (migrating the database first), with worker and beat."""
+    from controlplane.keys import secret_key, weak_secret_problem
     from controlplane.settings import get_settings
 
     settings = get_settings()
+    problem = weak_secret_problem(settings, host or settings.host)
+    if problem:
+        _fail(problem)
+    secret_key(settings)  # generated now, before the worker and beat read it
     if migrate:
         _migrate(settings.effective_database_url)
     if workers is None:

@@ -4,6 +4,7 @@ built by the migrations, and API clients with tokens of each scope."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import threading
@@ -26,6 +27,13 @@ from controlplane.models import Base
 hypothesis_settings.register_profile("exitplane", deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
 hypothesis_settings.load_profile("exitplane")
+
+# One secret key for the test session and every process it starts, as production shares one
+# between API, workers and CLI: hook credentials encrypted by one must decrypt in another.
+os.environ.setdefault("EXITPLANE_SECRET_KEY", secrets.token_urlsafe(48))
+# The hook tests post to receivers on loopback (issue 13: hooks reach no internal address
+# unless it is allow-listed); tests/security/test_hook_ssrf.py checks with an empty list.
+os.environ.setdefault("EXITPLANE_HOOK_ALLOWED_HOSTS", "127.0.0.1")
 
 POSTGRES_URL = os.environ.get("EXITPLANE_TEST_POSTGRES_URL", "")
 REDIS_URL = os.environ.get("EXITPLANE_TEST_REDIS_URL", "")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import FileResponse
 
 from controlplane.alerts import service
+from controlplane.alerts.guard import HookGuard
 from controlplane.alerts.models import Alert, AlertHook
 from controlplane.alerts.schemas import (
     AlertAck,
@@ -39,8 +40,15 @@ def _alert_read(request: Request, alert: Alert, names: dict[int, str]) -> AlertR
     return read
 
 
-def _hook_read(hook: AlertHook, names: dict[int, str], model=HookRead) -> HookRead:
+def _guard(request: Request) -> HookGuard:
+    return service.hook_guard(request.app.state.settings)
+
+
+def _hook_read(hook: AlertHook, names: dict[int, str], guard: HookGuard,
+               model=HookRead) -> HookRead:
+    # The URL is a credential for many receivers (Slack's carries its key): masked.
     read = model.model_validate(hook)
+    read.url = service.shown_url(hook=hook, guard=guard)
     read.deployment = names.get(hook.deployment_id) if hook.deployment_id else None
     read.has_secret = bool(hook.secret)
     read.has_routing_key = bool(hook.routing_key)
@@ -102,41 +110,46 @@ def alert_deliveries(alert_id: int, session: SessionDep,
 
 
 @router.get("/hooks", response_model=list[HookRead])
-def list_hooks(session: SessionDep, principal: AdminPrincipal,
+def list_hooks(request: Request, session: SessionDep, principal: AdminPrincipal,
                deployment: str | None = None) -> list[HookRead]:
     target = get_deployment(session=session, name=deployment) if deployment else None
     found = service.list_hooks(session=session, deployment=target)
     names = _names(session, [h.deployment_id for h in found])
-    return [_hook_read(h, names) for h in found]
+    guard = _guard(request)
+    return [_hook_read(h, names, guard) for h in found]
 
 
 @router.post("/hooks", status_code=status.HTTP_201_CREATED, response_model=HookCreated)
-def create_hook(spec: HookCreate, session: SessionDep, principal: AdminPrincipal) -> HookCreated:
+def create_hook(spec: HookCreate, request: Request, session: SessionDep,
+                principal: AdminPrincipal) -> HookCreated:
     target = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
+    guard = _guard(request)
     hook = service.create_hook(
         session=session, name=spec.name, kind=spec.kind, url=str(spec.url), actor=principal.actor,
         deployment=target, min_severity=spec.min_severity, secret=spec.secret,
-        routing_key=spec.routing_key, enabled=spec.enabled)
-    read = _hook_read(hook, _names(session, [hook.deployment_id]), model=HookCreated)
-    read.secret = hook.secret
+        routing_key=spec.routing_key, enabled=spec.enabled, guard=guard)
+    read = _hook_read(hook, _names(session, [hook.deployment_id]), guard, model=HookCreated)
+    read.secret = guard.vault.decrypt(hook.secret)  # shown once, on this response only
     return read
 
 
 @router.get("/hooks/{hook_id}", response_model=HookRead)
-def show_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> HookRead:
+def show_hook(hook_id: int, request: Request, session: SessionDep,
+              principal: AdminPrincipal) -> HookRead:
     hook = service.get_hook(session=session, hook_id=hook_id)
-    return _hook_read(hook, _names(session, [hook.deployment_id]))
+    return _hook_read(hook, _names(session, [hook.deployment_id]), _guard(request))
 
 
 @router.patch("/hooks/{hook_id}", response_model=HookRead)
-def update_hook(hook_id: int, spec: HookUpdate, session: SessionDep,
+def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: SessionDep,
                 principal: AdminPrincipal) -> HookRead:
     hook = service.get_hook(session=session, hook_id=hook_id)
     changes = spec.model_dump(exclude_none=True)
     if "url" in changes:
         changes["url"] = str(changes["url"])
-    service.update_hook(session=session, hook=hook, changes=changes)
-    return _hook_read(hook, _names(session, [hook.deployment_id]))
+    guard = _guard(request)
+    service.update_hook(session=session, hook=hook, changes=changes, guard=guard)
+    return _hook_read(hook, _names(session, [hook.deployment_id]), guard)
 
 
 @router.delete("/hooks/{hook_id}", status_code=status.HTTP_204_NO_CONTENT)
@@ -153,7 +166,8 @@ def send_test_alert(hook_id: int, request: Request, session: SessionDep,
     hook = service.get_hook(session=session, hook_id=hook_id)
     delivery = service.send_test_alert(session=session, hook=hook, base_url=settings.base_url,
                                        actor=principal.actor,
-                                       timeout_s=settings.delivery_timeout_s)
+                                       timeout_s=settings.delivery_timeout_s,
+                                       guard=_guard(request))
     return DeliveryRead.model_validate(delivery)
 
 

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import secrets
+import ssl
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -37,6 +38,16 @@ EVENTS = ("firing", "acknowledged", "resolved", "refresh", "test")
 ALERTMANAGER_HOLD = timedelta(hours=1)
 SLACK_ICON = {"firing": ":rotating_light:", "test": ":test_tube:", "acknowledged": ":eyes:",
               "resolved": ":white_check_mark:"}
+
+
+@dataclass(frozen=True)
+class HookTarget:
+    """A hook's kind and its credentials in the clear: built for one delivery, never stored."""
+
+    kind: str
+    url: str
+    secret: str | None = None
+    routing_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -181,47 +192,83 @@ def _pagerduty(hook, alert: dict, event: str, now: datetime) -> HookRequest:
     return HookRequest(hook.url, _headers(), _json(payload))
 
 
+def slack_escape(text: str) -> str:
+    """Text as Slack shows it literally: `<...>` would otherwise be a link or a mention
+    (`<!channel>` pages a whole channel) and `&` starts an entity."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _slack(hook, alert: dict, event: str, now: datetime) -> HookRequest:
-    title = f"{SLACK_ICON[event]} [{event.upper()}] {alert['deployment']}: {alert['kind']}"
+    # Names, summaries and resolutions come from users and runtimes: escaped, all of them.
+    title = slack_escape(f"{SLACK_ICON[event]} [{event.upper()}] {alert['deployment']}: "
+                         f"{alert['kind']}")
     if alert["layer"] is not None:
         title += f" at layer {alert['layer']}"
-    lines = [f"*{title}*", alert["summary"], f"severity: *{alert['severity']}*"]
+    summary = slack_escape(alert["summary"])
+    lines = [f"*{title}*", summary, f"severity: *{slack_escape(alert['severity'])}*"]
     if alert["action_taken"]:
-        lines.append(f"action taken: {alert['action_taken']}")
+        lines.append(f"action taken: {slack_escape(alert['action_taken'])}")
     if event == "resolved" and alert["resolution"]:
-        lines.append(f"resolved by {alert['resolved_by']}: {alert['resolution']}")
-    links = f"<{alert['url']}|open in exitplane>"
+        lines.append(slack_escape(f"resolved by {alert['resolved_by']}: "
+                                  f"{alert['resolution']}"))
+    links = f"<{_slack_link(alert['url'])}|open in exitplane>"
     if alert["report_url"]:
-        links += f" · <{alert['report_url']}|drift report>"
-    payload = {"text": f"{title}: {alert['summary']}",
+        links += f" · <{_slack_link(alert['report_url'])}|drift report>"
+    payload = {"text": f"{title}: {summary}",
                "blocks": [{"type": "section", "text": {"type": "mrkdwn",
                                                        "text": "\n".join(lines)}},
                           {"type": "context", "elements": [{"type": "mrkdwn", "text": links}]}]}
     return HookRequest(hook.url, _headers(), _json(payload))
 
 
-def post(request: HookRequest, *, timeout_s: float) -> Outcome:
-    """Send the request; 2xx is success, 429/5xx and network errors may be retried.
+def _slack_link(url: str) -> str:
+    # Inside <url|label> only these three are special; a URL never legitimately has them raw.
+    return url.replace("&", "&amp;").replace("<", "%3C").replace(">", "%3E").replace("|", "%7C")
+
+
+# What a failed delivery records: the status code and one of these fixed reasons, never the
+# receiver's answer nor the network error's text (both would turn "send test" into a way to
+# read internal services or scan ports).
+NO_ANSWER = "no answer from the destination (connection failed or timed out)"
+REFUSED = "destination refused"  # by controlplane.alerts.guard: not retried
+UNRESOLVED = "destination unresolved"  # DNS had no answer: retried
+UNREADABLE = "credentials unreadable"  # the secret key changed: not retried
+REDIRECT_REFUSED = "redirect refused: hooks do not follow redirects"
+
+
+def post(request: HookRequest, *, destination, timeout_s: float,
+         verify: ssl.SSLContext | bool = True) -> Outcome:
+    """Send the request to the vetted `destination` (a `guard.Destination`): the connection
+    goes to its checked address while the Host header and TLS name stay the URL's host, so
+    DNS is not asked again. 2xx is success, 429/5xx and network errors may be retried, and
+    redirects are not followed.
 
     A hook's URL is a credential (Slack, Teams and many webhooks carry their key in the path
-    or the query), so neither the error text, which is logged and shown, nor httpx's request
-    log says more of it than scheme, host and port."""
+    or the query), so httpx's request log says no more of it than scheme, host and port."""
+    url = httpx.URL(request.url)
+    pinned = url.copy_with(host=destination.address)
+    headers = {**request.headers, "Host": url.netloc.decode("ascii")}
+    extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
     sending = _sending_to_hook.set(True)
     try:
-        response = httpx.post(request.url, content=request.body, headers=request.headers,
-                              timeout=timeout_s)
-    except httpx.HTTPError as error:
-        text = scrub_url(f"{type(error).__name__}: {error}", request.url)
-        return Outcome(False, None, text[:2000], True)
+        # An explicit transport: no proxy from the environment (it would connect on its own
+        # terms); trust_env=False on the client: no ~/.netrc credentials sent to a hook. The
+        # transport still honours SSL_CERT_FILE for a private CA.
+        transport = httpx.HTTPTransport(verify=verify)
+        with httpx.Client(transport=transport, trust_env=False, follow_redirects=False,
+                          timeout=timeout_s) as client:
+            response = client.post(pinned, content=request.body, headers=headers,
+                                   extensions=extensions)
+    except httpx.HTTPError:
+        return Outcome(False, None, NO_ANSWER, True)
     finally:
         _sending_to_hook.reset(sending)
-    if 200 <= response.status_code < 300:
-        return Outcome(True, response.status_code, None, False)
-    retryable = response.status_code == 429 or response.status_code >= 500
-    # Error pages often echo the path they were asked for.
-    detail = scrub_url(response.text[:500].strip(), request.url)
-    return Outcome(False, response.status_code,
-                   f"HTTP {response.status_code}" + (f": {detail}" if detail else ""), retryable)
+    code = response.status_code
+    if 200 <= code < 300:
+        return Outcome(True, code, None, False)
+    if 300 <= code < 400:
+        return Outcome(False, code, f"HTTP {code}: {REDIRECT_REFUSED}", False)
+    return Outcome(False, code, f"HTTP {code}", code == 429 or code >= 500)
 
 
 def redact_url(url: str | httpx.URL) -> str:
@@ -230,21 +277,6 @@ def redact_url(url: str | httpx.URL) -> str:
     host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
     port = f":{parsed.port}" if parsed.port else ""
     return f"{parsed.scheme}://{host}{port}/…"
-
-
-def scrub_url(text: str, url: str) -> str:
-    """`text` without `url`, its path and query (raw or decoded), its user info, or any long
-    path segment or query value (where keys live) on its own."""
-    parsed = httpx.URL(url)
-    parts = [url, str(parsed), parsed.raw_path.decode("ascii", "replace"), parsed.path,
-             parsed.query.decode("ascii", "replace"), parsed.userinfo.decode("ascii", "replace"),
-             parsed.password or ""]
-    parts += [piece for piece in [*parsed.path.split("/"), *parsed.params.values()]
-              if len(piece) >= 16]
-    for part in sorted(parts, key=len, reverse=True):
-        if len(part) > 1:
-            text = text.replace(part, "…")
-    return text
 
 
 _sending_to_hook: ContextVar[bool] = ContextVar("exitplane_sending_to_hook", default=False)

@@ -15,6 +15,11 @@ KINDS = ("exit_rate_collapse", "exit_rate_spike", "quality_regression", "distrib
 SEVERITIES = ("info", "warning", "critical")
 STATUSES = ("firing", "acknowledged", "resolved")
 HOOK_KINDS = ("webhook", "alertmanager", "pagerduty", "slack")
+# Encrypted values are longer than what was encrypted: unbounded text on PostgreSQL (migration
+# 0006); SQLite never enforces a VARCHAR length, and keeping its declared type there spares a
+# table rebuild that would cascade-delete the delivery log.
+SEALED_URL = String(2000).with_variant(Text(), "postgresql")
+SEALED = String(200).with_variant(Text(), "postgresql")
 
 
 class Alert(Base):
@@ -61,10 +66,12 @@ class AlertHook(Base):
         ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(20))
-    url: Mapped[str] = mapped_column(String(2000))
-    # HMAC key of webhook hooks; kept in the store because every delivery signs with it.
-    secret: Mapped[str | None] = mapped_column(String(200))
-    routing_key: Mapped[str | None] = mapped_column(String(200))
+    # URL, HMAC key (webhooks) and routing key (PagerDuty) are credentials: stored encrypted
+    # with a key derived from the secret key (controlplane/keys.py, issue 13), decrypted only
+    # to deliver; every delivery signs with the HMAC key, so it cannot be a one-way hash.
+    url: Mapped[str] = mapped_column(SEALED_URL)
+    secret: Mapped[str | None] = mapped_column(SEALED)
+    routing_key: Mapped[str | None] = mapped_column(SEALED)
     min_severity: Mapped[str] = mapped_column(String(16), default="warning")
     enabled: Mapped[bool] = mapped_column(default=True)
     created_by: Mapped[str] = mapped_column(String(200))

@@ -22,6 +22,7 @@ from sqlalchemy import delete, event, func, or_, select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts import hooks
+from controlplane.alerts.guard import DestinationRefused, HookGuard
 from controlplane.alerts.models import (
     HOOK_KINDS,
     KINDS,
@@ -33,6 +34,7 @@ from controlplane.alerts.models import (
 )
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
+from controlplane.keys import SecretUnreadable
 from controlplane.thresholds.models import Deployment
 
 log = logging.getLogger("exitplane.alerts")
@@ -266,36 +268,72 @@ def get_hook(*, session: Session, hook_id: int) -> AlertHook:
     return hook
 
 
+def hook_guard(settings=None) -> HookGuard:
+    """The allow-list and vault of `settings` (default: this process's)."""
+    from controlplane.settings import get_settings
+
+    return HookGuard.from_settings(settings or get_settings())
+
+
 def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
                 deployment: Deployment | None = None, min_severity: str = "warning",
                 secret: str | None = None, routing_key: str | None = None,
-                enabled: bool = True) -> AlertHook:
-    """A hook; webhook hooks get a random HMAC secret unless one is given."""
+                enabled: bool = True, guard: HookGuard | None = None) -> AlertHook:
+    """A hook whose URL may be reached (`guard.check`); webhook hooks get a random HMAC
+    secret unless one is given. URL, secret and routing key are stored encrypted."""
     if kind not in HOOK_KINDS:
         raise Invalid(f"unknown hook kind {kind!r}; use one of {', '.join(HOOK_KINDS)}")
     if min_severity not in SEVERITIES:
         raise Invalid(f"unknown severity {min_severity!r}; use one of {', '.join(SEVERITIES)}")
     if kind == "pagerduty" and not routing_key:
         raise Invalid("a pagerduty hook needs routing_key (the integration key of the service)")
+    guard = guard or hook_guard()
+    guard.check(url, kind=kind, must_resolve=False)
     if kind == "webhook" and not secret:
         secret = hooks.new_secret()
+    vault = guard.vault
     hook = AlertHook(deployment_id=deployment.id if deployment else None, name=name, kind=kind,
-                     url=url, secret=secret, routing_key=routing_key, min_severity=min_severity,
+                     url=vault.encrypt(url), secret=vault.encrypt(secret),
+                     routing_key=vault.encrypt(routing_key), min_severity=min_severity,
                      enabled=enabled, created_by=actor)
     session.add(hook)
     session.flush()
     return hook
 
 
-def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any]) -> AlertHook:
+def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
+                guard: HookGuard | None = None) -> AlertHook:
+    """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted."""
+    guard = guard or hook_guard()
     for name, value in changes.items():
         if name == "min_severity" and value not in SEVERITIES:
             raise Invalid(f"unknown severity {value!r}")
+        if name == "url":
+            guard.check(value, kind=hook.kind, must_resolve=False)
+        if name in ("url", "secret", "routing_key"):
+            value = guard.vault.encrypt(value)
         setattr(hook, name, value)
     if hook.kind == "pagerduty" and not hook.routing_key:
         raise Invalid("a pagerduty hook needs routing_key")
     session.flush()
     return hook
+
+
+def hook_target(*, hook: AlertHook, guard: HookGuard) -> hooks.HookTarget:
+    """The hook's URL and credentials decrypted, for one delivery (SecretUnreadable when the
+    secret key changed since they were stored)."""
+    vault = guard.vault
+    return hooks.HookTarget(kind=hook.kind, url=vault.decrypt(hook.url),
+                            secret=vault.decrypt(hook.secret),
+                            routing_key=vault.decrypt(hook.routing_key))
+
+
+def shown_url(*, hook: AlertHook, guard: HookGuard) -> str:
+    """The hook's URL as people see it after creation: scheme, host and port only."""
+    try:
+        return hooks.redact_url(guard.vault.decrypt(hook.url))
+    except SecretUnreadable:
+        return "(unreadable with this secret key)"
 
 
 def delete_hook(*, session: Session, hook: AlertHook) -> None:
@@ -325,7 +363,7 @@ def enqueue_deliveries(*, session: Session, alert: Alert, event: str) -> int:
 
 
 def deliver(*, session: Session, alert_id: int, hook_id: int, event: str, base_url: str,
-            timeout_s: float = 10.0) -> AlertDelivery | None:
+            timeout_s: float = 10.0, guard: HookGuard | None = None) -> AlertDelivery | None:
     """One attempt to send `event` of the alert to the hook, logged; None when already sent
     (the task is idempotent) or when the alert or hook no longer exists."""
     alert = session.get(Alert, alert_id)
@@ -346,13 +384,16 @@ def deliver(*, session: Session, alert_id: int, hook_id: int, event: str, base_u
     deployment = session.get(Deployment, alert.deployment_id)
     snapshot = hooks.snapshot(alert=alert, deployment=deployment.name, base_url=base_url)
     return _attempt(session=session, hook=hook, alert_id=alert_id, event=event,
-                    snapshot=snapshot, attempt=attempts + 1, base_url=base_url,
-                    timeout_s=timeout_s)
+                    snapshot=snapshot, attempt=attempts + 1, timeout_s=timeout_s,
+                    guard=guard or hook_guard())
 
 
 def is_retryable(delivery: AlertDelivery) -> bool:
-    """Network errors, 429 and 5xx are worth another attempt; other 4xx are not."""
+    """Network errors, 429 and 5xx are worth another attempt; other 4xx are not, nor a
+    destination the guard refused or credentials that do not decrypt."""
     code = delivery.status_code
+    if (delivery.error or "").startswith((hooks.REFUSED, hooks.UNREADABLE)):
+        return False
     return not delivery.ok and (code is None or code == 429 or code >= 500)
 
 
@@ -375,20 +416,32 @@ def refresh_if_due(*, session: Session, alert: Alert, now: datetime | None = Non
 
 
 def send_test_alert(*, session: Session, hook: AlertHook, base_url: str, actor: str,
-                    timeout_s: float = 10.0) -> AlertDelivery:
+                    timeout_s: float = 10.0, guard: HookGuard | None = None) -> AlertDelivery:
     """Send a clearly marked test alert to the hook now (one attempt, logged)."""
     deployment = session.get(Deployment, hook.deployment_id) if hook.deployment_id else None
     snapshot = hooks.test_snapshot(hook_id=hook.id, deployment=deployment.name if deployment
                                    else "all", actor=actor, base_url=base_url)
     return _attempt(session=session, hook=hook, alert_id=None, event="test", snapshot=snapshot,
-                    attempt=1, base_url=base_url, timeout_s=timeout_s)
+                    attempt=1, timeout_s=timeout_s, guard=guard or hook_guard())
 
 
 def _attempt(*, session: Session, hook: AlertHook, alert_id: int | None, event: str,
-             snapshot: dict, attempt: int, base_url: str, timeout_s: float) -> AlertDelivery:
-    request = hooks.build_request(hook=hook, alert=snapshot, event=event)
+             snapshot: dict, attempt: int, timeout_s: float, guard: HookGuard) -> AlertDelivery:
     started = time.monotonic()
-    outcome = hooks.post(request, timeout_s=timeout_s)
+    try:
+        target = hook_target(hook=hook, guard=guard)
+        # Checked again at every delivery: DNS may point the name elsewhere since creation.
+        destination = guard.check(target.url, kind=hook.kind)
+    except SecretUnreadable as error:
+        outcome = hooks.Outcome(False, None, f"{hooks.UNREADABLE}: {error}", False)
+    except DestinationRefused as refused:
+        # A name that does not resolve may come back; a refused address will not.
+        reason = hooks.UNRESOLVED if refused.retryable else hooks.REFUSED
+        outcome = hooks.Outcome(False, None, f"{reason}: {refused}", refused.retryable)
+    else:
+        request = hooks.build_request(hook=target, alert=snapshot, event=event)
+        outcome = hooks.post(request, destination=destination, timeout_s=timeout_s,
+                             verify=guard.tls_verify)
     delivery = AlertDelivery(hook_id=hook.id, alert_id=alert_id, event=event, attempt=attempt,
                              ok=outcome.ok, status_code=outcome.status_code,
                              error=outcome.error,

@@ -124,8 +124,11 @@ def hooks_page(request: Request, session: SessionDep, _user: Admin) -> Response:
 
 def _hooks_page(request: Request, session, status_code: int = 200, **extra) -> Response:
     deployments = thresholds.list_deployments(session=session)
+    guard = alerts.hook_guard(request.app.state.settings)
+    found = alerts.list_hooks(session=session)
     return render(request, "hooks.html", status_code=status_code, nav="hooks",
-                  hooks=alerts.list_hooks(session=session), kinds=HOOK_KINDS,
+                  hooks=found, kinds=HOOK_KINDS,
+                  urls={h.id: alerts.shown_url(hook=h, guard=guard) for h in found},
                   severities=SEVERITIES, deployments=deployments,
                   names={d.id: d.name for d in deployments}, **extra)
 
@@ -148,19 +151,24 @@ def create_hook(request: Request, session: SessionDep, user: Admin,
                           f"{problem['msg']}") from None
         target = (thresholds.get_deployment(session=session, name=spec.deployment)
                   if spec.deployment else None)
+        guard = alerts.hook_guard(request.app.state.settings)
         hook = alerts.create_hook(session=session, name=spec.name, kind=spec.kind,
                                   url=str(spec.url), actor=actor(user), deployment=target,
-                                  min_severity=spec.min_severity, routing_key=spec.routing_key)
+                                  min_severity=spec.min_severity, routing_key=spec.routing_key,
+                                  guard=guard)
     except DomainError as error:
         session.rollback()
         return _hooks_page(request, session, status_code=error.status_code, error=str(error))
-    return _hooks_page(request, session, status_code=201, created=hook, secret=hook.secret)
+    return _hooks_page(request, session, status_code=201, created=hook,
+                       secret=guard.vault.decrypt(hook.secret))
 
 
 @router.get("/hooks/{hook_id}")
 def hook_page(hook_id: int, request: Request, session: SessionDep, _user: Admin) -> Response:
     hook = alerts.get_hook(session=session, hook_id=hook_id)
+    shown = alerts.shown_url(hook=hook, guard=alerts.hook_guard(request.app.state.settings))
     return render(request, "hook.html", nav="hooks", hook=hook, names=_names(session),
+                  url=shown,
                   deliveries=alerts.list_deliveries(session=session, hook=hook, limit=100))
 
 
@@ -171,7 +179,8 @@ def send_test_alert(hook_id: int, request: Request, session: SessionDep,
     settings = request.app.state.settings
     hook = alerts.get_hook(session=session, hook_id=hook_id)
     delivery = alerts.send_test_alert(session=session, hook=hook, base_url=settings.base_url,
-                                      actor=actor(user), timeout_s=settings.delivery_timeout_s)
+                                      actor=actor(user), timeout_s=settings.delivery_timeout_s,
+                                      guard=alerts.hook_guard(settings))
     if delivery.ok:
         return redirect(request, f"/hooks/{hook_id}",
                         f"Test alert delivered to {hook.name!r} (HTTP {delivery.status_code}, "

@@ -2,7 +2,7 @@
 that run without Redis
 
 Revision ID: 0006_replicas
-Revises: 0005
+Revises: 0006
 Create Date: 2026-11-30 09:10:00
 """
 
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0006_replicas"
-down_revision: str | Sequence[str] | None = "0005"
+down_revision: str | Sequence[str] | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -113,3 +113,22 @@ def test_a_failed_test_alert_is_shown_and_logged(as_role, engine, dead_hook):
     assert [(d.event, d.ok) for d in log] == [("test", False)]
     deleted = _post(admin, f"/ui/hooks/{dead_hook}/delete", {}, "/ui/hooks")
     assert "dead end&#39; and its delivery log deleted" in deleted.text
+
+
+def test_a_hook_to_an_internal_address_is_refused_with_the_reason(as_role, engine):
+    """Issue 13: the UI refuses what the API refuses (the store, cloud metadata), saying why,
+    and lists created hooks with their URL masked."""
+    admin = as_role("admin")
+    for url in ("http://10.0.0.5:5432/", "http://169.254.169.254/latest/meta-data/"):
+        refused = _post(admin, "/ui/hooks", {"name": "probe", "kind": "webhook", "url": url},
+                        "/ui/hooks")
+        assert refused.status_code == 422 and "EXITPLANE_HOOK_ALLOWED_HOSTS" in refused.text
+    created = _post(admin, "/ui/hooks", {"name": "team", "kind": "slack",
+                                         "url": "https://hooks.slack.com/services/T1/B1/k3y"},
+                    "/ui/hooks")
+    assert created.status_code == 201
+    listing = admin.get("/ui/hooks").text
+    assert "https://hooks.slack.com/…" in listing and "k3y" not in listing
+    hook_id = int(re.search(r'href="/ui/hooks/(\d+)">team', listing).group(1))
+    page = admin.get(f"/ui/hooks/{hook_id}").text
+    assert "https://hooks.slack.com/…" in page and "k3y" not in page

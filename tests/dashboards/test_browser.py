@@ -251,7 +251,7 @@ def test_admin_manages_tokens_and_users(browser):
     navigate(driver, driver.find_element(By.LINK_TEXT, "Hooks"))
     wait_for(driver, "#hook-name").send_keys("team slack")
     driver.find_element(By.CSS_SELECTOR, "#hook-kind option[value=slack]").click()
-    driver.find_element(By.ID, "hook-url").send_keys("https://hooks.slack.example/T000/B000")
+    driver.find_element(By.ID, "hook-url").send_keys("https://hooks.slack.com/services/T000/B000/XXXX")
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "form.row-form button[type=submit]"))
     assert "team slack" in wait_for(driver, "table").text
     check_page_quality(driver, "hooks")

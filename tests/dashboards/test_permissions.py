@@ -47,7 +47,7 @@ ACTIONS = [
     ("/alerts/{alert_id}/ack", "/ui/alerts/1/ack", {"note": "on it"}, "operator"),
     ("/alerts/{alert_id}/resolve", "/ui/alerts/1/resolve", {"reason": "fixed"}, "operator"),
     ("/hooks", "/ui/hooks", {"name": "pager", "kind": "slack",
-                             "url": "https://hooks.example/x"}, "admin"),
+                             "url": "https://hooks.slack.com/services/T0/B0/x"}, "admin"),
     ("/hooks/{hook_id}/test", "/ui/hooks/1/test", {}, "admin"),
     ("/hooks/{hook_id}/enabled", "/ui/hooks/1/enabled", {"enabled": "false"}, "admin"),
     ("/hooks/{hook_id}/delete", "/ui/hooks/1/delete", {}, "admin"),

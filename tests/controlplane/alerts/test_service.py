@@ -122,9 +122,9 @@ def test_invalid_input_is_refused_with_a_reason(session: Session):
     with pytest.raises(Invalid, match="unknown alert kind"):
         service.fire(session=session, deployment=deployment,
                      condition=Condition(kind="boom", severity="warning", summary="x"))
-    webhook = service.create_hook(session=session, name="w", kind="webhook", url="http://x",
-                                  actor="t")
-    assert webhook.secret and len(webhook.secret) >= 32
+    webhook = service.create_hook(session=session, name="w", kind="webhook",
+                                  url="https://hooks.example.com/x", actor="t")
+    assert len(service.hook_target(hook=webhook, guard=service.hook_guard()).secret) >= 32
 
 
 def test_a_sweep_finds_events_whose_send_was_lost(session: Session, outbox):

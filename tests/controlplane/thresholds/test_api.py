@@ -250,7 +250,8 @@ def test_oversized_body_gets_413(settings, engine, tokens):
 
     from controlplane.app import create_app
 
-    small = create_app(settings.model_copy(update={"max_body_bytes": 1000}), engine=engine)
+    small = create_app(settings.model_copy(update={"max_control_body_bytes": 1000}),
+                       engine=engine)
     op = tokens.headers(tokens.operator)
     with TestClient(small) as client:
         big = {"thresholds": {"3": 0.9}, "reason": "x" * 5000}

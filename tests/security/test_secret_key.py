@@ -1,0 +1,169 @@
+"""Issue 13, point 1: no forgeable UI session. A real `exitplane up` never signs with a constant:
+without EXITPLANE_SECRET_KEY it generates a key under the var dir (mode 0600) and keeps it
+across restarts; on a non-loopback address a short key refuses to start with one line."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controlplane.keys import weak_secret_problem
+from controlplane.settings import Settings
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD_CONSTANT = "exitplane-embedded-default-secret"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _session_cookie(secret: str, user_id: int = 1) -> str:
+    """What an attacker who knows `secret` sends: a session for user `user_id`, signed the
+    way dashboards/security.py signs one."""
+    key = hmac.new(secret.encode(), b"exitplane-ui:session", hashlib.sha256).digest()
+    body = _b64(json.dumps({"c": secrets.token_urlsafe(32), "t": time.time(), "u": user_id,
+                            "e": 0}, separators=(",", ":")).encode())
+    mac = hmac.new(key, body.encode(), hashlib.sha256).digest()
+    return f"{body}.{_b64(mac)}"
+
+
+def _env(var_dir: Path, **extra: str) -> dict[str, str]:
+    # Nothing of the test session's EXITPLANE_* settings: the embedded default, as shipped.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXITPLANE_")}
+    return env | {"EXITPLANE_VAR_DIR": str(var_dir), "EXITPLANE_LOG_LEVEL": "warning", **extra}
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exitplane.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+class Up:
+    """A real `exitplane up` (API only) on a free loopback port."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "exitplane.cli", "up", "--no-workers", "--port",
+             str(self.port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+            stderr=log.open("w"))
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the API did not come up"
+            time.sleep(0.3)
+
+    def page(self, cookie: str) -> httpx.Response:
+        return httpx.get(f"{self.url}/ui/tokens", cookies={"exitplane_session": cookie},
+                         follow_redirects=False, timeout=10)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+
+
+def test_a_cookie_signed_with_the_old_constant_is_refused_and_the_key_survives_restart(
+        tmp_path):
+    var_dir = tmp_path / "var"
+    env = _env(var_dir)
+    assert _cli(["db", "upgrade"], env).returncode == 0
+    password_file = tmp_path / "password"
+    password_file.write_text(secrets.token_urlsafe(16) + "\n")
+    made = _cli(["user", "create", "--username", "root", "--role", "admin",
+                 "--password-file", str(password_file)], env)
+    assert made.returncode == 0, made.stderr
+
+    up = Up(env, tmp_path / "up.log")
+    try:
+        forged = up.page(_session_cookie(OLD_CONSTANT))
+        assert forged.status_code == 303 and "/ui/login" in forged.headers["location"]
+        key_file = var_dir / "secret_key"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        key = key_file.read_text().strip()
+        assert len(key) >= 32 and key != OLD_CONSTANT
+        # The generated key is the one that signs: a cookie made with it is a session.
+        assert up.page(_session_cookie(key)).status_code == 200
+    finally:
+        up.stop()
+
+    again = Up(env, tmp_path / "up-again.log")
+    try:
+        assert key_file.read_text().strip() == key
+        assert again.page(_session_cookie(key)).status_code == 200
+        assert again.page(_session_cookie(OLD_CONSTANT)).status_code == 303
+    finally:
+        again.stop()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+
+def test_a_short_secret_on_a_public_address_refuses_to_start(tmp_path):
+    refused = _cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
+                   _env(tmp_path / "var", EXITPLANE_SECRET_KEY="too-short"))
+    assert refused.returncode != 0
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1, refused.stderr
+    assert "EXITPLANE_SECRET_KEY" in lines[0] and "secrets.token_urlsafe" in lines[0]
+    assert "too-short" not in refused.stderr
+    assert not (tmp_path / "var" / "exitplane.db").exists()  # refused before touching the store
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_loopback_or_a_generated_key_may_listen(tmp_path, host):
+    short = Settings(var_dir=tmp_path / "short", secret_key="too-short")
+    assert weak_secret_problem(short, host) is None
+    assert "EXITPLANE_SECRET_KEY" in weak_secret_problem(short, "0.0.0.0")
+    generated = Settings(var_dir=tmp_path / "generated", secret_key="")
+    assert weak_secret_problem(generated, "0.0.0.0") is None
+    assert (tmp_path / "generated" / "secret_key").exists()
+
+
+def test_the_app_factory_refuses_a_short_key_on_a_public_host(tmp_path):
+    from controlplane.app import create_app
+
+    with pytest.raises(RuntimeError, match="EXITPLANE_SECRET_KEY"):
+        create_app(Settings(var_dir=tmp_path / "var", secret_key="too-short", host="0.0.0.0",
+                            database_url=f"sqlite:///{tmp_path / 'x.db'}"))
+
+
+def test_no_constant_in_the_code_signs():
+    import controlplane.settings
+
+    assert not hasattr(controlplane.settings, "DEFAULT_SECRET")
+    assert Settings.model_fields["secret_key"].default == ""
+
+
+def test_processes_starting_together_share_one_generated_key(tmp_path):
+    """API, worker and beat start at once on a fresh var dir: one key wins, all read it."""
+    var_dir = tmp_path / "var"
+    script = ("from controlplane.keys import secret_key\n"
+              "from controlplane.settings import Settings\n"
+              "print(secret_key(Settings()))")
+    processes = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=_env(var_dir),
+                                  stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    keys = {process.communicate(timeout=60)[0].strip() for process in processes}
+    assert all(process.returncode == 0 for process in processes)
+    assert keys == {(var_dir / "secret_key").read_text().strip()}
+    assert stat.S_IMODE((var_dir / "secret_key").stat().st_mode) == 0o600
+    assert [path.name for path in var_dir.iterdir()] == ["secret_key"]  # no temporary left
