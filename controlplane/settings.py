@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     canary_failure_limit: int = Field(default=1, ge=1)
     canary_max_inconclusive: int = Field(default=10, ge=1)
     canary_min_shadow_tokens: int = Field(default=200, ge=1)
+    # Operability (issue 15): one log shape for every process (exitplane/logs.py reads the
+    # same variables in processes without these settings), the access log, worker metrics.
+    log_format: Literal["json", "text"] | None = None
+    access_log: bool | None = None
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _refuse_default_secret_in_production(self) -> Settings:

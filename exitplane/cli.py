@@ -212,7 +212,6 @@ def demo(quick: bool, serve: bool, port: int) -> None:
               help="reclaim entries another consumer left pending this long")
 def ingest(name: str | None, claim_idle_ms: int) -> None:
     """Production ingest worker: Redis stream -> store (needs EXITPLANE_REDIS_URL)."""
-    import logging
     import signal
     import socket
     import threading
@@ -227,7 +226,7 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     settings = get_settings()
     if not settings.redis_url:
         _fail("EXITPLANE_REDIS_URL is not set; the embedded default writes telemetry directly")
-    logging.basicConfig(level=settings.log_level.upper())
+    _configure_logging("ingest", settings)
     factory = session_factory()
     with factory() as session:
         ensure_partitions(session=session)
@@ -325,6 +324,7 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     from controlplane.settings import get_settings
 
     settings = get_settings()
+    _configure_logging("api", settings)
     if migrate:
         _migrate(settings.effective_database_url)
     host = host or settings.host
@@ -337,8 +337,20 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     # it is no longer walked by every full collection (200 ms each with the stack imported)
     # while requests allocate, e.g. telemetry decoding ~25,000 objects per 2,000 records.
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level,
-                access_log=os.environ.get("EXITPLANE_ACCESS_LOG", "0") == "1")
+    # Our handler and the request-context middleware log access lines (with request ids);
+    # uvicorn's own config would install a second, differently shaped handler.
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level, log_config=None,
+                access_log=False)
+
+
+def _configure_logging(process_name: str, settings) -> None:
+    from exitplane.logs import configure_logging
+
+    try:
+        configure_logging(process_name, level=settings.log_level, fmt=settings.log_format,
+                          environment=settings.environment)
+    except ValueError as error:
+        _fail(str(error))
 
 
 def _migrate(url: str) -> None:
