@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from exitplane.logs import configure_logging
 from exitplane.wire import Signal, ThresholdSetWire
 
 
@@ -194,6 +195,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     from runtime.server import build_state, create_serve_app
 
     _threads()
+    configure_logging("runtime")
     if not control_plane and not thresholds_path:
         raise click.UsageError("give --control-plane (with --deployment and --token-file) or "
                                "--thresholds FILE")
@@ -221,4 +223,6 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
         raise click.UsageError(str(error)) from error
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}",
                err=True)
-    uvicorn.run(create_serve_app(state), host=host, port=port, log_level="warning")
+    # exitplane.logs owns the handlers (one shape for every process); uvicorn keeps its level.
+    uvicorn.run(create_serve_app(state), host=host, port=port, log_level="warning",
+                log_config=None)

@@ -32,6 +32,8 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime.server_metrics import RequestMetrics
+
 log = logging.getLogger("exitplane.serve")
 
 
@@ -81,6 +83,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     exit_layers: list[int] = field(default_factory=list)
+    timer: Any = None  # server_metrics.RequestTimer: TTFT, inter-token and e2e latency
 
 
 class EngineWorker:
@@ -181,9 +184,10 @@ class EngineWorker:
 # -- metrics ----------------------------------------------------------------------------------
 
 class ServeMetrics:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, model_name: str = "model") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.request = RequestMetrics(r, model_name)  # vLLM-style request latencies (issue 15)
         self.tokens = Counter("exitplane_runtime_tokens", "Generated tokens", registry=r)
         self.requests = Counter("exitplane_runtime_requests", "Requests by outcome", ["outcome"],
                                 registry=r)
@@ -370,6 +374,7 @@ async def _serve(state: ServeState, request: Request, body: _Base, prompt: list[
         state.metrics.requests.labels("rejected").inc()
         raise HTTPException(429, "the server is at capacity; retry shortly",
                             headers={"Retry-After": "1"}) from None
+    job.timer = state.metrics.request.timer(len(prompt))
     detok = _Detokenizer(state.tokenizer, stops)
     created = int(time.time())
     if body.stream:
@@ -424,6 +429,7 @@ async def _tokens(state: ServeState, request: Request, job: _Job,
             if isinstance(item, tuple):
                 raise HTTPException(422, item[1])
             job.exit_layers.append(item.record.exit_layer)
+            job.timer.token()
             delta = detok.push(item.token)
             is_eos = item.token in state.engine.parts.eos_token_ids and item.finished
             yield "token", delta
@@ -438,6 +444,8 @@ async def _tokens(state: ServeState, request: Request, job: _Job,
     except asyncio.CancelledError:
         state.worker.cancel(job)
         raise
+    finally:
+        job.timer.finish()
 
 
 async def _stream(state, request, job, detok, body, prompt, created, chat, max_tokens):
@@ -503,7 +511,7 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
     given; with a static set instead, apply it and serve offline."""
     from pathlib import Path
 
-    metrics = ServeMetrics(engine.parts.num_layers)
+    metrics = ServeMetrics(engine.parts.num_layers, model_name)
     thresholds = shipper = None
     if control_plane:
         from runtime.shipper import TelemetryShipper
