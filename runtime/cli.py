@@ -129,10 +129,25 @@ def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_
     """Train exit adapters + learned confidence heads and write a safetensors artifact."""
     _threads()
     from runtime.model import load_model, model_name
-    from runtime.train import TrainConfig, train_heads
+    from runtime.train import train_heads
+
+    config = train_config(mode=mode, budget_s=budget_s, stdlib_chars=stdlib_chars,
+                          name=model_name(model_source), exit_layers=exit_layers,
+                          generation_prompts=generation_prompts, steps=steps)
+    model, tokenizer = load_model(model_source)
+    heads = train_heads(model, tokenizer, config)
+    path = Path(out_path) if out_path else default_heads_path(mode)
+    digest = heads.save(path)
+    click.echo(f"wrote {path} sha256={digest}")
+    _heldout_report(heads)
+
+
+def train_config(*, mode, budget_s, stdlib_chars, name, exit_layers, generation_prompts, steps):
+    """The TrainConfig of `train-heads` and `provision` options."""
+    from runtime.train import TrainConfig
 
     config = TrainConfig(mode=mode, time_budget_s=budget_s, stdlib_chars=stdlib_chars,
-                         model_name=model_name(model_source))
+                         model_name=name)
     if exit_layers:
         config.exit_layers = [int(x) for x in exit_layers.split(",")]
     if generation_prompts is not None:
@@ -142,14 +157,73 @@ def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_
             config.joint_steps = steps
         else:
             config.adapter_steps = steps
-    model, tokenizer = load_model(model_source)
-    heads = train_heads(model, tokenizer, config)
-    path = Path(out_path) if out_path else default_heads_path(mode)
-    digest = heads.save(path)
-    click.echo(f"wrote {path} sha256={digest}")
+    return config
+
+
+def _heldout_report(heads) -> None:
     for layer, row in heads.metadata["heldout"].items():
         click.echo(f"  exit layer {layer:>3}: held-out agreement {row['agreement']:.3f}, "
                    f"learned-head coverage at 99% precision {row['coverage_at_99']:.3f}")
+
+
+def _load_for_serving(model_source: str | None, device: str = "cpu"):
+    """(model, tokenizer, name): 'tiny' is the tiny random Llama with the character tokenizer."""
+    if model_source == "tiny":
+        from runtime.model import tiny_llama
+        from runtime.testing import ascii_tokenizer
+
+        return tiny_llama(), ascii_tokenizer(), "tiny-llama"
+    from runtime.model import load_model, model_name
+
+    model, tokenizer = load_model(model_source, device=device)
+    return model, tokenizer, model_name(model_source)
+
+
+@runtime_cli.command()
+@click.option("--heads", "heads_path", required=True, type=click.Path(dir_okay=False),
+              help="The artifact the runtime serves with (its --heads); provisioned if missing.")
+@click.option("--from", "source", envvar="EXITPLANE_HEADS_FROM", default=None,
+              help="Copy this artifact (a path or an http(s) URL) instead of training; "
+                   "also read from EXITPLANE_HEADS_FROM.")
+@click.option("--model", "model_source", default=None,
+              help="The served model (as for `serve --model`) to train heads for.")
+@click.option("--mode", type=click.Choice(["post-hoc", "joint"]), default="post-hoc",
+              show_default=True, help="Training mode when the heads are trained.")
+@click.option("--budget-s", default=900.0, show_default=True,
+              help="Wall-clock budget of the training.")
+@click.option("--exit-layers", default=None, help="Comma-separated exit layers (default: "
+              "every 3rd layer from 6; tiny models every 2nd from 2).")
+@click.option("--stdlib-chars", default=120_000, show_default=True,
+              help="Characters of standard-library text in the training corpus.")
+@click.option("--prompts", "generation_prompts", default=None, type=int,
+              help="How many built-in training prompts the model answers (default all).")
+@click.option("--steps", default=None, type=int, help="Adapter steps (post-hoc) or joint steps.")
+def provision(heads_path, source, model_source, mode, budget_s, exit_layers, stdlib_chars,
+              generation_prompts, steps) -> None:
+    """Make sure the exit heads exist: keep verified ones, copy an artifact, or train them.
+
+    Idempotent (a verified artifact is kept) and safe to run concurrently (a file lock)."""
+    from runtime.provision import ProvisionError
+    from runtime.provision import provision as provision_heads
+
+    configure_logging("provision")
+
+    def train(out: Path) -> None:
+        _threads()
+        from runtime.train import train_heads
+
+        model, tokenizer, name = _load_for_serving(model_source)
+        heads = train_heads(model, tokenizer, train_config(
+            mode=mode, budget_s=budget_s, stdlib_chars=stdlib_chars, name=name,
+            exit_layers=exit_layers, generation_prompts=generation_prompts, steps=steps))
+        heads.save(out)
+        _heldout_report(heads)
+
+    try:
+        outcome = provision_heads(target=Path(heads_path), source=source or None, train=train)
+    except (ProvisionError, OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(json.dumps(outcome))
 
 
 @runtime_cli.command(context_settings={"ignore_unknown_options": True})
@@ -201,10 +275,10 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
                                "--thresholds FILE")
     token = Path(token_file).read_text().strip() if token_file else None
     if model_source == "tiny":
-        from runtime.model import tiny_llama
-        from runtime.testing import ascii_tokenizer
+        from runtime.heads import ExitHeads
 
-        model, tokenizer, heads, name = tiny_llama(), ascii_tokenizer(), None, "tiny-llama"
+        model, tokenizer, name = _load_for_serving("tiny")
+        heads = ExitHeads.load(heads_path) if heads_path else None
     else:
         from runtime.model import load_served, model_name
 
