@@ -74,10 +74,24 @@ def token() -> None:
 
 @token.command("create")
 @click.option("--name", required=True, help="who or what holds the token")
-@click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True)
+@click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True,
+              help="runtime: pull thresholds and ship telemetry; operator: act; admin: manage")
 @click.option("--deployment", default=None, help="the deployment a runtime token serves")
-def token_create(name: str, scope: str, deployment: str | None) -> None:
-    """Create a token and print it once."""
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
+              help="write the token to this file (mode 600) instead of printing it")
+@click.option("--if-missing", is_flag=True,
+              help="with --out: keep an existing token file and create nothing (a re-run of a "
+                   "bootstrap step is a no-op)")
+def token_create(name: str, scope: str, deployment: str | None, out_file: str | None,
+                 if_missing: bool) -> None:
+    """Create a token and print it once (or write it to --out)."""
+    from pathlib import Path
+
+    if if_missing and not out_file:
+        _fail("--if-missing needs --out FILE")
+    if if_missing and Path(out_file).exists() and Path(out_file).read_text().strip():
+        click.echo(f"token file {out_file} exists; kept", err=True)
+        return
     from controlplane.auth.service import create_token
     from controlplane.db import session_scope
     from controlplane.errors import DomainError
@@ -89,7 +103,71 @@ def token_create(name: str, scope: str, deployment: str | None) -> None:
             _, secret = create_token(session=session, name=name, scope=scope, deployment=target)
     except DomainError as error:
         _fail(str(error))
+    if out_file:
+        path = Path(out_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(secret + "\n")
+        partial.chmod(0o600)
+        partial.replace(path)  # never a half-written token for the runtime to read
+        click.echo(f"wrote the {scope} token {name!r} to {out_file}", err=True)
+        return
     click.echo(secret)
+
+
+@main.group()
+def deployment() -> None:
+    """Deployments (a named runtime fleet and its quality target)."""
+
+
+@deployment.command("ensure")
+@click.option("--name", required=True, help="the deployment's name, e.g. chat")
+@click.option("--model-ref", required=True, help="the model the runtimes serve")
+@click.option("--num-layers", type=int, required=True, help="decoder layers of that model")
+@click.option("--exit-layers", default=None,
+              help="comma-separated exit layers (default: every 3rd from 6; tiny models every "
+                   "2nd from 2), as the runtime's heads were trained")
+@click.option("--signal", default="learned", show_default=True,
+              type=click.Choice(["learned", "maxprob", "margin", "entropy", "saturation"]),
+              help="the exit signal thresholds apply to")
+@click.option("--delta", type=float, default=0.01, show_default=True,
+              help="max disagreement with the full model")
+@click.option("--epsilon", type=float, default=0.05, show_default=True,
+              help="1 - confidence of the disagreement bound")
+def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: str | None,
+                      signal: str, delta: float, epsilon: float) -> None:
+    """Create the deployment if it is missing; a re-run with the same settings is a no-op."""
+    from pydantic import ValidationError
+
+    from controlplane.db import session_scope
+    from controlplane.errors import DomainError, NotFound
+    from controlplane.thresholds.schemas import DeploymentCreate
+    from controlplane.thresholds.service import create_deployment, get_deployment
+
+    try:
+        layers = [int(x) for x in exit_layers.split(",")] if exit_layers else None
+        spec = DeploymentCreate(name=name, model_ref=model_ref, num_layers=num_layers,
+                                exit_layers=layers, signal=signal, delta=delta, epsilon=epsilon)
+    except (ValueError, ValidationError) as error:
+        _fail(f"invalid deployment settings: {error}".splitlines()[0])
+    wanted = spec.model_dump(include={"model_ref", "num_layers", "exit_layers", "signal",
+                                      "delta", "epsilon"})
+    try:
+        with session_scope() as session:
+            try:
+                existing = get_deployment(session=session, name=name)
+            except NotFound:
+                create_deployment(session=session, spec=spec, actor="cli:deployment-ensure")
+                click.echo(f"deployment {name!r} created", err=True)
+                return
+            differs = {key: getattr(existing, key) for key, value in wanted.items()
+                       if getattr(existing, key) != value}
+    except DomainError as error:
+        _fail(str(error))
+    if differs:
+        _fail(f"deployment {name!r} exists with different settings {differs}; change them "
+              "with PATCH /v1/deployments/{name} or pick another name")
+    click.echo(f"deployment {name!r} exists with these settings; nothing to do", err=True)
 
 
 @main.group()
