@@ -41,7 +41,9 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="exitplane", prog_name="exitplane",
+                      help="Print the installed version and exit.")
 def main() -> None:
     """exitplane: control plane for early-exit language models."""
 
@@ -56,7 +58,8 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--revision", default="head", show_default=True)
+@click.option("--revision", default="head", show_default=True,
+              help="the Alembic revision to upgrade to")
 def db_upgrade(revision: str) -> None:
     """Apply migrations to the configured database."""
     from controlplane.migrate import upgrade
@@ -176,8 +179,9 @@ def user() -> None:
 
 
 @user.command("create")
-@click.option("--username", required=True)
-@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True)
+@click.option("--username", required=True, help="the sign-in name")
+@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True,
+              help="viewers read, operators act, admins manage")
 @click.option("--password-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="read the password from this file (default: prompt)")
 def user_create(username: str, role: str, password_file: str | None) -> None:
@@ -205,7 +209,8 @@ def user_create(username: str, role: str, password_file: str | None) -> None:
 @main.command()
 @click.option("--host", default=None, help="default: EXITPLANE_HOST or 127.0.0.1")
 @click.option("--port", type=int, default=None, help="default: EXITPLANE_PORT or 8000")
-@click.option("--migrate/--no-migrate", default=True, show_default=True)
+@click.option("--migrate/--no-migrate", default=True, show_default=True,
+              help="apply database migrations before serving")
 @click.option("--workers/--no-workers", default=None,
               help="also run a Celery worker and beat as subprocesses "
                    "(default: on in the embedded environment)")
@@ -223,7 +228,8 @@ def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) 
 
 
 @main.command()
-@click.option("--loglevel", default="info", show_default=True)
+@click.option("--loglevel", default="info", show_default=True,
+              help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
 @click.option("--concurrency", type=int, default=None,
               help="prefork worker processes (default: the solo pool, one task at a time)")
 def worker(loglevel: str, concurrency: int | None) -> None:
@@ -235,7 +241,8 @@ def worker(loglevel: str, concurrency: int | None) -> None:
 
 
 @main.command()
-@click.option("--loglevel", default="info", show_default=True)
+@click.option("--loglevel", default="info", show_default=True,
+              help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
 def beat(loglevel: str) -> None:
     """Run Celery beat: drift checks every 30 s, stale runtimes, canaries, daily retention."""
     from workers.celery_app import app
@@ -276,7 +283,8 @@ def background_workers(*, enabled: bool):
 @click.option("--quick", is_flag=True, help="a shorter run (fewer tokens per phase)")
 @click.option("--serve/--no-serve", default=True, show_default=True,
               help="keep the control plane and its UI up after the summary")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True,
+              help="port of the control plane and its UI")
 def demo(quick: bool, serve: bool, port: int) -> None:
     """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
     from exitplane.demo import run_demo
@@ -325,7 +333,8 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
               help="window start: ISO time (UTC if no offset) or an age like 30m, 6h, 2d "
                    "(default: EXITPLANE_CALIBRATION_LOOKBACK_S ago)")
 @click.option("--until", default=None, help="window end, same forms (default: now)")
-@click.option("--reason", default="requested from the command line", show_default=True)
+@click.option("--reason", default="requested from the command line", show_default=True,
+              help="why, for the audit log")
 @click.option("--enqueue", is_flag=True, help="hand the job to the workers instead of "
                                               "running it here")
 def calibrate(deployment: str, since: str | None, until: str | None, reason: str,
@@ -336,8 +345,10 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
     from controlplane.calibration.models import CalibrationJob
     from controlplane.calibration.service import (
         CalibrationPolicy,
+        apply_outcome,
+        calibrate_window,
+        read_window,
         request_calibration,
-        run_calibration,
         start_job,
     )
     from controlplane.db import session_scope
@@ -363,14 +374,26 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
             return
         with session_scope() as session:
             start_job(session=session, job=session.get(CalibrationJob, job_id))
-        with session_scope() as session:
-            job = run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                  policy=policy)
-            outcome = {"job": job.id, "status": job.status, "reason": job.status_reason,
-                       "version": job.result_version, "promotion": job.promotion,
-                       "thresholds": job.summary.get("thresholds"),
-                       "exit_rate": job.summary.get("exit_rate"),
-                       "risk_bound": job.summary.get("risk_bound")}
+        # The worker's three steps (short transactions around the slow middle one), each a
+        # step of the bar the operator watches.
+        with click.progressbar(length=3, label="calibrating", file=sys.stderr,
+                               item_show_func=lambda step: step) as bar:
+            bar.update(0, "reading shadow samples")
+            with session_scope() as session:
+                window = read_window(session=session, job=session.get(CalibrationJob, job_id))
+            bar.update(1, "selecting thresholds")
+            result = calibrate_window(window, policy) if window is not None else None
+            bar.update(1, "recording and publishing")
+            with session_scope() as session:
+                job = session.get(CalibrationJob, job_id)
+                if result is not None:
+                    job = apply_outcome(session=session, job=job, outcome=result, policy=policy)
+                bar.update(1, "done")
+                outcome = {"job": job.id, "status": job.status, "reason": job.status_reason,
+                           "version": job.result_version, "promotion": job.promotion,
+                           "thresholds": job.summary.get("thresholds"),
+                           "exit_rate": job.summary.get("exit_rate"),
+                           "risk_bound": job.summary.get("risk_bound")}
     except (DomainError, ValueError) as error:
         _fail(str(error))
     click.echo(json.dumps(outcome, indent=2))

@@ -55,12 +55,15 @@ def runtime_cli() -> None:
               "default: var/runtime/heads-post-hoc.safetensors when it exists.")
 @click.option("--thresholds", "thresholds_path", default=None,
               help="Threshold set JSON (wire format or {signal, thresholds}); default never exit.")
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True,
+              help="Stop after this many generated tokens.")
 @click.option("--stream", is_flag=True, help="Print tokens as they are produced.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Torch device: cpu, cuda, cuda:1 ...")
 @click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
-              show_default=True)
-@click.option("--shadow-rate", default=0.0, show_default=True)
+              show_default=True, help="How skipped layers' KV is filled after an early exit.")
+@click.option("--shadow-rate", default=0.0, show_default=True,
+              help="Share of tokens also run to full depth to label the exit points.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, no chat template.")
 def generate(prompt, model_source, heads_path, thresholds_path, max_new_tokens, stream, device,
              kv_policy, shadow_rate, raw) -> None:
@@ -113,14 +116,16 @@ def exit_summary(records, num_layers: int, version: int) -> str:
 @runtime_cli.command("train-heads")
 @click.option("--model", "model_source", default=None, help="HF checkpoint dir or .gguf file.")
 @click.option("--mode", type=click.Choice(["post-hoc", "joint"]), default="post-hoc",
-              show_default=True)
+              show_default=True, help="post-hoc: frozen model; joint: LoRA adapts the model "
+              "with the exits.")
 @click.option("--out", "out_path", default=None,
               help="Artifact path (default var/runtime/heads-<mode>.safetensors).")
 @click.option("--exit-layers", default=None, help="Comma-separated, e.g. 6,9,12 (default: "
               "every 3rd layer from 6).")
 @click.option("--budget-s", default=900.0, show_default=True,
               help="Wall-clock budget; training phases stop early to fit.")
-@click.option("--stdlib-chars", default=120_000, show_default=True)
+@click.option("--stdlib-chars", default=120_000, show_default=True,
+              help="Characters of standard-library text in the training corpus.")
 @click.option("--prompts", "generation_prompts", default=None, type=int,
               help="How many built-in training prompts the model answers (default all).")
 @click.option("--steps", default=None, type=int, help="Adapter steps (post-hoc) or joint steps.")
@@ -246,17 +251,22 @@ def bench(args) -> None:
 @click.option("--heads", "heads_path", default=None, help="Exit heads artifact.")
 @click.option("--thresholds", "thresholds_path", default=None,
               help="Serve offline with this threshold set instead of a control plane.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--max-batch", default=8, show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Torch device: cpu, cuda, cuda:1 ...")
+@click.option("--max-batch", default=8, show_default=True,
+              help="Requests decoded together in one step.")
 @click.option("--max-queue", default=64, show_default=True,
               help="Requests waiting beyond max-batch before 429.")
-@click.option("--shadow-rate", default=0.05, show_default=True)
-@click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy")
+@click.option("--shadow-rate", default=0.05, show_default=True,
+              help="Share of tokens also run to full depth (the calibration samples).")
+@click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
+              help="How skipped layers' KV is filled after an early exit.")
 @click.option("--runtime-id", default=None, help="Default: host-pid.")
 @click.option("--state-dir", default="var/runtime-state", show_default=True,
               help="Threshold cache and telemetry spool.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8100, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", default=8100, show_default=True, help="Port to listen on.")
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
           port) -> None:
