@@ -317,6 +317,12 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     with factory() as session:
         ensure_partitions(session=session)
         session.commit()
+    if settings.worker_metrics_port:  # ingested/duplicate counts and stream lag live here
+        from prometheus_client import start_http_server
+
+        from controlplane.metrics import registry
+
+        start_http_server(settings.worker_metrics_port, registry=registry)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -85,11 +85,15 @@ def _task_failed(sender=None, **_kwargs) -> None:
 
 
 @signals.worker_init.connect
-def _serve_metrics(**_kwargs) -> None:
+def _serve_metrics(sender=None, **_kwargs) -> None:
     from prometheus_client import start_http_server
 
     from controlplane.settings import get_settings
 
+    app = getattr(sender, "app", None)
+    for name in getattr(app, "tasks", {}):
+        if not name.startswith("celery."):
+            task_failures.labels(name)  # a zero series per task, so rate() has a baseline
     port = get_settings().worker_metrics_port
     if port:
         start_http_server(port, registry=registry)
