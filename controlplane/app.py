@@ -33,6 +33,7 @@ from controlplane.telemetry.service import ensure_partitions
 from controlplane.thresholds.api import router as thresholds_router
 from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
 from dashboards.app import mount_ui
+from exitplane import tracing
 from exitplane.logs import access_log_enabled
 
 log = logging.getLogger("exitplane.api")
@@ -135,6 +136,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                                 content={"status": "unavailable", "detail": type(error).__name__})
         return JSONResponse({"status": "ready"})
 
+    tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it (issue 15)
     app.include_router(thresholds_router)
     app.include_router(runtimes_router)
     app.include_router(auth_router)

@@ -432,6 +432,9 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
 
     settings = get_settings()
     _configure_logging("api", settings)
+    from exitplane.tracing import configure_tracing
+
+    configure_tracing("exitplane-api")
     if migrate:
         _migrate(settings.effective_database_url)
     host = host or settings.host

@@ -85,6 +85,16 @@ def _task_failed(sender=None, **_kwargs) -> None:
 
 
 @signals.worker_init.connect
+def _start_tracing(**_kwargs) -> None:
+    from controlplane.db import get_engine
+    from controlplane.settings import get_settings
+    from exitplane.tracing import configure_tracing, instrument_engine
+
+    if configure_tracing("exitplane-worker"):
+        instrument_engine(get_engine(get_settings().effective_database_url))
+
+
+@signals.worker_init.connect
 def _serve_metrics(sender=None, **_kwargs) -> None:
     from prometheus_client import start_http_server
 
