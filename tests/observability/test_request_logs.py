@@ -120,6 +120,34 @@ def test_a_request_id_follows_the_request_into_the_worker(stack):
     print("API:", json.dumps(access[0]), "\nworker:", "\n".join(map(json.dumps, task_lines)))
 
 
+def test_the_hook_deliveries_a_request_enqueues_carry_its_id(stack, postgres_migrated):
+    from sqlalchemy.orm import Session
+
+    from controlplane.alerts.service import Condition, fire
+    from controlplane.thresholds.service import get_deployment
+
+    engine = make_engine(postgres_migrated)
+    with Session(engine) as session:  # an open alert, fired before any hook exists
+        alert, _ = fire(session=session, deployment=get_deployment(session=session, name="chat"),
+                        condition=Condition(kind="distribution_drift", severity="warning",
+                                            summary="moved", subject="2", layer=2))
+        session.commit()
+        alert_id = alert.id
+    engine.dispose()
+    assert stack["http"].post("/v1/hooks", json={
+        "name": "pager", "kind": "webhook", "url": "http://127.0.0.1:9/hook",
+        "min_severity": "info"}).status_code == 201
+    rid = f"ack-{secrets.token_hex(6)}"
+    acked = stack["http"].post(f"/v1/alerts/{alert_id}/ack", json={"note": "looking"},
+                               headers={"X-Request-ID": rid})
+    assert acked.status_code == 200, acked.text
+    lines = wait_until(lambda: [line for line in _json_lines(stack["logs"] / "worker.log")
+                                if line.get("request_id") == rid
+                                and line.get("task") == "alerts.deliver"], 90,
+                       "the worker to log the delivery under the request id")
+    assert lines[0]["message"].startswith("task alerts.deliver[")
+
+
 def test_a_request_without_an_id_gets_one_and_a_bad_one_is_replaced(stack):
     made = stack["http"].get("/v1/deployments/chat")
     assert len(made.headers["x-request-id"]) == 32
