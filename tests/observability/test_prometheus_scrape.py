@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import yaml
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -68,11 +69,13 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
     with engine.begin() as connection:
         connection.execute(text("TRUNCATE " + ", ".join(
             t.name for t in Base.metadata.sorted_tables) + " RESTART IDENTITY CASCADE"))
+    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"  # a database of this test's own
+    redis.Redis.from_url(redis_url).flushdb()
     ports = {name: free_port() for name in ("api", "ingest", "worker", "runtime", "prometheus")}
     api = f"http://127.0.0.1:{ports['api']}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXITPLANE_LOG")}
     env.update({"EXITPLANE_ENVIRONMENT": "production", "EXITPLANE_DATABASE_URL": postgres_migrated,
-                "EXITPLANE_REDIS_URL": REDIS_URL.rsplit("/", 1)[0] + "/13",
+                "EXITPLANE_REDIS_URL": redis_url,
                 "EXITPLANE_SECRET_KEY": secrets.token_urlsafe(48),
                 "EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_PUBLIC_URL": api,
                 "EXITPLANE_ACCESS_LOG": "0"})

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from sqlalchemy import text
 
 from controlplane.db import make_engine
@@ -47,13 +48,14 @@ def stack(postgres_migrated, tmp_path_factory):
     with engine.begin() as connection:
         connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
     engine.dispose()
+    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/12"  # a database of this module's own
+    redis.Redis.from_url(redis_url).flushdb()  # no task left over from an earlier run
     tmp = tmp_path_factory.mktemp("observability")
     port, metrics_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("EXITPLANE_LOG", "EXITPLANE_ACCESS"))}
     env.update({"EXITPLANE_ENVIRONMENT": "production", "EXITPLANE_DATABASE_URL": postgres_migrated,
-                # a Redis database of this module's own: others flush theirs
-                "EXITPLANE_REDIS_URL": REDIS_URL.rsplit("/", 1)[0] + "/12",
+                "EXITPLANE_REDIS_URL": redis_url,
                 "EXITPLANE_SECRET_KEY": secrets.token_urlsafe(48),
                 "EXITPLANE_VAR_DIR": str(tmp / "var"),
                 "EXITPLANE_PUBLIC_URL": f"http://127.0.0.1:{port}",
