@@ -41,7 +41,21 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The root group: a bad EXITPLANE_* setting ends any command with one line, not a trace."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Exception as error:
+            if type(error).__name__ != "ValidationError" or "Settings" not in str(error):
+                raise
+            first = error.errors()[0]  # type: ignore[attr-defined]
+            name = "EXITPLANE_" + "_".join(str(p) for p in first["loc"]).upper()
+            _fail(f"invalid setting {name}: {first['msg']}")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="exitplane", prog_name="exitplane",
                       help="Print the installed version and exit.")
 def main() -> None:

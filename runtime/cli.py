@@ -36,6 +36,13 @@ def read_threshold_file(path: str) -> ThresholdSetWire:
                                               for k, v in data["thresholds"].items()})
 
 
+def _logging(process_name: str) -> None:
+    try:
+        configure_logging(process_name)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+
+
 def _threads() -> None:
     import torch
 
@@ -211,7 +218,7 @@ def provision(heads_path, source, model_source, mode, budget_s, exit_layers, std
     from runtime.provision import ProvisionError
     from runtime.provision import provision as provision_heads
 
-    configure_logging("provision")
+    _logging("provision")
 
     def train(out: Path) -> None:
         _threads()
@@ -279,7 +286,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     from runtime.server import build_state, create_serve_app
 
     _threads()
-    configure_logging("runtime")
+    _logging("runtime")
     if not control_plane and not thresholds_path:
         raise click.UsageError("give --control-plane (with --deployment and --token-file) or "
                                "--thresholds FILE")

@@ -71,3 +71,23 @@ def test_corpus_generation_shows_progress(tmp_path, monkeypatch, capsys):
     again = corpus.generations(engine, ascii_tokenizer(), prompts, max_new_tokens=4,
                                model_name="tiny")
     assert again == sequences
+
+
+def test_a_bad_log_setting_is_one_line_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exitplane = str(Path(sys.executable).parent / "exitplane")
+    env = {**os.environ, "EXITPLANE_LOG_FORMAT": "xml", "EXITPLANE_VAR_DIR": str(tmp_path)}
+    api = subprocess.run([exitplane, "up", "--no-workers"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert api.returncode == 2
+    assert api.stderr == ("exitplane: invalid setting EXITPLANE_LOG_FORMAT: Input should be "
+                          "'json' or 'text'\n")
+    runtime = subprocess.run([exitplane, "runtime", "provision", "--heads",
+                              str(tmp_path / "h.safetensors")], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert runtime.returncode == 1
+    assert runtime.stderr.strip() == "Error: EXITPLANE_LOG_FORMAT must be json or text, not 'xml'"
