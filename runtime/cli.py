@@ -232,7 +232,14 @@ def provision(heads_path, source, model_source, mode, budget_s, exit_layers, std
         _heldout_report(heads)
 
     try:
-        outcome = provision_heads(target=Path(heads_path), source=source or None, train=train)
+        from runtime.model import model_name
+
+        expect = {"exit_layers": [int(x) for x in exit_layers.split(",")] if exit_layers
+                  else None,
+                  "model": None if source else ("tiny-llama" if model_source == "tiny"
+                                                else model_name(model_source))}
+        outcome = provision_heads(target=Path(heads_path), source=source or None, train=train,
+                                  expect=expect)
     except (ProvisionError, OSError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(json.dumps(outcome))

@@ -82,12 +82,21 @@ def fetch(source: str, dest: Path) -> None:
 
 
 def provision(*, target: Path, source: str | None, train: Callable[[Path], None],
-              log: Callable[[str], None] = click.echo) -> dict:
+              log: Callable[[str], None] = click.echo, expect: dict | None = None) -> dict:
     """Make `target` hold verified heads: keep them, copy them from `source`, or `train` them
-    (a callable writing an artifact to the path it is given). Returns the provenance."""
+    (a callable writing an artifact to the path it is given). Returns the provenance.
+
+    `expect` ({"model": ..., "exit_layers": [...]}, either optional) is checked against heads
+    already there: heads for another model or other exit layers are refused, not kept."""
     with locked(target):
         done = verified(target)
         if done is not None:
+            for key, wanted in (expect or {}).items():
+                if wanted is not None and done.get(key) != wanted:
+                    raise ProvisionError(
+                        f"heads at {target} were made for {key} {done.get(key)!r}, not "
+                        f"{wanted!r}: remove them (and their .sha256) to provision again, or "
+                        "give another --heads path")
             log(f"heads already provisioned at {target} (sha256 {done['sha256']}); nothing to do")
             return {**done, "action": "kept"}
         staging = target.with_name(f".{target.name}.staging-{os.getpid()}")

@@ -54,6 +54,15 @@ def test_a_rerun_is_a_noop(trained, cache):
     assert json.loads(result.output.strip().splitlines()[-1])["action"] == "kept"
     assert "nothing to do" in result.output
     assert target.stat().st_mtime_ns == before
+    # Heads for other exit layers or another model are refused, not silently kept.
+    layers = CliRunner().invoke(runtime_cli, ["provision", "--heads", str(target), "--model",
+                                              "tiny", "--exit-layers", "1,3", *QUICK])
+    assert layers.exit_code == 1
+    assert "made for exit_layers [2, 4], not [1, 3]" in layers.output
+    model = CliRunner().invoke(runtime_cli, ["provision", "--heads", str(target), "--model",
+                                             "/models/other-model"])
+    assert model.exit_code == 1 and "made for model 'tiny-llama'" in model.output
+    assert target.stat().st_mtime_ns == before
 
 
 def test_an_artifact_pointed_to_is_copied_through_the_environment(trained, tmp_path, cache):
