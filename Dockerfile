@@ -4,7 +4,11 @@
 FROM python:3.11-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
-RUN useradd --create-home --uid 10001 exitplane
+RUN useradd --create-home --uid 10001 exitplane \
+    # owned by the service user, so fresh named volumes mounted here are writable by it
+    && mkdir -p /var/lib/exitplane /var/lib/exitplane-runtime /var/lib/exitplane-bootstrap \
+    && chown exitplane:exitplane /var/lib/exitplane /var/lib/exitplane-runtime \
+       /var/lib/exitplane-bootstrap
 COPY pyproject.toml README.md alembic.ini ./
 COPY exitplane exitplane
 COPY controlplane controlplane

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from controlplane import metrics
+from controlplane import metrics, observability
 from controlplane.alerts.api import router as alerts_router
 from controlplane.alerts.exporter import store_collector
 from controlplane.auth.api import router as auth_router
@@ -37,6 +37,8 @@ from controlplane.telemetry.service import ensure_partitions
 from controlplane.thresholds.api import router as thresholds_router
 from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
 from dashboards.app import mount_ui
+from exitplane import tracing
+from exitplane.logs import access_log_enabled
 
 log = logging.getLogger("exitplane.api")
 
@@ -88,6 +90,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
                        principals=app.state.principal_cache, digest=digest,
                        limiter=app.state.rate_limiters["pull"])
+    # Outermost: request id, access log and duration cover every layer below (issue 15).
+    observability.install(app, access_log=settings.access_log if settings.access_log is not None
+                          else access_log_enabled(settings.environment))
 
     @app.exception_handler(DomainError)
     async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
@@ -158,6 +163,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                                 content={"status": "unavailable", "detail": type(error).__name__})
         return JSONResponse({"status": "ready"})
 
+    tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it (issue 15)
     app.include_router(thresholds_router)
     app.include_router(runtimes_router)
     app.include_router(auth_router)

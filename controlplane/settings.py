@@ -89,6 +89,11 @@ class Settings(BaseSettings):
                     raise ValueError(f"EXITPLANE_HOOK_ALLOWED_HOSTS: {entry!r} is neither a host "
                                      "name, an IP address nor a CIDR network") from None
         return value
+    # Operability (issue 15): one log shape for every process (exitplane/logs.py reads the
+    # same variables in processes without these settings), the access log, worker metrics.
+    log_format: Literal["json", "text"] | None = None
+    access_log: bool | None = None
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -41,7 +41,23 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-@click.group()
+class _Main(click.Group):
+    """The root group: a bad EXITPLANE_* setting ends any command with one line, not a trace."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Exception as error:
+            if type(error).__name__ != "ValidationError" or "Settings" not in str(error):
+                raise
+            first = error.errors()[0]  # type: ignore[attr-defined]
+            name = "EXITPLANE_" + "_".join(str(p) for p in first["loc"]).upper()
+            _fail(f"invalid setting {name}: {first['msg']}")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="exitplane", prog_name="exitplane",
+                      help="Print the installed version and exit.")
 def main() -> None:
     """exitplane: control plane for early-exit language models."""
 
@@ -56,7 +72,8 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--revision", default="head", show_default=True)
+@click.option("--revision", default="head", show_default=True,
+              help="the Alembic revision to upgrade to")
 def db_upgrade(revision: str) -> None:
     """Apply migrations to the configured database."""
     from controlplane.migrate import upgrade
@@ -74,10 +91,24 @@ def token() -> None:
 
 @token.command("create")
 @click.option("--name", required=True, help="who or what holds the token")
-@click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True)
+@click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True,
+              help="runtime: pull thresholds and ship telemetry; operator: act; admin: manage")
 @click.option("--deployment", default=None, help="the deployment a runtime token serves")
-def token_create(name: str, scope: str, deployment: str | None) -> None:
-    """Create a token and print it once."""
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
+              help="write the token to this file (mode 600) instead of printing it")
+@click.option("--if-missing", is_flag=True,
+              help="with --out: keep an existing token file and create nothing (a re-run of a "
+                   "bootstrap step is a no-op)")
+def token_create(name: str, scope: str, deployment: str | None, out_file: str | None,
+                 if_missing: bool) -> None:
+    """Create a token and print it once (or write it to --out)."""
+    from pathlib import Path
+
+    if if_missing and not out_file:
+        _fail("--if-missing needs --out FILE")
+    if if_missing and Path(out_file).exists() and Path(out_file).read_text().strip():
+        click.echo(f"token file {out_file} exists; kept", err=True)
+        return
     from controlplane.auth.service import create_token
     from controlplane.db import session_scope
     from controlplane.errors import DomainError
@@ -89,7 +120,71 @@ def token_create(name: str, scope: str, deployment: str | None) -> None:
             _, secret = create_token(session=session, name=name, scope=scope, deployment=target)
     except DomainError as error:
         _fail(str(error))
+    if out_file:
+        path = Path(out_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(secret + "\n")
+        partial.chmod(0o600)
+        partial.replace(path)  # never a half-written token for the runtime to read
+        click.echo(f"wrote the {scope} token {name!r} to {out_file}", err=True)
+        return
     click.echo(secret)
+
+
+@main.group()
+def deployment() -> None:
+    """Deployments (a named runtime fleet and its quality target)."""
+
+
+@deployment.command("ensure")
+@click.option("--name", required=True, help="the deployment's name, e.g. chat")
+@click.option("--model-ref", required=True, help="the model the runtimes serve")
+@click.option("--num-layers", type=int, required=True, help="decoder layers of that model")
+@click.option("--exit-layers", default=None,
+              help="comma-separated exit layers (default: every 3rd from 6; tiny models every "
+                   "2nd from 2), as the runtime's heads were trained")
+@click.option("--signal", default="learned", show_default=True,
+              type=click.Choice(["learned", "maxprob", "margin", "entropy", "saturation"]),
+              help="the exit signal thresholds apply to")
+@click.option("--delta", type=float, default=0.01, show_default=True,
+              help="max disagreement with the full model")
+@click.option("--epsilon", type=float, default=0.05, show_default=True,
+              help="1 - confidence of the disagreement bound")
+def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: str | None,
+                      signal: str, delta: float, epsilon: float) -> None:
+    """Create the deployment if it is missing; a re-run with the same settings is a no-op."""
+    from pydantic import ValidationError
+
+    from controlplane.db import session_scope
+    from controlplane.errors import DomainError, NotFound
+    from controlplane.thresholds.schemas import DeploymentCreate
+    from controlplane.thresholds.service import create_deployment, get_deployment
+
+    try:
+        layers = [int(x) for x in exit_layers.split(",")] if exit_layers else None
+        spec = DeploymentCreate(name=name, model_ref=model_ref, num_layers=num_layers,
+                                exit_layers=layers, signal=signal, delta=delta, epsilon=epsilon)
+    except (ValueError, ValidationError) as error:
+        _fail(f"invalid deployment settings: {error}".splitlines()[0])
+    wanted = spec.model_dump(include={"model_ref", "num_layers", "exit_layers", "signal",
+                                      "delta", "epsilon"})
+    try:
+        with session_scope() as session:
+            try:
+                existing = get_deployment(session=session, name=name)
+            except NotFound:
+                create_deployment(session=session, spec=spec, actor="cli:deployment-ensure")
+                click.echo(f"deployment {name!r} created", err=True)
+                return
+            differs = {key: getattr(existing, key) for key, value in wanted.items()
+                       if getattr(existing, key) != value}
+    except DomainError as error:
+        _fail(str(error))
+    if differs:
+        _fail(f"deployment {name!r} exists with different settings {differs}; change them "
+              "with PATCH /v1/deployments/{name} or pick another name")
+    click.echo(f"deployment {name!r} exists with these settings; nothing to do", err=True)
 
 
 @main.group()
@@ -98,8 +193,9 @@ def user() -> None:
 
 
 @user.command("create")
-@click.option("--username", required=True)
-@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True)
+@click.option("--username", required=True, help="the sign-in name")
+@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True,
+              help="viewers read, operators act, admins manage")
 @click.option("--password-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="read the password from this file (default: prompt)")
 def user_create(username: str, role: str, password_file: str | None) -> None:
@@ -127,7 +223,8 @@ def user_create(username: str, role: str, password_file: str | None) -> None:
 @main.command()
 @click.option("--host", default=None, help="default: EXITPLANE_HOST or 127.0.0.1")
 @click.option("--port", type=int, default=None, help="default: EXITPLANE_PORT or 8000")
-@click.option("--migrate/--no-migrate", default=True, show_default=True)
+@click.option("--migrate/--no-migrate", default=True, show_default=True,
+              help="apply database migrations before serving")
 @click.option("--workers/--no-workers", default=None,
               help="also run a Celery worker and beat as subprocesses "
                    "(default: on in the embedded environment)")
@@ -150,7 +247,8 @@ def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) 
 
 
 @main.command()
-@click.option("--loglevel", default="info", show_default=True)
+@click.option("--loglevel", default="info", show_default=True,
+              help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
 @click.option("--concurrency", type=int, default=None,
               help="prefork worker processes (default: the solo pool, one task at a time)")
 def worker(loglevel: str, concurrency: int | None) -> None:
@@ -162,7 +260,8 @@ def worker(loglevel: str, concurrency: int | None) -> None:
 
 
 @main.command()
-@click.option("--loglevel", default="info", show_default=True)
+@click.option("--loglevel", default="info", show_default=True,
+              help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
 def beat(loglevel: str) -> None:
     """Run Celery beat: drift checks every 30 s, stale runtimes, canaries, daily retention."""
     from workers.celery_app import app
@@ -203,7 +302,8 @@ def background_workers(*, enabled: bool):
 @click.option("--quick", is_flag=True, help="a shorter run (fewer tokens per phase)")
 @click.option("--serve/--no-serve", default=True, show_default=True,
               help="keep the control plane and its UI up after the summary")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True,
+              help="port of the control plane and its UI")
 def demo(quick: bool, serve: bool, port: int) -> None:
     """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
     from exitplane.demo import run_demo
@@ -217,7 +317,6 @@ def demo(quick: bool, serve: bool, port: int) -> None:
               help="reclaim entries another consumer left pending this long")
 def ingest(name: str | None, claim_idle_ms: int) -> None:
     """Production ingest worker: Redis stream -> store (needs EXITPLANE_REDIS_URL)."""
-    import logging
     import signal
     import socket
     import threading
@@ -232,11 +331,17 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     settings = get_settings()
     if not settings.redis_url:
         _fail("EXITPLANE_REDIS_URL is not set; the embedded default writes telemetry directly")
-    logging.basicConfig(level=settings.log_level.upper())
+    _configure_logging("ingest", settings)
     factory = session_factory()
     with factory() as session:
         ensure_partitions(session=session)
         session.commit()
+    if settings.worker_metrics_port:  # ingested/duplicate counts and stream lag live here
+        from prometheus_client import start_http_server
+
+        from controlplane.metrics import registry
+
+        start_http_server(settings.worker_metrics_port, registry=registry)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -253,7 +358,8 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
               help="window start: ISO time (UTC if no offset) or an age like 30m, 6h, 2d "
                    "(default: EXITPLANE_CALIBRATION_LOOKBACK_S ago)")
 @click.option("--until", default=None, help="window end, same forms (default: now)")
-@click.option("--reason", default="requested from the command line", show_default=True)
+@click.option("--reason", default="requested from the command line", show_default=True,
+              help="why, for the audit log")
 @click.option("--enqueue", is_flag=True, help="hand the job to the workers instead of "
                                               "running it here")
 def calibrate(deployment: str, since: str | None, until: str | None, reason: str,
@@ -264,8 +370,10 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
     from controlplane.calibration.models import CalibrationJob
     from controlplane.calibration.service import (
         CalibrationPolicy,
+        apply_outcome,
+        calibrate_window,
+        read_window,
         request_calibration,
-        run_calibration,
         start_job,
     )
     from controlplane.db import session_scope
@@ -291,14 +399,26 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
             return
         with session_scope() as session:
             start_job(session=session, job=session.get(CalibrationJob, job_id))
-        with session_scope() as session:
-            job = run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                  policy=policy)
-            outcome = {"job": job.id, "status": job.status, "reason": job.status_reason,
-                       "version": job.result_version, "promotion": job.promotion,
-                       "thresholds": job.summary.get("thresholds"),
-                       "exit_rate": job.summary.get("exit_rate"),
-                       "risk_bound": job.summary.get("risk_bound")}
+        # The worker's three steps (short transactions around the slow middle one), each a
+        # step of the bar the operator watches.
+        with click.progressbar(length=3, label="calibrating", file=sys.stderr,
+                               item_show_func=lambda step: step) as bar:
+            bar.update(0, "reading shadow samples")
+            with session_scope() as session:
+                window = read_window(session=session, job=session.get(CalibrationJob, job_id))
+            bar.update(1, "selecting thresholds")
+            result = calibrate_window(window, policy) if window is not None else None
+            bar.update(1, "recording and publishing")
+            with session_scope() as session:
+                job = session.get(CalibrationJob, job_id)
+                if result is not None:
+                    job = apply_outcome(session=session, job=job, outcome=result, policy=policy)
+                bar.update(1, "done")
+                outcome = {"job": job.id, "status": job.status, "reason": job.status_reason,
+                           "version": job.result_version, "promotion": job.promotion,
+                           "thresholds": job.summary.get("thresholds"),
+                           "exit_rate": job.summary.get("exit_rate"),
+                           "risk_bound": job.summary.get("risk_bound")}
     except (DomainError, ValueError) as error:
         _fail(str(error))
     click.echo(json.dumps(outcome, indent=2))
@@ -330,6 +450,10 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     from controlplane.settings import get_settings
 
     settings = get_settings()
+    _configure_logging("api", settings)
+    from exitplane.tracing import configure_tracing
+
+    configure_tracing("exitplane-api")
     if migrate:
         _migrate(settings.effective_database_url)
     host = host or settings.host
@@ -342,8 +466,20 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     # it is no longer walked by every full collection (200 ms each with the stack imported)
     # while requests allocate, e.g. telemetry decoding ~25,000 objects per 2,000 records.
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level,
-                access_log=os.environ.get("EXITPLANE_ACCESS_LOG", "0") == "1")
+    # Our handler and the request-context middleware log access lines (with request ids);
+    # uvicorn's own config would install a second, differently shaped handler.
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level, log_config=None,
+                access_log=False)
+
+
+def _configure_logging(process_name: str, settings) -> None:
+    from exitplane.logs import configure_logging
+
+    try:
+        configure_logging(process_name, level=settings.log_level, fmt=settings.log_format,
+                          environment=settings.environment)
+    except ValueError as error:
+        _fail(str(error))
 
 
 def _migrate(url: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from exitplane.logs import configure_logging
 from exitplane.wire import Signal, ThresholdSetWire
 
 
@@ -35,6 +36,13 @@ def read_threshold_file(path: str) -> ThresholdSetWire:
                                               for k, v in data["thresholds"].items()})
 
 
+def _logging(process_name: str) -> None:
+    try:
+        configure_logging(process_name)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+
+
 def _threads() -> None:
     import torch
 
@@ -54,12 +62,15 @@ def runtime_cli() -> None:
               "default: var/runtime/heads-post-hoc.safetensors when it exists.")
 @click.option("--thresholds", "thresholds_path", default=None,
               help="Threshold set JSON (wire format or {signal, thresholds}); default never exit.")
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True,
+              help="Stop after this many generated tokens.")
 @click.option("--stream", is_flag=True, help="Print tokens as they are produced.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Torch device: cpu, cuda, cuda:1 ...")
 @click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
-              show_default=True)
-@click.option("--shadow-rate", default=0.0, show_default=True)
+              show_default=True, help="How skipped layers' KV is filled after an early exit.")
+@click.option("--shadow-rate", default=0.0, show_default=True,
+              help="Share of tokens also run to full depth to label the exit points.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, no chat template.")
 def generate(prompt, model_source, heads_path, thresholds_path, max_new_tokens, stream, device,
              kv_policy, shadow_rate, raw) -> None:
@@ -112,14 +123,16 @@ def exit_summary(records, num_layers: int, version: int) -> str:
 @runtime_cli.command("train-heads")
 @click.option("--model", "model_source", default=None, help="HF checkpoint dir or .gguf file.")
 @click.option("--mode", type=click.Choice(["post-hoc", "joint"]), default="post-hoc",
-              show_default=True)
+              show_default=True, help="post-hoc: frozen model; joint: LoRA adapts the model "
+              "with the exits.")
 @click.option("--out", "out_path", default=None,
               help="Artifact path (default var/runtime/heads-<mode>.safetensors).")
 @click.option("--exit-layers", default=None, help="Comma-separated, e.g. 6,9,12 (default: "
               "every 3rd layer from 6).")
 @click.option("--budget-s", default=900.0, show_default=True,
               help="Wall-clock budget; training phases stop early to fit.")
-@click.option("--stdlib-chars", default=120_000, show_default=True)
+@click.option("--stdlib-chars", default=120_000, show_default=True,
+              help="Characters of standard-library text in the training corpus.")
 @click.option("--prompts", "generation_prompts", default=None, type=int,
               help="How many built-in training prompts the model answers (default all).")
 @click.option("--steps", default=None, type=int, help="Adapter steps (post-hoc) or joint steps.")
@@ -128,10 +141,25 @@ def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_
     """Train exit adapters + learned confidence heads and write a safetensors artifact."""
     _threads()
     from runtime.model import load_model, model_name
-    from runtime.train import TrainConfig, train_heads
+    from runtime.train import train_heads
+
+    config = train_config(mode=mode, budget_s=budget_s, stdlib_chars=stdlib_chars,
+                          name=model_name(model_source), exit_layers=exit_layers,
+                          generation_prompts=generation_prompts, steps=steps)
+    model, tokenizer = load_model(model_source)
+    heads = train_heads(model, tokenizer, config)
+    path = Path(out_path) if out_path else default_heads_path(mode)
+    digest = heads.save(path)
+    click.echo(f"wrote {path} sha256={digest}")
+    _heldout_report(heads)
+
+
+def train_config(*, mode, budget_s, stdlib_chars, name, exit_layers, generation_prompts, steps):
+    """The TrainConfig of `train-heads` and `provision` options."""
+    from runtime.train import TrainConfig
 
     config = TrainConfig(mode=mode, time_budget_s=budget_s, stdlib_chars=stdlib_chars,
-                         model_name=model_name(model_source))
+                         model_name=name)
     if exit_layers:
         config.exit_layers = [int(x) for x in exit_layers.split(",")]
     if generation_prompts is not None:
@@ -141,14 +169,80 @@ def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_
             config.joint_steps = steps
         else:
             config.adapter_steps = steps
-    model, tokenizer = load_model(model_source)
-    heads = train_heads(model, tokenizer, config)
-    path = Path(out_path) if out_path else default_heads_path(mode)
-    digest = heads.save(path)
-    click.echo(f"wrote {path} sha256={digest}")
+    return config
+
+
+def _heldout_report(heads) -> None:
     for layer, row in heads.metadata["heldout"].items():
         click.echo(f"  exit layer {layer:>3}: held-out agreement {row['agreement']:.3f}, "
                    f"learned-head coverage at 99% precision {row['coverage_at_99']:.3f}")
+
+
+def _load_for_serving(model_source: str | None, device: str = "cpu"):
+    """(model, tokenizer, name): 'tiny' is the tiny random Llama with the character tokenizer."""
+    if model_source == "tiny":
+        from runtime.model import tiny_llama
+        from runtime.testing import ascii_tokenizer
+
+        return tiny_llama(), ascii_tokenizer(), "tiny-llama"
+    from runtime.model import load_model, model_name
+
+    model, tokenizer = load_model(model_source, device=device)
+    return model, tokenizer, model_name(model_source)
+
+
+@runtime_cli.command()
+@click.option("--heads", "heads_path", required=True, type=click.Path(dir_okay=False),
+              help="The artifact the runtime serves with (its --heads); provisioned if missing.")
+@click.option("--from", "source", envvar="EXITPLANE_HEADS_FROM", default=None,
+              help="Copy this artifact (a path or an http(s) URL) instead of training; "
+                   "also read from EXITPLANE_HEADS_FROM.")
+@click.option("--model", "model_source", default=None,
+              help="The served model (as for `serve --model`) to train heads for.")
+@click.option("--mode", type=click.Choice(["post-hoc", "joint"]), default="post-hoc",
+              show_default=True, help="Training mode when the heads are trained.")
+@click.option("--budget-s", default=900.0, show_default=True,
+              help="Wall-clock budget of the training.")
+@click.option("--exit-layers", default=None, help="Comma-separated exit layers (default: "
+              "every 3rd layer from 6; tiny models every 2nd from 2).")
+@click.option("--stdlib-chars", default=120_000, show_default=True,
+              help="Characters of standard-library text in the training corpus.")
+@click.option("--prompts", "generation_prompts", default=None, type=int,
+              help="How many built-in training prompts the model answers (default all).")
+@click.option("--steps", default=None, type=int, help="Adapter steps (post-hoc) or joint steps.")
+def provision(heads_path, source, model_source, mode, budget_s, exit_layers, stdlib_chars,
+              generation_prompts, steps) -> None:
+    """Make sure the exit heads exist: keep verified ones, copy an artifact, or train them.
+
+    Idempotent (a verified artifact is kept) and safe to run concurrently (a file lock)."""
+    from runtime.provision import ProvisionError
+    from runtime.provision import provision as provision_heads
+
+    _logging("provision")
+
+    def train(out: Path) -> None:
+        _threads()
+        from runtime.train import train_heads
+
+        model, tokenizer, name = _load_for_serving(model_source)
+        heads = train_heads(model, tokenizer, train_config(
+            mode=mode, budget_s=budget_s, stdlib_chars=stdlib_chars, name=name,
+            exit_layers=exit_layers, generation_prompts=generation_prompts, steps=steps))
+        heads.save(out)
+        _heldout_report(heads)
+
+    try:
+        from runtime.model import model_name
+
+        expect = {"exit_layers": [int(x) for x in exit_layers.split(",")] if exit_layers
+                  else None,
+                  "model": None if source else ("tiny-llama" if model_source == "tiny"
+                                                else model_name(model_source))}
+        outcome = provision_heads(target=Path(heads_path), source=source or None, train=train,
+                                  expect=expect)
+    except (ProvisionError, OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(json.dumps(outcome))
 
 
 @runtime_cli.command(context_settings={"ignore_unknown_options": True})
@@ -171,17 +265,22 @@ def bench(args) -> None:
 @click.option("--heads", "heads_path", default=None, help="Exit heads artifact.")
 @click.option("--thresholds", "thresholds_path", default=None,
               help="Serve offline with this threshold set instead of a control plane.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--max-batch", default=8, show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Torch device: cpu, cuda, cuda:1 ...")
+@click.option("--max-batch", default=8, show_default=True,
+              help="Requests decoded together in one step.")
 @click.option("--max-queue", default=64, show_default=True,
               help="Requests waiting beyond max-batch before 429.")
-@click.option("--shadow-rate", default=0.05, show_default=True)
-@click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy")
+@click.option("--shadow-rate", default=0.05, show_default=True,
+              help="Share of tokens also run to full depth (the calibration samples).")
+@click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
+              help="How skipped layers' KV is filled after an early exit.")
 @click.option("--runtime-id", default=None, help="Default: host-pid.")
 @click.option("--state-dir", default="var/runtime-state", show_default=True,
               help="Threshold cache and telemetry spool.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8100, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", default=8100, show_default=True, help="Port to listen on.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
               envvar="EXITPLANE_RUNTIME_API_KEY_FILE",
               help="API keys, one per line; with keys (here or in EXITPLANE_RUNTIME_API_KEYS, "
@@ -210,6 +309,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     from runtime.server import build_state, create_serve_app, exit_when_engine_dies
 
     _threads()
+    _logging("runtime")
     if not control_plane and not thresholds_path:
         raise click.UsageError("give --control-plane (with --deployment and --token-file) or "
                                "--thresholds FILE")
@@ -219,10 +319,10 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
         raise click.UsageError(str(error)) from error
     token = Path(token_file).read_text().strip() if token_file else None
     if model_source == "tiny":
-        from runtime.model import tiny_llama
-        from runtime.testing import ascii_tokenizer
+        from runtime.heads import ExitHeads
 
-        model, tokenizer, heads, name = tiny_llama(), ascii_tokenizer(), None, "tiny-llama"
+        model, tokenizer, name = _load_for_serving("tiny")
+        heads = ExitHeads.load(heads_path) if heads_path else None
     else:
         from runtime.model import load_served, model_name
 
@@ -244,8 +344,10 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"
                f" ({'API keys required' if api_keys else 'no API key: keep this port internal'})",
                err=True)
+    # exitplane.logs owns the handlers (one shape for every process); uvicorn keeps its level.
     server = uvicorn.Server(uvicorn.Config(create_serve_app(state), host=host, port=port,
-                                           log_level="warning"))
+                                           log_level="warning",
+                                           log_config=None))
     if engine_death_exit_s >= 0:
         exit_when_engine_dies(state, server, grace_s=engine_death_exit_s)
     server.run()

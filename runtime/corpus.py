@@ -158,8 +158,15 @@ def generations(engine, tokenizer, prompts: list[str], *, max_new_tokens: int,
     path = cache_dir() / f"generations-{key[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())
+    from tqdm import tqdm
+
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
-    answers = engine.generate(prompt_ids, max_new_tokens=max_new_tokens)
+    batch = engine.config.max_batch
+    answers = []
+    # A batch at a time so the bar moves; batching does not change greedy answers.
+    for start in tqdm(range(0, len(prompt_ids), batch), desc="corpus", unit="batch"):
+        answers.extend(engine.generate(prompt_ids[start:start + batch],
+                                       max_new_tokens=max_new_tokens))
     sequences = [p + a for p, a in zip(prompt_ids, answers, strict=True)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(sequences))

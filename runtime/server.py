@@ -36,6 +36,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from runtime.engine import StepFailed, StepOutput
 from runtime.serve_guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from runtime.server_metrics import RequestMetrics
 
 log = logging.getLogger("exitplane.serve")
 
@@ -131,6 +132,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     exit_layers: list[int] = field(default_factory=list)
+    timer: Any = None  # server_metrics.RequestTimer: TTFT, inter-token and e2e latency
 
 
 @dataclass(frozen=True)
@@ -314,9 +316,10 @@ class EngineWorker:
 # -- metrics ----------------------------------------------------------------------------------
 
 class ServeMetrics:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, model_name: str = "model") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.request = RequestMetrics(r, model_name)  # vLLM-style request latencies (issue 15)
         self.tokens = Counter("exitplane_runtime_tokens", "Generated tokens", registry=r)
         self.requests = Counter("exitplane_runtime_requests", "Requests by outcome", ["outcome"],
                                 registry=r)
@@ -625,6 +628,7 @@ async def _serve(state: ServeState, request: Request, body: _Base, prompt: list[
                             headers={"Retry-After": "1"}) from None
     except EngineStopped:
         raise HTTPException(ENGINE_DEAD.status, ENGINE_DEAD.message) from None
+    job.timer = state.metrics.request.timer(len(prompt))
     detok = _Detokenizer(state.tokenizer, stops)
     created = int(time.time())
     if body.stream:
@@ -688,6 +692,7 @@ async def _tokens(state: ServeState, request: Request, job: _Job,
                                      [o.token for o in outputs]) if outputs else []
             for output, delta in zip(outputs, deltas, strict=False):
                 job.exit_layers.append(output.record.exit_layer)
+                job.timer.token()
                 yield "token", delta
                 if detok.stopped or (output.finished and output.token in eos_ids):
                     if not output.finished:
@@ -706,6 +711,8 @@ async def _tokens(state: ServeState, request: Request, job: _Job,
     except asyncio.CancelledError:
         state.worker.cancel(job)
         raise
+    finally:
+        job.timer.finish()
 
 
 async def _stream(state, request, job, detok, body, prompt, created, chat, max_tokens):
@@ -803,7 +810,7 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
     A step running longer than stuck_after_s turns /healthz to 503."""
     from pathlib import Path
 
-    metrics = ServeMetrics(engine.parts.num_layers)
+    metrics = ServeMetrics(engine.parts.num_layers, model_name)
     thresholds = shipper = None
     if control_plane:
         from runtime.shipper import TelemetryShipper

@@ -14,6 +14,7 @@ from celery import Celery
 from celery.schedules import crontab
 
 from controlplane.settings import Settings, get_settings
+from workers import observability  # noqa: F401  (request ids, logging and metrics signals)
 
 TASK_MODULES = ["workers.tasks.drift", "workers.tasks.alerts", "workers.tasks.maintenance",
                 "workers.tasks.calibration"]

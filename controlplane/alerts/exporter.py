@@ -15,6 +15,9 @@ process ingested the telemetry (the rules aggregate with max by deployment / lay
   exitplane_runtime_dropped_records (from the runtime's last heartbeat, whichever process took
   it); runtimes silent for a day, or deleted, are left out: their series disappear
 - exitplane_alerts_open{deployment,kind,severity}
+- exitplane_mean_exit_depth{deployment} and exitplane_estimated_speedup{deployment} (layers a
+  token ran through on average over the last `WINDOW`, active version; speed-up = num_layers /
+  mean depth, the estimate calibration reports)
 
 The /metrics route runs the collection off the event loop; the values are cached for `ttl`
 seconds (EXITPLANE_METRICS_CACHE_TTL_S) so frequent scrapes cost one set of queries.
@@ -71,6 +74,10 @@ def _families() -> dict[str, GaugeMetricFamily]:
                                     ["deployment", "runtime"]),
         "alerts_open": ("Open (firing or acknowledged) alerts", ["deployment", "kind",
                                                                  "severity"]),
+        "mean_exit_depth": ("Mean layers run per token, last 5 minutes (active version)",
+                            ["deployment"]),
+        "estimated_speedup": ("num_layers / mean exit depth, last 5 minutes (active version)",
+                              ["deployment"]),
     }
     return {name: GaugeMetricFamily(f"exitplane_{name}", doc, labels=labels)
             for name, (doc, labels) in specs.items()}
@@ -133,6 +140,7 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         .where(Rollup.minute >= now - WINDOW)
         .group_by(Rollup.deployment_id, Rollup.version, Rollup.layer))
     shadow: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    depth: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # tokens, exits, layer-sum
     for row in rollups:
         deployment = deployments.get(row.deployment_id)
         if deployment is None or row.version != aliases[deployment.id].get("active"):
@@ -145,8 +153,19 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         if tokens:
             families["exit_rate"].add_metric(labels, int(row.exits or 0) / tokens)
         if row.layer == deployment.exit_layers[0]:
+            depth[deployment.id][0] += tokens  # every token reaches the first exit layer
+        depth[deployment.id][1] += int(row.exits or 0)
+        depth[deployment.id][2] += int(row.exits or 0) * row.layer
+        if row.layer == deployment.exit_layers[0]:
             shadow[deployment.id][0] += int(row.shadow or 0)
         shadow[deployment.id][1] += int(row.mismatches or 0)
+    for deployment_id, (tokens, exits, exited_layers) in depth.items():
+        deployment = deployments[deployment_id]
+        if tokens:
+            mean = (exited_layers + (tokens - exits) * deployment.num_layers) / tokens
+            families["mean_exit_depth"].add_metric([deployment.name], mean)
+            families["estimated_speedup"].add_metric([deployment.name],
+                                                     deployment.num_layers / mean)
     for deployment_id, (total, mismatches) in shadow.items():
         name = deployments[deployment_id].name
         families["shadow_tokens"].add_metric([name], total)

@@ -36,6 +36,7 @@ from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.keys import SecretUnreadable
 from controlplane.thresholds.models import Deployment
+from exitplane import tracing
 
 log = logging.getLogger("exitplane.alerts")
 
@@ -153,6 +154,7 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
     return alert, True
 
 
+@tracing.traced("alert.fired")
 def on_alert_fired(session: Session, alert: Alert) -> None:
     """The one place where the system reacts to a newly fired alert.
 
@@ -495,7 +497,7 @@ def list_deliveries(*, session: Session, hook: AlertHook | None = None,
 
 def enqueue_task(session: Session, name: str, args: list) -> None:
     """Send Celery task `name` once the session's transaction commits (dropped on rollback)."""
-    session.info.setdefault(OUTBOX, []).append((name, args))
+    session.info.setdefault(OUTBOX, []).append((name, args, tracing.current_context()))
 
 
 def send_task(name: str, args: list) -> None:
@@ -509,9 +511,10 @@ def send_task(name: str, args: list) -> None:
 def _send_outbox(session: Session) -> None:
     if session.in_nested_transaction():  # a savepoint released; the transaction goes on
         return
-    for name, args in session.info.pop(OUTBOX, []):
+    for name, args, trace_context in session.info.pop(OUTBOX, []):
         try:
-            send_task(name, args)
+            with tracing.attached(trace_context):  # the task's trace parent: who asked for it
+                send_task(name, args)
         except Exception as error:  # the broker being away must not fail a committed request
             log.error("could not enqueue %s%s: %s", name, tuple(args), error)
 

@@ -28,6 +28,7 @@ from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples
 from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, move_alias, publish
+from exitplane import tracing
 from exitplane.wire import NEVER_EXIT, Origin
 from workers.stats.calibration import policy_disagreement
 
@@ -189,6 +190,7 @@ def _last_good_target(*, session: Session, deployment: Deployment, current: int,
     return published.version, good.version
 
 
+@tracing.traced("fallback")
 def react_to_alert(*, session: Session, alert,
                    policy: CalibrationPolicy = CalibrationPolicy()) -> str:
     """What a newly fired alert sets off (called from the alerts' `on_alert_fired`):

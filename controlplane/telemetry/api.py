@@ -66,6 +66,8 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
             if app.state.redis is not None:
                 added = stream.append(app.state.redis, batch)
                 metrics.queued_batches.labels(batch.deployment).inc(int(added))
+                if not added:  # a replay the stream already holds: acknowledged here
+                    metrics.duplicate_batches.labels(batch.deployment).inc()
                 return IngestAck(batch_id=batch.batch_id, accepted=len(batch),
                                  duplicate=not added, queued=True)
             [result] = service.ingest(session=session, deployment=deployment, batches=[batch],

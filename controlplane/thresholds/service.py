@@ -17,6 +17,7 @@ from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
+from exitplane import tracing
 from exitplane.wire import NEVER_EXIT, Origin, Signal, ThresholdSetWire, validate_thresholds
 
 
@@ -90,6 +91,7 @@ def list_threshold_sets(*, session: Session, deployment: Deployment, limit: int 
     return list(session.scalars(query.order_by(ThresholdSet.version.desc()).limit(limit)))
 
 
+@tracing.traced("thresholds.publish")
 def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, float],
             reason: str, actor: str, origin: Origin = Origin.manual, signal: Signal | None = None,
             parent_version: int | None = None, calibration_job_id: int | None = None,

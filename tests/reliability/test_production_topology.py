@@ -1,12 +1,15 @@
 """The production topology as separate processes, each started with the command docker-compose.yml
-gives it (api migrating first, ingest, worker, beat, runtime server on the tiny model), over a
-fresh PostgreSQL database and a Redis: the loop closes with nobody calling a function in
-process. Traffic shifts, the workers detect the quality regression and fall back, the alert's
+gives it (api migrating first, the bootstrap one-shot creating the deployment and the runtime's
+token, the heads one-shot provisioning exit heads, ingest, worker, beat, runtime server on the
+tiny model), over a fresh PostgreSQL database and a Redis: the loop closes with nobody calling a
+function in process; the deployment and the runtime's token come from compose's own steps. Traffic
+shifts, the workers detect the quality regression and fall back, the alert's
 recalibration waits for shadow samples of the new traffic and publishes, and the runtime
 applies the new version and exits early again within δ."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -51,12 +54,24 @@ def fresh_database():
     admin.dispose()
 
 
-def _command(service: str, replacements: dict[str, str]) -> list[str]:
+# The compose variables an operator of the tiny model would set (compose interpolates them).
+TINY = {"EXITPLANE_MODEL_REF": "tiny-llama", "EXITPLANE_NUM_LAYERS": "6",
+        "EXITPLANE_EXIT_LAYERS": "2,4",
+        "EXITPLANE_SIGNAL": "maxprob", "EXITPLANE_DELTA": str(DELTA), "EXITPLANE_EPSILON": "0.1"}
+
+
+def _interpolate(word: str, variables: dict[str, str]) -> str:
+    """Compose's ${NAME:-default}: the variable when set and not empty, else the default."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: variables.get(m[1]) or m[2], word)
+
+
+def _command(service: str, replacements: dict[str, str],
+             variables: dict[str, str] | None = None) -> list[str]:
     """The service's compose command with hosts, ports and paths of this machine."""
     command = COMPOSE["services"][service]["command"]
-    words = [re.sub(r"\$\{EXITPLANE_DEPLOYMENT:-(\w+)\}", r"\1", word) for word in command]
     out = []
-    for word in words:
+    for word in command:
+        word = _interpolate(word, variables or {})
         for old, new in replacements.items():
             word = word.replace(old, new)
         out.append(word)
@@ -76,10 +91,11 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
         # Minutes of production cadence compressed into seconds.
         "EXITPLANE_DRIFT_INTERVAL_S": "3", "EXITPLANE_DRIFT_RECENT_S": "60",
         "EXITPLANE_CALIBRATION_MIN_SAMPLES": "300", "EXITPLANE_CALIBRATION_RETRY_S": "2"})
-    token_file = tmp_path / "runtime.token"
+    token_file = tmp_path / "bootstrap" / "runtime.token"
+    heads_file = tmp_path / "runtime-state" / "heads.safetensors"
     replacements = {"0.0.0.0 --port 8000": f"127.0.0.1 --port {api_port}",
                     "http://api:8000": api_url, "0.0.0.0": "127.0.0.1", "8100": str(runtime_port),
-                    "/run/secrets/runtime_token": str(token_file),
+                    "/var/lib/exitplane-bootstrap": str(tmp_path / "bootstrap"),
                     "/var/lib/exitplane-runtime": str(tmp_path / "runtime-state")}
     processes = Processes(env, tmp_path)
     try:
@@ -87,20 +103,29 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
         wait_until(lambda: _ready(f"{api_url}/readyz"), 120, "the api to migrate and be ready")
         for service in ("ingest", "worker", "beat"):
             processes.start(service, _command(service, replacements))
+        # The one-shot steps, twice: the second run of each is a no-op.
+        for _ in range(2):
+            _run(env, _command("bootstrap", replacements, TINY))
+        assert token_file.read_text().strip()
+        # The heads an operator points EXITPLANE_HEADS_FROM at (trained here, quickly).
+        artifact = tmp_path / "artifact" / "heads.safetensors"
+        _exitplane(env, "runtime", "provision", "--heads", str(artifact), "--model", "tiny",
+                   "--stdlib-chars", "4000", "--prompts", "2", "--steps", "20")
+        provisioned = [json.loads(_run({**env, "EXITPLANE_HEADS_FROM": str(artifact)}, [
+            *_command("heads", replacements, TINY), "--model", "tiny"]).splitlines()[-1])
+            for _ in range(2)]
+        assert [p["action"] for p in provisioned] == ["copied", "kept"]
+        assert heads_file.exists()
+
         admin = _exitplane(env, "token", "create", "--name", "ops", "--scope", "admin")
         ops = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {admin}"},
                            timeout=30)
-        assert ops.post("/v1/deployments", json={
-            "name": "chat", "model_ref": "tiny-llama", "num_layers": 6, "exit_layers": [2, 4],
-            "signal": "maxprob", "delta": DELTA, "epsilon": 0.1}).status_code == 201
+        created = ops.get("/v1/deployments/chat").json()
+        assert (created["model_ref"], created["exit_layers"]) == ("tiny-llama", [2, 4])
         tuned = ops.post("/v1/deployments/chat/threshold-sets", json={
             "thresholds": {"2": 0.1, "4": 0.1}, "reason": "tuned by hand for domain A",
             "activate": True}).json()["version"]
-        token_file.write_text(_exitplane(env, "token", "create", "--name", "rt-1", "--scope",
-                                         "runtime", "--deployment", "chat") + "\n")
         runtime = _command("runtime", replacements)
-        heads = runtime.index("--heads")
-        del runtime[heads:heads + 2]  # the tiny model has no trained heads
         processes.start("runtime", [*runtime, "--model", "tiny", "--shadow-rate", "0.75",
                                     "--max-batch", "16"])
         wait_until(lambda: _ready(f"{runtime_url}/readyz"), 120, "the runtime to apply a set")
@@ -186,6 +211,15 @@ class Traffic:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=120)
+
+
+def _run(env: dict, command: list[str]) -> str:
+    """A one-shot service's command, which must succeed (compose's
+    service_completed_successfully)."""
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    return done.stdout.strip()
 
 
 def _exitplane(env: dict, *args: str) -> str:

@@ -71,3 +71,16 @@ def test_metrics_the_rules_read_are_exported_from_the_store(client, engine, outb
     assert _sample(text, "exitplane_runtime_behind_active", runtime="rt-1") == 0.0
     assert abs(_sample(text, "exitplane_last_ingest_timestamp_seconds", deployment="chat")
                - now.timestamp()) < 600
+    # Mean exit depth and speed-up (issue 15) agree with the per-layer gauges.
+    from tests.controlplane.alerts.support import FULL, LAYERS
+
+    tokens = _sample(text, "exitplane_tokens_checked", deployment="chat", layer=str(LAYERS[0]))
+    exits = {layer: _sample(text, "exitplane_exit_rate", deployment="chat", layer=str(layer))
+             * _sample(text, "exitplane_tokens_checked", deployment="chat", layer=str(layer))
+             for layer in LAYERS}
+    depth = (sum(n * layer for layer, n in exits.items())
+             + (tokens - sum(exits.values())) * FULL) / tokens
+    assert _sample(text, "exitplane_mean_exit_depth", deployment="chat") == pytest.approx(depth)
+    assert _sample(text, "exitplane_estimated_speedup", deployment="chat") == \
+        pytest.approx(FULL / depth)
+    assert 1.2 < FULL / depth < FULL

@@ -41,6 +41,7 @@ def test_calibrate_publishes_and_reports(engine, calibrate):
     assert outcome["status"] == "succeeded" and outcome["version"] == 2
     assert outcome["promotion"] == "active" and outcome["risk_bound"] <= 0.05
     assert set(outcome["thresholds"]) == {"3", "6", "9"}
+    assert "calibrating" in done.stderr  # the progress bar the operator waits on
 
 
 def test_calibrate_explains_bad_input_and_short_data(engine, calibrate):

@@ -1,0 +1,78 @@
+"""Request-level latency and token metrics of the runtime server, named and bucketed after vLLM's
+(`vllm:time_to_first_token_seconds` -> `exitplane_runtime_time_to_first_token_seconds`, ...), so
+dashboards and alerts written for vLLM fleets carry over. Every series has a `model_name` label.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# vLLM's buckets (vllm/engine/metrics.py), seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class RequestMetrics:
+    """The request-level families, registered on the server's registry."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram("exitplane_runtime_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token", labels,
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram("exitplane_runtime_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request", labels,
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram("exitplane_runtime_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token", labels,
+                             buckets=E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("exitplane_runtime_prompt_tokens",
+                                     "Prompt tokens of finished requests", labels,
+                                     registry=registry)
+        self.generation_tokens = Counter("exitplane_runtime_generation_tokens",
+                                         "Tokens generated for finished requests", labels,
+                                         registry=registry)
+        for family in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
+                       self.generation_tokens):
+            family.labels(model_name)  # the series exist (at zero) before the first request
+
+    def timer(self, prompt_tokens: int) -> RequestTimer:
+        return RequestTimer(self, prompt_tokens)
+
+
+class RequestTimer:
+    """One request's clock: call `token()` per generated token and `finish()` once."""
+
+    def __init__(self, metrics: RequestMetrics, prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.prompt_tokens = prompt_tokens
+        self.arrived = time.perf_counter()
+        self.last: float | None = None
+        self.generated = 0
+        self.finished = False
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        m, name = self.metrics, self.metrics.model_name
+        if self.last is None:
+            m.ttft.labels(name).observe(now - self.arrived)
+        else:
+            m.itl.labels(name).observe(now - self.last)
+        self.last = now
+        self.generated += 1
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        m, name = self.metrics, self.metrics.model_name
+        m.e2e.labels(name).observe(time.perf_counter() - self.arrived)
+        m.prompt_tokens.labels(name).inc(self.prompt_tokens)
+        m.generation_tokens.labels(name).inc(self.generated)

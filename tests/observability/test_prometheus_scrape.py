@@ -1,0 +1,184 @@
+"""Debian's real Prometheus scrapes a running production stack (API, ingest worker, Celery worker
+on PostgreSQL and Redis, and a runtime server on the tiny model, each its own process) with the
+alert rules loaded, and every metric the Grafana dashboard and the rules read has samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from controlplane.db import make_engine
+from controlplane.models import Base
+from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXITPLANE = str(Path(sys.executable).parent / "exitplane")
+PROMETHEUS = "/usr/bin/prometheus"
+DASHBOARD = ROOT / "dashboards" / "grafana" / "exitplane.json"
+RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
+
+
+def _referenced() -> set[str]:
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+             for t in p.get("targets", [])]
+    exprs.append(RULES.read_text())
+    return {name for expr in exprs for name in re.findall(r"\bexitplane_[a-z0-9_]+", expr)}
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _query(prometheus: str, expr: str) -> list:
+    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10).json()
+    return answer["data"]["result"] if answer.get("status") == "success" else []
+
+
+def _batch(seq: int) -> dict:
+    return {"batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-replayed",
+            "seq": seq, "num_layers": 6,
+            "records": [{"threshold_version": 1, "request_id": "r", "position": i,
+                         "exit_layer": 6, "signal_value": 0.5, "latency_us": 100,
+                         "ts": time.time()} for i in range(3)]}
+
+
+def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_migrated,
+                                                                     tmp_path):
+    if not (POSTGRES_URL and REDIS_URL) or not os.path.exists(PROMETHEUS):
+        raise RuntimeError("needs PostgreSQL, Redis and Debian's prometheus package")
+    engine = make_engine(postgres_migrated)
+    with engine.begin() as connection:
+        connection.execute(text("TRUNCATE " + ", ".join(
+            t.name for t in Base.metadata.sorted_tables) + " RESTART IDENTITY CASCADE"))
+    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"  # a database of this test's own
+    redis.Redis.from_url(redis_url).flushdb()
+    ports = {name: free_port() for name in ("api", "ingest", "worker", "runtime", "prometheus")}
+    api = f"http://127.0.0.1:{ports['api']}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXITPLANE_LOG")}
+    env.update({"EXITPLANE_ENVIRONMENT": "production", "EXITPLANE_DATABASE_URL": postgres_migrated,
+                "EXITPLANE_REDIS_URL": redis_url,
+                "EXITPLANE_SECRET_KEY": secrets.token_urlsafe(48),
+                "EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_PUBLIC_URL": api,
+                "EXITPLANE_ACCESS_LOG": "0"})
+
+    def run(*args: str) -> str:
+        return subprocess.run([EXITPLANE, *args], env=env, cwd=ROOT, capture_output=True,
+                              text=True, check=True, timeout=120).stdout.strip()
+
+    run("deployment", "ensure", "--name", "chat", "--model-ref", "tiny-llama", "--num-layers",
+        "6", "--exit-layers", "2,4", "--signal", "maxprob", "--delta", "0.2")
+    token_file = tmp_path / "runtime.token"
+    run("token", "create", "--name", "rt", "--scope", "runtime", "--deployment", "chat",
+        "--out", str(token_file), "--if-missing")
+    admin = run("token", "create", "--name", "ops", "--scope", "admin")
+    commands = {
+        "api": ["up", "--port", str(ports["api"]), "--no-migrate", "--no-workers"],
+        "ingest": ["ingest"], "worker": ["worker"],
+        "runtime": ["runtime", "serve", "--model", "tiny", "--deployment", "chat",
+                    "--control-plane", api, "--token-file", str(token_file), "--state-dir",
+                    str(tmp_path / "runtime"), "--port", str(ports["runtime"]),
+                    "--shadow-rate", "0.5"]}
+    processes = []
+    try:
+        for name, args in commands.items():
+            own = {**env, "EXITPLANE_WORKER_METRICS_PORT": str(ports[name])}
+            with (tmp_path / f"{name}.log").open("w") as out:
+                processes.append(subprocess.Popen([EXITPLANE, *args], env=own, cwd=ROOT,
+                                                  stdout=out, stderr=subprocess.STDOUT))
+        wait_until(lambda: _ok(f"{api}/readyz"), 120, "the API")
+        ops = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {admin}"},
+                           timeout=30)
+        assert ops.post("/v1/deployments/chat/threshold-sets", json={
+            "thresholds": {"2": 0.1, "4": 0.1}, "reason": "exits", "activate": True}
+        ).status_code == 201
+        runtime = f"http://127.0.0.1:{ports['runtime']}"
+        wait_until(lambda: _ok(f"{runtime}/readyz"), 120, "the runtime")
+        for prompt in ("abc", "hello", "xyz!", "0123"):
+            httpx.post(f"{runtime}/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 12, "ignore_eos": True}).raise_for_status()
+        # A refused batch and a replayed one, as a broken or retrying runtime would send.
+        shipper = httpx.Client(base_url=api, timeout=30, headers={
+            "Authorization": f"Bearer {token_file.read_text().strip()}"})
+        assert shipper.post("/v1/telemetry", json={"records": "nope"}).status_code == 422
+        replayed = _batch(0)
+        for _ in range(2):
+            assert shipper.post("/v1/telemetry", json=replayed).status_code == 202
+        ops.post("/v1/deployments/chat/calibrations", json={"reason": "a worker task"})
+        _open_alert(postgres_migrated)
+
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [{"job_name": name, "static_configs": [
+                {"targets": [f"127.0.0.1:{ports[name]}"]}]}
+                for name in ("api", "ingest", "worker", "runtime")]}))
+        prometheus = f"http://127.0.0.1:{ports['prometheus']}"
+        with (tmp_path / "prometheus.log").open("w") as out:
+            processes.append(subprocess.Popen([
+                PROMETHEUS, f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{ports['prometheus']}"],
+                stdout=out, stderr=subprocess.STDOUT))
+        wait_until(lambda: _ok(f"{prometheus}/-/ready"), 60, "Prometheus")
+        wait_until(lambda: len(_query(prometheus, 'up == 1')) == 4, 60, "four healthy targets")
+
+        referenced = _referenced()
+        assert len(referenced) >= 25
+
+        def missing() -> set[str]:
+            return {name for name in referenced if not _query(prometheus, f"count({name})")}
+
+        still = missing()
+        deadline = time.monotonic() + 90
+        while still and time.monotonic() < deadline:
+            time.sleep(2)
+            still = missing()
+        assert still == set(), f"no samples for {sorted(still)}"
+        groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        assert len(rules) == 5 and all(rule["health"] == "ok" for rule in rules), rules
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        engine.dispose()
+        for log in tmp_path.glob("*.log"):
+            print(f"--- {log.name} ---\n{log.read_text()[-3000:]}")
+
+
+def _open_alert(url: str) -> None:
+    """An open alert in the store (drift detection would take minutes of traffic)."""
+    from controlplane.alerts.service import Condition, fire
+    from controlplane.thresholds.service import get_deployment
+
+    engine = make_engine(url)
+    with Session(engine) as session:
+        fire(session=session, deployment=get_deployment(session=session, name="chat"),
+             condition=Condition(kind="distribution_drift", severity="warning",
+                                 summary="signal distribution moved", subject="2", layer=2))
+        session.commit()
+    engine.dispose()

@@ -1,0 +1,142 @@
+"""OpenTelemetry, read back through an in-process exporter: one trace spans "alert fired ->
+fallback -> recalibration job -> publish", the job crossing from the process that fired the
+alert to a Celery worker through the broker (the trace context rides in the task message's
+headers; the worker consumes it from the broker like any other); the API's requests and their
+SQL queries are spans too. Off by default: nothing is traced without OTEL_* or an exporter."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+from fastapi.testclient import TestClient
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from controlplane.alerts.service import Condition, fire
+from controlplane.db import dispose_engines, make_engine, session_scope, utcnow
+from controlplane.settings import Settings, get_settings
+from controlplane.thresholds.service import get_deployment, move_alias, publish
+from exitplane import tracing
+from tests.conftest import wait_until
+from tests.controlplane.calibration.support import (
+    make_deployment,
+    separable_samples,
+    write_traffic,
+)
+
+
+@pytest.fixture(scope="module")
+def spans():
+    """Tracing on for this module only, into memory."""
+    exporter = InMemorySpanExporter()
+    assert not tracing.enabled()  # off unless configured
+    assert tracing.configure_tracing("exitplane-test", exporter=exporter)
+    yield exporter
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+
+    CeleryInstrumentor().uninstrument()
+    HTTPXClientInstrumentor().uninstrument()
+    tracing._state.update(enabled=False, celery=False, httpx=False)
+
+
+@pytest.fixture
+def database(tmp_path, sqlite_template, monkeypatch):
+    path = tmp_path / "exitplane.db"
+    shutil.copy(sqlite_template, path)
+    url = f"sqlite:///{path}"
+    for key, value in {"EXITPLANE_DATABASE_URL": url, "EXITPLANE_VAR_DIR": str(tmp_path / "var"),
+                       "EXITPLANE_CALIBRATION_MIN_SAMPLES": "500"}.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield url
+    get_settings.cache_clear()
+    dispose_engines()
+
+
+def _chain(span, by_id) -> list[str]:
+    names = []
+    while span is not None:
+        names.append(span.name)
+        span = by_id.get(span.parent.span_id) if span.parent else None
+    return names
+
+
+def test_alert_fallback_recalibration_and_publish_are_one_trace(spans, database, monkeypatch):
+    import workers.celery_app
+    from workers.celery_app import make_celery
+
+    engine = make_engine(database)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session)
+        tuned = publish(session=session, deployment=deployment, thresholds={3: .1, 6: .1, 9: .1},
+                        reason="tuned", actor="ops")
+        move_alias(session=session, deployment=deployment, alias="active",
+                   version=tuned.version, actor="ops", reason="tuned")
+    fired_at = utcnow() - timedelta(hours=2)
+    signals, matched = separable_samples(3000, seed=6)
+    with session_scope(engine) as session:  # shadow samples of the traffic after the alert
+        write_traffic(session, "chat", signals, matched, start=utcnow() - timedelta(hours=1))
+
+    # A broker of this test's own; the services' outbox sends through it.
+    app = make_celery(Settings(database_url=database))
+    app.conf.update(broker_url="memory://", result_backend="cache+memory://")
+    monkeypatch.setattr(workers.celery_app, "app", app)
+    spans.clear()
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+        with trace.get_tracer("test").start_as_current_span("drift.detect") as root, \
+                session_scope(engine) as session:  # what the beat-scheduled check does
+            fire(session=session, deployment=get_deployment(session=session, name="chat"),
+                 now=fired_at, condition=Condition(
+                     kind="quality_regression", severity="critical",
+                     summary="disagreement above δ", evidence={"disagreement_rate": 0.3}))
+        trace_id = root.get_span_context().trace_id
+        published = wait_until(lambda: [
+            s for s in spans.get_finished_spans() if s.name == "thresholds.publish"
+            and s.context.trace_id == trace_id and "run/calibration.run" in _chain(
+                s, {x.context.span_id: x for x in spans.get_finished_spans()})], 120,
+            "the worker to publish the recalibrated set in the alert's trace")
+    engine.dispose()
+
+    by_id = {s.context.span_id: s for s in spans.get_finished_spans()}
+    chain = _chain(published[0], by_id)
+    # publish <- (worker) run task <- (broker) send task <- fallback <- alert fired <- check
+    assert chain[-1] == "drift.detect"
+    ordered = [name for name in chain if name in {
+        "thresholds.publish", "run/calibration.run", "apply_async/calibration.run", "fallback",
+        "alert.fired", "drift.detect"}]
+    assert ordered == ["thresholds.publish", "run/calibration.run",
+                       "apply_async/calibration.run", "fallback", "alert.fired", "drift.detect"]
+    run_span = next(s for s in by_id.values() if s.name == "run/calibration.run"
+                    and s.context.trace_id == trace_id)
+    send_span = by_id[run_span.parent.span_id]
+    assert send_span.kind == trace.SpanKind.PRODUCER and run_span.kind == trace.SpanKind.CONSUMER
+    print("trace", format(trace_id, "032x"), " <- ".join(chain))
+
+
+def test_api_requests_and_their_queries_are_spans(spans, database):
+    from controlplane.app import create_app
+
+    engine = make_engine(database)
+    with session_scope(engine) as session:
+        make_deployment(session, name="traced")
+    app = create_app(Settings(database_url=database), engine=engine)
+    spans.clear()
+    with TestClient(app) as client:
+        from controlplane.auth.service import create_token
+
+        with session_scope(engine) as session:
+            _, secret = create_token(session=session, name="t", scope="operator")
+        assert client.get("/v1/deployments/traced", headers={
+            "Authorization": f"Bearer {secret}"}).status_code == 200
+    app.state.config_delivery.close()
+    engine.dispose()
+    finished = spans.get_finished_spans()
+    [server] = [s for s in finished if s.kind == trace.SpanKind.SERVER]
+    assert server.name == "GET /v1/deployments/{name}"
+    queries = [s for s in finished if s.attributes.get("db.system") == "sqlite"
+               and s.context.trace_id == server.context.trace_id]
+    assert queries, [s.name for s in finished]

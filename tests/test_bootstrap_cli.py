@@ -1,0 +1,72 @@
+"""The bootstrap one-shot's commands: `exitplane deployment ensure` creates the deployment once and
+is a no-op when re-run with the same settings (a clear refusal when they differ), and
+`exitplane token create --out FILE --if-missing` writes the runtime's token once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from controlplane.db import make_engine
+from controlplane.thresholds.models import Deployment
+
+EXITPLANE = str(Path(sys.executable).parent / "exitplane")
+ENSURE = ["deployment", "ensure", "--name", "chat", "--model-ref", "tiny-llama", "--num-layers",
+          "6", "--exit-layers", "2,4", "--signal", "maxprob", "--delta", "0.2"]
+
+
+@pytest.fixture
+def env(tmp_path, sqlite_template):
+    path = tmp_path / "exitplane.db"
+    shutil.copy(sqlite_template, path)
+    return {**os.environ, "EXITPLANE_DATABASE_URL": f"sqlite:///{path}",
+            "EXITPLANE_VAR_DIR": str(tmp_path / "var")}
+
+
+def _run(env, *args):
+    return subprocess.run([EXITPLANE, *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_deployment_ensure_creates_once_then_is_a_noop(env):
+    first = _run(env, *ENSURE)
+    assert first.returncode == 0, first.stderr
+    assert "created" in first.stderr
+    again = _run(env, *ENSURE)
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+    engine = make_engine(env["EXITPLANE_DATABASE_URL"])
+    with engine.connect() as connection:
+        rows = connection.execute(select(Deployment.name, Deployment.exit_layers,
+                                         Deployment.delta)).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [("chat", [2, 4], 0.2)]
+    other = _run(env, *ENSURE[:-1], "0.05")
+    assert other.returncode == 2
+    assert other.stderr.count("\n") == 1 and "different settings" in other.stderr
+    assert "'delta': 0.2" in other.stderr
+    bad = _run(env, *ENSURE[:7], "1", *ENSURE[8:])
+    assert bad.returncode == 2 and "invalid deployment settings" in bad.stderr
+
+
+def test_token_out_if_missing_writes_once(env, tmp_path):
+    assert _run(env, *ENSURE).returncode == 0
+    token_file = tmp_path / "bootstrap" / "runtime.token"
+    args = ["token", "create", "--name", "runtime", "--scope", "runtime", "--deployment", "chat",
+            "--out", str(token_file), "--if-missing"]
+    first = _run(env, *args)
+    assert first.returncode == 0, first.stderr
+    secret = token_file.read_text().strip()
+    assert secret and secret not in first.stdout + first.stderr  # never printed
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    again = _run(env, *args)
+    assert again.returncode == 0 and "kept" in again.stderr
+    assert token_file.read_text().strip() == secret
+    lonely = _run(env, *args[:-3], "--if-missing")
+    assert lonely.returncode == 2 and "--if-missing needs --out" in lonely.stderr
