@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.server import build_state
 from runtime.testing import ascii_tokenizer
-from tests.runtime_server.test_server import _engine, _serve, never_exit
+from tests.runtime_server.serving import never_exit, served_on_a_port, tiny_engine
 
 
 def _samples(url: str) -> dict[tuple[str, tuple], float]:
@@ -20,21 +20,21 @@ def _samples(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_latency_histograms_and_token_counters_by_model():
-    state = build_state(engine=_engine(), tokenizer=ascii_tokenizer(), model_name="tiny-llama",
-                        control_plane=None, deployment=None, token=None, state_dir=None,
+    state = build_state(engine=tiny_engine(), tokenizer=ascii_tokenizer(),
+                        model_name="tiny-llama", control_plane=None, deployment=None,
+                        token=None, state_dir=None,
                         static_thresholds=never_exit(), max_queue=8)
-    served = next(_serve(state))
-    model = (("model_name", "tiny-llama"),)
-    before = _samples(served.url)
-    assert before[("exitplane_runtime_time_to_first_token_seconds_count", model)] == 0
-    served.client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=7,
-                                     temperature=0, extra_body={"ignore_eos": True})
-    stream = served.client.completions.create(model="tiny-llama", prompt="abc", max_tokens=5,
-                                              temperature=0, stream=True,
-                                              extra_body={"ignore_eos": True})
-    assert len(list(stream)) >= 5
-    after = _samples(served.url)
-    served.server.should_exit = True
+    with served_on_a_port(state) as served:
+        model = (("model_name", "tiny-llama"),)
+        before = _samples(served.url)
+        assert before[("exitplane_runtime_time_to_first_token_seconds_count", model)] == 0
+        served.client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=7,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        stream = served.client.completions.create(model="tiny-llama", prompt="abc", max_tokens=5,
+                                                  temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        assert len(list(stream)) >= 5
+        after = _samples(served.url)
 
     assert after[("exitplane_runtime_time_to_first_token_seconds_count", model)] == 2
     assert after[("exitplane_runtime_e2e_request_latency_seconds_count", model)] == 2
