@@ -506,8 +506,8 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
     metrics = ServeMetrics(engine.parts.num_layers)
     thresholds = shipper = None
     if control_plane:
-        from runtime.shipper import TelemetryShipper
-        from runtime.thresholds_client import ThresholdClient
+        from exitplane.client.shipper import TelemetryShipper
+        from exitplane.client.thresholds import ThresholdClient
 
         if not (deployment and token):
             raise ValueError("a control plane needs --deployment and --token-file")

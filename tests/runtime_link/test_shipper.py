@@ -12,8 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.telemetry.models import TelemetryBatchRow
+from exitplane.client.shipper import EncodedBatch, Spool, TelemetryShipper
 from exitplane.wire import TokenRecord
-from runtime.shipper import EncodedBatch, Spool, TelemetryShipper
 from tests.conftest import free_port, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, ControlPlane
 
@@ -173,7 +173,7 @@ def test_a_422_is_logged_counted_and_not_retried(control_plane, operator, runtim
     shipper = _shipper(control_plane.url, runtime_token, tmp_path / "spool").start()
     bad = _records(5)
     bad[3] = bad[3].model_copy(update={"threshold_version": 99})  # never published
-    with caplog.at_level(logging.ERROR, logger="exitplane.runtime.shipper"):
+    with caplog.at_level(logging.ERROR, logger="exitplane.client.shipper"):
         for record in bad:
             shipper.submit(record)
         assert shipper.flush(20)
@@ -227,7 +227,7 @@ def test_a_413_splits_the_batch_until_it_fits(settings, engine, operator, runtim
 def test_a_bad_token_keeps_spooling_and_says_so(control_plane, operator, runtime_token,
                                                 tmp_path, caplog):
     spool_dir = tmp_path / "spool"
-    with caplog.at_level(logging.ERROR, logger="exitplane.runtime.shipper"):
+    with caplog.at_level(logging.ERROR, logger="exitplane.client.shipper"):
         wrong = _shipper(control_plane.url, "ept_not-a-token", spool_dir).start()
         for record in _records(60):
             wrong.submit(record)

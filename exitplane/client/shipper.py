@@ -34,10 +34,10 @@ import httpx
 import msgpack
 from pydantic import ValidationError
 
+from exitplane.client.thresholds import atomic_write, backoff_delay
 from exitplane.wire import TelemetryBatch, TokenRecord
-from runtime.thresholds_client import atomic_write, backoff_delay
 
-log = logging.getLogger("exitplane.runtime.shipper")
+log = logging.getLogger("exitplane.client.shipper")
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
