@@ -44,4 +44,5 @@ class TelemetryCounts(BaseModel):
         "shadow tokens and a sampled share (raw_sample_rate) of the others; rollups, exit "
         "rates and histograms still count every token"))
     raw_sample_rate: float | None = Field(None, description=(
-        "the share of non-shadow tokens shipped as records, from the latest aggregate batch"))
+        "the share of non-shadow tokens shipped as records, from the latest aggregate batch "
+        "of the last hour"))

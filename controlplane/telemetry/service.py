@@ -306,6 +306,18 @@ def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
     return signals.reshape(-1, width).copy(), matched.reshape(-1, width).astype(bool)
 
 
+def raw_sample_rate(*, session: Session, deployment: Deployment,
+                    within: timedelta = timedelta(hours=1)) -> float | None:
+    """The share of non-shadow tokens runtimes ship as records, from the latest aggregate
+    batch received `within` (None: no runtime aggregated lately, every token is a record)."""
+    return session.scalar(
+        select(TelemetryBatchRow.raw_sample_rate)
+        .where(TelemetryBatchRow.deployment_id == deployment.id,
+               TelemetryBatchRow.kind == "aggregate",
+               TelemetryBatchRow.received_at >= datetime.now(UTC) - within)
+        .order_by(TelemetryBatchRow.received_at.desc()).limit(1))
+
+
 def counts(*, session: Session, deployment: Deployment) -> dict:
     """Rows stored, tokens counted in the rollups, and whether per-token records are sampled
     (an aggregating runtime ships only shadow tokens and a share of the rest as records)."""
@@ -321,11 +333,7 @@ def counts(*, session: Session, deployment: Deployment) -> dict:
     lowest = min([*deployment.exit_layers, deployment.num_layers])
     tokens = session.scalar(select(func.coalesce(func.sum(Rollup.tokens), 0)).where(
         Rollup.deployment_id == deployment.id, Rollup.layer == lowest))
-    rate = session.scalar(
-        select(TelemetryBatchRow.raw_sample_rate)
-        .where(TelemetryBatchRow.deployment_id == deployment.id,
-               TelemetryBatchRow.kind == "aggregate")
-        .order_by(TelemetryBatchRow.received_at.desc()).limit(1))
+    rate = raw_sample_rate(session=session, deployment=deployment)
     return {"records": int(records or 0), "batches": sum(batches.values()),
             "shadow_samples": int(shadow or 0), "tokens": int(tokens or 0),
             "aggregate_batches": int(batches.get("aggregate", 0)),
