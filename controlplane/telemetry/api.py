@@ -37,9 +37,21 @@ from exitplane.wire import (
 router = APIRouter(tags=["telemetry"])
 
 
+class UnsupportedBatchType(DomainError):
+    """An exitplane content type this control plane does not know (a newer protocol)."""
+
+    status_code = 415
+
+
 def is_aggregate(content_type: str) -> bool:
     """Whether a POST /v1/telemetry body is an aggregate batch (by its content type)."""
-    return content_type.split(";")[0].strip().lower() in (AGGREGATE_MSGPACK, AGGREGATE_JSON)
+    media = content_type.split(";")[0].strip().lower()
+    if media.startswith("application/vnd.exitplane.") and media not in (AGGREGATE_MSGPACK,
+                                                                         AGGREGATE_JSON):
+        raise UnsupportedBatchType(f"content type {media!r} is not one this control plane "
+                                   f"takes: {RECORDS_MSGPACK}, {RECORDS_JSON}, "
+                                   f"{AGGREGATE_MSGPACK} or {AGGREGATE_JSON}")
+    return media in (AGGREGATE_MSGPACK, AGGREGATE_JSON)
 
 
 def _decode(body: bytes, content_type: str):
@@ -78,8 +90,8 @@ def decode_batch(body: bytes, content_type: str) -> BatchColumns:
 
 
 def _store(request: Request, principal: Principal, body: bytes, content_type: str) -> IngestAck:
-    aggregate = is_aggregate(content_type)
     try:
+        aggregate = is_aggregate(content_type)
         batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
         app = request.app
         with app.state.session_factory() as session:

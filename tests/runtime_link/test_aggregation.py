@@ -130,6 +130,11 @@ def test_replayed_aggregates_count_once(control_plane, operator, runtime_token, 
     assert f"cell {len(body['cells'])}: layer 3 is neither an exit layer" in refused.text
     assert operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()["tokens"] == 300
 
+    # An exitplane content type this control plane does not know: 415 naming the known ones.
+    future = httpx.post(f"{control_plane.url}/v1/telemetry", content=b"{}", headers={
+        **headers, "Content-Type": "application/vnd.exitplane.sketch+json"})
+    assert future.status_code == 415 and AGGREGATE_MSGPACK in future.json()["detail"]
+
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_split_and_spooled_aggregates_count_once(settings, engine, operator, runtime_token,
