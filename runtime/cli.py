@@ -176,6 +176,10 @@ def bench(args) -> None:
 @click.option("--max-queue", default=64, show_default=True,
               help="Requests waiting beyond max-batch before 429.")
 @click.option("--shadow-rate", default=0.05, show_default=True)
+@click.option("--raw-sample-rate", type=click.FloatRange(0.0, 1.0), default=1.0,
+              show_default=True, envvar="EXITPLANE_RAW_SAMPLE_RATE",
+              help="Share of non-shadow tokens shipped as records; below 1 the runtime "
+                   "aggregates every token at the edge (docs/protocol.md).")
 @click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy")
 @click.option("--runtime-id", default=None, help="Default: host-pid.")
 @click.option("--state-dir", default="var/runtime-state", show_default=True,
@@ -184,7 +188,7 @@ def bench(args) -> None:
 @click.option("--port", default=8100, show_default=True)
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
-          port) -> None:
+          port, raw_sample_rate) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine."""
     import socket
 
@@ -216,7 +220,8 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     try:
         state = build_state(engine=engine, tokenizer=tokenizer, model_name=name,
                             control_plane=control_plane, deployment=deployment, token=token,
-                            state_dir=state_dir, max_queue=max_queue, static_thresholds=static)
+                            state_dir=state_dir, max_queue=max_queue, static_thresholds=static,
+                            raw_sample_rate=raw_sample_rate)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}",

@@ -498,7 +498,8 @@ async def _shutdown(state: ServeState) -> None:
 def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None,
                 deployment: str | None, token: str | None, state_dir, max_queue: int = 64,
                 static_thresholds=None, default_max_tokens: int = 256,
-                shutdown_grace_s: float = 10.0, long_poll_s: float = 30.0) -> ServeState:
+                shutdown_grace_s: float = 10.0, long_poll_s: float = 30.0,
+                raw_sample_rate: float = 1.0) -> ServeState:
     """Start the engine thread, and the threshold client and shipper when a control plane is
     given; with a static set instead, apply it and serve offline."""
     from pathlib import Path
@@ -515,7 +516,9 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
         shipper = TelemetryShipper(base_url=control_plane, token=token, deployment=deployment,
                                    runtime_id=engine.runtime_id,
                                    num_layers=engine.parts.num_layers,
-                                   spool_dir=state_dir / "spool").start()
+                                   spool_dir=state_dir / "spool",
+                                   exit_layers=engine.exit_layers,
+                                   raw_sample_rate=raw_sample_rate).start()
         engine.on_record = shipper.submit
         thresholds = ThresholdClient(engine, base_url=control_plane, deployment=deployment,
                                      token=token, runtime_id=engine.runtime_id,

@@ -168,3 +168,44 @@ def test_split_and_spooled_aggregates_count_once(settings, engine, operator, run
             {"first": EXIT_LAYERS[0]}).scalar()
     assert total == len(stream)
     assert edge.counters["sent_aggregate_tokens"] == len(stream)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_engine_s_tokens_aggregate_exactly(control_plane, operator, runtime_token,
+                                               make_engine, engine, tmp_path):
+    """The real engine (tiny model, 30% shadow) feeding both shippers: same rollups."""
+    version = publish(operator, {2: 0.2, 4: 0.1})
+    plain = _shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
+    edge = _shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
+                    raw_sample_rate=0.0, exit_layers=EXIT_LAYERS).start()
+
+    def both(record) -> None:
+        plain.submit(record)
+        edge.submit(record)
+
+    runtime = make_engine(runtime_id="rt", on_record=both, shadow_rate=0.3)
+    runtime.set_thresholds(_wire(operator, version))
+    for number in range(8):
+        runtime.add_request([1, 7 + number, 9], request_id=f"req-{number}", max_new_tokens=12,
+                            stop_token_ids=())
+    produced = shadow = 0
+    while runtime.has_work:
+        for out in runtime.step():
+            produced += 1
+            shadow += out.record.shadow is not None
+    assert plain.flush(30) and edge.flush(30)
+    assert plain.wait_replayed(30) and edge.wait_replayed(30)
+    expected = _rollups(engine, "rt-records")
+    assert sum(row[3] for row in expected[0] if row[2] == EXIT_LAYERS[0]) == produced == 96
+    assert 0 < shadow < produced and any(row[4] for row in expected[0] if row[2] < NUM_LAYERS)
+    assert _rollups(engine, "rt-edge") == expected
+    assert edge.counters["sent_records"] == shadow  # raw_sample_rate 0: shadow tokens only
+    assert plain.close(10) and edge.close(10)
+
+
+def _wire(operator, version: int):
+    from exitplane.wire import ThresholdSetWire
+
+    body = operator.get(f"/v1/deployments/{DEPLOYMENT}/threshold-sets/{version}").json()
+    return ThresholdSetWire.build(deployment=DEPLOYMENT, version=version, signal=body["signal"],
+                                  thresholds={int(k): v for k, v in body["thresholds"].items()})
