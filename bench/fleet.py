@@ -161,13 +161,15 @@ class Topology:
                               "rollup_histograms", "telemetry_batches")}
 
     def close(self) -> None:
-        for process in reversed(self.processes):
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        redis_server, *services = self.processes  # Redis goes last: the others need it
+        for group in (services, [redis_server]):
+            for process in group:
+                process.terminate()
+            for process in group:
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
         self.engine.dispose()
         with self.admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
@@ -418,15 +420,13 @@ class Fleet:
 # -- phases ------------------------------------------------------------------------------------
 
 async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: float,
-               drain_s: float, on_last=None) -> list[dict]:
+               drain_s: float, probe: bool = False) -> list[dict]:
     """Grow the fleet stage by stage until the store does not keep up."""
     stages = []
-    for index, count in enumerate(steps):
+    for count in steps:
         await fleet.grow(count)
         begin_generated, begin = fleet.generated, time.monotonic()
-        probe = None
-        if on_last is not None and index == len(steps) - 1:
-            probe = asyncio.create_task(on_last())
+        probing = asyncio.create_task(pull_probe(fleet)) if probe else None
         await asyncio.sleep(stage_s)
         generated, elapsed = fleet.generated, time.monotonic() - begin
         deadline = time.monotonic() + drain_s
@@ -440,8 +440,8 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
                                                           / elapsed),
                  "held": caught_up, "pending_batches": fleet.pending(),
                  "catch_up_s": round(time.monotonic() - (deadline - drain_s), 1)}
-        if probe is not None:
-            stage["probe"] = await probe
+        if probing is not None:
+            stage["probe"] = await probing
         stages.append(stage)
         print(json.dumps({"stage": fleet.deployment, **stage}), file=sys.stderr, flush=True)
         if not caught_up:
@@ -493,7 +493,8 @@ async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
             "moved_at": moved_wall}
 
 
-async def drift(fleet: Fleet, admin: dict, timeout: float, activated: float) -> float | None:
+async def drift(fleet: Fleet, admin: dict, timeout: float,
+                activated: float) -> tuple[float | None, str | None]:
     """Shift 5% of the runtimes once the active version (activated at unix time `activated`)
     has its reference: drift detection learns it from the first whole minute after
     activation (workers/drift.py). Returns seconds until a drift alert fires."""
@@ -508,11 +509,13 @@ async def drift(fleet: Fleet, admin: dict, timeout: float, activated: float) -> 
         with contextlib.suppress(httpx.HTTPError):
             alerts = (await fleet.http[1].get("/v1/alerts", headers=admin, params={
                 "deployment": fleet.deployment, "status": "open"})).json()
-            if any(a["kind"] in ("exit_rate_spike", "exit_rate_collapse", "distribution_drift",
-                                 "quality_regression") for a in alerts):
-                return round(time.monotonic() - injected, 1)
+            fired = [a["kind"] for a in alerts if a["kind"] in (
+                "exit_rate_spike", "exit_rate_collapse", "distribution_drift",
+                "quality_regression")]
+            if fired:
+                return round(time.monotonic() - injected, 1), fired[0]
         await asyncio.sleep(0.5)
-    return None
+    return None, None
 
 
 def make_tokens(topology: Topology, deployment: str, count: int) -> list[str]:
@@ -554,14 +557,24 @@ async def run(args) -> dict:
                                                                  NORMAL_MIX, time.time()),
                                        "aggregated": True})
         await fleet.start()
-        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s,
-                            on_last=lambda: pull_probe(fleet))
+        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, probe=True)
         held = [stage for stage in stages if stage["held"]]
         best = max(held, key=lambda s: s["tokens_per_s"]) if held else None
-        if not stages[-1]["held"] and len(held):
-            fleet.active = fleet.active[:best["runtimes"]]  # back to what the store holds
+        if not stages[-1]["held"] and held:
+            # Back to the fleet the store holds: the others stop generating (their backlog
+            # is still delivered), and the rest is measured once the store has caught up.
+            fleet.active = fleet.active[:best["runtimes"]]
+            target = fleet.generated
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and topology.counted("fleet") < target:
+                await asyncio.sleep(1.0)
+        steady = await pull_probe(fleet)
+        print(json.dumps({"steady_probe": steady}), file=sys.stderr, flush=True)
         moved = await propagation(fleet, admin)
-        alert_s = await drift(fleet, admin, args.drift_timeout_s, moved["moved_at"])
+        print(json.dumps({"propagation": moved}), file=sys.stderr, flush=True)
+        alert_s, alert_kind = await drift(fleet, admin, args.drift_timeout_s, moved["moved_at"])
+        print(json.dumps({"drift_alert_s": alert_s, "kind": alert_kind}), file=sys.stderr,
+              flush=True)
         flushed = await fleet.flush(120)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and topology.counted("fleet") < fleet.generated:
@@ -579,7 +592,11 @@ async def run(args) -> dict:
         await records.start()
         record_stages = await ramp(records, topology, args.records_steps_list,
                                    args.records_stage_s, args.drain_s)
-        await records.flush(60)
+        await records.flush(120)
+        deadline = time.monotonic() + 180
+        while (time.monotonic() < deadline
+               and topology.counted("fleet-records") < records.generated):
+            await asyncio.sleep(1.0)
         record_rows = topology.rows("fleet-records")
         records_counted = topology.counted("fleet-records")
         await records.close()
@@ -591,10 +608,10 @@ async def run(args) -> dict:
             "wire_bytes_per_token": round(fleet.wire_bytes / max(1, fleet.generated), 4),
             "rows_per_million_tokens": round(sum(rows.values()) * 1e6
                                              / max(1, fleet.generated)),
-            "pull_p99_ms": stages[-1].get("probe", {}).get("pull_p99_ms"),
+            "pull_p99_ms": steady["pull_p99_ms"],
             "propagation_p99_ms": moved["propagation_p99_ms"],
             "records_mode_tokens_per_s": max(record_held, default=0),
-            "drift_alert_s": alert_s,
+            "drift_alert_s": alert_s, "drift_alert_kind": alert_kind,
             "drift_interval_s": args.drift_interval_s,
             "lost": fleet.generated - counted,
             "flushed": flushed,
@@ -602,7 +619,7 @@ async def run(args) -> dict:
             "records_mode_lost": records.generated - records_counted,
             "records_mode_rows_per_million_tokens": round(
                 sum(record_rows.values()) * 1e6 / max(1, records.generated)),
-            "propagation": moved, "probe": stages[-1].get("probe"),
+            "propagation": moved, "probe": steady,
             "stages": stages, "records_stages": record_stages, "rows": rows,
             "send_retries": fleet.errors, "refused_batches": fleet.refused + records.refused,
             "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
@@ -626,8 +643,9 @@ def main() -> int:
     parser.add_argument("--heartbeat-s", type=float, default=15.0)
     parser.add_argument("--records-steps", default="20,40,80,160")
     parser.add_argument("--records-stage-s", type=float, default=30.0)
-    parser.add_argument("--drift-interval-s", type=float, default=5.0)
-    parser.add_argument("--drift-timeout-s", type=float, default=120.0)
+    parser.add_argument("--drift-interval-s", type=float, default=30.0,
+                        help="EXITPLANE_DRIFT_INTERVAL_S of the workers (production default)")
+    parser.add_argument("--drift-timeout-s", type=float, default=300.0)
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args()
     if not args.postgres_url:
