@@ -451,12 +451,16 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
     return stages
 
 
-async def pull_probe(fleet: Fleet, pulls: int = 200) -> dict:
-    """Non-waiting pulls (current ETag) while every runtime holds a long-poll."""
+async def pull_probe(fleet: Fleet, pulls: int = 200, budget_s: float = 30.0) -> dict:
+    """Non-waiting pulls (current ETag) while every runtime holds a long-poll: `pulls` of
+    them, or as many as fit in `budget_s` (a stage must not wait on its probe)."""
     await asyncio.sleep(5.0)
     probe = fleet.active[0]
     latencies = []
+    deadline = time.monotonic() + budget_s
     for index in range(pulls):
+        if time.monotonic() > deadline:
+            break
         http = fleet.http[index % 2]
         start = time.perf_counter()
         response = await http.get(f"/v1/deployments/{fleet.deployment}/thresholds",
@@ -466,7 +470,7 @@ async def pull_probe(fleet: Fleet, pulls: int = 200) -> dict:
         assert response.status_code in (200, 304), response.text
         await asyncio.sleep(0.02)
     return {"pull_p99_ms": round(percentile(latencies, 99), 1),
-            "pull_p50_ms": round(percentile(latencies, 50), 1),
+            "pull_p50_ms": round(percentile(latencies, 50), 1), "pulls": len(latencies),
             "long_polls_held": fleet.pulls_holding}
 
 
