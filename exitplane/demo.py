@@ -168,9 +168,9 @@ class Runtime:
 
     def __init__(self, *, model, heads, cp_url: str, deployment: str, token: str,
                  state_dir: Path, shadow_rate: float) -> None:
+        from exitplane.client.shipper import TelemetryShipper
+        from exitplane.client.thresholds import ThresholdClient
         from runtime.engine import Engine, EngineConfig
-        from runtime.shipper import TelemetryShipper
-        from runtime.thresholds_client import ThresholdClient
 
         self.engine = Engine(model, heads=heads, runtime_id="demo-runtime-1",
                              config=EngineConfig(max_batch=4, shadow_rate=shadow_rate))

@@ -1,5 +1,6 @@
 """The wire schema shared by runtimes and the control plane: threshold sets, token records,
-telemetry batches and heartbeats. Pydantic only, so the runtime box never imports the server.
+telemetry batches, aggregate batches and heartbeats. Pydantic only, so the runtime box never
+imports the server.
 
 Signal convention: every signal is a confidence in [0, 1] (entropy is reported as
 1 - H / ln(V)); a token exits at a layer when its signal is strictly greater than that layer's
@@ -23,6 +24,14 @@ MAX_TS = 1e10  # unix seconds (year 2286): anything later is a clock bug
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 # A runtime's id: what the fleet view, gauges and alerts show, so printable and bounded.
 RUNTIME_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+HISTOGRAM_BINS = 20  # signal-at-exit histograms: 20 bins of width 0.05 over [0, 1]
+MAX_AGGREGATE_CELLS = 50_000
+
+# Content types of POST /v1/telemetry: record batches, and aggregate batches (docs/protocol.md).
+RECORDS_MSGPACK = "application/msgpack"
+RECORDS_JSON = "application/json"
+AGGREGATE_MSGPACK = "application/vnd.exitplane.aggregate+msgpack"
+AGGREGATE_JSON = "application/vnd.exitplane.aggregate+json"
 
 
 class Signal(enum.StrEnum):
@@ -149,6 +158,11 @@ class TokenRecord(BaseModel):
         return points
 
 
+def signal_bin(signal: float) -> int:
+    """The histogram bin of a signal in [0, 1] (1.0 falls in the last bin)."""
+    return min(int(signal * HISTOGRAM_BINS), HISTOGRAM_BINS - 1)
+
+
 class TelemetryBatch(BaseModel):
     """A runtime's unit of shipping: idempotent by batch_id, ordered by seq."""
 
@@ -158,6 +172,9 @@ class TelemetryBatch(BaseModel):
     seq: int = Field(ge=0, le=INT63)
     num_layers: int = Field(ge=1, le=1024)
     records: list[TokenRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
+    # True: the runtime counts every token in its aggregate batches, so these records are kept
+    # as rows (shadow labels, samples) but add only their shadow labels to the rollups.
+    aggregated: bool = False
 
     @model_validator(mode="after")
     def _layers_within_model(self) -> TelemetryBatch:
@@ -166,6 +183,62 @@ class TelemetryBatch(BaseModel):
                 raise ValueError(f"record {index}: exit_layer {record.exit_layer} exceeds "
                                  f"num_layers {self.num_layers}")
         return self
+
+
+class AggregateCell(BaseModel):
+    """What one runtime saw in one minute, under one threshold version, at one layer: how
+    many tokens left there (`exits`; full depth is layer num_layers) and the histogram of their
+    signal at exit (tokens whose exits were not checked have no signal and are left out)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    minute: int = Field(ge=0, le=int(MAX_TS), multiple_of=60,
+                        description="unix seconds of the minute's start (ts // 60 * 60)")
+    threshold_version: int = Field(ge=0, le=INT32)
+    layer: int = Field(ge=0, le=1024)
+    exits: int = Field(ge=0, le=INT63)
+    histogram: list[Annotated[int, Field(ge=0, le=INT63)]] = Field(
+        min_length=HISTOGRAM_BINS, max_length=HISTOGRAM_BINS)
+
+    @model_validator(mode="after")
+    def _histogram_within_exits(self) -> AggregateCell:
+        if sum(self.histogram) > self.exits:
+            raise ValueError(f"histogram counts {sum(self.histogram)} tokens, more than the "
+                             f"{self.exits} that exited")
+        return self
+
+
+class AggregateBatch(BaseModel):
+    """Exact counts of every token a runtime generated since its last aggregate batch, merged
+    additively into the rollups; idempotent by batch_id like a record batch."""
+
+    batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    deployment: str = Field(pattern=NAME_PATTERN)
+    runtime_id: str = Field(min_length=1, max_length=128)
+    seq: int = Field(ge=0, le=INT63)
+    num_layers: int = Field(ge=1, le=1024)
+    raw_sample_rate: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description=(
+        "share of non-shadow tokens this runtime also ships as records"))
+    cells: list[AggregateCell] = Field(min_length=1, max_length=MAX_AGGREGATE_CELLS)
+
+    @model_validator(mode="after")
+    def _cells_fit(self) -> AggregateBatch:
+        seen: set[tuple[int, int, int]] = set()
+        for index, cell in enumerate(self.cells):
+            if cell.layer > self.num_layers:
+                raise ValueError(f"cell {index}: layer {cell.layer} exceeds num_layers "
+                                 f"{self.num_layers}")
+            key = (cell.minute, cell.threshold_version, cell.layer)
+            if key in seen:
+                raise ValueError(f"cell {index}: (minute, threshold_version, layer) {key} "
+                                 f"repeats an earlier cell")
+            seen.add(key)
+        return self
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this batch accounts for (each token exits at exactly one layer)."""
+        return sum(cell.exits for cell in self.cells)
 
 
 class Heartbeat(BaseModel):

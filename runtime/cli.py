@@ -273,6 +273,10 @@ def bench(args) -> None:
               help="Requests waiting beyond max-batch before 429.")
 @click.option("--shadow-rate", default=0.05, show_default=True,
               help="Share of tokens also run to full depth (the calibration samples).")
+@click.option("--raw-sample-rate", type=click.FloatRange(0.0, 1.0), default=1.0,
+              show_default=True, envvar="EXITPLANE_RAW_SAMPLE_RATE",
+              help="Share of non-shadow tokens shipped as records; below 1 the runtime "
+                   "aggregates every token at the edge (docs/protocol.md).")
 @click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
               help="How skipped layers' KV is filled after an early exit.")
 @click.option("--runtime-id", default=None, help="Default: host-pid.")
@@ -298,7 +302,7 @@ def bench(args) -> None:
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
           port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s,
-          engine_death_exit_s) -> None:
+          engine_death_exit_s, raw_sample_rate) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine."""
     import socket
 
@@ -338,7 +342,8 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
                             control_plane=control_plane, deployment=deployment, token=token,
                             state_dir=state_dir, max_queue=max_queue, static_thresholds=static,
                             api_keys=api_keys, max_body_bytes=max_body_bytes,
-                            max_prompt_chars=max_prompt_chars, stuck_after_s=stuck_after_s)
+                            max_prompt_chars=max_prompt_chars, stuck_after_s=stuck_after_s,
+                            raw_sample_rate=raw_sample_rate)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"

@@ -801,7 +801,8 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                 shutdown_grace_s: float = 10.0, long_poll_s: float = 30.0,
                 api_keys: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                 max_prompt_chars: int | None = None,
-                stuck_after_s: float = 120.0) -> ServeState:
+                stuck_after_s: float = 120.0,
+                raw_sample_rate: float = 1.0) -> ServeState:
     """Start the engine thread, and the threshold client and shipper when a control plane is
     given; with a static set instead, apply it and serve offline.
 
@@ -813,8 +814,8 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
     metrics = ServeMetrics(engine.parts.num_layers, model_name)
     thresholds = shipper = None
     if control_plane:
-        from runtime.shipper import TelemetryShipper
-        from runtime.thresholds_client import ThresholdClient
+        from exitplane.client.shipper import TelemetryShipper
+        from exitplane.client.thresholds import ThresholdClient
 
         if not (deployment and token):
             raise ValueError("a control plane needs --deployment and --token-file")
@@ -822,7 +823,9 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
         shipper = TelemetryShipper(base_url=control_plane, token=token, deployment=deployment,
                                    runtime_id=engine.runtime_id,
                                    num_layers=engine.parts.num_layers,
-                                   spool_dir=state_dir / "spool").start()
+                                   spool_dir=state_dir / "spool",
+                                   exit_layers=engine.exit_layers,
+                                   raw_sample_rate=raw_sample_rate).start()
         engine.on_record = shipper.submit
         thresholds = ThresholdClient(engine, base_url=control_plane, deployment=deployment,
                                      token=token, runtime_id=engine.runtime_id,

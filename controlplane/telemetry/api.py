@@ -25,21 +25,58 @@ from controlplane.telemetry.schemas import (
     TelemetryCounts,
 )
 from controlplane.thresholds.service import get_deployment
-from exitplane.wire import TelemetryBatch
+from exitplane.wire import (
+    AGGREGATE_JSON,
+    AGGREGATE_MSGPACK,
+    RECORDS_JSON,
+    RECORDS_MSGPACK,
+    AggregateBatch,
+    TelemetryBatch,
+)
 
 router = APIRouter(tags=["telemetry"])
 
 
-def decode_batch(body: bytes, content_type: str) -> BatchColumns:
-    """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
+class UnsupportedBatchType(DomainError):
+    """An exitplane content type this control plane does not know (a newer protocol)."""
+
+    status_code = 415
+
+
+def is_aggregate(content_type: str) -> bool:
+    """Whether a POST /v1/telemetry body is an aggregate batch (by its content type)."""
+    media = content_type.split(";")[0].strip().lower()
+    if media.startswith("application/vnd.exitplane.") and media not in (AGGREGATE_MSGPACK,
+                                                                         AGGREGATE_JSON):
+        raise UnsupportedBatchType(f"content type {media!r} is not one this control plane "
+                                   f"takes: {RECORDS_MSGPACK}, {RECORDS_JSON}, "
+                                   f"{AGGREGATE_MSGPACK} or {AGGREGATE_JSON}")
+    return media in (AGGREGATE_MSGPACK, AGGREGATE_JSON)
+
+
+def _decode(body: bytes, content_type: str):
     try:
         if "msgpack" in content_type:
-            payload = msgpack.unpackb(body, raw=False)
-        else:
-            payload = json.loads(body)
+            return msgpack.unpackb(body, raw=False)
+        return json.loads(body)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
         raise Invalid(f"body is not valid {'msgpack' if 'msgpack' in content_type else 'JSON'}: "
                       f"{error}") from error
+
+
+def decode_aggregate(body: bytes, content_type: str) -> AggregateBatch:
+    """Parse and validate an aggregate batch; the first bad cell is named."""
+    try:
+        return AggregateBatch.model_validate(_decode(body, content_type))
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "batch"
+        raise Invalid(f"{where}: {first['msg']}") from error
+
+
+def decode_batch(body: bytes, content_type: str) -> BatchColumns:
+    """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
+    payload = _decode(body, content_type)
     try:
         return parse_batch(payload)
     except ValidationError as error:
@@ -54,21 +91,28 @@ def decode_batch(body: bytes, content_type: str) -> BatchColumns:
 
 def _store(request: Request, principal: Principal, body: bytes, content_type: str) -> IngestAck:
     try:
-        batch = decode_batch(body, content_type)
+        aggregate = is_aggregate(content_type)
+        batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
         app = request.app
         with app.state.session_factory() as session:
             deployment = get_deployment(session=session, name=batch.deployment)
             principal.require_deployment(deployment.id)
+            versions = ([cell.threshold_version for cell in batch.cells] if aggregate
+                        else batch.threshold_version.tolist())
             thresholds = service.thresholds_by_version(
-                session=session, deployment=deployment, versions=batch.threshold_version.tolist())
-            service.check_batch(deployment=deployment, batch=batch,
-                                known_versions=set(thresholds))
+                session=session, deployment=deployment, versions=versions)
+            if aggregate:
+                service.check_aggregate(deployment=deployment, batch=batch,
+                                        known_versions=set(thresholds))
+            else:
+                service.check_batch(deployment=deployment, batch=batch,
+                                    known_versions=set(thresholds))
             if app.state.redis is not None:
                 added = stream.append(app.state.redis, batch)
                 metrics.queued_batches.labels(batch.deployment).inc(int(added))
                 if not added:  # a replay the stream already holds: acknowledged here
                     metrics.duplicate_batches.labels(batch.deployment).inc()
-                return IngestAck(batch_id=batch.batch_id, accepted=len(batch),
+                return IngestAck(batch_id=batch.batch_id, accepted=service.accounted(batch),
                                  duplicate=not added, queued=True)
             [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
                                       thresholds=thresholds)
@@ -78,7 +122,7 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
         raise
     counter = metrics.duplicate_batches if result.duplicate else metrics.ingested_batches
     counter.labels(batch.deployment).inc()
-    if not result.duplicate:
+    if not result.duplicate and not aggregate:
         metrics.ingested_records.labels(batch.deployment).inc(result.accepted)
     return IngestAck(batch_id=result.batch_id, accepted=result.accepted,
                      duplicate=result.duplicate)
@@ -86,11 +130,14 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
 
 @router.post("/v1/telemetry", status_code=status.HTTP_202_ACCEPTED, response_model=IngestAck,
              openapi_extra={"requestBody": {"content": {
-                 "application/json": {"schema": TelemetryBatch.model_json_schema()},
-                 "application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
+                 RECORDS_JSON: {"schema": TelemetryBatch.model_json_schema()},
+                 RECORDS_MSGPACK: {"schema": {"type": "string", "format": "binary"}},
+                 AGGREGATE_JSON: {"schema": AggregateBatch.model_json_schema()},
+                 AGGREGATE_MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
                  "required": True}}, dependencies=[rate_limited("ingest")])
 async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:
-    """Store (or queue) one batch of token records; a replayed batch id is acknowledged."""
+    """Store (or queue) one batch of token records, or one aggregate batch (by content type:
+    docs/protocol.md); a replayed batch id is acknowledged with duplicate=true."""
     body = await request.body()
     content_type = request.headers.get("content-type", "application/json")
     return await to_thread.run_sync(_store, request, principal, body, content_type)

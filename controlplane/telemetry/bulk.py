@@ -52,6 +52,8 @@ def add_counts(session: Session, model, table: Table, counters: tuple[str, ...])
     """Add the `counters` of `table` onto the rows with the same primary key, or insert them.
 
     Rows must have distinct keys; sorted keys let concurrent writers lock in one order."""
+    if not table or not len(next(iter(table.values()))):
+        return  # e.g. sampled records only, none of them shadow: nothing to count
     keys = [column.name for column in model.__table__.primary_key.columns]
     connection = session.connection()
     if connection.dialect.name == "postgresql":

@@ -38,6 +38,9 @@ def _column_adapters(model, skip: str = "") -> dict[str, TypeAdapter]:
 
 _HEADER = {name: TypeAdapter(_field_type(TelemetryBatch, name))
            for name in TelemetryBatch.model_fields if name != "records"}
+# Header fields a batch may leave out (fields added later, with their defaults).
+_HEADER_DEFAULTS = {name: field.default for name, field in TelemetryBatch.model_fields.items()
+                    if name in _HEADER and not field.is_required()}
 _RECORDS = TypeAdapter(Annotated[list[Any], *TelemetryBatch.model_fields["records"].metadata])
 _RECORD_COLUMNS = _column_adapters(TokenRecord, skip="shadow")
 _POINT_COLUMNS = _column_adapters(ShadowPoint)
@@ -71,6 +74,7 @@ class BatchColumns:
     shadow_layer: np.ndarray  # int64 (k,)
     shadow_signal: np.ndarray  # float64 (k,)
     shadow_matched: np.ndarray  # bool (k,)
+    aggregated: bool = False  # counted by the runtime's aggregate batches: no rollup counts
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -112,7 +116,7 @@ class BatchColumns:
             records[owner]["shadow"].append(dict(zip(point_names, values, strict=True)))
         return {"batch_id": self.batch_id, "deployment": self.deployment,
                 "runtime_id": self.runtime_id, "seq": self.seq, "num_layers": self.num_layers,
-                "records": records}
+                "records": records, "aggregated": self.aggregated}
 
 
 def parse_batch(payload: Any) -> BatchColumns:
@@ -129,7 +133,8 @@ def _parse_columns(payload: Any) -> BatchColumns:
     if type(payload) is not dict:
         raise _NotFast
     try:
-        header = {name: adapter.validate_python(payload[name])
+        header = {name: adapter.validate_python(payload[name] if name in payload
+                                                 else _HEADER_DEFAULTS[name])
                   for name, adapter in _HEADER.items()}
         records = _RECORDS.validate_python(payload["records"])
         if set(map(type, records)) != {dict}:

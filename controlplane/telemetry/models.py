@@ -9,9 +9,9 @@ from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, SmallInteger,
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
+from exitplane.wire import HISTOGRAM_BINS as HISTOGRAM_BINS
 
 PARTITIONED_TABLES = ("token_records", "shadow_samples")
-HISTOGRAM_BINS = 20  # signal histogram: 20 bins of width 0.05 over [0, 1]
 
 
 def is_partition(table_name: str) -> bool:
@@ -30,6 +30,11 @@ class TelemetryBatchRow(Base):
     seq: Mapped[int] = mapped_column(BigInteger)
     records: Mapped[int]
     received_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    # 'records' (every token a record), 'sampled' (an aggregating runtime's records: shadow
+    # tokens and a sample) or 'aggregate' (exact counts; `records` is then its cell count).
+    kind: Mapped[str] = mapped_column(String(16), default="records", server_default="records")
+    tokens: Mapped[int | None] = mapped_column(BigInteger)  # tokens it adds to the rollups
+    raw_sample_rate: Mapped[float | None]
 
 
 class TokenRecordRow(Base):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class IngestAck(BaseModel):
@@ -37,3 +37,12 @@ class TelemetryCounts(BaseModel):
     records: int
     batches: int
     shadow_samples: int
+    tokens: int = Field(description="tokens counted in the rollups (records and aggregates)")
+    aggregate_batches: int = 0
+    records_sampled: bool = Field(False, description=(
+        "true when runtimes aggregate at the edge: per-token records then exist only for "
+        "shadow tokens and a sampled share (raw_sample_rate) of the others; rollups, exit "
+        "rates and histograms still count every token"))
+    raw_sample_rate: float | None = Field(None, description=(
+        "the share of non-shadow tokens shipped as records, from the latest aggregate batch "
+        "of the last hour"))

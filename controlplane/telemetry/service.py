@@ -28,9 +28,14 @@ from controlplane.telemetry.models import (
     TelemetryBatchRow,
     TokenRecordRow,
 )
-from controlplane.telemetry.tables import ROLLUP_COUNTERS, tables_of
+from controlplane.telemetry.tables import (
+    ROLLUP_COUNTERS,
+    aggregate_tables,
+    merge_counts,
+    tables_of,
+)
 from controlplane.thresholds.models import Deployment, ThresholdSet
-from exitplane.wire import TelemetryBatch
+from exitplane.wire import AggregateBatch, TelemetryBatch
 
 log = logging.getLogger("exitplane.telemetry")
 
@@ -50,8 +55,9 @@ class BadRecord(Invalid):
 @dataclass(frozen=True)
 class IngestResult:
     batch_id: str
-    accepted: int
+    accepted: int  # records, or for an aggregate batch the tokens it counts
     duplicate: bool
+    aggregate: bool = False
 
 
 def check_batch(*, deployment: Deployment, batch: BatchColumns,
@@ -84,18 +90,41 @@ def check_batch(*, deployment: Deployment, batch: BatchColumns,
                            f"{sorted(exit_layers)}")
 
 
+def check_aggregate(*, deployment: Deployment, batch: AggregateBatch,
+                    known_versions: set[int]) -> None:
+    """Refuse the whole aggregate batch (Invalid, naming the first bad cell) unless every cell
+    is at an exit layer or full depth and under a published version."""
+    if batch.deployment != deployment.name:
+        raise Invalid(f"batch is for deployment {batch.deployment!r}, not {deployment.name!r}")
+    if batch.num_layers != deployment.num_layers:
+        raise Invalid(f"batch says num_layers {batch.num_layers}; deployment "
+                      f"{deployment.name!r} has {deployment.num_layers}")
+    layers = {*deployment.exit_layers, deployment.num_layers}
+    for index, cell in enumerate(batch.cells):
+        if cell.layer not in layers:
+            raise Invalid(f"cell {index}: layer {cell.layer} is neither an exit layer "
+                          f"{sorted(deployment.exit_layers)} nor full depth "
+                          f"{deployment.num_layers}")
+        if cell.threshold_version not in known_versions:
+            raise Invalid(f"cell {index}: threshold_version {cell.threshold_version} was never "
+                          f"published for {deployment.name!r}")
+
+
 def ingest(*, session: Session, deployment: Deployment,
-           batches: Sequence[BatchColumns | TelemetryBatch],
+           batches: Sequence[BatchColumns | TelemetryBatch | AggregateBatch],
            thresholds: dict[int, np.ndarray] | None = None) -> list[IngestResult]:
-    """Store checked batches of one deployment with their rollups; replays are skipped.
+    """Store checked batches (records and aggregates) of one deployment with their rollups, in
+    the caller's transaction; replays are skipped.
 
     `thresholds`: what `thresholds_by_version` gave for these batches, if the caller has it."""
     if not batches:
         return []
-    batches = [batch if isinstance(batch, BatchColumns) else BatchColumns.from_model(batch)
-               for batch in batches]
+    batches = [batch if isinstance(batch, BatchColumns | AggregateBatch)
+               else BatchColumns.from_model(batch) for batch in batches]
     new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
-    fresh = [b for b in batches if b.batch_id in new_ids]
+    fresh = [b for b in batches if b.batch_id in new_ids and isinstance(b, BatchColumns)]
+    aggregates = [b for b in batches if b.batch_id in new_ids and isinstance(b, AggregateBatch)]
+    rollups, histograms = [], []
     if fresh:
         versions = set(np.unique(np.concatenate([b.threshold_version for b in fresh])).tolist())
         if thresholds is None or not versions <= thresholds.keys():
@@ -107,15 +136,44 @@ def ingest(*, session: Session, deployment: Deployment,
         bulk.write_rows(session, TokenRecordRow, tables.tokens)
         if len(tables.shadows["idx"]):
             bulk.write_rows(session, ShadowSampleRow, tables.shadows)
-        bulk.add_counts(session, Rollup, tables.rollups, ROLLUP_COUNTERS)
-        bulk.add_counts(session, RollupHistogram, tables.histogram, ("count",))
+        rollups.append(tables.rollups)
+        histograms.append(tables.histogram)
+    if aggregates:
+        rollup, histogram = aggregate_tables(
+            deployment_id=deployment.id, exit_layers=deployment.exit_layers,
+            num_layers=deployment.num_layers, aggregates=aggregates)
+        rollups.append(rollup)
+        histograms.append(histogram)
+    if rollups:
+        # One sorted write per table: concurrent writers lock rows in one order.
+        bulk.add_counts(session, Rollup, merge_counts(rollups, ROLLUP_COUNTERS),
+                        ROLLUP_COUNTERS)
+        bulk.add_counts(session, RollupHistogram, merge_counts(histograms, ("count",)),
+                        ("count",))
     session.flush()
-    return [IngestResult(batch_id=b.batch_id, accepted=len(b),
-                         duplicate=b.batch_id not in new_ids) for b in batches]
+    return [IngestResult(batch_id=b.batch_id, accepted=accounted(b),
+                         duplicate=b.batch_id not in new_ids,
+                         aggregate=isinstance(b, AggregateBatch)) for b in batches]
+
+
+def accounted(batch: BatchColumns | AggregateBatch) -> int:
+    """Records a record batch carries, tokens an aggregate batch counts."""
+    return batch.tokens if isinstance(batch, AggregateBatch) else len(batch)
+
+
+def _batch_row(batch: BatchColumns | AggregateBatch) -> dict:
+    """The telemetry_batches columns that say what a batch carried."""
+    if isinstance(batch, AggregateBatch):
+        return {"records": len(batch.cells), "kind": "aggregate", "tokens": batch.tokens,
+                "raw_sample_rate": batch.raw_sample_rate}
+    if batch.aggregated:
+        return {"records": len(batch), "kind": "sampled", "tokens": 0, "raw_sample_rate": None}
+    return {"records": len(batch), "kind": "records", "tokens": len(batch),
+            "raw_sample_rate": None}
 
 
 def _claim_batches(*, session: Session, deployment: Deployment,
-                   batches: list[BatchColumns]) -> set[str]:
+                   batches: list[BatchColumns | AggregateBatch]) -> set[str]:
     """Insert batch ids that are new; return those (a replayed id is not returned)."""
     seen: set[str] = set()
     unique = []
@@ -124,7 +182,7 @@ def _claim_batches(*, session: Session, deployment: Deployment,
             seen.add(batch.batch_id)
             unique.append(batch)
     values = [{"batch_id": b.batch_id, "deployment_id": deployment.id,
-               "runtime_id": b.runtime_id, "seq": b.seq, "records": len(b),
+               "runtime_id": b.runtime_id, "seq": b.seq, **_batch_row(b),
                "received_at": datetime.now(UTC)} for b in unique]
     statement = _dialect_insert(session, TelemetryBatchRow)
     statement = statement.on_conflict_do_nothing(index_elements=["batch_id"])
@@ -248,15 +306,39 @@ def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
     return signals.reshape(-1, width).copy(), matched.reshape(-1, width).astype(bool)
 
 
-def counts(*, session: Session, deployment: Deployment) -> dict[str, int]:
+def raw_sample_rate(*, session: Session, deployment: Deployment,
+                    within: timedelta = timedelta(hours=1)) -> float | None:
+    """The share of non-shadow tokens runtimes ship as records, from the latest aggregate
+    batch received `within` (None: no runtime aggregated lately, every token is a record)."""
+    return session.scalar(
+        select(TelemetryBatchRow.raw_sample_rate)
+        .where(TelemetryBatchRow.deployment_id == deployment.id,
+               TelemetryBatchRow.kind == "aggregate",
+               TelemetryBatchRow.received_at >= datetime.now(UTC) - within)
+        .order_by(TelemetryBatchRow.received_at.desc()).limit(1))
+
+
+def counts(*, session: Session, deployment: Deployment) -> dict:
+    """Rows stored, tokens counted in the rollups, and whether per-token records are sampled
+    (an aggregating runtime ships only shadow tokens and a share of the rest as records)."""
     records = session.scalar(select(func.count()).select_from(TokenRecordRow)
                              .where(TokenRecordRow.deployment_id == deployment.id))
-    batches = session.scalar(select(func.count()).select_from(TelemetryBatchRow)
-                             .where(TelemetryBatchRow.deployment_id == deployment.id))
+    batches = dict(session.execute(
+        select(TelemetryBatchRow.kind, func.count()).where(
+            TelemetryBatchRow.deployment_id == deployment.id).group_by(TelemetryBatchRow.kind)
+    ).all())
     shadow = session.scalar(select(func.count()).select_from(ShadowSampleRow)
                             .where(ShadowSampleRow.deployment_id == deployment.id))
-    return {"records": int(records or 0), "batches": int(batches or 0),
-            "shadow_samples": int(shadow or 0)}
+    # Every token reaches the first layer of the rollups (the lowest exit layer).
+    lowest = min([*deployment.exit_layers, deployment.num_layers])
+    tokens = session.scalar(select(func.coalesce(func.sum(Rollup.tokens), 0)).where(
+        Rollup.deployment_id == deployment.id, Rollup.layer == lowest))
+    rate = raw_sample_rate(session=session, deployment=deployment)
+    return {"records": int(records or 0), "batches": sum(batches.values()),
+            "shadow_samples": int(shadow or 0), "tokens": int(tokens or 0),
+            "aggregate_batches": int(batches.get("aggregate", 0)),
+            "records_sampled": bool(batches.get("aggregate") or batches.get("sampled")),
+            "raw_sample_rate": rate}
 
 
 # -- retention ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from controlplane import metrics
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.service import get_deployment
+from exitplane.wire import AggregateBatch
 
 log = logging.getLogger("exitplane.ingest")
 
@@ -31,27 +32,38 @@ GROUP = "ingest"
 DEAD_LETTER = "exitplane:telemetry-dead"
 SEEN_TTL_S = 7 * 24 * 3600
 
-# KEYS: seen key, stream, streams set; ARGV: payload, ttl, stream name.
+# KEYS: seen key, stream, streams set; ARGV: payload, ttl, stream name, entry field.
 _APPEND_ONCE = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
   redis.call('SADD', KEYS[3], ARGV[3])
-  return redis.call('XADD', KEYS[2], '*', 'batch', ARGV[1])
+  return redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[1])
 end
 return false
 """
+_FIELD = {False: "batch", True: "aggregate"}
 
 
 def stream_key(deployment: str) -> str:
     return STREAM_PREFIX + deployment
 
 
-def append(client: redis.Redis, batch: BatchColumns) -> bool:
-    """Append `batch` to its deployment's stream unless its id was appended before."""
-    payload = msgpack.packb(batch.to_wire(), use_bin_type=True)
+def append(client: redis.Redis, batch: BatchColumns | AggregateBatch) -> bool:
+    """Append `batch` (records, or an aggregate batch) to its deployment's stream unless its
+    id was appended before."""
+    wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) else batch.to_wire()
+    payload = msgpack.packb(wire, use_bin_type=True)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
-                        payload, SEEN_TTL_S, key)
+                        payload, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
     return bool(added)
+
+
+def _parse_entry(fields: dict) -> BatchColumns | AggregateBatch:
+    """A stream entry's batch: field `batch` holds records, `aggregate` an aggregate batch."""
+    payload = fields.get(b"aggregate", fields.get("aggregate"))
+    if payload is not None:
+        return AggregateBatch.model_validate(msgpack.unpackb(payload, raw=False))
+    return parse_batch(msgpack.unpackb(fields.get(b"batch", fields.get("batch")), raw=False))
 
 
 @dataclass
@@ -141,8 +153,7 @@ class StreamIngestor:
                 ids.append(entry_id)
                 continue
             try:
-                payload = fields.get(b"batch", fields.get("batch"))
-                batches.append(parse_batch(msgpack.unpackb(payload, raw=False)))
+                batches.append(_parse_entry(fields))
                 ids.append(entry_id)
             except Exception as error:  # never block the stream on one bad entry
                 log.error("stream %s entry %s unreadable (%s); moved to %s", key, entry_id,
@@ -159,7 +170,8 @@ class StreamIngestor:
                     metrics.duplicate_batches.labels(deployment_name).inc()
                 else:
                     metrics.ingested_batches.labels(deployment_name).inc()
-                    metrics.ingested_records.labels(deployment_name).inc(result.accepted)
+                    if not result.aggregate:
+                        metrics.ingested_records.labels(deployment_name).inc(result.accepted)
             self.stats.batches += len(batches)
         for entry_id, fields in dead:
             self.client.xadd(DEAD_LETTER, {**fields, b"stream": key.encode()})

@@ -1,5 +1,11 @@
 """What checked batches add to the store, computed column-wise: raw token rows, shadow-sample
-rows, and the per-minute rollup and signal-histogram increments (see models.Rollup)."""
+rows, and the per-minute rollup and signal-histogram increments (see models.Rollup).
+
+Who counts what in the rollups: a record batch counts its tokens (tokens, exits, histogram)
+and its shadow labels; a record batch flagged `aggregated` counts only its shadow labels,
+because its runtime counts every token in aggregate batches, which add tokens, exits and
+histograms and never shadow labels (every shadow token is always shipped as a record). So each
+counter has exactly one source whatever the raw sample rate."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import numpy as np
 from controlplane.telemetry.bulk import Table, number_groups
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import HISTOGRAM_BINS
+from exitplane.wire import AggregateBatch
 
 ROLLUP_COUNTERS = ("tokens", "exits", "shadow_total", "shadow_matches", "policy_exits",
                    "policy_mismatches")
@@ -42,6 +49,7 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
         np.cumsum([0, *sizes[:-1]]), batches, strict=True)])
     shadowed = np.zeros(count, dtype=bool)
     shadowed[shadow_at] = True
+    counted = np.repeat([not batch.aggregated for batch in batches], sizes).astype(bool)
     # What datetime.fromtimestamp(ts, UTC) gives: whole seconds, microseconds half-to-even.
     seconds = np.trunc(ts)
     micros = seconds.astype(np.int64) * 1_000_000 + np.rint((ts - seconds) * 1e6).astype(np.int64)
@@ -75,8 +83,9 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
     cell = group * len(layers) + slot
     over = signals > np.array([thresholds[v] for v in version[shadow_at].tolist()]).reshape(
         signals.shape)  # where each shadow token's signal beat its version's threshold
-    rollups = _rollups(key_of, layers, cell, group[shadow_at], exit_layers, over, matched)
-    histogram = _histogram(key_of, layers, cell, tokens["signal_value"])
+    rollups = _rollups(key_of, layers, cell[counted], group[shadow_at], exit_layers, over,
+                       matched)
+    histogram = _histogram(key_of, layers, cell[counted], tokens["signal_value"][counted])
     return BatchTables(tokens=tokens, shadows=shadows, rollups=rollups, histogram=histogram)
 
 
@@ -97,7 +106,8 @@ def _rollups(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
              shadow_group: np.ndarray, exit_layers: list[int], over: np.ndarray,
              matched: np.ndarray) -> Table:
     """Rollup increments; a (group, layer) row exists once a token reached it or was labelled
-    there. `over` and `matched`: (shadow tokens, exit layers) in exit-layer order."""
+    there. `cell`: the cells of the tokens counted here; `over` and `matched`: (shadow tokens,
+    exit layers) in exit-layer order."""
     groups, width = key_of.groups, len(layers)
     exits = np.bincount(cell, minlength=groups * width).reshape(groups, width)
     reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]  # a token's checks ran up to its exit
@@ -123,6 +133,59 @@ def _histogram(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
     at_group, rest = np.divmod(filled, len(layers) * HISTOGRAM_BINS)
     return {**key_of(at_group), "layer": layers[rest // HISTOGRAM_BINS],
             "bin": rest % HISTOGRAM_BINS, "count": counts[filled]}
+
+
+def aggregate_tables(*, deployment_id: int, exit_layers: list[int], num_layers: int,
+                     aggregates: list[AggregateBatch]) -> tuple[Table, Table]:
+    """(rollup increments, histogram increments) of checked aggregate batches: per (version,
+    runtime, minute) the exits per layer, `tokens` at a layer being the exits at or past it."""
+    cells = [(batch.runtime_id, cell) for batch in aggregates for cell in batch.cells]
+    layers = np.unique([*exit_layers, num_layers])
+    runtimes = sorted({runtime for runtime, _ in cells})
+    version = np.array([cell.threshold_version for _, cell in cells], dtype=np.int64)
+    runtime = np.array([runtimes.index(name) for name, _ in cells], dtype=np.int64)
+    minute = np.array([cell.minute for _, cell in cells], dtype=np.int64)
+    keys, group = number_groups(version, runtime, minute)
+    key_of = _KeyColumns(deployment_id, keys, runtimes)
+    width = len(layers)
+    slot = np.searchsorted(layers, [cell.layer for _, cell in cells])  # one of `layers` (checked)
+    exits = np.zeros(key_of.groups * width, dtype=np.int64)
+    np.add.at(exits, group * width + slot, [cell.exits for _, cell in cells])
+    exits = exits.reshape(key_of.groups, width)
+    reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]
+    at_group, at_slot = np.nonzero(reached > 0)
+    zeros = np.zeros(len(at_group), dtype=np.int64)
+    rollups = {**key_of(at_group), "layer": layers[at_slot], "tokens": reached[at_group, at_slot],
+               "exits": exits[at_group, at_slot], **dict.fromkeys(ROLLUP_COUNTERS[2:], zeros)}
+    counts = np.zeros(key_of.groups * width * HISTOGRAM_BINS, dtype=np.int64)
+    np.add.at(counts, ((group * width + slot)[:, None] * HISTOGRAM_BINS
+                       + np.arange(HISTOGRAM_BINS)).ravel(),
+              np.array([cell.histogram for _, cell in cells], dtype=np.int64).ravel())
+    [filled] = np.nonzero(counts)
+    at_group, rest = np.divmod(filled, width * HISTOGRAM_BINS)
+    histogram = {**key_of(at_group), "layer": layers[rest // HISTOGRAM_BINS],
+                 "bin": rest % HISTOGRAM_BINS, "count": counts[filled]}
+    return rollups, histogram
+
+
+def merge_counts(tables: list[Table], counters: tuple[str, ...]) -> Table:
+    """One table of distinct keys in key order, summing `counters` over tables with the same
+    columns (keys: every other column), so one transaction writes each rollup row once."""
+    filled = [table for table in tables if len(table["layer"])]
+    if len(filled) <= 1:
+        return filled[0] if filled else tables[0]
+    keys = [name for name in filled[0] if name not in counters]
+    text = {name for name in keys if isinstance(filled[0][name], list)}
+    joined = {name: np.concatenate([np.asarray(table[name], dtype=str if name in text else None)
+                                    for table in filled]) for name in filled[0]}
+    values, group = number_groups(*(joined[name] for name in keys))
+    out: Table = {name: value.tolist() if name in text else value
+                  for name, value in zip(keys, values, strict=True)}
+    for counter in counters:
+        total = np.zeros(len(values[0]), dtype=np.int64)
+        np.add.at(total, group, joined[counter].astype(np.int64))
+        out[counter] = total
+    return out
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from controlplane.alerts import service as alerts
 from controlplane.deps import SessionDep
 from controlplane.runtimes.service import list_runtimes
+from controlplane.telemetry.service import raw_sample_rate
 from controlplane.thresholds import service as thresholds
 from dashboards import charts
 from dashboards.security import Viewer
@@ -41,6 +42,7 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
         runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
         reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
         initial=initial, totals=initial["totals"], alerts_enabled=True,
+        raw_sample_rate=raw_sample_rate(session=session, deployment=deployment),
         refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
         open_alerts=alerts.open_alerts(session=session, deployment=deployment),
         events=thresholds.audit_log(session=session, deployment=deployment, limit=20))

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
-from runtime.shipper import TelemetryShipper
+from exitplane.client.shipper import TelemetryShipper
 from tests.conftest import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.telemetry.models import ShadowSampleRow, TokenRecordRow
+from exitplane.client.shipper import TelemetryShipper
+from exitplane.client.thresholds import ThresholdClient
 from runtime.engine import Engine
-from runtime.shipper import TelemetryShipper
-from runtime.thresholds_client import ThresholdClient
 from tests.conftest import wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, publish
 

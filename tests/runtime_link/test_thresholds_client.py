@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import ThresholdSetWire, threshold_checksum
-from runtime.thresholds_client import ThresholdClient
 from tests.conftest import wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
 
@@ -222,7 +222,7 @@ def test_no_cache_and_no_control_plane_runs_the_conservative_set_degraded(
     control_plane.stop()
     engine = make_engine(runtime_id="rt-degraded")
     client = _client(engine, control_plane.url, runtime_token, cache_path=cache)
-    with caplog.at_level(logging.WARNING, logger="exitplane.runtime.thresholds"):
+    with caplog.at_level(logging.WARNING, logger="exitplane.client.thresholds"):
         client.start()
         try:
             assert client.wait_ready(20)

@@ -21,10 +21,10 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope
 from controlplane.telemetry.service import disagreement, exit_rates
 from controlplane.thresholds.service import aliases_of, get_deployment
+from exitplane.client.shipper import TelemetryShipper
+from exitplane.client.thresholds import ThresholdClient
 from runtime.engine import Engine, EngineConfig
 from runtime.model import tiny_llama
-from runtime.shipper import TelemetryShipper
-from runtime.thresholds_client import ThresholdClient
 from tests.conftest import free_port, wait_until
 from tests.runtime_link.conftest import ControlPlane
 from workers.drift import DriftOptions, check_deployment

@@ -1,4 +1,5 @@
-"""Ship the engine's token records to the control plane without ever blocking the decode loop.
+"""Ship the engine's token records (and, when aggregating at the edge, exact per-minute counts)
+to the control plane without ever blocking the decode loop.
 
 `TelemetryShipper.submit` is the engine's `on_record` callback: it appends to a bounded
 in-memory queue and returns at once (a full queue drops the record and counts it). A sender
@@ -9,6 +10,13 @@ batches queue behind it, and the spool replays in order, with the same batch ids
 control plane answers again. The spool is capped; past the cap, batches are dropped and their
 records counted. What is on disk at start-up is replayed too.
 
+Edge aggregation (`raw_sample_rate` < 1, or `aggregate=True`): every submitted token is counted
+by an `Aggregator`; only shadow tokens and a random `raw_sample_rate` share of the others are
+queued as records (batches flagged `aggregated`, so they add no token counts to the rollups).
+Every `aggregate_interval_s` the counts are cut into an aggregate batch that takes the same
+road as record batches: own batch id and seq, retries, spool, in-order replay, 413 split (its
+cells in halves). With the default 1.0 nothing is aggregated: today's behaviour.
+
 Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or another 4xx) the
 batch is bad, logged and counted as rejected, never retried; 413 split in halves (ids derived
 from the parent's, so a replay re-splits to the same ids); 401/403 a configuration error,
@@ -18,226 +26,37 @@ logged loudly, batches stay spooled; 429/503 honour Retry-After; 5xx and network
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
-import struct
+import random
 import threading
 import time
 import uuid
-import zlib
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import msgpack
 from pydantic import ValidationError
 
-from exitplane.wire import TelemetryBatch, TokenRecord
-from runtime.thresholds_client import atomic_write, backoff_delay
+from exitplane.client.aggregate import Aggregator
+from exitplane.client.spool import EncodedBatch, SeqCounter, Spool, encode
+from exitplane.client.thresholds import backoff_delay
+from exitplane.wire import (
+    AGGREGATE_JSON,
+    AGGREGATE_MSGPACK,
+    MAX_AGGREGATE_CELLS,
+    RECORDS_JSON,
+    RECORDS_MSGPACK,
+    AggregateBatch,
+    TelemetryBatch,
+    TokenRecord,
+)
 
-log = logging.getLogger("exitplane.runtime.shipper")
+log = logging.getLogger("exitplane.client.shipper")
 
-MSGPACK = "application/msgpack"
-JSON = "application/json"
-_HEADER = struct.Struct(">II")  # payload length, crc32 of the payload
-_SEQ_BLOCK = 1024  # sequence numbers reserved on disk at a time
-
-
-@dataclass(frozen=True)
-class EncodedBatch:
-    """One batch as sent: id, sequence number, record count, content type and body."""
-
-    batch_id: str
-    seq: int
-    records: int
-    content_type: str
-    body: bytes
-
-    def pack(self) -> bytes:
-        """The spool record: id, seq, count, content type and body in one msgpack array."""
-        return msgpack.packb([self.batch_id, self.seq, self.records, self.content_type,
-                              self.body], use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, payload: bytes) -> EncodedBatch:
-        """Read a spool record back."""
-        batch_id, seq, records, content_type, body = msgpack.unpackb(payload, raw=False)
-        return cls(batch_id, seq, records, content_type, body)
-
-    def decode(self) -> dict[str, Any]:
-        """The batch as a dict (the model_dump of its TelemetryBatch)."""
-        if self.content_type == MSGPACK:
-            return msgpack.unpackb(self.body, raw=False)
-        return json.loads(self.body)
-
-    def split(self) -> list[EncodedBatch]:
-        """Two halves with ids derived from this one (deterministic, so replays match)."""
-        payload = self.decode()
-        records = payload["records"]
-        if len(records) < 2:
-            return []
-        middle = len(records) // 2
-        halves = []
-        for suffix, part in (("a", records[:middle]), ("b", records[middle:])):
-            half = {**payload, "batch_id": self.batch_id + suffix, "records": part}
-            halves.append(EncodedBatch(half["batch_id"], self.seq, len(part), self.content_type,
-                                       _encode(half, self.content_type)))
-        return halves
-
-
-def _encode(payload: dict[str, Any], content_type: str) -> bytes:
-    if content_type == MSGPACK:
-        return msgpack.packb(payload, use_bin_type=True)
-    return json.dumps(payload, separators=(",", ":")).encode()
-
-
-@dataclass
-class _Segment:
-    path: Path
-    size: int  # bytes in the file
-    count: int  # batches not yet replayed
-    read_offset: int = 0
-
-
-class Spool:
-    """Append-only segment files of length-prefixed, checksummed batches, read in order.
-
-    Each append is flushed and fsynced before it counts as spooled. Segments are named by the
-    first batch's seq, so file order is replay order; a fully replayed segment is deleted."""
-
-    def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int,
-                 fsync: bool = True):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self.segment_bytes = segment_bytes
-        self.fsync = fsync
-        self._segments: collections.deque[_Segment] = collections.deque()
-        self._writer = None  # open handle on the last segment, which new batches extend
-        self._head: EncodedBatch | None = None
-        self._head_size = 0
-        self._segments_made = 0
-        self.pending_batches = 0
-        self.total_bytes = 0
-        self.max_seq = -1
-        for path in sorted(self.directory.glob("*.seg")):
-            self._recover(path)
-
-    def _recover(self, path: Path) -> None:
-        """Index a segment left by an earlier process; cut it at the first torn record."""
-        data = path.read_bytes()
-        offset = count = 0
-        while offset + _HEADER.size <= len(data):
-            length, crc = _HEADER.unpack_from(data, offset)
-            payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
-            if len(payload) != length or zlib.crc32(payload) != crc:
-                break
-            self.max_seq = max(self.max_seq, EncodedBatch.unpack(payload).seq)
-            offset += _HEADER.size + length
-            count += 1
-        if offset != len(data):
-            log.warning("spool segment %s has a torn record at byte %d (a crash while "
-                        "writing); keeping the %d whole batches before it", path, offset, count)
-            os.truncate(path, offset)
-        if count == 0:
-            path.unlink()
-            return
-        self._segments.append(_Segment(path, offset, count))
-        self.pending_batches += count
-        self.total_bytes += offset
-
-    def append(self, batch: EncodedBatch) -> bool:
-        """Persist `batch` at the tail; False (nothing written) when the cap would be passed."""
-        payload = batch.pack()
-        record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-        if self.total_bytes + len(record) > self.max_bytes:
-            return False
-        tail = self._segments[-1] if self._segments else None
-        if self._writer is None or tail is None or tail.size >= self.segment_bytes:
-            self._close_writer()
-            # seq first (later processes only use higher seqs), then a per-process counter:
-            # the halves of a split batch share its seq and may straddle two segments.
-            name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
-            self._segments_made += 1
-            tail = _Segment(self.directory / name, 0, 0)
-            self._writer = open(tail.path, "ab")  # noqa: SIM115 - held open across appends
-            self._segments.append(tail)
-        self._writer.write(record)
-        self._writer.flush()
-        if self.fsync:
-            os.fsync(self._writer.fileno())
-        tail.size += len(record)
-        tail.count += 1
-        self.pending_batches += 1
-        self.total_bytes += len(record)
-        self.max_seq = max(self.max_seq, batch.seq)
-        return True
-
-    def peek(self) -> EncodedBatch | None:
-        """The oldest batch not yet replayed."""
-        if self._head is None and self._segments:
-            head = self._segments[0]
-            with open(head.path, "rb") as handle:
-                handle.seek(head.read_offset)
-                length, _crc = _HEADER.unpack(handle.read(_HEADER.size))
-                self._head = EncodedBatch.unpack(handle.read(length))
-            self._head_size = _HEADER.size + length
-        return self._head
-
-    def pop(self) -> None:
-        """Forget the batch `peek` returned (it was delivered or rejected)."""
-        if self.peek() is None:
-            return
-        head = self._segments[0]
-        head.read_offset += self._head_size
-        head.count -= 1
-        self.pending_batches -= 1
-        self._head = None
-        if head.count == 0:
-            if len(self._segments) == 1:
-                self._close_writer()
-            self._segments.popleft()
-            head.path.unlink(missing_ok=True)
-            self.total_bytes -= head.size
-
-    def _close_writer(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def close(self) -> None:
-        """Close the open segment; what was appended is already on disk."""
-        self._close_writer()
-
-
-class _SeqCounter:
-    """Per-runtime batch sequence numbers that keep increasing across restarts.
-
-    Blocks of numbers are reserved in a small file before use, so a crash skips numbers but
-    never repeats one."""
-
-    def __init__(self, path: Path, floor: int):
-        self.path = path
-        try:
-            reserved = int(path.read_text())
-        except (OSError, ValueError):
-            reserved = 0
-        self.next = max(reserved, floor)
-        self.reserved = self.next
-        self._reserve()
-
-    def _reserve(self) -> None:
-        self.reserved = self.next + _SEQ_BLOCK
-        atomic_write(self.path, str(self.reserved).encode())
-
-    def take(self) -> int:
-        """The next sequence number."""
-        if self.next >= self.reserved:
-            self._reserve()
-        seq, self.next = self.next, self.next + 1
-        return seq
+MSGPACK = RECORDS_MSGPACK
+JSON = RECORDS_JSON
 
 
 class TelemetryShipper:
@@ -249,9 +68,26 @@ class TelemetryShipper:
                  spool_max_bytes: int = 256 << 20, segment_bytes: int = 8 << 20,
                  max_attempts: int = 4, backoff_initial_s: float = 0.2,
                  backoff_max_s: float = 30.0, request_timeout_s: float = 10.0,
-                 encoding: str = "msgpack", fsync: bool = True):
+                 encoding: str = "msgpack", fsync: bool = True, raw_sample_rate: float = 1.0,
+                 aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
+                 aggregate_interval_s: float = 5.0):
         if encoding not in ("msgpack", "json"):
             raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
+        if not 0.0 <= raw_sample_rate <= 1.0:
+            raise ValueError(f"raw_sample_rate must be in [0, 1], not {raw_sample_rate!r}")
+        if aggregate is None:
+            aggregate = raw_sample_rate < 1.0
+        if raw_sample_rate < 1.0 and not aggregate:
+            raise ValueError("sampling records (raw_sample_rate < 1) needs aggregate=True, or "
+                             "the control plane would count only the sampled tokens")
+        if aggregate and exit_layers is None:
+            raise ValueError("aggregating needs the deployment's exit_layers")
+        self.raw_sample_rate = raw_sample_rate
+        self.aggregate_interval_s = aggregate_interval_s
+        self.aggregator = Aggregator(exit_layers=exit_layers, num_layers=num_layers) \
+            if aggregate else None
+        self._aggregate_due = time.monotonic() + aggregate_interval_s
+        self._sample = random.Random().random
         self.deployment = deployment
         self.runtime_id = runtime_id
         self.num_layers = num_layers
@@ -262,9 +98,11 @@ class TelemetryShipper:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.content_type = MSGPACK if encoding == "msgpack" else JSON
+        self.aggregate_content_type = AGGREGATE_MSGPACK if encoding == "msgpack" \
+            else AGGREGATE_JSON
         self.spool = Spool(spool_dir, max_bytes=spool_max_bytes, segment_bytes=segment_bytes,
                            fsync=fsync)
-        self._seq = _SeqCounter(Path(spool_dir) / "seq", self.spool.max_seq + 1)
+        self._seq = SeqCounter(Path(spool_dir) / "seq", self.spool.max_seq + 1)
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=request_timeout_s,
                                   headers={"Authorization": f"Bearer {token}"})
         self._queue: collections.deque[TokenRecord] = collections.deque()
@@ -284,15 +122,26 @@ class TelemetryShipper:
         self.counters = {"sent_batches": 0, "sent_records": 0, "duplicate_batches": 0,
                          "spooled_batches": 0, "replayed_batches": 0, "dropped_spool_records": 0,
                          "rejected_batches": 0, "rejected_records": 0, "retries": 0,
-                         "send_errors": 0, "auth_errors": 0, "splits": 0}
+                         "send_errors": 0, "auth_errors": 0, "splits": 0,
+                         "sent_aggregate_batches": 0, "sent_aggregate_tokens": 0,
+                         "dropped_aggregate_tokens": 0, "rejected_aggregate_tokens": 0}
+        self.unaggregated_records = 0  # submitted at a layer the deployment lacks (refused)
         if self.spool.pending_batches:
             log.info("found %d spooled telemetry batches in %s; replaying them first",
                      self.spool.pending_batches, self.spool.directory)
 
     # -- public ----------------------------------------------------------------------------
     def submit(self, record: TokenRecord) -> bool:
-        """Queue one record (the engine's `on_record`); never blocks, drops when full."""
+        """Queue one record (the engine's `on_record`); never blocks, drops when full. When
+        aggregating, count it, and queue it only if shadow or sampled."""
         queue = self._queue
+        aggregator = self.aggregator
+        if aggregator is not None and not self._closed:
+            if not aggregator.add(record):
+                self.unaggregated_records += 1
+                return False
+            if record.shadow is None and self._sample() >= self.raw_sample_rate:
+                return True
         if self._closed or len(queue) >= self.queue_size:
             self.dropped_queue_records += 1
             return False
@@ -310,8 +159,10 @@ class TelemetryShipper:
 
     @property
     def dropped_records(self) -> int:
-        """Records lost: queue full or spool cap reached."""
-        return self.dropped_queue_records + self.counters["dropped_spool_records"]
+        """Records lost (queue full or spool cap reached), and tokens an aggregate batch lost
+        from the counts (spool cap reached)."""
+        return (self.dropped_queue_records + self.counters["dropped_spool_records"]
+                + self.counters["dropped_aggregate_tokens"])
 
     @property
     def metrics(self) -> dict[str, int]:
@@ -349,14 +200,17 @@ class TelemetryShipper:
                 return False
         else:
             self._drain(closing=True)
+            self._ship_aggregates(closing=True)
         self.spool.close()
         self._http.close()
         return True
 
     def wait_replayed(self, timeout: float) -> bool:
-        """Block until nothing is queued, in flight or spooled (tests, graceful hand-over)."""
+        """Block until nothing is queued, counted, in flight or spooled (tests, graceful
+        hand-over)."""
         deadline = time.monotonic() + timeout
-        while self.spool.pending_batches or self._queue or self._in_flight:
+        while (self.spool.pending_batches or self._queue or self._in_flight
+               or (self.aggregator is not None and self.aggregator.pending_tokens)):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
@@ -370,6 +224,7 @@ class TelemetryShipper:
                 flushes.append(self._flushes.popleft())
             try:
                 self._drain(force=bool(flushes))
+                self._ship_aggregates(force=bool(flushes))
                 self._replay()
             except Exception:  # a disk or encoding fault must not stop shipping for good
                 log.exception("telemetry shipper error; retrying")
@@ -382,6 +237,7 @@ class TelemetryShipper:
             self._wake.clear()
         try:
             self._drain(closing=True)
+            self._ship_aggregates(closing=True)
         finally:
             while self._flushes:
                 self._flushes.popleft().set()
@@ -393,6 +249,8 @@ class TelemetryShipper:
             wait = self._queue_since + self.batch_interval_s - now
         if self.spool.pending_batches:
             wait = min(wait, self._probe_at - now)
+        if self.aggregator is not None:
+            wait = min(wait, self._aggregate_due - now)
         return max(0.005, wait)
 
     def _drain(self, *, force: bool = False, closing: bool = False) -> None:
@@ -421,15 +279,46 @@ class TelemetryShipper:
         try:
             batch = TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
                                    runtime_id=self.runtime_id, seq=seq,
-                                   num_layers=self.num_layers, records=records)
+                                   num_layers=self.num_layers, records=records,
+                                   aggregated=self.aggregator is not None)
         except ValidationError as exc:
             self.counters["rejected_batches"] += 1
             self.counters["rejected_records"] += len(records)
             log.error("dropping a batch of %d records that fails the wire schema: %s",
                       len(records), exc.errors()[0]["msg"])
             return None
-        body = _encode(batch.model_dump(mode="json"), self.content_type)
+        body = encode(batch.model_dump(mode="json"), self.content_type)
         return EncodedBatch(batch.batch_id, seq, len(records), self.content_type, body)
+
+    def _ship_aggregates(self, *, force: bool = False, closing: bool = False) -> None:
+        """Cut the counts into aggregate batches and dispatch them, when due."""
+        aggregator = self.aggregator
+        if aggregator is None:
+            return
+        now = time.monotonic()
+        if not (force or closing or now >= self._aggregate_due):
+            return
+        self._aggregate_due = now + self.aggregate_interval_s
+        cells = aggregator.cut()
+        for start in range(0, len(cells), MAX_AGGREGATE_CELLS):
+            part = cells[start:start + MAX_AGGREGATE_CELLS]
+            seq = self._seq.take()
+            batch = AggregateBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
+                                   runtime_id=self.runtime_id, seq=seq,
+                                   num_layers=self.num_layers,
+                                   raw_sample_rate=self.raw_sample_rate, cells=part)
+            encoded = EncodedBatch(batch.batch_id, seq, batch.tokens,
+                                   self.aggregate_content_type,
+                                   encode(batch.model_dump(mode="json"),
+                                           self.aggregate_content_type))
+            self._in_flight = encoded.records
+            try:
+                self._dispatch(encoded, closing=closing)
+            except BaseException:
+                aggregator.restore(cells[start:])  # counted again at the next cut
+                raise
+            finally:
+                self._in_flight = 0
 
     def _dispatch(self, batch: EncodedBatch, *, closing: bool) -> None:
         if self.spool.pending_batches or not self.online:
@@ -444,7 +333,8 @@ class TelemetryShipper:
             if self.spool.append(batch):
                 self.counters["spooled_batches"] += 1
             else:
-                self.counters["dropped_spool_records"] += batch.records
+                self.counters["dropped_aggregate_tokens" if batch.is_aggregate
+                              else "dropped_spool_records"] += batch.records
                 log.error("telemetry spool %s is full (%d bytes): dropped batch %s with %d "
                           "records", self.spool.directory, self.spool.max_bytes, batch.batch_id,
                           batch.records)
@@ -509,10 +399,11 @@ class TelemetryShipper:
         status = response.status_code
         if status in (200, 201, 202):
             duplicate = _json(response).get("duplicate") is True
-            self.counters["sent_batches"] += 1
+            self.counters["sent_aggregate_batches" if batch.is_aggregate else "sent_batches"] += 1
             self.counters["duplicate_batches"] += int(duplicate)
             if not duplicate:
-                self.counters["sent_records"] += batch.records
+                self.counters["sent_aggregate_tokens" if batch.is_aggregate
+                              else "sent_records"] += batch.records
             return "done", None
         if status == 413:
             return "split", None
@@ -534,7 +425,8 @@ class TelemetryShipper:
 
     def _reject(self, batch: EncodedBatch, reason: str) -> None:
         self.counters["rejected_batches"] += 1
-        self.counters["rejected_records"] += batch.records
+        self.counters["rejected_aggregate_tokens" if batch.is_aggregate
+                      else "rejected_records"] += batch.records
         log.error("control plane rejected telemetry batch %s (seq %d, %d records): %s; not "
                   "retrying it", batch.batch_id, batch.seq, batch.records, reason)
 

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from exitplane.wire import RUNTIME_ID_PATTERN, Heartbeat, Signal, ThresholdSetWire
 
-log = logging.getLogger("exitplane.runtime.thresholds")
+log = logging.getLogger("exitplane.client.thresholds")
 
 SOURCE_CONTROL_PLANE = "control_plane"
 SOURCE_CACHE = "cache"

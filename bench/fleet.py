@@ -1,0 +1,670 @@
+"""Fleet benchmark (issue 14.5): N simulated runtimes against the production topology.
+
+Topology, all real processes: two API processes (`exitplane up --no-workers`, ports A and B),
+the ingest worker (`exitplane ingest`), a Celery worker and beat, PostgreSQL (a database of
+its own on the bench server) and a private redis-server (append-only, as compose runs it).
+
+The runtimes are simulated in one asyncio process, but with the real client's parts: each has
+an `exitplane.client.aggregate.Aggregator` fed vectorised synthetic token streams (a realistic
+exit-layer mix, signal histograms per layer, 1% shadow tokens, 1% raw sample), cuts
+`AggregateBatch`es and record batches (`aggregated: true`) encoded as the shipper encodes them
+(msgpack of the wire models), POSTs them with the protocol's content types, retries with the
+same batch id on 429/503/errors (in memory: no disk spool), long-polls its threshold set with
+its ETag, and heartbeats. Half the runtimes talk to API A, half to B.
+
+Phases: the fleet ramps (runtimes x tokens/s each) stage by stage; a stage holds when, after
+`--stage-s` seconds of load, the store has counted every token generated up to the stage's end
+within `--drain-s` (load still on); the ramp stops at the first stage that does not hold.
+During the last stage a probe makes non-waiting pulls while every runtime holds a long-poll
+(`pull_p99_ms`); then an alias move through API A measures how long until each runtime's
+long-poll returns the new version (`propagation_p99_ms`, and the max); then 5% of the runtimes
+shift their exit mix and the time to the first drift alert is `drift_alert_s`. The load stops,
+everything is flushed, and `lost` = tokens generated - tokens in the rollups. Last, the same
+topology takes today's path (every token a record, another deployment) and ramps until it
+falls behind: `records_mode_tokens_per_s`.
+
+    . var/services/env  # EXITPLANE_BENCH_POSTGRES_URL
+    .venv/bin/python bench/fleet.py --steps 125,250,500,1000 --tokens-per-runtime 1000
+
+Prints the command, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgpack
+import numpy as np
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from controlplane.auth.service import create_token  # noqa: E402
+from controlplane.db import make_engine  # noqa: E402
+from controlplane.thresholds.service import get_deployment  # noqa: E402
+from exitplane.client.aggregate import Aggregator  # noqa: E402
+from exitplane.wire import (  # noqa: E402
+    AGGREGATE_MSGPACK,
+    HISTOGRAM_BINS,
+    RECORDS_MSGPACK,
+    AggregateBatch,
+    TelemetryBatch,
+)
+
+EXE = str(Path(sys.executable).parent / "exitplane")
+NUM_LAYERS, EXIT_LAYERS = 30, [8, 16, 24]
+SLOTS = [*EXIT_LAYERS, NUM_LAYERS]
+NORMAL_MIX = np.array([0.15, 0.25, 0.25, 0.35])  # exits at 8, 16, 24, full depth
+SHIFTED_MIX = np.array([0.75, 0.1, 0.05, 0.1])
+# Signal at exit: tokens leave where the signal is high; full-depth ones have lower signals.
+_bins = np.arange(HISTOGRAM_BINS)
+BIN_MIX = np.stack([np.exp(_bins / 3.0), np.exp(_bins / 3.5), np.exp(_bins / 4.0),
+                    np.exp(-((_bins - 8) / 4.0) ** 2)])
+BIN_MIX /= BIN_MIX.sum(axis=1, keepdims=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return None if not values else float(np.percentile(np.array(values), q))
+
+
+# -- the topology ------------------------------------------------------------------------------
+
+class Topology:
+    """PostgreSQL database, private Redis, 2 APIs, ingest worker, Celery worker and beat."""
+
+    def __init__(self, postgres_url: str, workdir: Path, drift_interval_s: float) -> None:
+        self.workdir = workdir
+        base = make_url(postgres_url)
+        self.db_name = f"exitplane_fleet_{os.getpid()}"
+        self.admin = make_engine(base.set(database="postgres").render_as_string(
+            hide_password=False))
+        with self.admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}"'))
+            c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
+        self.db_url = base.set(database=self.db_name).render_as_string(hide_password=False)
+        self.redis_port = _free_port()
+        self.processes: list[subprocess.Popen] = []
+        self._start([shutil.which("redis-server") or "redis-server", "--port",
+                     str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                     "--appendonly", "yes", "--save", "", "--protected-mode", "no"], "redis")
+        self.env = {**os.environ, "EXITPLANE_DATABASE_URL": self.db_url,
+                    "EXITPLANE_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+                    "EXITPLANE_ENVIRONMENT": "production", "EXITPLANE_LOG_LEVEL": "warning",
+                    "EXITPLANE_SECRET_KEY": uuid.uuid4().hex + uuid.uuid4().hex,
+                    "EXITPLANE_VAR_DIR": str(workdir / "var"),
+                    "EXITPLANE_DRIFT_INTERVAL_S": str(drift_interval_s),
+                    "EXITPLANE_DRIFT_RECENT_S": "120", "EXITPLANE_DRIFT_LOOKBACK_S": "600",
+                    "EXITPLANE_RUNTIME_STALE_AFTER_S": "600"}
+        subprocess.run([EXE, "db", "upgrade"], env=self.env, check=True, capture_output=True)
+        self.ports = [_free_port(), _free_port()]
+        for index, port in enumerate(self.ports):
+            self._start([EXE, "up", "--host", "127.0.0.1", "--port", str(port),
+                         "--no-migrate", "--no-workers"], f"api-{index}")
+        self._start([EXE, "ingest", "--name", "ingest-1", "--claim-idle-ms", "10000"], "ingest")
+        self._start([EXE, "worker", "--loglevel", "warning"], "worker")
+        self._start([EXE, "beat", "--loglevel", "warning"], "beat")
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        deadline = time.monotonic() + 120
+        for url in self.urls:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} did not become ready (logs in {workdir})")
+                time.sleep(0.2)
+        self.engine = make_engine(self.db_url)
+
+    def _start(self, command: list[str], name: str) -> None:
+        log = (self.workdir / f"{name}.log").open("a")
+        self.processes.append(subprocess.Popen(command, cwd=ROOT, stdout=log,
+                                               stderr=subprocess.STDOUT,
+                                               env=getattr(self, "env", os.environ)))
+
+    def exitplane(self, *args: str) -> str:
+        return subprocess.run([EXE, *args], env=self.env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    def counted(self, deployment: str) -> int:
+        with self.engine.connect() as connection:
+            return int(connection.execute(text(
+                "SELECT coalesce(sum(r.tokens), 0) FROM rollups r JOIN deployments d "
+                "ON d.id = r.deployment_id WHERE d.name = :name AND r.layer = :first"),
+                {"name": deployment, "first": EXIT_LAYERS[0]}).scalar())
+
+    def rows(self, deployment: str) -> dict[str, int]:
+        with self.engine.connect() as connection:
+            deployment_id = connection.execute(text(
+                "SELECT id FROM deployments WHERE name = :name"), {"name": deployment}).scalar()
+            return {table: int(connection.execute(text(
+                f"SELECT count(*) FROM {table} WHERE deployment_id = :d"),
+                {"d": deployment_id}).scalar())
+                for table in ("token_records", "shadow_samples", "rollups",
+                              "rollup_histograms", "telemetry_batches")}
+
+    def close(self) -> None:
+        redis_server, *services = self.processes  # Redis goes last: the others need it
+        for group in (services, [redis_server]):
+            for process in group:
+                process.terminate()
+            for process in group:
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        self.engine.dispose()
+        with self.admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
+        self.admin.dispose()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- simulated runtimes ------------------------------------------------------------------------
+
+@dataclass
+class SimRuntime:
+    """One runtime's client state: aggregator, sampled records, outbox, applied version."""
+
+    runtime_id: str
+    token: str
+    api: int
+    aggregate: bool
+    version: int
+    etag: str
+    aggregator: Aggregator = field(default_factory=lambda: Aggregator(
+        exit_layers=EXIT_LAYERS, num_layers=NUM_LAYERS))
+    records: list = field(default_factory=list)
+    outbox: deque = field(default_factory=deque)
+    seq: int = 0
+    shifted: bool = False
+    counted_tokens: int = 0  # records mode: tokens in its records not yet cut
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one delivery at a time
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+class Fleet:
+    """The asyncio harness: generation ticks, shipping, long-polls and heartbeats."""
+
+    def __init__(self, topology: Topology, deployment: str, tokens: list[str], *,
+                 aggregate: bool, rate: float, ship_interval_s: float, raw_sample_rate: float,
+                 shadow_rate: float, heartbeat_s: float, version: int, etag: str) -> None:
+        self.topology, self.deployment = topology, deployment
+        self.aggregate, self.rate = aggregate, rate
+        self.ship_interval_s, self.raw_sample_rate = ship_interval_s, raw_sample_rate
+        self.shadow_rate, self.heartbeat_s = shadow_rate, heartbeat_s
+        self.pool = [SimRuntime(f"{deployment}-rt-{i:04d}", token, i % 2, aggregate, version,
+                                etag) for i, token in enumerate(tokens)]
+        self.active: list[SimRuntime] = []
+        self.rng = np.random.default_rng(14)
+        self.generated = 0
+        self.wire_bytes = 0
+        self.errors = 0
+        self.refused = 0
+        self.received: dict[str, tuple[int, float]] = {}  # runtime -> (version, when)
+        self.pulls_holding = 0
+        self.tasks: list[asyncio.Task] = []
+        self.http: list[httpx.AsyncClient] = []
+        self.stopping = False
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = [httpx.AsyncClient(base_url=url, timeout=60, limits=limits)
+                     for url in self.topology.urls]
+        self.tasks.append(asyncio.create_task(self._generate()))
+
+    async def grow(self, count: int) -> None:
+        """Bring the fleet to `count` runtimes (new ones start shipping and polling)."""
+        for runtime in self.pool[len(self.active):count]:
+            self.active.append(runtime)
+            self.tasks.append(asyncio.create_task(self._ship(runtime)))
+            self.tasks.append(asyncio.create_task(self._poll(runtime)))
+
+    # generation: one vectorised tick per second for the whole fleet
+    async def _generate(self) -> None:
+        tick = 1.0
+        next_at = time.monotonic()
+        while not self.stopping:
+            runtimes = list(self.active)
+            if runtimes:
+                self._tick(runtimes, tick)
+            next_at += tick
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    def _tick(self, runtimes: list[SimRuntime], tick: float) -> None:
+        n = len(runtimes)
+        now = time.time()
+        minute = int(now) // 60 * 60
+        tokens = self.rng.poisson(self.rate * tick, size=n)
+        shadow = self.rng.binomial(tokens, self.shadow_rate)
+        mix = np.where(np.array([r.shifted for r in runtimes])[:, None], SHIFTED_MIX, NORMAL_MIX)
+        exits = self.rng.multinomial(tokens - shadow, mix)  # (n, 4)
+        exits[:, -1] += shadow  # shadow tokens run to full depth
+        histogram = self.rng.multinomial(exits, BIN_MIX)  # (n, 4, 20)
+        sampled = self.rng.binomial(tokens - shadow, self.raw_sample_rate) if self.aggregate \
+            else tokens - shadow
+        self.generated += int(tokens.sum())
+        for i, runtime in enumerate(runtimes):
+            if self.aggregate:
+                runtime.aggregator.add_counts(minute=minute, threshold_version=runtime.version,
+                                              exits=exits[i].tolist(),
+                                              histogram=histogram[i].tolist())
+            else:
+                runtime.counted_tokens += int(tokens[i])
+            runtime.records.extend(self._records(runtime, int(shadow[i]), int(sampled[i]),
+                                                 mix[i], now))
+
+    def _records(self, runtime: SimRuntime, shadow: int, sampled: int, mix: np.ndarray,
+                 now: float) -> list[dict]:
+        layers = self.rng.choice(SLOTS, size=sampled, p=mix).tolist()
+        signals = self.rng.random(sampled + shadow * (1 + len(EXIT_LAYERS))).round(4).tolist()
+        request = f"req-{uuid.uuid4().hex[:12]}"
+        version = runtime.version
+        out = [{"threshold_version": version, "request_id": request, "position": k,
+                "exit_layer": layer, "signal_value": signals[k], "latency_us": 1000, "ts": now,
+                "shadow": None} for k, layer in enumerate(layers)]
+        base = sampled
+        for k in range(shadow):
+            points = signals[base + 1 + k * 4: base + 4 + k * 4]
+            out.append({"threshold_version": version, "request_id": request,
+                        "position": sampled + k, "exit_layer": NUM_LAYERS,
+                        "signal_value": signals[base + k * 4], "latency_us": 3000, "ts": now,
+                        "shadow": [{"layer": layer, "signal": s,
+                                    # a shifted runtime's traffic: early answers go wrong
+                                    "matched": s > 0.3 and not runtime.shifted}
+                                   for layer, s in zip(EXIT_LAYERS, points, strict=True)]})
+        return out
+
+    # shipping: the shipper's cut, encoding and retry rules
+    def _cut(self, runtime: SimRuntime) -> None:
+        if self.aggregate:
+            cells = runtime.aggregator.cut()
+            if cells:
+                batch = AggregateBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
+                                       runtime_id=runtime.runtime_id, seq=runtime.seq,
+                                       num_layers=NUM_LAYERS,
+                                       raw_sample_rate=self.raw_sample_rate, cells=cells)
+                runtime.seq += 1
+                runtime.outbox.append((AGGREGATE_MSGPACK, msgpack.packb(
+                    batch.model_dump(mode="json"), use_bin_type=True)))
+        records, runtime.records = runtime.records, []
+        for start in range(0, len(records), 5000):
+            payload = {"batch_id": uuid.uuid4().hex, "deployment": self.deployment,
+                       "runtime_id": runtime.runtime_id, "seq": runtime.seq,
+                       "num_layers": NUM_LAYERS, "records": records[start:start + 5000],
+                       "aggregated": self.aggregate}
+            runtime.seq += 1
+            runtime.outbox.append((RECORDS_MSGPACK, msgpack.packb(payload, use_bin_type=True)))
+        runtime.counted_tokens = 0
+
+    async def _ship(self, runtime: SimRuntime) -> None:
+        await asyncio.sleep(random.random() * self.ship_interval_s)  # spread the fleet
+        beat_at = 0.0
+        while True:
+            self._cut(runtime)
+            await self._deliver(runtime)
+            if self.heartbeat_s and time.monotonic() >= beat_at:
+                beat_at = time.monotonic() + self.heartbeat_s
+                with contextlib.suppress(httpx.HTTPError):
+                    await self.http[runtime.api].post(
+                        f"/v1/deployments/{self.deployment}/heartbeats", headers=runtime.auth,
+                        json={"runtime_id": runtime.runtime_id,
+                              "applied_version": runtime.version,
+                              "applied_checksum": runtime.etag, "ready": True})
+            if self.stopping:
+                return
+            await asyncio.sleep(self.ship_interval_s)
+
+    async def _deliver(self, runtime: SimRuntime) -> None:
+        async with runtime.sending:
+            await self._deliver_in_order(runtime)
+
+    async def _deliver_in_order(self, runtime: SimRuntime) -> None:
+        attempt = 0
+        while runtime.outbox:
+            content_type, body = runtime.outbox[0]
+            wait = None
+            try:
+                response = await self.http[runtime.api].post(
+                    "/v1/telemetry", content=body,
+                    headers={**runtime.auth, "Content-Type": content_type})
+                status = response.status_code
+                if status == 202:
+                    self.wire_bytes += len(body)
+                    runtime.outbox.popleft()
+                    attempt = 0
+                    continue
+                if status in (429, 503):
+                    wait = float(response.headers.get("retry-after", 1))
+                elif 400 <= status < 500:  # a bug in the harness: say so, drop it
+                    print(f"batch refused ({status}): {response.text[:300]}", file=sys.stderr)
+                    self.refused += 1
+                    runtime.outbox.popleft()
+                    continue
+            except httpx.HTTPError:
+                pass
+            self.errors += 1
+            attempt += 1
+            await asyncio.sleep(wait or min(5.0, 0.1 * 2 ** attempt) * random.uniform(0.5, 1))
+
+    async def _poll(self, runtime: SimRuntime) -> None:
+        while not self.stopping:
+            try:
+                self.pulls_holding += 1
+                try:
+                    response = await self.http[runtime.api].get(
+                        f"/v1/deployments/{self.deployment}/thresholds",
+                        params={"runtime_id": runtime.runtime_id, "wait": 60},
+                        headers={**runtime.auth, "If-None-Match": f'"{runtime.etag}"'},
+                        timeout=httpx.Timeout(30, read=90))
+                finally:
+                    self.pulls_holding -= 1
+                if response.status_code == 200:
+                    body = response.json()
+                    runtime.version, runtime.etag = body["version"], body["checksum"]
+                    self.received[runtime.runtime_id] = (body["version"], time.monotonic())
+                elif response.status_code != 304:
+                    await asyncio.sleep(1.0)
+            except httpx.HTTPError:
+                await asyncio.sleep(1.0)
+
+    def pending(self) -> int:
+        return sum(len(r.outbox) for r in self.active)
+
+    async def flush(self, timeout: float) -> bool:
+        """Stop generating, cut and deliver everything."""
+        self.stopping = True
+        await asyncio.sleep(1.2)  # the last tick lands
+        for runtime in self.active:
+            self._cut(runtime)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(self._deliver(r) for r in self.active if r.outbox))
+            if not self.pending():
+                return True
+        return False
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for http in self.http:
+            await http.aclose()
+
+
+# -- phases ------------------------------------------------------------------------------------
+
+async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: float,
+               drain_s: float, probe: bool = False) -> list[dict]:
+    """Grow the fleet stage by stage until the store does not keep up."""
+    stages = []
+    for count in steps:
+        await fleet.grow(count)
+        begin_generated, begin = fleet.generated, time.monotonic()
+        probing = asyncio.create_task(pull_probe(fleet)) if probe else None
+        await asyncio.sleep(stage_s)
+        generated, elapsed = fleet.generated, time.monotonic() - begin
+        deadline = time.monotonic() + drain_s
+        caught_up = False
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(topology.counted, fleet.deployment) >= generated:
+                caught_up = True
+                break
+            await asyncio.sleep(0.5)
+        stage = {"runtimes": count, "tokens_per_s": round((generated - begin_generated)
+                                                          / elapsed),
+                 "held": caught_up, "pending_batches": fleet.pending(),
+                 "catch_up_s": round(time.monotonic() - (deadline - drain_s), 1)}
+        if probing is not None:
+            stage["probe"] = await probing
+        stages.append(stage)
+        print(json.dumps({"stage": fleet.deployment, **stage}), file=sys.stderr, flush=True)
+        if not caught_up:
+            break
+    return stages
+
+
+async def pull_probe(fleet: Fleet, pulls: int = 200, budget_s: float = 30.0) -> dict:
+    """Non-waiting pulls (current ETag) while every runtime holds a long-poll: `pulls` of
+    them, or as many as fit in `budget_s` (a stage must not wait on its probe)."""
+    await asyncio.sleep(5.0)
+    probe = fleet.active[0]
+    latencies = []
+    deadline = time.monotonic() + budget_s
+    for index in range(pulls):
+        if time.monotonic() > deadline:
+            break
+        http = fleet.http[index % 2]
+        start = time.perf_counter()
+        response = await http.get(f"/v1/deployments/{fleet.deployment}/thresholds",
+                                  params={"runtime_id": "probe"},
+                                  headers={**probe.auth, "If-None-Match": f'"{probe.etag}"'})
+        latencies.append((time.perf_counter() - start) * 1000)
+        assert response.status_code in (200, 304), response.text
+        await asyncio.sleep(0.02)
+    return {"pull_p99_ms": round(percentile(latencies, 99), 1),
+            "pull_p50_ms": round(percentile(latencies, 50), 1), "pulls": len(latencies),
+            "long_polls_held": fleet.pulls_holding}
+
+
+async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
+    """Publish + activate through API A; time until each runtime's long-poll has it."""
+    http = fleet.http[0]
+    moved_at, moved_wall = time.monotonic(), time.time()
+    response = await http.post(f"/v1/deployments/{fleet.deployment}/threshold-sets",
+                               headers=admin, json={"thresholds": {"8": 0.9, "16": 0.85,
+                                                                   "24": 0.8},
+                                                    "reason": "fleet bench move",
+                                                    "activate": True})
+    response.raise_for_status()
+    version = response.json()["version"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = [fleet.received.get(r.runtime_id) for r in fleet.active]
+        if all(item is not None and item[0] == version for item in got):
+            break
+        await asyncio.sleep(0.05)
+    delays = [(item[1] - moved_at) * 1000 for r in fleet.active
+              if (item := fleet.received.get(r.runtime_id)) and item[0] == version]
+    return {"propagation_p99_ms": round(percentile(delays, 99) or -1, 1),
+            "propagation_max_ms": round(max(delays, default=-1), 1),
+            "propagated": f"{len(delays)}/{len(fleet.active)}", "version": version,
+            "moved_at": moved_wall}
+
+
+async def drift(fleet: Fleet, admin: dict, timeout: float,
+                activated: float) -> tuple[float | None, str | None]:
+    """Shift 5% of the runtimes once the active version (activated at unix time `activated`)
+    has its reference: drift detection learns it from the first whole minute after
+    activation (workers/drift.py). Their traffic moves out of domain: more tokens leave at
+    the first exit, and their shadow tokens no longer match full depth at any exit layer
+    (the fleet's exit rates move by ~3 points, below the detector's 5-point minimum effect;
+    the disagreement rises above δ). Returns seconds until a drift alert fires, and its kind."""
+    steady = (int(activated) // 60 + 1) * 60 + 5  # the reference minute is over
+    await asyncio.sleep(max(0.0, steady - time.time()))
+    shifted = fleet.active[:max(1, len(fleet.active) // 20)]
+    for runtime in shifted:
+        runtime.shifted = True
+    injected = time.monotonic()
+    deadline = injected + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            alerts = (await fleet.http[1].get("/v1/alerts", headers=admin, params={
+                "deployment": fleet.deployment, "status": "open"})).json()
+            fired = [a["kind"] for a in alerts if a["kind"] in (
+                "exit_rate_spike", "exit_rate_collapse", "distribution_drift",
+                "quality_regression")]
+            if fired:
+                return round(time.monotonic() - injected, 1), fired[0]
+        await asyncio.sleep(0.5)
+    return None, None
+
+
+def make_tokens(topology: Topology, deployment: str, count: int) -> list[str]:
+    with Session(topology.engine) as session:
+        target = get_deployment(session=session, name=deployment)
+        tokens = [create_token(session=session, name=f"{deployment}-{i}", scope="runtime",
+                               deployment=target)[1] for i in range(count)]
+        session.commit()
+    return tokens
+
+
+async def run(args) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="exitplane-fleet-"))
+    topology = Topology(args.postgres_url, workdir, args.drift_interval_s)
+    try:
+        admin = {"Authorization": "Bearer " + topology.exitplane(
+            "token", "create", "--name", "bench", "--scope", "admin")}
+        etags = {}
+        for name in ("fleet", "fleet-records"):
+            httpx.post(f"{topology.urls[0]}/v1/deployments", headers=admin, timeout=30, json={
+                "name": name, "model_ref": "bench", "num_layers": NUM_LAYERS,
+                "exit_layers": EXIT_LAYERS, "delta": 0.01}).raise_for_status()
+            published = httpx.post(
+                f"{topology.urls[0]}/v1/deployments/{name}/threshold-sets", headers=admin,
+                timeout=30, json={"thresholds": {"8": 0.9, "16": 0.8, "24": 0.7},
+                                  "reason": "bench", "activate": True})
+            published.raise_for_status()
+            etags[name] = published.json()["checksum"]
+        steps = [int(step) for step in args.steps.split(",")]
+        fleet = Fleet(topology, "fleet", make_tokens(topology, "fleet", max(steps)),
+                      aggregate=True, rate=args.tokens_per_runtime,
+                      ship_interval_s=args.ship_interval_s, raw_sample_rate=0.01,
+                      shadow_rate=0.01, heartbeat_s=args.heartbeat_s, version=2,
+                      etag=etags["fleet"])
+        # Sanity: what the harness sends is what the wire schema accepts.
+        TelemetryBatch.model_validate({"batch_id": "x" * 16, "deployment": "fleet",
+                                       "runtime_id": "r", "seq": 0, "num_layers": NUM_LAYERS,
+                                       "records": fleet._records(fleet.pool[0], 2, 3,
+                                                                 NORMAL_MIX, time.time()),
+                                       "aggregated": True})
+        await fleet.start()
+        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, probe=True)
+        held = [stage for stage in stages if stage["held"]]
+        best = max(held, key=lambda s: s["tokens_per_s"]) if held else None
+        if not stages[-1]["held"] and held:
+            # Back to the fleet the store holds: the others stop generating (their backlog
+            # is still delivered), and the rest is measured once the store has caught up.
+            fleet.active = fleet.active[:best["runtimes"]]
+            target = fleet.generated
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and topology.counted("fleet") < target:
+                await asyncio.sleep(1.0)
+        steady = await pull_probe(fleet)
+        print(json.dumps({"steady_probe": steady}), file=sys.stderr, flush=True)
+        moved = await propagation(fleet, admin)
+        print(json.dumps({"propagation": moved}), file=sys.stderr, flush=True)
+        alert_s, alert_kind = await drift(fleet, admin, args.drift_timeout_s, moved["moved_at"])
+        print(json.dumps({"drift_alert_s": alert_s, "kind": alert_kind}), file=sys.stderr,
+              flush=True)
+        flushed = await fleet.flush(120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and topology.counted("fleet") < fleet.generated:
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(2.0)
+        counted = topology.counted("fleet")
+        rows = topology.rows("fleet")
+        await fleet.close()
+
+        records = Fleet(topology, "fleet-records",
+                        make_tokens(topology, "fleet-records", max(args.records_steps_list)),
+                        aggregate=False, rate=args.tokens_per_runtime, ship_interval_s=1.0,
+                        raw_sample_rate=1.0, shadow_rate=0.01, heartbeat_s=0, version=2,
+                        etag=etags["fleet-records"])
+        await records.start()
+        record_stages = await ramp(records, topology, args.records_steps_list,
+                                   args.records_stage_s, args.drain_s)
+        await records.flush(120)
+        deadline = time.monotonic() + 180
+        while (time.monotonic() < deadline
+               and topology.counted("fleet-records") < records.generated):
+            await asyncio.sleep(1.0)
+        record_rows = topology.rows("fleet-records")
+        records_counted = topology.counted("fleet-records")
+        await records.close()
+        record_held = [s["tokens_per_s"] for s in record_stages if s["held"]]
+        return {
+            "fleet_tokens_per_s": best["tokens_per_s"] if best else 0,
+            "runtimes": best["runtimes"] if best else 0,
+            "tokens_per_runtime_per_s": args.tokens_per_runtime,
+            "wire_bytes_per_token": round(fleet.wire_bytes / max(1, fleet.generated), 4),
+            "rows_per_million_tokens": round(sum(rows.values()) * 1e6
+                                             / max(1, fleet.generated)),
+            "pull_p99_ms": steady["pull_p99_ms"],
+            "propagation_p99_ms": moved["propagation_p99_ms"],
+            "records_mode_tokens_per_s": max(record_held, default=0),
+            "drift_alert_s": alert_s, "drift_alert_kind": alert_kind,
+            "drift_interval_s": args.drift_interval_s,
+            "lost": fleet.generated - counted,
+            "flushed": flushed,
+            "generated": fleet.generated, "counted": counted,
+            "records_mode_lost": records.generated - records_counted,
+            "records_mode_rows_per_million_tokens": round(
+                sum(record_rows.values()) * 1e6 / max(1, records.generated)),
+            "propagation": moved, "probe": steady,
+            "stages": stages, "records_stages": record_stages, "rows": rows,
+            "send_retries": fleet.errors, "refused_batches": fleet.refused + records.refused,
+            "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
+        }
+    finally:
+        topology.close()
+        if not args.keep_logs:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--postgres-url", default=os.environ.get("EXITPLANE_BENCH_POSTGRES_URL"))
+    parser.add_argument("--steps", default="125,250,500,1000",
+                        help="fleet sizes of the ramp (runtimes)")
+    parser.add_argument("--tokens-per-runtime", type=float, default=1000.0)
+    parser.add_argument("--stage-s", type=float, default=60.0)
+    parser.add_argument("--drain-s", type=float, default=20.0,
+                        help="how long the store may take to count a stage's last tokens")
+    parser.add_argument("--ship-interval-s", type=float, default=5.0)
+    parser.add_argument("--heartbeat-s", type=float, default=15.0)
+    parser.add_argument("--records-steps", default="20,40,80,160")
+    parser.add_argument("--records-stage-s", type=float, default=30.0)
+    parser.add_argument("--drift-interval-s", type=float, default=30.0,
+                        help="EXITPLANE_DRIFT_INTERVAL_S of the workers (production default)")
+    parser.add_argument("--drift-timeout-s", type=float, default=300.0)
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args()
+    if not args.postgres_url:
+        parser.error("give --postgres-url or set EXITPLANE_BENCH_POSTGRES_URL "
+                     "(. var/services/env)")
+    args.records_steps_list = [int(step) for step in args.records_steps.split(",")]
+    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Exact edge aggregation: what every token adds to the control plane's rollups, counted on the
+runtime so that the token itself need not travel.
+
+Per (minute, threshold version, layer) the aggregator counts the tokens that exited there and
+the histogram of their signal at exit; the control plane derives "tokens that reached a layer"
+(exits at or past it) and takes shadow labels from the shadow records, which are always shipped
+(docs/protocol.md, "Aggregates"). A cut hands over the counts since the previous cut as
+`AggregateCell`s, so merging batches is plain addition and a replayed batch id adds nothing.
+
+Pure Python on purpose: no numpy in the client. `add` is a few dict operations under a lock
+(the decode thread adds, the shipper's thread cuts).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from exitplane.wire import HISTOGRAM_BINS, AggregateCell, TokenRecord, signal_bin
+
+
+class Aggregator:
+    """Counts of tokens per (minute, threshold version, exit layer) since the last `cut`."""
+
+    def __init__(self, *, exit_layers: Iterable[int], num_layers: int) -> None:
+        self.layers = sorted({*exit_layers, num_layers})
+        self._slot = {layer: slot for slot, layer in enumerate(self.layers)}
+        # (minute, version) -> per slot [exits, bin 0, ..., bin 19]
+        self._cells: dict[tuple[int, int], list[list[int]]] = {}
+        self._lock = threading.Lock()
+        self.pending_tokens = 0
+
+    def fits(self, record: TokenRecord) -> bool:
+        """Whether the control plane would count this record (it exits at a known layer)."""
+        return record.exit_layer in self._slot
+
+    def add(self, record: TokenRecord) -> bool:
+        """Count one token; False (not counted) when it exits at a layer this deployment does
+        not have, which the control plane would refuse."""
+        slot = self._slot.get(record.exit_layer)
+        if slot is None:
+            return False
+        # int() truncates toward zero like the store's minute of a (positive) unix time.
+        key = (int(record.ts) // 60 * 60, record.threshold_version)
+        signal = record.signal_value
+        with self._lock:
+            cell = self._cells.get(key)
+            if cell is None:
+                cell = self._cells[key] = [[0] * (1 + HISTOGRAM_BINS) for _ in self.layers]
+            counts = cell[slot]
+            counts[0] += 1
+            if signal is not None:  # an unchecked token has no signal to histogram
+                counts[1 + signal_bin(signal)] += 1
+            self.pending_tokens += 1
+        return True
+
+    def add_counts(self, *, minute: int, threshold_version: int, exits: Sequence[int],
+                   histogram: Sequence[Sequence[int]]) -> None:
+        """Count many tokens at once (vectorised producers): `exits[i]` tokens left at
+        `self.layers[i]`, `histogram[i]` their signal-at-exit bins."""
+        if len(exits) != len(self.layers) or len(histogram) != len(self.layers):
+            raise ValueError(f"expected one count per layer {self.layers}")
+        key = (int(minute) // 60 * 60, int(threshold_version))
+        with self._lock:
+            cell = self._cells.get(key)
+            if cell is None:
+                cell = self._cells[key] = [[0] * (1 + HISTOGRAM_BINS) for _ in self.layers]
+            for slot, (count, bins) in enumerate(zip(exits, histogram, strict=True)):
+                counts = cell[slot]
+                counts[0] += int(count)
+                for index, value in enumerate(bins):
+                    counts[1 + index] += int(value)
+            self.pending_tokens += int(sum(exits))
+
+    def cut(self) -> list[AggregateCell]:
+        """The counts since the last cut, as cells in key order; the counts start again."""
+        with self._lock:
+            cells, self._cells = self._cells, {}
+            self.pending_tokens = 0
+        out = []
+        for (minute, version), slots in sorted(cells.items()):
+            for layer, counts in zip(self.layers, slots, strict=True):
+                if counts[0]:
+                    out.append(AggregateCell(minute=minute, threshold_version=version,
+                                             layer=layer, exits=counts[0],
+                                             histogram=counts[1:]))
+        return out
+
+    def restore(self, cells: Iterable[AggregateCell]) -> None:
+        """Add cells back (a cut that could be neither sent nor spooled must not be lost)."""
+        for cell in cells:
+            exits = [0] * len(self.layers)
+            histogram = [[0] * HISTOGRAM_BINS for _ in self.layers]
+            exits[self._slot[cell.layer]] = cell.exits
+            histogram[self._slot[cell.layer]] = list(cell.histogram)
+            self.add_counts(minute=cell.minute, threshold_version=cell.threshold_version,
+                            exits=exits, histogram=histogram)

@@ -1,0 +1,227 @@
+"""The shipper's disk side: a batch as sent (`EncodedBatch`), the append-only spool that keeps
+undelivered batches across crashes (`Spool`), and per-runtime sequence numbers that never
+repeat (`SeqCounter`)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from exitplane.client.thresholds import atomic_write
+from exitplane.wire import AGGREGATE_JSON, AGGREGATE_MSGPACK
+
+log = logging.getLogger("exitplane.client.shipper")
+
+_HEADER = struct.Struct(">II")  # payload length, crc32 of the payload
+_SEQ_BLOCK = 1024  # sequence numbers reserved on disk at a time
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """One batch as sent: id, sequence number, record count (for an aggregate batch: the
+    tokens it counts), content type and body."""
+
+    batch_id: str
+    seq: int
+    records: int
+    content_type: str
+    body: bytes
+
+    @property
+    def is_aggregate(self) -> bool:
+        return self.content_type in (AGGREGATE_MSGPACK, AGGREGATE_JSON)
+
+    def pack(self) -> bytes:
+        """The spool record: id, seq, count, content type and body in one msgpack array."""
+        return msgpack.packb([self.batch_id, self.seq, self.records, self.content_type,
+                              self.body], use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> EncodedBatch:
+        """Read a spool record back."""
+        batch_id, seq, records, content_type, body = msgpack.unpackb(payload, raw=False)
+        return cls(batch_id, seq, records, content_type, body)
+
+    def decode(self) -> dict[str, Any]:
+        """The batch as a dict (the model_dump of its TelemetryBatch or AggregateBatch)."""
+        if "msgpack" in self.content_type:
+            return msgpack.unpackb(self.body, raw=False)
+        return json.loads(self.body)
+
+    def split(self) -> list[EncodedBatch]:
+        """Two halves with ids derived from this one (deterministic, so replays match)."""
+        payload = self.decode()
+        field = "cells" if self.is_aggregate else "records"
+        items = payload[field]
+        if len(items) < 2:
+            return []
+        middle = len(items) // 2
+        halves = []
+        for suffix, part in (("a", items[:middle]), ("b", items[middle:])):
+            half = {**payload, "batch_id": self.batch_id + suffix, field: part}
+            count = sum(cell["exits"] for cell in part) if self.is_aggregate else len(part)
+            halves.append(EncodedBatch(half["batch_id"], self.seq, count, self.content_type,
+                                       encode(half, self.content_type)))
+        return halves
+
+
+def encode(payload: dict[str, Any], content_type: str) -> bytes:
+    if "msgpack" in content_type:
+        return msgpack.packb(payload, use_bin_type=True)
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+@dataclass
+class _Segment:
+    path: Path
+    size: int  # bytes in the file
+    count: int  # batches not yet replayed
+    read_offset: int = 0
+
+
+class Spool:
+    """Append-only segment files of length-prefixed, checksummed batches, read in order.
+
+    Each append is flushed and fsynced before it counts as spooled. Segments are named by the
+    first batch's seq, so file order is replay order; a fully replayed segment is deleted."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int,
+                 fsync: bool = True):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self._segments: collections.deque[_Segment] = collections.deque()
+        self._writer = None  # open handle on the last segment, which new batches extend
+        self._head: EncodedBatch | None = None
+        self._head_size = 0
+        self._segments_made = 0
+        self.pending_batches = 0
+        self.total_bytes = 0
+        self.max_seq = -1
+        for path in sorted(self.directory.glob("*.seg")):
+            self._recover(path)
+
+    def _recover(self, path: Path) -> None:
+        """Index a segment left by an earlier process; cut it at the first torn record."""
+        data = path.read_bytes()
+        offset = count = 0
+        while offset + _HEADER.size <= len(data):
+            length, crc = _HEADER.unpack_from(data, offset)
+            payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
+            if len(payload) != length or zlib.crc32(payload) != crc:
+                break
+            self.max_seq = max(self.max_seq, EncodedBatch.unpack(payload).seq)
+            offset += _HEADER.size + length
+            count += 1
+        if offset != len(data):
+            log.warning("spool segment %s has a torn record at byte %d (a crash while "
+                        "writing); keeping the %d whole batches before it", path, offset, count)
+            os.truncate(path, offset)
+        if count == 0:
+            path.unlink()
+            return
+        self._segments.append(_Segment(path, offset, count))
+        self.pending_batches += count
+        self.total_bytes += offset
+
+    def append(self, batch: EncodedBatch) -> bool:
+        """Persist `batch` at the tail; False (nothing written) when the cap would be passed."""
+        payload = batch.pack()
+        record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        if self.total_bytes + len(record) > self.max_bytes:
+            return False
+        tail = self._segments[-1] if self._segments else None
+        if self._writer is None or tail is None or tail.size >= self.segment_bytes:
+            self._close_writer()
+            # seq first (later processes only use higher seqs), then a per-process counter:
+            # the halves of a split batch share its seq and may straddle two segments.
+            name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
+            self._segments_made += 1
+            tail = _Segment(self.directory / name, 0, 0)
+            self._writer = open(tail.path, "ab")  # noqa: SIM115 - held open across appends
+            self._segments.append(tail)
+        self._writer.write(record)
+        self._writer.flush()
+        if self.fsync:
+            os.fsync(self._writer.fileno())
+        tail.size += len(record)
+        tail.count += 1
+        self.pending_batches += 1
+        self.total_bytes += len(record)
+        self.max_seq = max(self.max_seq, batch.seq)
+        return True
+
+    def peek(self) -> EncodedBatch | None:
+        """The oldest batch not yet replayed."""
+        if self._head is None and self._segments:
+            head = self._segments[0]
+            with open(head.path, "rb") as handle:
+                handle.seek(head.read_offset)
+                length, _crc = _HEADER.unpack(handle.read(_HEADER.size))
+                self._head = EncodedBatch.unpack(handle.read(length))
+            self._head_size = _HEADER.size + length
+        return self._head
+
+    def pop(self) -> None:
+        """Forget the batch `peek` returned (it was delivered or rejected)."""
+        if self.peek() is None:
+            return
+        head = self._segments[0]
+        head.read_offset += self._head_size
+        head.count -= 1
+        self.pending_batches -= 1
+        self._head = None
+        if head.count == 0:
+            if len(self._segments) == 1:
+                self._close_writer()
+            self._segments.popleft()
+            head.path.unlink(missing_ok=True)
+            self.total_bytes -= head.size
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def close(self) -> None:
+        """Close the open segment; what was appended is already on disk."""
+        self._close_writer()
+
+
+class SeqCounter:
+    """Per-runtime batch sequence numbers that keep increasing across restarts.
+
+    Blocks of numbers are reserved in a small file before use, so a crash skips numbers but
+    never repeats one."""
+
+    def __init__(self, path: Path, floor: int):
+        self.path = path
+        try:
+            reserved = int(path.read_text())
+        except (OSError, ValueError):
+            reserved = 0
+        self.next = max(reserved, floor)
+        self.reserved = self.next
+        self._reserve()
+
+    def _reserve(self) -> None:
+        self.reserved = self.next + _SEQ_BLOCK
+        atomic_write(self.path, str(self.reserved).encode())
+
+    def take(self) -> int:
+        """The next sequence number."""
+        if self.next >= self.reserved:
+            self._reserve()
+        seq, self.next = self.next, self.next + 1
+        return seq

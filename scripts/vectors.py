@@ -1,0 +1,134 @@
+"""Write the protocol test vectors under docs/vectors/ (deterministic: same files every run).
+
+    python scripts/vectors.py
+
+A runtime written in another language checks itself against these files (docs/protocol.md,
+"Test vectors"); tests/test_vectors.py checks them against this code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VECTORS = ROOT / "docs" / "vectors"
+
+
+def checksums() -> list[dict]:
+    """Threshold sets: the canonical JSON and the sha256 (the ETag) of each."""
+    from exitplane.wire import canonical_json, threshold_checksum
+
+    cases = [
+        ("chat", 1, "learned", {8: 1.0, 16: 1.0, 24: 1.0}, "the never-exit set"),
+        ("chat", 7, "maxprob", {24: 0.95, 8: 0.9, 16: 0.875}, "keys sorted as strings"),
+        ("chat", 3, "entropy", {3: 0.1, 6: 0.25, 12: 1e-05}, "'12' sorts before '3'; 1e-05"),
+        ("llama-70b.eu", 12, "margin", {2: 0, 4: 1}, "integers are written as floats"),
+        ("tiny", 0, "learned", {2: 1.0, 4: 1.0}, "version 0: the built-in conservative set"),
+        ("chat", 2, "saturation", {5: 0.3333333333333333, 10: 0.7000000000000001},
+         "shortest round-trip float repr"),
+    ]
+    out = []
+    for deployment, version, signal, thresholds, note in cases:
+        body = {"deployment": deployment, "version": version, "signal": signal,
+                "thresholds": {str(layer): float(value)
+                               for layer, value in sorted(thresholds.items())}}
+        out.append({"note": note, "deployment": deployment, "version": version,
+                    "signal": signal, "thresholds": {str(k): v for k, v in thresholds.items()},
+                    "canonical_json": canonical_json(body).decode(),
+                    "checksum": threshold_checksum(deployment=deployment, version=version,
+                                                   signal=signal, thresholds=thresholds)})
+    return out
+
+
+def _records(count: int, seed: int) -> list[dict]:
+    """Token records of deployment `tiny` (6 layers, exits at 2 and 4), over two minutes."""
+    rng = random.Random(seed)
+    records = []
+    for index in range(count):
+        shadow = index % 9 == 4
+        layer = 6 if shadow else rng.choice([2, 2, 4, 6])
+        record = {"threshold_version": rng.choice([0, 3]), "request_id": f"req-{index // 6}",
+                  "position": index % 6, "exit_layer": layer,
+                  "signal_value": [0.0, 0.05, 0.5, 0.999, 1.0][index % 5] if index < 10
+                  else round(rng.random(), 6),
+                  "latency_us": 900 + index, "ts": 1_764_460_790.25 + 4.5 * index,
+                  "shadow": [{"layer": k, "signal": round(rng.random(), 6),
+                              "matched": rng.random() < 0.8} for k in (2, 4)]
+                  if shadow else None}
+        records.append(record)
+    return records
+
+
+def payloads() -> dict:
+    """A record batch (JSON and msgpack), the aggregate batch its tokens make, a heartbeat, a
+    threshold set as pulled, and payloads the control plane refuses."""
+    import msgpack
+
+    from exitplane.client.aggregate import Aggregator
+    from exitplane.wire import AggregateBatch, ThresholdSetWire, TokenRecord
+
+    records = _records(24, seed=14)
+    batch = {"batch_id": "0f3c2a9e5b7d4e1f8a6c3b2d1e0f9a8b", "deployment": "tiny",
+             "runtime_id": "rt-1", "seq": 41, "num_layers": 6, "records": records,
+             "aggregated": False}
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for record in records:
+        aggregator.add(TokenRecord.model_validate(record))
+    aggregate = AggregateBatch(batch_id="7e1d0c9b8a7f6e5d4c3b2a1908f7e6d5", deployment="tiny",
+                               runtime_id="rt-1", seq=42, num_layers=6, raw_sample_rate=0.01,
+                               cells=aggregator.cut()).model_dump(mode="json")
+    threshold_set = ThresholdSetWire.build(deployment="tiny", version=3, signal="maxprob",
+                                           thresholds={2: 0.9, 4: 0.75}).model_dump(mode="json")
+    refused = [
+        {"note": "exit_layer beyond num_layers", "content_type": "application/json",
+         "payload": {**batch, "records": [{**records[0], "exit_layer": 7}]},
+         "status": 422, "detail_contains": "exit_layer 7 exceeds num_layers 6"},
+        {"note": "signal outside [0, 1]", "content_type": "application/json",
+         "payload": {**batch, "records": [{**records[0], "signal_value": 1.5}]},
+         "status": 422, "detail_contains": "record 0"},
+        {"note": "a shadow repeats an exit layer", "content_type": "application/json",
+         "payload": {**batch, "records": [{**records[4], "shadow": [
+             {"layer": 2, "signal": 0.5, "matched": True}] * 2}]},
+         "status": 422, "detail_contains": "shadow points repeat an exit layer"},
+        {"note": "histogram counts more tokens than exited",
+         "content_type": "application/vnd.exitplane.aggregate+json",
+         "payload": {**aggregate, "cells": [{**aggregate["cells"][0], "exits": 0}]},
+         "status": 422, "detail_contains": "more than the 0 that exited"},
+        {"note": "minute not on a minute boundary",
+         "content_type": "application/vnd.exitplane.aggregate+json",
+         "payload": {**aggregate, "cells": [{**aggregate["cells"][0], "minute": 1764460801}]},
+         "status": 422, "detail_contains": "multiple of 60"},
+    ]
+    return {
+        "record_batch": {"content_type": "application/json", "payload": batch,
+                         "msgpack_hex": msgpack.packb(batch, use_bin_type=True).hex()},
+        "aggregate_batch": {
+            "note": "the exact counts of record_batch's 24 tokens (what an aggregating runtime "
+                    "sends instead of the tokens): exits and signal histogram per (minute, "
+                    "threshold_version, layer), cells sorted by (minute, version, layer), "
+                    "empty cells left out",
+            "content_type": "application/vnd.exitplane.aggregate+json", "payload": aggregate,
+            "msgpack_content_type": "application/vnd.exitplane.aggregate+msgpack",
+            "msgpack_hex": msgpack.packb(aggregate, use_bin_type=True).hex()},
+        "threshold_set": {"etag": f'"{threshold_set["checksum"]}"', "payload": threshold_set},
+        "heartbeat": {"payload": {"runtime_id": "rt-1", "applied_version": 3,
+                                  "applied_checksum": threshold_set["checksum"], "ready": True,
+                                  "error": None, "spooled_batches": 0, "dropped_records": 0}},
+        "refused": refused,
+    }
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT))
+    VECTORS.mkdir(parents=True, exist_ok=True)
+    for name, content in (("checksums.json", checksums()), ("payloads.json", payloads())):
+        (VECTORS / name).write_text(json.dumps(content, indent=2) + "\n")
+        print(f"wrote docs/vectors/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The client's Aggregator on its own: minute keys as the store cuts them, histogram bins,
+tokens without a signal (exits not checked) counted but left out of the histogram, layers the
+deployment lacks refused, and a cut that starts the counts again."""
+
+from exitplane.client.aggregate import Aggregator
+from exitplane.wire import HISTOGRAM_BINS, TokenRecord
+
+
+def _record(**fields) -> TokenRecord:
+    values = {"threshold_version": 2, "request_id": "r", "position": 0, "exit_layer": 4,
+              "signal_value": 0.5, "latency_us": 1, "ts": 1_764_460_799.9} | fields
+    return TokenRecord.model_construct(**values)  # as a runtime builds it, signal maybe None
+
+
+def test_counts_bins_and_unchecked_tokens():
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    assert aggregator.add(_record())
+    assert aggregator.add(_record(signal_value=1.0, ts=1_764_460_800.0))  # next minute
+    assert aggregator.add(_record(signal_value=None))  # exits not checked: no signal
+    assert not aggregator.add(_record(exit_layer=3))  # not a layer of this deployment
+    assert aggregator.pending_tokens == 3
+    cells = aggregator.cut()
+    assert [(c.minute, c.threshold_version, c.layer, c.exits) for c in cells] == [
+        (1_764_460_740, 2, 4, 2), (1_764_460_800, 2, 4, 1)]
+    assert cells[0].histogram == [0] * 10 + [1] + [0] * 9  # 0.5 -> bin 10; None left out
+    assert cells[1].histogram == [0] * (HISTOGRAM_BINS - 1) + [1]  # 1.0 -> the last bin
+    assert aggregator.cut() == [] and aggregator.pending_tokens == 0
+
+
+def test_bulk_counts_and_restore_add_up():
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    histogram = [[1] + [0] * 19, [0] * 20, [0] * 19 + [3]]
+    aggregator.add_counts(minute=120, threshold_version=1, exits=[1, 0, 5],
+                          histogram=histogram)
+    cells = aggregator.cut()
+    aggregator.restore(cells)
+    aggregator.restore(cells)
+    again = aggregator.cut()
+    assert [(c.layer, c.exits, c.histogram[-1]) for c in again] == [(2, 2, 0), (6, 10, 6)]

@@ -1,0 +1,96 @@
+"""docs/vectors/ (what a runtime in another language checks itself against) agree with the
+code: checksums and canonical JSON, payloads in JSON and msgpack, the aggregate batch that a
+record batch's tokens make (client side and in the control plane's rollups), and refusals."""
+
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from controlplane.errors import Invalid
+from controlplane.telemetry.api import decode_aggregate, decode_batch
+from controlplane.telemetry.columns import parse_batch
+from controlplane.telemetry.tables import aggregate_tables, tables_of
+from exitplane.client.aggregate import Aggregator
+from exitplane.wire import (
+    AggregateBatch,
+    Heartbeat,
+    TelemetryBatch,
+    ThresholdSetWire,
+    TokenRecord,
+    canonical_json,
+    threshold_checksum,
+)
+
+VECTORS = Path(__file__).resolve().parents[1] / "docs" / "vectors"
+CHECKSUMS = json.loads((VECTORS / "checksums.json").read_text())
+PAYLOADS = json.loads((VECTORS / "payloads.json").read_text())
+
+
+@pytest.mark.parametrize("case", CHECKSUMS, ids=[case["note"] for case in CHECKSUMS])
+def test_checksum_vectors(case):
+    thresholds = {int(layer): value for layer, value in case["thresholds"].items()}
+    body = {"deployment": case["deployment"], "version": case["version"],
+            "signal": case["signal"],
+            "thresholds": {str(k): float(v) for k, v in sorted(thresholds.items())}}
+    assert canonical_json(body).decode() == case["canonical_json"]
+    assert threshold_checksum(deployment=case["deployment"], version=case["version"],
+                              signal=case["signal"], thresholds=thresholds) == case["checksum"]
+    wire = ThresholdSetWire.build(deployment=case["deployment"], version=case["version"],
+                                  signal=case["signal"], thresholds=thresholds)
+    assert wire.checksum == case["checksum"]
+
+
+def test_record_batch_vector():
+    vector = PAYLOADS["record_batch"]
+    assert msgpack.unpackb(bytes.fromhex(vector["msgpack_hex"]), raw=False) == vector["payload"]
+    assert TelemetryBatch.model_validate(vector["payload"]).model_dump(mode="json") == \
+        vector["payload"]
+    assert parse_batch(vector["payload"]).to_wire() == vector["payload"]
+
+
+def test_aggregate_vector_is_what_the_records_make():
+    records, vector = PAYLOADS["record_batch"]["payload"], PAYLOADS["aggregate_batch"]
+    payload = vector["payload"]
+    assert msgpack.unpackb(bytes.fromhex(vector["msgpack_hex"]), raw=False) == payload
+    aggregate = AggregateBatch.model_validate(payload)
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=records["num_layers"])
+    for record in records["records"]:
+        assert aggregator.add(TokenRecord.model_validate(record))
+    assert [cell.model_dump() for cell in aggregator.cut()] == payload["cells"]
+    assert aggregate.tokens == len(records["records"])
+
+    # The control plane adds the same token counts for the aggregate as for the records.
+    batch = parse_batch(records)
+    from_records = tables_of(deployment_id=1, exit_layers=[2, 4], num_layers=6,
+                             batches=[batch], thresholds={0: np.ones(2), 3: np.ones(2)})
+    rollups, histogram = aggregate_tables(deployment_id=1, exit_layers=[2, 4], num_layers=6,
+                                          aggregates=[aggregate])
+
+    def rows(table, names):
+        return sorted(zip(*(np.asarray(table[name]).tolist() for name in names), strict=True))
+
+    names = ("version", "minute", "layer", "tokens", "exits")
+    assert rows(rollups, names) == [row for row in rows(from_records.rollups, names) if row[3]]
+    names = ("version", "minute", "layer", "bin", "count")
+    assert rows(histogram, names) == rows(from_records.histogram, names)
+
+
+def test_threshold_set_and_heartbeat_vectors():
+    vector = PAYLOADS["threshold_set"]
+    wire = ThresholdSetWire.model_validate(vector["payload"])
+    wire.verify()
+    assert vector["etag"] == f'"{wire.checksum}"'
+    Heartbeat.model_validate(PAYLOADS["heartbeat"]["payload"])
+
+
+@pytest.mark.parametrize("case", PAYLOADS["refused"],
+                         ids=[case["note"] for case in PAYLOADS["refused"]])
+def test_refused_vectors(case):
+    decode = decode_aggregate if "aggregate" in case["content_type"] else decode_batch
+    with pytest.raises(Invalid) as refused:
+        decode(json.dumps(case["payload"]).encode(), case["content_type"])
+    assert refused.value.status_code == case["status"]
+    assert case["detail_contains"] in str(refused.value)
