@@ -10,6 +10,22 @@ layer saw `reference_tokens` tokens:
 - shadow disagreement of the recent window vs the deployment's δ (one-sided binomial test);
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
 - runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
+
+Tokens are clustered by request (issue 17; the statistics are in `workers.stats.clustered`):
+the quality test runs on the window's shadow tokens grouped by their request id; each exit
+layer's design effect is measured on the same shadow tokens under the active policy and widens
+that layer's exit-rate test (rollups carry no per-request counts, so the design effect travels
+to them; without enough shadow requests to measure it, `default_design_effect` applies); the
+distribution test sees only as many rows as the effective sample size. Every read is filtered to
+the active version, so a window is never compared with one of another version, and tokens whose
+exits were not checked carry no signal and are not in the histograms.
+
+Distribution drift alone is an `info` finding with its Evidently report (no page); a second,
+`warning` finding (subject "escalated") joins it when an exit-rate or quality condition fires in
+the same check, or when the info finding persisted over `distribution_persist_windows`
+consecutive recent windows. Each exit-rate spike carries the window's clustered shadow
+disagreement (`quality_gate`), from which the fallback decides (`controlplane.calibration.
+fallback`).
 """
 
 from __future__ import annotations
@@ -28,11 +44,26 @@ from controlplane.alerts.service import Condition, Reconciled, open_alerts, reco
 from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import HISTOGRAM_BINS
-from controlplane.telemetry.service import disagreement, exit_rates, signal_histogram
+from controlplane.telemetry.service import (
+    exit_rates,
+    shadow_samples_by_request,
+    signal_histogram,
+)
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.service import aliases_of, get_threshold_set
+from workers.stats.clustered import (
+    ClusteredProportion,
+    clustered_rate,
+    effective_rows,
+    layer_design_effects,
+    per_cluster,
+    policy_outcomes,
+    scale_design_effect,
+    weighted_cluster_size,
+)
 from workers.stats.drift import (
     DISTRIBUTION_DRIFT,
+    DISTRIBUTION_DRIFT_ESCALATED,
     EXIT_RATE_COLLAPSE,
     EXIT_RATE_SPIKE,
     QUALITY_REGRESSION,
@@ -60,11 +91,23 @@ class DriftOptions:
     min_shadow_tokens: int = 100
     min_distribution_rows: int = 500
     clear_after_s: float = 300.0
+    # issue 17: clustered statistics, distribution drift that informs, the fallback's gate
+    min_shadow_requests: int = 10  # fewer requests: the design effect is not measured
+    default_design_effect: float = 1.0
+    max_design_effect: float = 200.0
+    quality_alpha: float = 1e-3
+    gate_alpha: float = 0.05  # the quality gate's upper bound is a (1 - gate_alpha) bound
+    distribution_persist_windows: int = 3
+    distribution_p_value: float = 1e-3
 
     @classmethod
     def from_settings(cls, settings) -> DriftOptions:
         return cls(lookback_s=settings.drift_lookback_s, recent_s=settings.drift_recent_s,
-                   clear_after_s=settings.alert_clear_after_s)
+                   clear_after_s=settings.alert_clear_after_s,
+                   default_design_effect=settings.drift_default_design_effect,
+                   gate_alpha=settings.fallback_gate_alpha,
+                   distribution_persist_windows=settings.drift_distribution_persist_windows,
+                   distribution_p_value=settings.drift_distribution_p_value)
 
 
 @dataclass(frozen=True)
@@ -141,6 +184,55 @@ def _exit_rate_condition(finding: DriftFinding) -> Condition:
                      subject=str(finding.layer), layer=finding.layer, evidence=evidence)
 
 
+@dataclass(frozen=True)
+class ShadowWindow:
+    """The shadow tokens of one window under the active policy, clustered by request."""
+
+    disagreement: ClusteredProportion
+    design_effect: dict[int, float]  # per exit layer, for the served (rollup) tokens
+    measured: dict[int, dict]  # per exit layer where it was measured: the clustered exit rate
+
+    def gate(self, *, delta: float, alpha: float, window: dict) -> dict:
+        """What the fallback decides from: the clustered upper bound of the disagreement."""
+        d = self.disagreement
+        return {"shadow_tokens": d.tokens, "requests": d.clusters,
+                "disagreements": d.events, "disagreement_rate": d.rate,
+                "design_effect": d.design_effect, "effective_tokens": d.effective_tokens,
+                "upper_bound": d.upper_bound(alpha) if d.tokens else 1.0,
+                "confidence": 1.0 - alpha, "delta": delta, "window": window}
+
+
+def shadow_window(*, session: Session, deployment: Deployment, version: int,
+                  thresholds: list[float], since: datetime, until: datetime | None,
+                  served_tokens: int, options: DriftOptions) -> ShadowWindow:
+    """Clustered disagreement and per-layer design effects of `version` over a window.
+
+    `served_tokens`: tokens that reached the first exit layer in the window (from the rollups),
+    to carry the design effect from shadow-sized requests to served-sized ones."""
+    requests, signals, matched = shadow_samples_by_request(
+        session=session, deployment=deployment, since=since, until=until, version=version)
+    layers = sorted(deployment.exit_layers)
+    slot, disagree = policy_outcomes(signals, matched, thresholds)
+    quality = clustered_rate(requests, disagree)
+    measured = layer_design_effects(requests, slot, layers,
+                                    min_clusters=options.min_shadow_requests)
+    measured = {k: v for k, v in measured.items() if 0 < v.events < v.tokens}
+    sizes, _ = per_cluster(requests, disagree) if requests else (np.zeros(0), None)
+    shadow_size = weighted_cluster_size(sizes)
+    share = len(requests) / served_tokens if served_tokens else 1.0
+    effects = {}
+    for layer in layers:
+        found = measured.get(layer)
+        if found is None:
+            effects[layer] = options.default_design_effect
+            continue
+        served = scale_design_effect(found.design_effect, mean_cluster_size=shadow_size,
+                                     target_cluster_size=shadow_size / min(max(share, 1e-6), 1))
+        effects[layer] = min(served, options.max_design_effect)
+    return ShadowWindow(quality, effects,
+                        {k: v.to_dict() for k, v in measured.items()})
+
+
 def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
                               options: DriftOptions, want_report: bool = True
                               ) -> tuple[list[Condition], set[str]]:
@@ -150,6 +242,9 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
     start = active.activated_at.replace(second=0, microsecond=0)
     conditions: list[Condition] = []
     checked: set[str] = set()
+    threshold_set = get_threshold_set(session=session, deployment=deployment,
+                                      version=active.version)
+    thresholds = [threshold_set.thresholds_by_layer()[k] for k in layers]
 
     reference = expected_reference(active.expected_metrics, layers)
     reference_until = start
@@ -168,44 +263,90 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
     since = max(monitored_from, now - timedelta(seconds=options.lookback_s))
     windows = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
                                          version=active.version), layers)
+    recent_since = max(now - timedelta(seconds=options.recent_s), start)
+    recent_window = {"since": recent_since.isoformat(), "until": now.isoformat(),
+                     "version": active.version}
+    served = sum(c[layers[0]].tokens for minute, c in windows
+                 if layers[0] in c and minute >= recent_since.replace(second=0))
+    shadow = shadow_window(session=session, deployment=deployment, version=active.version,
+                           thresholds=thresholds, since=recent_since, until=None,
+                           served_tokens=served, options=options)
     if reference is not None and windows:
         checked.update(EXIT_KINDS)
         window = {"since": since.isoformat(), "until": now.isoformat(),
                   "version": active.version, "reference": reference_origin,
                   "reference_until": reference_until.isoformat()}
         for finding in detect_exit_rate_drift(reference=reference,
-                                              windows=[c for _, c in windows]):
+                                              windows=[c for _, c in windows],
+                                              design_effect=shadow.design_effect):
             condition = _exit_rate_condition(finding)
             condition.evidence["window"] = window
+            condition.evidence["design_effect_measured"] = shadow.measured
+            if finding.kind == EXIT_RATE_SPIKE:
+                condition.evidence["quality_gate"] = shadow.gate(
+                    delta=deployment.delta, alpha=options.gate_alpha, window=recent_window)
             conditions.append(condition)
 
-    recent_since = now - timedelta(seconds=options.recent_s)
-    quality = disagreement(session=session, deployment=deployment, since=recent_since,
-                           version=active.version)
-    shadow_tokens = sum(p["shadow_tokens"] for p in quality)
-    mismatches = sum(p["mismatches"] for p in quality)
-    if shadow_tokens >= options.min_shadow_tokens:
+    quality = shadow.disagreement
+    if quality.tokens >= options.min_shadow_tokens:
         checked.add(QUALITY_REGRESSION)
-        finding = check_shadow_disagreement(
-            disagreements=mismatches, shadow_tokens=shadow_tokens, delta=deployment.delta,
-            window={"since": recent_since.isoformat(), "until": now.isoformat(),
-                    "version": active.version})
+        finding = check_shadow_disagreement(disagreement=quality, delta=deployment.delta,
+                                            alpha=options.quality_alpha, window=recent_window)
         if finding is not None:
             conditions.append(Condition(
                 kind=QUALITY_REGRESSION, severity=finding.severity, evidence=finding.to_dict(),
-                summary=(f"disagreement with full depth {mismatches}/{shadow_tokens} = "
-                         f"{mismatches / shadow_tokens:.2%} exceeds δ={deployment.delta:g} "
-                         f"(one-sided binomial p={finding.p_value:.2g})")))
+                summary=(f"disagreement with full depth {quality.events}/{quality.tokens} = "
+                         f"{quality.rate:.2%} exceeds δ={deployment.delta:g} over "
+                         f"{quality.clusters} requests (design effect "
+                         f"{quality.design_effect:.1f}; p={finding.p_value:.2g})")))
 
     if found is not None:
         distribution = _distribution_condition(
             session=session, deployment=deployment, version=active.version,
             reference=(start, reference_until), recent_since=max(recent_since, reference_until),
-            options=options, want_report=want_report)
+            options=options, want_report=want_report,
+            design_effect=max(shadow.design_effect.values(), default=1.0))
         if distribution is not None:
             checked.add(DISTRIBUTION_DRIFT)
             conditions += distribution
+            if distribution:
+                escalated = _escalation(session=session, deployment=deployment, now=now,
+                                        info=distribution[0], others=conditions,
+                                        options=options)
+                if escalated is not None:
+                    conditions.append(escalated)
     return conditions, checked
+
+
+def _escalation(*, session: Session, deployment: Deployment, now: datetime, info: Condition,
+                others: list[Condition], options: DriftOptions) -> Condition | None:
+    """The `warning` twin of an info distribution finding, when a rule says it pages."""
+    corroborating = [c for c in others if c.kind in (*EXIT_KINDS, QUALITY_REGRESSION)]
+    rule = None
+    if corroborating:
+        names = ", ".join(f"{c.kind}" + (f" at layer {c.layer}" if c.layer is not None else "")
+                          for c in corroborating)
+        rule = {"rule": "corroborated", "by": [c.kind for c in corroborating],
+                "text": f"corroborated by {names} in the same window"}
+    else:
+        key = info.dedup_key(deployment)
+        open_info = next((a for a in open_alerts(session=session, deployment=deployment,
+                                                 kinds=[DISTRIBUTION_DRIFT])
+                          if a.dedup_key == key), None)
+        needed = options.distribution_persist_windows
+        if open_info is not None and open_info.clear_since is None:
+            held = (now - open_info.fired_at).total_seconds()
+            windows = 1 + int(held // options.recent_s)
+            if windows >= needed:
+                rule = {"rule": "persisted", "windows": windows,
+                        "text": f"persisted over {windows} consecutive windows "
+                                f"(limit {needed})"}
+    if rule is None:
+        return None
+    return Condition(kind=DISTRIBUTION_DRIFT, severity=DISTRIBUTION_DRIFT_ESCALATED,
+                     subject="escalated", summary=f"{info.summary}; {rule['text']}",
+                     evidence=info.evidence | {"escalation": rule},
+                     report_html=info.report_html)
 
 
 def _histogram_frame(histogram: dict[int, list[int]], max_rows: int) -> dict[str, np.ndarray]:
@@ -225,8 +366,11 @@ def _histogram_frame(histogram: dict[int, list[int]], max_rows: int) -> dict[str
 
 def _distribution_condition(*, session: Session, deployment: Deployment, version: int,
                             reference: tuple[datetime, datetime], recent_since: datetime,
-                            options: DriftOptions, want_report: bool) -> list[Condition] | None:
-    """[distribution_drift condition], [] when the distributions agree, None on too little data."""
+                            options: DriftOptions, want_report: bool,
+                            design_effect: float = 1.0) -> list[Condition] | None:
+    """[distribution_drift info condition], [] when the distributions agree, None on too
+    little data. Both sides are thinned to their effective sample size (tokens / design
+    effect) and tested at `distribution_p_value`, so the verdict counts requests, not tokens."""
     from workers.stats.evidently_drift import distribution_drift_report
 
     before = signal_histogram(session=session, deployment=deployment, since=reference[0],
@@ -236,20 +380,25 @@ def _distribution_condition(*, session: Session, deployment: Deployment, version
     sizes = [sum(sum(b) for b in h.values()) for h in (before, after)]
     if min(sizes) < options.min_distribution_rows:
         return None
-    report = distribution_drift_report(reference=_histogram_frame(before, 20_000),
-                                       current=_histogram_frame(after, 20_000),
-                                       include_html=want_report)
+    rows = [min(20_000, effective_rows(n, design_effect)) for n in sizes]
+    p_value = options.distribution_p_value
+    report = distribution_drift_report(
+        reference=_histogram_frame(before, rows[0]), current=_histogram_frame(after, rows[1]),
+        methods={"signal": "ks", "exit_layer": "chisquare"},
+        thresholds={"signal": p_value, "exit_layer": p_value}, include_html=want_report)
     finding = report.to_finding()
     if finding is None:
         return []
-    drifted = ", ".join(f"{c.column} ({c.method} {c.statistic:.3g} > {c.threshold:g})"
+    drifted = ", ".join(f"{c.column} ({c.method} {c.statistic:.3g} < {c.threshold:g})"
                         for c in report.columns if c.drift_detected)
     return [Condition(kind=DISTRIBUTION_DRIFT, severity=SEVERITY[DISTRIBUTION_DRIFT],
                      summary=f"distribution drift in {drifted} vs the reference window",
                      evidence=finding.to_dict() | {
                          "reference_window": [reference[0].isoformat(),
                                               reference[1].isoformat()],
-                         "recent_since": recent_since.isoformat(), "version": version},
+                         "recent_since": recent_since.isoformat(), "version": version,
+                         "tokens": {"reference": sizes[0], "recent": sizes[1]},
+                         "design_effect": design_effect},
                      report_html=report.html)]
 
 
@@ -257,11 +406,12 @@ def check_deployment(*, session: Session, deployment: Deployment, options: Drift
                      reports_dir: Path | None, now: datetime | None = None) -> Reconciled:
     """One drift-detection cycle for a deployment: observe, then fire / refresh / resolve."""
     now = now or utcnow()
-    has_report = any(a.report_path for a in open_alerts(
-        session=session, deployment=deployment, kinds=[DISTRIBUTION_DRIFT]))
+    # Evidently's HTML is costly: render it only while an open distribution alert lacks one.
+    reported = [a for a in open_alerts(session=session, deployment=deployment,
+                                       kinds=[DISTRIBUTION_DRIFT]) if a.report_path]
     conditions, checked = exit_behaviour_conditions(
         session=session, deployment=deployment, now=now, options=options,
-        want_report=not has_report and reports_dir is not None)
+        want_report=reports_dir is not None and len(reported) < 2)
     return reconcile(session=session, deployment=deployment, conditions=conditions,
                      checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
                      reports_dir=reports_dir)
