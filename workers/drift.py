@@ -36,14 +36,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.service import Condition, Reconciled, open_alerts, reconcile
 from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
-from controlplane.telemetry.models import HISTOGRAM_BINS
 from controlplane.telemetry.service import (
     exit_rates,
     shadow_samples_by_request,
@@ -51,63 +49,25 @@ from controlplane.telemetry.service import (
 )
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.service import aliases_of, get_threshold_set
-from workers.stats.clustered import (
-    ClusteredProportion,
-    clustered_rate,
-    effective_rows,
-    layer_design_effects,
-    per_cluster,
-    policy_outcomes,
-    scale_design_effect,
-    weighted_cluster_size,
-)
 from workers.stats.drift import (
     DISTRIBUTION_DRIFT,
-    DISTRIBUTION_DRIFT_ESCALATED,
-    EXIT_RATE_COLLAPSE,
-    EXIT_RATE_SPIKE,
-    QUALITY_REGRESSION,
-    SEVERITY,
-    DriftFinding,
     LayerCounts,
     LayerReference,
-    check_shadow_disagreement,
     conditional_exit_rates,
-    detect_exit_rate_drift,
+)
+from workers.stats.window_checks import (
+    EXIT_KINDS,
+    DriftOptions,
+    WindowInputs,
+    evaluate,
+    lookback_start,
+    reference_window,
 )
 
-EXIT_KINDS = (EXIT_RATE_COLLAPSE, EXIT_RATE_SPIKE)
+__all__ = ["EXIT_KINDS", "DriftOptions", "check_deployment", "check_runtimes",
+           "exit_behaviour_conditions", "expected_reference"]  # DriftOptions lives with evaluate
+
 RUNTIME_STALE = "runtime_stale"
-
-
-@dataclass(frozen=True)
-class DriftOptions:
-    """Windows and sample sizes of one check (seconds and tokens)."""
-
-    lookback_s: float = 1800.0
-    recent_s: float = 600.0
-    reference_tokens: int = 2000
-    reference_max_s: float = 3600.0
-    min_shadow_tokens: int = 100
-    min_distribution_rows: int = 500
-    clear_after_s: float = 300.0
-    # issue 17: clustered statistics, distribution drift that informs, the fallback's gate
-    min_shadow_requests: int = 10  # fewer requests: the design effect is not measured
-    default_design_effect: float = 1.0
-    max_design_effect: float = 200.0
-    quality_alpha: float = 1e-3
-    gate_alpha: float = 0.05  # the quality gate's upper bound is a (1 - gate_alpha) bound
-    distribution_persist_windows: int = 3
-    distribution_p_value: float = 1e-3
-
-    @classmethod
-    def from_settings(cls, settings) -> DriftOptions:
-        return cls(lookback_s=settings.drift_lookback_s, recent_s=settings.drift_recent_s,
-                   clear_after_s=settings.alert_clear_after_s,
-                   default_design_effect=settings.drift_default_design_effect,
-                   gate_alpha=settings.fallback_gate_alpha,
-                   distribution_persist_windows=settings.drift_distribution_persist_windows,
-                   distribution_p_value=settings.drift_distribution_p_value)
 
 
 @dataclass(frozen=True)
@@ -157,249 +117,55 @@ def _minute_windows(points: list[dict], exit_layers: list[int]
     return sorted(by_minute.items())
 
 
-def _reference_window(windows, exit_layers: list[int], tokens: int):
-    """The first minutes whose summed tokens reach `tokens` at every exit layer, or None."""
-    reached = dict.fromkeys(exit_layers, 0)
-    exits = dict.fromkeys(exit_layers, 0)
-    for index, (_minute, counts) in enumerate(windows):
-        for layer, c in counts.items():
-            reached[layer] += c.tokens
-            exits[layer] += c.exits
-        if all(reached[layer] >= tokens for layer in exit_layers):
-            reference = {layer: LayerReference.from_counts(LayerCounts(reached[layer],
-                                                                       exits[layer]))
-                         for layer in exit_layers}
-            return reference, index + 1
-    return None
-
-
-def _exit_rate_condition(finding: DriftFinding) -> Condition:
-    evidence = finding.to_dict()
-    before = evidence["evidence"]["reference"]["rate"]
-    after = evidence["evidence"]["recent"]["rate"]
-    verb = "rose" if finding.kind == EXIT_RATE_SPIKE else "fell"
-    summary = (f"exit rate at layer {finding.layer} {verb} from {before:.1%} to {after:.1%} "
-               f"({finding.test}, adjusted p={finding.adjusted_p_value:.2g})")
-    return Condition(kind=finding.kind, severity=finding.severity, summary=summary,
-                     subject=str(finding.layer), layer=finding.layer, evidence=evidence)
-
-
-@dataclass(frozen=True)
-class ShadowWindow:
-    """The shadow tokens of one window under the active policy, clustered by request."""
-
-    disagreement: ClusteredProportion
-    design_effect: dict[int, float]  # per exit layer, for the served (rollup) tokens
-    measured: dict[int, dict]  # per exit layer where it was measured: the clustered exit rate
-
-    def gate(self, *, delta: float, alpha: float, window: dict) -> dict:
-        """What the fallback decides from: the clustered upper bound of the disagreement."""
-        d = self.disagreement
-        return {"shadow_tokens": d.tokens, "requests": d.clusters,
-                "disagreements": d.events, "disagreement_rate": d.rate,
-                "design_effect": d.design_effect, "effective_tokens": d.effective_tokens,
-                "upper_bound": d.upper_bound(alpha) if d.tokens else 1.0,
-                "confidence": 1.0 - alpha, "delta": delta, "window": window}
-
-
-def shadow_window(*, session: Session, deployment: Deployment, version: int,
-                  thresholds: list[float], since: datetime, until: datetime | None,
-                  served_tokens: int, options: DriftOptions) -> ShadowWindow:
-    """Clustered disagreement and per-layer design effects of `version` over a window.
-
-    `served_tokens`: tokens that reached the first exit layer in the window (from the rollups),
-    to carry the design effect from shadow-sized requests to served-sized ones."""
-    requests, signals, matched = shadow_samples_by_request(
-        session=session, deployment=deployment, since=since, until=until, version=version)
-    layers = sorted(deployment.exit_layers)
-    slot, disagree = policy_outcomes(signals, matched, thresholds)
-    quality = clustered_rate(requests, disagree)
-    measured = layer_design_effects(requests, slot, layers,
-                                    min_clusters=options.min_shadow_requests)
-    measured = {k: v for k, v in measured.items() if 0 < v.events < v.tokens}
-    sizes, _ = per_cluster(requests, disagree) if requests else (np.zeros(0), None)
-    shadow_size = weighted_cluster_size(sizes)
-    share = len(requests) / served_tokens if served_tokens else 1.0
-    effects = {}
-    for layer in layers:
-        found = measured.get(layer)
-        if found is None:
-            effects[layer] = options.default_design_effect
-            continue
-        served = scale_design_effect(found.design_effect, mean_cluster_size=shadow_size,
-                                     target_cluster_size=shadow_size / min(max(share, 1e-6), 1))
-        effects[layer] = min(served, options.max_design_effect)
-    return ShadowWindow(quality, effects,
-                        {k: v.to_dict() for k, v in measured.items()})
-
-
 def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
                               options: DriftOptions, want_report: bool = True
                               ) -> tuple[list[Condition], set[str]]:
-    """Conditions observed now and the kinds that had enough data to be checked."""
+    """Conditions observed now and the kinds that had enough data to be checked: the windows
+    of the active version read from the store, then `window_checks.evaluate`."""
     active = active_version(session=session, deployment=deployment)
     layers = sorted(deployment.exit_layers)
+    version = active.version
     start = active.activated_at.replace(second=0, microsecond=0)
-    conditions: list[Condition] = []
-    checked: set[str] = set()
-    threshold_set = get_threshold_set(session=session, deployment=deployment,
-                                      version=active.version)
+    threshold_set = get_threshold_set(session=session, deployment=deployment, version=version)
     thresholds = [threshold_set.thresholds_by_layer()[k] for k in layers]
 
     reference = expected_reference(active.expected_metrics, layers)
-    reference_until = start
-    reference_origin = "expected_metrics"
+    reference_until, reference_origin = start, "expected_metrics"
     first = _minute_windows(exit_rates(
-        session=session, deployment=deployment, since=start, version=active.version,
+        session=session, deployment=deployment, since=start, version=version,
         until=start + timedelta(seconds=options.reference_max_s)), layers)
-    found = _reference_window(first, layers, options.reference_tokens)
+    found = reference_window(first, layers, options.reference_tokens)
     if found is not None:
         reference_until = first[found[1] - 1][0] + timedelta(minutes=1)
     if reference is None and found is not None:
         reference, reference_origin = found[0], "first_window_after_activation"
-
-    # A learned reference's own window is not tested against itself; a known one is.
-    monitored_from = start if reference_origin == "expected_metrics" else reference_until
-    since = max(monitored_from, now - timedelta(seconds=options.lookback_s))
-    windows = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
-                                         version=active.version), layers)
+    since = lookback_start(start=start, reference_origin=reference_origin,
+                           reference_until=reference_until, now=now, options=options)
+    minutes = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
+                                         version=version), layers)
     recent_since = max(now - timedelta(seconds=options.recent_s), start)
-    recent_window = {"since": recent_since.isoformat(), "until": now.isoformat(),
-                     "version": active.version}
-    served = sum(c[layers[0]].tokens for minute, c in windows
-                 if layers[0] in c and minute >= recent_since.replace(second=0))
-    shadow = shadow_window(session=session, deployment=deployment, version=active.version,
-                           thresholds=thresholds, since=recent_since, until=None,
-                           served_tokens=served, options=options)
-    if reference is not None and windows:
-        checked.update(EXIT_KINDS)
-        window = {"since": since.isoformat(), "until": now.isoformat(),
-                  "version": active.version, "reference": reference_origin,
-                  "reference_until": reference_until.isoformat()}
-        for finding in detect_exit_rate_drift(reference=reference,
-                                              windows=[c for _, c in windows],
-                                              design_effect=shadow.design_effect):
-            condition = _exit_rate_condition(finding)
-            condition.evidence["window"] = window
-            condition.evidence["design_effect_measured"] = shadow.measured
-            if finding.kind == EXIT_RATE_SPIKE:
-                condition.evidence["quality_gate"] = shadow.gate(
-                    delta=deployment.delta, alpha=options.gate_alpha, window=recent_window)
-            conditions.append(condition)
-
-    quality = shadow.disagreement
-    if quality.tokens >= options.min_shadow_tokens:
-        checked.add(QUALITY_REGRESSION)
-        finding = check_shadow_disagreement(disagreement=quality, delta=deployment.delta,
-                                            alpha=options.quality_alpha, window=recent_window)
-        if finding is not None:
-            conditions.append(Condition(
-                kind=QUALITY_REGRESSION, severity=finding.severity, evidence=finding.to_dict(),
-                summary=(f"disagreement with full depth {quality.events}/{quality.tokens} = "
-                         f"{quality.rate:.2%} exceeds δ={deployment.delta:g} over "
-                         f"{quality.clusters} requests (design effect "
-                         f"{quality.design_effect:.1f}; p={finding.p_value:.2g})")))
-
+    requests, signals, matched = shadow_samples_by_request(
+        session=session, deployment=deployment, since=recent_since, version=version)
+    histograms = info_open = None
     if found is not None:
-        distribution = _distribution_condition(
-            session=session, deployment=deployment, version=active.version,
-            reference=(start, reference_until), recent_since=max(recent_since, reference_until),
-            options=options, want_report=want_report,
-            design_effect=max(shadow.design_effect.values(), default=1.0))
-        if distribution is not None:
-            checked.add(DISTRIBUTION_DRIFT)
-            conditions += distribution
-            if distribution:
-                escalated = _escalation(session=session, deployment=deployment, now=now,
-                                        info=distribution[0], others=conditions,
-                                        options=options)
-                if escalated is not None:
-                    conditions.append(escalated)
-    return conditions, checked
-
-
-def _escalation(*, session: Session, deployment: Deployment, now: datetime, info: Condition,
-                others: list[Condition], options: DriftOptions) -> Condition | None:
-    """The `warning` twin of an info distribution finding, when a rule says it pages."""
-    corroborating = [c for c in others if c.kind in (*EXIT_KINDS, QUALITY_REGRESSION)]
-    rule = None
-    if corroborating:
-        names = ", ".join(f"{c.kind}" + (f" at layer {c.layer}" if c.layer is not None else "")
-                          for c in corroborating)
-        rule = {"rule": "corroborated", "by": [c.kind for c in corroborating],
-                "text": f"corroborated by {names} in the same window"}
-    else:
-        key = info.dedup_key(deployment)
-        open_info = next((a for a in open_alerts(session=session, deployment=deployment,
-                                                 kinds=[DISTRIBUTION_DRIFT])
-                          if a.dedup_key == key), None)
-        needed = options.distribution_persist_windows
-        if open_info is not None and open_info.clear_since is None:
-            held = (now - open_info.fired_at).total_seconds()
-            windows = 1 + int(held // options.recent_s)
-            if windows >= needed:
-                rule = {"rule": "persisted", "windows": windows,
-                        "text": f"persisted over {windows} consecutive windows "
-                                f"(limit {needed})"}
-    if rule is None:
-        return None
-    return Condition(kind=DISTRIBUTION_DRIFT, severity=DISTRIBUTION_DRIFT_ESCALATED,
-                     subject="escalated", summary=f"{info.summary}; {rule['text']}",
-                     evidence=info.evidence | {"escalation": rule},
-                     report_html=info.report_html)
-
-
-def _histogram_frame(histogram: dict[int, list[int]], max_rows: int) -> dict[str, np.ndarray]:
-    from workers.stats.evidently_drift import histogram_samples
-
-    edges = np.linspace(0.0, 1.0, HISTOGRAM_BINS + 1)
-    total = sum(sum(bins) for bins in histogram.values()) or 1
-    signals, layers = [], []
-    for layer, bins in histogram.items():
-        samples = histogram_samples(edges, bins, max_rows=max(1, max_rows * sum(bins) // total))
-        signals.append(samples)
-        layers.append(np.full(len(samples), layer))
-    if not signals:
-        return {"signal": np.zeros(0), "exit_layer": np.zeros(0, dtype=int)}
-    return {"signal": np.concatenate(signals), "exit_layer": np.concatenate(layers)}
-
-
-def _distribution_condition(*, session: Session, deployment: Deployment, version: int,
-                            reference: tuple[datetime, datetime], recent_since: datetime,
-                            options: DriftOptions, want_report: bool,
-                            design_effect: float = 1.0) -> list[Condition] | None:
-    """[distribution_drift info condition], [] when the distributions agree, None on too
-    little data. Both sides are thinned to their effective sample size (tokens / design
-    effect) and tested at `distribution_p_value`, so the verdict counts requests, not tokens."""
-    from workers.stats.evidently_drift import distribution_drift_report
-
-    before = signal_histogram(session=session, deployment=deployment, since=reference[0],
-                              until=reference[1], version=version)
-    after = signal_histogram(session=session, deployment=deployment, since=recent_since,
-                             version=version)
-    sizes = [sum(sum(b) for b in h.values()) for h in (before, after)]
-    if min(sizes) < options.min_distribution_rows:
-        return None
-    rows = [min(20_000, effective_rows(n, design_effect)) for n in sizes]
-    p_value = options.distribution_p_value
-    report = distribution_drift_report(
-        reference=_histogram_frame(before, rows[0]), current=_histogram_frame(after, rows[1]),
-        methods={"signal": "ks", "exit_layer": "chisquare"},
-        thresholds={"signal": p_value, "exit_layer": p_value}, include_html=want_report)
-    finding = report.to_finding()
-    if finding is None:
-        return []
-    drifted = ", ".join(f"{c.column} ({c.method} {c.statistic:.3g} < {c.threshold:g})"
-                        for c in report.columns if c.drift_detected)
-    return [Condition(kind=DISTRIBUTION_DRIFT, severity=SEVERITY[DISTRIBUTION_DRIFT],
-                     summary=f"distribution drift in {drifted} vs the reference window",
-                     evidence=finding.to_dict() | {
-                         "reference_window": [reference[0].isoformat(),
-                                              reference[1].isoformat()],
-                         "recent_since": recent_since.isoformat(), "version": version,
-                         "tokens": {"reference": sizes[0], "recent": sizes[1]},
-                         "design_effect": design_effect},
-                     report_html=report.html)]
+        histograms = (
+            signal_histogram(session=session, deployment=deployment, since=start,
+                             until=reference_until, version=version),
+            signal_histogram(session=session, deployment=deployment,
+                             since=max(recent_since, reference_until), version=version))
+        key = f"{deployment.name}:{DISTRIBUTION_DRIFT}:all"
+        info = next((a for a in open_alerts(session=session, deployment=deployment,
+                                            kinds=[DISTRIBUTION_DRIFT])
+                     if a.dedup_key == key), None)
+        info_open = (info.fired_at, info.clear_since) if info is not None else None
+    inputs = WindowInputs(
+        version=version, layers=layers, thresholds=thresholds, delta=deployment.delta, now=now,
+        reference=reference, reference_origin=reference_origin,
+        reference_window=(start, reference_until) if found is not None else None,
+        since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
+        shadow_signals=signals, shadow_matched=matched, histograms=histograms,
+        info_open=info_open)
+    return evaluate(inputs, options, want_report=want_report)
 
 
 def check_deployment(*, session: Session, deployment: Deployment, options: DriftOptions,

@@ -416,8 +416,12 @@ class ExitRateMonitor:
         fired = {f.layer for f in findings}
         for layer, state in self._layers.items():
             if state.window[0] >= self.window_tokens:
-                if state.firing is not None and layer not in fired:
-                    state.firing = None  # a full window back at the reference resolves it
+                back = abs(state.window[1] / state.window[0] - state.reference.rate) \
+                    < self.min_effect
+                if state.firing is not None and layer not in fired and back:
+                    # a full window back at the reference resolves it; one that is merely
+                    # not significant (a window straddling the change) does not
+                    state.firing = None
                 state.window = [0, 0]
             if state.confirm is not None and state.confirm[0] >= self.confirm_tokens:
                 state.confirm = None  # suspicion not confirmed on fresh tokens: dismiss
