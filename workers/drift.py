@@ -104,7 +104,18 @@ def expected_reference(expected_metrics: Mapping, exit_layers: list[int]
         rates = conditional_exit_rates(shares) if shares else None
     if not rates or not set(exit_layers) <= set(rates):
         return None
-    return {layer: LayerReference(min(max(rates[layer], 0.0), 1.0)) for layer in exit_layers}
+    # A calibration's rates are estimates from its test split, not constants: with the split's
+    # size they are tested as a sample (tokens reaching each layer), else as known rates.
+    samples = expected_metrics.get("samples")
+    tested = samples.get("test") if isinstance(samples, Mapping) else None
+    reference, reaching = {}, float(tested) if tested else None
+    for layer in exit_layers:
+        rate = min(max(rates[layer], 0.0), 1.0)
+        tokens = max(1, round(reaching)) if reaching is not None else None
+        reference[layer] = LayerReference(rate, tokens)
+        if reaching is not None:
+            reaching *= 1.0 - rate
+    return reference
 
 
 def _minute_windows(points: list[dict], exit_layers: list[int]

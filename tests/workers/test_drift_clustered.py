@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
+from controlplane.alerts.service import create_hook, hooks_for
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
 from controlplane.thresholds.service import aliases_of, move_alias, publish
@@ -86,6 +87,8 @@ def test_distribution_drift_alone_informs_then_pages_when_it_persists(session: S
                                                                       tmp_path, outbox):
     options = DriftOptions(recent_s=300, distribution_persist_windows=2)
     deployment, start, now = _setup(session, minutes=15)
+    pager = create_hook(session=session, name="pager", kind="webhook", actor="test",
+                        url="http://127.0.0.1:9/hook")  # default: warning and above
     # Tokens that do not exit get less confident: the signal histogram moves, exits do not.
     end = send_requests(session, deployment, start=start, seed=2, requests_per_minute=60,
                         phases=[Requests(5), Requests(10, tail_shift=-0.25)])
@@ -96,6 +99,7 @@ def test_distribution_drift_alone_informs_then_pages_when_it_persists(session: S
     info = first.fired[0]
     assert info.evidence["test"] == "evidently:ks" and info.report_path
     assert (tmp_path / info.report_path).is_file()
+    assert hooks_for(session=session, alert=info, event="firing") == []  # shown, not paged
     # The same drift, one window later: not yet two consecutive windows.
     send_requests(session, deployment, start=end, seed=3, requests_per_minute=60,
                   phases=[Requests(10, tail_shift=-0.25)])
@@ -109,6 +113,7 @@ def test_distribution_drift_alone_informs_then_pages_when_it_persists(session: S
     assert persisted.fired[0].evidence["escalation"] == {
         "rule": "persisted", "windows": 2,
         "text": "persisted over 2 consecutive windows (limit 2)"}
+    assert hooks_for(session=session, alert=persisted.fired[0], event="firing") == [pager]
 
 
 def test_unchecked_tokens_stay_out_of_the_signal_distribution(session: Session, tmp_path,

@@ -149,15 +149,14 @@ def shadow_window(*, requests: Sequence[str], signals: np.ndarray, matched: np.n
     shadow_size = weighted_cluster_size(per_cluster(requests, disagree)[0]) if len(requests) \
         else 0.0
     share = min(max(len(requests) / served_tokens if served_tokens else 1.0, 1e-6), 1.0)
-    effects = {}
-    for layer in layers:
-        found = measured.get(layer)
-        if found is None:
-            effects[layer] = options.default_design_effect
-            continue
-        served = scale_design_effect(found.design_effect, mean_cluster_size=shadow_size,
-                                     target_cluster_size=shadow_size / share)
-        effects[layer] = min(served, options.max_design_effect)
+    effects = {layer: min(scale_design_effect(found.design_effect, mean_cluster_size=shadow_size,
+                                              target_cluster_size=shadow_size / share),
+                          options.max_design_effect)
+               for layer, found in measured.items()}
+    # Clustering is a property of the traffic more than of a layer: a layer too rarely reached
+    # (or exited) to measure its own borrows the largest measured one.
+    fallback = max(effects.values(), default=options.default_design_effect)
+    effects = {layer: effects.get(layer, fallback) for layer in layers}
     return ShadowWindow(quality, effects, {k: v.to_dict() for k, v in measured.items()})
 
 
