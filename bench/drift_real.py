@@ -379,7 +379,7 @@ class Episode:
 
     def run(self, times) -> list[dict]:
         events = []
-        for t in times:
+        for t in map(float, times):
             conditions, checked = self.check(t)
             events += self.reconcile(t, conditions, checked)
         return events

@@ -125,6 +125,28 @@ def clustered_rate(cluster_ids: Sequence, events: np.ndarray,
     return clustered_proportion(*per_cluster(cluster_ids, events, include))
 
 
+def mean_design_effect(cluster_ids: Sequence, values: np.ndarray) -> tuple[float, int]:
+    """(design effect of the mean of `values`, clusters): CR1 variance of the ratio estimator
+    sum(y_i) / sum(n_i) over the iid variance s^2 / n. What a two-sample test of a continuous
+    per-token value (the signal histogram) must pay for clustering."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return 1.0, len(values)
+    _, cluster = np.unique(np.asarray(cluster_ids, dtype=object).astype(str),
+                           return_inverse=True)
+    cluster = cluster.ravel()
+    sizes = np.bincount(cluster).astype(float)
+    sums = np.bincount(cluster, weights=values)
+    groups, total = len(sizes), float(sizes.sum())
+    spread = float(values.var(ddof=1))
+    if groups < 2 or spread <= 0.0:
+        return 1.0, groups
+    mean = sums.sum() / total
+    residual = sums - mean * sizes
+    robust = groups / (groups - 1) * float(residual @ residual) / total**2
+    return max(1.0, robust / (spread / total)), groups
+
+
 def scale_design_effect(design_effect: float, *, mean_cluster_size: float,
                         target_cluster_size: float) -> float:
     """A design effect measured on clusters of `mean_cluster_size` tokens, carried to clusters

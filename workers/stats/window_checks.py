@@ -21,6 +21,7 @@ from workers.stats.clustered import (
     clustered_rate,
     effective_rows,
     layer_design_effects,
+    mean_design_effect,
     per_cluster,
     policy_outcomes,
     scale_design_effect,
@@ -104,6 +105,7 @@ class ShadowWindow:
     disagreement: ClusteredProportion
     design_effect: dict[int, float]  # per exit layer, for the served (rollup) tokens
     measured: dict[int, dict]  # per exit layer where it was measured: the clustered exit rate
+    signal_design_effect: float = 1.0  # of the recorded signal, for the served tokens
 
     def gate(self, *, delta: float, alpha: float, window: dict) -> dict:
         """What the fallback decides from: the clustered upper bound of the disagreement."""
@@ -157,7 +159,20 @@ def shadow_window(*, requests: Sequence[str], signals: np.ndarray, matched: np.n
     # (or exited) to measure its own borrows the largest measured one.
     fallback = max(effects.values(), default=options.default_design_effect)
     effects = {layer: effects.get(layer, fallback) for layer in layers}
-    return ShadowWindow(quality, effects, {k: v.to_dict() for k, v in measured.items()})
+    # The recorded signal (at the exit, else at the deepest layer the policy checks) is far more
+    # alike within a request than a rare exit is: the histogram test gets its own design effect.
+    live = [j for j, t in enumerate(thresholds) if t < 1.0] or [len(layers) - 1]
+    column = np.where(slot < len(layers), slot, live[-1])
+    recorded = signals[np.arange(len(slot)), column] if len(slot) else np.zeros(0)
+    signal_effect, groups = mean_design_effect(requests, recorded)
+    if groups >= options.min_shadow_requests:
+        signal_effect = min(scale_design_effect(signal_effect, mean_cluster_size=shadow_size,
+                                                target_cluster_size=shadow_size / share),
+                            options.max_design_effect)
+    else:
+        signal_effect = fallback
+    return ShadowWindow(quality, effects, {k: v.to_dict() for k, v in measured.items()},
+                        signal_effect)
 
 
 def _exit_rate_condition(finding: DriftFinding) -> Condition:
@@ -217,7 +232,8 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
     if inputs.histograms is not None and inputs.reference_window is not None:
         distribution = distribution_condition(
             inputs, options, want_report=want_report,
-            design_effect=max(shadow.design_effect.values(), default=1.0))
+            design_effect=max(shadow.signal_design_effect,
+                              *shadow.design_effect.values()))
         if distribution is not None:
             checked.add(DISTRIBUTION_DRIFT)
             conditions += distribution
@@ -287,11 +303,12 @@ def distribution_condition(inputs: WindowInputs, options: DriftOptions, *, want_
     report = distribution_drift_report(
         reference=_histogram_frame(before, rows[0]), current=_histogram_frame(after, rows[1]),
         methods={"signal": "ks", "exit_layer": "chisquare"},
-        thresholds={"signal": p_value, "exit_layer": p_value}, include_html=want_report)
+        thresholds={"signal": p_value, "exit_layer": p_value}, include_html=want_report,
+        two_sample_thresholds={"signal": p_value, "exit_layer": p_value})
     finding = report.to_finding()
     if finding is None:
         return []
-    drifted = ", ".join(f"{c.column} ({c.method} p={c.statistic:.3g} < {c.threshold:g})"
+    drifted = ", ".join(f"{c.column} ({c.p_value_test} p={c.p_value:.3g} < {p_value:g})"
                         for c in report.columns if c.drift_detected)
     reference = inputs.reference_window
     return [Condition(kind=DISTRIBUTION_DRIFT, severity=SEVERITY[DISTRIBUTION_DRIFT],
