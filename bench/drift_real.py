@@ -119,10 +119,10 @@ def produce_records(source: str, *, requests: int, new_tokens: int, prompt_token
         engine.add_request(prompt, request_id=f"{source}-{index}", max_new_tokens=new_tokens)
     records, done = [], 0
     while engine.has_work:
-        for output in engine.step():
-            done += output.finished
+        finished = sum(output.finished for output in engine.step())
+        done += finished
         records += engine.drain_records()
-        if done and done % 20 == 0:
+        if finished and done % 20 < finished:
             print(f"{source}: {done}/{len(prompts)} requests, {len(records)} tokens, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     layers = list(heads.exit_layers)
@@ -217,7 +217,9 @@ def rollup_slots(tokens: dict, thresholds: list[float], layers: list[int], num_l
     first, _ = policy_outcomes(tokens["signals"], tokens["matched"], thresholds)
     served = np.where(tokens["shadow"], len(layers), first)  # shadow tokens go full depth
     width = len(layers) + 1
-    exits = np.bincount(slot * width + served, minlength=slots * width).reshape(slots, width)
+    # what `workers.drift` reads: exits and reached counts with the shadow tokens' policy exits
+    # (`policy_exits`) put back, i.e. the policy's own exit of every token
+    exits = np.bincount(slot * width + first, minlength=slots * width).reshape(slots, width)
     reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]
     # the recorded signal: at the exit, else at the deepest layer the policy checks for every
     # row (thresholds < 1); none when the policy checks nothing, except for shadow rows
@@ -360,7 +362,7 @@ class Episode:
                 continue
             self.open[key] = {"fired": now, "clear_since": None, "kind": condition.kind}
             event = {"t": t, "kind": condition.kind, "severity": condition.severity,
-                     "layer": condition.layer, "fallback": None}
+                     "layer": condition.layer, "fallback": None, "summary": condition.summary}
             if condition.kind in QUALITY_AT_RISK:
                 decision = decide(alert=SimpleNamespace(kind=condition.kind,
                                                         evidence=condition.evidence),
@@ -412,16 +414,18 @@ def main() -> None:
     parser.add_argument("--records-only", action="store_true")
     parser.add_argument("--hours", type=float, default=24.0,
                         help="stationary hours in all, split across the sources")
-    parser.add_argument("--switches", type=int, default=3, help="switches per ordered pair")
+    parser.add_argument("--switches", type=int, default=2, help="switches per ordered pair")
     parser.add_argument("--warmup-min", type=float, default=30.0)
     parser.add_argument("--after-min", type=float, default=20.0)
-    parser.add_argument("--token-rate", type=float, default=12.0, help="tokens per second")
+    parser.add_argument("--token-rate", type=float, default=6.0,
+                        help="tokens per second (the issue's deployment: 615 in 2 minutes)")
     parser.add_argument("--token-s", type=float, default=0.05, help="decode time per token")
     parser.add_argument("--shadow-rate", type=float, default=0.3)
     parser.add_argument("--delta", type=float, default=0.05)
     parser.add_argument("--epsilon", type=float, default=0.1)
-    parser.add_argument("--check-every-s", type=float, default=60.0,
-                        help="check period in stationary stretches")
+    parser.add_argument("--check-every-s", type=float, default=120.0,
+                        help="check period in stationary stretches (each check replays the "
+                             "whole lookback, as the task does: the box has 2 shared cores)")
     parser.add_argument("--shift-check-every-s", type=float, default=30.0,
                         help="check period after a switch (the drift beat's 30 s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -525,7 +529,7 @@ def main() -> None:
         print("shift", json.dumps(shift))
     for alarm in false_alarms:
         print("false alarm", json.dumps({k: alarm[k] for k in ("source", "t", "kind", "layer",
-                                                               "severity")}))
+                                                               "severity", "summary")}))
     print(json.dumps({
         "false_alarms_per_hour": round(len(false_alarms) / (stationary_s / 3600), 4),
         "false_fallbacks": int(false_fallbacks),

@@ -120,12 +120,29 @@ def expected_reference(expected_metrics: Mapping, exit_layers: list[int]
 
 def _minute_windows(points: list[dict], exit_layers: list[int]
                     ) -> list[tuple[datetime, dict[int, LayerCounts]]]:
-    by_minute: dict[datetime, dict[int, LayerCounts]] = defaultdict(dict)
+    """Per minute, the policy's conditional exit counts per exit layer.
+
+    Shadow tokens run to full depth, so the rollups count them as reaching every layer and
+    exiting nowhere; read that way a shadow rate of 0.3 lowers every exit rate by 30% against
+    a calibration's expected rates. The policy's own exits of those tokens (`policy_exits`) put
+    them back where the policy would have let them out."""
+    by_minute: dict[datetime, dict[int, dict]] = defaultdict(dict)
     for point in points:
         if point["layer"] in exit_layers:
-            by_minute[point["minute"]][point["layer"]] = LayerCounts(point["tokens"],
-                                                                     point["exits"])
-    return sorted(by_minute.items())
+            by_minute[point["minute"]][point["layer"]] = point
+    out = []
+    for minute, layers in sorted(by_minute.items()):
+        counts, left_earlier = {}, 0
+        for layer in sorted(layers):
+            point = layers[layer]
+            policy_exits = point.get("policy_exits", 0)
+            reached = point["tokens"] - left_earlier
+            exits = point["exits"] + policy_exits
+            if reached > 0:
+                counts[layer] = LayerCounts(reached, min(exits, reached))
+            left_earlier += policy_exits
+        out.append((minute, counts))
+    return out
 
 
 def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,

@@ -282,7 +282,10 @@ class ExitRateMonitor:
     reached tokens is full, that window against the reference. Without a given reference a layer
     learns it from its first `warmup_tokens` reached tokens. A layer that fired stays quiet
     until a full tumbling window no longer differs from the reference (then it resolves).
-    `design_effect` {layer: d} widens each layer's confirming test for clustered tokens.
+    `design_effect` {layer: d} widens each layer's confirming test for clustered tokens;
+    `min_expected_events` > 0 also holds a confirming test back until the fresh tokens' effective
+    count would expect that many exits and stays at the reference rate (the z-test's normal
+    approximation is poor on a handful of rare exits).
     """
 
     def __init__(
@@ -300,6 +303,7 @@ class ExitRateMonitor:
         confirm_tokens: int = 2000,
         window_tokens: int = 5000,
         design_effect: Mapping[int, float] | None = None,
+        min_expected_events: float = 0.0,
     ) -> None:
         self.exit_layers = sorted(exit_layers)
         self.alpha, self.min_effect, self.correction = alpha, min_effect, correction
@@ -307,6 +311,7 @@ class ExitRateMonitor:
         self.warmup_tokens, self.confirm_tokens = warmup_tokens, confirm_tokens
         self.window_tokens = window_tokens
         self.design_effect = dict(design_effect or {})
+        self.min_expected_events = min_expected_events
         self.tokens_seen = 0
         self._since_check = 0
         self._layers = {
@@ -383,12 +388,21 @@ class ExitRateMonitor:
             elif adwin.drift_detected and state.firing is None:
                 confirm = state.confirm = [0, 0]
 
+    def _confirm_tokens(self, layer: int, state: _LayerState) -> float:
+        """Fresh tokens a confirming test needs at this layer."""
+        if self.min_expected_events <= 0:
+            return self.min_tokens
+        rate = min(state.reference.rate, 1.0 - state.reference.rate)
+        needed = self.min_expected_events * self.design_effect.get(layer, 1.0) / max(rate, 1e-3)
+        return max(self.min_tokens, min(needed, self.confirm_tokens))
+
     def _check(self) -> list[DriftFinding]:
         tested = []
         for layer, state in self._layers.items():
             if state.reference is None:
                 continue
-            if state.confirm is not None and state.confirm[0] >= self.min_tokens:
+            if state.confirm is not None and state.confirm[0] >= self._confirm_tokens(layer,
+                                                                                    state):
                 extra = {
                     "trigger": "adwin",
                     "adwin_delta": self.adwin_delta,

@@ -64,6 +64,7 @@ class DriftOptions:
     gate_alpha: float = 0.05  # the quality gate's upper bound is a (1 - gate_alpha) bound
     distribution_persist_windows: int = 3
     distribution_p_value: float = 1e-3
+    min_expected_exits: float = 10.0  # before a confirming exit-rate test on fresh tokens
 
     @classmethod
     def from_settings(cls, settings) -> DriftOptions:
@@ -207,7 +208,8 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
             window["reference_until"] = inputs.reference_window[1].isoformat()
         for finding in detect_exit_rate_drift(reference=inputs.reference,
                                               windows=[c for _, c in inputs.minutes],
-                                              design_effect=shadow.design_effect):
+                                              design_effect=shadow.design_effect,
+                                              min_expected_events=options.min_expected_exits):
             condition = _exit_rate_condition(finding)
             condition.evidence["window"] = window
             condition.evidence["design_effect_measured"] = shadow.measured
