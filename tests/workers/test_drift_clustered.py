@@ -15,6 +15,7 @@ from controlplane.alerts.models import Alert
 from controlplane.alerts.service import create_hook, hooks_for
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
+from controlplane.telemetry.service import exit_rates
 from controlplane.thresholds.service import aliases_of, move_alias, publish
 from tests.controlplane.alerts.support import LAYERS, make_deployment
 from tests.workers.clustered_traffic import Requests, send_requests
@@ -34,10 +35,11 @@ def _conditions(session, deployment, now, **options):
 
 
 def test_stationary_requests_that_differ_page_nobody(session: Session, tmp_path, outbox):
-    # Requests differ a lot in how early they exit; counted as tokens, the per-minute exit rates
-    # look like drift at every seed tried (exit_rate_spike at layer 4 on this one).
+    # Requests differ a lot in how early they exit; counted as tokens, the exit rates look like
+    # drift (before issue 17: an exit_rate_spike, critical, and a warning on this seed).
     deployment, start, now = _setup(session)
-    send_requests(session, deployment, start=start, phases=[Requests(30)], seed=0)
+    send_requests(session, deployment, start=start, phases=[Requests(30, spread=6.0)], seed=0,
+                  requests_per_minute=10, tokens_per_request=50)
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
                               reports_dir=tmp_path, now=now)
     assert [(a.kind, a.severity) for a in result.fired] == []
@@ -156,3 +158,24 @@ def test_windows_of_another_version_are_never_compared(session: Session, tmp_pat
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
                               reports_dir=tmp_path, now=now)
     assert result.fired == []
+
+
+def test_shadow_tokens_do_not_read_as_an_exit_rate_collapse(session: Session, tmp_path,
+                                                            outbox):
+    # The calibration's expected rates are the policy's. Shadow tokens run to full depth: read
+    # as served tokens, a 0.3 shadow rate lowered every exit rate by 30% against them.
+    scratch, start, now = _setup(session, minutes=20)
+    send_requests(session, scratch, start=start, seed=7, phases=[Requests(20, ease=0.85,
+                                                                          shadow_rate=0.0)])
+    minutes = exit_rates(session=session, deployment=scratch, since=start, version=2)
+    rates = {str(k): sum(p["exits"] for p in minutes if p["layer"] == k)
+             / sum(p["tokens"] for p in minutes if p["layer"] == k) for k in LAYERS}
+    assert rates["4"] > 0.15  # exits that a 30% dilution turns into a collapse
+    expected = {"conditional_exit_rate": rates, "samples": {"test": 20_000}}
+    deployment = make_deployment(session, name="served", activated_at=start,
+                                 expected_metrics=expected)
+    send_requests(session, deployment, start=start, seed=8,
+                  phases=[Requests(20, ease=0.85, shadow_rate=0.3)])
+    result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
+                              reports_dir=tmp_path, now=now)
+    assert [a.kind for a in result.fired if a.kind.startswith("exit_rate")] == []
