@@ -40,6 +40,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.service import Condition, Reconciled, open_alerts, reconcile
+from controlplane.calibration.fallback import recheck_spike
 from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.service import (
@@ -206,9 +207,16 @@ def check_deployment(*, session: Session, deployment: Deployment, options: Drift
     conditions, checked = exit_behaviour_conditions(
         session=session, deployment=deployment, now=now, options=options,
         want_report=reports_dir is not None and len(reported) < 2)
-    return reconcile(session=session, deployment=deployment, conditions=conditions,
-                     checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
-                     reports_dir=reports_dir)
+    result = reconcile(session=session, deployment=deployment, conditions=conditions,
+                       checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
+                       reports_dir=reports_dir)
+    # A spike that kept the set is re-judged on each window's shadow evidence while it lasts.
+    gates = {c.dedup_key(deployment): c.evidence["quality_gate"] for c in conditions
+             if "quality_gate" in c.evidence}
+    for alert in result.refreshed:
+        if alert.dedup_key in gates:
+            recheck_spike(session=session, alert=alert, quality_gate=gates[alert.dedup_key])
+    return result
 
 
 def stale_runtime_conditions(*, session: Session, deployment: Deployment, now: datetime,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -246,6 +247,38 @@ def _last_good_target(*, session: Session, deployment: Deployment, current: int,
         expected_metrics={"source_version": good.version, "margin": margin,
                           "alert_id": alert.id})
     return published.version, good.version
+
+
+KEPT = "shadow_upper_bound_within_delta"
+
+
+def recheck_spike(*, session: Session, alert, quality_gate: dict,
+                  gate: SpikeGate | None = None) -> bool:
+    """A still-open `exit_rate_spike` that kept the active set, seen again with the shadow
+    evidence of the current window: fall back now if that evidence no longer shows
+    disagreement within δ. True when it fell back."""
+    if alert.kind != "exit_rate_spike" or not (alert.action_taken or "").startswith(
+            f"rule {KEPT}"):
+        return False
+    deployment = session.get(Deployment, alert.deployment_id)
+    gate = gate or SpikeGate.from_settings(get_settings())
+    current = SimpleNamespace(kind=alert.kind, evidence={"quality_gate": quality_gate})
+    decision = decide(alert=current, delta=deployment.delta, gate=gate)
+    if not decision.fall_back:
+        return False
+    savepoint = session.begin_nested()
+    try:
+        alert.action_taken = f"{alert.action_taken}; re-checked: {decision.describe()}"
+        engage_fallback(session=session, deployment=deployment, alert=alert)
+        savepoint.commit()
+    except Exception as error:
+        savepoint.rollback()
+        log.exception("fallback on re-checked alert %s failed", alert.id)
+        alert.action_taken = (f"{alert.action_taken}; re-checked: {decision.describe()}; "
+                              f"automatic fallback FAILED ({type(error).__name__}: {error})")
+        session.flush()
+        return False
+    return True
 
 
 def react_to_alert(*, session: Session, alert,

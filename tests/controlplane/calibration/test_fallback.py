@@ -238,3 +238,28 @@ def test_spike_without_shadow_evidence_of_quality_falls_back(engine, outbox, gat
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
         action = session.get(Alert, alert_id).action_taken
         assert action.startswith(f"rule {rule}: ") and "fallback engaged: active 2 -> 1" in action
+
+
+def test_a_kept_spike_falls_back_once_a_later_window_cannot_show_quality(engine, outbox):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+    alert_id = _fire(engine, kind="exit_rate_spike",
+                     evidence=_gate(tokens=1158, requests=40, disagreements=9,
+                                    upper_bound=0.021))
+    with session_scope(engine) as session:
+        alert = session.get(Alert, alert_id)
+        still_fine = _gate(tokens=900, requests=35, disagreements=8, upper_bound=0.03)
+        assert not fallback.recheck_spike(session=session, alert=alert,
+                                          quality_gate=still_fine["quality_gate"])
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 2
+        worse = _gate(tokens=900, requests=35, disagreements=40, upper_bound=0.062)
+        assert fallback.recheck_spike(session=session, alert=alert,
+                                      quality_gate=worse["quality_gate"])
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+        action = session.get(Alert, alert_id).action_taken
+        assert "re-checked: rule shadow_upper_bound_above_delta" in action
+        assert "fallback engaged: active 2 -> 1" in action
