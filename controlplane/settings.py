@@ -94,6 +94,17 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] | None = None
     access_log: bool | None = None
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Drift on clustered traffic and a fallback that follows quality evidence (issue 17).
+    # Design effect of exit-rate tests when the window's shadow tokens cannot measure it.
+    drift_default_design_effect: float = Field(default=1.0, ge=1.0)
+    # Distribution drift alone is info; it pages once it held this many consecutive windows.
+    drift_distribution_persist_windows: int = Field(default=3, ge=1)
+    drift_distribution_p_value: float = Field(default=1e-3, gt=0, lt=1)
+    # An exit-rate spike falls back unless the (1 - alpha) upper bound of the window's
+    # request-clustered shadow disagreement is within δ on enough shadow tokens and requests.
+    fallback_gate_alpha: float = Field(default=0.05, gt=0, lt=1)
+    fallback_min_shadow_tokens: int = Field(default=200, ge=1)
+    fallback_min_shadow_requests: int = Field(default=20, ge=1)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -145,7 +145,9 @@ class TokenRecord(BaseModel):
     position: int = Field(ge=0, le=INT32)
     # The number of decoder layers the token ran; num_layers means full depth.
     exit_layer: int = Field(ge=0, le=1024)
-    signal_value: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    # None: this token's exits were not checked (e.g. a never-exit set skips the checks), so
+    # it has no signal; consumers leave it out of signal distributions instead of reading 0.
+    signal_value: float | None = Field(ge=0.0, le=1.0, allow_inf_nan=False)
     latency_us: int = Field(ge=0, le=INT32)
     ts: float = Field(gt=0, le=MAX_TS, description="unix seconds when the token was produced")
     shadow: list[ShadowPoint] | None = None

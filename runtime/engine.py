@@ -340,6 +340,10 @@ class Engine:
         sampling = any(r.temperature > 0 for r in requests)
         exit_layer = torch.full((batch,), parts.num_layers, dtype=torch.long, device=device)
         signal_at = torch.zeros(batch, device=device)
+        # A token's recorded signal comes only from the checks its policy runs whatever the
+        # batch holds; checks run just to label a shadow row in the same step do not count, so
+        # the signal's distribution does not move with batch composition.
+        signal_checked = torch.zeros(batch, dtype=torch.bool, device=device)
         shadow_log: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         state = signals.SignalState(batch, device)
         # learned exits defer the vocabulary projection to one matmul at the end of the step:
@@ -349,6 +353,7 @@ class Engine:
         mask_only = self.config.batching == "mask"
         thresholds = policy.thresholds
         checked = self._checked_layers(policy, any(shadow))
+        served = self._checked_layers(policy, False)
         for layer in range(parts.num_layers):
             x = self._layer(layer, x[:, None], rows.slots, rows.positions[:, None], rows,
                             rows.length)[:, 0]
@@ -356,7 +361,13 @@ class Engine:
             if depth not in checked:
                 continue
             value, top1, logits = signals.check(policy.signal, self.readout, depth, x, state)
-            signal_at[rows.index] = torch.where(rows.done, signal_at[rows.index], value)
+            if depth in served:
+                signal_at[rows.index] = torch.where(rows.done, signal_at[rows.index], value)
+                signal_checked[rows.index] |= ~rows.done
+            elif not served:  # a never-exit set: only shadow rows (a random sample) have one
+                live = rows.shadow & ~rows.done
+                signal_at[rows.index] = torch.where(live, value, signal_at[rows.index])
+                signal_checked[rows.index] |= live
             if rows.shadow_np.any():
                 sel = rows.shadow
                 shadow_top1 = (self.readout.logits(depth, x[sel]).argmax(-1) if top1 is None
@@ -399,7 +410,7 @@ class Engine:
             greedy[index] = final.argmax(-1)
             tokens[index] = _sample(final, index, requests) if sampling else greedy[index]
         return {"tokens": tokens, "greedy": greedy, "exit_layer": exit_layer, "signal": signal_at,
-                "shadow_log": shadow_log, "shadow": shadow}
+                "signal_checked": signal_checked, "shadow_log": shadow_log, "shadow": shadow}
 
     @staticmethod
     def _checked_layers(policy: ExitPolicy, shadow: bool) -> frozenset[int]:
@@ -499,6 +510,7 @@ class Engine:
         tokens = result["tokens"].tolist()
         exit_layers = result["exit_layer"].tolist()
         signal_values = result["signal"].clamp(0.0, 1.0).tolist()
+        signal_checked = result["signal_checked"].tolist()
         shadow_points = self._shadow_points(result, result["greedy"].tolist())
         latency_us = int((time.perf_counter() - started) * 1e6)
         now = time.time()
@@ -508,7 +520,8 @@ class Engine:
             record = TokenRecord(
                 threshold_version=policy.version, request_id=request.request_id,
                 position=len(request.generated), exit_layer=exit_layers[row],
-                signal_value=signal_values[row], latency_us=latency_us, ts=now,
+                signal_value=signal_values[row] if signal_checked[row] else None,
+                latency_us=latency_us, ts=now,
                 shadow=shadow_points.get(row))
             request.generated.append(token)
             finished = (token in request.stop_token_ids

@@ -10,6 +10,22 @@ layer saw `reference_tokens` tokens:
 - shadow disagreement of the recent window vs the deployment's δ (one-sided binomial test);
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
 - runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
+
+Tokens are clustered by request (issue 17; the statistics are in `workers.stats.clustered`):
+the quality test runs on the window's shadow tokens grouped by their request id; each exit
+layer's design effect is measured on the same shadow tokens under the active policy and widens
+that layer's exit-rate test (rollups carry no per-request counts, so the design effect travels
+to them; without enough shadow requests to measure it, `default_design_effect` applies); the
+distribution test sees only as many rows as the effective sample size. Every read is filtered to
+the active version, so a window is never compared with one of another version, and tokens whose
+exits were not checked carry no signal and are not in the histograms.
+
+Distribution drift alone is an `info` finding with its Evidently report (no page); a second,
+`warning` finding (subject "escalated") joins it when an exit-rate or quality condition fires in
+the same check, or when the info finding persisted over `distribution_persist_windows`
+consecutive recent windows. Each exit-rate spike carries the window's clustered shadow
+disagreement (`quality_gate`), from which the fallback decides (`controlplane.calibration.
+fallback`).
 """
 
 from __future__ import annotations
@@ -20,7 +36,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -31,46 +46,35 @@ from controlplane.alerts.service import (
     open_alerts,
     reconcile,
 )
+from controlplane.calibration.fallback import recheck_spike
 from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
-from controlplane.telemetry.models import HISTOGRAM_BINS
-from controlplane.telemetry.service import disagreement, exit_rates, signal_histogram
+from controlplane.telemetry.service import (
+    exit_rates,
+    shadow_samples_by_request,
+    signal_histogram,
+)
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.service import aliases_of, get_threshold_set
 from workers.stats.drift import (
     DISTRIBUTION_DRIFT,
-    EXIT_RATE_COLLAPSE,
-    EXIT_RATE_SPIKE,
-    QUALITY_REGRESSION,
-    SEVERITY,
-    DriftFinding,
     LayerCounts,
     LayerReference,
-    check_shadow_disagreement,
     conditional_exit_rates,
-    detect_exit_rate_drift,
+)
+from workers.stats.window_checks import (
+    EXIT_KINDS,
+    DriftOptions,
+    WindowInputs,
+    evaluate,
+    lookback_start,
+    reference_window,
 )
 
-EXIT_KINDS = (EXIT_RATE_COLLAPSE, EXIT_RATE_SPIKE)
+__all__ = ["EXIT_KINDS", "DriftOptions", "check_deployment", "check_runtimes",
+           "exit_behaviour_conditions", "expected_reference"]  # DriftOptions lives with evaluate
+
 RUNTIME_STALE = "runtime_stale"
-
-
-@dataclass(frozen=True)
-class DriftOptions:
-    """Windows and sample sizes of one check (seconds and tokens)."""
-
-    lookback_s: float = 1800.0
-    recent_s: float = 600.0
-    reference_tokens: int = 2000
-    reference_max_s: float = 3600.0
-    min_shadow_tokens: int = 100
-    min_distribution_rows: int = 500
-    clear_after_s: float = 300.0
-
-    @classmethod
-    def from_settings(cls, settings) -> DriftOptions:
-        return cls(lookback_s=settings.drift_lookback_s, recent_s=settings.drift_recent_s,
-                   clear_after_s=settings.alert_clear_after_s)
 
 
 @dataclass(frozen=True)
@@ -107,170 +111,118 @@ def expected_reference(expected_metrics: Mapping, exit_layers: list[int]
         rates = conditional_exit_rates(shares) if shares else None
     if not rates or not set(exit_layers) <= set(rates):
         return None
-    return {layer: LayerReference(min(max(rates[layer], 0.0), 1.0)) for layer in exit_layers}
+    # A calibration's rates are estimates from its test split, not constants: with the split's
+    # size they are tested as a sample (tokens reaching each layer), else as known rates.
+    samples = expected_metrics.get("samples")
+    tested = samples.get("test") if isinstance(samples, Mapping) else None
+    reference, reaching = {}, float(tested) if tested else None
+    for layer in exit_layers:
+        rate = min(max(rates[layer], 0.0), 1.0)
+        tokens = max(1, round(reaching)) if reaching is not None else None
+        reference[layer] = LayerReference(rate, tokens)
+        if reaching is not None:
+            reaching *= 1.0 - rate
+    return reference
 
 
 def _minute_windows(points: list[dict], exit_layers: list[int]
                     ) -> list[tuple[datetime, dict[int, LayerCounts]]]:
-    by_minute: dict[datetime, dict[int, LayerCounts]] = defaultdict(dict)
+    """Per minute, the policy's conditional exit counts per exit layer.
+
+    Shadow tokens run to full depth, so the rollups count them as reaching every layer and
+    exiting nowhere; read that way a shadow rate of 0.3 lowers every exit rate by 30% against
+    a calibration's expected rates. The policy's own exits of those tokens (`policy_exits`) put
+    them back where the policy would have let them out."""
+    by_minute: dict[datetime, dict[int, dict]] = defaultdict(dict)
     for point in points:
         if point["layer"] in exit_layers:
-            by_minute[point["minute"]][point["layer"]] = LayerCounts(point["tokens"],
-                                                                     point["exits"])
-    return sorted(by_minute.items())
-
-
-def _reference_window(windows, exit_layers: list[int], tokens: int):
-    """The first minutes whose summed tokens reach `tokens` at every exit layer, or None."""
-    reached = dict.fromkeys(exit_layers, 0)
-    exits = dict.fromkeys(exit_layers, 0)
-    for index, (_minute, counts) in enumerate(windows):
-        for layer, c in counts.items():
-            reached[layer] += c.tokens
-            exits[layer] += c.exits
-        if all(reached[layer] >= tokens for layer in exit_layers):
-            reference = {layer: LayerReference.from_counts(LayerCounts(reached[layer],
-                                                                       exits[layer]))
-                         for layer in exit_layers}
-            return reference, index + 1
-    return None
-
-
-def _exit_rate_condition(finding: DriftFinding) -> Condition:
-    evidence = finding.to_dict()
-    before = evidence["evidence"]["reference"]["rate"]
-    after = evidence["evidence"]["recent"]["rate"]
-    verb = "rose" if finding.kind == EXIT_RATE_SPIKE else "fell"
-    summary = (f"exit rate at layer {finding.layer} {verb} from {before:.1%} to {after:.1%} "
-               f"({finding.test}, adjusted p={finding.adjusted_p_value:.2g})")
-    return Condition(kind=finding.kind, severity=finding.severity, summary=summary,
-                     subject=str(finding.layer), layer=finding.layer, evidence=evidence)
+            by_minute[point["minute"]][point["layer"]] = point
+    out = []
+    for minute, layers in sorted(by_minute.items()):
+        counts, left_earlier = {}, 0
+        for layer in sorted(layers):
+            point = layers[layer]
+            policy_exits = point.get("policy_exits", 0)
+            reached = point["tokens"] - left_earlier
+            exits = point["exits"] + policy_exits
+            if reached > 0:
+                counts[layer] = LayerCounts(reached, min(exits, reached))
+            left_earlier += policy_exits
+        out.append((minute, counts))
+    return out
 
 
 def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
                               options: DriftOptions, want_report: bool = True
                               ) -> tuple[list[Condition], set[str]]:
-    """Conditions observed now and the kinds that had enough data to be checked."""
+    """Conditions observed now and the kinds that had enough data to be checked: the windows
+    of the active version read from the store, then `window_checks.evaluate`."""
     active = active_version(session=session, deployment=deployment)
     layers = sorted(deployment.exit_layers)
+    version = active.version
     start = active.activated_at.replace(second=0, microsecond=0)
-    conditions: list[Condition] = []
-    checked: set[str] = set()
+    threshold_set = get_threshold_set(session=session, deployment=deployment, version=version)
+    thresholds = [threshold_set.thresholds_by_layer()[k] for k in layers]
 
     reference = expected_reference(active.expected_metrics, layers)
-    reference_until = start
-    reference_origin = "expected_metrics"
+    reference_until, reference_origin = start, "expected_metrics"
     first = _minute_windows(exit_rates(
-        session=session, deployment=deployment, since=start, version=active.version,
+        session=session, deployment=deployment, since=start, version=version,
         until=start + timedelta(seconds=options.reference_max_s)), layers)
-    found = _reference_window(first, layers, options.reference_tokens)
+    found = reference_window(first, layers, options.reference_tokens)
     if found is not None:
         reference_until = first[found[1] - 1][0] + timedelta(minutes=1)
     if reference is None and found is not None:
         reference, reference_origin = found[0], "first_window_after_activation"
-
-    # A learned reference's own window is not tested against itself; a known one is.
-    monitored_from = start if reference_origin == "expected_metrics" else reference_until
-    since = max(monitored_from, now - timedelta(seconds=options.lookback_s))
-    windows = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
-                                         version=active.version), layers)
-    if reference is not None and windows:
-        checked.update(EXIT_KINDS)
-        window = {"since": since.isoformat(), "until": now.isoformat(),
-                  "version": active.version, "reference": reference_origin,
-                  "reference_until": reference_until.isoformat()}
-        for finding in detect_exit_rate_drift(reference=reference,
-                                              windows=[c for _, c in windows]):
-            condition = _exit_rate_condition(finding)
-            condition.evidence["window"] = window
-            conditions.append(condition)
-
-    recent_since = now - timedelta(seconds=options.recent_s)
-    quality = disagreement(session=session, deployment=deployment, since=recent_since,
-                           version=active.version)
-    shadow_tokens = sum(p["shadow_tokens"] for p in quality)
-    mismatches = sum(p["mismatches"] for p in quality)
-    if shadow_tokens >= options.min_shadow_tokens:
-        checked.add(QUALITY_REGRESSION)
-        finding = check_shadow_disagreement(
-            disagreements=mismatches, shadow_tokens=shadow_tokens, delta=deployment.delta,
-            window={"since": recent_since.isoformat(), "until": now.isoformat(),
-                    "version": active.version})
-        if finding is not None:
-            conditions.append(Condition(
-                kind=QUALITY_REGRESSION, severity=finding.severity, evidence=finding.to_dict(),
-                summary=(f"disagreement with full depth {mismatches}/{shadow_tokens} = "
-                         f"{mismatches / shadow_tokens:.2%} exceeds δ={deployment.delta:g} "
-                         f"(one-sided binomial p={finding.p_value:.2g})")))
-
+    since = lookback_start(start=start, reference_origin=reference_origin,
+                           reference_until=reference_until, now=now, options=options)
+    minutes = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
+                                         version=version), layers)
+    recent_since = max(now - timedelta(seconds=options.recent_s), start)
+    requests, signals, matched = shadow_samples_by_request(
+        session=session, deployment=deployment, since=recent_since, version=version)
+    histograms = info_open = None
     if found is not None:
-        distribution = _distribution_condition(
-            session=session, deployment=deployment, version=active.version,
-            reference=(start, reference_until), recent_since=max(recent_since, reference_until),
-            options=options, want_report=want_report)
-        if distribution is not None:
-            checked.add(DISTRIBUTION_DRIFT)
-            conditions += distribution
-    return conditions, checked
-
-
-def _histogram_frame(histogram: dict[int, list[int]], max_rows: int) -> dict[str, np.ndarray]:
-    from workers.stats.evidently_drift import histogram_samples
-
-    edges = np.linspace(0.0, 1.0, HISTOGRAM_BINS + 1)
-    total = sum(sum(bins) for bins in histogram.values()) or 1
-    signals, layers = [], []
-    for layer, bins in histogram.items():
-        samples = histogram_samples(edges, bins, max_rows=max(1, max_rows * sum(bins) // total))
-        signals.append(samples)
-        layers.append(np.full(len(samples), layer))
-    if not signals:
-        return {"signal": np.zeros(0), "exit_layer": np.zeros(0, dtype=int)}
-    return {"signal": np.concatenate(signals), "exit_layer": np.concatenate(layers)}
-
-
-def _distribution_condition(*, session: Session, deployment: Deployment, version: int,
-                            reference: tuple[datetime, datetime], recent_since: datetime,
-                            options: DriftOptions, want_report: bool) -> list[Condition] | None:
-    """[distribution_drift condition], [] when the distributions agree, None on too little data."""
-    from workers.stats.evidently_drift import distribution_drift_report
-
-    before = signal_histogram(session=session, deployment=deployment, since=reference[0],
-                              until=reference[1], version=version)
-    after = signal_histogram(session=session, deployment=deployment, since=recent_since,
-                             version=version)
-    sizes = [sum(sum(b) for b in h.values()) for h in (before, after)]
-    if min(sizes) < options.min_distribution_rows:
-        return None
-    report = distribution_drift_report(reference=_histogram_frame(before, 20_000),
-                                       current=_histogram_frame(after, 20_000),
-                                       include_html=want_report)
-    finding = report.to_finding()
-    if finding is None:
-        return []
-    drifted = ", ".join(f"{c.column} ({c.method} {c.statistic:.3g} > {c.threshold:g})"
-                        for c in report.columns if c.drift_detected)
-    return [Condition(kind=DISTRIBUTION_DRIFT, severity=SEVERITY[DISTRIBUTION_DRIFT],
-                     summary=f"distribution drift in {drifted} vs the reference window",
-                     evidence=finding.to_dict() | {
-                         "reference_window": [reference[0].isoformat(),
-                                              reference[1].isoformat()],
-                         "recent_since": recent_since.isoformat(), "version": version},
-                     report_html=report.html)]
+        histograms = (
+            signal_histogram(session=session, deployment=deployment, since=start,
+                             until=reference_until, version=version),
+            signal_histogram(session=session, deployment=deployment,
+                             since=max(recent_since, reference_until), version=version))
+        key = f"{deployment.name}:{DISTRIBUTION_DRIFT}:all"
+        info = next((a for a in open_alerts(session=session, deployment=deployment,
+                                            kinds=[DISTRIBUTION_DRIFT])
+                     if a.dedup_key == key), None)
+        info_open = (info.fired_at, info.clear_since) if info is not None else None
+    inputs = WindowInputs(
+        version=version, layers=layers, thresholds=thresholds, delta=deployment.delta, now=now,
+        reference=reference, reference_origin=reference_origin,
+        reference_window=(start, reference_until) if found is not None else None,
+        since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
+        shadow_signals=signals, shadow_matched=matched, histograms=histograms,
+        info_open=info_open)
+    return evaluate(inputs, options, want_report=want_report)
 
 
 def check_deployment(*, session: Session, deployment: Deployment, options: DriftOptions,
                      reports_dir: Path | None, now: datetime | None = None) -> Reconciled:
     """One drift-detection cycle for a deployment: observe, then fire / refresh / resolve."""
     now = now or utcnow()
-    has_report = any(a.report_path for a in open_alerts(
-        session=session, deployment=deployment, kinds=[DISTRIBUTION_DRIFT]))
+    # Evidently's HTML is costly: render it only while an open distribution alert lacks one.
+    reported = [a for a in open_alerts(session=session, deployment=deployment,
+                                       kinds=[DISTRIBUTION_DRIFT]) if a.report_path]
     conditions, checked = exit_behaviour_conditions(
         session=session, deployment=deployment, now=now, options=options,
-        want_report=not has_report and reports_dir is not None)
-    return reconcile(session=session, deployment=deployment, conditions=conditions,
-                     checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
-                     reports_dir=reports_dir)
+        want_report=reports_dir is not None and len(reported) < 2)
+    result = reconcile(session=session, deployment=deployment, conditions=conditions,
+                       checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
+                       reports_dir=reports_dir)
+    # A spike that kept the set is re-judged on each window's shadow evidence while it lasts.
+    gates = {c.dedup_key(deployment): c.evidence["quality_gate"] for c in conditions
+             if "quality_gate" in c.evidence}
+    for alert in result.refreshed:
+        if alert.dedup_key in gates:
+            recheck_spike(session=session, alert=alert, quality_gate=gates[alert.dedup_key])
+    return result
 
 
 STALE_NAMED = 20  # runtimes named in a runtime_stale summary; the evidence lists up to 200

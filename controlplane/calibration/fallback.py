@@ -9,6 +9,16 @@ alert, and writes on the alert what it did. How conservative is the deployment's
   (on at least `min_shadow_tokens` of its own traffic, and on the recent traffic when there is
   enough of it), republished with every threshold raised by `fallback_margin` (origin
   `fallback`); the `conservative` alias when no version qualifies.
+
+Which alerts fall back (issue 17), and the rule that decided is written on the alert:
+
+- `quality_regression`: at once (rule `quality_regression`);
+- `exit_rate_spike`: only when the window's shadow tokens cannot show that disagreement stays
+  within δ: the (1 - alpha) upper bound of the request-clustered disagreement the detector put
+  on the alert (`quality_gate`) is above δ (rule `shadow_upper_bound_above_delta`), or there
+  are too few shadow tokens or requests to tell (`too_few_shadow_tokens`), or the alert carries
+  no such evidence (`no_quality_evidence`). Otherwise the current set stays and a
+  recalibration is queued (rule `shadow_upper_bound_within_delta`).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -24,6 +35,7 @@ from controlplane.alerts.service import QUALITY_AT_RISK
 from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
 from controlplane.db import utcnow
+from controlplane.settings import get_settings
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples
 from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
@@ -35,6 +47,54 @@ from workers.stats.calibration import policy_disagreement
 log = logging.getLogger("exitplane.fallback")
 
 ACTOR = "fallback"
+
+
+@dataclass(frozen=True)
+class SpikeGate:
+    """How much shadow evidence keeps the current set through an exit-rate spike."""
+
+    min_shadow_tokens: int = 200
+    min_requests: int = 20
+
+    @classmethod
+    def from_settings(cls, settings) -> SpikeGate:
+        return cls(min_shadow_tokens=settings.fallback_min_shadow_tokens,
+                   min_requests=settings.fallback_min_shadow_requests)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether an alert makes the conservative set active, and the rule that said so."""
+
+    fall_back: bool
+    rule: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"rule {self.rule}: {self.reason}"
+
+
+def decide(*, alert, delta: float, gate: SpikeGate = SpikeGate()) -> Decision:
+    """The fallback rule for a newly fired quality-at-risk alert (see the module docstring)."""
+    if alert.kind != "exit_rate_spike":
+        return Decision(True, alert.kind, "quality regression falls back at once")
+    evidence = (alert.evidence or {}).get("quality_gate")
+    if not evidence:
+        return Decision(True, "no_quality_evidence",
+                        "the spike carries no shadow disagreement of its window")
+    tokens, requests = int(evidence["shadow_tokens"]), int(evidence["requests"])
+    if tokens < gate.min_shadow_tokens or requests < gate.min_requests:
+        return Decision(True, "too_few_shadow_tokens",
+                        f"{tokens} shadow tokens from {requests} requests in the window "
+                        f"(need {gate.min_shadow_tokens} from {gate.min_requests}) cannot show "
+                        f"disagreement within δ={delta:g}")
+    bound, confidence = float(evidence["upper_bound"]), float(evidence["confidence"])
+    observed = (f"{evidence['disagreements']}/{tokens} shadow tokens disagree over {requests} "
+                f"requests; {confidence:.0%} upper bound {bound:.2%} (design effect "
+                f"{float(evidence['design_effect']):.1f})")
+    if bound > delta:
+        return Decision(True, "shadow_upper_bound_above_delta", f"{observed} > δ={delta:g}")
+    return Decision(False, "shadow_upper_bound_within_delta", f"{observed} <= δ={delta:g}")
 
 
 @dataclass(frozen=True)
@@ -190,20 +250,67 @@ def _last_good_target(*, session: Session, deployment: Deployment, current: int,
     return published.version, good.version
 
 
+KEPT = "shadow_upper_bound_within_delta"
+
+
+def recheck_spike(*, session: Session, alert, quality_gate: dict,
+                  gate: SpikeGate | None = None) -> bool:
+    """A still-open `exit_rate_spike` that kept the active set, seen again with the shadow
+    evidence of the current window: fall back now if that evidence no longer shows
+    disagreement within δ. True when it fell back."""
+    if alert.kind != "exit_rate_spike" or not (alert.action_taken or "").startswith(
+            f"rule {KEPT}"):
+        return False
+    deployment = session.get(Deployment, alert.deployment_id)
+    gate = gate or SpikeGate.from_settings(get_settings())
+    current = SimpleNamespace(kind=alert.kind, evidence={"quality_gate": quality_gate})
+    decision = decide(alert=current, delta=deployment.delta, gate=gate)
+    if not decision.fall_back:
+        return False
+    savepoint = session.begin_nested()
+    try:
+        alert.action_taken = f"{alert.action_taken}; re-checked: {decision.describe()}"
+        engage_fallback(session=session, deployment=deployment, alert=alert)
+        savepoint.commit()
+    except Exception as error:
+        savepoint.rollback()
+        log.exception("fallback on re-checked alert %s failed", alert.id)
+        alert.action_taken = (f"{alert.action_taken}; re-checked: {decision.describe()}; "
+                              f"automatic fallback FAILED ({type(error).__name__}: {error})")
+        session.flush()
+        return False
+    return True
+
+
 @tracing.traced("fallback")
 def react_to_alert(*, session: Session, alert,
-                   policy: CalibrationPolicy = CalibrationPolicy()) -> str:
+                   policy: CalibrationPolicy = CalibrationPolicy(),
+                   gate: SpikeGate | None = None) -> str:
     """What a newly fired alert sets off (called from the alerts' `on_alert_fired`):
-    quality at risk -> fallback and recalibration; exit-rate collapse -> recalibration only.
+    quality at risk -> fallback and recalibration, or for a spike that the shadow tokens show
+    harmless only the recalibration (`decide`); exit-rate collapse -> recalibration only.
 
     Runs in a savepoint: if it fails, the alert still fires and says so."""
     if alert.kind not in QUALITY_AT_RISK and alert.kind != "exit_rate_collapse":
         return ""
     deployment = session.get(Deployment, alert.deployment_id)
+    if gate is None:
+        gate = SpikeGate.from_settings(get_settings())
     savepoint = session.begin_nested()
     try:
-        if alert.kind in QUALITY_AT_RISK:
+        decision = (decide(alert=alert, delta=deployment.delta, gate=gate)
+                    if alert.kind in QUALITY_AT_RISK else None)
+        if decision is not None and decision.fall_back:
+            alert.action_taken = decision.describe()
             engage_fallback(session=session, deployment=deployment, alert=alert, policy=policy)
+        elif decision is not None:
+            job, _ = request_calibration(
+                session=session, deployment=deployment, actor=ACTOR, trigger="alert",
+                alert_id=alert.id, since=_alert_time(alert), policy=policy,
+                reason=f"exit rate rose, quality held: alert {alert.id}")
+            alert.action_taken = (f"{decision.describe()}; the active set stays; recalibration "
+                                  f"job {job.id} queued")
+            log.warning("%s: %s", deployment.name, alert.action_taken)
         else:
             job, _ = request_calibration(
                 session=session, deployment=deployment, actor=ACTOR, trigger="alert",

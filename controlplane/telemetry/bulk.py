@@ -104,6 +104,8 @@ def _python_values(values: np.ndarray | list) -> list:
         return [moment.replace(tzinfo=UTC) for moment in values.astype("datetime64[us]").tolist()]
     if values.ndim == 2:
         return [row.tobytes() for row in values]
+    if values.dtype.kind == "f" and np.isnan(values).any():  # NaN stands for NULL
+        return [None if value != value else value for value in values.tolist()]
     return values.tolist()
 
 
@@ -115,11 +117,15 @@ def binary_copy(model, table: Table) -> bytes:
     count = len(next(iter(table.values())))
     fixed: dict[str, np.ndarray] = {}  # (n,) typed or (n, width) bytes
     varying: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # (n, longest) bytes, lengths
+    nulls: dict[str, np.ndarray] = {}  # (n,) bool: NULL rows of a float column (NaN values)
     for name, values in table.items():
         sql_type = model.__table__.c[name].type
         if isinstance(sql_type, TypeDecorator):  # e.g. UTCDateTime: encoded as what it wraps
             sql_type = sql_type.impl
         if not isinstance(sql_type, String):
+            if isinstance(values, np.ndarray) and values.dtype.kind == "f" \
+                    and np.isnan(values).any():
+                nulls[name] = np.isnan(values)
             fixed[name] = _binary_column(sql_type, values)
             continue
         data, lengths = _utf8(values)
@@ -127,23 +133,32 @@ def binary_copy(model, table: Table) -> bytes:
             fixed[name] = data[:, :lengths.max(initial=0)]
         else:
             varying[name] = data, lengths
-    if varying:
-        widths, group_of = number_groups(*(lengths for _, lengths in varying.values()))
+    if varying or nulls:
+        keys = [lengths for _, lengths in varying.values()] + list(nulls.values())
+        values_of, group_of = number_groups(*keys)
         groups = [(np.flatnonzero(group_of == group),
-                   {name: int(width[group]) for name, width in zip(varying, widths, strict=True)})
-                  for group in range(len(widths[0]))]
+                   {name: int(width[group]) for name, width in zip(varying, values_of,
+                                                                   strict=False)},
+                   {name for name, null in zip(nulls, values_of[len(varying):], strict=True)
+                    if null[group]})
+                  for group in range(len(values_of[0]))]
     else:
-        groups = [(np.arange(count), {})]
+        groups = [(np.arange(count), {}, set())]
     parts = [_SIGNATURE]
-    for rows, width in groups:
+    for rows, width, null in groups:
         layout = [("fields", ">i2")]
         for name in table:
             layout.append((f"{name}.length", ">i4"))
+            if name in null:  # a NULL field is its length -1 and no bytes
+                continue
             layout.append((name, fixed[name].dtype, fixed[name].shape[1:]) if name in fixed
                           else (name, np.uint8, (width[name],)))
         block = np.empty(len(rows), dtype=layout)
         block["fields"] = len(table)
         for name in table:
+            if name in null:
+                block[f"{name}.length"] = -1
+                continue
             block[f"{name}.length"] = block.dtype[name].itemsize
             block[name] = fixed[name][rows] if name in fixed else \
                 varying[name][0][rows, :width[name]]

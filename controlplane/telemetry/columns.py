@@ -66,7 +66,7 @@ class BatchColumns:
     request_id: list[str]
     position: np.ndarray  # int64 (n,)
     exit_layer: np.ndarray  # int64 (n,)
-    signal_value: np.ndarray  # float64 (n,)
+    signal_value: np.ndarray  # float64 (n,), NaN where the exits were not checked
     latency_us: np.ndarray  # int64 (n,)
     ts: np.ndarray  # float64 (n,), unix seconds
     shadowed: np.ndarray  # int64 (m,), ascending record indices
@@ -166,9 +166,15 @@ def _parse_columns(payload: Any) -> BatchColumns:
 
 
 def _array(model, name: str, values: list) -> np.ndarray | list:
-    dtype = _DTYPES.get(model.model_fields[name].annotation)
+    annotation = model.model_fields[name].annotation
+    if annotation == float | None:  # e.g. an unchecked token's signal: None travels as NaN
+        return np.array([np.nan if value is None else value for value in values],
+                        dtype=np.float64)
+    dtype = _DTYPES.get(annotation)
     return values if dtype is None else np.array(values, dtype=dtype)
 
 
 def _listed(values: np.ndarray | list) -> list:
+    if isinstance(values, np.ndarray) and values.dtype.kind == "f" and np.isnan(values).any():
+        return [None if value != value else value for value in values.tolist()]
     return values.tolist() if isinstance(values, np.ndarray) else values

@@ -54,7 +54,7 @@ class TokenRecordRow(Base):
     request_id: Mapped[str] = mapped_column(String(128))
     position: Mapped[int]
     exit_layer: Mapped[int] = mapped_column(SmallInteger)
-    signal_value: Mapped[float]
+    signal_value: Mapped[float | None]  # NULL: the token's exits were not checked
     latency_us: Mapped[int]
     shadow: Mapped[bool]
 
@@ -74,6 +74,8 @@ class ShadowSampleRow(Base):
     deployment_id: Mapped[int]
     threshold_version: Mapped[int]
     runtime_id: Mapped[str] = mapped_column(String(128))
+    # Shadow tokens of one request are correlated: quality tests cluster them by request.
+    request_id: Mapped[str | None] = mapped_column(String(128))
     signals: Mapped[bytes] = mapped_column(LargeBinary)
     matched: Mapped[bytes] = mapped_column(LargeBinary)
 

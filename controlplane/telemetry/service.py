@@ -318,6 +318,32 @@ def raw_sample_rate(*, session: Session, deployment: Deployment,
         .order_by(TelemetryBatchRow.received_at.desc()).limit(1))
 
 
+def shadow_samples_by_request(*, session: Session, deployment: Deployment, since: datetime,
+                              until: datetime | None = None, version: int | None = None,
+                              limit: int = 1_000_000
+                              ) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """`shadow_samples` with each sample's request id (tests cluster tokens by request).
+
+    Samples stored before request ids were kept stand for their batch (a conservative cluster)."""
+    query = (select(func.coalesce(ShadowSampleRow.request_id,
+                                  ShadowSampleRow.batch_id).label("request_id"),
+                    ShadowSampleRow.signals, ShadowSampleRow.matched)
+             .where(ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
+             .order_by(ShadowSampleRow.ts).limit(limit))
+    if until is not None:
+        query = query.where(ShadowSampleRow.ts < until)
+    if version is not None:
+        query = query.where(ShadowSampleRow.threshold_version == version)
+    rows = session.execute(query).all()
+    width = len(deployment.exit_layers)
+    if not rows:
+        return [], np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool)
+    signals = np.frombuffer(b"".join(bytes(r.signals) for r in rows), dtype="<f4")
+    matched = np.frombuffer(b"".join(bytes(r.matched) for r in rows), dtype=np.uint8)
+    return ([r.request_id for r in rows], signals.reshape(-1, width).copy(),
+            matched.reshape(-1, width).astype(bool))
+
+
 def counts(*, session: Session, deployment: Deployment) -> dict:
     """Rows stored, tokens counted in the rollups, and whether per-token records are sampled
     (an aggregating runtime ships only shadow tokens and a share of the rest as records)."""

@@ -68,7 +68,7 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
     shadows = {name: tokens[name][shadow_at] if isinstance(tokens[name], np.ndarray)
                else [tokens[name][i] for i in shadow_at.tolist()]
                for name in ("batch_id", "idx", "ts", "deployment_id", "threshold_version",
-                            "runtime_id")}
+                            "runtime_id", "request_id")}
     shadows |= {"signals": signals.astype("<f4").view(np.uint8),
                 "matched": matched.astype(np.uint8)}
 
@@ -125,9 +125,13 @@ def _rollups(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
 
 def _histogram(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
                signal_value: np.ndarray) -> Table:
-    """Signal-at-exit histogram increments: one row per non-empty (group, layer, bin)."""
-    bins = np.minimum((signal_value * HISTOGRAM_BINS).astype(np.int64), HISTOGRAM_BINS - 1)
-    counts = np.bincount(cell * HISTOGRAM_BINS + bins,
+    """Signal-at-exit histogram increments: one row per non-empty (group, layer, bin).
+
+    Tokens whose exits were not checked (NaN signal) have no signal and are left out."""
+    checked = ~np.isnan(signal_value)
+    bins = np.minimum((signal_value[checked] * HISTOGRAM_BINS).astype(np.int64),
+                      HISTOGRAM_BINS - 1)
+    counts = np.bincount(cell[checked] * HISTOGRAM_BINS + bins,
                          minlength=key_of.groups * len(layers) * HISTOGRAM_BINS)
     [filled] = np.nonzero(counts)
     at_group, rest = np.divmod(filled, len(layers) * HISTOGRAM_BINS)

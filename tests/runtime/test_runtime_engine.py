@@ -245,3 +245,26 @@ def test_learned_signal_requires_heads(model):
     eng = engine(model)
     with pytest.raises(ValueError, match="heads"):
         eng.set_thresholds(ExitPolicy.never_exit([2, 4], Signal.learned))
+
+
+def test_unchecked_tokens_record_no_signal_whatever_shares_their_step(model):
+    # Under a never-exit set the engine skips the exit checks unless a shadow row needs them:
+    # a served token then has no signal (None), not 0, and not a value that depends on whether
+    # a shadow row happened to share its step (issue 17).
+    eng = engine(model, max_batch=4, shadow_rate=0.5, seed=3)
+    eng.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    records = eng.drain_records()
+    shadow = [r for r in records if r.shadow is not None]
+    served = [r for r in records if r.shadow is None]
+    assert shadow and served
+    assert all(r.signal_value is None for r in served)
+    assert all(r.signal_value == pytest.approx(r.shadow[-1].signal, abs=1e-6) for r in shadow)
+    # A live layer is checked for every row: every token has its signal from the live checks.
+    eng = engine(model, max_batch=4, shadow_rate=0.5, seed=3)
+    eng.set_thresholds(ExitPolicy(version=2, signal=Signal.maxprob, thresholds={2: 0.99, 4: 1.0}))
+    eng.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    records = eng.drain_records()
+    assert all(r.signal_value is not None for r in records)
+    for record in (r for r in records if r.shadow is not None):
+        # the recorded signal is layer 2's (the live check), not layer 4's (a shadow label)
+        assert record.signal_value == pytest.approx(record.shadow[0].signal, abs=1e-6)

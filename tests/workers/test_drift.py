@@ -48,9 +48,15 @@ def test_exit_rate_collapse_at_one_layer(session: Session, tmp_path, outbox):
     assert abs(evidence["evidence"]["reference"]["rate"] - 0.4) < 0.03
     assert evidence["adjusted_p_value"] <= 1e-4
     assert "fell from" in exit_alerts[0].summary
-    # The signal / exit-layer distribution moved too; its Evidently report is stored.
-    [distribution] = [a for a in result.fired if a.kind == "distribution_drift"]
-    report = tmp_path / "reports" / distribution.report_path
+    # The signal / exit-layer distribution moved too: an info finding with its Evidently
+    # report, and, corroborated by the collapse in the same window, a warning that pages.
+    by_key = {a.dedup_key: a for a in result.fired if a.kind == "distribution_drift"}
+    info, escalated = by_key["chat:distribution_drift:all"], \
+        by_key["chat:distribution_drift:escalated"]
+    assert (info.severity, escalated.severity) == ("info", "warning")
+    assert escalated.evidence["escalation"]["rule"] == "corroborated"
+    assert escalated.evidence["escalation"]["by"] == ["exit_rate_collapse"]
+    report = tmp_path / "reports" / info.report_path
     assert report.is_file() and "<html" in report.read_text()[:2000].lower()
     # The next cycle refreshes, it does not duplicate.
     again = _check(session, deployment, now + timedelta(seconds=30), tmp_path)
@@ -92,7 +98,8 @@ def test_quality_regression_when_disagreement_exceeds_delta(session: Session, tm
     result = _check(session, deployment, now, tmp_path)
     [quality] = [a for a in result.fired if a.kind == "quality_regression"]
     assert quality.severity == "critical" and quality.layer is None
-    assert quality.evidence["test"] == "binomial_one_sided"
+    assert quality.evidence["test"] == "clustered_binomial_one_sided"
+    assert quality.evidence["evidence"]["requests"] == 7  # the helper's request ids r0..r6
     assert quality.evidence["evidence"]["delta"] == 0.02
     assert 0.06 < quality.evidence["evidence"]["disagreement_rate"] < 0.14
 

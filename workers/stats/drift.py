@@ -15,6 +15,11 @@ minimum absolute effect, Holm or Bonferroni across layers):
   suspicion, plus tumbling windows that catch slow drift and a reference that was wrong from
   the start.
 
+Tokens come in requests, so every test here takes a per-layer *design effect* (see
+`workers.stats.clustered`, which explains the choice): the z-test's standard error grows by its
+square root, and the quality test runs on request-clustered shadow tokens. A design effect of 1
+(the default) is the token-independent test, what synthetic i.i.d. streams need.
+
 Findings are JSON-ready (`DriftFinding.to_dict`), kinds as in the alert model.
 """
 
@@ -27,20 +32,24 @@ from typing import Any
 
 import numpy as np
 from river.drift import ADWIN
-from scipy.stats import binomtest
+
+from workers.stats.clustered import ClusteredProportion
 
 EXIT_RATE_SPIKE = "exit_rate_spike"
 EXIT_RATE_COLLAPSE = "exit_rate_collapse"
 QUALITY_REGRESSION = "quality_regression"
 DISTRIBUTION_DRIFT = "distribution_drift"
 
-# A spike puts quality at risk (fallback engages); a collapse only costs speed.
+# A spike puts quality at risk (fallback engages, unless the shadow tokens vouch for quality);
+# a collapse only costs speed. Distribution drift alone informs (no page): it becomes a
+# warning only when corroborated or persistent (`workers.drift`).
 SEVERITY = {
     EXIT_RATE_SPIKE: "critical",
     EXIT_RATE_COLLAPSE: "warning",
     QUALITY_REGRESSION: "critical",
-    DISTRIBUTION_DRIFT: "warning",
+    DISTRIBUTION_DRIFT: "info",
 }
+DISTRIBUTION_DRIFT_ESCALATED = "warning"
 
 
 @dataclass(frozen=True)
@@ -123,11 +132,13 @@ def adjust_p_values(p_values: Sequence[float], correction: str) -> list[float]:
     raise ValueError(f"unknown correction {correction!r}; use 'holm' or 'bonferroni'")
 
 
-def proportion_z_test(recent: LayerCounts, reference: LayerReference) -> tuple[float, float]:
+def proportion_z_test(recent: LayerCounts, reference: LayerReference,
+                      design_effect: float = 1.0) -> tuple[float, float]:
     """Two-sided z-test of the recent exit rate against the reference: (z, p-value).
 
     Pooled two-proportion test when the reference has counts, one-proportion test against a
     known rate otherwise (a known rate of 0 or 1 makes any deviation infinitely significant).
+    The variance is multiplied by `design_effect` (clustered tokens carry less evidence).
     """
     n1, p1 = recent.tokens, recent.rate
     if n1 == 0:
@@ -140,6 +151,7 @@ def proportion_z_test(recent: LayerCounts, reference: LayerReference) -> tuple[f
         pooled = (recent.exits + reference.rate * n0) / (n1 + n0)
         se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n1 + 1.0 / n0))
         p0 = reference.rate
+    se *= math.sqrt(max(design_effect, 1.0))
     if se == 0.0:
         return 0.0, 1.0
     z = (p1 - p0) / se
@@ -164,9 +176,11 @@ def _exit_rate_findings(
     alpha: float,
     min_effect: float,
     correction: str,
+    design_effect: Mapping[int, float] | None = None,
 ) -> list[DriftFinding]:
     """Test each (layer, recent, reference, extra evidence); untested family members count p=1."""
-    stats = [proportion_z_test(recent, ref) for _, recent, ref, _ in tested]
+    effects = {layer: (design_effect or {}).get(layer, 1.0) for layer, *_ in tested}
+    stats = [proportion_z_test(recent, ref, effects[layer]) for layer, recent, ref, _ in tested]
     p_values = [p for _, p in stats] + [1.0] * max(0, family_size - len(tested))
     adjusted = adjust_p_values(p_values, correction)
     findings = []
@@ -184,6 +198,7 @@ def _exit_rate_findings(
             "alpha": alpha,
             "correction": correction,
             "hypotheses": family_size,
+            "design_effect": effects[layer],
         } | extra
         test = "two_proportion_z" if ref.tokens is not None else "one_proportion_z"
         finding = DriftFinding(
@@ -202,6 +217,7 @@ def check_exit_rates(
     correction: str = "holm",
     min_tokens: int = 30,
     window: Mapping[str, Any] | None = None,
+    design_effect: Mapping[int, float] | None = None,
 ) -> list[DriftFinding]:
     """Exit-rate spikes/collapses of one recent window of counts vs the reference, per layer.
 
@@ -217,7 +233,8 @@ def check_exit_rates(
     ]
     family = len([layer for layer in recent if layer in reference])
     return _exit_rate_findings(
-        tested, family_size=family, alpha=alpha, min_effect=min_effect, correction=correction
+        tested, family_size=family, alpha=alpha, min_effect=min_effect, correction=correction,
+        design_effect=design_effect,
     )
 
 
@@ -265,6 +282,10 @@ class ExitRateMonitor:
     reached tokens is full, that window against the reference. Without a given reference a layer
     learns it from its first `warmup_tokens` reached tokens. A layer that fired stays quiet
     until a full tumbling window no longer differs from the reference (then it resolves).
+    `design_effect` {layer: d} widens each layer's confirming test for clustered tokens;
+    `min_expected_events` > 0 also holds a confirming test back until the fresh tokens' effective
+    count would expect that many exits and stays at the reference rate (the z-test's normal
+    approximation is poor on a handful of rare exits).
     """
 
     def __init__(
@@ -281,12 +302,16 @@ class ExitRateMonitor:
         min_tokens: int = 30,
         confirm_tokens: int = 2000,
         window_tokens: int = 5000,
+        design_effect: Mapping[int, float] | None = None,
+        min_expected_events: float = 0.0,
     ) -> None:
         self.exit_layers = sorted(exit_layers)
         self.alpha, self.min_effect, self.correction = alpha, min_effect, correction
         self.adwin_delta, self.check_every, self.min_tokens = adwin_delta, check_every, min_tokens
         self.warmup_tokens, self.confirm_tokens = warmup_tokens, confirm_tokens
         self.window_tokens = window_tokens
+        self.design_effect = dict(design_effect or {})
+        self.min_expected_events = min_expected_events
         self.tokens_seen = 0
         self._since_check = 0
         self._layers = {
@@ -363,12 +388,21 @@ class ExitRateMonitor:
             elif adwin.drift_detected and state.firing is None:
                 confirm = state.confirm = [0, 0]
 
+    def _confirm_tokens(self, layer: int, state: _LayerState) -> float:
+        """Fresh tokens a confirming test needs at this layer."""
+        if self.min_expected_events <= 0:
+            return self.min_tokens
+        rate = min(state.reference.rate, 1.0 - state.reference.rate)
+        needed = self.min_expected_events * self.design_effect.get(layer, 1.0) / max(rate, 1e-3)
+        return max(self.min_tokens, min(needed, self.confirm_tokens))
+
     def _check(self) -> list[DriftFinding]:
         tested = []
         for layer, state in self._layers.items():
             if state.reference is None:
                 continue
-            if state.confirm is not None and state.confirm[0] >= self.min_tokens:
+            if state.confirm is not None and state.confirm[0] >= self._confirm_tokens(layer,
+                                                                                    state):
                 extra = {
                     "trigger": "adwin",
                     "adwin_delta": self.adwin_delta,
@@ -384,6 +418,7 @@ class ExitRateMonitor:
             alpha=self.alpha,
             min_effect=self.min_effect,
             correction=self.correction,
+            design_effect=self.design_effect,
         )
         new = []
         for f in findings:
@@ -395,8 +430,12 @@ class ExitRateMonitor:
         fired = {f.layer for f in findings}
         for layer, state in self._layers.items():
             if state.window[0] >= self.window_tokens:
-                if state.firing is not None and layer not in fired:
-                    state.firing = None  # a full window back at the reference resolves it
+                back = abs(state.window[1] / state.window[0] - state.reference.rate) \
+                    < self.min_effect
+                if state.firing is not None and layer not in fired and back:
+                    # a full window back at the reference resolves it; one that is merely
+                    # not significant (a window straddling the change) does not
+                    state.firing = None
                 state.window = [0, 0]
             if state.confirm is not None and state.confirm[0] >= self.confirm_tokens:
                 state.confirm = None  # suspicion not confirmed on fresh tokens: dismiss
@@ -426,36 +465,38 @@ def detect_exit_rate_drift(
 
 def check_shadow_disagreement(
     *,
-    disagreements: int,
-    shadow_tokens: int,
+    disagreement: ClusteredProportion,
     delta: float,
     alpha: float = 1e-3,
     layer: int | None = None,
     window: Mapping[str, Any] | None = None,
 ) -> DriftFinding | None:
-    """One-sided exact binomial test of H0: disagreement <= δ; a `quality_regression` or None."""
-    if shadow_tokens <= 0:
+    """One-sided exact binomial test of H0: disagreement <= δ on the request-clustered shadow
+    tokens' effective size (`workers.stats.clustered`); a `quality_regression` or None."""
+    if disagreement.tokens <= 0:
         return None
-    result = binomtest(disagreements, shadow_tokens, p=delta, alternative="greater")
-    if result.pvalue > alpha:
+    p_value = disagreement.p_value_above(delta)
+    if p_value > alpha:
         return None
-    rate = disagreements / shadow_tokens
     evidence = {
-        "shadow_tokens": shadow_tokens,
-        "disagreements": disagreements,
-        "disagreement_rate": rate,
+        "shadow_tokens": disagreement.tokens,
+        "disagreements": disagreement.events,
+        "disagreement_rate": disagreement.rate,
+        "requests": disagreement.clusters,
+        "design_effect": disagreement.design_effect,
+        "effective_tokens": disagreement.effective_tokens,
         "delta": delta,
         "alpha": alpha,
-        "confidence_interval": list(result.proportion_ci(confidence_level=1 - alpha)),
+        "confidence_interval": [disagreement.lower_bound(alpha), disagreement.upper_bound(alpha)],
         "window": dict(window or {}),
     }
     return DriftFinding(
         QUALITY_REGRESSION,
         layer,
         SEVERITY[QUALITY_REGRESSION],
-        "binomial_one_sided",
-        rate,
-        float(result.pvalue),
-        float(result.pvalue),
+        "clustered_binomial_one_sided",
+        disagreement.rate,
+        p_value,
+        p_value,
         evidence,
     )

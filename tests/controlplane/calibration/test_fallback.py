@@ -42,12 +42,12 @@ def _activate(session, thresholds, reason="tuned"):
     return version
 
 
-def _fire(engine, kind="quality_regression") -> int:
+def _fire(engine, kind="quality_regression", evidence: dict | None = None) -> int:
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         alert, created = fire(session=session, deployment=deployment, condition=Condition(
             kind=kind, severity="critical", summary=f"{kind} on chat",
-            evidence={"disagreement_rate": 0.2}))
+            evidence=evidence or {"disagreement_rate": 0.2}))
         assert created
         return alert.id
 
@@ -68,8 +68,9 @@ def test_quality_regression_makes_the_conservative_set_active_at_once(engine, ou
         alert = session.get(Alert, alert_id)
         assert (job.trigger, job.alert_id, job.status) == ("alert", alert_id, "queued")
         assert job.since == alert.fired_at
-        assert alert.action_taken == (f"fallback engaged: active 2 -> 1 (conservative set); "
-                                      f"recalibration job {job.id} queued")
+        assert alert.action_taken == (f"rule quality_regression: quality regression falls "
+                                      f"back at once; fallback engaged: active 2 -> 1 "
+                                      f"(conservative set); recalibration job {job.id} queued")
     assert ("calibration.run", [job.id]) in outbox
 
 
@@ -185,3 +186,80 @@ def test_last_good_skips_a_version_that_fails_on_the_traffic_that_fired(engine, 
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
         assert session.scalars(select(ThresholdSet).where(
             ThresholdSet.origin == "fallback", ThresholdSet.version > 1)).all() == []
+
+
+def _gate(*, tokens: int, requests: int, disagreements: int, upper_bound: float) -> dict:
+    """The clustered shadow evidence `workers.drift` puts on an exit-rate spike."""
+    return {"quality_gate": {"shadow_tokens": tokens, "requests": requests,
+                             "disagreements": disagreements,
+                             "disagreement_rate": disagreements / tokens,
+                             "design_effect": 3.0, "effective_tokens": tokens / 3,
+                             "upper_bound": upper_bound, "confidence": 0.95, "delta": 0.05}}
+
+
+def test_spike_whose_shadow_tokens_stay_within_delta_keeps_the_active_set(engine, outbox):
+    # The issue's case: 9 / 1,158 shadow tokens disagree (0.8%, δ = 5%) in the spike's window.
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+    alert_id = _fire(engine, kind="exit_rate_spike",
+                     evidence=_gate(tokens=1158, requests=40, disagreements=9,
+                                    upper_bound=0.021))
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 2
+        assert session.scalars(select(AuditEvent).where(
+            AuditEvent.action == "alias.fallback")).all() == []
+        job = session.scalars(select(CalibrationJob)).one()
+        alert = session.get(Alert, alert_id)
+        assert (job.trigger, job.alert_id) == ("alert", alert_id)
+        assert alert.action_taken.startswith("rule shadow_upper_bound_within_delta: 9/1158 ")
+        assert "95% upper bound 2.10%" in alert.action_taken
+        assert f"the active set stays; recalibration job {job.id} queued" in alert.action_taken
+    assert ("calibration.run", [job.id]) in outbox
+
+
+@pytest.mark.parametrize(("gate", "rule"), [
+    (_gate(tokens=1158, requests=40, disagreements=40, upper_bound=0.061),
+     "shadow_upper_bound_above_delta"),
+    (_gate(tokens=150, requests=40, disagreements=0, upper_bound=0.02),
+     "too_few_shadow_tokens"),
+    (_gate(tokens=1158, requests=5, disagreements=0, upper_bound=0.02),
+     "too_few_shadow_tokens"),
+    ({"adjusted_p_value": 1e-9}, "no_quality_evidence"),
+])
+def test_spike_without_shadow_evidence_of_quality_falls_back(engine, outbox, gate, rule):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+    alert_id = _fire(engine, kind="exit_rate_spike", evidence=gate)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+        action = session.get(Alert, alert_id).action_taken
+        assert action.startswith(f"rule {rule}: ") and "fallback engaged: active 2 -> 1" in action
+
+
+def test_a_kept_spike_falls_back_once_a_later_window_cannot_show_quality(engine, outbox):
+    with session_scope(engine) as session:
+        make_deployment(session)
+        _activate(session, GOOD)
+    alert_id = _fire(engine, kind="exit_rate_spike",
+                     evidence=_gate(tokens=1158, requests=40, disagreements=9,
+                                    upper_bound=0.021))
+    with session_scope(engine) as session:
+        alert = session.get(Alert, alert_id)
+        still_fine = _gate(tokens=900, requests=35, disagreements=8, upper_bound=0.03)
+        assert not fallback.recheck_spike(session=session, alert=alert,
+                                          quality_gate=still_fine["quality_gate"])
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 2
+        worse = _gate(tokens=900, requests=35, disagreements=40, upper_bound=0.062)
+        assert fallback.recheck_spike(session=session, alert=alert,
+                                      quality_gate=worse["quality_gate"])
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 1
+        action = session.get(Alert, alert_id).action_taken
+        assert "re-checked: rule shadow_upper_bound_above_delta" in action
+        assert "fallback engaged: active 2 -> 1" in action

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from workers.stats import drift
+from workers.stats.clustered import clustered_proportion
 from workers.stats.drift import (
     EXIT_RATE_COLLAPSE,
     EXIT_RATE_SPIKE,
@@ -179,17 +180,32 @@ def test_detect_exit_rate_drift_replays_rollups():
     assert [(f.kind, f.layer) for f in findings] == [(EXIT_RATE_COLLAPSE, 16)]
 
 
+def _disagreement(per_request: list[tuple[int, int]]):
+    tokens, events = np.array(per_request).T
+    return clustered_proportion(tokens, events)
+
+
 def test_shadow_disagreement_binomial():
-    # 30 / 1000 = 3% vs δ = 1%: P(Bin(1000, 0.01) >= 30) is about 1e-7.
-    finding = drift.check_shadow_disagreement(disagreements=30, shadow_tokens=1_000, delta=0.01)
+    # One token per request is the token-independent case: 30 / 1000 = 3% vs δ = 1%,
+    # P(Bin(1000, 0.01) >= 30) is about 1e-7.
+    independent = _disagreement([(1, 1)] * 30 + [(1, 0)] * 970)
+    finding = drift.check_shadow_disagreement(disagreement=independent, delta=0.01)
     assert finding is not None and finding.kind == QUALITY_REGRESSION
     assert finding.p_value < 1e-6
     assert json.loads(json.dumps(finding.to_dict()))["evidence"]["delta"] == 0.01
     # 12 / 1000 is above δ but well within noise.
-    assert (
-        drift.check_shadow_disagreement(disagreements=12, shadow_tokens=1_000, delta=0.01) is None
-    )
-    assert drift.check_shadow_disagreement(disagreements=0, shadow_tokens=0, delta=0.01) is None
+    noise = _disagreement([(1, 1)] * 12 + [(1, 0)] * 988)
+    assert drift.check_shadow_disagreement(disagreement=noise, delta=0.01) is None
+    assert drift.check_shadow_disagreement(disagreement=_disagreement([(0, 0)]),
+                                           delta=0.01) is None
+
+
+def test_shadow_disagreement_counts_requests_not_tokens():
+    # The same 30 / 1000 disagreements, all in 3 of 100 requests of 10 tokens: three bad
+    # requests out of a hundred is no evidence that the rate is above 1%.
+    clustered = _disagreement([(10, 10)] * 3 + [(10, 0)] * 97)
+    assert clustered.design_effect > 5
+    assert drift.check_shadow_disagreement(disagreement=clustered, delta=0.01) is None
 
 
 def test_monitor_is_independent_of_how_the_stream_is_chunked():

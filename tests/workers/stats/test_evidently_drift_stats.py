@@ -89,3 +89,28 @@ def test_histogram_rollups_feed_the_report():
     assert report.drift_detected
     with pytest.raises(ValueError, match="len\\(edges\\)"):
         histogram_samples([0.0, 1.0], [1, 2])
+
+
+def test_two_sample_verdict_counts_the_reference_as_a_sample():
+    # Rare deep exits in a short reference: Evidently's chi-square takes the reference's
+    # proportions as known and flags; the contingency-table test does not (issue 17).
+    rare = (0.004, 0.006, 0.01, 0.98)
+    reference, current = _samples(3, 700, layer_p=rare), _samples(4, 2500, layer_p=rare)
+    tests = {"signal": 1e-3, "exit_layer": 1e-3}
+    plain = distribution_drift_report(reference=reference, current=current,
+                                      methods={"signal": "ks", "exit_layer": "chisquare"},
+                                      thresholds=tests, include_html=False)
+    two_sample = distribution_drift_report(reference=reference, current=current,
+                                           methods={"signal": "ks", "exit_layer": "chisquare"},
+                                           thresholds=tests, include_html=False,
+                                           two_sample_thresholds=tests)
+    assert not two_sample.drift_detected and two_sample.html is None
+    by_column = {c.column: c for c in two_sample.columns}
+    assert by_column["exit_layer"].p_value_test == "chi2_contingency"
+    assert by_column["exit_layer"].p_value > 1e-3
+    shifted = distribution_drift_report(
+        reference=reference, current=_samples(5, 2500, shift=0.2, layer_p=rare),
+        two_sample_thresholds=tests, methods={"signal": "ks", "exit_layer": "chisquare"},
+        thresholds=tests)
+    assert shifted.drift_detected and shifted.html is not None  # the report for a finding
+    assert plain.drift_detected  # what the goodness-of-fit verdict said on the same data

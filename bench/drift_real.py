@@ -1,0 +1,557 @@
+"""Drift alerts on real telemetry: real per-token records of the real model, replayed through the
+real detectors (issue 17).
+
+(`-P`: bench/runtime.py must not shadow the `runtime` package.)
+
+1. Records, produced once and cached under var/drift_real/: the runtime engine (SmolLM2-135M-
+   Instruct with the exit heads `exitplane demo` trains and caches under var/runtime/) serves
+   requests from three text sources on this machine with shadow sampling at rate 1, so every
+   token carries its learned signal and its match with full depth at every exit layer:
+   `chat` (the model's own answers to questions about standard-library modules), `code`
+   (continuations of Python standard-library source), `docs` (continuations of the standard
+   library's docstrings). Greedy decoding under the never-exit set, i.e. the full model's own
+   text; a served token's exit under any threshold set follows from its signals.
+2. Traffic: for each source a threshold set calibrated on half of its requests (the fixed-
+   sequence Learn-Then-Test the calibrator uses, δ and ε below); the other half is replayed.
+   Requests arrive as a Poisson stream at `--request-rate`, each one a whole request resampled
+   with replacement, its tokens spaced over the request's decode time; a token is a shadow
+   token with probability `--shadow-rate`. Minute rollups, the signal histogram and shadow
+   samples (with request ids) are built as the ingestion builds them.
+3. The detectors: every `--check-every-s` the same code as the `drift.detect` task
+   (`workers.drift.evaluate`, on in-memory windows instead of SQL reads) and the same fallback
+   rule (`controlplane.calibration.fallback.decide`) run over the lookback, and alerts open,
+   refresh and clear as `controlplane.alerts.service.reconcile` does.
+
+Episodes: stationary stretches of each source under its own set (`--hours` in all), and abrupt
+switches from one source to another (every ordered pair, `--switches` times each) after
+`--warmup-min` minutes of the home source. Reported:
+
+- `false_alarms_per_hour`: alerts (warning or critical; info findings do not page) fired during
+  stationary traffic, per simulated hour of it (warm-up stretches before switches included);
+- `false_fallbacks`: fallbacks decided while the true disagreement of the recent window (all its
+  tokens, not only the shadow ones) is within δ;
+- `shift_detect_s_median` / `missed_shifts`: over switches that change the true disagreement
+  above δ or a conditional exit rate by at least the detectors' minimum effect, seconds from the
+  switch to the first alert, and switches with no alert within `--after-min` minutes;
+- `hours`: simulated hours of traffic replayed.
+
+    .venv/bin/python -P bench/drift_real.py                 # records cached after the first run
+    .venv/bin/python -P bench/drift_real.py --records-only  # just produce the records
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SOURCES = ("chat", "code", "docs")
+RECORDS_DIR = Path("var/drift_real")
+
+
+# -- 1. records ------------------------------------------------------------------------------
+
+def _module_names(count: int) -> list[str]:
+    from runtime import corpus
+
+    names = sorted({p.stem if p.stem != "__init__" else p.parent.name
+                    for p in corpus.stdlib_files()} - {"__main__", "this", "antigravity"})
+    return names[::-1][:count]
+
+
+def _prompts(source: str, tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
+    """`count` prompts of one source, from files the exit heads were not trained on."""
+    import ast
+
+    from runtime import corpus
+
+    if source == "chat":
+        asks = ("What is the Python module `{}` used for? Answer briefly.",
+                "Give a short example that uses Python's `{}` module.")
+        names = _module_names(count)
+        return [corpus.chat_prompt_ids(tokenizer, asks[i % 2].format(name))
+                for i, name in enumerate(names)][:count]
+    prompts = []
+    for path in reversed(corpus.stdlib_files()):
+        try:
+            text = path.read_text(encoding="utf-8")
+            if source == "docs":
+                tree = ast.parse(text)
+                docs = [ast.get_docstring(node) for node in ast.walk(tree)
+                        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)]
+                text = "\n\n".join(d for d in docs if d and len(d) > 200)
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= prompt_tokens:
+            start = min(len(ids) - prompt_tokens, 200)
+            prompts.append(ids[start:start + prompt_tokens])
+        if len(prompts) >= count:
+            break
+    return prompts
+
+
+def produce_records(source: str, *, requests: int, new_tokens: int, prompt_tokens: int,
+                    batch: int) -> Path:
+    """Run the engine on one source with every token shadowed; cache the records as .npz."""
+    import torch
+
+    from exitplane.demo import Timeline, _heads
+    from runtime.engine import Engine, EngineConfig
+    from runtime.model import load_model
+
+    path = RECORDS_DIR / f"{source}-{requests}x{new_tokens}.npz"
+    if path.exists():
+        return path
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model()
+    heads, _, _ = _heads(model, tokenizer, True, Timeline())
+    heads.float()
+    engine = Engine(model, heads=heads, config=EngineConfig(
+        max_batch=batch, max_seq_len=prompt_tokens + new_tokens + 96, shadow_rate=1.0))
+    prompts = _prompts(source, tokenizer, requests, prompt_tokens)
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, request_id=f"{source}-{index}", max_new_tokens=new_tokens)
+    records, done = [], 0
+    while engine.has_work:
+        finished = sum(output.finished for output in engine.step())
+        done += finished
+        records += engine.drain_records()
+        if finished and done % 20 < finished:
+            print(f"{source}: {done}/{len(prompts)} requests, {len(records)} tokens, "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    layers = list(heads.exit_layers)
+    signals = np.array([[p.signal for p in sorted(r.shadow, key=lambda p: p.layer)]
+                        for r in records], dtype=np.float32)
+    matched = np.array([[p.matched for p in sorted(r.shadow, key=lambda p: p.layer)]
+                        for r in records], dtype=bool)
+    request = np.array([int(r.request_id.rsplit("-", 1)[1]) for r in records])
+    position = np.array([r.position for r in records])
+    RECORDS_DIR.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, signals=signals, matched=matched, request=request,
+                        position=position, exit_layers=np.array(layers),
+                        num_layers=len(model.model.layers),
+                        decode_s=time.perf_counter() - started)
+    return path
+
+
+def load_records(path: Path) -> dict:
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files}
+
+
+# -- 2. traffic ------------------------------------------------------------------------------
+
+SLOT_S = 30.0  # rollups are built per half minute so that a check every 30 s sees its minute
+
+
+class Source:
+    """One text source: its records split into a calibration half and a replay half."""
+
+    def __init__(self, name: str, records: dict, *, seed: int) -> None:
+        self.name = name
+        self.signals, self.matched = records["signals"], records["matched"]
+        self.layers = [int(k) for k in records["exit_layers"]]
+        self.num_layers = int(records["num_layers"])
+        request = records["request"]
+        ids = np.unique(request)
+        rng = np.random.default_rng(seed)
+        calibration = set(rng.choice(ids, size=len(ids) // 2, replace=False).tolist())
+        self.calibration = np.isin(request, list(calibration))
+        # replay requests: (token indices) per request, in position order
+        order = np.lexsort((records["position"], request))
+        self.requests = [order[request[order] == rid] for rid in ids
+                         if rid not in calibration]
+
+    def calibrate(self, *, delta: float, epsilon: float) -> tuple[list[float], dict]:
+        """Thresholds the calibrator picks on the calibration half, and their expected metrics."""
+        from controlplane.calibration.service import expected_metrics
+        from workers.stats.calibration import calibrate_thresholds
+
+        result = calibrate_thresholds(
+            signals=self.signals[self.calibration], matched=self.matched[self.calibration],
+            exit_layers=self.layers, num_layers=self.num_layers, delta=delta, epsilon=epsilon,
+            min_samples_per_layer=200, seed=0)
+        return [result.thresholds[k] for k in self.layers], expected_metrics(result)
+
+
+def traffic(sources: list[tuple[Source, float]], *, request_rate: float, token_s: float,
+            shadow_rate: float, rng) -> dict:
+    """Tokens of whole requests resampled from each (source, seconds) stretch in turn: arrival
+    times Poisson at `request_rate`, tokens `token_s` apart inside a request."""
+    parts, offset, serial = [], 0.0, 0
+    for source, seconds in sources:
+        count = rng.poisson(request_rate * seconds)
+        arrivals = offset + np.sort(rng.random(count)) * seconds
+        picks = rng.integers(0, len(source.requests), count)
+        index = [source.requests[p] for p in picks]
+        sizes = np.array([len(i) for i in index])
+        tokens = np.concatenate(index) if count else np.zeros(0, dtype=int)
+        within = np.concatenate([np.arange(n) for n in sizes]) if count else np.zeros(0)
+        parts.append({"signals": source.signals[tokens], "matched": source.matched[tokens],
+                      "ts": np.repeat(arrivals, sizes) + within * token_s,
+                      "request": np.repeat(np.arange(serial, serial + count), sizes)})
+        serial += count
+        offset += seconds
+    joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.argsort(joined["ts"], kind="stable")
+    joined = {k: v[order] for k, v in joined.items()}
+    joined["shadow"] = rng.random(len(joined["ts"])) < shadow_rate
+    return joined
+
+
+def rollup_slots(tokens: dict, thresholds: list[float], layers: list[int], num_layers: int,
+                 seconds: float) -> dict:
+    """Per half-minute slot what ingestion would add to the rollups: tokens reaching and
+    exiting each exit layer, the signal histogram per exit layer (full depth included)."""
+    from controlplane.telemetry.models import HISTOGRAM_BINS
+    from workers.stats.clustered import policy_outcomes
+
+    slots = int(np.ceil(seconds / SLOT_S))
+    slot = np.minimum((tokens["ts"] // SLOT_S).astype(int), slots - 1)
+    first, _ = policy_outcomes(tokens["signals"], tokens["matched"], thresholds)
+    served = np.where(tokens["shadow"], len(layers), first)  # shadow tokens go full depth
+    width = len(layers) + 1
+    # what `workers.drift` reads: exits and reached counts with the shadow tokens' policy exits
+    # (`policy_exits`) put back, i.e. the policy's own exit of every token
+    exits = np.bincount(slot * width + first, minlength=slots * width).reshape(slots, width)
+    reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]
+    # the recorded signal: at the exit, else at the deepest layer the policy checks for every
+    # row (thresholds < 1); none when the policy checks nothing, except for shadow rows
+    live = [j for j, t in enumerate(thresholds) if t < 1.0]
+    rows = np.arange(len(first))
+    if live:
+        column = np.where(served < len(layers), served, live[-1])
+        signal = tokens["signals"][rows, np.minimum(column, len(layers) - 1)]
+        has = np.ones(len(first), dtype=bool)
+    else:
+        signal = tokens["signals"][:, -1]
+        has = tokens["shadow"].copy()
+    bins = np.minimum((signal * HISTOGRAM_BINS).astype(int), HISTOGRAM_BINS - 1)
+    cell = (slot * width + served) * HISTOGRAM_BINS + bins
+    histogram = np.bincount(cell[has], minlength=slots * width * HISTOGRAM_BINS).reshape(
+        slots, width, HISTOGRAM_BINS)
+    return {"slot": slot, "exits": exits, "reached": reached, "histogram": histogram,
+            "layers": layers, "layer_keys": [*layers, num_layers]}
+
+
+# -- 3. the detectors ------------------------------------------------------------------------
+
+class Episode:
+    """One version serving a stream of traffic from time 0, checked like `drift.detect`."""
+
+    def __init__(self, tokens: dict, *, thresholds: list[float], expected: dict,
+                 layers: list[int], num_layers: int, delta: float, seconds: float,
+                 options) -> None:
+        from datetime import UTC, datetime
+
+        self.tokens, self.thresholds, self.expected = tokens, thresholds, expected
+        self.layers, self.delta, self.options = layers, delta, options
+        self.start = datetime(2026, 1, 1, tzinfo=UTC)
+        self.slots = rollup_slots(tokens, thresholds, layers, num_layers, seconds)
+        self.open: dict[str, dict] = {}  # dedup key -> fired_at, clear_since (reconcile)
+
+    def _minutes(self, first_slot: int, end_slot: int):
+        """[(minute, {layer: LayerCounts})] of the minutes whose slots lie before `end_slot`."""
+        from datetime import timedelta
+
+        from workers.stats.drift import LayerCounts
+
+        exits, reached = self.slots["exits"], self.slots["reached"]
+        out = []
+        for minute in range(first_slot // 2, (end_slot + 1) // 2):
+            lo, hi = 2 * minute, min(2 * minute + 2, end_slot)
+            if hi <= lo:
+                continue
+            counts = {layer: LayerCounts(int(reached[lo:hi, j].sum()), int(exits[lo:hi, j].sum()))
+                      for j, layer in enumerate(self.layers)
+                      if reached[lo:hi, j].sum() > 0}
+            if counts:
+                out.append((self.start + timedelta(minutes=minute), counts))
+        return out
+
+    def _histogram(self, from_minute: int, end_slot: int) -> dict[int, list[int]]:
+        block = self.slots["histogram"][2 * from_minute:end_slot].sum(axis=0)
+        return {key: block[j].tolist() for j, key in enumerate(self.slots["layer_keys"])
+                if block[j].sum()}
+
+    def check(self, t: float) -> tuple[list, set]:
+        """The conditions `exit_behaviour_conditions` would see at `t` seconds."""
+        import math
+        from datetime import timedelta
+
+        from workers.drift import expected_reference
+        from workers.stats.window_checks import (
+            WindowInputs,
+            evaluate,
+            lookback_start,
+            reference_window,
+        )
+
+        options, layers = self.options, self.layers
+        now = self.start + timedelta(seconds=t)
+        end_slot = int(t // SLOT_S)
+        reference = expected_reference(self.expected, layers)
+        reference_until, origin = self.start, "expected_metrics"
+        first = self._minutes(0, min(end_slot, int(options.reference_max_s // SLOT_S)))
+        found = reference_window(first, layers, options.reference_tokens)
+        if found is not None:
+            reference_until = first[found[1] - 1][0] + timedelta(minutes=1)
+        if reference is None and found is not None:
+            reference, origin = found[0], "first_window_after_activation"
+        since = lookback_start(start=self.start, reference_origin=origin,
+                               reference_until=reference_until, now=now, options=options)
+        since_s = (since - self.start).total_seconds()
+        minutes = self._minutes(int(since_s // 60) * 2, end_slot)
+        minutes = [(m, c) for m, c in minutes if m >= since]
+        recent_s = max(t - options.recent_s, 0.0)
+        ts, shadow = self.tokens["ts"], self.tokens["shadow"]
+        lo, hi = np.searchsorted(ts, [recent_s, t])
+        pick = np.flatnonzero(shadow[lo:hi]) + lo
+        histograms = None
+        if found is not None:
+            until_minute = int((reference_until - self.start).total_seconds() // 60)
+            recent_minute = max(math.ceil(recent_s / 60), until_minute)
+            histograms = (self._histogram(0, 2 * until_minute),
+                          self._histogram(recent_minute, end_slot))
+        info = self.open.get("distribution_drift:all")
+        inputs = WindowInputs(
+            version=2, layers=layers, thresholds=self.thresholds, delta=self.delta, now=now,
+            reference=reference, reference_origin=origin,
+            reference_window=(self.start, reference_until) if found is not None else None,
+            since=since, minutes=minutes, recent_since=self.start + timedelta(seconds=recent_s),
+            shadow_requests=self.tokens["request"][pick].astype(str),
+            shadow_signals=self.tokens["signals"][pick],
+            shadow_matched=self.tokens["matched"][pick],
+            histograms=histograms,
+            info_open=(info["fired"], info["clear_since"]) if info else None)
+        return evaluate(inputs, options)
+
+    def true_disagreement(self, t: float) -> float:
+        """Disagreement of every token (not only shadow ones) of the recent window."""
+        from workers.stats.clustered import policy_outcomes
+
+        lo, hi = np.searchsorted(self.tokens["ts"], [max(t - self.options.recent_s, 0), t])
+        if hi <= lo:
+            return 0.0
+        _, disagree = policy_outcomes(self.tokens["signals"][lo:hi],
+                                      self.tokens["matched"][lo:hi], self.thresholds)
+        return float(disagree.mean())
+
+    def reconcile(self, t: float, conditions: list, checked: set) -> list[dict]:
+        """Open / refresh / clear alerts as `alerts.service.reconcile`; the newly fired ones,
+        with the fallback decision of the quality-at-risk kinds."""
+        from datetime import timedelta
+        from types import SimpleNamespace
+
+        from controlplane.alerts.service import QUALITY_AT_RISK
+        from controlplane.calibration.fallback import SpikeGate, decide
+
+        now = self.start + timedelta(seconds=t)
+        fired, seen = [], set()
+        for condition in conditions:
+            key = f"{condition.kind}:{condition.subject}"
+            seen.add(key)
+            if key in self.open:
+                self.open[key]["clear_since"] = None
+                continue
+            self.open[key] = {"fired": now, "clear_since": None, "kind": condition.kind}
+            event = {"t": t, "kind": condition.kind, "severity": condition.severity,
+                     "layer": condition.layer, "fallback": None, "summary": condition.summary}
+            if condition.kind in QUALITY_AT_RISK:
+                decision = decide(alert=SimpleNamespace(kind=condition.kind,
+                                                        evidence=condition.evidence),
+                                  delta=self.delta, gate=SpikeGate())
+                event["fallback"] = decision.fall_back
+                event["rule"] = decision.rule
+                event["true_disagreement"] = self.true_disagreement(t)
+            fired.append(event)
+        for key, alert in list(self.open.items()):
+            if key in seen or alert["kind"] not in checked:
+                continue
+            alert["clear_since"] = alert["clear_since"] or now
+            if (now - alert["clear_since"]).total_seconds() >= self.options.clear_after_s:
+                del self.open[key]
+        return fired
+
+    def run(self, times) -> list[dict]:
+        events = []
+        for t in map(float, times):
+            conditions, checked = self.check(t)
+            events += self.reconcile(t, conditions, checked)
+        return events
+
+
+# -- 4. the benchmark ------------------------------------------------------------------------
+
+def conditional_rates(source: Source, thresholds: list[float]) -> tuple[np.ndarray, float]:
+    """Conditional exit rate per layer and disagreement of a source's replay half."""
+    from workers.stats.clustered import policy_outcomes
+
+    tokens = np.concatenate(source.requests)
+    first, disagree = policy_outcomes(source.signals[tokens], source.matched[tokens],
+                                      thresholds)
+    exits = np.bincount(first, minlength=len(thresholds) + 1)[:len(thresholds)]
+    reached = len(first) - np.concatenate([[0], np.cumsum(exits)[:-1]])
+    return exits / np.maximum(reached, 1), float(disagree.mean())
+
+
+def _pages(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["severity"] in ("warning", "critical")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=120, help="requests per source")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--records-only", action="store_true")
+    parser.add_argument("--hours", type=float, default=24.0,
+                        help="stationary hours in all, split across the sources")
+    parser.add_argument("--switches", type=int, default=2, help="switches per ordered pair")
+    parser.add_argument("--warmup-min", type=float, default=30.0)
+    parser.add_argument("--after-min", type=float, default=20.0)
+    parser.add_argument("--token-rate", type=float, default=6.0,
+                        help="tokens per second (the issue's deployment: 615 in 2 minutes)")
+    parser.add_argument("--token-s", type=float, default=0.05, help="decode time per token")
+    parser.add_argument("--shadow-rate", type=float, default=0.3)
+    parser.add_argument("--delta", type=float, default=0.05)
+    parser.add_argument("--epsilon", type=float, default=0.1)
+    parser.add_argument("--check-every-s", type=float, default=120.0,
+                        help="check period in stationary stretches (each check replays the "
+                             "whole lookback, as the task does: the box has 2 shared cores)")
+    parser.add_argument("--shift-check-every-s", type=float, default=30.0,
+                        help="check period after a switch (the drift beat's 30 s)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
+    import torch
+
+    torch.set_num_threads(1)  # the shared box: more threads than cores only thrash
+    paths = {name: produce_records(name, requests=args.requests, new_tokens=args.new_tokens,
+                                   prompt_tokens=args.prompt_tokens, batch=args.batch)
+             for name in SOURCES}
+    if args.records_only:
+        print(json.dumps({name: str(path) for name, path in paths.items()}))
+        return
+
+    from workers.stats.window_checks import DriftOptions
+
+    started = time.perf_counter()
+    rng = np.random.default_rng(args.seed)
+    options = DriftOptions()
+    sources = {name: Source(name, load_records(path), seed=args.seed)
+               for name, path in paths.items()}
+    calibrated = {name: source.calibrate(delta=args.delta, epsilon=args.epsilon)
+                  for name, source in sources.items()}
+    mean_len = np.mean([len(r) for s in sources.values() for r in s.requests])
+    request_rate = args.token_rate / mean_len
+    for name, (thresholds, _expected) in calibrated.items():
+        rates, disagreement = conditional_rates(sources[name], thresholds)
+        print(f"{name}: {len(sources[name].requests)} replay requests; thresholds "
+              f"{[round(t, 3) for t in thresholds]}; replay disagreement {disagreement:.3f}; "
+              f"exit rates {rates.round(3).tolist()}", flush=True)
+
+    def episode(stretches, thresholds, expected, times):
+        seconds = sum(s for _, s in stretches)
+        tokens = traffic(stretches, request_rate=request_rate, token_s=args.token_s,
+                         shadow_rate=args.shadow_rate, rng=rng)
+        first = next(iter(sources.values()))
+        run = Episode(tokens, thresholds=thresholds, expected=expected, layers=first.layers,
+                      num_layers=first.num_layers, delta=args.delta, seconds=seconds,
+                      options=options)
+        return run.run(times)
+
+    stationary_s, false_alarms, false_fallbacks, fallbacks, infos = 0.0, [], 0, 0, 0
+    per_source = args.hours * 3600 / len(sources)
+    for name, source in sources.items():
+        thresholds, expected = calibrated[name]
+        times = np.arange(args.check_every_s, per_source + 1e-9, args.check_every_s)
+        events = episode([(source, per_source)], thresholds, expected, times)
+        stationary_s += per_source
+        false_alarms += [dict(e, source=name) for e in _pages(events)]
+        infos += sum(e["severity"] == "info" for e in events)
+        print(f"stationary {name}: {per_source / 3600:.1f} h, {len(_pages(events))} alerts "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        for event in events:
+            if event["fallback"]:
+                fallbacks += 1
+                false_fallbacks += event["true_disagreement"] <= args.delta
+
+    warmup, after = args.warmup_min * 60, args.after_min * 60
+    delays, missed, shifts, skipped = [], [], [], 0
+    for home, target in [(a, b) for a in sources for b in sources if a != b]:
+        thresholds, expected = calibrated[home]
+        home_rates, _ = conditional_rates(sources[home], thresholds)
+        target_rates, target_disagreement = conditional_rates(sources[target], thresholds)
+        moves = (target_disagreement > args.delta
+                 or np.abs(target_rates - home_rates).max() >= options_min_effect())
+        for _ in range(args.switches):
+            times = np.concatenate([
+                np.arange(args.check_every_s, warmup + 1e-9, args.check_every_s),
+                np.arange(warmup + args.shift_check_every_s, warmup + after + 1e-9,
+                          args.shift_check_every_s)])
+            events = episode([(sources[home], warmup), (sources[target], after)], thresholds,
+                             expected, times)
+            stationary_s += warmup
+            before = [e for e in _pages(events) if e["t"] <= warmup]
+            false_alarms += [dict(e, source=home) for e in before]
+            infos += sum(e["severity"] == "info" for e in events)
+            for event in events:
+                if event["fallback"]:
+                    fallbacks += 1
+                    false_fallbacks += event["true_disagreement"] <= args.delta
+            detected = [e for e in _pages(events) if e["t"] > warmup]
+            shift = {"from": home, "to": target, "moves": bool(moves),
+                     "target_disagreement": round(target_disagreement, 4),
+                     "max_rate_change": round(float(np.abs(target_rates - home_rates).max()),
+                                              3),
+                     "detected_s": detected[0]["t"] - warmup if detected else None,
+                     "first_alert": detected[0]["kind"] if detected else None}
+            shifts.append(shift)
+            if not moves:
+                skipped += 1
+            elif detected:
+                delays.append(shift["detected_s"])
+            else:
+                missed.append(shift)
+        print(f"switch {home} -> {target}: {[s['detected_s'] for s in shifts[-args.switches:]]}"
+              f" ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    hours = (stationary_s + len(shifts) * after) / 3600
+    for shift in shifts:
+        print("shift", json.dumps(shift))
+    for alarm in false_alarms:
+        print("false alarm", json.dumps({k: alarm[k] for k in ("source", "t", "kind", "layer",
+                                                               "severity", "summary")}))
+    print(json.dumps({
+        "false_alarms_per_hour": round(len(false_alarms) / (stationary_s / 3600), 4),
+        "false_fallbacks": int(false_fallbacks),
+        "shift_detect_s_median": float(np.median(delays)) if delays else None,
+        "missed_shifts": len(missed),
+        "hours": round(hours, 2),
+        "stationary_hours": round(stationary_s / 3600, 2),
+        "shifts": len(shifts) - skipped, "shifts_without_change": skipped,
+        "fallbacks": fallbacks, "info_findings": infos,
+        "token_rate": args.token_rate, "shadow_rate": args.shadow_rate, "delta": args.delta,
+        "records": {name: len(s.signals) for name, s in sources.items()},
+        "seconds": round(time.perf_counter() - started, 1)}))
+
+
+def options_min_effect() -> float:
+    """The exit-rate detectors' minimum effect (a smaller change is not a shift to detect)."""
+    import inspect
+
+    from workers.stats.drift import ExitRateMonitor
+
+    return inspect.signature(ExitRateMonitor).parameters["min_effect"].default
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Proportions from tokens that come in requests: cluster-robust variance and effective size.
+
+Tokens are not independent samples. A request's tokens share a prompt, a topic and a register, so
+whether they exit early (or agree with full depth) is correlated within the request; a test that
+counts tokens as samples overstates its evidence by the *design effect*, which on real text is
+of the order of the tokens per request. The unit of analysis here is therefore the request.
+
+Choice: request-level aggregation with the cluster-robust (CR1, "sandwich") variance of the
+ratio estimator p = sum(x_i) / sum(n_i) over requests i (x_i events among n_i tokens). Why this
+one and not the others:
+
+- it is exact bookkeeping, not resampling: a block bootstrap needs hundreds of resamples per
+  layer per check and is random; the sandwich variance is one pass over per-request sums;
+- it keeps every token (long requests weigh more, as they do in the traffic), where a mean of
+  per-request rates would let a 3-token request weigh as much as a 300-token one;
+- it turns into a Kish *design effect* d = var_CR1 / var_binomial (at least 1) and an effective
+  sample size n / d, which plugs into the tests that already exist: the exact binomial bound
+  with n / d trials (Korn & Graubard's interval for clustered survey proportions) for quality,
+  a z-test with its standard error scaled by sqrt(d) for exit rates.
+
+When a window shows no variation (no event at all, or only events) the sandwich variance is 0
+and says nothing about clustering; the effective size is then the number of requests, the
+reading that assumes a request's tokens all behave alike (the conservative one).
+
+Where the per-request sums come from: shadow tokens carry their request id (stored with each
+shadow sample), so quality tests and the design effect of each exit layer are computed from the
+shadow tokens of the window. Rollups stay per minute / version / layer: the exit-rate tests read
+them and borrow the design effect measured on the same window's shadow tokens (`scale_design_
+effect` carries it from shadow-sized clusters to served-sized ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from scipy.stats import beta
+
+
+@dataclass(frozen=True)
+class ClusteredProportion:
+    """A proportion over tokens clustered in requests, with its design effect."""
+
+    events: int
+    tokens: int
+    clusters: int
+    rate: float
+    design_effect: float
+    effective_tokens: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def upper_bound(self, alpha: float) -> float:
+        """One-sided (1 - alpha) upper bound of the rate: Clopper-Pearson on the effective size."""
+        return clopper_pearson(self.rate, self.effective_tokens, alpha)[1]
+
+    def lower_bound(self, alpha: float) -> float:
+        """One-sided (1 - alpha) lower bound of the rate."""
+        return clopper_pearson(self.rate, self.effective_tokens, alpha)[0]
+
+    def p_value_above(self, delta: float) -> float:
+        """One-sided p-value of H0: rate <= delta (exact binomial on the effective size)."""
+        n = self.effective_tokens
+        if n <= 0:
+            return 1.0
+        x = self.rate * n
+        if x <= 0:
+            return 1.0
+        # P(Bin(n, delta) >= x) = I_delta(x, n - x + 1), continuous in a non-integer x
+        return float(beta.cdf(delta, x, n - x + 1))
+
+
+def clopper_pearson(rate: float, n: float, alpha: float) -> tuple[float, float]:
+    """One-sided (1 - alpha) lower and upper bounds of `rate` seen on `n` (effective) trials."""
+    if n <= 0:
+        return 0.0, 1.0
+    x = rate * n
+    lower = 0.0 if x <= 0 else float(beta.ppf(alpha, x, n - x + 1))
+    upper = 1.0 if x >= n else float(beta.ppf(1 - alpha, x + 1, n - x))
+    return lower, upper
+
+
+def per_cluster(cluster_ids: Sequence, events: np.ndarray,
+                include: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster (tokens, events) from per-token cluster ids and 0/1 events.
+
+    `include` (bool per token) restricts the tokens counted, e.g. those that reached a layer;
+    clusters with no included token are dropped."""
+    events = np.asarray(events, dtype=np.int64)
+    keep = np.ones(len(events), dtype=bool) if include is None else np.asarray(include, bool)
+    _, cluster = np.unique(np.asarray(cluster_ids, dtype=object).astype(str),
+                           return_inverse=True)
+    tokens = np.bincount(cluster.ravel(), weights=keep).astype(np.int64)
+    hits = np.bincount(cluster.ravel(), weights=events * keep).astype(np.int64)
+    present = tokens > 0
+    return tokens[present], hits[present]
+
+
+def clustered_proportion(tokens: np.ndarray, events: np.ndarray) -> ClusteredProportion:
+    """The ratio estimate and its design effect from per-cluster token and event counts."""
+    tokens, events = np.asarray(tokens, dtype=float), np.asarray(events, dtype=float)
+    total, hits, clusters = float(tokens.sum()), float(events.sum()), len(tokens)
+    if total <= 0:
+        return ClusteredProportion(0, 0, 0, 0.0, 1.0, 0.0)
+    rate = hits / total
+    binomial = rate * (1.0 - rate) / total
+    if clusters < 2 or binomial <= 0.0:
+        effective = float(max(clusters, 1))  # no variation to measure: one sample per request
+        return ClusteredProportion(int(hits), int(total), clusters, rate,
+                                   total / effective, effective)
+    residual = events - rate * tokens
+    robust = clusters / (clusters - 1) * float(residual @ residual) / total**2
+    design_effect = max(1.0, robust / binomial)
+    return ClusteredProportion(int(hits), int(total), clusters, rate, design_effect,
+                               total / design_effect)
+
+
+def clustered_rate(cluster_ids: Sequence, events: np.ndarray,
+                   include: np.ndarray | None = None) -> ClusteredProportion:
+    """`clustered_proportion` straight from per-token cluster ids and events."""
+    return clustered_proportion(*per_cluster(cluster_ids, events, include))
+
+
+def mean_design_effect(cluster_ids: Sequence, values: np.ndarray) -> tuple[float, int]:
+    """(design effect of the mean of `values`, clusters): CR1 variance of the ratio estimator
+    sum(y_i) / sum(n_i) over the iid variance s^2 / n. What a two-sample test of a continuous
+    per-token value (the signal histogram) must pay for clustering."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return 1.0, len(values)
+    _, cluster = np.unique(np.asarray(cluster_ids, dtype=object).astype(str),
+                           return_inverse=True)
+    cluster = cluster.ravel()
+    sizes = np.bincount(cluster).astype(float)
+    sums = np.bincount(cluster, weights=values)
+    groups, total = len(sizes), float(sizes.sum())
+    spread = float(values.var(ddof=1))
+    if groups < 2 or spread <= 0.0:
+        return 1.0, groups
+    mean = sums.sum() / total
+    residual = sums - mean * sizes
+    robust = groups / (groups - 1) * float(residual @ residual) / total**2
+    return max(1.0, robust / (spread / total)), groups
+
+
+def scale_design_effect(design_effect: float, *, mean_cluster_size: float,
+                        target_cluster_size: float) -> float:
+    """A design effect measured on clusters of `mean_cluster_size` tokens, carried to clusters
+    of `target_cluster_size` through the intra-request correlation rho: d = 1 + (m - 1) rho."""
+    if mean_cluster_size <= 1.0:
+        return max(1.0, design_effect)
+    rho = min(1.0, max(0.0, (design_effect - 1.0) / (mean_cluster_size - 1.0)))
+    return max(1.0, 1.0 + (max(target_cluster_size, 1.0) - 1.0) * rho)
+
+
+def weighted_cluster_size(tokens: np.ndarray) -> float:
+    """Mean cluster size seen by a token (sum n_i^2 / sum n_i): the design effect grows with it."""
+    tokens = np.asarray(tokens, dtype=float)
+    return float((tokens @ tokens) / tokens.sum()) if tokens.sum() > 0 else 0.0
+
+
+def policy_outcomes(signals: np.ndarray, matched: np.ndarray,
+                    thresholds: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Per shadow token under a threshold vector (exit-layer order): the exit slot (L = full
+    depth) and whether that exit disagrees with full depth."""
+    signals = np.asarray(signals, dtype=float)
+    matched = np.asarray(matched, dtype=bool)
+    exits = signals > np.asarray(thresholds, dtype=float)[None, :]  # (n, L)
+    any_exit = exits.any(axis=1)
+    first = np.where(any_exit, exits.argmax(axis=1), signals.shape[1])
+    rows = np.arange(len(first))
+    disagree = any_exit & ~matched[rows, np.minimum(first, signals.shape[1] - 1)]
+    return first, disagree
+
+
+def layer_design_effects(cluster_ids: Sequence, exit_slot: np.ndarray, layers: Sequence[int],
+                         *, min_clusters: int = 10) -> dict[int, ClusteredProportion]:
+    """Per exit layer, the clustered conditional exit rate of shadow tokens under the policy
+    (tokens that reached the layer; exits there): its design effect is what an exit-rate test
+    of that layer must pay for clustering. Layers with fewer than `min_clusters` requests
+    reaching them are left out."""
+    out = {}
+    for slot, layer in enumerate(layers):
+        reached = exit_slot >= slot
+        found = clustered_rate(cluster_ids, exit_slot == slot, include=reached)
+        if found.clusters >= min_clusters:
+            out[layer] = found
+    return out
+
+
+def effective_rows(rows: int, design_effect: float) -> int:
+    """How many rows a sample of `rows` clustered tokens is worth as independent samples."""
+    return max(1, math.floor(rows / max(design_effect, 1.0)))

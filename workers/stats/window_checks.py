@@ -1,0 +1,337 @@
+"""One drift-detection cycle on in-memory windows of one version: conditions out.
+
+`workers.drift` reads the windows from the store (rollups, signal histograms, shadow samples
+with request ids) and reconciles the alerts; `bench/drift_real.py` builds the same windows from
+replayed records. Both run `evaluate`, so the benchmark measures the detectors the service runs.
+The statistics and why they are request-clustered: `workers.stats.clustered`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import numpy as np
+
+from controlplane.alerts.service import Condition
+from controlplane.telemetry.models import HISTOGRAM_BINS
+from workers.stats.clustered import (
+    ClusteredProportion,
+    clustered_rate,
+    effective_rows,
+    layer_design_effects,
+    mean_design_effect,
+    per_cluster,
+    policy_outcomes,
+    scale_design_effect,
+    weighted_cluster_size,
+)
+from workers.stats.drift import (
+    DISTRIBUTION_DRIFT,
+    DISTRIBUTION_DRIFT_ESCALATED,
+    EXIT_RATE_COLLAPSE,
+    EXIT_RATE_SPIKE,
+    QUALITY_REGRESSION,
+    SEVERITY,
+    DriftFinding,
+    LayerCounts,
+    LayerReference,
+    check_shadow_disagreement,
+    detect_exit_rate_drift,
+)
+
+EXIT_KINDS = (EXIT_RATE_COLLAPSE, EXIT_RATE_SPIKE)
+Minutes = list[tuple[datetime, dict[int, LayerCounts]]]
+
+
+@dataclass(frozen=True)
+class DriftOptions:
+    """Windows and sample sizes of one check (seconds and tokens)."""
+
+    lookback_s: float = 1800.0
+    recent_s: float = 600.0
+    reference_tokens: int = 2000
+    reference_max_s: float = 3600.0
+    min_shadow_tokens: int = 100
+    min_distribution_rows: int = 500
+    clear_after_s: float = 300.0
+    # issue 17: clustered statistics, distribution drift that informs, the fallback's gate
+    min_shadow_requests: int = 10  # fewer requests: the design effect is not measured
+    default_design_effect: float = 1.0
+    max_design_effect: float = 200.0
+    quality_alpha: float = 1e-3
+    gate_alpha: float = 0.05  # the quality gate's upper bound is a (1 - gate_alpha) bound
+    distribution_persist_windows: int = 3
+    distribution_p_value: float = 1e-3
+    min_expected_exits: float = 10.0  # before a confirming exit-rate test on fresh tokens
+
+    @classmethod
+    def from_settings(cls, settings) -> DriftOptions:
+        return cls(lookback_s=settings.drift_lookback_s, recent_s=settings.drift_recent_s,
+                   clear_after_s=settings.alert_clear_after_s,
+                   default_design_effect=settings.drift_default_design_effect,
+                   gate_alpha=settings.fallback_gate_alpha,
+                   distribution_persist_windows=settings.drift_distribution_persist_windows,
+                   distribution_p_value=settings.drift_distribution_p_value)
+
+
+@dataclass
+class WindowInputs:
+    """Everything one check of one version looks at; every window is of `version` only."""
+
+    version: int
+    layers: list[int]
+    thresholds: list[float]  # the version's, in exit-layer order
+    delta: float
+    now: datetime
+    reference: dict[int, LayerReference] | None
+    reference_origin: str
+    reference_window: tuple[datetime, datetime] | None  # learned from these minutes, if any
+    since: datetime  # start of the exit-rate lookback
+    minutes: Minutes  # per-minute counts from `since`, oldest first
+    recent_since: datetime
+    shadow_requests: Sequence[str]  # the recent window's shadow tokens: request ids,
+    shadow_signals: np.ndarray  # (n, L) signals and
+    shadow_matched: np.ndarray  # (n, L) matches with full depth
+    histograms: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None  # ref, recent
+    info_open: tuple[datetime, datetime | None] | None = None  # open info alert: fired, clear
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShadowWindow:
+    """The shadow tokens of one window under the active policy, clustered by request."""
+
+    disagreement: ClusteredProportion
+    design_effect: dict[int, float]  # per exit layer, for the served (rollup) tokens
+    measured: dict[int, dict]  # per exit layer where it was measured: the clustered exit rate
+    signal_design_effect: float = 1.0  # of the recorded signal, for the served tokens
+
+    def gate(self, *, delta: float, alpha: float, window: dict) -> dict:
+        """What the fallback decides from: the clustered upper bound of the disagreement."""
+        d = self.disagreement
+        return {"shadow_tokens": d.tokens, "requests": d.clusters,
+                "disagreements": d.events, "disagreement_rate": d.rate,
+                "design_effect": d.design_effect, "effective_tokens": d.effective_tokens,
+                "upper_bound": d.upper_bound(alpha) if d.tokens else 1.0,
+                "confidence": 1.0 - alpha, "delta": delta, "window": window}
+
+
+def reference_window(minutes: Minutes, layers: list[int], tokens: int
+                     ) -> tuple[dict[int, LayerReference], int] | None:
+    """The first minutes whose summed tokens reach `tokens` at every exit layer: (reference,
+    how many minutes), or None."""
+    reached = dict.fromkeys(layers, 0)
+    exits = dict.fromkeys(layers, 0)
+    for index, (_minute, counts) in enumerate(minutes):
+        for layer, c in counts.items():
+            reached[layer] += c.tokens
+            exits[layer] += c.exits
+        if all(reached[layer] >= tokens for layer in layers):
+            reference = {layer: LayerReference.from_counts(LayerCounts(reached[layer],
+                                                                       exits[layer]))
+                         for layer in layers}
+            return reference, index + 1
+    return None
+
+
+def shadow_window(*, requests: Sequence[str], signals: np.ndarray, matched: np.ndarray,
+                  thresholds: list[float], layers: list[int], served_tokens: int,
+                  options: DriftOptions) -> ShadowWindow:
+    """Clustered disagreement and per-layer design effects of a window's shadow tokens.
+
+    `served_tokens`: tokens that reached the first exit layer in the window (rollups), to carry
+    the design effect from shadow-sized requests to served-sized ones."""
+    slot, disagree = policy_outcomes(signals, matched, thresholds)
+    quality = clustered_rate(requests, disagree)
+    measured = layer_design_effects(requests, slot, layers,
+                                    min_clusters=options.min_shadow_requests)
+    # a layer where no shadow token (or every one) exits shows nothing about clustering
+    measured = {k: v for k, v in measured.items() if 0 < v.events < v.tokens}
+    shadow_size = weighted_cluster_size(per_cluster(requests, disagree)[0]) if len(requests) \
+        else 0.0
+    share = min(max(len(requests) / served_tokens if served_tokens else 1.0, 1e-6), 1.0)
+    effects = {layer: min(scale_design_effect(found.design_effect, mean_cluster_size=shadow_size,
+                                              target_cluster_size=shadow_size / share),
+                          options.max_design_effect)
+               for layer, found in measured.items()}
+    # Clustering is a property of the traffic more than of a layer: a layer too rarely reached
+    # (or exited) to measure its own borrows the largest measured one.
+    fallback = max(effects.values(), default=options.default_design_effect)
+    effects = {layer: effects.get(layer, fallback) for layer in layers}
+    # The recorded signal (at the exit, else at the deepest layer the policy checks) is far more
+    # alike within a request than a rare exit is: the histogram test gets its own design effect.
+    live = [j for j, t in enumerate(thresholds) if t < 1.0] or [len(layers) - 1]
+    column = np.where(slot < len(layers), slot, live[-1])
+    recorded = signals[np.arange(len(slot)), column] if len(slot) else np.zeros(0)
+    signal_effect, groups = mean_design_effect(requests, recorded)
+    if groups >= options.min_shadow_requests:
+        signal_effect = min(scale_design_effect(signal_effect, mean_cluster_size=shadow_size,
+                                                target_cluster_size=shadow_size / share),
+                            options.max_design_effect)
+    else:
+        signal_effect = fallback
+    return ShadowWindow(quality, effects, {k: v.to_dict() for k, v in measured.items()},
+                        signal_effect)
+
+
+def _exit_rate_condition(finding: DriftFinding) -> Condition:
+    evidence = finding.to_dict()
+    before = evidence["evidence"]["reference"]["rate"]
+    after = evidence["evidence"]["recent"]["rate"]
+    verb = "rose" if finding.kind == EXIT_RATE_SPIKE else "fell"
+    summary = (f"exit rate at layer {finding.layer} {verb} from {before:.1%} to {after:.1%} "
+               f"({finding.test}, adjusted p={finding.adjusted_p_value:.2g}, design effect "
+               f"{evidence['evidence']['design_effect']:.1f})")
+    return Condition(kind=finding.kind, severity=finding.severity, summary=summary,
+                     subject=str(finding.layer), layer=finding.layer, evidence=evidence)
+
+
+def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool = False
+             ) -> tuple[list[Condition], set[str]]:
+    """Conditions observed now and the kinds that had enough data to be checked."""
+    layers, conditions, checked = inputs.layers, [], set()
+    recent_window = {"since": inputs.recent_since.isoformat(), "until": inputs.now.isoformat(),
+                     "version": inputs.version}
+    first_minute = inputs.recent_since.replace(second=0, microsecond=0)
+    served = sum(c[layers[0]].tokens for minute, c in inputs.minutes
+                 if layers[0] in c and minute >= first_minute)
+    shadow = shadow_window(requests=inputs.shadow_requests, signals=inputs.shadow_signals,
+                           matched=inputs.shadow_matched, thresholds=inputs.thresholds,
+                           layers=layers, served_tokens=served, options=options)
+    if inputs.reference is not None and inputs.minutes:
+        checked.update(EXIT_KINDS)
+        window = {"since": inputs.since.isoformat(), "until": inputs.now.isoformat(),
+                  "version": inputs.version, "reference": inputs.reference_origin}
+        if inputs.reference_window is not None:
+            window["reference_until"] = inputs.reference_window[1].isoformat()
+        for finding in detect_exit_rate_drift(reference=inputs.reference,
+                                              windows=[c for _, c in inputs.minutes],
+                                              design_effect=shadow.design_effect,
+                                              min_expected_events=options.min_expected_exits):
+            condition = _exit_rate_condition(finding)
+            condition.evidence["window"] = window
+            condition.evidence["design_effect_measured"] = shadow.measured
+            if finding.kind == EXIT_RATE_SPIKE:
+                condition.evidence["quality_gate"] = shadow.gate(
+                    delta=inputs.delta, alpha=options.gate_alpha, window=recent_window)
+            conditions.append(condition)
+
+    quality = shadow.disagreement
+    if quality.tokens >= options.min_shadow_tokens:
+        checked.add(QUALITY_REGRESSION)
+        finding = check_shadow_disagreement(disagreement=quality, delta=inputs.delta,
+                                            alpha=options.quality_alpha, window=recent_window)
+        if finding is not None:
+            conditions.append(Condition(
+                kind=QUALITY_REGRESSION, severity=finding.severity, evidence=finding.to_dict(),
+                summary=(f"disagreement with full depth {quality.events}/{quality.tokens} = "
+                         f"{quality.rate:.2%} exceeds δ={inputs.delta:g} over "
+                         f"{quality.clusters} requests (design effect "
+                         f"{quality.design_effect:.1f}; p={finding.p_value:.2g})")))
+
+    if inputs.histograms is not None and inputs.reference_window is not None:
+        distribution = distribution_condition(
+            inputs, options, want_report=want_report,
+            design_effect=max(shadow.signal_design_effect,
+                              *shadow.design_effect.values()))
+        if distribution is not None:
+            checked.add(DISTRIBUTION_DRIFT)
+            conditions += distribution
+            escalated = distribution and escalation(inputs, options, info=distribution[0],
+                                                    others=conditions)
+            if escalated:
+                conditions.append(escalated)
+    return conditions, checked
+
+
+def escalation(inputs: WindowInputs, options: DriftOptions, *, info: Condition,
+               others: list[Condition]) -> Condition | None:
+    """The `warning` twin of an info distribution finding, when a rule says it pages:
+    corroborated by an exit-rate or quality condition of the same check, or persisted over
+    `distribution_persist_windows` consecutive recent windows (the info alert stayed open and
+    never cleared since it fired)."""
+    corroborating = [c for c in others if c.kind in (*EXIT_KINDS, QUALITY_REGRESSION)]
+    rule = None
+    if corroborating:
+        names = ", ".join(c.kind + (f" at layer {c.layer}" if c.layer is not None else "")
+                          for c in corroborating)
+        rule = {"rule": "corroborated", "by": [c.kind for c in corroborating],
+                "text": f"corroborated by {names} in the same window"}
+    elif inputs.info_open is not None and inputs.info_open[1] is None:
+        held = (inputs.now - inputs.info_open[0]).total_seconds()
+        windows = 1 + int(held // options.recent_s)
+        if windows >= options.distribution_persist_windows:
+            rule = {"rule": "persisted", "windows": windows,
+                    "text": f"persisted over {windows} consecutive windows "
+                            f"(limit {options.distribution_persist_windows})"}
+    if rule is None:
+        return None
+    return Condition(kind=DISTRIBUTION_DRIFT, severity=DISTRIBUTION_DRIFT_ESCALATED,
+                     subject="escalated", summary=f"{info.summary}; {rule['text']}",
+                     evidence=info.evidence | {"escalation": rule},
+                     report_html=info.report_html)
+
+
+def _histogram_frame(histogram: dict[int, list[int]], max_rows: int) -> dict[str, np.ndarray]:
+    from workers.stats.evidently_drift import histogram_samples
+
+    edges = np.linspace(0.0, 1.0, HISTOGRAM_BINS + 1)
+    total = sum(sum(bins) for bins in histogram.values()) or 1
+    signals, layers = [], []
+    for layer, bins in histogram.items():
+        samples = histogram_samples(edges, bins, max_rows=max(1, max_rows * sum(bins) // total))
+        signals.append(samples)
+        layers.append(np.full(len(samples), layer))
+    if not signals:
+        return {"signal": np.zeros(0), "exit_layer": np.zeros(0, dtype=int)}
+    return {"signal": np.concatenate(signals), "exit_layer": np.concatenate(layers)}
+
+
+def distribution_condition(inputs: WindowInputs, options: DriftOptions, *, want_report: bool,
+                           design_effect: float = 1.0) -> list[Condition] | None:
+    """[distribution_drift info condition], [] when the distributions agree, None on too
+    little data. Both sides are thinned to their effective sample size (tokens / design
+    effect) and tested at `distribution_p_value`, so the verdict counts requests, not tokens."""
+    from workers.stats.evidently_drift import distribution_drift_report
+
+    before, after = inputs.histograms
+    sizes = [sum(sum(b) for b in h.values()) for h in (before, after)]
+    if min(sizes) < options.min_distribution_rows:
+        return None
+    rows = [min(20_000, effective_rows(n, design_effect)) for n in sizes]
+    p_value = options.distribution_p_value
+    report = distribution_drift_report(
+        reference=_histogram_frame(before, rows[0]), current=_histogram_frame(after, rows[1]),
+        methods={"signal": "ks", "exit_layer": "chisquare"},
+        thresholds={"signal": p_value, "exit_layer": p_value}, include_html=want_report,
+        two_sample_thresholds={"signal": p_value, "exit_layer": p_value})
+    finding = report.to_finding()
+    if finding is None:
+        return []
+    drifted = ", ".join(f"{c.column} ({c.p_value_test} p={c.p_value:.3g} < {p_value:g})"
+                        for c in report.columns if c.drift_detected)
+    reference = inputs.reference_window
+    return [Condition(kind=DISTRIBUTION_DRIFT, severity=SEVERITY[DISTRIBUTION_DRIFT],
+                     summary=f"distribution drift in {drifted} vs the reference window",
+                     evidence=finding.to_dict() | {
+                         "reference_window": [reference[0].isoformat(),
+                                              reference[1].isoformat()],
+                         "recent_since": max(inputs.recent_since, reference[1]).isoformat(),
+                         "version": inputs.version,
+                         "tokens": {"reference": sizes[0], "recent": sizes[1]},
+                         "design_effect": design_effect},
+                     report_html=report.html)]
+
+
+def minutes_between(minutes: Minutes, since: datetime, until: datetime | None = None) -> Minutes:
+    """The minutes in [since, until)."""
+    return [(m, c) for m, c in minutes if m >= since and (until is None or m < until)]
+
+
+def lookback_start(*, start: datetime, reference_origin: str, reference_until: datetime,
+                   now: datetime, options: DriftOptions) -> datetime:
+    """A learned reference's own window is not tested against itself; a known one is."""
+    monitored_from = start if reference_origin == "expected_metrics" else reference_until
+    return max(monitored_from, now - timedelta(seconds=options.lookback_s))
