@@ -290,20 +290,10 @@ def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
                    until: datetime | None = None, version: int | None = None,
                    limit: int = 1_000_000) -> tuple[np.ndarray, np.ndarray]:
     """(signals float32 (n, L), matched bool (n, L)) in exit-layer order, oldest first."""
-    query = (select(ShadowSampleRow.signals, ShadowSampleRow.matched)
-             .where(ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
-             .order_by(ShadowSampleRow.ts).limit(limit))
-    if until is not None:
-        query = query.where(ShadowSampleRow.ts < until)
-    if version is not None:
-        query = query.where(ShadowSampleRow.threshold_version == version)
-    rows = session.execute(query).all()
-    width = len(deployment.exit_layers)
-    if not rows:
-        return np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool)
-    signals = np.frombuffer(b"".join(bytes(r.signals) for r in rows), dtype="<f4")
-    matched = np.frombuffer(b"".join(bytes(r.matched) for r in rows), dtype=np.uint8)
-    return signals.reshape(-1, width).copy(), matched.reshape(-1, width).astype(bool)
+    _, signals, matched = _read_shadow(session=session, deployment=deployment, since=since,
+                                       until=until, version=version, limit=limit,
+                                       with_requests=False)
+    return signals, matched
 
 
 def raw_sample_rate(*, session: Session, deployment: Deployment,
@@ -325,9 +315,19 @@ def shadow_samples_by_request(*, session: Session, deployment: Deployment, since
     """`shadow_samples` with each sample's request id (tests cluster tokens by request).
 
     Samples stored before request ids were kept stand for their batch (a conservative cluster)."""
-    query = (select(func.coalesce(ShadowSampleRow.request_id,
-                                  ShadowSampleRow.batch_id).label("request_id"),
-                    ShadowSampleRow.signals, ShadowSampleRow.matched)
+    return _read_shadow(session=session, deployment=deployment, since=since, until=until,
+                        version=version, limit=limit, with_requests=True)
+
+
+def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
+                 until: datetime | None, version: int | None, limit: int,
+                 with_requests: bool) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """One read of the shadow samples; request ids only when asked for (the column costs)."""
+    columns = [ShadowSampleRow.signals, ShadowSampleRow.matched]
+    if with_requests:
+        columns.append(func.coalesce(ShadowSampleRow.request_id,
+                                     ShadowSampleRow.batch_id).label("request_id"))
+    query = (select(*columns)
              .where(ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
              .order_by(ShadowSampleRow.ts).limit(limit))
     if until is not None:
@@ -340,8 +340,8 @@ def shadow_samples_by_request(*, session: Session, deployment: Deployment, since
         return [], np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool)
     signals = np.frombuffer(b"".join(bytes(r.signals) for r in rows), dtype="<f4")
     matched = np.frombuffer(b"".join(bytes(r.matched) for r in rows), dtype=np.uint8)
-    return ([r.request_id for r in rows], signals.reshape(-1, width).copy(),
-            matched.reshape(-1, width).astype(bool))
+    requests = [r.request_id for r in rows] if with_requests else []
+    return requests, signals.reshape(-1, width).copy(), matched.reshape(-1, width).astype(bool)
 
 
 def counts(*, session: Session, deployment: Deployment) -> dict:

@@ -45,8 +45,11 @@ def _outcome(parse, payload):
     values = {}
     for field in dataclasses.fields(BatchColumns):
         value = getattr(batch, field.name)
-        values[field.name] = (value.dtype.str, value.tolist()) if isinstance(value, np.ndarray) \
-            else value
+        if isinstance(value, np.ndarray):
+            # NaN (an unchecked token's signal) never equals itself: compare it as None.
+            listed = [None if x != x else x for x in value.ravel().tolist()]
+            value = (value.dtype.str, value.shape, listed)
+        values[field.name] = value
     return "ok", values
 
 
