@@ -3,6 +3,7 @@ built by the migrations, and API clients with tokens of each scope."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -51,23 +52,35 @@ def sqlite_template(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def postgres_migrated() -> Iterator[str]:
-    """A database of this test session's own on the test server (parallel runs don't meet),
-    migrated once and dropped at the end."""
+@contextlib.contextmanager
+def migrated_postgres_database(prefix: str) -> Iterator[str]:
+    """A database of its own on the test server (parallel runs don't meet), migrated, and
+    dropped on exit."""
     from sqlalchemy.engine import make_url
 
+    if not POSTGRES_URL:
+        raise RuntimeError("this test needs PostgreSQL: run `make test`, or set "
+                           "EXITPLANE_TEST_POSTGRES_URL (scripts/services.sh start writes it)")
     base = make_url(POSTGRES_URL)
-    name = f"exitplane_t{os.getpid()}_{int(time.time())}"
+    name = f"{prefix}{os.getpid()}_{int(time.time())}"
     admin = make_engine(base.set(database="postgres").render_as_string(hide_password=False))
     with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
         connection.execute(text(f'CREATE DATABASE "{name}"'))
     url = base.set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
-    yield url
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_migrated() -> Iterator[str]:
+    """The test session's migrated PostgreSQL database."""
+    with migrated_postgres_database("exitplane_t") as url:
+        yield url
 
 
 @pytest.fixture(params=BACKENDS)

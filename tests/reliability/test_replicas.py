@@ -18,14 +18,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
-from controlplane.migrate import upgrade
-from tests.conftest import POSTGRES_URL, wait_until
+from tests.conftest import migrated_postgres_database, wait_until
 from tests.reliability.conftest import PrivateRedis
 from tests.reliability.processes import EXITPLANE, ROOT, Processes, start_api
 
@@ -41,19 +38,8 @@ _NAMES = itertools.count(1)  # deployments of this module share one store
 
 @pytest.fixture(scope="module")
 def database():
-    if not POSTGRES_URL:
-        raise RuntimeError("this test needs PostgreSQL: set EXITPLANE_TEST_POSTGRES_URL")
-    base = make_url(POSTGRES_URL)
-    name = f"exitplane_replicas_{os.getpid()}_{int(time.time())}"
-    admin = make_engine(base.set(database="postgres").render_as_string(hide_password=False))
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    url = base.set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
-    yield url
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with migrated_postgres_database("exitplane_replicas_") as url:
+        yield url
 
 
 @dataclass
