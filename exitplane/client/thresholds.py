@@ -97,6 +97,10 @@ def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
     if got != want:
         raise RefusedThresholdSet(f"set v{wire.version} has exit layers {got}; this runtime "
                                   f"exits at {want}")
+    for segment, by_layer in (wire.segments or {}).items():
+        if sorted(by_layer) != want:
+            raise RefusedThresholdSet(f"set v{wire.version} segment {segment!r} has exit layers "
+                                      f"{sorted(by_layer)}; this runtime exits at {want}")
 
 
 def parse_threshold_set(body: bytes | str) -> ThresholdSetWire:
@@ -170,6 +174,12 @@ class ThresholdClient:
     @property
     def applied_version(self) -> int | None:
         return None if self.applied is None else self.applied.version
+
+    def thresholds_for(self, segment: str | None) -> dict[int, float] | None:
+        """Per-layer thresholds of the applied set for a request of `segment`: the segment's
+        own map, or `default`'s for an unknown or missing segment; None before any set."""
+        applied = self.applied
+        return None if applied is None else applied.for_segment(segment)
 
     @property
     def metrics(self) -> dict[str, Any]:
