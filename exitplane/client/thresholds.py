@@ -36,7 +36,12 @@ SOURCE_BUILTIN = "builtin"
 
 
 class ThresholdTarget(Protocol):
-    """What the client drives: the engine (exit layers and an atomic threshold swap)."""
+    """What the client drives: the engine (exit layers and an atomic threshold swap).
+
+    A target that applies per-segment thresholds per request says so with a true
+    `applies_segments` attribute; a set with segments is refused by any other target, since
+    it would apply `default`'s map to every segment, including one whose own map is stricter.
+    """
 
     exit_layers: list[int]
 
@@ -318,6 +323,12 @@ class ThresholdClient:
 
     def _apply(self, wire: ThresholdSetWire, source: str, *, write_cache: bool) -> None:
         check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers)
+        if wire.segments and not getattr(self.engine, "applies_segments", False):
+            names = ", ".join(sorted(wire.segments))
+            raise RefusedThresholdSet(
+                f"set v{wire.version} has thresholds per segment ({names}); this runtime "
+                "applies one map to every request, so it keeps its set until it can apply "
+                "them (or a set without segments is published)")
         try:
             self.engine.set_thresholds(wire)
         except ValueError as exc:
