@@ -210,3 +210,18 @@ def test_a_segment_named_twice_or_a_non_number_is_refused(as_role, engine):
                                             "segment_0_layer_9": "1"})
     assert "segment &#39;code&#39;: threshold for layer 6 is 1.5" in out_of_range.text
     assert _versions(engine) == before
+
+
+def test_confirm_and_deployment_pages_name_the_segments(as_role, engine, segmented):
+    operator = as_role("operator")
+    confirm = operator.get(f"/ui/deployments/chat/act/activate?version={segmented}").text
+    assert 'data-segment="code"' in confirm and 'data-segment="chat"' in confirm
+    assert "added in v5 (v3 applied its default map)" in confirm
+    assert "own thresholds for" not in operator.get("/ui/deployments/chat").text
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                              version=segmented, actor="user:seed", reason="segments")
+        session.commit()
+    page = operator.get("/ui/deployments/chat").text
+    assert '<span class="active-segments">own thresholds for chat, code</span>' in page
