@@ -105,6 +105,9 @@ class Settings(BaseSettings):
     fallback_gate_alpha: float = Field(default=0.05, gt=0, lt=1)
     fallback_min_shadow_tokens: int = Field(default=200, ge=1)
     fallback_min_shadow_requests: int = Field(default=20, ge=1)
+    # Traffic segments (issue 18): how many segments (besides `default`) one threshold set may
+    # give thresholds of their own; bounds the segment label's cardinality.
+    max_segments_per_deployment: int = Field(default=16, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -22,6 +22,9 @@ INT32 = 2**31 - 1  # what an INTEGER column holds on every backend
 INT63 = 2**63 - 1
 MAX_TS = 1e10  # unix seconds (year 2286): anything later is a clock bug
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+# Traffic segments (issue 18) are named like deployments; `default` is the set's own
+# `thresholds`, which every segment without a map of its own (or an unknown one) applies.
+DEFAULT_SEGMENT = "default"
 # A runtime's id: what the fleet view, gauges and alerts show, so printable and bounded.
 RUNTIME_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 HISTOGRAM_BINS = 20  # signal-at-exit histograms: 20 bins of width 0.05 over [0, 1]
@@ -63,15 +66,26 @@ def canonical_json(payload: Any) -> bytes:
 
 
 def threshold_checksum(*, deployment: str, version: int, signal: str,
-                       thresholds: dict[int, float]) -> str:
-    """sha256 over the canonical JSON of what a runtime applies; also the HTTP ETag."""
-    body = {
+                       thresholds: dict[int, float],
+                       segments: dict[str, dict[int, float]] | None = None) -> str:
+    """sha256 over the canonical JSON of what a runtime applies; also the HTTP ETag.
+
+    The segment map enters the canonical JSON only when it names a segment, so a set without
+    segments keeps the checksum it had before segments existed (old runtimes, ETags, vectors).
+    """
+    body: dict[str, Any] = {
         "deployment": deployment,
         "version": version,
         "signal": str(signal),
-        "thresholds": {str(layer): float(value) for layer, value in sorted(thresholds.items())},
+        "thresholds": _layer_map(thresholds),
     }
+    if segments:
+        body["segments"] = {name: _layer_map(by_layer) for name, by_layer in segments.items()}
     return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def _layer_map(thresholds: dict[int, float]) -> dict[str, float]:
+    return {str(layer): float(value) for layer, value in sorted(thresholds.items())}
 
 
 def validate_thresholds(thresholds: dict[int, float], exit_layers: list[int]) -> None:
@@ -89,8 +103,12 @@ def validate_thresholds(thresholds: dict[int, float], exit_layers: list[int]) ->
             raise ValueError(f"threshold for layer {layer} is {value}; signals are in [0, 1]")
 
 
+SegmentName = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
 class ThresholdSetWire(BaseModel):
-    """What a runtime pulls and applies: one immutable version of per-exit-layer thresholds."""
+    """What a runtime pulls and applies: one immutable version of per-exit-layer thresholds,
+    optionally with its own per-layer thresholds for some traffic segments."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -98,24 +116,48 @@ class ThresholdSetWire(BaseModel):
     version: int = Field(ge=0, le=INT32)
     signal: Signal
     thresholds: dict[Layer, Threshold]
+    # Absent (never null on the wire) when the set has no segments: such a set serialises and
+    # checksums exactly as before segments existed.
+    segments: dict[SegmentName, dict[Layer, Threshold]] | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="per-segment thresholds; segments not named here apply `thresholds`")
     checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("segments")
+    @classmethod
+    def _segments_well_formed(cls, segments: dict | None) -> dict | None:
+        if not segments:
+            return None  # {} and null are one thing: no segments (one checksum rule)
+        if DEFAULT_SEGMENT in segments:
+            raise ValueError(f"segment {DEFAULT_SEGMENT!r} is the set's own `thresholds`; "
+                             "do not repeat it under `segments`")
+        return segments
 
     def expected_checksum(self) -> str:
         return threshold_checksum(deployment=self.deployment, version=self.version,
-                                  signal=self.signal, thresholds=self.thresholds)
+                                  signal=self.signal, thresholds=self.thresholds,
+                                  segments=self.segments)
 
     def verify(self) -> None:
         """Raise ValueError when the checksum does not match the content (tampered or torn)."""
         if self.checksum != self.expected_checksum():
             raise ValueError(f"checksum mismatch for {self.deployment} v{self.version}")
 
+    def for_segment(self, segment: str | None) -> dict[int, float]:
+        """The per-layer thresholds a row of `segment` applies: its own map if the set has
+        one, else `default`'s (unknown, missing and `default` itself)."""
+        if segment and self.segments and segment in self.segments:
+            return self.segments[segment]
+        return self.thresholds
+
     @classmethod
     def build(cls, *, deployment: str, version: int, signal: Signal | str,
-              thresholds: dict[int, float]) -> ThresholdSetWire:
+              thresholds: dict[int, float],
+              segments: dict[str, dict[int, float]] | None = None) -> ThresholdSetWire:
         checksum = threshold_checksum(deployment=deployment, version=version, signal=signal,
-                                      thresholds=thresholds)
+                                      thresholds=thresholds, segments=segments)
         return cls(deployment=deployment, version=version, signal=Signal(signal),
-                   thresholds=thresholds, checksum=checksum)
+                   thresholds=thresholds, segments=segments or None, checksum=checksum)
 
     @classmethod
     def never_exit(cls, *, deployment: str, signal: Signal | str,

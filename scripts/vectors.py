@@ -30,17 +30,31 @@ def checksums() -> list[dict]:
         ("chat", 2, "saturation", {5: 0.3333333333333333, 10: 0.7000000000000001},
          "shortest round-trip float repr"),
     ]
+    # Per-segment thresholds (issue 18): the map enters the canonical JSON, sorted at every
+    # level; the sets above have none and keep the checksum they always had.
+    segmented = ("mixed", 4, "learned", {12: 0.9, 6: 0.95},
+                 "segments: sorted names and layers; 'default' is `thresholds`",
+                 {"code": {6: 1, 12: 0.99}, "chat": {12: 0.8, 6: 0.875}})
     out = []
-    for deployment, version, signal, thresholds, note in cases:
+    for deployment, version, signal, thresholds, note, *rest in [*cases, segmented]:
+        segments = rest[0] if rest else None
         body = {"deployment": deployment, "version": version, "signal": signal,
-                "thresholds": {str(layer): float(value)
-                               for layer, value in sorted(thresholds.items())}}
-        out.append({"note": note, "deployment": deployment, "version": version,
-                    "signal": signal, "thresholds": {str(k): v for k, v in thresholds.items()},
-                    "canonical_json": canonical_json(body).decode(),
+                "thresholds": _layer_map(thresholds)}
+        case = {"note": note, "deployment": deployment, "version": version, "signal": signal,
+                "thresholds": {str(k): v for k, v in thresholds.items()}}
+        if segments:
+            body["segments"] = {name: _layer_map(m) for name, m in segments.items()}
+            case["segments"] = {name: {str(k): v for k, v in m.items()}
+                                for name, m in segments.items()}
+        out.append({**case, "canonical_json": canonical_json(body).decode(),
                     "checksum": threshold_checksum(deployment=deployment, version=version,
-                                                   signal=signal, thresholds=thresholds)})
+                                                   signal=signal, thresholds=thresholds,
+                                                   segments=segments)})
     return out
+
+
+def _layer_map(thresholds: dict[int, float]) -> dict[str, float]:
+    return {str(layer): float(value) for layer, value in sorted(thresholds.items())}
 
 
 def _records(count: int, seed: int) -> list[dict]:

@@ -32,15 +32,28 @@ PAYLOADS = json.loads((VECTORS / "payloads.json").read_text())
 @pytest.mark.parametrize("case", CHECKSUMS, ids=[case["note"] for case in CHECKSUMS])
 def test_checksum_vectors(case):
     thresholds = {int(layer): value for layer, value in case["thresholds"].items()}
+    segments = {name: {int(layer): value for layer, value in by_layer.items()}
+                for name, by_layer in case.get("segments", {}).items()} or None
     body = {"deployment": case["deployment"], "version": case["version"],
             "signal": case["signal"],
             "thresholds": {str(k): float(v) for k, v in sorted(thresholds.items())}}
+    if segments:
+        body["segments"] = {name: {str(k): float(v) for k, v in sorted(m.items())}
+                            for name, m in segments.items()}
     assert canonical_json(body).decode() == case["canonical_json"]
     assert threshold_checksum(deployment=case["deployment"], version=case["version"],
-                              signal=case["signal"], thresholds=thresholds) == case["checksum"]
+                              signal=case["signal"], thresholds=thresholds,
+                              segments=segments) == case["checksum"]
     wire = ThresholdSetWire.build(deployment=case["deployment"], version=case["version"],
-                                  signal=case["signal"], thresholds=thresholds)
+                                  signal=case["signal"], thresholds=thresholds, segments=segments)
     assert wire.checksum == case["checksum"]
+    assert ThresholdSetWire.model_validate({**wire.model_dump(mode="json")}).checksum == \
+        case["checksum"]
+
+
+def test_the_checksum_vectors_include_a_segmented_set():
+    assert [case["note"] for case in CHECKSUMS if case.get("segments")] == [
+        "segments: sorted names and layers; 'default' is `thresholds`"]
 
 
 def test_record_batch_vector():

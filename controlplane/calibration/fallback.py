@@ -241,8 +241,13 @@ def _last_good_target(*, session: Session, deployment: Deployment, current: int,
     margin = deployment.fallback_margin
     raised = {layer: min(NEVER_EXIT, value + margin)
               for layer, value in good.thresholds_by_layer().items()}
+    # A segment's own map may be stricter than default's: it is raised too, never dropped.
+    raised_segments = {name: {layer: min(NEVER_EXIT, value + margin)
+                              for layer, value in by_layer.items()}
+                       for name, by_layer in (good.segments_by_layer() or {}).items()}
     published = publish(
         session=session, deployment=deployment, thresholds=raised, origin=Origin.fallback,
+        segments=raised_segments or None,
         parent_version=good.version, actor=ACTOR,
         reason=f"{reason}: version {good.version} with thresholds raised by {margin:g}",
         expected_metrics={"source_version": good.version, "margin": margin,

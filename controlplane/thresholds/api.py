@@ -35,6 +35,7 @@ def _deployment_read(session, deployment: Deployment) -> DeploymentRead:
 def _set_read(threshold_set: ThresholdSet, aliases: dict[str, int]) -> ThresholdSetRead:
     read = ThresholdSetRead.model_validate(threshold_set)
     read.thresholds = threshold_set.thresholds_by_layer()
+    read.segments = threshold_set.segments_by_layer()
     read.aliases = sorted(name for name, version in aliases.items()
                           if version == threshold_set.version)
     return read
@@ -71,12 +72,14 @@ def update_deployment(name: str, spec: DeploymentUpdate, session: SessionDep,
 
 @router.post("/{name}/threshold-sets", status_code=status.HTTP_201_CREATED,
              response_model=ThresholdSetRead)
-def publish_threshold_set(name: str, spec: ThresholdSetCreate, session: SessionDep,
-                          principal: OperatorPrincipal) -> ThresholdSetRead:
+def publish_threshold_set(name: str, spec: ThresholdSetCreate, request: Request,
+                          session: SessionDep, principal: OperatorPrincipal) -> ThresholdSetRead:
     deployment = service.get_deployment(session=session, name=name, lock=True)
     threshold_set = service.publish(
         session=session, deployment=deployment, thresholds=spec.thresholds, signal=spec.signal,
-        reason=spec.reason, actor=principal.actor, expected_metrics=spec.expected_metrics)
+        reason=spec.reason, actor=principal.actor, expected_metrics=spec.expected_metrics,
+        segments=spec.segments,
+        max_segments=request.app.state.settings.max_segments_per_deployment)
     if spec.activate:
         service.move_alias(session=session, deployment=deployment, alias="active",
                            version=threshold_set.version, actor=principal.actor,

@@ -45,7 +45,10 @@ class ThresholdSet(Base):
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
     version: Mapped[int]
     signal: Mapped[str] = mapped_column(String(20))
-    thresholds: Mapped[dict] = mapped_column()  # {"<exit layer>": threshold}
+    thresholds: Mapped[dict] = mapped_column()  # {"<exit layer>": threshold}: `default`
+    # {"<segment>": {"<exit layer>": threshold}} for segments with their own thresholds;
+    # NULL when none has (the set is then exactly what it was before segments existed).
+    segments: Mapped[dict | None] = mapped_column()
     origin: Mapped[str] = mapped_column(String(20))
     parent_version: Mapped[int | None]
     calibration_job_id: Mapped[int | None]
@@ -57,6 +60,13 @@ class ThresholdSet(Base):
 
     def thresholds_by_layer(self) -> dict[int, float]:
         return {int(layer): float(value) for layer, value in self.thresholds.items()}
+
+    def segments_by_layer(self) -> dict[str, dict[int, float]] | None:
+        """Per-segment thresholds with integer layers, or None for a set without segments."""
+        if not self.segments:
+            return None
+        return {name: {int(layer): float(value) for layer, value in by_layer.items()}
+                for name, by_layer in self.segments.items()}
 
 
 class Alias(Base):

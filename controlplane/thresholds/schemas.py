@@ -86,6 +86,9 @@ class ThresholdSetCreate(BaseModel):
 
     # Values are checked against the deployment by the service (422 names the layer).
     thresholds: dict[int, float]
+    # Names, cap and layers are checked by the service too (422 names the segment).
+    segments: dict[str, dict[int, float]] | None = Field(
+        default=None, description="per-segment thresholds; `thresholds` is the default's")
     signal: Signal | None = None
     reason: str = Field(min_length=1, max_length=2000)
     expected_metrics: dict = Field(default_factory=dict)
@@ -98,6 +101,7 @@ class ThresholdSetRead(BaseModel):
     version: int
     signal: Signal
     thresholds: dict[int, float]
+    segments: dict[str, dict[int, float]] | None = None
     origin: Origin
     parent_version: int | None
     calibration_job_id: int | None

@@ -8,6 +8,7 @@ instead of losing an update, and writes an audit event in the same transaction.
 from __future__ import annotations
 
 import hashlib
+import re
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -15,10 +16,19 @@ from sqlalchemy.orm import Session
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
+from controlplane.settings import get_settings
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
 from exitplane import tracing
-from exitplane.wire import NEVER_EXIT, Origin, Signal, ThresholdSetWire, validate_thresholds
+from exitplane.wire import (
+    DEFAULT_SEGMENT,
+    NAME_PATTERN,
+    NEVER_EXIT,
+    Origin,
+    Signal,
+    ThresholdSetWire,
+    validate_thresholds,
+)
 
 
 def get_deployment(*, session: Session, name: str, lock: bool = False) -> Deployment:
@@ -95,32 +105,75 @@ def list_threshold_sets(*, session: Session, deployment: Deployment, limit: int 
 def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, float],
             reason: str, actor: str, origin: Origin = Origin.manual, signal: Signal | None = None,
             parent_version: int | None = None, calibration_job_id: int | None = None,
-            expected_metrics: dict | None = None) -> ThresholdSet:
-    """Validate and store the next immutable version of `deployment`'s thresholds."""
+            expected_metrics: dict | None = None,
+            segments: dict[str, dict[int, float]] | None = None,
+            max_segments: int | None = None) -> ThresholdSet:
+    """Validate and store the next immutable version of `deployment`'s thresholds.
+
+    `thresholds` is the `default` segment's map; `segments` gives other traffic segments maps
+    of their own (each covering every exit layer), at most `max_segments` of them (default:
+    the setting). One version, one checksum, either way."""
     try:
         validate_thresholds(thresholds, deployment.exit_layers)
     except ValueError as error:
         raise Invalid(str(error)) from error
+    if max_segments is None:
+        max_segments = get_settings().max_segments_per_deployment
+    segments = validate_segments(segments=segments, exit_layers=deployment.exit_layers,
+                                 limit=max_segments)
     signal = Signal(signal or deployment.signal)
     # The deployment row lock serialises version numbering between concurrent publishers.
     session.scalars(select(Deployment.id).where(Deployment.id == deployment.id).with_for_update())
     version = (session.scalar(select(func.max(ThresholdSet.version))
                               .where(ThresholdSet.deployment_id == deployment.id)) or 0) + 1
     wire = ThresholdSetWire.build(deployment=deployment.name, version=version, signal=signal,
-                                  thresholds=thresholds)
+                                  thresholds=thresholds, segments=segments)
     if parent_version is None:
         parent_version = aliases_of(session=session, deployment=deployment).get("active")
     threshold_set = ThresholdSet(
         deployment_id=deployment.id, version=version, signal=str(signal),
-        thresholds={str(layer): float(value) for layer, value in sorted(thresholds.items())},
+        thresholds=_stored_map(thresholds),
+        segments={name: _stored_map(by_layer) for name, by_layer in sorted(segments.items())}
+        if segments else None,
         origin=str(origin), parent_version=parent_version,
         calibration_job_id=calibration_job_id, reason=reason, author=actor,
         expected_metrics=expected_metrics or {}, checksum=wire.checksum)
     session.add(threshold_set)
     _audit(session=session, deployment=deployment, actor=actor, action="threshold_set.publish",
-           reason=reason, to_version=version, details={"origin": str(origin)})
+           reason=reason, to_version=version,
+           details={"origin": str(origin), **({"segments": sorted(segments)} if segments else {})})
     session.flush()
     return threshold_set
+
+
+def validate_segments(*, segments: dict[str, dict[int, float]] | None, exit_layers: list[int],
+                      limit: int) -> dict[str, dict[int, float]] | None:
+    """The segment map to store (None when it names no segment); Invalid says what is wrong.
+
+    Names follow the deployment-name rule because they become metric labels and URL parts;
+    `limit` caps how many segments one set names, which bounds that label's cardinality."""
+    if not segments:
+        return None
+    if DEFAULT_SEGMENT in segments:
+        raise Invalid(f"segment {DEFAULT_SEGMENT!r} is the set's own `thresholds`; give its "
+                      "thresholds there, not under `segments`")
+    if len(segments) > limit:
+        raise Invalid(f"{len(segments)} segments given; a threshold set may name at most "
+                      f"{limit} besides {DEFAULT_SEGMENT!r} (EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT)"
+                      "; send the rarer ones to the default thresholds")
+    for name, by_layer in segments.items():
+        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+            raise Invalid(f"segment name {str(name)[:80]!r} is invalid: use 1-63 lowercase "
+                          "letters, digits, '_', '.' or '-', starting with a letter or digit")
+        try:
+            validate_thresholds(by_layer, exit_layers)
+        except ValueError as error:
+            raise Invalid(f"segment {name!r}: {error}") from error
+    return segments
+
+
+def _stored_map(thresholds: dict[int, float]) -> dict[str, float]:
+    return {str(layer): float(value) for layer, value in sorted(thresholds.items())}
 
 
 def move_alias(*, session: Session, deployment: Deployment, alias: str, version: int,
@@ -202,6 +255,7 @@ def to_wire(*, deployment: Deployment, threshold_set: ThresholdSet) -> Threshold
     return ThresholdSetWire(deployment=deployment.name, version=threshold_set.version,
                             signal=Signal(threshold_set.signal),
                             thresholds=threshold_set.thresholds_by_layer(),
+                            segments=threshold_set.segments_by_layer(),
                             checksum=threshold_set.checksum)
 
 

@@ -19,12 +19,20 @@ from starlette.datastructures import FormData
 from controlplane.calibration import canary as canary_service
 from controlplane.calibration.canary import running_canary
 from controlplane.deps import SessionDep
-from controlplane.errors import Invalid, NotFound
+from controlplane.errors import DomainError, Invalid, NotFound
 from controlplane.thresholds import service as thresholds
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentUpdate
 from dashboards.security import Csrf, Operator, Viewer, actor
-from dashboards.templating import render
+from dashboards.segments import (
+    SegmentDiff,
+    diff_segments,
+    rows_for,
+    rows_from_form,
+    segment_maps,
+    segments_from_rows,
+)
+from dashboards.templating import redirect, render
 from dashboards.views import attempt
 from exitplane.wire import NEVER_EXIT
 
@@ -77,6 +85,7 @@ class Diff:
     b: ThresholdSet
     layers: list[tuple[int, float | None, float | None]]
     metrics: list[tuple[str, object, object]]
+    segments: list[SegmentDiff]
 
 
 def diff(deployment: Deployment, a: ThresholdSet, b: ThresholdSet) -> Diff:
@@ -85,7 +94,8 @@ def diff(deployment: Deployment, a: ThresholdSet, b: ThresholdSet) -> Diff:
               for layer in sorted(set(ta) | set(tb) | set(deployment.exit_layers))]
     ma, mb = _flatten(a.expected_metrics or {}), _flatten(b.expected_metrics or {})
     metrics = [(key, ma.get(key), mb.get(key)) for key in sorted(set(ma) | set(mb))]
-    return Diff(a=a, b=b, layers=layers, metrics=metrics)
+    return Diff(a=a, b=b, layers=layers, metrics=metrics,
+                segments=diff_segments(a, b, deployment.exit_layers))
 
 
 def _history(session: Session, deployment: Deployment) -> tuple[list[ThresholdSet], set[int]]:
@@ -102,7 +112,7 @@ def versions_page(name: str, request: Request, session: SessionDep, _user: Viewe
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     sets, ever_active = _history(session, deployment)
     return render(request, "versions.html", deployment=deployment, aliases=aliases, sets=sets,
-                  ever_active=ever_active, never_exit=NEVER_EXIT,
+                  ever_active=ever_active, never_exit=NEVER_EXIT, segment_maps=segment_maps,
                   canary=running_canary(session=session, deployment=deployment))
 
 
@@ -214,15 +224,41 @@ def act(name: str, key: str, request: Request, session: SessionDep, user: Operat
     return attempt(request, session, f"/deployments/{name}/versions", perform)
 
 
+# Blank segment rows the new-version form offers, each a copy of the default map to rename.
+BLANK_SEGMENT_ROWS = 2
+
+
+def _max_segments(request: Request) -> int:
+    return request.app.state.settings.max_segments_per_deployment
+
+
+def _new_version_form(request: Request, session: Session, deployment: Deployment, *,
+                      status_code: int = 200, error: str | None = None,
+                      typed: FormData | None = None) -> Response:
+    """The form, from the active version or (after a refusal) from what was typed."""
+    aliases = thresholds.aliases_of(session=session, deployment=deployment)
+    active = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                          version=aliases["active"])
+    limit = _max_segments(request)
+    if typed is None:
+        rows = rows_for(active, deployment.exit_layers, blank=min(
+            BLANK_SEGMENT_ROWS, max(0, limit - len(active.segments_by_layer() or {}))))
+        current: dict[int, object] = active.thresholds_by_layer()
+        reason, activate = "", False
+    else:
+        rows = rows_from_form(typed, deployment.exit_layers)
+        current = {layer: str(typed.get(f"layer_{layer}", "")) for layer in deployment.exit_layers}
+        reason, activate = str(typed.get("reason", "")), typed.get("activate") == "on"
+    return render(request, "new_version.html", status_code=status_code, deployment=deployment,
+                  aliases=aliases, active=active, current=current, segment_rows=rows,
+                  max_segments=limit, error=error, reason=reason, activate=activate)
+
+
 @router.get("/deployments/{name}/versions/new")
 def new_version_page(name: str, request: Request, session: SessionDep,
                      _user: Operator) -> Response:
     deployment = thresholds.get_deployment(session=session, name=name)
-    aliases = thresholds.aliases_of(session=session, deployment=deployment)
-    active = thresholds.get_threshold_set(session=session, deployment=deployment,
-                                          version=aliases["active"])
-    return render(request, "new_version.html", deployment=deployment, aliases=aliases,
-                  active=active, current=active.thresholds_by_layer())
+    return _new_version_form(request, session, deployment)
 
 
 async def _form(request: Request) -> FormData:
@@ -232,9 +268,10 @@ async def _form(request: Request) -> FormData:
 @router.post("/deployments/{name}/versions", dependencies=[Csrf])
 def publish(name: str, request: Request, session: SessionDep, user: Operator,
             form: Annotated[FormData, Depends(_form)]) -> Response:
+    """Publish a manual version (with any segment rows); a refusal re-shows the form as typed,
+    with the service's message, and stores nothing."""
     deployment = thresholds.get_deployment(session=session, name=name, lock=True)
-
-    def perform() -> str:
+    try:
         reason = str(form.get("reason", "")).strip()
         if not reason:
             raise Invalid("give a reason: it goes into the audit log")
@@ -246,15 +283,21 @@ def publish(name: str, request: Request, session: SessionDep, user: Operator,
             except ValueError:
                 raise Invalid(f"threshold for layer {layer} must be a number in [0, 1], "
                               f"got {raw!r}") from None
+        segments = segments_from_rows(rows_from_form(form, deployment.exit_layers))
         created = thresholds.publish(session=session, deployment=deployment, thresholds=values,
-                                     reason=reason, actor=actor(user))
+                                     reason=reason, actor=actor(user), segments=segments,
+                                     max_segments=_max_segments(request))
         if form.get("activate") == "on":
             thresholds.move_alias(session=session, deployment=deployment, alias="active",
                                   version=created.version, actor=actor(user), reason=reason)
-            return f"Version {created.version} published and active."
-        return f"Version {created.version} published (not active)."
-
-    return attempt(request, session, f"/deployments/{name}/versions", perform)
+            message = f"Version {created.version} published and active."
+        else:
+            message = f"Version {created.version} published (not active)."
+    except DomainError as error:
+        session.rollback()
+        return _new_version_form(request, session, deployment, status_code=error.status_code,
+                                 error=str(error), typed=form)
+    return redirect(request, f"/deployments/{name}/versions", message)
 
 
 SETTINGS_FIELDS = ("delta", "epsilon", "policy", "canary_fraction", "fallback_mode",

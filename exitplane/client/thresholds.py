@@ -36,7 +36,12 @@ SOURCE_BUILTIN = "builtin"
 
 
 class ThresholdTarget(Protocol):
-    """What the client drives: the engine (exit layers and an atomic threshold swap)."""
+    """What the client drives: the engine (exit layers and an atomic threshold swap).
+
+    A target that applies per-segment thresholds per request says so with a true
+    `applies_segments` attribute; a set with segments is refused by any other target, since
+    it would apply `default`'s map to every segment, including one whose own map is stricter.
+    """
 
     exit_layers: list[int]
 
@@ -97,6 +102,10 @@ def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
     if got != want:
         raise RefusedThresholdSet(f"set v{wire.version} has exit layers {got}; this runtime "
                                   f"exits at {want}")
+    for segment, by_layer in (wire.segments or {}).items():
+        if sorted(by_layer) != want:
+            raise RefusedThresholdSet(f"set v{wire.version} segment {segment!r} has exit layers "
+                                      f"{sorted(by_layer)}; this runtime exits at {want}")
 
 
 def parse_threshold_set(body: bytes | str) -> ThresholdSetWire:
@@ -170,6 +179,12 @@ class ThresholdClient:
     @property
     def applied_version(self) -> int | None:
         return None if self.applied is None else self.applied.version
+
+    def thresholds_for(self, segment: str | None) -> dict[int, float] | None:
+        """Per-layer thresholds of the applied set for a request of `segment`: the segment's
+        own map, or `default`'s for an unknown or missing segment; None before any set."""
+        applied = self.applied
+        return None if applied is None else applied.for_segment(segment)
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -308,6 +323,12 @@ class ThresholdClient:
 
     def _apply(self, wire: ThresholdSetWire, source: str, *, write_cache: bool) -> None:
         check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers)
+        if wire.segments and not getattr(self.engine, "applies_segments", False):
+            names = ", ".join(sorted(wire.segments))
+            raise RefusedThresholdSet(
+                f"set v{wire.version} has thresholds per segment ({names}); this runtime "
+                "applies one map to every request, so it keeps its set until it can apply "
+                "them (or a set without segments is published)")
         try:
             self.engine.set_thresholds(wire)
         except ValueError as exc:

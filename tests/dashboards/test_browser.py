@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from controlplane.thresholds import service as thresholds
 from tests.dashboards.browser import (
     check_page_quality,
+    console_errors,
     navigate,
     screenshot,
     start_chromium,
@@ -217,6 +218,57 @@ def test_operator_approves_a_calibrated_candidate(browser, engine, calibrated):
     with Session(engine) as session:
         deployment = thresholds.get_deployment(session=session, name="chat")
         assert thresholds.aliases_of(session=session, deployment=deployment)["active"] == 5
+
+
+def test_operator_adds_a_segment_and_sees_it_in_versions_and_diff(browser, engine):
+    driver = browser
+    sign_in_with_keyboard(driver, "operator")
+    driver.get(f"{driver.base}/ui/deployments/chat/versions")
+    navigate(driver, wait_for(driver, "a[href$='/versions/new']"))
+    name = wait_for(driver, "input#segment_0_name")
+    # A blank row starts as a copy of the active (v3) default map.
+    assert driver.find_element(By.ID, "segment_0_layer_6").get_attribute("value") == "0.85"
+    check_page_quality(driver, "new-version")
+    screenshot(driver, "new-version")
+
+    name.send_keys("Code")  # uppercase: refused by the service, the form comes back as typed
+    layer_6 = driver.find_element(By.ID, "segment_0_layer_6")
+    layer_6.clear()
+    layer_6.send_keys("0.95")
+    driver.find_element(By.ID, "reason").send_keys("code exits less at layer 6")
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "form.stack button[type=submit]"))
+    assert "segment name 'Code' is invalid" in wait_for(driver, "#form-error").text
+    assert driver.find_element(By.ID, "segment_0_layer_6").get_attribute("value") == "0.95"
+    # The refusal is a 422, which Chromium logs as a failed load; nothing else may be logged.
+    refused = console_errors(driver)
+    assert len(refused) == 1 and "status of 422" in refused[0], refused
+    check_page_quality(driver, "new-version-refused")
+
+    name = driver.find_element(By.ID, "segment_0_name")
+    name.clear()
+    name.send_keys("code")
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "form.stack button[type=submit]"))
+    assert "Version 5 published (not active)." in wait_for(driver, ".flash-ok").text
+    table = driver.find_element(By.CSS_SELECTOR, "#v5 table.segment-map")
+    columns = table.find_elements(By.CSS_SELECTOR, ":scope > thead th")
+    assert [th.text.lower() for th in columns] == ["layer", "default", "code"]
+    assert table.find_elements(By.CSS_SELECTOR, ":scope > tbody > tr")[1].text.split() == [
+        "6", "0.850", "0.950"]
+    check_page_quality(driver, "versions-with-segments")
+    screenshot(driver, "versions-with-segments")
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        created = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                               version=5)
+    assert created.segments_by_layer() == {"code": {3: 0.9, 6: 0.95, 9: 0.7}}
+
+    # v5's parent link opens the diff against v3, where `code` applied the default map.
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "#v5 a[title='diff against the parent']"))
+    code = wait_for(driver, "table.segment-diff[data-segment=code]")
+    assert "added in v5" in code.find_element(By.TAG_NAME, "caption").text
+    assert "+0.100 (exits less)" in code.text
+    check_page_quality(driver, "diff-with-segments")
+    screenshot(driver, "diff-with-segments")
 
 
 def test_admin_manages_tokens_and_users(browser):

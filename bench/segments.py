@@ -1,0 +1,243 @@
+"""Per-segment thresholds against one pooled set when the traffic mix moves (issue 18).
+
+Real shadow samples of SmolLM2-135M-Instruct served by the runtime engine with every token
+shadowed at every exit layer, `chat` and `code`, produced once by bench/drift_real.py
+(`produce_records`; read here with its `load_records`) under var/drift_real/. Nothing here
+regenerates them.
+
+Each of `--trials` resamples works on whole requests (a request's tokens are correlated, so
+they are never split):
+
+1. each source's requests are split at random into a calibration half and a serving half;
+2. calibration mix `--calibrate-mix` chat (0.8): every calibration request of the majority
+   source and a random subset of the other's, so that the mix holds by requests; serving mix
+   `--serve-mix` chat (0.2) built the same way from the serving halves;
+3. on the calibration mix: one pooled set (fixed-sequence Learn-Then-Test at ε, what the
+   calibrator publishes today) and per-segment sets (`calibrate_segments`: ε split across the
+   segments; a segment too small or with nothing certified keeps the pooled set if its own
+   check tokens certify it, else never-exit);
+4. `pooled_recalibrated`: a pooled set calibrated the same way on a calibration mix with the
+   *serving* proportions (from the calibration halves): the best one set can do after the
+   incident and its recalibration;
+5. every set is replayed on the serving mix (each token under its segment's thresholds).
+
+Reported (one JSON line, last): `pooled_violation_rate` / `segment_violation_rate` (share of
+trials whose served disagreement exceeds δ), `segment_exit_rate`, `pooled_exit_rate` and
+`pooled_recalibrated_exit_rate` (mean exit rates on the served mix), `epsilon`, `trials`, and
+per-segment figures: served exit rates and disagreement, which set each segment got, sample
+sizes.
+
+    .venv/bin/python -P bench/segments.py
+    .venv/bin/python -P bench/segments.py --trials 100 --delta 0.05 --epsilon 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from controlplane.calibration.segments import calibrate_segments
+from workers.stats.calibration import NotEnoughShadowData, calibrate_thresholds, simulate_policy
+
+SEGMENTS = ("chat", "code")
+
+
+def _drift_real():
+    """bench/drift_real.py as a module (bench/ is not a package; its runtime.py would shadow
+    the runtime package on sys.path), for its record reader and paths."""
+    path = Path(__file__).resolve().parent / "drift_real.py"
+    spec = importlib.util.spec_from_file_location("bench_drift_real", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def request_groups(records: dict) -> list[np.ndarray]:
+    """Token indices of each request, in position order."""
+    request = records["request"]
+    order = np.lexsort((records["position"], request))
+    sorted_ids = request[order]
+    cuts = np.flatnonzero(np.diff(sorted_ids)) + 1
+    return np.split(order, cuts)
+
+
+def _mix(pools: dict[str, list[np.ndarray]], chat_share: float,
+         rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
+    """Requests of each segment so that `chat_share` of the requests are chat: all of the
+    majority segment's pool, a random subset of the other's (without replacement)."""
+    shares = {"chat": chat_share, "code": 1.0 - chat_share}
+    major = max(shares, key=shares.get)
+    minor = "code" if major == "chat" else "chat"
+    count = min(len(pools[minor]), round(len(pools[major]) * shares[minor] / shares[major]))
+    chosen = rng.choice(len(pools[minor]), size=count, replace=False)
+    return {major: list(pools[major]), minor: [pools[minor][i] for i in sorted(chosen)]}
+
+
+def _stack(records: dict[str, dict], mix: dict[str, list[np.ndarray]]):
+    """(signals, matched, segment labels, request ids) of the mix's tokens."""
+    signals, matched, labels, requests = [], [], [], []
+    next_id = 0
+    for name in SEGMENTS:
+        for tokens in mix.get(name, []):
+            signals.append(records[name]["signals"][tokens])
+            matched.append(records[name]["matched"][tokens])
+            labels += [name] * len(tokens)
+            requests += [next_id] * len(tokens)
+            next_id += 1
+    return (np.vstack(signals).astype(float), np.vstack(matched).astype(bool),
+            np.array(labels), np.array(requests))
+
+
+def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
+    """Exit and disagreement flags per served token, each under its segment's thresholds."""
+    exits = np.zeros(len(signals), dtype=bool)
+    wrong = np.zeros(len(signals), dtype=bool)
+    for name, thresholds in by_segment.items():
+        mine = labels == name
+        first, disagree = simulate_policy(signals[mine], matched[mine], thresholds)
+        exits[mine] = first < signals.shape[1]
+        wrong[mine] = disagree
+    return exits, wrong
+
+
+def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed):
+    try:
+        result = calibrate_thresholds(signals=signals, matched=matched, exit_layers=layers,
+                                      num_layers=num_layers, delta=delta, epsilon=epsilon,
+                                      min_samples_per_layer=min_samples, seed=seed)
+    except NotEnoughShadowData:
+        return [1.0] * len(layers)
+    return [result.thresholds[k] for k in layers]
+
+
+def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: float,
+               calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
+               min_samples: int = 200, seed: int = 0) -> dict:
+    """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring."""
+    layers = [int(k) for k in records["chat"]["exit_layers"]]
+    num_layers = int(records["chat"]["num_layers"])
+    if [int(k) for k in records["code"]["exit_layers"]] != layers:
+        raise ValueError("chat and code records have different exit layers")
+    groups = {name: request_groups(records[name]) for name in SEGMENTS}
+    rng = np.random.default_rng(seed)
+    options = dict(layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
+                   min_samples=min_samples)
+    served_disagreement = {"pooled": [], "segment": [], "recalibrated": []}
+    served_exit = {"pooled": [], "segment": [], "recalibrated": []}
+    per_segment = {name: {"exit": [], "disagreement": [], "calibration_tokens": [],
+                          "served_tokens": [], "sources": Counter()} for name in SEGMENTS}
+    for trial in range(trials):
+        calibration, serving = {}, {}
+        for name in SEGMENTS:
+            order = rng.permutation(len(groups[name]))
+            cut = round(len(order) * split)
+            calibration[name] = [groups[name][i] for i in order[:cut]]
+            serving[name] = [groups[name][i] for i in order[cut:]]
+        cal = _stack(records, _mix(calibration, calibrate_mix, rng))
+        served = _stack(records, _mix(serving, serve_mix, rng))
+        after = _stack(records, _mix(calibration, serve_mix, rng))
+
+        pooled = _pooled(cal[0], cal[1], seed=trial, **options)
+        segmented = calibrate_segments(
+            signals=cal[0], matched=cal[1], segments=cal[2], requests=cal[3],
+            exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
+            min_samples_per_layer=min_samples, seed=trial)
+        recalibrated = _pooled(after[0], after[1], seed=trial, **options)
+
+        sets = {
+            "pooled": dict.fromkeys(SEGMENTS, pooled),
+            "segment": {name: [segmented.segments[name].thresholds[k] for k in layers]
+                        for name in SEGMENTS},
+            "recalibrated": dict.fromkeys(SEGMENTS, recalibrated),
+        }
+        for kind, by_segment in sets.items():
+            exits, wrong = _replay(served[0], served[1], served[2], by_segment)
+            served_disagreement[kind].append(float(wrong.mean()))
+            served_exit[kind].append(float(exits.mean()))
+            if kind == "segment":
+                for name in SEGMENTS:
+                    mine = served[2] == name
+                    stats = per_segment[name]
+                    stats["exit"].append(float(exits[mine].mean()))
+                    stats["disagreement"].append(float(wrong[mine].mean()))
+                    stats["served_tokens"].append(int(mine.sum()))
+                    stats["calibration_tokens"].append(int((cal[2] == name).sum()))
+                    stats["sources"][segmented.segments[name].source] += 1
+
+    def violation_rate(kind: str) -> float:
+        return float(np.mean(np.array(served_disagreement[kind]) > delta))
+
+    return {
+        "pooled_violation_rate": violation_rate("pooled"),
+        "segment_violation_rate": violation_rate("segment"),
+        "segment_exit_rate": float(np.mean(served_exit["segment"])),
+        "pooled_recalibrated_exit_rate": float(np.mean(served_exit["recalibrated"])),
+        "epsilon": epsilon,
+        "trials": trials,
+        "delta": delta,
+        "pooled_exit_rate": float(np.mean(served_exit["pooled"])),
+        "pooled_recalibrated_violation_rate": violation_rate("recalibrated"),
+        "served_disagreement_mean": {kind: float(np.mean(values))
+                                     for kind, values in served_disagreement.items()},
+        "segments": {name: {
+            "served_exit_rate": float(np.mean(stats["exit"])),
+            "served_disagreement_mean": float(np.mean(stats["disagreement"])),
+            "served_violation_rate": float(np.mean(np.array(stats["disagreement"]) > delta)),
+            "calibration_tokens_mean": float(np.mean(stats["calibration_tokens"])),
+            "served_tokens_mean": float(np.mean(stats["served_tokens"])),
+            "thresholds_from": dict(stats["sources"]),
+        } for name, stats in per_segment.items()},
+        "requests_per_source": {name: len(groups[name]) for name in SEGMENTS},
+        "tokens_per_source": {name: len(records[name]["signals"]) for name in SEGMENTS},
+        "calibrate_mix_chat": calibrate_mix,
+        "serve_mix_chat": serve_mix,
+        "min_samples_per_layer": min_samples,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records-dir", type=Path, default=None,
+                        help="default: bench/drift_real.py's RECORDS_DIR (var/drift_real)")
+    parser.add_argument("--requests", type=int, default=120, help="requests per source file")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--delta", type=float, default=0.05)
+    parser.add_argument("--epsilon", type=float, default=0.1)
+    parser.add_argument("--calibrate-mix", type=float, default=0.8, help="chat share")
+    parser.add_argument("--serve-mix", type=float, default=0.2, help="chat share")
+    parser.add_argument("--split", type=float, default=0.5,
+                        help="share of each source's requests used for calibration")
+    parser.add_argument("--min-samples", type=int, default=200,
+                        help="fewest shadow tokens per layer for a Learn-Then-Test run")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
+    drift_real = _drift_real()
+    folder = args.records_dir or drift_real.RECORDS_DIR
+    records = {}
+    for name in SEGMENTS:
+        path = folder / f"{name}-{args.requests}x{args.new_tokens}.npz"
+        if not path.exists():
+            print(f"missing {path}: produce the records with "
+                  f"`.venv/bin/python -P bench/drift_real.py --records-only`", file=sys.stderr)
+            return 2
+        records[name] = drift_real.load_records(path)
+    started = time.perf_counter()
+    report = run_trials(records, trials=args.trials, delta=args.delta, epsilon=args.epsilon,
+                        calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,
+                        split=args.split, min_samples=args.min_samples, seed=args.seed)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Per-segment calibration (issue 18): each traffic segment gets its own Learn-Then-Test
+thresholds on its own shadow tokens, with ε split across segments so that one statement holds
+for all of them at once.
+
+Why split ε (Bonferroni). Each segment s has its own risk R_s (policy disagreement on its
+traffic). A guarantee per segment at level ε, P(R_s > δ) <= ε, lets the chance that *some*
+segment is over δ grow with the number of segments k (up to k·ε). What operators need when the
+mix moves is "every segment within δ, with probability 1-ε": by the union bound,
+P(∃ s: R_s > δ) <= Σ_s P(R_s > δ), so testing each segment at ε/k makes the joint statement
+hold whatever the dependence between segments. Within a segment the budget ε/k is spent on at
+most two tests fixed before any loss is seen, again by the union bound:
+
+- its own fixed-sequence LTT (`calibrate_thresholds`) on all its shadow tokens, and
+- when that cannot run (fewer than `min_samples_per_layer` tokens on some layer) or certifies
+  nothing, a Hoeffding-Bentkus test of the *pooled* thresholds on the segment's check tokens.
+
+A segment with enough tokens spends ε/2k on each; a segment too small for its own LTT spends
+all ε/k on the pooled check. The pooled set is calibrated (at ε, its own statement about the
+mix) on every segment's tokens except the check tokens, a share of each segment's *requests*
+(tokens of one request are correlated, so they stay on one side), so the pooled check sees
+data the pooled set was not chosen on. If neither test passes the segment keeps the
+conservative never-exit thresholds. The result says, per segment, which set it got and why.
+
+Like the LTT itself, the tests treat tokens as independent draws from the segment's traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from exitplane.wire import DEFAULT_SEGMENT
+from workers.stats.calibration import (
+    NEVER_EXIT,
+    CalibrationResult,
+    NotEnoughShadowData,
+    calibrate_thresholds,
+    hb_p_value,
+    simulate_policy,
+)
+
+Source = Literal["segment", "pooled", "conservative"]
+
+
+@dataclass(frozen=True)
+class PooledCheck:
+    """The pooled thresholds replayed on a segment's check tokens, tested against δ."""
+
+    tokens: int
+    disagreements: int
+    p_value: float  # Hoeffding-Bentkus, H0: the pooled set's risk on this segment > δ
+    level: float  # the share of ε this test may spend
+    certified: bool
+
+
+@dataclass(frozen=True)
+class SegmentCalibration:
+    """What one segment gets: its own LTT thresholds, the pooled ones, or never-exit; and why."""
+
+    segment: str
+    source: Source
+    thresholds: dict[int, float]
+    reason: str
+    tokens: int
+    requests: int
+    epsilon: float  # this segment's share of ε (ε/k)
+    result: CalibrationResult | None = None  # its own LTT, when it ran
+    pooled_check: PooledCheck | None = None
+
+    @property
+    def exits(self) -> bool:
+        return any(value < NEVER_EXIT for value in self.thresholds.values())
+
+
+@dataclass(frozen=True)
+class SegmentedCalibration:
+    """Per-segment thresholds with one joint guarantee, plus the pooled set they fall back on.
+
+    `thresholds` is what the `default` segment applies (and with it every segment the set does
+    not name): the default segment's own decision when the samples carry that label, else the
+    pooled set (whose guarantee is about the pooled mix, at ε, not part of the joint one)."""
+
+    delta: float
+    epsilon: float
+    epsilon_per_segment: float
+    thresholds: dict[int, float]
+    segments: dict[str, SegmentCalibration]
+    pooled: CalibrationResult | None
+    notes: list[str] = field(default_factory=list)
+
+    def segment_thresholds(self) -> dict[str, dict[int, float]]:
+        """The `segments` map to publish (every named segment; `default` is `thresholds`)."""
+        return {name: dict(seg.thresholds) for name, seg in sorted(self.segments.items())
+                if name != DEFAULT_SEGMENT}
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-serialisable report: per segment its source, reason, sizes and exit rate."""
+        return {
+            "delta": self.delta, "epsilon": self.epsilon,
+            "epsilon_per_segment": self.epsilon_per_segment,
+            "default_thresholds": {str(k): v for k, v in self.thresholds.items()},
+            "pooled_exit_rate": None if self.pooled is None else self.pooled.exit_rate,
+            "segments": {name: {
+                "source": seg.source, "reason": seg.reason, "tokens": seg.tokens,
+                "requests": seg.requests, "epsilon": seg.epsilon,
+                "thresholds": {str(k): v for k, v in seg.thresholds.items()},
+                "exit_rate": None if seg.result is None else seg.result.exit_rate,
+            } for name, seg in sorted(self.segments.items())},
+            "notes": list(self.notes),
+        }
+
+
+def split_check_requests(requests: np.ndarray, *, fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of tokens whose request falls in a random `fraction` of the requests."""
+    ids = np.unique(requests)
+    count = round(len(ids) * fraction)
+    chosen = np.random.default_rng(seed).choice(ids, size=count, replace=False)
+    return np.isin(requests, chosen)
+
+
+def calibrate_segments(
+    *,
+    signals: np.ndarray,
+    matched: np.ndarray,
+    segments: np.ndarray,
+    exit_layers: list[int],
+    num_layers: int,
+    delta: float,
+    epsilon: float,
+    requests: np.ndarray | None = None,
+    check_fraction: float = 0.3,
+    min_samples_per_layer: int = 1000,
+    strategy: str = "calibrated",
+    learn_fraction: float = 0.3,
+    seed: int = 0,
+) -> SegmentedCalibration:
+    """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
+
+    signals, matched: (n, L) shadow tokens as for `calibrate_thresholds`; segments: (n,) the
+    segment name of each token; requests: (n,) request ids (each token its own request when
+    None), so that the pooled set's check tokens are whole requests. Raises ValueError on
+    malformed input; a segment or pool too small for LTT is not an error, it is reported.
+    """
+    signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
+    labels = np.asarray(segments).astype(str)
+    if labels.shape != (len(signals),):
+        raise ValueError(f"segments has shape {labels.shape}; need one name per token "
+                         f"({len(signals)},)")
+    if not 0 < check_fraction < 1:
+        raise ValueError(f"check_fraction must lie in (0, 1), got {check_fraction}")
+    requests = np.arange(len(signals)) if requests is None else np.asarray(requests)
+    names = sorted(set(labels.tolist()))
+    if not names:
+        raise ValueError("no shadow tokens to calibrate on")
+    per_segment = epsilon / len(names)
+    options = dict(exit_layers=exit_layers, num_layers=num_layers, delta=delta,
+                   strategy=strategy, learn_fraction=learn_fraction,
+                   min_samples_per_layer=min_samples_per_layer, seed=seed)
+    check = np.zeros(len(signals), dtype=bool)
+    for index, name in enumerate(names):
+        mine = labels == name
+        check[mine] = split_check_requests(requests[mine], fraction=check_fraction,
+                                           seed=seed + 7919 * (index + 1))
+    notes: list[str] = []
+    try:
+        pooled = calibrate_thresholds(signals=signals[~check], matched=matched[~check],
+                                      epsilon=epsilon, **options)
+    except NotEnoughShadowData as error:
+        pooled = None
+        notes.append(f"pooled set not calibrated: {error}")
+    never = dict.fromkeys((int(k) for k in exit_layers), NEVER_EXIT)
+    decided = {}
+    for name in names:
+        mine = labels == name
+        decided[name] = _decide(
+            name, signals[mine], matched[mine], check[mine], requests[mine], pooled=pooled,
+            never=never, delta=delta, per_segment=per_segment, options=options)
+    default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
+        dict(pooled.thresholds) if pooled is not None else never)
+    return SegmentedCalibration(delta=delta, epsilon=epsilon, epsilon_per_segment=per_segment,
+                                thresholds=default, segments=decided, pooled=pooled,
+                                notes=notes)
+
+
+def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
+            requests: np.ndarray, *, pooled: CalibrationResult | None, never: dict[int, float],
+            delta: float, per_segment: float, options: dict) -> SegmentCalibration:
+    """One segment: its own LTT if it certifies something, else a certified pooled set, else
+    never-exit."""
+    sizes = dict(tokens=len(signals), requests=len(np.unique(requests)), epsilon=per_segment)
+    own, why_not = None, ""
+    try:
+        own = calibrate_thresholds(signals=signals, matched=matched,
+                                   epsilon=per_segment / 2, **options)
+    except NotEnoughShadowData as error:
+        why_not = f"too few shadow tokens for its own calibration ({error})"
+    if own is not None:
+        if any(value < NEVER_EXIT for value in own.thresholds.values()):
+            return SegmentCalibration(
+                segment=name, source="segment", thresholds=dict(own.thresholds), result=own,
+                reason=(f"own Learn-Then-Test at ε/2k = {per_segment / 2:.4g}: risk bound "
+                        f"{own.risk_bound:.4g} <= δ {delta:g}, exit rate {own.exit_rate:.3f}"),
+                **sizes)
+        why_not = "its own calibration certified no exiting step"
+    # Half the segment's ε went to its own LTT when that ran; otherwise all of it is here.
+    level = per_segment / 2 if own is not None else per_segment
+    if pooled is None or not any(value < NEVER_EXIT for value in pooled.thresholds.values()):
+        return SegmentCalibration(
+            segment=name, source="conservative", thresholds=dict(never), result=own,
+            reason=f"{why_not}; no exiting pooled set to fall back on: never exit", **sizes)
+    check_test = _pooled_check(pooled.thresholds, signals[check], matched[check],
+                               delta=delta, level=level)
+    if check_test.certified:
+        return SegmentCalibration(
+            segment=name, source="pooled", thresholds=dict(pooled.thresholds), result=own,
+            pooled_check=check_test,
+            reason=(f"{why_not}; keeps the pooled set, certified on its {check_test.tokens} "
+                    f"check tokens ({check_test.disagreements} disagreements, p "
+                    f"{check_test.p_value:.3g} <= {level:.4g})"), **sizes)
+    return SegmentCalibration(
+        segment=name, source="conservative", thresholds=dict(never), result=own,
+        pooled_check=check_test,
+        reason=(f"{why_not}; the pooled set is not certified on its {check_test.tokens} check "
+                f"tokens ({check_test.disagreements} disagreements, p "
+                f"{check_test.p_value:.3g} > {level:.4g}): never exit"), **sizes)
+
+
+def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray, *,
+                  delta: float, level: float) -> PooledCheck:
+    layers = sorted(thresholds)
+    n = len(signals)
+    if n == 0:
+        return PooledCheck(tokens=0, disagreements=0, p_value=1.0, level=level, certified=False)
+    _, disagree = simulate_policy(signals, matched, [thresholds[k] for k in layers])
+    wrong = int(disagree.sum())
+    p_value = float(hb_p_value(wrong / n, n, delta))
+    return PooledCheck(tokens=n, disagreements=wrong, p_value=p_value, level=level,
+                       certified=p_value <= level)

@@ -1,0 +1,117 @@
+"""Traffic segments in the admin UI (issue 18): a version's segment maps as a layer x segment
+table, their per-segment diff, and the new-version form's segment rows.
+
+Plain functions over `ThresholdSet`; names, the cap and the per-layer ranges are checked by the
+thresholds service, so the form shows the same messages as the API.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from starlette.datastructures import FormData
+
+from controlplane.errors import Invalid
+from controlplane.thresholds.models import ThresholdSet
+from exitplane.wire import DEFAULT_SEGMENT
+
+# Row indices are bounded so a crafted form cannot make the parser walk huge numbers.
+SEGMENT_ROW = re.compile(r"^segment_(\d{1,3})_name$")
+
+
+def segment_maps(threshold_set: ThresholdSet) -> list[tuple[str, dict[int, float]]]:
+    """`default` first, then each segment by name: the columns of a version's layer table."""
+    segments = threshold_set.segments_by_layer() or {}
+    return [(DEFAULT_SEGMENT, threshold_set.thresholds_by_layer()),
+            *sorted(segments.items())]
+
+
+@dataclass(frozen=True)
+class SegmentDiff:
+    """One segment across two versions. A version without the segment applies its default
+    map to that segment's rows, so `layers` holds what each version actually applies and
+    `own_a` / `own_b` say whether that is the segment's own map."""
+
+    name: str
+    own_a: bool
+    own_b: bool
+    layers: list[tuple[int, float | None, float | None]]
+
+    @property
+    def status(self) -> str:
+        if self.own_a and not self.own_b:
+            return "removed"
+        if self.own_b and not self.own_a:
+            return "added"
+        return "changed" if any(a != b for _, a, b in self.layers) else "same"
+
+
+def diff_segments(a: ThresholdSet, b: ThresholdSet,
+                  exit_layers: list[int]) -> list[SegmentDiff]:
+    """Per-segment changes between `a` and `b` (empty when neither names a segment)."""
+    segs_a, segs_b = a.segments_by_layer() or {}, b.segments_by_layer() or {}
+    default_a, default_b = a.thresholds_by_layer(), b.thresholds_by_layer()
+    diffs = []
+    for name in sorted(set(segs_a) | set(segs_b)):
+        map_a, map_b = segs_a.get(name, default_a), segs_b.get(name, default_b)
+        layers = [(layer, map_a.get(layer), map_b.get(layer))
+                  for layer in sorted(set(map_a) | set(map_b) | set(exit_layers))]
+        diffs.append(SegmentDiff(name=name, own_a=name in segs_a, own_b=name in segs_b,
+                                 layers=layers))
+    return diffs
+
+
+@dataclass
+class SegmentRow:
+    """One segment row of the new-version form, as typed (kept to re-show a refused form)."""
+
+    name: str
+    values: dict[int, str]
+
+
+def rows_from_form(form: FormData, exit_layers: list[int]) -> list[SegmentRow]:
+    """The form's segment rows in index order, blank ones included."""
+    indices = sorted({int(match.group(1)) for key in form
+                      if (match := SEGMENT_ROW.match(key))})
+    return [SegmentRow(name=str(form.get(f"segment_{i}_name", "")).strip(),
+                       values={layer: str(form.get(f"segment_{i}_layer_{layer}", "")).strip()
+                               for layer in exit_layers})
+            for i in indices]
+
+
+def rows_for(threshold_set: ThresholdSet, exit_layers: list[int],
+             blank: int) -> list[SegmentRow]:
+    """The rows a new version starts from: `threshold_set`'s segments, then `blank` unnamed
+    rows holding a copy of its default map (name one to give a segment those values)."""
+    default = threshold_set.thresholds_by_layer()
+    rows = [SegmentRow(name=name, values={layer: _typed(by_layer.get(layer))
+                                          for layer in exit_layers})
+            for name, by_layer in sorted((threshold_set.segments_by_layer() or {}).items())]
+    rows += [SegmentRow(name="", values={layer: _typed(default.get(layer))
+                                         for layer in exit_layers}) for _ in range(blank)]
+    return rows
+
+
+def segments_from_rows(rows: list[SegmentRow]) -> dict[str, dict[int, float]] | None:
+    """The `segments` map to publish; an unnamed row is skipped (blank, or a segment the
+    operator dropped by clearing its name). Invalid names a duplicate or a non-number."""
+    segments: dict[str, dict[int, float]] = {}
+    for row in rows:
+        if not row.name:
+            continue
+        if row.name in segments:
+            raise Invalid(f"segment {row.name!r} is named twice; give each segment one row")
+        by_layer = {}
+        for layer, raw in row.values.items():
+            try:
+                by_layer[layer] = float(raw)
+            except ValueError:
+                raise Invalid(f"segment {row.name!r}: threshold for layer {layer} must be a "
+                              f"number in [0, 1], got {raw!r}") from None
+        segments[row.name] = by_layer
+    return segments or None
+
+
+def _typed(value: float | None) -> str:
+    return "" if value is None else str(value)

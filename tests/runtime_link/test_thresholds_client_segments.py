@@ -1,0 +1,99 @@
+"""The threshold client with per-segment sets (issue 18), against the real control plane over
+HTTP: a runtime that applies segments pulls a segmented set, verifies it and looks thresholds up
+by segment (default for an unknown or missing one); the torch engine, which does not apply them
+yet, refuses such a set, keeps its previous one and says why in its heartbeat; a set whose
+segment map does not fit the exit layers is refused."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from exitplane.client.thresholds import (
+    RefusedThresholdSet,
+    ThresholdClient,
+    check_threshold_set,
+)
+from exitplane.wire import ThresholdSetWire
+from tests.conftest import wait_until
+from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
+
+FAST = {"long_poll_s": 0.2, "heartbeat_interval_s": 0.2, "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.5}
+SEGMENTED = {"thresholds": {"2": 0.9, "4": 0.8}, "segments": {"code": {"2": 1.0, "4": 0.97}},
+             "reason": "per segment", "activate": True}
+
+
+class SegmentRuntime:
+    """A runtime other than ours (the protocol's point) that applies a map per request."""
+
+    applies_segments = True
+
+    def __init__(self) -> None:
+        self.exit_layers = list(EXIT_LAYERS)
+        self.applied: list[ThresholdSetWire] = []
+        self.runtime_id = "rt-seg"
+
+    def set_thresholds(self, threshold_set: ThresholdSetWire) -> None:
+        self.applied.append(threshold_set)
+
+
+def _publish_segmented(operator: httpx.Client) -> dict:
+    created = operator.post(f"/v1/deployments/{DEPLOYMENT}/threshold-sets", json=SEGMENTED)
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_segment_runtime_pulls_the_set_and_looks_up_by_segment(control_plane, operator,
+                                                                 runtime_token):
+    created = _publish_segmented(operator)
+    target = SegmentRuntime()
+    client = ThresholdClient(target, base_url=control_plane.url, deployment=DEPLOYMENT,
+                             token=runtime_token, **FAST)
+    assert client.thresholds_for("code") is None  # nothing applied yet
+    client.start()
+    try:
+        assert client.wait_ready(20)
+        assert client.applied.version == created["version"] == 2 and client.error is None
+        assert target.applied[-1].checksum == created["checksum"]
+        assert client.thresholds_for("code") == {2: 1.0, 4: 0.97}
+        for other in ("chat", "default", None):
+            assert client.thresholds_for(other) == {2: 0.9, 4: 0.8}
+    finally:
+        client.stop()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_torch_engine_refuses_a_segmented_set_and_keeps_its_own(control_plane, operator,
+                                                                    runtime_token, make_engine):
+    publish(operator, {2: 0.9, 4: 0.8})
+    engine = make_engine(runtime_id="rt-torch")
+    client = ThresholdClient(engine, base_url=control_plane.url, deployment=DEPLOYMENT,
+                             token=runtime_token, **FAST).start()
+    try:
+        assert client.wait_ready(20) and client.applied.version == 2
+        _publish_segmented(operator)
+        wait_until(lambda: client.counters["refused"] >= 1, message="the segmented set refused")
+        assert client.applied.version == 2 and engine.policy.version == 2
+        assert "has thresholds per segment (code)" in client.error
+
+        def reported() -> str:
+            rows = operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
+            row = next((r for r in rows if r["runtime_id"] == "rt-torch"), {})
+            return row.get("error") or ""
+
+        wait_until(lambda: "per segment" in reported(), message="the refusal in a heartbeat")
+    finally:
+        client.stop()
+
+
+def test_a_segment_map_that_misses_an_exit_layer_is_refused():
+    wire = ThresholdSetWire.build(deployment=DEPLOYMENT, version=5, signal="maxprob",
+                                  thresholds={2: 0.9, 4: 0.8}, segments={"code": {2: 0.99}})
+    with pytest.raises(RefusedThresholdSet, match="segment 'code' has exit layers \\[2\\]"):
+        check_threshold_set(wire, deployment=DEPLOYMENT, exit_layers=EXIT_LAYERS)
+    fits = ThresholdSetWire.build(deployment=DEPLOYMENT, version=5, signal="maxprob",
+                                  thresholds={2: 0.9, 4: 0.8},
+                                  segments={"code": {2: 0.99, 4: 0.98}})
+    check_threshold_set(fits, deployment=DEPLOYMENT, exit_layers=EXIT_LAYERS)
