@@ -4,7 +4,7 @@ An alert is raised from a `Condition` a detector observed; while one is open (fi
 acknowledged) for the same dedup key, observing the condition again only refreshes it. When a
 check no longer sees the condition, the alert resolves itself once it stayed clear for
 `clear_after_s`. Delivery to hooks happens in the `alerts.deliver` task, enqueued only after the
-commit that stored the alert (see `enqueue_task`).
+commit that stored the alert (`controlplane.outbox`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, event, func, or_, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts import hooks
@@ -35,6 +35,7 @@ from controlplane.alerts.models import (
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.keys import SecretUnreadable
+from controlplane.outbox import enqueue_task
 from controlplane.thresholds.models import Deployment
 from exitplane import tracing
 
@@ -44,7 +45,6 @@ SEVERITY_RANK = {name: rank for rank, name in enumerate(SEVERITIES)}
 # Kinds that put answer quality at risk: the fallback to the conservative set plugs in here.
 QUALITY_AT_RISK = frozenset({"quality_regression", "exit_rate_spike"})
 SYSTEM_ACTOR = "system"
-OUTBOX = "exitplane_outbox"
 
 
 @dataclass(frozen=True)
@@ -491,39 +491,6 @@ def list_deliveries(*, session: Session, hook: AlertHook | None = None,
     if before_id is not None:
         query = query.where(AlertDelivery.id < before_id)
     return list(session.scalars(query.order_by(AlertDelivery.id.desc()).limit(limit)))
-
-
-# -- tasks after commit ------------------------------------------------------------------------
-
-def enqueue_task(session: Session, name: str, args: list) -> None:
-    """Send Celery task `name` once the session's transaction commits (dropped on rollback)."""
-    session.info.setdefault(OUTBOX, []).append((name, args, tracing.current_context()))
-
-
-def send_task(name: str, args: list) -> None:
-    """Hand a task to the broker of this process's settings."""
-    from workers.celery_app import app  # the Celery app imports services, not the reverse
-
-    app.send_task(name, args=args)
-
-
-@event.listens_for(Session, "after_commit")
-def _send_outbox(session: Session) -> None:
-    if session.in_nested_transaction():  # a savepoint released; the transaction goes on
-        return
-    for name, args, trace_context in session.info.pop(OUTBOX, []):
-        try:
-            with tracing.attached(trace_context):  # the task's trace parent: who asked for it
-                send_task(name, args)
-        except Exception as error:  # the broker being away must not fail a committed request
-            log.error("could not enqueue %s%s: %s", name, tuple(args), error)
-
-
-@event.listens_for(Session, "after_transaction_end")
-def _drop_outbox(session: Session, transaction) -> None:
-    # After a commit the outbox was already sent; whatever is left was rolled back.
-    if transaction.parent is None:
-        session.info.pop(OUTBOX, None)
 
 
 # -- helpers -----------------------------------------------------------------------------------

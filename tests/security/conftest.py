@@ -21,7 +21,7 @@ def quick_hashing(monkeypatch):
 def sent_tasks(monkeypatch) -> list[tuple[str, list]]:
     """Celery tasks handed over after commit, recorded instead of sent: no worker runs here,
     and the process-wide broker is not this test's database's."""
-    from controlplane.alerts import service as outbox
+    from controlplane import outbox
 
     sent: list[tuple[str, list]] = []
     monkeypatch.setattr(outbox, "send_task", lambda name, args: sent.append((name, args)))

@@ -77,7 +77,7 @@ def stack(db_url, tmp_path, monkeypatch):
            "EXITPLANE_CALIBRATION_MIN_SAMPLES": "500", "EXITPLANE_CALIBRATION_RETRY_S": "1"}
     app = make_celery(Settings(database_url=db_url, var_dir=tmp_path / "var",
                                redis_url=redis_url))
-    monkeypatch.setattr("controlplane.alerts.service.send_task",
+    monkeypatch.setattr("controlplane.outbox.send_task",
                         lambda name, args: app.send_task(name, args=args))
     worker = Worker(env, tmp_path / "worker.log")
     yield app, worker

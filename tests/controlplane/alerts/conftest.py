@@ -11,7 +11,7 @@ from tests.controlplane.alerts.support import Receiver
 def outbox(monkeypatch) -> list[tuple[str, list]]:
     """Tasks the services hand to the broker after commit, captured instead of sent."""
     sent: list[tuple[str, list]] = []
-    monkeypatch.setattr("controlplane.alerts.service.send_task",
+    monkeypatch.setattr("controlplane.outbox.send_task",
                         lambda name, args: sent.append((name, list(args))))
     return sent
 

@@ -9,6 +9,6 @@ import pytest
 def outbox(monkeypatch) -> list[tuple[str, list]]:
     """Tasks the services hand to the broker after commit, captured instead of sent."""
     sent: list[tuple[str, list]] = []
-    monkeypatch.setattr("controlplane.alerts.service.send_task",
+    monkeypatch.setattr("controlplane.outbox.send_task",
                         lambda name, args: sent.append((name, list(args))))
     return sent

@@ -80,7 +80,7 @@ class Runtime:
 def plane(settings, engine, monkeypatch):
     from controlplane.app import create_app
 
-    monkeypatch.setattr("controlplane.alerts.service.send_task", lambda name, args: None)
+    monkeypatch.setattr("controlplane.outbox.send_task", lambda name, args: None)
     control = ControlPlane(make_app=lambda: create_app(settings, engine=engine),
                            port=free_port()).start()
     yield control
