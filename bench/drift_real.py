@@ -349,7 +349,7 @@ class Episode:
         from datetime import timedelta
         from types import SimpleNamespace
 
-        from controlplane.alerts.service import QUALITY_AT_RISK
+        from controlplane.alerts.kinds import QUALITY_AT_RISK
         from controlplane.calibration.fallback import SpikeGate, decide
 
         now = self.start + timedelta(seconds=t)

@@ -39,6 +39,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import (
     Condition,
     Reconciled,
@@ -74,7 +75,7 @@ from workers.stats.window_checks import (
 __all__ = ["EXIT_KINDS", "DriftOptions", "check_deployment", "check_runtimes",
            "exit_behaviour_conditions", "expected_reference"]  # DriftOptions lives with evaluate
 
-RUNTIME_STALE = "runtime_stale"
+RUNTIME_STALE = AlertKind.RUNTIME_STALE
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,6 @@ from exitplane import tracing
 log = logging.getLogger("exitplane.alerts")
 
 SEVERITY_RANK = {name: rank for rank, name in enumerate(SEVERITIES)}
-# Kinds that put answer quality at risk: the fallback to the conservative set plugs in here.
-QUALITY_AT_RISK = frozenset({"quality_regression", "exit_rate_spike"})
 SYSTEM_ACTOR = "system"
 
 

@@ -24,6 +24,7 @@ from scipy.stats import binomtest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.kinds import AlertKind
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, NotFound
@@ -284,7 +285,7 @@ def _alert_revert(*, session: Session, deployment: Deployment, run: CanaryRun, r
 
     last = run.checks[-1] if run.checks else {}
     alert, _ = fire(session=session, deployment=deployment, now=now, condition=Condition(
-        kind="canary_failed", severity="critical", subject=f"v{run.version}",
+        kind=AlertKind.CANARY_FAILED, severity="critical", subject=f"v{run.version}",
         summary=f"canary of version {run.version} reverted: {reason}",
         evidence={"canary_run_id": run.id, "version": run.version,
                   "baseline_version": run.baseline_version, "calibration_job_id": run.job_id,

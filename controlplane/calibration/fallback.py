@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts.service import QUALITY_AT_RISK
+from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
 from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
 from controlplane.db import utcnow
@@ -76,7 +76,7 @@ class Decision:
 
 def decide(*, alert, delta: float, gate: SpikeGate = SpikeGate()) -> Decision:
     """The fallback rule for a newly fired quality-at-risk alert (see the module docstring)."""
-    if alert.kind != "exit_rate_spike":
+    if alert.kind != AlertKind.EXIT_RATE_SPIKE:
         return Decision(True, alert.kind, "quality regression falls back at once")
     evidence = (alert.evidence or {}).get("quality_gate")
     if not evidence:
@@ -258,7 +258,7 @@ def recheck_spike(*, session: Session, alert, quality_gate: dict,
     """A still-open `exit_rate_spike` that kept the active set, seen again with the shadow
     evidence of the current window: fall back now if that evidence no longer shows
     disagreement within δ. True when it fell back."""
-    if alert.kind != "exit_rate_spike" or not (alert.action_taken or "").startswith(
+    if alert.kind != AlertKind.EXIT_RATE_SPIKE or not (alert.action_taken or "").startswith(
             f"rule {KEPT}"):
         return False
     deployment = session.get(Deployment, alert.deployment_id)
@@ -291,7 +291,7 @@ def react_to_alert(*, session: Session, alert,
     harmless only the recalibration (`decide`); exit-rate collapse -> recalibration only.
 
     Runs in a savepoint: if it fails, the alert still fires and says so."""
-    if alert.kind not in QUALITY_AT_RISK and alert.kind != "exit_rate_collapse":
+    if alert.kind not in QUALITY_AT_RISK and alert.kind != AlertKind.EXIT_RATE_COLLAPSE:
         return ""
     deployment = session.get(Deployment, alert.deployment_id)
     if gate is None:

@@ -33,12 +33,14 @@ from typing import Any
 import numpy as np
 from river.drift import ADWIN
 
+from controlplane.alerts.kinds import AlertKind
 from workers.stats.clustered import ClusteredProportion
 
-EXIT_RATE_SPIKE = "exit_rate_spike"
-EXIT_RATE_COLLAPSE = "exit_rate_collapse"
-QUALITY_REGRESSION = "quality_regression"
-DISTRIBUTION_DRIFT = "distribution_drift"
+# Short names for the kinds these statistics report (the definition is `AlertKind`).
+EXIT_RATE_SPIKE = AlertKind.EXIT_RATE_SPIKE
+EXIT_RATE_COLLAPSE = AlertKind.EXIT_RATE_COLLAPSE
+QUALITY_REGRESSION = AlertKind.QUALITY_REGRESSION
+DISTRIBUTION_DRIFT = AlertKind.DISTRIBUTION_DRIFT
 
 # A spike puts quality at risk (fallback engages, unless the shadow tokens vouch for quality);
 # a collapse only costs speed. Distribution drift alone informs (no page): it becomes a
