@@ -27,7 +27,9 @@ def enqueue_task(session: Session, name: str, args: list) -> None:
 
 def send_task(name: str, args: list) -> None:
     """Hand a task to the broker of this process's settings."""
-    from workers.celery_app import app  # the Celery app imports services, not the reverse
+    # Imported when first sent: building the app reads the settings and makes the broker's
+    # directory, which importing a service must not do.
+    from controlplane.celery_app import app
 
     app.send_task(name, args=args)
 

@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import hooks
+from controlplane.alerts import hooks, reactions
 from controlplane.alerts.guard import DestinationRefused, HookGuard
 from controlplane.alerts.models import (
     HOOK_KINDS,
@@ -156,13 +156,12 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
 def on_alert_fired(session: Session, alert: Alert) -> None:
     """The one place where the system reacts to a newly fired alert.
 
-    First the automatic response (`controlplane.calibration.fallback`: for the QUALITY_AT_RISK
-    kinds the `conservative` set becomes active and a recalibration is queued), which records
-    what it did in `alert.action_taken`; then every matching hook gets a delivery, enqueued
-    after the commit, so the page says what the system already did."""
-    from controlplane.calibration.fallback import react_to_alert  # calibration imports alerts
-
-    react_to_alert(session=session, alert=alert)
+    First the automatic responses registered for its kind (`controlplane.alerts.reactions`;
+    the calibration fallback: for the QUALITY_AT_RISK kinds the `conservative` set becomes
+    active and a recalibration is queued), which record what they did in `alert.action_taken`;
+    then every matching hook gets a delivery, enqueued after the commit, so the page says what
+    the system already did."""
+    reactions.react(session=session, alert=alert)
     enqueue_deliveries(session=session, alert=alert, event="firing")
 
 

@@ -25,6 +25,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
+from controlplane.alerts.service import Condition, fire
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, NotFound
@@ -281,8 +282,6 @@ def _settle_job(*, session: Session, run: CanaryRun, promotion: str) -> None:
 
 def _alert_revert(*, session: Session, deployment: Deployment, run: CanaryRun, reason: str,
                   now: datetime) -> None:
-    from controlplane.alerts.service import Condition, fire
-
     last = run.checks[-1] if run.checks else {}
     alert, _ = fire(session=session, deployment=deployment, now=now, condition=Condition(
         kind=AlertKind.CANARY_FAILED, severity="critical", subject=f"v{run.version}",

@@ -31,6 +31,7 @@ from types import SimpleNamespace
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts import reactions
 from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
 from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
@@ -47,6 +48,8 @@ from workers.stats.calibration import policy_disagreement
 log = logging.getLogger("exitplane.fallback")
 
 ACTOR = "fallback"
+# What `react_to_alert` answers: quality at risk (fallback), and a collapse (recalibration only).
+REACTS_TO = (*sorted(QUALITY_AT_RISK), AlertKind.EXIT_RATE_COLLAPSE)
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,7 @@ def recheck_spike(*, session: Session, alert, quality_gate: dict,
 def react_to_alert(*, session: Session, alert,
                    policy: CalibrationPolicy = CalibrationPolicy(),
                    gate: SpikeGate | None = None) -> str:
-    """What a newly fired alert sets off (called from the alerts' `on_alert_fired`):
+    """What a newly fired alert sets off (registered for REACTS_TO by `install`):
     quality at risk -> fallback and recalibration, or for a spike that the shadow tokens show
     harmless only the recalibration (`decide`); exit-rate collapse -> recalibration only.
 
@@ -325,3 +328,9 @@ def react_to_alert(*, session: Session, alert,
                               "move the active alias to the conservative version by hand")
         session.flush()
     return alert.action_taken
+
+
+def install() -> None:
+    """Register `react_to_alert` for the kinds it answers; every process that fires alerts
+    calls this when it starts (`create_app`, `workers.app`)."""
+    reactions.register(react_to_alert, kinds=REACTS_TO)
