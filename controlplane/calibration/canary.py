@@ -28,11 +28,11 @@ from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, fire
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import utcnow
+from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.errors import Conflict, NotFound
 from controlplane.telemetry.models import Rollup
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
-from workers.stats.drift import LayerCounts, LayerReference, proportion_z_test
 
 log = logging.getLogger("exitplane.canary")
 

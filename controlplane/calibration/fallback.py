@@ -35,6 +35,7 @@ from controlplane.alerts import reactions
 from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
 from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
+from controlplane.calibration.stats import policy_disagreement
 from controlplane.db import utcnow
 from controlplane.settings import get_settings
 from controlplane.telemetry.models import Rollup
@@ -43,7 +44,6 @@ from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, move_alias, publish
 from exitplane import tracing
 from exitplane.wire import NEVER_EXIT, Origin
-from workers.stats.calibration import policy_disagreement
 
 log = logging.getLogger("exitplane.fallback")
 

@@ -34,6 +34,11 @@ from controlplane.calibration.canary import (
     start_canary,
 )
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
+from controlplane.calibration.stats import (
+    CalibrationResult,
+    NotEnoughShadowData,
+    calibrate_thresholds,
+)
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.outbox import enqueue_task
@@ -41,7 +46,6 @@ from controlplane.telemetry.service import shadow_samples
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, move_alias, publish, record_audit
 from exitplane.wire import Origin
-from workers.stats.calibration import CalibrationResult, NotEnoughShadowData, calibrate_thresholds
 
 __all__ = [
     "CalibrationPolicy", "CanaryPolicy", "ShadowWindow", "apply_outcome", "approve",
