@@ -54,6 +54,17 @@ def alert_reactions() -> None:
     fallback.install()
 
 
+@pytest.fixture
+def outbox(monkeypatch) -> list[tuple[str, list]]:
+    """Celery tasks the services hand to the broker after commit (`controlplane.outbox`),
+    recorded instead of sent: no worker runs, and the process-wide broker is not this test's
+    database's."""
+    sent: list[tuple[str, list]] = []
+    monkeypatch.setattr("controlplane.outbox.send_task",
+                        lambda name, args: sent.append((name, list(args))))
+    return sent
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory) -> str:
     """A SQLite file migrated once; each test gets a copy."""

@@ -45,7 +45,7 @@ def test_report_is_served_sandboxed(as_role, firing_alert):
     assert response.headers["content-security-policy"].startswith("sandbox allow-scripts")
 
 
-def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, sent_tasks):
+def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, outbox):
     from controlplane.alerts.service import create_hook
 
     with Session(engine) as session:
@@ -59,7 +59,7 @@ def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, 
     alert = _alert(engine, firing_alert)
     assert (alert.status, alert.acknowledged_by, alert.resolution) == (
         "acknowledged", "user:operator", "looking")
-    assert sent_tasks == [("alerts.deliver", [firing_alert, hook_id, "acknowledged"])]
+    assert outbox == [("alerts.deliver", [firing_alert, hook_id, "acknowledged"])]
     empty = _post(client, f"{page}/resolve", {"reason": " "}, page)
     assert "give a reason" in empty.text and _alert(engine, firing_alert).status != "resolved"
     resolved = _post(client, f"{page}/resolve", {"reason": "recalibrated"}, page)
@@ -67,7 +67,7 @@ def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, 
     alert = _alert(engine, firing_alert)
     assert (alert.status, alert.resolved_by, alert.resolution) == (
         "resolved", "user:operator", "recalibrated")
-    assert sent_tasks[-1] == ("alerts.deliver", [firing_alert, hook_id, "resolved"])
+    assert outbox[-1] == ("alerts.deliver", [firing_alert, hook_id, "resolved"])
     again = _post(client, f"{page}/ack", {}, page)
     assert "already resolved" in again.text
 

@@ -69,7 +69,7 @@ def test_a_key_derived_from_another_secret_cannot_read_them():
         raise AssertionError("another key decrypted the secret")
 
 
-def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, sent_tasks):
+def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, outbox):
     downgrade(db_url, "0005")
     engine = make_engine(db_url)
     receiver = Receiver().start()

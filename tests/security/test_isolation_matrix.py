@@ -42,7 +42,7 @@ from controlplane.models import Base
 from controlplane.thresholds import service as thresholds
 from controlplane.thresholds.schemas import DeploymentCreate
 
-pytestmark = pytest.mark.usefixtures("quick_hashing", "sent_tasks")
+pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
 PASSWORD = "correct horse battery staple"
 SCOPE_RANK = {"runtime": 0, "operator": 1, "admin": 2}

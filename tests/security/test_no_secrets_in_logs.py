@@ -38,7 +38,7 @@ from controlplane.db import make_engine
 from controlplane.settings import Settings
 from tests.conftest import BACKENDS, free_port
 
-pytestmark = pytest.mark.usefixtures("quick_hashing", "sent_tasks")
+pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
 TOKEN = re.compile(r"ept_[A-Za-z0-9_-]{20,}")
 CSRF_FIELD = re.compile(r'name="csrf_token" value="([^"]+)"')
@@ -175,7 +175,7 @@ def _batch(seq: int) -> dict:
 
 
 def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, receiver,
-                             sent_tasks, everything_logged, capfd):
+                             outbox, everything_logged, capfd):
     from fastapi.testclient import TestClient
 
     from controlplane.alerts import service as alerts
@@ -247,7 +247,7 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
             kind="distribution_drift", severity="warning", layer=6, subject="6",
             summary="signal distribution at layer 6 drifted"))
         session.commit()
-    deliveries = [args for name, args in sent_tasks if name == "alerts.deliver"]
+    deliveries = [args for name, args in outbox if name == "alerts.deliver"]
     assert len(deliveries) >= 3
     for alert_id, hook_id, event in deliveries:  # what the worker's task does
         with Session(engine) as session:

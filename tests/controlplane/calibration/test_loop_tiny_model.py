@@ -77,10 +77,9 @@ class Runtime:
 
 
 @pytest.fixture
-def plane(settings, engine, monkeypatch):
+def plane(settings, engine, outbox):
     from controlplane.app import create_app
 
-    monkeypatch.setattr("controlplane.outbox.send_task", lambda name, args: None)
     control = ControlPlane(make_app=lambda: create_app(settings, engine=engine),
                            port=free_port()).start()
     yield control
