@@ -40,13 +40,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
-from controlplane.alerts.service import (
-    Condition,
-    Reconciled,
-    jsonable,
-    open_alerts,
-    reconcile,
-)
+from controlplane.alerts.service import Condition, Reconciled, jsonable, open_alerts, reconcile
 from controlplane.calibration.fallback import recheck_spike
 from controlplane.db import utcnow
 from controlplane.drift.stats import (

@@ -241,7 +241,7 @@ def hook_receiver():
 @pytest.fixture
 def dead_hook(engine) -> int:
     """A webhook pointing at a closed local port: deliveries fail fast."""
-    from controlplane.alerts.service import create_hook
+    from controlplane.alerts.hook_service import create_hook
     from tests.conftest import free_port
 
     with Session(engine) as session:

@@ -8,6 +8,7 @@ import re
 
 from sqlalchemy.orm import Session
 
+from controlplane.alerts import delivery_service, hook_service
 from controlplane.alerts import service as alerts
 from tests.dashboards.conftest import csrf_of
 
@@ -46,7 +47,7 @@ def test_report_is_served_sandboxed(as_role, firing_alert):
 
 
 def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, outbox):
-    from controlplane.alerts.service import create_hook
+    from controlplane.alerts.hook_service import create_hook
 
     with Session(engine) as session:
         hook_id = create_hook(session=session, name="pager", kind="webhook",
@@ -108,8 +109,8 @@ def test_a_failed_test_alert_is_shown_and_logged(as_role, engine, dead_hook):
     assert "Test alert to &#39;dead end&#39; failed" in failed.text
     assert 'class="flash flash-error"' in failed.text
     with Session(engine) as session:
-        hook = alerts.get_hook(session=session, hook_id=dead_hook)
-        log = alerts.list_deliveries(session=session, hook=hook)
+        hook = hook_service.get_hook(session=session, hook_id=dead_hook)
+        log = delivery_service.list_deliveries(session=session, hook=hook)
     assert [(d.event, d.ok) for d in log] == [("test", False)]
     deleted = _post(admin, f"/ui/hooks/{dead_hook}/delete", {}, "/ui/hooks")
     assert "dead end&#39; and its delivery log deleted" in deleted.text

@@ -33,7 +33,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.routing import Mount
 
-from controlplane.alerts.service import Condition, create_hook, fire
+from controlplane.alerts.hook_service import create_hook
+from controlplane.alerts.service import Condition, fire
 from controlplane.auth.service import create_token, revoke_token
 from controlplane.auth.users import create_user
 from controlplane.calibration.canary import start_canary

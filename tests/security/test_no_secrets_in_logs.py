@@ -178,6 +178,7 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
                              outbox, everything_logged, capfd):
     from fastapi.testclient import TestClient
 
+    from controlplane.alerts import delivery_service, hook_service
     from controlplane.alerts import service as alerts
     from controlplane.alerts.service import Condition
     from controlplane.thresholds.service import get_deployment
@@ -251,9 +252,9 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
     assert len(deliveries) >= 3
     for alert_id, hook_id, event in deliveries:  # what the worker's task does
         with Session(engine) as session:
-            delivery = alerts.deliver(session=session, alert_id=alert_id, hook_id=hook_id,
-                                      event=event, base_url=settings.base_url, timeout_s=5,
-                                      guard=alerts.hook_guard(settings))
+            delivery = delivery_service.deliver(
+                session=session, alert_id=alert_id, hook_id=hook_id, event=event,
+                base_url=settings.base_url, timeout_s=5, guard=hook_service.hook_guard(settings))
             assert delivery is not None and not delivery.ok
             session.commit()
 
@@ -282,7 +283,7 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
     assert hidden.leaks(out + err) == [], "secrets on stdout / stderr"
     # What the API and UI show about hooks' deliveries is logged by the workers too.
     with Session(engine) as session:
-        errors = "\n".join(d.error or "" for d in alerts.list_deliveries(session=session))
+        errors = "\n".join(d.error or "" for d in delivery_service.list_deliveries(session=session))
     # Only a status code and a fixed reason (issue 13): not the receiver's answer.
     assert "HTTP 404" in errors and "Cannot POST" not in errors
     assert hidden.leaks(errors) == [], "secrets in the delivery log"

@@ -14,7 +14,7 @@ import redis
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import service
+from controlplane.alerts import hook_service
 from controlplane.alerts.models import Alert, AlertDelivery
 from controlplane.celery_app import make_celery
 from controlplane.db import make_engine, utcnow
@@ -102,9 +102,9 @@ def test_worker_detects_drift_and_delivers_with_retries(worker, engine, receiver
         deployment = make_deployment(session, activated_at=start, delta=0.02)
         send_traffic(session, deployment, start=start, seed=7,
                      phases=[Phase(10, (0.25, 0.4, 0.3), shadow_rate=0.2, mismatch_rate=0.1)])
-        hook = service.create_hook(session=session, name="ops", kind="webhook",
-                                   url=receiver.url + "/hook", actor="test",
-                                   min_severity="critical")
+        hook = hook_service.create_hook(session=session, name="ops", kind="webhook",
+                                        url=receiver.url + "/hook", actor="test",
+                                        min_severity="critical")
         session.commit()
         deployment_id, hook_id = deployment.id, hook.id
     receiver.statuses.extend([500, 503])

@@ -11,8 +11,8 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.hook_service import create_hook, hooks_for
 from controlplane.alerts.models import Alert
-from controlplane.alerts.service import create_hook, hooks_for
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
