@@ -1,1 +1,2 @@
-"""Statistics behind drift alerts and recalibration: plain functions, no Celery, no database."""
+"""Statistics that drift detection and recalibration both use: plain functions, no Celery, no
+database (the request-clustered proportions, synthetic test data)."""
