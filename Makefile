@@ -26,10 +26,12 @@ services-stop:
 
 test: $(STAMP) services
 	$(VENV)/bin/ruff check .
+	$(PY) -m scripts.import_graph
 	. var/services/env && $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m scripts.import_graph
 
 clean:
 	rm -rf $(VENV) var build *.egg-info

@@ -1,4 +1,4 @@
-"""Guarantee check for Learn-Then-Test threshold selection (`workers.stats.calibration`).
+"""Guarantee check for Learn-Then-Test threshold selection (`controlplane.calibration.stats`).
 
 For each of `--trials` resamples: calibrate on fresh shadow samples, replay the chosen
 thresholds on a large fresh sample and count a violation when the realised disagreement
@@ -6,7 +6,7 @@ exceeds δ (the rate must stay <= ε). The oracle picks, on that fresh sample it
 aggressive step of the same threshold path whose disagreement is <= δ: the exit rate a perfect
 calibrator could reach on this path. Cost is timed on 100k samples.
 
-Synthetic samples come from `workers.stats.synthetic` (domains A and B, B harder). With
+Synthetic samples come from `controlplane.stats.synthetic` (domains A and B, B harder). With
 `--real PATH.npz` (arrays `signals` (n, L) float, `matched` (n, L) bool, `exit_layers` (L,),
 optional `num_layers`, optional `domain` (n,) labels) each trial splits the real samples at
 random into calibration and fresh halves, per domain when labels are given.
@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from workers.stats.calibration import calibrate_thresholds, simulate_policy
-from workers.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
+from controlplane.calibration.stats import calibrate_thresholds, simulate_policy
+from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 
 
 def _oracle_exit_rate(curve, signals, matched, exit_layers, delta) -> float:

@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from workers.stats.drift import (
+from controlplane.drift.evidently_drift import distribution_drift_report
+from controlplane.drift.stats import (
     EXIT_RATE_COLLAPSE,
     EXIT_RATE_SPIKE,
     ExitRateMonitor,
@@ -34,8 +35,7 @@ from workers.stats.drift import (
     detect_exit_rate_drift,
     layer_counts_from_exits,
 )
-from workers.stats.evidently_drift import distribution_drift_report
-from workers.stats.synthetic import exit_stream
+from controlplane.stats.synthetic import exit_stream
 
 LAYERS = [8, 16, 24]
 BASE = np.array([0.25, 0.40, 0.30])

@@ -18,7 +18,8 @@ real detectors (issue 17).
    token with probability `--shadow-rate`. Minute rollups, the signal histogram and shadow
    samples (with request ids) are built as the ingestion builds them.
 3. The detectors: every `--check-every-s` the same code as the `drift.detect` task
-   (`workers.drift.evaluate`, on in-memory windows instead of SQL reads) and the same fallback
+   (`controlplane.drift.service.evaluate`, on in-memory windows instead of SQL reads) and the
+   same fallback
    rule (`controlplane.calibration.fallback.decide`) run over the lookback, and alerts open,
    refresh and clear as `controlplane.alerts.service.reconcile` does.
 
@@ -171,7 +172,7 @@ class Source:
     def calibrate(self, *, delta: float, epsilon: float) -> tuple[list[float], dict]:
         """Thresholds the calibrator picks on the calibration half, and their expected metrics."""
         from controlplane.calibration.service import expected_metrics
-        from workers.stats.calibration import calibrate_thresholds
+        from controlplane.calibration.stats import calibrate_thresholds
 
         result = calibrate_thresholds(
             signals=self.signals[self.calibration], matched=self.matched[self.calibration],
@@ -209,16 +210,16 @@ def rollup_slots(tokens: dict, thresholds: list[float], layers: list[int], num_l
                  seconds: float) -> dict:
     """Per half-minute slot what ingestion would add to the rollups: tokens reaching and
     exiting each exit layer, the signal histogram per exit layer (full depth included)."""
+    from controlplane.stats.clustered import policy_outcomes
     from controlplane.telemetry.models import HISTOGRAM_BINS
-    from workers.stats.clustered import policy_outcomes
 
     slots = int(np.ceil(seconds / SLOT_S))
     slot = np.minimum((tokens["ts"] // SLOT_S).astype(int), slots - 1)
     first, _ = policy_outcomes(tokens["signals"], tokens["matched"], thresholds)
     served = np.where(tokens["shadow"], len(layers), first)  # shadow tokens go full depth
     width = len(layers) + 1
-    # what `workers.drift` reads: exits and reached counts with the shadow tokens' policy exits
-    # (`policy_exits`) put back, i.e. the policy's own exit of every token
+    # what `controlplane.drift.service` reads: exits and reached counts with the shadow tokens'
+    # policy exits (`policy_exits`) put back, i.e. the policy's own exit of every token
     exits = np.bincount(slot * width + first, minlength=slots * width).reshape(slots, width)
     reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]
     # the recorded signal: at the exit, else at the deepest layer the policy checks for every
@@ -260,7 +261,7 @@ class Episode:
         """[(minute, {layer: LayerCounts})] of the minutes whose slots lie before `end_slot`."""
         from datetime import timedelta
 
-        from workers.stats.drift import LayerCounts
+        from controlplane.drift.stats import LayerCounts
 
         exits, reached = self.slots["exits"], self.slots["reached"]
         out = []
@@ -285,8 +286,8 @@ class Episode:
         import math
         from datetime import timedelta
 
-        from workers.drift import expected_reference
-        from workers.stats.window_checks import (
+        from controlplane.drift.service import expected_reference
+        from controlplane.drift.window_checks import (
             WindowInputs,
             evaluate,
             lookback_start,
@@ -334,7 +335,7 @@ class Episode:
 
     def true_disagreement(self, t: float) -> float:
         """Disagreement of every token (not only shadow ones) of the recent window."""
-        from workers.stats.clustered import policy_outcomes
+        from controlplane.stats.clustered import policy_outcomes
 
         lo, hi = np.searchsorted(self.tokens["ts"], [max(t - self.options.recent_s, 0), t])
         if hi <= lo:
@@ -349,7 +350,7 @@ class Episode:
         from datetime import timedelta
         from types import SimpleNamespace
 
-        from controlplane.alerts.service import QUALITY_AT_RISK
+        from controlplane.alerts.kinds import QUALITY_AT_RISK
         from controlplane.calibration.fallback import SpikeGate, decide
 
         now = self.start + timedelta(seconds=t)
@@ -391,7 +392,7 @@ class Episode:
 
 def conditional_rates(source: Source, thresholds: list[float]) -> tuple[np.ndarray, float]:
     """Conditional exit rate per layer and disagreement of a source's replay half."""
-    from workers.stats.clustered import policy_outcomes
+    from controlplane.stats.clustered import policy_outcomes
 
     tokens = np.concatenate(source.requests)
     first, disagree = policy_outcomes(source.signals[tokens], source.matched[tokens],
@@ -441,7 +442,7 @@ def main() -> None:
         print(json.dumps({name: str(path) for name, path in paths.items()}))
         return
 
-    from workers.stats.window_checks import DriftOptions
+    from controlplane.drift.window_checks import DriftOptions
 
     started = time.perf_counter()
     rng = np.random.default_rng(args.seed)
@@ -548,7 +549,7 @@ def options_min_effect() -> float:
     """The exit-rate detectors' minimum effect (a smaller change is not a shift to detect)."""
     import inspect
 
-    from workers.stats.drift import ExitRateMonitor
+    from controlplane.drift.stats import ExitRateMonitor
 
     return inspect.signature(ExitRateMonitor).parameters["min_effect"].default
 

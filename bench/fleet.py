@@ -503,7 +503,8 @@ async def drift(fleet: Fleet, admin: dict, timeout: float,
                 activated: float) -> tuple[float | None, str | None]:
     """Shift 5% of the runtimes once the active version (activated at unix time `activated`)
     has its reference: drift detection learns it from the first whole minute after
-    activation (workers/drift.py). Their traffic moves out of domain: more tokens leave at
+    activation (controlplane/drift/service.py). Their traffic moves out of domain: more tokens
+    leave at
     the first exit, and their shadow tokens no longer match full depth at any exit layer
     (the fleet's exit rates move by ~3 points, below the detector's 5-point minimum effect;
     the disagreement rises above δ). Returns seconds until a drift alert fires, and its kind."""

@@ -44,7 +44,11 @@ from pathlib import Path
 import numpy as np
 
 from controlplane.calibration.segments import calibrate_segments
-from workers.stats.calibration import NotEnoughShadowData, calibrate_thresholds, simulate_policy
+from controlplane.calibration.stats import (
+    NotEnoughShadowData,
+    calibrate_thresholds,
+    simulate_policy,
+)
 
 SEGMENTS = ("chat", "code")
 

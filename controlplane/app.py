@@ -23,6 +23,7 @@ from controlplane.alerts.api import router as alerts_router
 from controlplane.alerts.exporter import store_collector
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
+from controlplane.calibration import fallback
 from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
 from controlplane.coordination.limits import make_rate_limiters
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         raise RuntimeError(problem)
     engine = engine or get_engine(settings.effective_database_url)
     factory = session_factory(engine)
+    fallback.install()  # alerts this process fires get the automatic fallback
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

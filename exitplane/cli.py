@@ -253,7 +253,7 @@ def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) 
               help="prefork worker processes (default: the solo pool, one task at a time)")
 def worker(loglevel: str, concurrency: int | None) -> None:
     """Run a Celery worker: drift detection, alert delivery, recalibration, retention."""
-    from workers.celery_app import app
+    from workers.app import app
 
     pool = [f"--concurrency={concurrency}", "--pool=prefork"] if concurrency else ["--pool=solo"]
     app.worker_main(["worker", f"--loglevel={loglevel}", *pool])
@@ -264,7 +264,7 @@ def worker(loglevel: str, concurrency: int | None) -> None:
               help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
 def beat(loglevel: str) -> None:
     """Run Celery beat: drift checks every 30 s, stale runtimes, canaries, daily retention."""
-    from workers.celery_app import app
+    from workers.app import app
 
     app.start(["beat", f"--loglevel={loglevel}"])
 

@@ -437,7 +437,7 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float,
     one-sided Clopper-Pearson lower bound, the judgement the quality test makes: on ~100
     shadow tokens the raw rate of a set calibrated close to δ lands above δ about half the
     time, which says nothing about the set)."""
-    from workers.stats.clustered import clopper_pearson
+    from controlplane.stats.clustered import clopper_pearson
 
     click.echo("\nTimeline")
     for at, text in timeline.events:

@@ -44,6 +44,27 @@ if os.environ.get("CI") and not POSTGRES_URL:
                        "(scripts/services.sh start writes it)")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def alert_reactions() -> None:
+    """The alert reactions every process installs when it starts (`create_app`, `workers.app`):
+    a test that fires alerts through the services gets the automatic fallback, as production
+    does (tests/controlplane/alerts/test_reactions.py checks what each start installs)."""
+    from controlplane.calibration import fallback
+
+    fallback.install()
+
+
+@pytest.fixture
+def outbox(monkeypatch) -> list[tuple[str, list]]:
+    """Celery tasks the services hand to the broker after commit (`controlplane.outbox`),
+    recorded instead of sent: no worker runs, and the process-wide broker is not this test's
+    database's."""
+    sent: list[tuple[str, list]] = []
+    monkeypatch.setattr("controlplane.outbox.send_task",
+                        lambda name, args: sent.append((name, list(args))))
+    return sent
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory) -> str:
     """A SQLite file migrated once; each test gets a copy."""

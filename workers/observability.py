@@ -3,8 +3,9 @@
 - Logging: Celery's own setup is replaced by `exitplane.logs.configure_logging`, so worker and
   beat lines have the API's shape.
 - Request ids: a task published while a request (or another task) is being handled carries
-  its id in the message headers; the worker puts it back into the logging context for the
-  task's lines, and passes it on to the tasks that task enqueues.
+  its id in the message headers (`controlplane.celery_app`, the publishing side); the worker
+  puts it back into the logging context for the task's lines, and passes it on to the tasks
+  that task enqueues.
 - Metrics: task duration by task name and outcome, and failures by task name, in a registry of
   this process served on `EXITPLANE_WORKER_METRICS_PORT` (one worker process per container
   with the default solo pool, so one scrape target each; no multiprocess directory needed).
@@ -20,9 +21,9 @@ import time
 from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from controlplane.celery_app import REQUEST_ID_HEADER as HEADER
 from exitplane.logs import configure_logging, request_id_var
 
-HEADER = "exitplane_request_id"
 log = logging.getLogger("exitplane.worker")
 
 registry = CollectorRegistry()
@@ -45,13 +46,6 @@ def _setup_logging(loglevel=None, **_kwargs) -> None:
     role = "beat" if "beat" in sys.argv else "worker"
     configure_logging(role, level=str(level), fmt=settings.log_format,
                       environment=settings.environment)
-
-
-@signals.before_task_publish.connect
-def _carry_request_id(headers=None, **_kwargs) -> None:
-    request_id = request_id_var.get()
-    if request_id and headers is not None and HEADER not in headers:
-        headers[HEADER] = request_id
 
 
 @signals.task_prerun.connect

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import FileResponse
 
-from controlplane.alerts import service
+from controlplane.alerts import delivery_service, hook_service, service
 from controlplane.alerts.guard import HookGuard
 from controlplane.alerts.models import Alert, AlertHook
 from controlplane.alerts.schemas import (
@@ -41,14 +41,14 @@ def _alert_read(request: Request, alert: Alert, names: dict[int, str]) -> AlertR
 
 
 def _guard(request: Request) -> HookGuard:
-    return service.hook_guard(request.app.state.settings)
+    return hook_service.hook_guard(request.app.state.settings)
 
 
 def _hook_read(hook: AlertHook, names: dict[int, str], guard: HookGuard,
                model=HookRead) -> HookRead:
     # The URL is a credential for many receivers (Slack's carries its key): masked.
     read = model.model_validate(hook)
-    read.url = service.shown_url(hook=hook, guard=guard)
+    read.url = hook_service.shown_url(hook=hook, guard=guard)
     read.deployment = names.get(hook.deployment_id) if hook.deployment_id else None
     read.has_secret = bool(hook.secret)
     read.has_routing_key = bool(hook.routing_key)
@@ -106,14 +106,14 @@ def alert_deliveries(alert_id: int, session: SessionDep,
                      principal: OperatorPrincipal, limit: Limit = 100) -> list[DeliveryRead]:
     alert = service.get_alert(session=session, alert_id=alert_id)
     return [DeliveryRead.model_validate(d)
-            for d in service.list_deliveries(session=session, alert=alert, limit=limit)]
+            for d in delivery_service.list_deliveries(session=session, alert=alert, limit=limit)]
 
 
 @router.get("/hooks", response_model=list[HookRead])
 def list_hooks(request: Request, session: SessionDep, principal: AdminPrincipal,
                deployment: str | None = None) -> list[HookRead]:
     target = get_deployment(session=session, name=deployment) if deployment else None
-    found = service.list_hooks(session=session, deployment=target)
+    found = hook_service.list_hooks(session=session, deployment=target)
     names = _names(session, [h.deployment_id for h in found])
     guard = _guard(request)
     return [_hook_read(h, names, guard) for h in found]
@@ -124,7 +124,7 @@ def create_hook(spec: HookCreate, request: Request, session: SessionDep,
                 principal: AdminPrincipal) -> HookCreated:
     target = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
     guard = _guard(request)
-    hook = service.create_hook(
+    hook = hook_service.create_hook(
         session=session, name=spec.name, kind=spec.kind, url=str(spec.url), actor=principal.actor,
         deployment=target, min_severity=spec.min_severity, secret=spec.secret,
         routing_key=spec.routing_key, enabled=spec.enabled, guard=guard)
@@ -136,25 +136,26 @@ def create_hook(spec: HookCreate, request: Request, session: SessionDep,
 @router.get("/hooks/{hook_id}", response_model=HookRead)
 def show_hook(hook_id: int, request: Request, session: SessionDep,
               principal: AdminPrincipal) -> HookRead:
-    hook = service.get_hook(session=session, hook_id=hook_id)
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
     return _hook_read(hook, _names(session, [hook.deployment_id]), _guard(request))
 
 
 @router.patch("/hooks/{hook_id}", response_model=HookRead)
 def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: SessionDep,
                 principal: AdminPrincipal) -> HookRead:
-    hook = service.get_hook(session=session, hook_id=hook_id)
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
     changes = spec.model_dump(exclude_none=True)
     if "url" in changes:
         changes["url"] = str(changes["url"])
     guard = _guard(request)
-    service.update_hook(session=session, hook=hook, changes=changes, guard=guard)
+    hook_service.update_hook(session=session, hook=hook, changes=changes, guard=guard)
     return _hook_read(hook, _names(session, [hook.deployment_id]), guard)
 
 
 @router.delete("/hooks/{hook_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> Response:
-    service.delete_hook(session=session, hook=service.get_hook(session=session, hook_id=hook_id))
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
+    hook_service.delete_hook(session=session, hook=hook)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -163,17 +164,16 @@ def send_test_alert(hook_id: int, request: Request, session: SessionDep,
                     principal: AdminPrincipal) -> DeliveryRead:
     """Send a test alert to the hook now and return the logged attempt."""
     settings = request.app.state.settings
-    hook = service.get_hook(session=session, hook_id=hook_id)
-    delivery = service.send_test_alert(session=session, hook=hook, base_url=settings.base_url,
-                                       actor=principal.actor,
-                                       timeout_s=settings.delivery_timeout_s,
-                                       guard=_guard(request))
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
+    delivery = delivery_service.send_test_alert(
+        session=session, hook=hook, base_url=settings.base_url, actor=principal.actor,
+        timeout_s=settings.delivery_timeout_s, guard=_guard(request))
     return DeliveryRead.model_validate(delivery)
 
 
 @router.get("/hooks/{hook_id}/deliveries", response_model=list[DeliveryRead])
 def hook_deliveries(hook_id: int, session: SessionDep, principal: AdminPrincipal,
                     limit: Limit = 100, before_id: int | None = None) -> list[DeliveryRead]:
-    hook = service.get_hook(session=session, hook_id=hook_id)
-    return [DeliveryRead.model_validate(d) for d in service.list_deliveries(
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
+    return [DeliveryRead.model_validate(d) for d in delivery_service.list_deliveries(
         session=session, hook=hook, limit=limit, before_id=before_id)]

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from controlplane.alerts.kinds import AlertKind
+
 SIGNATURE_HEADER = "X-Exitplane-Signature"
 TIMESTAMP_HEADER = "X-Exitplane-Timestamp"
 EVENT_HEADER = "X-Exitplane-Event"
@@ -155,7 +157,7 @@ def _alertmanager(hook, alert: dict, event: str, now: datetime) -> HookRequest:
     layer = "all" if alert["layer"] is None else str(alert["layer"])
     labels = {"alertname": alert["kind"], "deployment": alert["deployment"], "layer": layer,
               "severity": alert["severity"], "source": "exitplane"}
-    if alert["kind"] == "runtime_stale":
+    if alert["kind"] == AlertKind.RUNTIME_STALE:
         labels["runtime"] = alert["dedup_key"].rsplit(":", 1)[-1]
     annotations = {"summary": alert["summary"], "action_taken": alert["action_taken"] or "none",
                    "dedup_key": alert["dedup_key"]}

@@ -8,10 +8,10 @@ from datetime import datetime
 from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
+from controlplane.alerts.kinds import AlertKind
 from controlplane.db import Base, utcnow
 
-KINDS = ("exit_rate_collapse", "exit_rate_spike", "quality_regression", "distribution_drift",
-         "runtime_stale", "canary_failed")
+KINDS = tuple(kind.value for kind in AlertKind)
 SEVERITIES = ("info", "warning", "critical")
 STATUSES = ("firing", "acknowledged", "resolved")
 HOOK_KINDS = ("webhook", "alertmanager", "pagerduty", "slack")

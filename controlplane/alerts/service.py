@@ -1,50 +1,38 @@
-"""Alerts, hooks and deliveries: plain keyword-only functions over the store.
+"""The alert lifecycle: fire, refresh, reconcile, acknowledge, resolve (plain keyword-only
+functions over the store). Hooks are managed in `hook_service`, deliveries in
+`delivery_service`.
 
 An alert is raised from a `Condition` a detector observed; while one is open (firing or
 acknowledged) for the same dedup key, observing the condition again only refreshes it. When a
 check no longer sees the condition, the alert resolves itself once it stayed clear for
 `clear_after_s`. Delivery to hooks happens in the `alerts.deliver` task, enqueued only after the
-commit that stored the alert (see `enqueue_task`).
+commit that stored the alert (`delivery_service.enqueue_deliveries`, `controlplane.outbox`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, event, func, or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import hooks
-from controlplane.alerts.guard import DestinationRefused, HookGuard
-from controlplane.alerts.models import (
-    HOOK_KINDS,
-    KINDS,
-    SEVERITIES,
-    STATUSES,
-    Alert,
-    AlertDelivery,
-    AlertHook,
-)
+from controlplane.alerts import reactions
+from controlplane.alerts.delivery_service import enqueue_deliveries, refresh_if_due
+from controlplane.alerts.models import KINDS, SEVERITIES, STATUSES, Alert
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
-from controlplane.keys import SecretUnreadable
 from controlplane.thresholds.models import Deployment
 from exitplane import tracing
 
 log = logging.getLogger("exitplane.alerts")
 
-SEVERITY_RANK = {name: rank for rank, name in enumerate(SEVERITIES)}
-# Kinds that put answer quality at risk: the fallback to the conservative set plugs in here.
-QUALITY_AT_RISK = frozenset({"quality_regression", "exit_rate_spike"})
 SYSTEM_ACTOR = "system"
-OUTBOX = "exitplane_outbox"
 
 
 @dataclass(frozen=True)
@@ -158,13 +146,12 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
 def on_alert_fired(session: Session, alert: Alert) -> None:
     """The one place where the system reacts to a newly fired alert.
 
-    First the automatic response (`controlplane.calibration.fallback`: for the QUALITY_AT_RISK
-    kinds the `conservative` set becomes active and a recalibration is queued), which records
-    what it did in `alert.action_taken`; then every matching hook gets a delivery, enqueued
-    after the commit, so the page says what the system already did."""
-    from controlplane.calibration.fallback import react_to_alert  # calibration imports alerts
-
-    react_to_alert(session=session, alert=alert)
+    First the automatic responses registered for its kind (`controlplane.alerts.reactions`;
+    the calibration fallback: for the QUALITY_AT_RISK kinds the `conservative` set becomes
+    active and a recalibration is queued), which record what they did in `alert.action_taken`;
+    then every matching hook gets a delivery, enqueued after the commit, so the page says what
+    the system already did."""
+    reactions.react(session=session, alert=alert)
     enqueue_deliveries(session=session, alert=alert, event="firing")
 
 
@@ -251,279 +238,6 @@ def _write_report(reports_dir: Path, deployment: Deployment, alert: Alert, html:
     temporary.write_text(html, encoding="utf-8")
     temporary.replace(target)
     return str(relative)
-
-
-# -- hooks -------------------------------------------------------------------------------------
-
-def list_hooks(*, session: Session, deployment: Deployment | None = None) -> list[AlertHook]:
-    query = select(AlertHook).order_by(AlertHook.id)
-    if deployment is not None:
-        query = query.where(or_(AlertHook.deployment_id == deployment.id,
-                                AlertHook.deployment_id.is_(None)))
-    return list(session.scalars(query))
-
-
-def get_hook(*, session: Session, hook_id: int) -> AlertHook:
-    hook = session.get(AlertHook, hook_id)
-    if hook is None:
-        raise NotFound(f"alert hook {hook_id} does not exist")
-    return hook
-
-
-def hook_guard(settings=None) -> HookGuard:
-    """The allow-list and vault of `settings` (default: this process's)."""
-    from controlplane.settings import get_settings
-
-    return HookGuard.from_settings(settings or get_settings())
-
-
-def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
-                deployment: Deployment | None = None, min_severity: str = "warning",
-                secret: str | None = None, routing_key: str | None = None,
-                enabled: bool = True, guard: HookGuard | None = None) -> AlertHook:
-    """A hook whose URL may be reached (`guard.check`); webhook hooks get a random HMAC
-    secret unless one is given. URL, secret and routing key are stored encrypted."""
-    if kind not in HOOK_KINDS:
-        raise Invalid(f"unknown hook kind {kind!r}; use one of {', '.join(HOOK_KINDS)}")
-    if min_severity not in SEVERITIES:
-        raise Invalid(f"unknown severity {min_severity!r}; use one of {', '.join(SEVERITIES)}")
-    if kind == "pagerduty" and not routing_key:
-        raise Invalid("a pagerduty hook needs routing_key (the integration key of the service)")
-    guard = guard or hook_guard()
-    guard.check(url, kind=kind, must_resolve=False)
-    if kind == "webhook" and not secret:
-        secret = hooks.new_secret()
-    vault = guard.vault
-    hook = AlertHook(deployment_id=deployment.id if deployment else None, name=name, kind=kind,
-                     url=vault.encrypt(url), secret=vault.encrypt(secret),
-                     routing_key=vault.encrypt(routing_key), min_severity=min_severity,
-                     enabled=enabled, created_by=actor)
-    session.add(hook)
-    session.flush()
-    return hook
-
-
-def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
-                guard: HookGuard | None = None) -> AlertHook:
-    """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted."""
-    guard = guard or hook_guard()
-    for name, value in changes.items():
-        if name == "min_severity" and value not in SEVERITIES:
-            raise Invalid(f"unknown severity {value!r}")
-        if name == "url":
-            guard.check(value, kind=hook.kind, must_resolve=False)
-        if name in ("url", "secret", "routing_key"):
-            value = guard.vault.encrypt(value)
-        setattr(hook, name, value)
-    if hook.kind == "pagerduty" and not hook.routing_key:
-        raise Invalid("a pagerduty hook needs routing_key")
-    session.flush()
-    return hook
-
-
-def hook_target(*, hook: AlertHook, guard: HookGuard) -> hooks.HookTarget:
-    """The hook's URL and credentials decrypted, for one delivery (SecretUnreadable when the
-    secret key changed since they were stored)."""
-    vault = guard.vault
-    return hooks.HookTarget(kind=hook.kind, url=vault.decrypt(hook.url),
-                            secret=vault.decrypt(hook.secret),
-                            routing_key=vault.decrypt(hook.routing_key))
-
-
-def shown_url(*, hook: AlertHook, guard: HookGuard) -> str:
-    """The hook's URL as people see it after creation: scheme, host and port only."""
-    try:
-        return hooks.redact_url(guard.vault.decrypt(hook.url))
-    except SecretUnreadable:
-        return "(unreadable with this secret key)"
-
-
-def delete_hook(*, session: Session, hook: AlertHook) -> None:
-    session.execute(delete(AlertDelivery).where(AlertDelivery.hook_id == hook.id))
-    session.delete(hook)
-    session.flush()
-
-
-def hooks_for(*, session: Session, alert: Alert, event: str) -> list[AlertHook]:
-    """Enabled hooks of the alert's deployment (or of all) whose severity filter it passes."""
-    rank = SEVERITY_RANK[alert.severity]
-    return [hook for hook in session.scalars(
-        select(AlertHook).where(AlertHook.enabled.is_(True),
-                                or_(AlertHook.deployment_id == alert.deployment_id,
-                                    AlertHook.deployment_id.is_(None))).order_by(AlertHook.id))
-            if SEVERITY_RANK[hook.min_severity] <= rank and hooks.accepts(hook.kind, event)]
-
-
-# -- deliveries --------------------------------------------------------------------------------
-
-def enqueue_deliveries(*, session: Session, alert: Alert, event: str) -> int:
-    """One `alerts.deliver` task per matching hook, sent after the commit; returns how many."""
-    matching = hooks_for(session=session, alert=alert, event=event)
-    for hook in matching:
-        enqueue_task(session, "alerts.deliver", [alert.id, hook.id, event])
-    return len(matching)
-
-
-def deliver(*, session: Session, alert_id: int, hook_id: int, event: str, base_url: str,
-            timeout_s: float = 10.0, guard: HookGuard | None = None) -> AlertDelivery | None:
-    """One attempt to send `event` of the alert to the hook, logged; None when already sent
-    (the task is idempotent) or when the alert or hook no longer exists."""
-    alert = session.get(Alert, alert_id)
-    hook = session.get(AlertHook, hook_id)
-    if alert is None or hook is None:
-        return None
-    if event == "refresh":
-        last = _last_success(session=session, alert_id=alert_id, hook_id=hook_id)
-        if last is not None and utcnow() - last < hooks.ALERTMANAGER_HOLD / 2:
-            return None
-    elif session.scalar(select(func.count()).select_from(AlertDelivery).where(
-            AlertDelivery.alert_id == alert_id, AlertDelivery.hook_id == hook_id,
-            AlertDelivery.event == event, AlertDelivery.ok.is_(True))):
-        return None
-    attempts = session.scalar(select(func.count()).select_from(AlertDelivery).where(
-        AlertDelivery.alert_id == alert_id, AlertDelivery.hook_id == hook_id,
-        AlertDelivery.event == event)) or 0
-    deployment = session.get(Deployment, alert.deployment_id)
-    snapshot = hooks.snapshot(alert=alert, deployment=deployment.name, base_url=base_url)
-    return _attempt(session=session, hook=hook, alert_id=alert_id, event=event,
-                    snapshot=snapshot, attempt=attempts + 1, timeout_s=timeout_s,
-                    guard=guard or hook_guard())
-
-
-def is_retryable(delivery: AlertDelivery) -> bool:
-    """Network errors, 429 and 5xx are worth another attempt; other 4xx are not, nor a
-    destination the guard refused or credentials that do not decrypt."""
-    code = delivery.status_code
-    if (delivery.error or "").startswith((hooks.REFUSED, hooks.UNREADABLE)):
-        return False
-    return not delivery.ok and (code is None or code == 429 or code >= 500)
-
-
-def _last_success(*, session: Session, alert_id: int, hook_id: int) -> datetime | None:
-    return session.scalar(select(func.max(AlertDelivery.created_at)).where(
-        AlertDelivery.alert_id == alert_id, AlertDelivery.hook_id == hook_id,
-        AlertDelivery.event.in_(("firing", "refresh")), AlertDelivery.ok.is_(True)))
-
-
-def refresh_if_due(*, session: Session, alert: Alert, now: datetime | None = None) -> int:
-    """Re-send a still-open alert to Alertmanager hooks before its endsAt lapses."""
-    now = now or utcnow()
-    due = 0
-    for hook in hooks_for(session=session, alert=alert, event="refresh"):
-        last = _last_success(session=session, alert_id=alert.id, hook_id=hook.id)
-        if last is not None and now - last >= hooks.ALERTMANAGER_HOLD / 2:
-            enqueue_task(session, "alerts.deliver", [alert.id, hook.id, "refresh"])
-            due += 1
-    return due
-
-
-def send_test_alert(*, session: Session, hook: AlertHook, base_url: str, actor: str,
-                    timeout_s: float = 10.0, guard: HookGuard | None = None) -> AlertDelivery:
-    """Send a clearly marked test alert to the hook now (one attempt, logged)."""
-    deployment = session.get(Deployment, hook.deployment_id) if hook.deployment_id else None
-    snapshot = hooks.test_snapshot(hook_id=hook.id, deployment=deployment.name if deployment
-                                   else "all", actor=actor, base_url=base_url)
-    return _attempt(session=session, hook=hook, alert_id=None, event="test", snapshot=snapshot,
-                    attempt=1, timeout_s=timeout_s, guard=guard or hook_guard())
-
-
-def _attempt(*, session: Session, hook: AlertHook, alert_id: int | None, event: str,
-             snapshot: dict, attempt: int, timeout_s: float, guard: HookGuard) -> AlertDelivery:
-    started = time.monotonic()
-    try:
-        target = hook_target(hook=hook, guard=guard)
-        # Checked again at every delivery: DNS may point the name elsewhere since creation.
-        destination = guard.check(target.url, kind=hook.kind)
-    except SecretUnreadable as error:
-        outcome = hooks.Outcome(False, None, f"{hooks.UNREADABLE}: {error}", False)
-    except DestinationRefused as refused:
-        # A name that does not resolve may come back; a refused address will not.
-        reason = hooks.UNRESOLVED if refused.retryable else hooks.REFUSED
-        outcome = hooks.Outcome(False, None, f"{reason}: {refused}", refused.retryable)
-    else:
-        request = hooks.build_request(hook=target, alert=snapshot, event=event)
-        outcome = hooks.post(request, destination=destination, timeout_s=timeout_s,
-                             verify=guard.tls_verify)
-    delivery = AlertDelivery(hook_id=hook.id, alert_id=alert_id, event=event, attempt=attempt,
-                             ok=outcome.ok, status_code=outcome.status_code,
-                             error=outcome.error,
-                             duration_ms=round((time.monotonic() - started) * 1000, 3))
-    session.add(delivery)
-    session.flush()
-    if not outcome.ok:
-        log.warning("delivery of %s/%s to hook %s failed (attempt %d): %s", alert_id, event,
-                    hook.id, attempt, outcome.error)
-    return delivery
-
-
-def undelivered(*, session: Session, since: datetime, before: datetime
-                ) -> list[tuple[int, int, str]]:
-    """(alert id, hook id, event) of firing / resolved events between `since` and `before`
-    that no hook attempt was ever logged for: sends lost with the broker, for a sweep."""
-    window = (Alert.fired_at >= since) & (Alert.fired_at < before)
-    resolved = (Alert.resolved_at >= since) & (Alert.resolved_at < before)
-    alerts = list(session.scalars(select(Alert).where(or_(window, resolved))))
-    if not alerts:
-        return []
-    attempted = {tuple(row) for row in session.execute(
-        select(AlertDelivery.alert_id, AlertDelivery.hook_id, AlertDelivery.event)
-        .where(AlertDelivery.alert_id.in_([a.id for a in alerts])))}
-    missing = []
-    for alert in alerts:
-        events = [("firing", alert.fired_at), ("resolved", alert.resolved_at)]
-        for event_name, moment in events:
-            if moment is None or not since <= moment < before:
-                continue
-            for hook in hooks_for(session=session, alert=alert, event=event_name):
-                if hook.created_at <= moment and (alert.id, hook.id, event_name) not in attempted:
-                    missing.append((alert.id, hook.id, event_name))
-    return missing
-
-
-def list_deliveries(*, session: Session, hook: AlertHook | None = None,
-                    alert: Alert | None = None, limit: int = 100,
-                    before_id: int | None = None) -> list[AlertDelivery]:
-    query = select(AlertDelivery)
-    if hook is not None:
-        query = query.where(AlertDelivery.hook_id == hook.id)
-    if alert is not None:
-        query = query.where(AlertDelivery.alert_id == alert.id)
-    if before_id is not None:
-        query = query.where(AlertDelivery.id < before_id)
-    return list(session.scalars(query.order_by(AlertDelivery.id.desc()).limit(limit)))
-
-
-# -- tasks after commit ------------------------------------------------------------------------
-
-def enqueue_task(session: Session, name: str, args: list) -> None:
-    """Send Celery task `name` once the session's transaction commits (dropped on rollback)."""
-    session.info.setdefault(OUTBOX, []).append((name, args, tracing.current_context()))
-
-
-def send_task(name: str, args: list) -> None:
-    """Hand a task to the broker of this process's settings."""
-    from workers.celery_app import app  # the Celery app imports services, not the reverse
-
-    app.send_task(name, args=args)
-
-
-@event.listens_for(Session, "after_commit")
-def _send_outbox(session: Session) -> None:
-    if session.in_nested_transaction():  # a savepoint released; the transaction goes on
-        return
-    for name, args, trace_context in session.info.pop(OUTBOX, []):
-        try:
-            with tracing.attached(trace_context):  # the task's trace parent: who asked for it
-                send_task(name, args)
-        except Exception as error:  # the broker being away must not fail a committed request
-            log.error("could not enqueue %s%s: %s", name, tuple(args), error)
-
-
-@event.listens_for(Session, "after_transaction_end")
-def _drop_outbox(session: Session, transaction) -> None:
-    # After a commit the outbox was already sent; whatever is left was rolled back.
-    if transaction.parent is None:
-        session.info.pop(OUTBOX, None)
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -24,13 +24,15 @@ from scipy.stats import binomtest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.kinds import AlertKind
+from controlplane.alerts.service import Condition, fire
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import utcnow
+from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.errors import Conflict, NotFound
 from controlplane.telemetry.models import Rollup
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
-from workers.stats.drift import LayerCounts, LayerReference, proportion_z_test
 
 log = logging.getLogger("exitplane.canary")
 
@@ -280,11 +282,9 @@ def _settle_job(*, session: Session, run: CanaryRun, promotion: str) -> None:
 
 def _alert_revert(*, session: Session, deployment: Deployment, run: CanaryRun, reason: str,
                   now: datetime) -> None:
-    from controlplane.alerts.service import Condition, fire
-
     last = run.checks[-1] if run.checks else {}
     alert, _ = fire(session=session, deployment=deployment, now=now, condition=Condition(
-        kind="canary_failed", severity="critical", subject=f"v{run.version}",
+        kind=AlertKind.CANARY_FAILED, severity="critical", subject=f"v{run.version}",
         summary=f"canary of version {run.version} reverted: {reason}",
         evidence={"canary_run_id": run.id, "version": run.version,
                   "baseline_version": run.baseline_version, "calibration_job_id": run.job_id,

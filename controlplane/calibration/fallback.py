@@ -31,9 +31,11 @@ from types import SimpleNamespace
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts.service import QUALITY_AT_RISK
+from controlplane.alerts import reactions
+from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
 from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
+from controlplane.calibration.stats import policy_disagreement
 from controlplane.db import utcnow
 from controlplane.settings import get_settings
 from controlplane.telemetry.models import Rollup
@@ -42,11 +44,12 @@ from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, move_alias, publish
 from exitplane import tracing
 from exitplane.wire import NEVER_EXIT, Origin
-from workers.stats.calibration import policy_disagreement
 
 log = logging.getLogger("exitplane.fallback")
 
 ACTOR = "fallback"
+# What `react_to_alert` answers: quality at risk (fallback), and a collapse (recalibration only).
+REACTS_TO = (*sorted(QUALITY_AT_RISK), AlertKind.EXIT_RATE_COLLAPSE)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Decision:
 
 def decide(*, alert, delta: float, gate: SpikeGate = SpikeGate()) -> Decision:
     """The fallback rule for a newly fired quality-at-risk alert (see the module docstring)."""
-    if alert.kind != "exit_rate_spike":
+    if alert.kind != AlertKind.EXIT_RATE_SPIKE:
         return Decision(True, alert.kind, "quality regression falls back at once")
     evidence = (alert.evidence or {}).get("quality_gate")
     if not evidence:
@@ -263,7 +266,7 @@ def recheck_spike(*, session: Session, alert, quality_gate: dict,
     """A still-open `exit_rate_spike` that kept the active set, seen again with the shadow
     evidence of the current window: fall back now if that evidence no longer shows
     disagreement within δ. True when it fell back."""
-    if alert.kind != "exit_rate_spike" or not (alert.action_taken or "").startswith(
+    if alert.kind != AlertKind.EXIT_RATE_SPIKE or not (alert.action_taken or "").startswith(
             f"rule {KEPT}"):
         return False
     deployment = session.get(Deployment, alert.deployment_id)
@@ -291,12 +294,12 @@ def recheck_spike(*, session: Session, alert, quality_gate: dict,
 def react_to_alert(*, session: Session, alert,
                    policy: CalibrationPolicy = CalibrationPolicy(),
                    gate: SpikeGate | None = None) -> str:
-    """What a newly fired alert sets off (called from the alerts' `on_alert_fired`):
+    """What a newly fired alert sets off (registered for REACTS_TO by `install`):
     quality at risk -> fallback and recalibration, or for a spike that the shadow tokens show
     harmless only the recalibration (`decide`); exit-rate collapse -> recalibration only.
 
     Runs in a savepoint: if it fails, the alert still fires and says so."""
-    if alert.kind not in QUALITY_AT_RISK and alert.kind != "exit_rate_collapse":
+    if alert.kind not in QUALITY_AT_RISK and alert.kind != AlertKind.EXIT_RATE_COLLAPSE:
         return ""
     deployment = session.get(Deployment, alert.deployment_id)
     if gate is None:
@@ -330,3 +333,9 @@ def react_to_alert(*, session: Session, alert,
                               "move the active alias to the conservative version by hand")
         session.flush()
     return alert.action_taken
+
+
+def install() -> None:
+    """Register `react_to_alert` for the kinds it answers; every process that fires alerts
+    calls this when it starts (`create_app`, `workers.app`)."""
+    reactions.register(react_to_alert, kinds=REACTS_TO)

@@ -31,8 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from exitplane.wire import DEFAULT_SEGMENT
-from workers.stats.calibration import (
+from controlplane.calibration.stats import (
     NEVER_EXIT,
     CalibrationResult,
     NotEnoughShadowData,
@@ -40,6 +39,7 @@ from workers.stats.calibration import (
     hb_p_value,
     simulate_policy,
 )
+from exitplane.wire import DEFAULT_SEGMENT
 
 Source = Literal["segment", "pooled", "conservative"]
 

@@ -25,7 +25,6 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts.service import enqueue_task
 from controlplane.calibration.canary import (
     CanaryPolicy,
     evaluate_canary,
@@ -35,13 +34,18 @@ from controlplane.calibration.canary import (
     start_canary,
 )
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
+from controlplane.calibration.stats import (
+    CalibrationResult,
+    NotEnoughShadowData,
+    calibrate_thresholds,
+)
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
+from controlplane.outbox import enqueue_task
 from controlplane.telemetry.service import shadow_samples
 from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.service import _audit, aliases_of, move_alias, publish
+from controlplane.thresholds.service import aliases_of, move_alias, publish, record_audit
 from exitplane.wire import Origin
-from workers.stats.calibration import CalibrationResult, NotEnoughShadowData, calibrate_thresholds
 
 __all__ = [
     "CalibrationPolicy", "CanaryPolicy", "ShadowWindow", "apply_outcome", "approve",
@@ -391,9 +395,9 @@ def reject(*, session: Session, deployment: Deployment, job: CalibrationJob, act
                       reason=f"rejected: {reason}", fire_alert=False)
     elif job.promotion == "awaiting_approval":
         job.promotion = "rejected"
-        _audit(session=session, deployment=deployment, actor=actor, action="candidate.reject",
-               reason=reason, to_version=job.result_version,
-               details={"calibration_job_id": job.id})
+        record_audit(session=session, deployment=deployment, actor=actor,
+                     action="candidate.reject", reason=reason, to_version=job.result_version,
+                     details={"calibration_job_id": job.id})
     else:
         raise Conflict(f"calibration job {job.id} has no candidate waiting for a decision "
                        f"(status {job.status}, promotion {job.promotion})")

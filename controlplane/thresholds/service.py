@@ -60,8 +60,9 @@ def create_deployment(*, session: Session, spec: DeploymentCreate, actor: str) -
     deployment = Deployment(**spec.model_dump())
     session.add(deployment)
     session.flush()
-    _audit(session=session, deployment=deployment, actor=actor, action="deployment.create",
-           reason="created", details={"exit_layers": deployment.exit_layers})
+    record_audit(session=session, deployment=deployment, actor=actor,
+                 action="deployment.create", reason="created",
+                 details={"exit_layers": deployment.exit_layers})
     conservative = publish(
         session=session, deployment=deployment, actor=actor, origin=Origin.fallback,
         thresholds=dict.fromkeys(deployment.exit_layers, NEVER_EXIT),
@@ -78,8 +79,9 @@ def update_deployment(*, session: Session, deployment: Deployment, spec: Deploym
     before = {key: getattr(deployment, key) for key in changes}
     for key, value in changes.items():
         setattr(deployment, key, value)
-    _audit(session=session, deployment=deployment, actor=actor, action="deployment.update",
-           reason="settings changed", details={"before": before, "after": changes})
+    record_audit(session=session, deployment=deployment, actor=actor,
+                 action="deployment.update", reason="settings changed",
+                 details={"before": before, "after": changes})
     session.flush()
     return deployment
 
@@ -139,9 +141,10 @@ def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, f
         calibration_job_id=calibration_job_id, reason=reason, author=actor,
         expected_metrics=expected_metrics or {}, checksum=wire.checksum)
     session.add(threshold_set)
-    _audit(session=session, deployment=deployment, actor=actor, action="threshold_set.publish",
-           reason=reason, to_version=version,
-           details={"origin": str(origin), **({"segments": sorted(segments)} if segments else {})})
+    record_audit(session=session, deployment=deployment, actor=actor,
+                 action="threshold_set.publish", reason=reason, to_version=version,
+                 details={"origin": str(origin),
+                          **({"segments": sorted(segments)} if segments else {})})
     session.flush()
     return threshold_set
 
@@ -192,9 +195,9 @@ def move_alias(*, session: Session, deployment: Deployment, alias: str, version:
         current.updated_at = utcnow()
     deployment.revision += 1
     notify_after_commit(session=session, topic="config", message=deployment.name)
-    event = _audit(session=session, deployment=deployment, actor=actor, action=action,
-                   alias=alias, from_version=from_version, to_version=version, reason=reason,
-                   details=details or {})
+    event = record_audit(session=session, deployment=deployment, actor=actor, action=action,
+                         alias=alias, from_version=from_version, to_version=version,
+                         reason=reason, details=details or {})
     session.flush()
     return event
 
@@ -211,8 +214,9 @@ def clear_alias(*, session: Session, deployment: Deployment, alias: str, actor: 
     session.delete(current)
     deployment.revision += 1
     notify_after_commit(session=session, topic="config", message=deployment.name)
-    event = _audit(session=session, deployment=deployment, actor=actor, action="alias.clear",
-                   alias=alias, from_version=from_version, reason=reason)
+    event = record_audit(session=session, deployment=deployment, actor=actor,
+                         action="alias.clear", alias=alias, from_version=from_version,
+                         reason=reason)
     session.flush()
     return event
 
@@ -267,9 +271,11 @@ def _locked_alias(*, session: Session, deployment: Deployment, alias: str) -> Al
         .with_for_update().execution_options(populate_existing=True)).one_or_none()
 
 
-def _audit(*, session: Session, deployment: Deployment, actor: str, action: str, reason: str,
-           alias: str | None = None, from_version: int | None = None,
-           to_version: int | None = None, details: dict | None = None) -> AuditEvent:
+def record_audit(*, session: Session, deployment: Deployment, actor: str, action: str,
+                 reason: str, alias: str | None = None, from_version: int | None = None,
+                 to_version: int | None = None, details: dict | None = None) -> AuditEvent:
+    """One line of the deployment's audit log (who did what, from and to which version, why),
+    added to the session: it is stored with the caller's transaction."""
     event = AuditEvent(deployment_id=deployment.id, actor=actor, action=action, alias=alias,
                        from_version=from_version, to_version=to_version, reason=reason,
                        details=details or {})

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import FileResponse, Response
 from pydantic import ValidationError
 
+from controlplane.alerts import delivery_service, hook_service
 from controlplane.alerts import service as alerts
 from controlplane.alerts.models import HOOK_KINDS, KINDS, SEVERITIES, Alert
 from controlplane.alerts.schemas import HookCreate
@@ -68,10 +69,11 @@ def _evidence_rows(evidence: dict, prefix: str = "") -> list[tuple[str, str]]:
 def alert_page(alert_id: int, request: Request, session: SessionDep, _user: Viewer) -> Response:
     alert = alerts.get_alert(session=session, alert_id=alert_id)
     deployment = session.get(Deployment, alert.deployment_id)
-    hooks = {h.id: h for h in alerts.list_hooks(session=session)}
+    hooks = {h.id: h for h in hook_service.list_hooks(session=session)}
     return render(request, "alert.html", nav="alerts", alert=alert, deployment=deployment,
                   evidence=_evidence_rows(alert.evidence or {}),
-                  deliveries=alerts.list_deliveries(session=session, alert=alert, limit=50),
+                  deliveries=delivery_service.list_deliveries(session=session, alert=alert,
+                                                              limit=50),
                   hooks=hooks, has_report=_has_report(request, alert))
 
 
@@ -124,11 +126,11 @@ def hooks_page(request: Request, session: SessionDep, _user: Admin) -> Response:
 
 def _hooks_page(request: Request, session, status_code: int = 200, **extra) -> Response:
     deployments = thresholds.list_deployments(session=session)
-    guard = alerts.hook_guard(request.app.state.settings)
-    found = alerts.list_hooks(session=session)
+    guard = hook_service.hook_guard(request.app.state.settings)
+    found = hook_service.list_hooks(session=session)
     return render(request, "hooks.html", status_code=status_code, nav="hooks",
                   hooks=found, kinds=HOOK_KINDS,
-                  urls={h.id: alerts.shown_url(hook=h, guard=guard) for h in found},
+                  urls={h.id: hook_service.shown_url(hook=h, guard=guard) for h in found},
                   severities=SEVERITIES, deployments=deployments,
                   names={d.id: d.name for d in deployments}, **extra)
 
@@ -151,11 +153,11 @@ def create_hook(request: Request, session: SessionDep, user: Admin,
                           f"{problem['msg']}") from None
         target = (thresholds.get_deployment(session=session, name=spec.deployment)
                   if spec.deployment else None)
-        guard = alerts.hook_guard(request.app.state.settings)
-        hook = alerts.create_hook(session=session, name=spec.name, kind=spec.kind,
-                                  url=str(spec.url), actor=actor(user), deployment=target,
-                                  min_severity=spec.min_severity, routing_key=spec.routing_key,
-                                  guard=guard)
+        guard = hook_service.hook_guard(request.app.state.settings)
+        hook = hook_service.create_hook(
+            session=session, name=spec.name, kind=spec.kind, url=str(spec.url),
+            actor=actor(user), deployment=target, min_severity=spec.min_severity,
+            routing_key=spec.routing_key, guard=guard)
     except DomainError as error:
         session.rollback()
         return _hooks_page(request, session, status_code=error.status_code, error=str(error))
@@ -165,11 +167,13 @@ def create_hook(request: Request, session: SessionDep, user: Admin,
 
 @router.get("/hooks/{hook_id}")
 def hook_page(hook_id: int, request: Request, session: SessionDep, _user: Admin) -> Response:
-    hook = alerts.get_hook(session=session, hook_id=hook_id)
-    shown = alerts.shown_url(hook=hook, guard=alerts.hook_guard(request.app.state.settings))
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
+    guard = hook_service.hook_guard(request.app.state.settings)
+    shown = hook_service.shown_url(hook=hook, guard=guard)
     return render(request, "hook.html", nav="hooks", hook=hook, names=_names(session),
                   url=shown,
-                  deliveries=alerts.list_deliveries(session=session, hook=hook, limit=100))
+                  deliveries=delivery_service.list_deliveries(session=session, hook=hook,
+                                                              limit=100))
 
 
 @router.post("/hooks/{hook_id}/test", dependencies=[Csrf])
@@ -177,10 +181,10 @@ def send_test_alert(hook_id: int, request: Request, session: SessionDep,
                     user: Admin) -> Response:
     """Send a marked test alert now; the attempt is logged whether it worked or not."""
     settings = request.app.state.settings
-    hook = alerts.get_hook(session=session, hook_id=hook_id)
-    delivery = alerts.send_test_alert(session=session, hook=hook, base_url=settings.base_url,
-                                      actor=actor(user), timeout_s=settings.delivery_timeout_s,
-                                      guard=alerts.hook_guard(settings))
+    hook = hook_service.get_hook(session=session, hook_id=hook_id)
+    delivery = delivery_service.send_test_alert(
+        session=session, hook=hook, base_url=settings.base_url, actor=actor(user),
+        timeout_s=settings.delivery_timeout_s, guard=hook_service.hook_guard(settings))
     if delivery.ok:
         return redirect(request, f"/hooks/{hook_id}",
                         f"Test alert delivered to {hook.name!r} (HTTP {delivery.status_code}, "
@@ -194,8 +198,8 @@ def send_test_alert(hook_id: int, request: Request, session: SessionDep,
 def set_hook_enabled(hook_id: int, request: Request, session: SessionDep, _user: Admin,
                      enabled: Annotated[str, Form()]) -> Response:
     def perform() -> str:
-        hook = alerts.get_hook(session=session, hook_id=hook_id)
-        alerts.update_hook(session=session, hook=hook, changes={"enabled": enabled == "true"})
+        hook = hook_service.get_hook(session=session, hook_id=hook_id)
+        hook_service.update_hook(session=session, hook=hook, changes={"enabled": enabled == "true"})
         return f"Hook {hook.name!r} {'enabled' if hook.enabled else 'disabled'}."
 
     return attempt(request, session, "/hooks", perform)
@@ -204,9 +208,9 @@ def set_hook_enabled(hook_id: int, request: Request, session: SessionDep, _user:
 @router.post("/hooks/{hook_id}/delete", dependencies=[Csrf])
 def delete_hook(hook_id: int, request: Request, session: SessionDep, _user: Admin) -> Response:
     def perform() -> str:
-        hook = alerts.get_hook(session=session, hook_id=hook_id)
+        hook = hook_service.get_hook(session=session, hook_id=hook_id)
         name = hook.name
-        alerts.delete_hook(session=session, hook=hook)
+        hook_service.delete_hook(session=session, hook=hook)
         return f"Hook {name!r} and its delivery log deleted."
 
     return attempt(request, session, "/hooks", perform)

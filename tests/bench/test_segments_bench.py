@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.stats.synthetic import shadow_samples
+from controlplane.stats.synthetic import shadow_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 

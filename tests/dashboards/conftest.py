@@ -29,14 +29,9 @@ ROLES = ("viewer", "operator", "admin")
 
 
 @pytest.fixture(autouse=True)
-def sent_tasks(monkeypatch) -> list[tuple[str, list]]:
-    """Celery tasks the UI's actions hand to the workers after commit, recorded instead of
-    sent: no worker runs here, and the process-wide broker is not this test's database's."""
-    from controlplane.alerts import service as outbox
-
-    sent: list[tuple[str, list]] = []
-    monkeypatch.setattr(outbox, "send_task", lambda name, args: sent.append((name, args)))
-    return sent
+def _tasks_recorded(outbox) -> None:
+    """The UI's actions enqueue tasks and no worker runs here: every test records them
+    (`outbox`, tests/conftest.py)."""
 
 
 @pytest.fixture(autouse=True)
@@ -246,7 +241,7 @@ def hook_receiver():
 @pytest.fixture
 def dead_hook(engine) -> int:
     """A webhook pointing at a closed local port: deliveries fail fast."""
-    from controlplane.alerts.service import create_hook
+    from controlplane.alerts.hook_service import create_hook
     from tests.conftest import free_port
 
     with Session(engine) as session:

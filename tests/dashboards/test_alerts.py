@@ -8,6 +8,7 @@ import re
 
 from sqlalchemy.orm import Session
 
+from controlplane.alerts import delivery_service, hook_service
 from controlplane.alerts import service as alerts
 from tests.dashboards.conftest import csrf_of
 
@@ -45,8 +46,8 @@ def test_report_is_served_sandboxed(as_role, firing_alert):
     assert response.headers["content-security-policy"].startswith("sandbox allow-scripts")
 
 
-def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, sent_tasks):
-    from controlplane.alerts.service import create_hook
+def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, outbox):
+    from controlplane.alerts.hook_service import create_hook
 
     with Session(engine) as session:
         hook_id = create_hook(session=session, name="pager", kind="webhook",
@@ -59,7 +60,7 @@ def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, 
     alert = _alert(engine, firing_alert)
     assert (alert.status, alert.acknowledged_by, alert.resolution) == (
         "acknowledged", "user:operator", "looking")
-    assert sent_tasks == [("alerts.deliver", [firing_alert, hook_id, "acknowledged"])]
+    assert outbox == [("alerts.deliver", [firing_alert, hook_id, "acknowledged"])]
     empty = _post(client, f"{page}/resolve", {"reason": " "}, page)
     assert "give a reason" in empty.text and _alert(engine, firing_alert).status != "resolved"
     resolved = _post(client, f"{page}/resolve", {"reason": "recalibrated"}, page)
@@ -67,7 +68,7 @@ def test_acknowledge_then_resolve(as_role, engine, firing_alert, hook_receiver, 
     alert = _alert(engine, firing_alert)
     assert (alert.status, alert.resolved_by, alert.resolution) == (
         "resolved", "user:operator", "recalibrated")
-    assert sent_tasks[-1] == ("alerts.deliver", [firing_alert, hook_id, "resolved"])
+    assert outbox[-1] == ("alerts.deliver", [firing_alert, hook_id, "resolved"])
     again = _post(client, f"{page}/ack", {}, page)
     assert "already resolved" in again.text
 
@@ -108,8 +109,8 @@ def test_a_failed_test_alert_is_shown_and_logged(as_role, engine, dead_hook):
     assert "Test alert to &#39;dead end&#39; failed" in failed.text
     assert 'class="flash flash-error"' in failed.text
     with Session(engine) as session:
-        hook = alerts.get_hook(session=session, hook_id=dead_hook)
-        log = alerts.list_deliveries(session=session, hook=hook)
+        hook = hook_service.get_hook(session=session, hook_id=dead_hook)
+        log = delivery_service.list_deliveries(session=session, hook=hook)
     assert [(d.event, d.ok) for d in log] == [("test", False)]
     deleted = _post(admin, f"/ui/hooks/{dead_hook}/delete", {}, "/ui/hooks")
     assert "dead end&#39; and its delivery log deleted" in deleted.text

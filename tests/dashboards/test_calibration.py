@@ -55,14 +55,14 @@ def test_reject_keeps_the_active_version(as_role, engine, calibrated):
     assert (job.promotion, active, event.action) == ("rejected", 3, "candidate.reject")
 
 
-def test_start_a_recalibration(as_role, engine, seeded, sent_tasks):
+def test_start_a_recalibration(as_role, engine, seeded, outbox):
     client = as_role("operator")
     page = "/ui/deployments/chat/calibrations"
     response = _post(client, page, {"hours": "6", "reason": "traffic shifted"}, page)
     assert "Recalibration job 1 queued on the last 6 h" in response.text
     again = _post(client, page, {"hours": "6", "reason": "again"}, page)
     assert "job 1 is already queued" in again.text
-    assert sent_tasks == [("calibration.run", [1])]  # handed to the workers once, after the commit
+    assert outbox == [("calibration.run", [1])]  # handed to the workers once, after the commit
     job, _, _ = _job(engine, 1)
     assert (job.trigger, job.requested_by, job.reason) == (
         "manual", "user:operator", "traffic shifted")

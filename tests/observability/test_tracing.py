@@ -66,8 +66,8 @@ def _chain(span, by_id) -> list[str]:
 
 
 def test_alert_fallback_recalibration_and_publish_are_one_trace(spans, database, monkeypatch):
-    import workers.celery_app
-    from workers.celery_app import make_celery
+    import controlplane.celery_app
+    from controlplane.celery_app import make_celery
 
     engine = make_engine(database)
     with session_scope(engine) as session:
@@ -84,7 +84,7 @@ def test_alert_fallback_recalibration_and_publish_are_one_trace(spans, database,
     # A broker of this test's own; the services' outbox sends through it.
     app = make_celery(Settings(database_url=database))
     app.conf.update(broker_url="memory://", result_backend="cache+memory://")
-    monkeypatch.setattr(workers.celery_app, "app", app)
+    monkeypatch.setattr(controlplane.celery_app, "app", app)
     spans.clear()
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
         with trace.get_tracer("test").start_as_current_span("drift.detect") as root, \

@@ -55,7 +55,7 @@ class Processes:
 
     def celery_worker(self, name: str) -> subprocess.Popen:
         return self.start(name, [
-            sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--pool=solo",
+            sys.executable, "-m", "celery", "-A", "workers.app", "worker", "--pool=solo",
             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"{name}-{os.getpid()}@localhost"])
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 
+from controlplane.celery_app import make_celery
 from controlplane.db import make_engine
 from controlplane.settings import Settings
 from controlplane.telemetry.stream import GROUP, stream_key
@@ -19,7 +20,6 @@ from tests.reliability.processes import (
     RecordProducer,
     serve_deployment,
 )
-from workers.celery_app import make_celery
 
 
 @pytest.mark.postgres

@@ -15,14 +15,3 @@ def quick_hashing(monkeypatch):
 
     monkeypatch.setattr(users, "_hasher", PasswordHasher(time_cost=1, memory_cost=1024,
                                                          parallelism=1))
-
-
-@pytest.fixture
-def sent_tasks(monkeypatch) -> list[tuple[str, list]]:
-    """Celery tasks handed over after commit, recorded instead of sent: no worker runs here,
-    and the process-wide broker is not this test's database's."""
-    from controlplane.alerts import service as outbox
-
-    sent: list[tuple[str, list]] = []
-    monkeypatch.setattr(outbox, "send_task", lambda name, args: sent.append((name, args)))
-    return sent

@@ -10,7 +10,7 @@ import hmac
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import hooks, service
+from controlplane.alerts import delivery_service, hook_service, hooks, service
 from controlplane.alerts.service import Condition
 from controlplane.db import make_engine
 from controlplane.keys import ENCRYPTED_PREFIX, Vault, vault
@@ -69,7 +69,7 @@ def test_a_key_derived_from_another_secret_cannot_read_them():
         raise AssertionError("another key decrypted the secret")
 
 
-def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, sent_tasks):
+def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, outbox):
     downgrade(db_url, "0005")
     engine = make_engine(db_url)
     receiver = Receiver().start()
@@ -103,9 +103,9 @@ def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, s
             deployment = make_deployment(session)
             alert, _ = service.fire(session=session, deployment=deployment, condition=Condition(
                 kind="quality_regression", severity="critical", summary="disagreement up"))
-            [hook] = service.list_hooks(session=session)
-            delivery = service.deliver(session=session, alert_id=alert.id, hook_id=hook.id,
-                                       event="firing", base_url="http://exitplane.test")
+            [hook] = hook_service.list_hooks(session=session)
+            delivery = delivery_service.deliver(session=session, alert_id=alert.id, hook_id=hook.id,
+                                                event="firing", base_url="http://exitplane.test")
             assert delivery.ok, delivery.error
             session.commit()
         [request] = receiver.requests

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import hooks, service
+from controlplane.alerts import delivery_service, hook_service, hooks
 from controlplane.alerts.guard import AllowList, HookGuard
 from controlplane.keys import vault
 from controlplane.settings import Settings
@@ -157,23 +157,23 @@ def test_a_name_that_turns_inward_after_creation_is_refused_at_delivery(session:
         resolving["turncoat.example.com"] = ["93.184.216.34"]  # public when the hook is made
         guard = HookGuard(vault=vault(Settings()), allowed=AllowList())
         deployment = make_deployment(session)
-        hook = service.create_hook(session=session, name="x", kind="webhook", url=url,
-                                   actor="test", deployment=deployment, guard=guard)
+        hook = hook_service.create_hook(session=session, name="x", kind="webhook", url=url,
+                                        actor="test", deployment=deployment, guard=guard)
         resolving["turncoat.example.com"] = ["127.0.0.1"]  # and points at us afterwards
-        delivery = service.send_test_alert(session=session, hook=hook, base_url=BASE,
-                                           actor="test", timeout_s=5, guard=guard)
+        delivery = delivery_service.send_test_alert(session=session, hook=hook, base_url=BASE,
+                                                    actor="test", timeout_s=5, guard=guard)
         assert not delivery.ok and delivery.status_code is None
         assert delivery.error.startswith("destination refused") and "loopback" in delivery.error
-        assert not service.is_retryable(delivery)  # the workers do not keep knocking
+        assert not delivery_service.is_retryable(delivery)  # the workers do not keep knocking
         assert internal.requests == []
         # A name DNS does not answer for is accepted when made, and retried when delivered.
-        lost = service.create_hook(session=session, name="y", kind="webhook", actor="test",
-                                   url="https://nowhere.invalid/hook", deployment=deployment,
-                                   guard=guard)
-        unresolved = service.send_test_alert(session=session, hook=lost, base_url=BASE,
-                                             actor="test", timeout_s=5, guard=guard)
+        lost = hook_service.create_hook(session=session, name="y", kind="webhook", actor="test",
+                                        url="https://nowhere.invalid/hook", deployment=deployment,
+                                        guard=guard)
+        unresolved = delivery_service.send_test_alert(session=session, hook=lost, base_url=BASE,
+                                                      actor="test", timeout_s=5, guard=guard)
         assert unresolved.error.startswith("destination unresolved")
-        assert service.is_retryable(unresolved)
+        assert delivery_service.is_retryable(unresolved)
     finally:
         internal.stop()
 
@@ -187,12 +187,12 @@ def test_a_rebinding_resolver_cannot_switch_the_connection(session: Session, res
     try:
         guard = HookGuard(vault=vault(Settings()), allowed=AllowList.parse("127.0.0.2"))
         deployment = make_deployment(session)
-        hook = service.create_hook(session=session, name="x", kind="webhook", actor="test",
-                                   url=f"http://rebind.example.com:{port}/hook",
-                                   deployment=deployment, guard=guard)
+        hook = hook_service.create_hook(session=session, name="x", kind="webhook", actor="test",
+                                        url=f"http://rebind.example.com:{port}/hook",
+                                        deployment=deployment, guard=guard)
         resolving["rebind.example.com"] = ["127.0.0.2", "127.0.0.1"]
-        delivery = service.send_test_alert(session=session, hook=hook, base_url=BASE,
-                                           actor="test", timeout_s=5, guard=guard)
+        delivery = delivery_service.send_test_alert(session=session, hook=hook, base_url=BASE,
+                                                    actor="test", timeout_s=5, guard=guard)
         assert delivery.ok, delivery.error
         assert other.requests == []
         [request] = vetted.requests
@@ -247,22 +247,22 @@ def test_a_pinned_https_connection_still_verifies_the_hook_host_name(session: Se
         guard = HookGuard(vault=vault(Settings()), allowed=AllowList.parse("127.0.0.2"),
                           tls_verify=client_tls)
         deployment = make_deployment(session)
-        hook = service.create_hook(session=session, name="x", kind="webhook", actor="test",
-                                   url=f"https://pinned.example.com:{port}/hook",
-                                   deployment=deployment, guard=guard)
+        hook = hook_service.create_hook(session=session, name="x", kind="webhook", actor="test",
+                                        url=f"https://pinned.example.com:{port}/hook",
+                                        deployment=deployment, guard=guard)
         resolving["pinned.example.com"] = ["127.0.0.2", "127.0.0.1"]
-        delivery = service.send_test_alert(session=session, hook=hook, base_url=BASE,
-                                           actor="test", timeout_s=5, guard=guard)
+        delivery = delivery_service.send_test_alert(session=session, hook=hook, base_url=BASE,
+                                                    actor="test", timeout_s=5, guard=guard)
         assert delivery.ok, delivery.error
         assert len(vetted.requests) == 1 and other.requests == []
         assert vetted.requests[0]["headers"]["Host"] == f"pinned.example.com:{port}"
 
         resolving["impostor.example.com"] = ["127.0.0.2"]
-        impostor = service.create_hook(session=session, name="y", kind="webhook", actor="test",
-                                       url=f"https://impostor.example.com:{port}/hook",
-                                       deployment=deployment, guard=guard)
-        refused = service.send_test_alert(session=session, hook=impostor, base_url=BASE,
-                                          actor="test", timeout_s=5, guard=guard)
+        impostor = hook_service.create_hook(session=session, name="y", kind="webhook", actor="test",
+                                            url=f"https://impostor.example.com:{port}/hook",
+                                            deployment=deployment, guard=guard)
+        refused = delivery_service.send_test_alert(session=session, hook=impostor, base_url=BASE,
+                                                   actor="test", timeout_s=5, guard=guard)
         assert not refused.ok and refused.error == hooks.NO_ANSWER
         assert len(vetted.requests) == 1
     finally:

@@ -33,7 +33,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.routing import Mount
 
-from controlplane.alerts.service import Condition, create_hook, fire
+from controlplane.alerts.hook_service import create_hook
+from controlplane.alerts.service import Condition, fire
 from controlplane.auth.service import create_token, revoke_token
 from controlplane.auth.users import create_user
 from controlplane.calibration.canary import start_canary
@@ -42,7 +43,7 @@ from controlplane.models import Base
 from controlplane.thresholds import service as thresholds
 from controlplane.thresholds.schemas import DeploymentCreate
 
-pytestmark = pytest.mark.usefixtures("quick_hashing", "sent_tasks")
+pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
 PASSWORD = "correct horse battery staple"
 SCOPE_RANK = {"runtime": 0, "operator": 1, "admin": 2}

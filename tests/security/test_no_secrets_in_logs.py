@@ -38,7 +38,7 @@ from controlplane.db import make_engine
 from controlplane.settings import Settings
 from tests.conftest import BACKENDS, free_port
 
-pytestmark = pytest.mark.usefixtures("quick_hashing", "sent_tasks")
+pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
 TOKEN = re.compile(r"ept_[A-Za-z0-9_-]{20,}")
 CSRF_FIELD = re.compile(r'name="csrf_token" value="([^"]+)"')
@@ -175,9 +175,10 @@ def _batch(seq: int) -> dict:
 
 
 def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, receiver,
-                             sent_tasks, everything_logged, capfd):
+                             outbox, everything_logged, capfd):
     from fastapi.testclient import TestClient
 
+    from controlplane.alerts import delivery_service, hook_service
     from controlplane.alerts import service as alerts
     from controlplane.alerts.service import Condition
     from controlplane.thresholds.service import get_deployment
@@ -247,13 +248,13 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
             kind="distribution_drift", severity="warning", layer=6, subject="6",
             summary="signal distribution at layer 6 drifted"))
         session.commit()
-    deliveries = [args for name, args in sent_tasks if name == "alerts.deliver"]
+    deliveries = [args for name, args in outbox if name == "alerts.deliver"]
     assert len(deliveries) >= 3
     for alert_id, hook_id, event in deliveries:  # what the worker's task does
         with Session(engine) as session:
-            delivery = alerts.deliver(session=session, alert_id=alert_id, hook_id=hook_id,
-                                      event=event, base_url=settings.base_url, timeout_s=5,
-                                      guard=alerts.hook_guard(settings))
+            delivery = delivery_service.deliver(
+                session=session, alert_id=alert_id, hook_id=hook_id, event=event,
+                base_url=settings.base_url, timeout_s=5, guard=hook_service.hook_guard(settings))
             assert delivery is not None and not delivery.ok
             session.commit()
 
@@ -282,7 +283,7 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
     assert hidden.leaks(out + err) == [], "secrets on stdout / stderr"
     # What the API and UI show about hooks' deliveries is logged by the workers too.
     with Session(engine) as session:
-        errors = "\n".join(d.error or "" for d in alerts.list_deliveries(session=session))
+        errors = "\n".join(d.error or "" for d in delivery_service.list_deliveries(session=session))
     # Only a status code and a fixed reason (issue 13): not the receiver's answer.
     assert "HTTP 404" in errors and "Cannot POST" not in errors
     assert hidden.leaks(errors) == [], "secrets in the delivery log"

@@ -1,5 +1,5 @@
-"""Worker tests share the alert fixtures (captured outbox, real HTTP receiver)."""
+"""Worker tests share the alert tests' real HTTP receiver."""
 
-from tests.controlplane.alerts.conftest import outbox, receiver
+from tests.controlplane.alerts.conftest import receiver
 
-__all__ = ["outbox", "receiver"]
+__all__ = ["receiver"]

@@ -19,6 +19,7 @@ from controlplane.alerts.service import Condition, fire
 from controlplane.calibration import service
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
+from controlplane.celery_app import make_celery
 from controlplane.db import session_scope, utcnow
 from controlplane.settings import Settings
 from controlplane.thresholds.models import ThresholdSet
@@ -29,7 +30,6 @@ from tests.controlplane.calibration.support import (
     separable_samples,
     write_traffic,
 )
-from workers.celery_app import make_celery
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ class Worker:
     def __init__(self, env: dict, log: Path) -> None:
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+            [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
              "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
              "--without-heartbeat"], cwd=ROOT, env=env, stdout=log.open("w"),
             stderr=subprocess.STDOUT)
@@ -77,7 +77,7 @@ def stack(db_url, tmp_path, monkeypatch):
            "EXITPLANE_CALIBRATION_MIN_SAMPLES": "500", "EXITPLANE_CALIBRATION_RETRY_S": "1"}
     app = make_celery(Settings(database_url=db_url, var_dir=tmp_path / "var",
                                redis_url=redis_url))
-    monkeypatch.setattr("controlplane.alerts.service.send_task",
+    monkeypatch.setattr("controlplane.outbox.send_task",
                         lambda name, args: app.send_task(name, args=args))
     worker = Worker(env, tmp_path / "worker.log")
     yield app, worker

@@ -14,14 +14,14 @@ import redis
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import service
+from controlplane.alerts import hook_service
 from controlplane.alerts.models import Alert, AlertDelivery
+from controlplane.celery_app import make_celery
 from controlplane.db import make_engine, utcnow
 from controlplane.models import Base
 from controlplane.settings import Settings
 from tests.conftest import POSTGRES_URL, REDIS_URL, wait_until
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
-from workers.celery_app import make_celery
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def worker(stack, tmp_path):
            "EXITPLANE_PUBLIC_URL": settings.public_url, "EXITPLANE_DELIVERY_BACKOFF_S": "0.2"}
     with (tmp_path / "worker.log").open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+            [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
              "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
              "--without-heartbeat", "-n", f"test-{os.getpid()}@localhost"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -102,9 +102,9 @@ def test_worker_detects_drift_and_delivers_with_retries(worker, engine, receiver
         deployment = make_deployment(session, activated_at=start, delta=0.02)
         send_traffic(session, deployment, start=start, seed=7,
                      phases=[Phase(10, (0.25, 0.4, 0.3), shadow_rate=0.2, mismatch_rate=0.1)])
-        hook = service.create_hook(session=session, name="ops", kind="webhook",
-                                   url=receiver.url + "/hook", actor="test",
-                                   min_severity="critical")
+        hook = hook_service.create_hook(session=session, name="ops", kind="webhook",
+                                        url=receiver.url + "/hook", actor="test",
+                                        min_severity="critical")
         session.commit()
         deployment_id, hook_id = deployment.id, hook.id
     receiver.statuses.extend([500, 503])

@@ -14,12 +14,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
+from controlplane.celery_app import make_celery
 from controlplane.db import make_engine, utcnow
 from controlplane.migrate import upgrade
 from controlplane.settings import Settings
 from tests.conftest import free_port
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
-from workers.celery_app import make_celery
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ from datetime import timedelta
 
 from celery import shared_task
 
-from controlplane.alerts.service import deliver as deliver_once
-from controlplane.alerts.service import is_retryable, undelivered
+from controlplane.alerts.delivery_service import deliver as deliver_once
+from controlplane.alerts.delivery_service import is_retryable, undelivered
 from controlplane.db import get_engine, session_scope, utcnow
 from controlplane.settings import get_settings
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import hooks, service
+from controlplane.alerts import delivery_service, hook_service, hooks, service
 from controlplane.alerts.service import Condition
 from controlplane.db import utcnow
 from tests.conftest import free_port
@@ -32,15 +32,15 @@ def _fire(session, condition=QUALITY):
 
 
 def _deliver(session, alert, hook, event):
-    return service.deliver(session=session, alert_id=alert.id, hook_id=hook.id, event=event,
-                           base_url=BASE, timeout_s=5)
+    return delivery_service.deliver(session=session, alert_id=alert.id, hook_id=hook.id,
+                                    event=event, base_url=BASE, timeout_s=5)
 
 
 def test_webhook_is_signed_json_with_a_timestamp(session: Session, receiver, outbox):
     _, alert = _fire(session)
-    hook = service.create_hook(session=session, name="ops", kind="webhook",
-                               url=receiver.url + "/hook", actor="test",
-                               secret="s3cret-s3cret-s3cret")
+    hook = hook_service.create_hook(session=session, name="ops", kind="webhook",
+                                    url=receiver.url + "/hook", actor="test",
+                                    secret="s3cret-s3cret-s3cret")
     before = int(time.time())
     delivery = _deliver(session, alert, hook, "firing")
     assert delivery.ok and delivery.status_code == 200 and delivery.attempt == 1
@@ -79,9 +79,9 @@ def test_webhook_is_signed_json_with_a_timestamp(session: Session, receiver, out
 
 def test_pagerduty_trigger_acknowledge_resolve(session: Session, receiver, outbox):
     _, alert = _fire(session)
-    hook = service.create_hook(session=session, name="pd", kind="pagerduty",
-                               url=receiver.url + "/v2/enqueue", routing_key="R0UT1NG",
-                               actor="test", min_severity="critical")
+    hook = hook_service.create_hook(session=session, name="pd", kind="pagerduty",
+                                    url=receiver.url + "/v2/enqueue", routing_key="R0UT1NG",
+                                    actor="test", min_severity="critical")
     _deliver(session, alert, hook, "firing")
     service.acknowledge(session=session, alert=alert, actor="token:ops")
     _deliver(session, alert, hook, "acknowledged")
@@ -125,8 +125,8 @@ def test_slack_message(session: Session, receiver, outbox):
     _, alert = _fire(session, Condition(
         kind="exit_rate_collapse", severity="warning", subject="8", layer=8,
         summary="exit rate at layer 8 fell from 40.0% to 10.0%"))
-    hook = service.create_hook(session=session, name="slack", kind="slack",
-                               url=receiver.url + "/services/T/B/X", actor="test")
+    hook = hook_service.create_hook(session=session, name="slack", kind="slack",
+                                    url=receiver.url + "/services/T/B/X", actor="test")
     _deliver(session, alert, hook, "firing")
     service.resolve(session=session, alert=alert, actor="token:ops", reason="recalibrated")
     _deliver(session, alert, hook, "resolved")
@@ -147,8 +147,8 @@ def test_slack_message(session: Session, receiver, outbox):
 def test_receiver_errors_are_logged_per_attempt_until_it_succeeds(session: Session, receiver,
                                                                    outbox):
     _, alert = _fire(session)
-    hook = service.create_hook(session=session, name="ops", kind="webhook", url=receiver.url,
-                               actor="test")
+    hook = hook_service.create_hook(session=session, name="ops", kind="webhook", url=receiver.url,
+                                    actor="test")
     receiver.statuses.extend([500, 503])
     first = _deliver(session, alert, hook, "firing")
     second = _deliver(session, alert, hook, "firing")
@@ -156,20 +156,20 @@ def test_receiver_errors_are_logged_per_attempt_until_it_succeeds(session: Sessi
     assert [(d.attempt, d.ok, d.status_code) for d in (first, second, third)] == [
         (1, False, 500), (2, False, 503), (3, True, 200)]
     assert first.error == "HTTP 500"  # a status code, never the receiver's answer
-    assert service.is_retryable(first) and not service.is_retryable(third)
+    assert delivery_service.is_retryable(first) and not delivery_service.is_retryable(third)
     assert _deliver(session, alert, hook, "firing") is None
-    log = service.list_deliveries(session=session, hook=hook)
+    log = delivery_service.list_deliveries(session=session, hook=hook)
     assert [(d.attempt, d.status_code) for d in log] == [(3, 200), (2, 503), (1, 500)]
     # A 4xx is the hook's configuration, not a hiccup: no retry.
     receiver.statuses.append(404)
     gone = _deliver(session, alert, hook, "acknowledged")
-    assert gone.status_code == 404 and not service.is_retryable(gone)
+    assert gone.status_code == 404 and not delivery_service.is_retryable(gone)
     # Nobody listening: a network error, retryable.
-    service.update_hook(session=session, hook=hook,
-                        changes={"url": f"http://127.0.0.1:{free_port()}/"})
+    hook_service.update_hook(session=session, hook=hook,
+                             changes={"url": f"http://127.0.0.1:{free_port()}/"})
     down = _deliver(session, alert, hook, "resolved")
     assert down.status_code is None and down.error == hooks.NO_ANSWER
-    assert service.is_retryable(down)
+    assert delivery_service.is_retryable(down)
 
 
 @pytest.fixture
@@ -211,8 +211,8 @@ def test_alertmanager_shows_the_alert_firing_then_resolved(session: Session, ale
     _, alert = _fire(session, Condition(
         kind="exit_rate_spike", severity="critical", subject="12", layer=12,
         summary="exit rate at layer 12 rose from 30.0% to 60.0%"))
-    hook = service.create_hook(session=session, name="am", kind="alertmanager",
-                               url=alertmanager, actor="test")
+    hook = hook_service.create_hook(session=session, name="am", kind="alertmanager",
+                                    url=alertmanager, actor="test")
     assert _deliver(session, alert, hook, "firing").status_code == 200
     [shown] = _am_alerts(alertmanager)
     assert shown["labels"] == {"alertname": "exit_rate_spike", "deployment": "chat",
@@ -232,10 +232,10 @@ def test_alertmanager_shows_the_alert_firing_then_resolved(session: Session, ale
 def test_alertmanager_alerts_are_refreshed_before_their_endsat_lapses(session: Session,
                                                                        receiver, outbox):
     deployment, alert = _fire(session)
-    am = service.create_hook(session=session, name="am", kind="alertmanager", url=receiver.url,
+    am = hook_service.create_hook(session=session, name="am", kind="alertmanager", url=receiver.url,
+                                  actor="test")
+    hook_service.create_hook(session=session, name="slack", kind="slack", url=receiver.url,
                              actor="test")
-    service.create_hook(session=session, name="slack", kind="slack", url=receiver.url,
-                        actor="test")
     sent = _deliver(session, alert, am, "firing")
     assert sent.ok
     first = json.loads(receiver.requests[0].body)[0]

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy.orm import Session
 
-from controlplane.alerts import service
+from controlplane.alerts import delivery_service, hook_service, service
 from controlplane.alerts.models import AlertDelivery
 from controlplane.alerts.service import Condition
 from controlplane.db import utcnow
@@ -24,14 +24,14 @@ def _deliveries(outbox):
 
 
 def _hooks(session, deployment):
-    page = service.create_hook(session=session, name="pager", kind="pagerduty",
-                               url="http://127.0.0.1:9/pd", routing_key="rk", actor="test",
-                               deployment=deployment, min_severity="critical")
-    chat = service.create_hook(session=session, name="chat", kind="slack",
-                               url="http://127.0.0.1:9/slack", actor="test",
-                               min_severity="warning")
-    quiet = service.create_hook(session=session, name="off", kind="slack",
-                                url="http://127.0.0.1:9/off", actor="test", enabled=False)
+    page = hook_service.create_hook(session=session, name="pager", kind="pagerduty",
+                                    url="http://127.0.0.1:9/pd", routing_key="rk", actor="test",
+                                    deployment=deployment, min_severity="critical")
+    chat = hook_service.create_hook(session=session, name="chat", kind="slack",
+                                    url="http://127.0.0.1:9/slack", actor="test",
+                                    min_severity="warning")
+    quiet = hook_service.create_hook(session=session, name="off", kind="slack",
+                                     url="http://127.0.0.1:9/off", actor="test", enabled=False)
     return page, chat, quiet
 
 
@@ -115,16 +115,16 @@ def test_condition_that_clears_resolves_after_the_clear_period(session: Session,
 def test_invalid_input_is_refused_with_a_reason(session: Session):
     deployment = make_deployment(session)
     with pytest.raises(Invalid, match="routing_key"):
-        service.create_hook(session=session, name="pd", kind="pagerduty", url="http://x",
-                            actor="t")
+        hook_service.create_hook(session=session, name="pd", kind="pagerduty", url="http://x",
+                                 actor="t")
     with pytest.raises(Invalid, match="unknown hook kind"):
-        service.create_hook(session=session, name="x", kind="email", url="http://x", actor="t")
+        hook_service.create_hook(session=session, name="x", kind="email", url="http://x", actor="t")
     with pytest.raises(Invalid, match="unknown alert kind"):
         service.fire(session=session, deployment=deployment,
                      condition=Condition(kind="boom", severity="warning", summary="x"))
-    webhook = service.create_hook(session=session, name="w", kind="webhook",
-                                  url="https://hooks.example.com/x", actor="t")
-    assert len(service.hook_target(hook=webhook, guard=service.hook_guard()).secret) >= 32
+    webhook = hook_service.create_hook(session=session, name="w", kind="webhook",
+                                       url="https://hooks.example.com/x", actor="t")
+    assert len(hook_service.hook_target(hook=webhook, guard=hook_service.hook_guard()).secret) >= 32
 
 
 def test_a_sweep_finds_events_whose_send_was_lost(session: Session, outbox):
@@ -133,16 +133,16 @@ def test_a_sweep_finds_events_whose_send_was_lost(session: Session, outbox):
     alert, _ = service.fire(session=session, deployment=deployment, condition=SPIKE)
     session.commit()  # imagine the broker was away: the sends in the outbox were lost
     window = {"since": utcnow() - timedelta(days=1), "before": utcnow() + timedelta(seconds=1)}
-    assert sorted(service.undelivered(session=session, **window)) == [
+    assert sorted(delivery_service.undelivered(session=session, **window)) == [
         (alert.id, page.id, "firing"), (alert.id, chat.id, "firing")]
     session.add(AlertDelivery(hook_id=page.id, alert_id=alert.id, event="firing", attempt=1,
                               ok=False, status_code=500, error="HTTP 500", duration_ms=1.0))
     service.resolve(session=session, alert=alert, actor="token:ops", reason="done")
-    late = service.create_hook(session=session, name="late", kind="slack",
-                               url="http://127.0.0.1:9/late", actor="test")
+    late = hook_service.create_hook(session=session, name="late", kind="slack",
+                                    url="http://127.0.0.1:9/late", actor="test")
     session.flush()
     window["before"] = utcnow() + timedelta(seconds=1)
-    found = sorted(service.undelivered(session=session, **window))
+    found = sorted(delivery_service.undelivered(session=session, **window))
     assert found == [(alert.id, page.id, "resolved"), (alert.id, chat.id, "firing"),
                      (alert.id, chat.id, "resolved")]
     assert all(hook_id != late.id for _, hook_id, _ in found)  # created after the events

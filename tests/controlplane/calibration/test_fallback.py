@@ -189,7 +189,7 @@ def test_last_good_skips_a_version_that_fails_on_the_traffic_that_fired(engine, 
 
 
 def _gate(*, tokens: int, requests: int, disagreements: int, upper_bound: float) -> dict:
-    """The clustered shadow evidence `workers.drift` puts on an exit-rate spike."""
+    """The clustered shadow evidence `controlplane.drift.service` puts on an exit-rate spike."""
     return {"quality_gate": {"shadow_tokens": tokens, "requests": requests,
                              "disagreements": disagreements,
                              "disagreement_rate": disagreements / tokens,

@@ -19,6 +19,7 @@ from controlplane.auth.service import create_token
 from controlplane.calibration import service
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope
+from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.telemetry.service import disagreement, exit_rates
 from controlplane.thresholds.service import aliases_of, get_deployment
 from exitplane.client.shipper import TelemetryShipper
@@ -27,7 +28,6 @@ from runtime.engine import Engine, EngineConfig
 from runtime.model import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.runtime_link.conftest import ControlPlane
-from workers.drift import DriftOptions, check_deployment
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
@@ -77,10 +77,9 @@ class Runtime:
 
 
 @pytest.fixture
-def plane(settings, engine, monkeypatch):
+def plane(settings, engine, outbox):
     from controlplane.app import create_app
 
-    monkeypatch.setattr("controlplane.alerts.service.send_task", lambda name, args: None)
     control = ControlPlane(make_app=lambda: create_app(settings, engine=engine),
                            port=free_port()).start()
     yield control

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from controlplane.calibration.segments import calibrate_segments
+from controlplane.calibration.stats import NEVER_EXIT, policy_disagreement
+from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 from controlplane.thresholds.service import publish, to_wire
 from tests.controlplane.calibration.support import LAYERS, make_deployment
-from workers.stats.calibration import NEVER_EXIT, policy_disagreement
-from workers.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 
 DELTA, EPSILON = 0.05, 0.1
 SYN_LAYERS = list(DEFAULT_EXIT_LAYERS)

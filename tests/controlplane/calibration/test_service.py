@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration import service
 from controlplane.calibration.models import CalibrationJob
+from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
 from controlplane.errors import Conflict
 from controlplane.thresholds.models import AuditEvent, ThresholdSet
@@ -27,7 +28,6 @@ from tests.controlplane.calibration.support import (
     separable_samples,
     write_traffic,
 )
-from workers.stats.calibration import calibrate_thresholds, policy_disagreement
 
 POLICY = service.CalibrationPolicy(min_samples_per_layer=500)
 

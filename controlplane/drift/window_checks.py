@@ -1,9 +1,10 @@
 """One drift-detection cycle on in-memory windows of one version: conditions out.
 
-`workers.drift` reads the windows from the store (rollups, signal histograms, shadow samples
-with request ids) and reconciles the alerts; `bench/drift_real.py` builds the same windows from
-replayed records. Both run `evaluate`, so the benchmark measures the detectors the service runs.
-The statistics and why they are request-clustered: `workers.stats.clustered`.
+`controlplane.drift.service` reads the windows from the store (rollups, signal histograms,
+shadow samples with request ids) and reconciles the alerts; `bench/drift_real.py` builds the
+same windows from replayed records. Both run `evaluate`, so the benchmark measures the
+detectors the service runs.
+The statistics and why they are request-clustered: `controlplane.stats.clustered`.
 """
 
 from __future__ import annotations
@@ -15,19 +16,7 @@ from datetime import datetime, timedelta
 import numpy as np
 
 from controlplane.alerts.service import Condition
-from controlplane.telemetry.models import HISTOGRAM_BINS
-from workers.stats.clustered import (
-    ClusteredProportion,
-    clustered_rate,
-    effective_rows,
-    layer_design_effects,
-    mean_design_effect,
-    per_cluster,
-    policy_outcomes,
-    scale_design_effect,
-    weighted_cluster_size,
-)
-from workers.stats.drift import (
+from controlplane.drift.stats import (
     DISTRIBUTION_DRIFT,
     DISTRIBUTION_DRIFT_ESCALATED,
     EXIT_RATE_COLLAPSE,
@@ -40,6 +29,18 @@ from workers.stats.drift import (
     check_shadow_disagreement,
     detect_exit_rate_drift,
 )
+from controlplane.stats.clustered import (
+    ClusteredProportion,
+    clustered_rate,
+    effective_rows,
+    layer_design_effects,
+    mean_design_effect,
+    per_cluster,
+    policy_outcomes,
+    scale_design_effect,
+    weighted_cluster_size,
+)
+from controlplane.telemetry.models import HISTOGRAM_BINS
 
 EXIT_KINDS = (EXIT_RATE_COLLAPSE, EXIT_RATE_SPIKE)
 Minutes = list[tuple[datetime, dict[int, LayerCounts]]]
@@ -275,7 +276,7 @@ def escalation(inputs: WindowInputs, options: DriftOptions, *, info: Condition,
 
 
 def _histogram_frame(histogram: dict[int, list[int]], max_rows: int) -> dict[str, np.ndarray]:
-    from workers.stats.evidently_drift import histogram_samples
+    from controlplane.drift.evidently_drift import histogram_samples
 
     edges = np.linspace(0.0, 1.0, HISTOGRAM_BINS + 1)
     total = sum(sum(bins) for bins in histogram.values()) or 1
@@ -294,7 +295,7 @@ def distribution_condition(inputs: WindowInputs, options: DriftOptions, *, want_
     """[distribution_drift info condition], [] when the distributions agree, None on too
     little data. Both sides are thinned to their effective sample size (tokens / design
     effect) and tested at `distribution_p_value`, so the verdict counts requests, not tokens."""
-    from workers.stats.evidently_drift import distribution_drift_report
+    from controlplane.drift.evidently_drift import distribution_drift_report
 
     before, after = inputs.histograms
     sizes = [sum(sum(b) for b in h.values()) for h in (before, after)]

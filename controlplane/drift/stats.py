@@ -16,7 +16,7 @@ minimum absolute effect, Holm or Bonferroni across layers):
   the start.
 
 Tokens come in requests, so every test here takes a per-layer *design effect* (see
-`workers.stats.clustered`, which explains the choice): the z-test's standard error grows by its
+`controlplane.stats.clustered`, which explains the choice): the z-test's standard error grows by its
 square root, and the quality test runs on request-clustered shadow tokens. A design effect of 1
 (the default) is the token-independent test, what synthetic i.i.d. streams need.
 
@@ -33,16 +33,18 @@ from typing import Any
 import numpy as np
 from river.drift import ADWIN
 
-from workers.stats.clustered import ClusteredProportion
+from controlplane.alerts.kinds import AlertKind
+from controlplane.stats.clustered import ClusteredProportion
 
-EXIT_RATE_SPIKE = "exit_rate_spike"
-EXIT_RATE_COLLAPSE = "exit_rate_collapse"
-QUALITY_REGRESSION = "quality_regression"
-DISTRIBUTION_DRIFT = "distribution_drift"
+# Short names for the kinds these statistics report (the definition is `AlertKind`).
+EXIT_RATE_SPIKE = AlertKind.EXIT_RATE_SPIKE
+EXIT_RATE_COLLAPSE = AlertKind.EXIT_RATE_COLLAPSE
+QUALITY_REGRESSION = AlertKind.QUALITY_REGRESSION
+DISTRIBUTION_DRIFT = AlertKind.DISTRIBUTION_DRIFT
 
 # A spike puts quality at risk (fallback engages, unless the shadow tokens vouch for quality);
 # a collapse only costs speed. Distribution drift alone informs (no page): it becomes a
-# warning only when corroborated or persistent (`workers.drift`).
+# warning only when corroborated or persistent (`controlplane.drift.service`).
 SEVERITY = {
     EXIT_RATE_SPIKE: "critical",
     EXIT_RATE_COLLAPSE: "warning",
@@ -472,7 +474,7 @@ def check_shadow_disagreement(
     window: Mapping[str, Any] | None = None,
 ) -> DriftFinding | None:
     """One-sided exact binomial test of H0: disagreement <= δ on the request-clustered shadow
-    tokens' effective size (`workers.stats.clustered`); a `quality_regression` or None."""
+    tokens' effective size (`controlplane.stats.clustered`); a `quality_regression` or None."""
     if disagreement.tokens <= 0:
         return None
     p_value = disagreement.p_value_above(delta)

@@ -6,12 +6,12 @@ set carries them (`expected_metrics`), else the first window after activation in
 layer saw `reference_tokens` tokens:
 
 - exit rate per layer: the per-minute rollups of the lookback replayed through ADWIN with a
-  confirming two-proportion test, Holm-corrected across layers (`workers.stats.drift`);
+  confirming two-proportion test, Holm-corrected across layers (`controlplane.drift.stats`);
 - shadow disagreement of the recent window vs the deployment's δ (one-sided binomial test);
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
 - runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
 
-Tokens are clustered by request (issue 17; the statistics are in `workers.stats.clustered`):
+Tokens are clustered by request (issue 17; the statistics are in `controlplane.stats.clustered`):
 the quality test runs on the window's shadow tokens grouped by their request id; each exit
 layer's design effect is measured on the same shadow tokens under the active policy and widens
 that layer's exit-rate test (rollups carry no per-request counts, so the design effect travels
@@ -39,15 +39,24 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.alerts.service import (
-    Condition,
-    Reconciled,
-    jsonable,
-    open_alerts,
-    reconcile,
-)
+from controlplane.alerts.kinds import AlertKind
+from controlplane.alerts.service import Condition, Reconciled, jsonable, open_alerts, reconcile
 from controlplane.calibration.fallback import recheck_spike
 from controlplane.db import utcnow
+from controlplane.drift.stats import (
+    DISTRIBUTION_DRIFT,
+    LayerCounts,
+    LayerReference,
+    conditional_exit_rates,
+)
+from controlplane.drift.window_checks import (
+    EXIT_KINDS,
+    DriftOptions,
+    WindowInputs,
+    evaluate,
+    lookback_start,
+    reference_window,
+)
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.service import (
     exit_rates,
@@ -56,25 +65,11 @@ from controlplane.telemetry.service import (
 )
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.service import aliases_of, get_threshold_set
-from workers.stats.drift import (
-    DISTRIBUTION_DRIFT,
-    LayerCounts,
-    LayerReference,
-    conditional_exit_rates,
-)
-from workers.stats.window_checks import (
-    EXIT_KINDS,
-    DriftOptions,
-    WindowInputs,
-    evaluate,
-    lookback_start,
-    reference_window,
-)
 
 __all__ = ["EXIT_KINDS", "DriftOptions", "check_deployment", "check_runtimes",
            "exit_behaviour_conditions", "expected_reference"]  # DriftOptions lives with evaluate
 
-RUNTIME_STALE = "runtime_stale"
+RUNTIME_STALE = AlertKind.RUNTIME_STALE
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,15 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.hook_service import create_hook, hooks_for
 from controlplane.alerts.models import Alert
-from controlplane.alerts.service import create_hook, hooks_for
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
+from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
 from controlplane.telemetry.service import exit_rates
 from controlplane.thresholds.service import aliases_of, move_alias, publish
 from tests.controlplane.alerts.support import LAYERS, make_deployment
-from tests.workers.clustered_traffic import Requests, send_requests
-from workers.drift import DriftOptions, check_deployment, exit_behaviour_conditions
+from tests.controlplane.drift.clustered_traffic import Requests, send_requests
 
 
 def _setup(session, minutes=30, **options):

@@ -1,24 +1,40 @@
-"""The one Celery configuration, for every environment.
+"""The one Celery configuration, for every environment, and the app the outbox sends through.
 
 Embedded default: an SQLAlchemy/SQLite broker and result store under `var_dir` (one real worker
 process, solo pool). Production: Redis (`EXITPLANE_REDIS_URL`) as broker and result backend.
 Tasks acknowledge late and are re-queued when a worker dies mid-task, so each is idempotent.
 
-    celery -A workers.celery_app worker --pool=solo      # or: exitplane worker
-    celery -A workers.celery_app beat                    # or: exitplane beat
+The worker and beat processes run this app through `workers.app`, which adds what only they
+need (their logging and metrics signals, the alert reactions):
+
+    celery -A workers.app worker --pool=solo      # or: exitplane worker
+    celery -A workers.app beat                    # or: exitplane beat
+
+The task modules are named, not imported: the control plane does not depend on `workers/`.
 """
 
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, signals
 from celery.schedules import crontab
 
 from controlplane.settings import Settings, get_settings
-from workers import observability  # noqa: F401  (request ids, logging and metrics signals)
+from exitplane.logs import request_id_var
 
 TASK_MODULES = ["workers.tasks.drift", "workers.tasks.alerts", "workers.tasks.maintenance",
                 "workers.tasks.calibration"]
 QUEUE = "exitplane"
+# The message header that carries the request id from whoever enqueued a task into the task's
+# log lines (workers/observability.py puts it back into the logging context).
+REQUEST_ID_HEADER = "exitplane_request_id"
+
+
+@signals.before_task_publish.connect
+def _carry_request_id(headers=None, **_kwargs) -> None:
+    """A task published while a request (or another task) is handled carries its id."""
+    request_id = request_id_var.get()
+    if request_id and headers is not None and REQUEST_ID_HEADER not in headers:
+        headers[REQUEST_ID_HEADER] = request_id
 
 
 def broker_urls(settings: Settings) -> tuple[str, str]:

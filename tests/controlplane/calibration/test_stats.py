@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from workers.stats import calibration as cal
-from workers.stats.drift import conditional_exit_rates
-from workers.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
+from controlplane.calibration import stats as cal
+from controlplane.drift.stats import conditional_exit_rates
+from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 
 LAYERS = list(DEFAULT_EXIT_LAYERS)
 

@@ -7,9 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from workers.stats import drift
-from workers.stats.clustered import clustered_proportion
-from workers.stats.drift import (
+from controlplane.drift import stats as drift
+from controlplane.drift.stats import (
     EXIT_RATE_COLLAPSE,
     EXIT_RATE_SPIKE,
     QUALITY_REGRESSION,
@@ -17,7 +16,8 @@ from workers.stats.drift import (
     LayerCounts,
     LayerReference,
 )
-from workers.stats.synthetic import exit_stream
+from controlplane.stats.clustered import clustered_proportion
+from controlplane.stats.synthetic import exit_stream
 
 LAYERS = [8, 16, 24]
 BASE = np.array([0.25, 0.40, 0.30])

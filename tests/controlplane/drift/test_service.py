@@ -8,10 +8,15 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
 from controlplane.db import utcnow
+from controlplane.drift.service import (
+    DriftOptions,
+    check_deployment,
+    check_runtimes,
+    expected_reference,
+)
 from controlplane.runtimes.service import record_heartbeat
 from exitplane.wire import Heartbeat
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
-from workers.drift import DriftOptions, check_deployment, check_runtimes, expected_reference
 
 BASE_RATES = (0.25, 0.4, 0.3)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.stats.clustered import (
+from controlplane.stats.clustered import (
     clopper_pearson,
     clustered_proportion,
     clustered_rate,

@@ -1,0 +1,25 @@
+"""The kinds of alert, defined once: the detectors raise them, the store keeps their values, the
+reaction registry (`controlplane.alerts.reactions`) maps them to what the system does.
+
+Kept apart from the ORM so the statistics (plain functions, no database) can name them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class AlertKind(StrEnum):
+    """What a detector observed; the value is what the `alerts.kind` column stores."""
+
+    EXIT_RATE_COLLAPSE = "exit_rate_collapse"
+    EXIT_RATE_SPIKE = "exit_rate_spike"
+    QUALITY_REGRESSION = "quality_regression"
+    DISTRIBUTION_DRIFT = "distribution_drift"
+    RUNTIME_STALE = "runtime_stale"
+    CANARY_FAILED = "canary_failed"
+
+
+# Kinds that put answer quality at risk: the automatic fallback to a conservative set reacts to
+# these (a spike only when the shadow tokens cannot vouch for quality).
+QUALITY_AT_RISK = frozenset({AlertKind.QUALITY_REGRESSION, AlertKind.EXIT_RATE_SPIKE})

@@ -1,0 +1,2 @@
+"""Statistics that drift detection and recalibration both use: plain functions, no Celery, no
+database (the request-clustered proportions, synthetic test data)."""

@@ -1,0 +1,5 @@
+"""Drift detector tests share the alert tests' real HTTP receiver."""
+
+from tests.controlplane.alerts.conftest import receiver
+
+__all__ = ["receiver"]

@@ -1,1 +1,0 @@
-"""Statistics behind drift alerts and recalibration: plain functions, no Celery, no database."""
