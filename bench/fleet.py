@@ -15,16 +15,29 @@ its ETag, and heartbeats. Half the runtimes talk to API A, half to B.
 Phases: the fleet ramps (runtimes x tokens/s each) stage by stage; a stage holds when, after
 `--stage-s` seconds of load, the store has counted every token generated up to the stage's end
 within `--drain-s` (load still on); the ramp stops at the first stage that does not hold.
-During the last stage a probe makes non-waiting pulls while every runtime holds a long-poll
-(`pull_p99_ms`); then an alias move through API A measures how long until each runtime's
-long-poll returns the new version (`propagation_p99_ms`, and the max); then 5% of the runtimes
-shift their exit mix and the time to the first drift alert is `drift_alert_s`. The load stops,
-everything is flushed, and `lost` = tokens generated - tokens in the rollups. Last, the same
-topology takes today's path (every token a record, another deployment) and ramps until it
-falls behind: `records_mode_tokens_per_s`.
+The probes are taken in every stage that holds, load still on, and reported for the last one
+(an overloaded stage measures its backlog, not the protocol): a probe makes non-waiting pulls
+while every runtime holds a long-poll (`pull_p99_ms`), then an alias move through API A
+measures how long until each runtime's long-poll returns the new version
+(`propagation_p99_ms`, and the max). Each stage also splits the machine's CPU-seconds per
+million tokens by component (`cpu_s_per_mtok`: the harness, each API process, the ingest
+worker, Celery, Redis, the PostgreSQL backends of the bench database, and `other`, the rest of
+the machine).
+
+After the ramp the fleet goes back to the last held size (the others deliver their backlog and
+stop) and 5% of the runtimes shift: their traffic moves out of domain, more tokens leave at
+the first exit and their shadow tokens no longer match full depth. A 5% shift moves the
+fleet-wide exit rates by ~3 points, under the exit-rate detector's 5-point minimum effect, so
+that detector is not meant to catch it; the shadow disagreement of the exiting tokens rises
+from ~0 to ~5% against δ = 0.01, which the quality detector (`quality_regression`, critical)
+is meant to catch. `drift_alert_s` is the time to the first alert that pages (severity warning
+or critical; an `info` distribution finding does not count). The load stops, everything is
+flushed, and `lost` = tokens generated - tokens in the rollups. Last, the same topology takes
+today's path (every token a record, another deployment) and ramps until it falls behind:
+`records_mode_tokens_per_s`.
 
     . var/services/env  # EXITPLANE_BENCH_POSTGRES_URL
-    .venv/bin/python bench/fleet.py --steps 125,250,500,1000 --tokens-per-runtime 1000
+    .venv/bin/python bench/fleet.py --steps 250,500,750,1000 --tokens-per-runtime 1000
 
 Prints the command, then one JSON line.
 """
@@ -37,6 +50,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -102,6 +116,7 @@ class Topology:
         self.db_url = base.set(database=self.db_name).render_as_string(hide_password=False)
         self.redis_port = _free_port()
         self.processes: list[subprocess.Popen] = []
+        self.names: list[str] = []
         self._start([shutil.which("redis-server") or "redis-server", "--port",
                      str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(workdir),
                      "--appendonly", "yes", "--save", "", "--protected-mode", "no"], "redis")
@@ -138,6 +153,14 @@ class Topology:
         self.processes.append(subprocess.Popen(command, cwd=ROOT, stdout=log,
                                                stderr=subprocess.STDOUT,
                                                env=getattr(self, "env", os.environ)))
+        self.names.append(name)
+
+    def backends(self) -> list[int]:
+        """PostgreSQL backend pids connected to the bench database."""
+        with self.engine.connect() as connection:
+            return list(connection.execute(text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = :db"),
+                {"db": self.db_name}).scalars())
 
     def exitplane(self, *args: str) -> str:
         return subprocess.run([EXE, *args], env=self.env, check=True, capture_output=True,
@@ -176,6 +199,73 @@ class Topology:
         self.admin.dispose()
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU-seconds so far) of every process on the machine."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def _machine_busy_s() -> float:
+    """CPU-seconds the whole machine has spent busy (all cores, /proc/stat)."""
+    with open("/proc/stat") as stat:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = \
+            map(int, stat.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+class CpuMeter:
+    """CPU-seconds per component between two samples: the harness (this process), each
+    topology process with its children (Celery's pool), the PostgreSQL backends of the bench
+    database, and `other` (the rest of the machine: other sessions, PostgreSQL's shared
+    background processes, the kernel)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+
+    def sample(self) -> dict:
+        """Cumulative CPU-seconds per component now (per backend pid for PostgreSQL)."""
+        procs = _proc_cpu()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in procs.items():
+            children.setdefault(parent, []).append(pid)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        components = {"harness": usage.ru_utime + usage.ru_stime}
+        for name, process in zip(self.topology.names, self.topology.processes, strict=True):
+            tree, total = [process.pid], 0.0
+            while tree:
+                pid = tree.pop()
+                total += procs.get(pid, (0, 0.0))[1]
+                tree.extend(children.get(pid, ()))
+            key = name.split("-")[0]  # api-0 and api-1 are one component, "api"
+            components[key] = components.get(key, 0.0) + total
+        backends = {pid: procs[pid][1] for pid in self.topology.backends() if pid in procs}
+        return {"components": components, "backends": backends, "busy": _machine_busy_s()}
+
+    @staticmethod
+    def split(before: dict, after: dict, tokens: int) -> dict[str, float]:
+        """CPU-seconds per million tokens of each component between two samples."""
+        spent = {name: after["components"][name] - before["components"].get(name, 0.0)
+                 for name in after["components"]}
+        # A backend that appeared meanwhile counts from zero; one that left loses its tail.
+        spent["postgres"] = sum(cpu - before["backends"].get(pid, 0.0)
+                                for pid, cpu in after["backends"].items())
+        spent["other"] = after["busy"] - before["busy"] - sum(spent.values())
+        scale = 1e6 / max(1, tokens)
+        return {name: round(cpu * scale, 3) for name, cpu in spent.items()}
+
+
 def _free_port() -> int:
     import socket
 
@@ -204,6 +294,8 @@ class SimRuntime:
     shifted: bool = False
     counted_tokens: int = 0  # records mode: tokens in its records not yet cut
     sending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one delivery at a time
+    poller: asyncio.Task | None = None
+    retired: bool = False  # out of the fleet: delivers its backlog, then stops
 
     @property
     def auth(self) -> dict[str, str]:
@@ -244,8 +336,17 @@ class Fleet:
         """Bring the fleet to `count` runtimes (new ones start shipping and polling)."""
         for runtime in self.pool[len(self.active):count]:
             self.active.append(runtime)
-            self.tasks.append(asyncio.create_task(self._ship(runtime)))
-            self.tasks.append(asyncio.create_task(self._poll(runtime)))
+            runtime.poller = asyncio.create_task(self._poll(runtime))
+            self.tasks += [asyncio.create_task(self._ship(runtime)), runtime.poller]
+
+    def shrink(self, count: int) -> None:
+        """Back to `count` runtimes: the others stop generating and polling, and stop
+        shipping once their backlog is delivered."""
+        for runtime in self.active[count:]:
+            runtime.retired = True
+            if runtime.poller is not None:
+                runtime.poller.cancel()
+        self.active = self.active[:count]
 
     # generation: one vectorised tick per second for the whole fleet
     async def _generate(self) -> None:
@@ -338,7 +439,7 @@ class Fleet:
                         json={"runtime_id": runtime.runtime_id,
                               "applied_version": runtime.version,
                               "applied_checksum": runtime.etag, "ready": True})
-            if self.stopping:
+            if self.stopping or (runtime.retired and not runtime.outbox):
                 return
             await asyncio.sleep(self.ship_interval_s)
 
@@ -396,7 +497,7 @@ class Fleet:
                 await asyncio.sleep(1.0)
 
     def pending(self) -> int:
-        return sum(len(r.outbox) for r in self.active)
+        return sum(len(r.outbox) for r in self.pool)
 
     async def flush(self, timeout: float) -> bool:
         """Stop generating, cut and deliver everything."""
@@ -406,7 +507,7 @@ class Fleet:
             self._cut(runtime)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            await asyncio.gather(*(self._deliver(r) for r in self.active if r.outbox))
+            await asyncio.gather(*(self._deliver(r) for r in self.pool if r.outbox))
             if not self.pending():
                 return True
         return False
@@ -422,15 +523,20 @@ class Fleet:
 # -- phases ------------------------------------------------------------------------------------
 
 async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: float,
-               drain_s: float, probe: bool = False) -> list[dict]:
-    """Grow the fleet stage by stage until the store does not keep up."""
+               drain_s: float, admin: dict | None = None) -> list[dict]:
+    """Grow the fleet stage by stage until the store does not keep up. With `admin`, each
+    stage that holds is probed (pull latency, then an alias move's propagation), load on."""
     stages = []
+    meter = CpuMeter(topology)
     for count in steps:
         await fleet.grow(count)
         begin_generated, begin = fleet.generated, time.monotonic()
-        probing = asyncio.create_task(pull_probe(fleet)) if probe else None
+        cpu_before = await asyncio.to_thread(meter.sample)
+        probing = asyncio.create_task(pull_probe(fleet)) if admin else None
         await asyncio.sleep(stage_s)
         generated, elapsed = fleet.generated, time.monotonic() - begin
+        cpu = CpuMeter.split(cpu_before, await asyncio.to_thread(meter.sample),
+                             generated - begin_generated)
         deadline = time.monotonic() + drain_s
         caught_up = False
         while time.monotonic() < deadline:
@@ -441,9 +547,12 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
         stage = {"runtimes": count, "tokens_per_s": round((generated - begin_generated)
                                                           / elapsed),
                  "held": caught_up, "pending_batches": fleet.pending(),
-                 "catch_up_s": round(time.monotonic() - (deadline - drain_s), 1)}
+                 "catch_up_s": round(time.monotonic() - (deadline - drain_s), 1),
+                 "cpu_s_per_mtok": cpu}
         if probing is not None:
             stage["probe"] = await probing
+            if caught_up:  # an overloaded stage would time its backlog, not the protocol
+                stage["propagation"] = await propagation(fleet, admin)
         stages.append(stage)
         print(json.dumps({"stage": fleet.deployment, **stage}), file=sys.stderr, flush=True)
         if not caught_up:
@@ -504,9 +613,12 @@ async def drift(fleet: Fleet, admin: dict, timeout: float,
     """Shift 5% of the runtimes once the active version (activated at unix time `activated`)
     has its reference: drift detection learns it from the first whole minute after
     activation (workers/drift.py). Their traffic moves out of domain: more tokens leave at
-    the first exit, and their shadow tokens no longer match full depth at any exit layer
-    (the fleet's exit rates move by ~3 points, below the detector's 5-point minimum effect;
-    the disagreement rises above δ). Returns seconds until a drift alert fires, and its kind."""
+    the first exit, and their shadow tokens no longer match full depth at any exit layer.
+    The fleet's exit rates move by ~3 points, below the exit-rate detector's 5-point minimum
+    effect, so the detector meant to catch this shift is the quality one: the disagreement
+    of the tokens the policy lets exit rises from ~0 to ~5%, above δ = 0.01. Returns seconds
+    until an alert that pages (warning or critical) opens, and its kind; an `info` finding
+    (distribution drift alone) pages no one and does not count."""
     steady = (int(activated) // 60 + 1) * 60 + 5  # the reference minute is over
     await asyncio.sleep(max(0.0, steady - time.time()))
     shifted = fleet.active[:max(1, len(fleet.active) // 20)]
@@ -518,11 +630,10 @@ async def drift(fleet: Fleet, admin: dict, timeout: float,
         with contextlib.suppress(httpx.HTTPError):
             alerts = (await fleet.http[1].get("/v1/alerts", headers=admin, params={
                 "deployment": fleet.deployment, "status": "open"})).json()
-            fired = [a["kind"] for a in alerts if a["kind"] in (
-                "exit_rate_spike", "exit_rate_collapse", "distribution_drift",
-                "quality_regression")]
-            if fired:
-                return round(time.monotonic() - injected, 1), fired[0]
+            paging = [a["kind"] for a in alerts if a["severity"] in ("warning", "critical")
+                      and a["kind"] != "runtime_stale"]
+            if paging:
+                return round(time.monotonic() - injected, 1), paging[0]
         await asyncio.sleep(0.5)
     return None, None
 
@@ -566,21 +677,21 @@ async def run(args) -> dict:
                                                                  NORMAL_MIX, time.time()),
                                        "aggregated": True})
         await fleet.start()
-        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, probe=True)
+        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, admin=admin)
         held = [stage for stage in stages if stage["held"]]
-        best = max(held, key=lambda s: s["tokens_per_s"]) if held else None
-        if not stages[-1]["held"] and held:
-            # Back to the fleet the store holds: the others stop generating (their backlog
-            # is still delivered), and the rest is measured once the store has caught up.
-            fleet.active = fleet.active[:best["runtimes"]]
+        best = held[-1] if held else None  # the ramp stops at the first stage that fails
+        if best is None:
+            raise SystemExit(f"the first stage ({steps[0]} runtimes) did not hold: "
+                             "start the ramp lower (--steps)")
+        steady, moved = best["probe"], best["propagation"]
+        if not stages[-1]["held"]:
+            # Back to the fleet the store holds; the drift shift is measured once the store
+            # has caught up with the others' backlog.
+            fleet.shrink(best["runtimes"])
             target = fleet.generated
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline and topology.counted("fleet") < target:
                 await asyncio.sleep(1.0)
-        steady = await pull_probe(fleet)
-        print(json.dumps({"steady_probe": steady}), file=sys.stderr, flush=True)
-        moved = await propagation(fleet, admin)
-        print(json.dumps({"propagation": moved}), file=sys.stderr, flush=True)
         alert_s, alert_kind = await drift(fleet, admin, args.drift_timeout_s, moved["moved_at"])
         print(json.dumps({"drift_alert_s": alert_s, "kind": alert_kind}), file=sys.stderr,
               flush=True)
