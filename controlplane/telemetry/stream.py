@@ -103,10 +103,13 @@ class StreamIngestor:
                 self._groups.add(key)
         return keys
 
-    def run_once(self) -> int:
-        """Reclaim stale entries, then read new ones; returns entries processed."""
+    def run_once(self, stop: threading.Event | None = None) -> int:
+        """Reclaim stale entries, then read new ones; returns entries processed. With no
+        stream yet (no telemetry so far), waits `block_ms` (or until `stop`) as a blocking
+        read would, instead of returning at once: a worker must not spin on Redis."""
         keys = self.streams()
         if not keys:
+            (stop or threading.Event()).wait(self.block_ms / 1000)
             return 0
         processed = 0
         for key in keys:
@@ -126,7 +129,7 @@ class StreamIngestor:
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                self.run_once()
+                self.run_once(stop)
                 self.report_lag()
             except (redis.ConnectionError, redis.TimeoutError) as error:
                 log.warning("redis unavailable (%s); retrying", error)
