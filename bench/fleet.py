@@ -52,6 +52,7 @@ import os
 import random
 import resource
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -295,6 +296,7 @@ class SimRuntime:
     counted_tokens: int = 0  # records mode: tokens in its records not yet cut
     sending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one delivery at a time
     poller: asyncio.Task | None = None
+    http: httpx.AsyncClient | None = None  # its own connections, as a real runtime has
     retired: bool = False  # out of the fleet: delivers its backlog, then stops
 
     @property
@@ -323,7 +325,8 @@ class Fleet:
         self.received: dict[str, tuple[int, float]] = {}  # runtime -> (version, when)
         self.pulls_holding = 0
         self.tasks: list[asyncio.Task] = []
-        self.http: list[httpx.AsyncClient] = []
+        self.http: list[httpx.AsyncClient] = []  # the probes' and the admin's
+        self._tls = ssl.create_default_context()  # one for all clients (costly to build)
         self.stopping = False
 
     async def start(self) -> None:
@@ -336,6 +339,11 @@ class Fleet:
         """Bring the fleet to `count` runtimes (new ones start shipping and polling)."""
         for runtime in self.pool[len(self.active):count]:
             self.active.append(runtime)
+            # One client (and pool) per runtime: httpx scans its whole pool on every request,
+            # so one shared pool of 1,000 connections made the harness quadratic in the fleet.
+            runtime.http = httpx.AsyncClient(
+                base_url=self.topology.urls[runtime.api], timeout=60, verify=self._tls,
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
             runtime.poller = asyncio.create_task(self._poll(runtime))
             self.tasks += [asyncio.create_task(self._ship(runtime)), runtime.poller]
 
@@ -372,15 +380,17 @@ class Fleet:
         sampled = self.rng.binomial(tokens - shadow, self.raw_sample_rate) if self.aggregate \
             else tokens - shadow
         self.generated += int(tokens.sum())
-        for i, runtime in enumerate(runtimes):
+        for i in np.flatnonzero(tokens):  # an idle runtime has nothing to count or ship
+            runtime = runtimes[i]
             if self.aggregate:
                 runtime.aggregator.add_counts(minute=minute, threshold_version=runtime.version,
                                               exits=exits[i].tolist(),
                                               histogram=histogram[i].tolist())
             else:
                 runtime.counted_tokens += int(tokens[i])
-            runtime.records.extend(self._records(runtime, int(shadow[i]), int(sampled[i]),
-                                                 mix[i], now))
+            if shadow[i] or sampled[i]:
+                runtime.records.extend(self._records(runtime, int(shadow[i]), int(sampled[i]),
+                                                     mix[i], now))
 
     def _records(self, runtime: SimRuntime, shadow: int, sampled: int, mix: np.ndarray,
                  now: float) -> list[dict]:
@@ -434,7 +444,7 @@ class Fleet:
             if self.heartbeat_s and time.monotonic() >= beat_at:
                 beat_at = time.monotonic() + self.heartbeat_s
                 with contextlib.suppress(httpx.HTTPError):
-                    await self.http[runtime.api].post(
+                    await runtime.http.post(
                         f"/v1/deployments/{self.deployment}/heartbeats", headers=runtime.auth,
                         json={"runtime_id": runtime.runtime_id,
                               "applied_version": runtime.version,
@@ -453,7 +463,7 @@ class Fleet:
             content_type, body = runtime.outbox[0]
             wait = None
             try:
-                response = await self.http[runtime.api].post(
+                response = await runtime.http.post(
                     "/v1/telemetry", content=body,
                     headers={**runtime.auth, "Content-Type": content_type})
                 status = response.status_code
@@ -480,7 +490,7 @@ class Fleet:
             try:
                 self.pulls_holding += 1
                 try:
-                    response = await self.http[runtime.api].get(
+                    response = await runtime.http.get(
                         f"/v1/deployments/{self.deployment}/thresholds",
                         params={"runtime_id": runtime.runtime_id, "wait": 60},
                         headers={**runtime.auth, "If-None-Match": f'"{runtime.etag}"'},
@@ -516,7 +526,7 @@ class Fleet:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for http in self.http:
+        for http in [*self.http, *(r.http for r in self.pool if r.http is not None)]:
             await http.aclose()
 
 
@@ -593,6 +603,7 @@ async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
                                                     "reason": "fleet bench move",
                                                     "activate": True})
     response.raise_for_status()
+    answered_ms = (time.monotonic() - moved_at) * 1000  # the move's own request
     version = response.json()["version"]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -605,6 +616,8 @@ async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
     return {"propagation_p99_ms": round(percentile(delays, 99) or -1, 1),
             "propagation_max_ms": round(max(delays, default=-1), 1),
             "propagated": f"{len(delays)}/{len(fleet.active)}", "version": version,
+            "first_ms": round(min(delays, default=-1), 1),
+            "move_request_ms": round(answered_ms, 1),
             "moved_at": moved_wall}
 
 
