@@ -17,7 +17,8 @@ by an `Aggregator`; only shadow tokens and a random `raw_sample_rate` share of t
 queued as records (batches flagged `aggregated`, so they add no token counts to the rollups).
 Every `aggregate_interval_s` the counts are cut into an aggregate batch that takes the same
 road as record batches: own batch id and seq, retries, spool, in-order replay, 413 split (its
-cells in halves). With the default 1.0 nothing is aggregated: today's behaviour.
+cells in halves); the records then default to the same interval (`batch_interval_s`, else 1 s).
+With the default 1.0 nothing is aggregated: today's behaviour.
 
 Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or another 4xx) the
 batch is bad, logged and counted as rejected, never retried; 413 split in halves (ids derived
@@ -57,7 +58,7 @@ class TelemetryShipper:
 
     def __init__(self, *, base_url: str, token: str, deployment: str, runtime_id: str,
                  num_layers: int, spool_dir: str | os.PathLike, queue_size: int = 100_000,
-                 batch_records: int = 1000, batch_interval_s: float = 1.0,
+                 batch_records: int = 1000, batch_interval_s: float | None = None,
                  spool_max_bytes: int = 256 << 20, segment_bytes: int = 8 << 20,
                  max_attempts: int = 4, backoff_initial_s: float = 0.2,
                  backoff_max_s: float = 30.0, request_timeout_s: float = 10.0,
@@ -86,7 +87,11 @@ class TelemetryShipper:
         self.num_layers = num_layers
         self.queue_size = queue_size
         self.batch_records = batch_records
-        self.batch_interval_s = batch_interval_s
+        # Aggregating, the records left (shadow and sampled) ride at the aggregates' pace by
+        # default: one request per runtime per interval for both, not a record batch a
+        # second (at fleet scale the control plane's cost is per request, not per token).
+        self.batch_interval_s = batch_interval_s if batch_interval_s is not None else (
+            aggregate_interval_s if aggregate else 1.0)
         self.max_attempts = max(1, max_attempts)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
