@@ -570,27 +570,33 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
     return stages
 
 
-async def pull_probe(fleet: Fleet, pulls: int = 200, budget_s: float = 30.0) -> dict:
+async def pull_probe(fleet: Fleet, pulls: int = 200, budget_s: float = 30.0,
+                     timeout_s: float = 10.0) -> dict:
     """Non-waiting pulls (current ETag) while every runtime holds a long-poll: `pulls` of
-    them, or as many as fit in `budget_s` (a stage must not wait on its probe)."""
+    them, or as many as fit in `budget_s` (a stage must not wait on its probe). A pull that
+    fails or takes over `timeout_s` counts as an error, at the time it took."""
     await asyncio.sleep(5.0)
     probe = fleet.active[0]
-    latencies = []
+    latencies, errors = [], 0
     deadline = time.monotonic() + budget_s
     for index in range(pulls):
         if time.monotonic() > deadline:
             break
         http = fleet.http[index % 2]
         start = time.perf_counter()
-        response = await http.get(f"/v1/deployments/{fleet.deployment}/thresholds",
-                                  params={"runtime_id": "probe"},
-                                  headers={**probe.auth, "If-None-Match": f'"{probe.etag}"'})
+        try:
+            response = await http.get(f"/v1/deployments/{fleet.deployment}/thresholds",
+                                      params={"runtime_id": "probe"}, timeout=timeout_s,
+                                      headers={**probe.auth,
+                                               "If-None-Match": f'"{probe.etag}"'})
+            errors += response.status_code not in (200, 304)
+        except httpx.HTTPError:
+            errors += 1
         latencies.append((time.perf_counter() - start) * 1000)
-        assert response.status_code in (200, 304), response.text
         await asyncio.sleep(0.02)
     return {"pull_p99_ms": round(percentile(latencies, 99), 1),
             "pull_p50_ms": round(percentile(latencies, 50), 1), "pulls": len(latencies),
-            "long_polls_held": fleet.pulls_holding}
+            "errors": errors, "long_polls_held": fleet.pulls_holding}
 
 
 async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
