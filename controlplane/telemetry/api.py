@@ -109,7 +109,8 @@ def _store(request: Request, principal: Principal, body: bytes, content_type: st
             target = app.state.ingest_targets.get(batch.deployment, versions)
             principal.require_deployment(target.id)
             _check(target, batch, aggregate, target.versions)
-            added = stream.append(app.state.redis, batch)
+            added = stream.append(app.state.redis, batch,
+                                  body if "msgpack" in content_type else None)
             metrics.queued_batches.labels(batch.deployment).inc(int(added))
             if not added:  # a replay the stream already holds: acknowledged here
                 metrics.duplicate_batches.labels(batch.deployment).inc()

@@ -47,14 +47,18 @@ def stream_key(deployment: str) -> str:
     return STREAM_PREFIX + deployment
 
 
-def append(client: redis.Redis, batch: BatchColumns | AggregateBatch) -> bool:
+def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
+           body: bytes | None = None) -> bool:
     """Append `batch` (records, or an aggregate batch) to its deployment's stream unless its
-    id was appended before."""
-    wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) else batch.to_wire()
-    payload = msgpack.packb(wire, use_bin_type=True)
+    id was appended before. `body`: the msgpack `batch` was decoded and checked from, appended
+    as it came (the worker parses it the same way, so re-encoding would only cost the API)."""
+    if body is None:
+        wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) \
+            else batch.to_wire()
+        body = msgpack.packb(wire, use_bin_type=True)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
-                        payload, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
+                        body, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
     return bool(added)
 
 

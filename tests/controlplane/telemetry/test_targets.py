@@ -3,12 +3,15 @@ per telemetry request, a newly published version is still accepted, an unknown o
 
 import random
 
+import msgpack
 import pytest
 from sqlalchemy import event
 from sqlalchemy.orm import sessionmaker
 
 from controlplane.errors import NotFound
+from controlplane.telemetry import stream
 from controlplane.telemetry.targets import IngestTargets
+from exitplane.wire import RECORDS_MSGPACK
 from tests.conftest import REDIS_URL
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
 
@@ -85,3 +88,22 @@ def test_targets_reload_only_for_unknown_versions(client, tokens, engine):
     assert targets.get("chat", [7]) is not first  # unknown: read again (still without 7)
     with pytest.raises(NotFound):
         targets.get("nope", [0])
+
+
+@pytest.mark.redis
+def test_a_msgpack_body_travels_the_stream_as_it_came(stream_app, tokens, engine):
+    import redis as redis_client
+
+    runtime = _deploy(stream_app, tokens, engine)
+    batch = make_batch(random.Random(3), n=30)
+    body = msgpack.packb(batch, use_bin_type=True)
+    response = stream_app.post("/v1/telemetry", content=body, headers={
+        **runtime, "Content-Type": RECORDS_MSGPACK})
+    assert response.status_code == 202, response.text
+    own = redis_client.Redis.from_url(OWN_REDIS_URL)
+    [(_entry_id, fields)] = own.xrange(stream.stream_key("chat"))
+    assert fields[b"batch"] == body  # not decoded and encoded again by the API
+    worker = stream.StreamIngestor(own, sessionmaker(engine), name="w", block_ms=10)
+    assert worker.run_once() == 1
+    counts = stream_app.get("/v1/deployments/chat/telemetry/count", headers=runtime).json()
+    assert counts["records"] == 30 and counts["tokens"] == 30
