@@ -7,10 +7,11 @@ its own on the bench server) and a private redis-server (append-only, as compose
 The runtimes are simulated in one asyncio process, but with the real client's parts: each has
 an `exitplane.client.aggregate.Aggregator` fed vectorised synthetic token streams (a realistic
 exit-layer mix, signal histograms per layer, 1% shadow tokens, 1% raw sample), cuts
-`AggregateBatch`es and record batches (`aggregated: true`) encoded as the shipper encodes them
-(msgpack of the wire models), POSTs them with the protocol's content types, retries with the
-same batch id on 429/503/errors (in memory: no disk spool), long-polls its threshold set with
-its ETag, and heartbeats. Half the runtimes talk to API A, half to B.
+`AggregateBatch`es and record batches (`aggregated: true`) encoded by the shipper's codec
+(`exitplane.client.codec`: msgpack of the wire models), POSTs them with the
+protocol's content types, retries with the same batch id on 429/503/errors (in memory: no
+disk spool), long-polls its threshold set with its ETag, and heartbeats, each through its own
+HTTP client. Half the runtimes talk to API A, half to B.
 
 Phases: the fleet ramps (runtimes x tokens/s each) stage by stage; a stage holds when, after
 `--stage-s` seconds of load, the store has counted every token generated up to the stage's end
@@ -63,7 +64,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import msgpack
 import numpy as np
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -76,11 +76,11 @@ from controlplane.auth.service import create_token  # noqa: E402
 from controlplane.db import make_engine  # noqa: E402
 from controlplane.thresholds.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
+from exitplane.client.codec import encode, encode_aggregate  # noqa: E402
 from exitplane.wire import (  # noqa: E402
-    AGGREGATE_MSGPACK,
     HISTOGRAM_BINS,
+    MAX_AGGREGATE_CELLS,
     RECORDS_MSGPACK,
-    AggregateBatch,
     TelemetryBatch,
 )
 
@@ -417,22 +417,25 @@ class Fleet:
     def _cut(self, runtime: SimRuntime) -> None:
         if self.aggregate:
             cells = runtime.aggregator.cut()
-            if cells:
-                batch = AggregateBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
-                                       runtime_id=runtime.runtime_id, seq=runtime.seq,
-                                       num_layers=NUM_LAYERS,
-                                       raw_sample_rate=self.raw_sample_rate, cells=cells)
+            for start in range(0, len(cells), MAX_AGGREGATE_CELLS):
+                batch = encode_aggregate(deployment=self.deployment,
+                                         runtime_id=runtime.runtime_id, seq=runtime.seq,
+                                         num_layers=NUM_LAYERS,
+                                         raw_sample_rate=self.raw_sample_rate,
+                                         cells=cells[start:start + MAX_AGGREGATE_CELLS])
                 runtime.seq += 1
-                runtime.outbox.append((AGGREGATE_MSGPACK, msgpack.packb(
-                    batch.model_dump(mode="json"), use_bin_type=True)))
+                runtime.outbox.append((batch.content_type, batch.body))
         records, runtime.records = runtime.records, []
         for start in range(0, len(records), 5000):
+            # The records are dicts here, not the engine's TokenRecords: encode_records would
+            # validate each one again, which a real client does not pay (nor should the
+            # records path's figure); the wire schema check is made once at start-up.
             payload = {"batch_id": uuid.uuid4().hex, "deployment": self.deployment,
                        "runtime_id": runtime.runtime_id, "seq": runtime.seq,
                        "num_layers": NUM_LAYERS, "records": records[start:start + 5000],
                        "aggregated": self.aggregate}
             runtime.seq += 1
-            runtime.outbox.append((RECORDS_MSGPACK, msgpack.packb(payload, use_bin_type=True)))
+            runtime.outbox.append((RECORDS_MSGPACK, encode(payload, RECORDS_MSGPACK)))
         runtime.counted_tokens = 0
 
     async def _ship(self, runtime: SimRuntime) -> None:
