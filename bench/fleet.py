@@ -38,7 +38,8 @@ today's path (every token a record, another deployment) and ramps until it falls
 `records_mode_tokens_per_s`.
 
     . var/services/env  # EXITPLANE_BENCH_POSTGRES_URL
-    .venv/bin/python bench/fleet.py --steps 250,500,750,1000 --tokens-per-runtime 1000
+    .venv/bin/python bench/fleet.py --steps 250,500,750,1000 --tokens-per-runtime 1000 \
+        --records-steps 40,80,160 --drift-timeout-s 180
 
 Prints the command, then one JSON line.
 """
