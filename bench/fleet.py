@@ -31,11 +31,12 @@ the first exit and their shadow tokens no longer match full depth. A 5% shift mo
 fleet-wide exit rates by ~3 points, under the exit-rate detector's 5-point minimum effect, so
 that detector is not meant to catch it; the shadow disagreement of the exiting tokens rises
 from ~0 to ~5% against δ = 0.01, which the quality detector (`quality_regression`, critical)
-is meant to catch. `drift_alert_s` is the time to the first alert that pages (severity warning
-or critical; an `info` distribution finding does not count). The load stops, everything is
-flushed, and `lost` = tokens generated - tokens in the rollups. Last, the same topology takes
-today's path (every token a record, another deployment) and ramps until it falls behind:
-`records_mode_tokens_per_s`.
+is meant to catch; the exit-layer distribution finding also pages (warning) once it persists.
+`drift_alert_s` is the time to the first alert that pages (severity warning or critical; an
+`info` distribution finding does not count) and `drift_alert_kind` its kind. The load
+stops, everything is flushed, and `lost` = tokens generated - tokens in the rollups. Last,
+the same topology takes today's path (every token a record, another deployment) and ramps
+until it falls behind: `records_mode_tokens_per_s`.
 
     . var/services/env  # EXITPLANE_BENCH_POSTGRES_URL
     .venv/bin/python bench/fleet.py --steps 250,500,750,1000 --tokens-per-runtime 1000 \
@@ -639,7 +640,8 @@ async def drift(fleet: Fleet, admin: dict, timeout: float,
     the first exit, and their shadow tokens no longer match full depth at any exit layer.
     The fleet's exit rates move by ~3 points, below the exit-rate detector's 5-point minimum
     effect, so the detector meant to catch this shift is the quality one: the disagreement
-    of the tokens the policy lets exit rises from ~0 to ~5%, above δ = 0.01. Returns seconds
+    of the tokens the policy lets exit rises from ~0 to ~5%, above δ = 0.01. The exit-layer
+    distribution moves too, and its finding pages (warning) once it persists. Returns seconds
     until an alert that pages (warning or critical) opens, and its kind; an `info` finding
     (distribution drift alone) pages no one and does not count."""
     steady = (int(activated) // 60 + 1) * 60 + 5  # the reference minute is over
