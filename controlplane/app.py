@@ -35,6 +35,7 @@ from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.service import ensure_partitions
+from controlplane.telemetry.targets import IngestTargets
 from controlplane.thresholds.api import router as thresholds_router
 from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
 from dashboards.app import mount_ui
@@ -82,6 +83,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         "heartbeat": settings.rate_limit_heartbeat_per_s})
     app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s,
                                                bus=app.state.bus)
+    app.state.ingest_targets = IngestTargets(factory)  # the stream path's batch checks
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
     app.state.redis = (redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                             socket_timeout=5)

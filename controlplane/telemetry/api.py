@@ -89,31 +89,39 @@ def decode_batch(body: bytes, content_type: str) -> BatchColumns:
         raise Invalid(f"{where}: {first['msg']}") from error
 
 
+def _check(deployment, batch, aggregate: bool, known_versions) -> None:
+    """Refuse the batch unless it fits the deployment (a Deployment or a cached target)."""
+    if aggregate:
+        service.check_aggregate(deployment=deployment, batch=batch, known_versions=known_versions)
+    else:
+        service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions)
+
+
 def _store(request: Request, principal: Principal, body: bytes, content_type: str) -> IngestAck:
     try:
         aggregate = is_aggregate(content_type)
         batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
         app = request.app
+        versions = ([cell.threshold_version for cell in batch.cells] if aggregate
+                    else batch.threshold_version.tolist())
+        if app.state.redis is not None:
+            # The stream path reads nothing from the store: the checks use the cached target.
+            target = app.state.ingest_targets.get(batch.deployment, versions)
+            principal.require_deployment(target.id)
+            _check(target, batch, aggregate, target.versions)
+            added = stream.append(app.state.redis, batch,
+                                  body if "msgpack" in content_type else None)
+            metrics.queued_batches.labels(batch.deployment).inc(int(added))
+            if not added:  # a replay the stream already holds: acknowledged here
+                metrics.duplicate_batches.labels(batch.deployment).inc()
+            return IngestAck(batch_id=batch.batch_id, accepted=service.accounted(batch),
+                             duplicate=not added, queued=True)
         with app.state.session_factory() as session:
             deployment = get_deployment(session=session, name=batch.deployment)
             principal.require_deployment(deployment.id)
-            versions = ([cell.threshold_version for cell in batch.cells] if aggregate
-                        else batch.threshold_version.tolist())
             thresholds = service.thresholds_by_version(
                 session=session, deployment=deployment, versions=versions)
-            if aggregate:
-                service.check_aggregate(deployment=deployment, batch=batch,
-                                        known_versions=set(thresholds))
-            else:
-                service.check_batch(deployment=deployment, batch=batch,
-                                    known_versions=set(thresholds))
-            if app.state.redis is not None:
-                added = stream.append(app.state.redis, batch)
-                metrics.queued_batches.labels(batch.deployment).inc(int(added))
-                if not added:  # a replay the stream already holds: acknowledged here
-                    metrics.duplicate_batches.labels(batch.deployment).inc()
-                return IngestAck(batch_id=batch.batch_id, accepted=service.accounted(batch),
-                                 duplicate=not added, queued=True)
+            _check(deployment, batch, aggregate, set(thresholds))
             [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
                                       thresholds=thresholds)
             session.commit()

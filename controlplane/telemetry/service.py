@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 import numpy as np
 from sqlalchemy import delete, func, select, text
@@ -37,6 +38,9 @@ from controlplane.telemetry.tables import (
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from exitplane.wire import AggregateBatch, TelemetryBatch
 
+if TYPE_CHECKING:
+    from controlplane.telemetry.targets import IngestTarget
+
 log = logging.getLogger("exitplane.telemetry")
 
 
@@ -60,7 +64,7 @@ class IngestResult:
     aggregate: bool = False
 
 
-def check_batch(*, deployment: Deployment, batch: BatchColumns,
+def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
                 known_versions: set[int]) -> None:
     """Refuse the whole batch (BadRecord / Invalid) unless every record fits the deployment."""
     if batch.deployment != deployment.name:
@@ -90,7 +94,7 @@ def check_batch(*, deployment: Deployment, batch: BatchColumns,
                            f"{sorted(exit_layers)}")
 
 
-def check_aggregate(*, deployment: Deployment, batch: AggregateBatch,
+def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBatch,
                     known_versions: set[int]) -> None:
     """Refuse the whole aggregate batch (Invalid, naming the first bad cell) unless every cell
     is at an exit layer or full depth and under a published version."""

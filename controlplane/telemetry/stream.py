@@ -47,14 +47,18 @@ def stream_key(deployment: str) -> str:
     return STREAM_PREFIX + deployment
 
 
-def append(client: redis.Redis, batch: BatchColumns | AggregateBatch) -> bool:
+def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
+           body: bytes | None = None) -> bool:
     """Append `batch` (records, or an aggregate batch) to its deployment's stream unless its
-    id was appended before."""
-    wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) else batch.to_wire()
-    payload = msgpack.packb(wire, use_bin_type=True)
+    id was appended before. `body`: the msgpack `batch` was decoded and checked from, appended
+    as it came (the worker parses it the same way, so re-encoding would only cost the API)."""
+    if body is None:
+        wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) \
+            else batch.to_wire()
+        body = msgpack.packb(wire, use_bin_type=True)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
-                        payload, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
+                        body, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
     return bool(added)
 
 
@@ -103,10 +107,13 @@ class StreamIngestor:
                 self._groups.add(key)
         return keys
 
-    def run_once(self) -> int:
-        """Reclaim stale entries, then read new ones; returns entries processed."""
+    def run_once(self, stop: threading.Event | None = None) -> int:
+        """Reclaim stale entries, then read new ones; returns entries processed. With no
+        stream yet (no telemetry so far), waits `block_ms` (or until `stop`) as a blocking
+        read would, instead of returning at once: a worker must not spin on Redis."""
         keys = self.streams()
         if not keys:
+            (stop or threading.Event()).wait(self.block_ms / 1000)
             return 0
         processed = 0
         for key in keys:
@@ -126,7 +133,7 @@ class StreamIngestor:
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                self.run_once()
+                self.run_once(stop)
                 self.report_lag()
             except (redis.ConnectionError, redis.TimeoutError) as error:
                 log.warning("redis unavailable (%s); retrying", error)

@@ -174,5 +174,5 @@ async def pull_thresholds(
                "X-Exitplane-Version": str(chosen.version)}
     if _etag_matches(if_none_match, chosen.checksum):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
-    return Response(content=chosen.model_dump_json(), media_type="application/json",
+    return Response(content=state.body(chosen), media_type="application/json",
                     headers=headers)

@@ -36,12 +36,24 @@ class DeliveryState:
     canary: ThresholdSetWire | None
     canary_fraction: float
     loaded_at: float
+    # The sets' JSON bodies, serialised once per state: an alias move answers every waiting
+    # long-poll of this process at once with one of these.
+    active_json: str = ""
+    canary_json: str = ""
 
     def for_runtime(self, runtime_id: str) -> ThresholdSetWire:
         if self.canary is not None and in_canary(runtime_id=runtime_id,
                                                  fraction=self.canary_fraction):
             return self.canary
         return self.active
+
+    def body(self, chosen: ThresholdSetWire) -> str:
+        """The JSON body of `chosen` (this state's active or canary set)."""
+        if chosen is self.active and self.active_json:
+            return self.active_json
+        if chosen is self.canary and self.canary_json:
+            return self.canary_json
+        return chosen.model_dump_json()
 
 
 class ConfigDelivery:
@@ -76,7 +88,8 @@ class ConfigDelivery:
             return DeliveryState(deployment_id=deployment.id, revision=deployment.revision,
                                  active=active, canary=canary,
                                  canary_fraction=deployment.canary_fraction,
-                                 loaded_at=time.monotonic())
+                                 loaded_at=time.monotonic(), active_json=active.model_dump_json(),
+                                 canary_json=canary.model_dump_json() if canary else "")
 
     def cached(self, name: str) -> DeliveryState | None:
         """The cached state if it is fresh, without touching the store."""

@@ -1,5 +1,7 @@
 """Ship the engine's token records (and, when aggregating at the edge, exact per-minute counts)
-to the control plane without ever blocking the decode loop.
+to the control plane without ever blocking the decode loop: the queue and the sender thread.
+The batches' encoding is `exitplane.client.codec`, the disk spool `exitplane.client.spool`, the
+backoff and Retry-After rules (shared with the threshold client) `exitplane.client.retry`.
 
 `TelemetryShipper.submit` is the engine's `on_record` callback: it appends to a bounded
 in-memory queue and returns at once (a full queue drops the record and counts it). A sender
@@ -15,7 +17,8 @@ by an `Aggregator`; only shadow tokens and a random `raw_sample_rate` share of t
 queued as records (batches flagged `aggregated`, so they add no token counts to the rollups).
 Every `aggregate_interval_s` the counts are cut into an aggregate batch that takes the same
 road as record batches: own batch id and seq, retries, spool, in-order replay, 413 split (its
-cells in halves). With the default 1.0 nothing is aggregated: today's behaviour.
+cells in halves); the records then default to the same interval (`batch_interval_s`, else 1 s).
+With the default 1.0 nothing is aggregated: today's behaviour.
 
 Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or another 4xx) the
 batch is bad, logged and counted as rejected, never retried; 413 split in halves (ids derived
@@ -31,7 +34,6 @@ import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,19 +41,11 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from exitplane.client import retry
 from exitplane.client.aggregate import Aggregator
-from exitplane.client.spool import EncodedBatch, SeqCounter, Spool, encode
-from exitplane.client.thresholds import backoff_delay
-from exitplane.wire import (
-    AGGREGATE_JSON,
-    AGGREGATE_MSGPACK,
-    MAX_AGGREGATE_CELLS,
-    RECORDS_JSON,
-    RECORDS_MSGPACK,
-    AggregateBatch,
-    TelemetryBatch,
-    TokenRecord,
-)
+from exitplane.client.codec import ENCODINGS, EncodedBatch, encode_aggregate, encode_records
+from exitplane.client.spool import SeqCounter, Spool
+from exitplane.wire import MAX_AGGREGATE_CELLS, RECORDS_JSON, RECORDS_MSGPACK, TokenRecord
 
 log = logging.getLogger("exitplane.client.shipper")
 
@@ -64,14 +58,14 @@ class TelemetryShipper:
 
     def __init__(self, *, base_url: str, token: str, deployment: str, runtime_id: str,
                  num_layers: int, spool_dir: str | os.PathLike, queue_size: int = 100_000,
-                 batch_records: int = 1000, batch_interval_s: float = 1.0,
+                 batch_records: int = 1000, batch_interval_s: float | None = None,
                  spool_max_bytes: int = 256 << 20, segment_bytes: int = 8 << 20,
                  max_attempts: int = 4, backoff_initial_s: float = 0.2,
                  backoff_max_s: float = 30.0, request_timeout_s: float = 10.0,
                  encoding: str = "msgpack", fsync: bool = True, raw_sample_rate: float = 1.0,
                  aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
                  aggregate_interval_s: float = 5.0):
-        if encoding not in ("msgpack", "json"):
+        if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
         if not 0.0 <= raw_sample_rate <= 1.0:
             raise ValueError(f"raw_sample_rate must be in [0, 1], not {raw_sample_rate!r}")
@@ -93,13 +87,15 @@ class TelemetryShipper:
         self.num_layers = num_layers
         self.queue_size = queue_size
         self.batch_records = batch_records
-        self.batch_interval_s = batch_interval_s
+        # Aggregating, the records left (shadow and sampled) ride at the aggregates' pace by
+        # default: one request per runtime per interval for both, not a record batch a
+        # second (at fleet scale the control plane's cost is per request, not per token).
+        self.batch_interval_s = batch_interval_s if batch_interval_s is not None else (
+            aggregate_interval_s if aggregate else 1.0)
         self.max_attempts = max(1, max_attempts)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self.content_type = MSGPACK if encoding == "msgpack" else JSON
-        self.aggregate_content_type = AGGREGATE_MSGPACK if encoding == "msgpack" \
-            else AGGREGATE_JSON
+        self.content_type, self.aggregate_content_type = ENCODINGS[encoding]
         self.spool = Spool(spool_dir, max_bytes=spool_max_bytes, segment_bytes=segment_bytes,
                            fsync=fsync)
         self._seq = SeqCounter(Path(spool_dir) / "seq", self.spool.max_seq + 1)
@@ -277,18 +273,16 @@ class TelemetryShipper:
         records = [self._queue.popleft() for _ in range(take)]
         seq = self._seq.take()
         try:
-            batch = TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
-                                   runtime_id=self.runtime_id, seq=seq,
-                                   num_layers=self.num_layers, records=records,
-                                   aggregated=self.aggregator is not None)
+            return encode_records(deployment=self.deployment, runtime_id=self.runtime_id,
+                                  seq=seq, num_layers=self.num_layers, records=records,
+                                  aggregated=self.aggregator is not None,
+                                  content_type=self.content_type)
         except ValidationError as exc:
             self.counters["rejected_batches"] += 1
             self.counters["rejected_records"] += len(records)
             log.error("dropping a batch of %d records that fails the wire schema: %s",
                       len(records), exc.errors()[0]["msg"])
             return None
-        body = encode(batch.model_dump(mode="json"), self.content_type)
-        return EncodedBatch(batch.batch_id, seq, len(records), self.content_type, body)
 
     def _ship_aggregates(self, *, force: bool = False, closing: bool = False) -> None:
         """Cut the counts into aggregate batches and dispatch them, when due."""
@@ -301,16 +295,11 @@ class TelemetryShipper:
         self._aggregate_due = now + self.aggregate_interval_s
         cells = aggregator.cut()
         for start in range(0, len(cells), MAX_AGGREGATE_CELLS):
-            part = cells[start:start + MAX_AGGREGATE_CELLS]
-            seq = self._seq.take()
-            batch = AggregateBatch(batch_id=uuid.uuid4().hex, deployment=self.deployment,
-                                   runtime_id=self.runtime_id, seq=seq,
-                                   num_layers=self.num_layers,
-                                   raw_sample_rate=self.raw_sample_rate, cells=part)
-            encoded = EncodedBatch(batch.batch_id, seq, batch.tokens,
-                                   self.aggregate_content_type,
-                                   encode(batch.model_dump(mode="json"),
-                                           self.aggregate_content_type))
+            encoded = encode_aggregate(deployment=self.deployment, runtime_id=self.runtime_id,
+                                       seq=self._seq.take(), num_layers=self.num_layers,
+                                       raw_sample_rate=self.raw_sample_rate,
+                                       cells=cells[start:start + MAX_AGGREGATE_CELLS],
+                                       content_type=self.aggregate_content_type)
             self._in_flight = encoded.records
             try:
                 self._dispatch(encoded, closing=closing)
@@ -381,7 +370,7 @@ class TelemetryShipper:
                 self._mark_offline(retry_after)
                 return [batch]
             self.counters["retries"] += 1
-            delay = retry_after if retry_after is not None else backoff_delay(
+            delay = retry_after if retry_after is not None else retry.backoff_delay(
                 attempt, self.backoff_initial_s, self.backoff_max_s)
             if self._closing.wait(delay):
                 return [batch]  # shutting down: the spool takes it
@@ -418,7 +407,7 @@ class TelemetryShipper:
             return "auth", None
         if status in (408, 429) or status >= 500:
             self.counters["send_errors"] += 1
-            return "retry", _retry_after(response, self.backoff_max_s)
+            return "retry", retry.retry_after(response, self.backoff_max_s)
         detail = _json(response).get("detail") or response.text[:300]
         self._reject(batch, f"{status}: {detail}")
         return "done", None
@@ -441,7 +430,7 @@ class TelemetryShipper:
             log.warning("control plane unreachable for telemetry; spooling to %s",
                         self.spool.directory)
         self.online = False
-        delay = retry_after if retry_after is not None else backoff_delay(
+        delay = retry_after if retry_after is not None else retry.backoff_delay(
             self._probe_failures, self.backoff_initial_s, self.backoff_max_s)
         self._probe_failures += 1
         self._probe_at = time.monotonic() + delay
@@ -454,10 +443,3 @@ def _json(response: httpx.Response) -> dict[str, Any]:
         return {}
     return body if isinstance(body, dict) else {}
 
-
-def _retry_after(response: httpx.Response, cap: float) -> float | None:
-    value = response.headers.get("retry-after")
-    try:
-        return None if value is None else min(cap, max(0.0, float(value)))
-    except ValueError:
-        return None

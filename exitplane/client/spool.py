@@ -1,83 +1,24 @@
-"""The shipper's disk side: a batch as sent (`EncodedBatch`), the append-only spool that keeps
-undelivered batches across crashes (`Spool`), and per-runtime sequence numbers that never
-repeat (`SeqCounter`)."""
+"""The shipper's disk side: the append-only spool that keeps undelivered batches (as
+`exitplane.client.codec.EncodedBatch`) across crashes (`Spool`), and per-runtime sequence
+numbers that never repeat (`SeqCounter`)."""
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import msgpack
-
-from exitplane.client.thresholds import atomic_write
-from exitplane.wire import AGGREGATE_JSON, AGGREGATE_MSGPACK
+from exitplane.client.codec import EncodedBatch
+from exitplane.client.files import atomic_write
 
 log = logging.getLogger("exitplane.client.shipper")
 
 _HEADER = struct.Struct(">II")  # payload length, crc32 of the payload
 _SEQ_BLOCK = 1024  # sequence numbers reserved on disk at a time
-
-
-@dataclass(frozen=True)
-class EncodedBatch:
-    """One batch as sent: id, sequence number, record count (for an aggregate batch: the
-    tokens it counts), content type and body."""
-
-    batch_id: str
-    seq: int
-    records: int
-    content_type: str
-    body: bytes
-
-    @property
-    def is_aggregate(self) -> bool:
-        return self.content_type in (AGGREGATE_MSGPACK, AGGREGATE_JSON)
-
-    def pack(self) -> bytes:
-        """The spool record: id, seq, count, content type and body in one msgpack array."""
-        return msgpack.packb([self.batch_id, self.seq, self.records, self.content_type,
-                              self.body], use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, payload: bytes) -> EncodedBatch:
-        """Read a spool record back."""
-        batch_id, seq, records, content_type, body = msgpack.unpackb(payload, raw=False)
-        return cls(batch_id, seq, records, content_type, body)
-
-    def decode(self) -> dict[str, Any]:
-        """The batch as a dict (the model_dump of its TelemetryBatch or AggregateBatch)."""
-        if "msgpack" in self.content_type:
-            return msgpack.unpackb(self.body, raw=False)
-        return json.loads(self.body)
-
-    def split(self) -> list[EncodedBatch]:
-        """Two halves with ids derived from this one (deterministic, so replays match)."""
-        payload = self.decode()
-        field = "cells" if self.is_aggregate else "records"
-        items = payload[field]
-        if len(items) < 2:
-            return []
-        middle = len(items) // 2
-        halves = []
-        for suffix, part in (("a", items[:middle]), ("b", items[middle:])):
-            half = {**payload, "batch_id": self.batch_id + suffix, field: part}
-            count = sum(cell["exits"] for cell in part) if self.is_aggregate else len(part)
-            halves.append(EncodedBatch(half["batch_id"], self.seq, count, self.content_type,
-                                       encode(half, self.content_type)))
-        return halves
-
-
-def encode(payload: dict[str, Any], content_type: str) -> bytes:
-    if "msgpack" in content_type:
-        return msgpack.packb(payload, use_bin_type=True)
-    return json.dumps(payload, separators=(",", ":")).encode()
 
 
 @dataclass

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +24,8 @@ from typing import Any, Protocol
 import httpx
 from pydantic import ValidationError
 
+from exitplane.client.files import atomic_write
+from exitplane.client.retry import backoff_delay
 from exitplane.wire import RUNTIME_ID_PATTERN, Heartbeat, Signal, ThresholdSetWire
 
 log = logging.getLogger("exitplane.client.thresholds")
@@ -60,32 +60,6 @@ class TelemetryStats(Protocol):
 
 class RefusedThresholdSet(ValueError):
     """A pulled or cached threshold set that must not be applied."""
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so a reader sees the old or the new file, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
-
-
-def backoff_delay(attempt: int, initial_s: float, max_s: float) -> float:
-    """Exponential backoff with jitter: uniform in [d/2, d], d = initial * 2**attempt capped."""
-    delay = min(max_s, initial_s * (2 ** min(attempt, 30)))
-    return random.uniform(delay / 2, delay)
 
 
 def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,

@@ -209,3 +209,20 @@ def _wire(operator, version: int):
     body = operator.get(f"/v1/deployments/{DEPLOYMENT}/threshold-sets/{version}").json()
     return ThresholdSetWire.build(deployment=DEPLOYMENT, version=version, signal=body["signal"],
                                   thresholds={int(k): v for k, v in body["thresholds"].items()})
+
+
+def test_aggregating_records_ride_at_the_aggregates_pace(tmp_path):
+    def interval(**options) -> float:
+        shipper = TelemetryShipper(base_url="http://127.0.0.1:9", token="t", deployment="d",
+                                   runtime_id="r", num_layers=NUM_LAYERS,
+                                   spool_dir=tmp_path / str(len(options)), **options)
+        try:
+            return shipper.batch_interval_s
+        finally:
+            shipper.close()
+
+    assert interval() == 1.0  # every token a record: a batch a second, as before
+    assert interval(raw_sample_rate=0.01, exit_layers=EXIT_LAYERS,
+                    aggregate_interval_s=7.0) == 7.0
+    assert interval(raw_sample_rate=0.01, exit_layers=EXIT_LAYERS, aggregate_interval_s=7.0,
+                    batch_interval_s=0.5) == 0.5

@@ -12,8 +12,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.telemetry.models import TelemetryBatchRow
+from exitplane.client.codec import EncodedBatch
 from exitplane.client.shipper import TelemetryShipper
-from exitplane.client.spool import EncodedBatch, Spool
+from exitplane.client.spool import Spool
 from exitplane.wire import TokenRecord
 from tests.conftest import free_port, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, ControlPlane

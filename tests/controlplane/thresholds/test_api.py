@@ -307,3 +307,20 @@ def test_numbers_beyond_the_store_get_422_not_500(client, tokens, engine):
     move = client.put("/v1/deployments/chat/aliases/active", headers=op,
                       json={"version": 2**70, "reason": "r"})
     assert move.status_code == 422 and move.json()["detail"]
+
+
+def test_a_state_serialises_each_set_once(client, app, tokens, engine):
+    op = _setup(client, tokens)
+    client.post("/v1/deployments/chat/threshold-sets", headers=op, json={
+        "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "candidate"})
+    assert client.put("/v1/deployments/chat/aliases/canary", headers=op,
+                      json={"version": 2, "reason": "try it"}).status_code == 200
+    state = app.state.config_delivery.load("chat")
+    for wire in (state.active, state.canary):
+        body = state.body(wire)
+        assert state.body(wire) is body  # the same string for every waiting poll
+        assert ThresholdSetWire.model_validate_json(body) == wire
+    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    pulled = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-1"},
+                        headers=runtime)
+    assert pulled.text in (state.active_json, state.canary_json)
