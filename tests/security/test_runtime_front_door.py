@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.server import MAX_STOP_CHARS
+from runtime.serving.schemas import MAX_STOP_CHARS
 from runtime.testing import ascii_tokenizer
 from tests.conftest import free_port, wait_until
 from tests.runtime_server.serving import served_on_a_port, tiny_engine, tiny_state
