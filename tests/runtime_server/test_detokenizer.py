@@ -186,6 +186,7 @@ def smollm2_tokenizer():
                                          local_files_only=True)
 
 
+@pytest.mark.slow
 def test_random_sequences_of_the_real_tokenizer_stream_as_one_full_decode(smollm2_tokenizer):
     tokenizer = smollm2_tokenizer
     # Tokens holding part of a character (about 300 of 49,152) are drawn often, so characters
@@ -200,6 +201,7 @@ def test_random_sequences_of_the_real_tokenizer_stream_as_one_full_decode(smollm
             assert "".join(deltas(tokenizer, tokens)) == full_decode(tokenizer, tokens), tokens
 
 
+@pytest.mark.slow
 def test_real_text_streams_whole_characters(smollm2_tokenizer):
     text = "Grüße aus Köln: 東京 → 😀 naïve café"
     tokens = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]

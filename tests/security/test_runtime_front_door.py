@@ -62,6 +62,7 @@ def test_every_v1_route_needs_a_key_when_keys_are_set():
             wrong.models.list()
 
 
+@pytest.mark.slow
 def test_the_serve_command_takes_keys_from_a_file_and_the_environment(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text(f"# one key per line\n{KEY}\n\n")

@@ -29,6 +29,9 @@ from tests.controlplane.calibration.support import (
 )
 from workers.celery_app import make_celery
 
+# slow: a real Celery worker process
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

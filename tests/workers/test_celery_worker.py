@@ -20,6 +20,9 @@ from tests.conftest import POSTGRES_URL, REDIS_URL, wait_until
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
 from workers.celery_app import make_celery
 
+# slow: a real Celery worker process
+pytestmark = pytest.mark.slow
+
 
 def _redis_url() -> str:
     if not REDIS_URL:
