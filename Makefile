@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test lint services services-stop bench clean
+.PHONY: demo test test-fast lint services services-stop bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP) services
 	$(VENV)/bin/ruff check .
 	$(PY) -m scripts.import_graph
 	. var/services/env && $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Everything but the tests marked slow (process-level, real model, over ~5 s): the quick loop.
+test-fast: $(STAMP) services
+	$(VENV)/bin/ruff check .
+	. var/services/env && $(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

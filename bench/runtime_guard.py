@@ -90,11 +90,14 @@ def stall(url: str, prompt_bytes: int) -> dict:
 
 
 def detok_cost(stop_chars: int, tokens: int = 400) -> float:
-    """Seconds per token of _Detokenizer.push with one stop string of stop_chars characters."""
-    from runtime.server import _Detokenizer
+    """Seconds per token of Detokenizer.push with one stop string of stop_chars characters."""
+    try:
+        from runtime.serving.detokenize import Detokenizer
+    except ImportError:  # a --code-root from before the server was split
+        from runtime.server import _Detokenizer as Detokenizer
     from runtime.testing import ascii_tokenizer
 
-    detok = _Detokenizer(ascii_tokenizer(), ["q" * (stop_chars - 1) + "!"])
+    detok = Detokenizer(ascii_tokenizer(), ["q" * (stop_chars - 1) + "!"])
     ids = [ord("a") + i % 26 for i in range(tokens)]
     started = time.perf_counter()
     for token in ids:

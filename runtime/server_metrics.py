@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # vLLM's buckets (vllm/engine/metrics.py), seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -76,3 +76,43 @@ class RequestTimer:
         m.e2e.labels(name).observe(time.perf_counter() - self.arrived)
         m.prompt_tokens.labels(name).inc(self.prompt_tokens)
         m.generation_tokens.labels(name).inc(self.generated)
+
+
+class ServeMetrics:
+    """Every family the runtime server exports, on its own registry: engine steps, exits per
+    layer, queue depth, the applied threshold version, telemetry spool, and the request
+    latencies above."""
+
+    def __init__(self, num_layers: int, model_name: str = "model") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request = RequestMetrics(r, model_name)  # vLLM-style request latencies (issue 15)
+        self.tokens = Counter("exitplane_runtime_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("exitplane_runtime_requests", "Requests by outcome", ["outcome"],
+                                registry=r)
+        self.cancelled = Counter("exitplane_runtime_cancelled", "Requests cancelled",
+                                 registry=r)
+        self.batch_size = Histogram("exitplane_runtime_batch_size", "Rows per decode step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.step_seconds = Histogram("exitplane_runtime_step_seconds", "Decode step time",
+                                      registry=r)
+        self.exits = Counter("exitplane_runtime_exits", "Tokens by exit layer", ["layer"],
+                             registry=r)
+        self.queue_depth = Gauge("exitplane_runtime_queue_depth", "Requests waiting or running",
+                                 registry=r)
+        self.applied_version = Gauge("exitplane_runtime_applied_version",
+                                     "Threshold version applied", registry=r)
+        self.spooled = Gauge("exitplane_runtime_spooled_batches", "Telemetry batches on disk",
+                             registry=r)
+        self.dropped = Gauge("exitplane_runtime_dropped_records", "Telemetry records dropped",
+                             registry=r)
+        self.num_layers = num_layers
+
+    def observe_step(self, outputs: list, seconds: float) -> None:
+        if not outputs:
+            return
+        self.batch_size.observe(len(outputs))
+        self.step_seconds.observe(seconds)
+        self.tokens.inc(len(outputs))
+        for output in outputs:
+            self.exits.labels(str(output.record.exit_layer)).inc()

@@ -4,14 +4,18 @@ built by the migrations, and API clients with tokens of each scope."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck
@@ -230,3 +234,74 @@ def live_server(app) -> Iterator[LiveServer]:
     live = LiveServer(url=f"http://127.0.0.1:{port}", server=server, thread=thread)
     yield live
     live.stop()
+
+
+@pytest.fixture
+def quick_hashing(monkeypatch):
+    """Argon2 with minimal cost: tests that sign people in check who gets in, not the hash's
+    strength."""
+    from argon2 import PasswordHasher
+
+    from controlplane.auth import users
+
+    monkeypatch.setattr(users, "_hasher", PasswordHasher(time_cost=1, memory_cost=1024,
+                                                         parallelism=1))
+
+
+# -- Celery workers ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+_worker_names = itertools.count(1)
+
+
+class CeleryWorker:
+    """`celery worker` (solo pool, as the tests' one-process stacks need) in a subprocess, on
+    the store and broker that env names; its output goes to log."""
+
+    def __init__(self, *, env: dict[str, str], log: Path, name: str = "worker") -> None:
+        self.log = log
+        # A node name of its own per process and worker: two test sessions on one broker
+        # never see each other's workers as duplicates.
+        node = f"{name}-{os.getpid()}-{next(_worker_names)}@localhost"
+        with log.open("a") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+                 "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
+                 "--without-heartbeat", "-n", node],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> CeleryWorker:
+        """Return once the worker consumes tasks; raise with its log if it died or hung."""
+        deadline = time.monotonic() + timeout
+        while "ready." not in self.log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"celery worker did not start:\n{self.log.read_text()}")
+            time.sleep(0.2)
+        return self
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (a warm shutdown: the running task finishes), then SIGKILL after timeout."""
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def celery_worker(tmp_path) -> Iterator[Callable[..., CeleryWorker]]:
+    """Start Celery worker processes (`celery_worker(env, name=...)`), each logging to
+    tmp_path/<name>.log; all are stopped when the test ends."""
+    started: list[CeleryWorker] = []
+
+    def start(env: dict[str, str], *, name: str = "worker") -> CeleryWorker:
+        worker = CeleryWorker(env=env, log=tmp_path / f"{name}.log", name=name)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

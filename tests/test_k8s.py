@@ -38,6 +38,7 @@ def test_every_manifest_validates_against_the_kubernetes_schema(doc):
     kubernetes_validate.validate(doc, VERSION, strict=True)
 
 
+@pytest.mark.slow
 def test_broken_manifests_are_caught():
     """The check above can fail: a typo'd field and a wrong type are refused."""
     api = next(yaml.safe_load_all((K8S / "api.yaml").read_text()))

@@ -35,14 +35,9 @@ def _tasks_recorded(outbox) -> None:
 
 
 @pytest.fixture(autouse=True)
-def quick_hashing(monkeypatch):
-    """Argon2 with minimal cost: these tests exercise the UI, not the hash's strength."""
-    from argon2 import PasswordHasher
-
-    from controlplane.auth import users
-
-    monkeypatch.setattr(users, "_hasher", PasswordHasher(time_cost=1, memory_cost=1024,
-                                                         parallelism=1))
+def _every_ui_test_hashes_quickly(quick_hashing):
+    """tests/conftest.py's quick_hashing for every UI test: they exercise the UI, not the
+    hash's strength."""
 
 
 @pytest.fixture

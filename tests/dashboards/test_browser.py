@@ -24,7 +24,8 @@ from tests.dashboards.browser import (
 )
 from tests.dashboards.conftest import PASSWORD
 
-pytestmark = pytest.mark.browser
+# slow: headless Chromium
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ def _exposed_names() -> dict[str, str]:
     process the dashboard reads: control plane (own, HTTP and store gauges), runtime, worker."""
     from controlplane import observability  # noqa: F401  (registers the HTTP histogram)
     from controlplane.alerts.exporter import store_collector
-    from runtime.server import ServeMetrics
+    from runtime.server_metrics import ServeMetrics
     from workers.observability import registry as worker_registry
 
     names = {}

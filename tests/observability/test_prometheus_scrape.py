@@ -25,7 +25,8 @@ from controlplane.db import make_engine
 from controlplane.models import Base
 from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]
+# slow: a real Prometheus scraping real processes
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")

@@ -22,7 +22,8 @@ from controlplane.db import make_engine
 from controlplane.models import Base
 from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+# slow: service processes
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")

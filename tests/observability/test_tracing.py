@@ -65,6 +65,7 @@ def _chain(span, by_id) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_alert_fallback_recalibration_and_publish_are_one_trace(spans, database, monkeypatch):
     import controlplane.celery_app
     from controlplane.celery_app import make_celery

@@ -3,7 +3,6 @@ the API serving one deployment to a runtime's shipper, and a producer of token r
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
 from exitplane.client.shipper import TelemetryShipper
-from tests.conftest import free_port, wait_until
+from tests.conftest import CeleryWorker, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
@@ -54,10 +53,10 @@ class Processes:
                 self.stop(process)
 
     def celery_worker(self, name: str) -> subprocess.Popen:
-        return self.start(name, [
-            sys.executable, "-m", "celery", "-A", "workers.app", "worker", "--pool=solo",
-            "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-n", f"{name}-{os.getpid()}@localhost"])
+        """A Celery worker (tests/conftest.py's launcher) logging to <logs>/<name>.log."""
+        process = CeleryWorker(env=self.env, log=self.logs / f"{name}.log", name=name).process
+        self.running.append(process)
+        return process
 
 
 class RecordProducer:

@@ -26,6 +26,9 @@ from exitplane.wire import ShadowPoint, TokenRecord
 from tests.conftest import free_port, wait_until
 from tests.reliability.processes import EXITPLANE, Processes
 
+# slow: service processes killed and restarted
+pytestmark = pytest.mark.slow
+
 EXIT_LAYERS, NUM_LAYERS = [3, 6, 9], 12
 
 

@@ -12,6 +12,9 @@ from controlplane.settings import Settings
 from tests.conftest import wait_until
 from tests.reliability.processes import RecordProducer, serve_deployment
 
+# slow: a private PostgreSQL stopped and restarted
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.postgres
 def test_postgres_restart_under_ingestion_load(private_postgres):

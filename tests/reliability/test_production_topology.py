@@ -31,7 +31,8 @@ from controlplane.db import make_engine
 from tests.conftest import POSTGRES_URL, free_port, wait_until
 from tests.reliability.processes import EXITPLANE, ROOT, Processes
 
-pytestmark = [pytest.mark.integration, pytest.mark.postgres]
+# slow: every service as its own process
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.postgres]
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 DELTA = 0.2

@@ -21,6 +21,9 @@ from tests.reliability.processes import (
     serve_deployment,
 )
 
+# slow: a private Redis and Celery workers
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.postgres
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)

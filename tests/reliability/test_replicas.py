@@ -26,7 +26,8 @@ from tests.conftest import migrated_postgres_database, wait_until
 from tests.reliability.conftest import PrivateRedis
 from tests.reliability.processes import EXITPLANE, ROOT, Processes, start_api
 
-pytestmark = [pytest.mark.integration, pytest.mark.postgres]
+# slow: API replicas as processes
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.postgres]
 
 # The caches are made long on purpose: only a notice (pub/sub or the epoch) can explain a
 # prompt 401 or wake-up, never an expiry.

@@ -36,6 +36,7 @@ def trained(tmp_path_factory):
     return target, json.loads(result.output.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_fresh_volume_gets_trained_heads_for_the_served_model(trained):
     target, outcome = trained
     assert outcome["action"] == "trained" and outcome["model"] == "tiny-llama"

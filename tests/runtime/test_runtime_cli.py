@@ -63,6 +63,7 @@ def test_generate_rejects_tampered_threshold_file(tiny_checkpoint, cache, tmp_pa
     assert "checksum mismatch" in str(result.exception)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["post-hoc", "joint"])
 def test_train_heads_writes_verified_artifact(tiny_checkpoint, cache, mode):
     out = cache / f"heads-{mode}.safetensors"

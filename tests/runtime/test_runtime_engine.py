@@ -42,6 +42,7 @@ def exit_all_at(layer: int, version: int = 1) -> ExitPolicy:
                       thresholds={2: 0.0 if layer == 2 else 1.0, 4: 0.0 if layer == 4 else 1.0})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_policy", ["lazy", "propagate"])
 @pytest.mark.parametrize("batching", ["compact", "mask"])
 @pytest.mark.parametrize("max_batch", [1, 4])
@@ -191,6 +192,7 @@ def test_shadow_rate_zero_records_no_shadow(model):
     assert all(r.shadow is None for r in eng.drain_records())
 
 
+@pytest.mark.slow
 def test_continuous_batching_join_leave_cancel(model, reference):
     seen = []
     eng = Engine(model, exit_layers=[2, 4], config=EngineConfig(max_batch=2, max_seq_len=64),

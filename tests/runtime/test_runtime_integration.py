@@ -12,7 +12,8 @@ from runtime.heads import ExitHeads
 from runtime.model import load_model
 from runtime.train import TrainConfig, train_heads
 
-pytestmark = pytest.mark.integration
+# slow: the real SmolLM2 model
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 NEW_TOKENS = 12
 
 

@@ -170,6 +170,7 @@ def test_split_and_spooled_aggregates_count_once(settings, engine, operator, run
     assert edge.counters["sent_aggregate_tokens"] == len(stream)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_engine_s_tokens_aggregate_exactly(control_plane, operator, runtime_token,
                                                make_engine, engine, tmp_path):

@@ -82,6 +82,7 @@ def client_venv(tmp_path_factory) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_the_client_imports_without_the_server_or_the_engine(client_venv):
     probe = f"""
 import importlib.util, json, sys

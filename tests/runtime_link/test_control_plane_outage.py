@@ -68,6 +68,7 @@ def _stored(engine) -> tuple[collections.Counter, int]:
     return collections.Counter(tuple(row) for row in rows), int(shadow or 0)
 
 
+@pytest.mark.slow
 def test_the_runtime_rides_out_a_control_plane_outage(control_plane, operator, runtime_token,
                                                       make_engine, tmp_path, engine):
     version = publish(operator, {2: 0.2, 4: 0.1})

@@ -157,6 +157,7 @@ def test_threshold_change_mid_stream_takes_effect_on_the_next_step(served):
     assert chunks[-1].model_extra["exitplane"]["threshold_version"] == 2
 
 
+@pytest.mark.slow
 def test_readiness_follows_the_threshold_client(live_server, tokens, engine):
     from sqlalchemy.orm import Session
 

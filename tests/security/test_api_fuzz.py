@@ -18,6 +18,7 @@ def _msgpack(_ctx, value) -> bytes:
     return msgpack.packb(value) if not isinstance(value, bytes) else value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_no_operation_answers_5xx_and_every_4xx_has_a_message(client, app, tokens, engine):
     op = tokens.headers(tokens.operator)

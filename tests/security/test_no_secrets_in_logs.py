@@ -319,6 +319,7 @@ def _cli(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Completed
 
 @pytest.mark.skipif("postgresql" not in BACKENDS, reason="needs a PostgreSQL URL to put a "
                                                           "password in")
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_exitplane_up_prints_no_secret(db_url, tmp_path, hidden, receiver):
     port = free_port()

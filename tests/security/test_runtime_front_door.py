@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.server import MAX_STOP_CHARS
+from runtime.serving.schemas import MAX_STOP_CHARS
 from runtime.testing import ascii_tokenizer
 from tests.conftest import free_port, wait_until
 from tests.runtime_server.serving import served_on_a_port, tiny_engine, tiny_state
@@ -62,6 +62,7 @@ def test_every_v1_route_needs_a_key_when_keys_are_set():
             wrong.models.list()
 
 
+@pytest.mark.slow
 def test_the_serve_command_takes_keys_from_a_file_and_the_environment(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text(f"# one key per line\n{KEY}\n\n")

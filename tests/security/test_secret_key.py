@@ -84,6 +84,7 @@ class Up:
         self.process.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_a_cookie_signed_with_the_old_constant_is_refused_and_the_key_survives_restart(
         tmp_path):
     var_dir = tmp_path / "var"

@@ -4,8 +4,6 @@ stack (SQLite store, SQLite broker) and the production one (PostgreSQL store, Re
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +29,9 @@ from tests.controlplane.calibration.support import (
     write_traffic,
 )
 
+# slow: a real Celery worker process
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,33 +40,8 @@ def _redis_db(url: str, db: int = 11) -> str:
     return url.rsplit("/", 1)[0] + f"/{db}"
 
 
-class Worker:
-    """`celery worker` in a subprocess against the test's store and broker."""
-
-    def __init__(self, env: dict, log: Path) -> None:
-        self.log = log
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
-             "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
-             "--without-heartbeat"], cwd=ROOT, env=env, stdout=log.open("w"),
-            stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while "ready." not in log.read_text():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"celery worker did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 @pytest.fixture
-def stack(db_url, tmp_path, monkeypatch):
+def stack(db_url, tmp_path, monkeypatch, celery_worker):
     """(celery app of this test, worker): SQLite broker for SQLite, Redis for PostgreSQL."""
     redis_url = _redis_db(REDIS_URL) if db_url.startswith("postgresql") and REDIS_URL else ""
     if redis_url:
@@ -79,7 +55,7 @@ def stack(db_url, tmp_path, monkeypatch):
                                redis_url=redis_url))
     monkeypatch.setattr("controlplane.outbox.send_task",
                         lambda name, args: app.send_task(name, args=args))
-    worker = Worker(env, tmp_path / "worker.log")
+    worker = celery_worker(env).wait_ready()
     yield app, worker
     worker.stop()
 

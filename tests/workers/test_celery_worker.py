@@ -4,10 +4,7 @@ delivery after the commit, and delivery retries past receiver errors with each a
 
 import os
 import shutil
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import redis
@@ -23,7 +20,8 @@ from controlplane.settings import Settings
 from tests.conftest import POSTGRES_URL, REDIS_URL, wait_until
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
 
-ROOT = Path(__file__).resolve().parents[2]
+# slow: a real Celery worker process
+pytestmark = pytest.mark.slow
 
 
 def _redis_url() -> str:
@@ -69,7 +67,7 @@ def engine(stack):
 
 
 @pytest.fixture
-def worker(stack, tmp_path):
+def worker(stack, tmp_path, celery_worker):
     """A worker subprocess on the stack; yields the settings it runs with."""
     db_url, redis_url = stack
     if redis_url:
@@ -79,19 +77,9 @@ def worker(stack, tmp_path):
     env = {**os.environ, "EXITPLANE_DATABASE_URL": db_url,
            "EXITPLANE_VAR_DIR": str(settings.var_dir), "EXITPLANE_REDIS_URL": redis_url,
            "EXITPLANE_PUBLIC_URL": settings.public_url, "EXITPLANE_DELIVERY_BACKOFF_S": "0.2"}
-    with (tmp_path / "worker.log").open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
-             "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
-             "--without-heartbeat", "-n", f"test-{os.getpid()}@localhost"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    started = celery_worker(env)
     yield settings
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    started.stop()  # before the flush below
     if redis_url:
         redis.Redis.from_url(redis_url).flushdb()
 

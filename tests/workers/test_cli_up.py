@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -20,6 +21,9 @@ from controlplane.migrate import upgrade
 from controlplane.settings import Settings
 from tests.conftest import free_port
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+
+# slow: `exitplane up` with its worker and beat processes
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -206,6 +206,7 @@ def _am_alerts(url: str) -> list[dict]:
     return httpx.get(url + "/api/v2/alerts", timeout=5).json()
 
 
+@pytest.mark.slow  # a real Alertmanager process
 def test_alertmanager_shows_the_alert_firing_then_resolved(session: Session, alertmanager,
                                                            outbox):
     _, alert = _fire(session, Condition(
@@ -229,6 +230,7 @@ def test_alertmanager_shows_the_alert_firing_then_resolved(session: Session, ale
     assert _am_alerts(alertmanager) == []
 
 
+@pytest.mark.slow  # a real Alertmanager process
 def test_alertmanager_alerts_are_refreshed_before_their_endsat_lapses(session: Session,
                                                                        receiver, outbox):
     deployment, alert = _fire(session)

@@ -35,6 +35,7 @@ def test_bad_input_is_refused(session: Session):
         users.create_user(session=session, username="BO", password=PASSWORD, role="viewer")
 
 
+@pytest.mark.slow
 def test_changes_end_sessions_and_the_last_admin_stays(session: Session):
     admin = users.create_user(session=session, username="root", password=PASSWORD, role="admin")
     with pytest.raises(Conflict, match="last enabled admin"):
@@ -78,6 +79,7 @@ def test_cli_creates_a_user_from_a_password_file(db_url, engine, tmp_path, monke
         assert user.role == "operator"
 
 
+@pytest.mark.slow
 def test_own_password_change_needs_the_current_one(session: Session):
     user = users.create_user(session=session, username="fay", password=PASSWORD, role="viewer")
     epoch = user.session_epoch

@@ -29,7 +29,8 @@ from runtime.model import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.runtime_link.conftest import ControlPlane
 
-pytestmark = [pytest.mark.integration,
+# slow: the whole loop end to end, minutes
+pytestmark = [pytest.mark.slow, pytest.mark.integration,
               pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 
 NAME = "tiny-loop"

@@ -111,6 +111,7 @@ def test_nothing_certifiable_fails_and_publishes_nothing(engine, outbox):
         assert job.result_version is None and _calibration_versions(session) == []
 
 
+@pytest.mark.slow
 def test_an_automatic_job_that_certifies_nothing_waits_for_the_window_to_grow(engine, outbox):
     # After a fallback the first samples of the new traffic may certify nothing; the job the
     # alert queued waits for more instead of failing, then publishes from the grown window.
@@ -239,6 +240,7 @@ KILL_MID_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_job_leaves_no_partial_version_and_rerun_succeeds(
         db_url, engine, outbox):
     _, _, start = _seed(engine)

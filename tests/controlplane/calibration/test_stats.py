@@ -125,6 +125,7 @@ def test_bad_inputs_are_rejected():
         _calibrate(signals, matched, strategy="greedy")
 
 
+@pytest.mark.slow
 def test_guarantee_holds_on_seeded_synthetic_data():
     """Realised disagreement on fresh data exceeds δ in at most ε of resamples.
 

@@ -3,6 +3,7 @@ layer, stationary traffic stays quiet, and runtimes that go silent or lag raise 
 
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -32,6 +33,7 @@ def _check(session, deployment, now, tmp_path):
                             reports_dir=tmp_path / "reports", now=now)
 
 
+@pytest.mark.slow
 def test_stationary_traffic_fires_nothing(session: Session, tmp_path, outbox):
     deployment, start, now = _setup(session)
     send_traffic(session, deployment, start=start, phases=[Phase(30, BASE_RATES, 0.2)], seed=1)
@@ -40,6 +42,7 @@ def test_stationary_traffic_fires_nothing(session: Session, tmp_path, outbox):
     assert session.scalars(select(Alert)).all() == []
 
 
+@pytest.mark.slow
 def test_exit_rate_collapse_at_one_layer(session: Session, tmp_path, outbox):
     deployment, start, now = _setup(session)
     send_traffic(session, deployment, start=start, seed=2,
@@ -68,6 +71,7 @@ def test_exit_rate_collapse_at_one_layer(session: Session, tmp_path, outbox):
     assert again.fired == [] and {a.id for a in again.refreshed} == {a.id for a in result.fired}
 
 
+@pytest.mark.slow
 def test_exit_rate_spike_against_the_calibrations_expected_rates(session: Session, tmp_path,
                                                                  outbox):
     # The shape `calibration.run` stores on the threshold sets it publishes.
@@ -155,6 +159,7 @@ def test_runtime_stale_on_silence_or_old_version(session: Session, outbox):
     assert [a.dedup_key for a in result.resolved] == ["chat:runtime_stale:all"]
 
 
+@pytest.mark.slow
 def test_a_thousand_silent_runtimes_page_once(session: Session, outbox):
     deployment, _, now = _setup(session, minutes=10)
     for index in range(1000):

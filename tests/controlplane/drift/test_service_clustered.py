@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -34,6 +35,7 @@ def _conditions(session, deployment, now, **options):
     return conditions
 
 
+@pytest.mark.slow
 def test_stationary_requests_that_differ_page_nobody(session: Session, tmp_path, outbox):
     # Requests differ a lot in how early they exit; counted as tokens, the exit rates look like
     # drift (before issue 17: an exit_rate_spike, critical, and a warning on this seed).
@@ -45,6 +47,7 @@ def test_stationary_requests_that_differ_page_nobody(session: Session, tmp_path,
     assert [(a.kind, a.severity) for a in result.fired] == []
 
 
+@pytest.mark.slow
 def test_design_effect_is_measured_on_the_windows_shadow_requests(session: Session):
     deployment, start, now = _setup(session, minutes=20, delta=0.05)
     send_requests(session, deployment, start=start, seed=1,
@@ -57,6 +60,7 @@ def test_design_effect_is_measured_on_the_windows_shadow_requests(session: Sessi
     assert spike.evidence["evidence"]["design_effect"] > 2  # the test paid for clustering
 
 
+@pytest.mark.slow
 def test_spike_with_shadow_quality_within_delta_keeps_the_active_set(session: Session,
                                                                       tmp_path, outbox):
     deployment, start, now = _setup(session, minutes=20, delta=0.05)
@@ -75,6 +79,7 @@ def test_spike_with_shadow_quality_within_delta_keeps_the_active_set(session: Se
     assert (job.trigger, job.alert_id) == ("alert", spikes[0].id)
 
 
+@pytest.mark.slow
 def test_spike_with_disagreement_above_delta_falls_back(session: Session, tmp_path, outbox):
     deployment, start, now = _setup(session, minutes=20, delta=0.05)
     send_requests(session, deployment, start=start, seed=1,
@@ -85,6 +90,7 @@ def test_spike_with_disagreement_above_delta_falls_back(session: Session, tmp_pa
     assert aliases_of(session=session, deployment=deployment)["active"] == 1
 
 
+@pytest.mark.slow
 def test_distribution_drift_alone_informs_then_pages_when_it_persists(session: Session,
                                                                       tmp_path, outbox):
     options = DriftOptions(recent_s=300, distribution_persist_windows=2)
@@ -147,6 +153,7 @@ def test_unchecked_tokens_stay_out_of_the_signal_distribution(session: Session, 
     assert 3800 < sum(map(sum, histogram.values())) < 5200
 
 
+@pytest.mark.slow
 def test_windows_of_another_version_are_never_compared(session: Session, tmp_path, outbox):
     deployment, start, now = _setup(session)
     send_requests(session, deployment, start=start, seed=5, phases=[Requests(30)])
