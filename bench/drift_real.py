@@ -107,9 +107,10 @@ def produce_records(source: str, *, requests: int, new_tokens: int, prompt_token
     path = RECORDS_DIR / f"{source}-{requests}x{new_tokens}.npz"
     if path.exists():
         return path
-    torch.set_grad_enabled(False)
     model, tokenizer = load_model()
+    # heads are trained on first use (backward passes): no grad only once they exist
     heads, _, _ = _heads(model, tokenizer, True, Timeline())
+    torch.set_grad_enabled(False)
     heads.float()
     engine = Engine(model, heads=heads, config=EngineConfig(
         max_batch=batch, max_seq_len=prompt_tokens + new_tokens + 96, shadow_rate=1.0))
