@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     canary_failure_limit: int = Field(default=1, ge=1)
     canary_max_inconclusive: int = Field(default=10, ge=1)
     canary_min_shadow_tokens: int = Field(default=200, ge=1)
+    # issue 17: the canary's quality test counts requests; fewer cannot show clustering
+    canary_min_shadow_requests: int = Field(default=10, ge=2)
     # State shared across API processes (issues 13.4/13.6/13.7/13.8, 14.4): limits, revocation,
     # wake-ups and gauges go through Redis when configured, else the database / this process.
     revocation_poll_s: float = Field(default=0.5, gt=0)
