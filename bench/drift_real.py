@@ -98,15 +98,16 @@ def _prompts(source: str, tokenizer, count: int, prompt_tokens: int) -> list[lis
 def produce_records(source: str, *, requests: int, new_tokens: int, prompt_tokens: int,
                     batch: int) -> Path:
     """Run the engine on one source with every token shadowed; cache the records as .npz."""
+    path = RECORDS_DIR / f"{source}-{requests}x{new_tokens}.npz"
+    if path.exists():
+        return path
     import torch
 
     from exitplane.demo import Timeline, _heads
     from runtime.engine import Engine, EngineConfig
     from runtime.model import load_model
 
-    path = RECORDS_DIR / f"{source}-{requests}x{new_tokens}.npz"
-    if path.exists():
-        return path
+    torch.set_num_threads(1)  # the shared box: more threads than cores only thrash
     model, tokenizer = load_model()
     # heads are trained on first use (backward passes): no grad only once they exist
     heads, _, _ = _heads(model, tokenizer, True, Timeline())
@@ -432,9 +433,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
-    import torch
-
-    torch.set_num_threads(1)  # the shared box: more threads than cores only thrash
     paths = {name: produce_records(name, requests=args.requests, new_tokens=args.new_tokens,
                                    prompt_tokens=args.prompt_tokens, batch=args.batch)
              for name in SOURCES}

@@ -18,6 +18,7 @@ from controlplane.alerts.service import Condition
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from workers.stats.clustered import (
     ClusteredProportion,
+    cluster_codes,
     clustered_rate,
     effective_rows,
     layer_design_effects,
@@ -143,6 +144,7 @@ def shadow_window(*, requests: Sequence[str], signals: np.ndarray, matched: np.n
 
     `served_tokens`: tokens that reached the first exit layer in the window (rollups), to carry
     the design effect from shadow-sized requests to served-sized ones."""
+    requests = cluster_codes(requests)  # once for every statistic below
     slot, disagree = policy_outcomes(signals, matched, thresholds)
     quality = clustered_rate(requests, disagree)
     measured = layer_design_effects(requests, slot, layers,
