@@ -330,6 +330,7 @@ class Episode:
             shadow_requests=self.tokens["request"][pick].astype(str),
             shadow_signals=self.tokens["signals"][pick],
             shadow_matched=self.tokens["matched"][pick],
+            shadow_times=self.start.timestamp() + ts[pick],
             histograms=histograms,
             info_open=(info["fired"], info["clear_since"]) if info else None)
         return evaluate(inputs, options)
