@@ -371,6 +371,7 @@ class Episode:
 
         from controlplane.alerts.service import QUALITY_AT_RISK
         from controlplane.calibration.fallback import SpikeGate, decide
+        from controlplane.settings import get_settings
 
         now = self.start + timedelta(seconds=t)
         fired, seen = [], set()
@@ -386,7 +387,8 @@ class Episode:
             if condition.kind in QUALITY_AT_RISK:
                 decision = decide(alert=SimpleNamespace(kind=condition.kind,
                                                         evidence=condition.evidence),
-                                  delta=self.delta, gate=SpikeGate())
+                                  delta=self.delta,
+                                  gate=SpikeGate.from_settings(get_settings()))
                 event["fallback"] = decision.fall_back
                 event["rule"] = decision.rule
                 event["true_disagreement"] = self.true_disagreement(t)
@@ -460,11 +462,12 @@ def main() -> None:
         print(json.dumps({name: str(path) for name, path in paths.items()}))
         return
 
+    from controlplane.settings import get_settings
     from workers.stats.window_checks import DriftOptions
 
     started = time.perf_counter()
     rng = np.random.default_rng(args.seed)
-    options = DriftOptions()
+    options = DriftOptions.from_settings(get_settings())  # what `drift.detect` runs with
     sources = {name: Source(name, load_records(path), seed=args.seed)
                for name, path in paths.items()}
     calibrated = {name: source.calibrate(delta=args.delta, epsilon=args.epsilon)
