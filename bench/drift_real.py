@@ -45,8 +45,12 @@ Reported:
 
 - `false_alarms_per_hour`: alerts (warning or critical; info findings do not page) fired during
   stationary traffic, per simulated hour of it (warm-up stretches before switches included);
-- `false_fallbacks`: fallbacks decided while the true disagreement of the recent window (all its
-  tokens, not only the shadow ones) is within δ;
+- `false_fallbacks`: fallbacks decided while the true disagreement (all tokens, not only the
+  shadow ones) of the window that decided it is within δ: the quality window the
+  `quality_regression` names (1, 3 or 10 minutes), the recent window for an exit-rate spike's
+  gate. `fallbacks_recent_window_within_delta` counts, for comparison, fallbacks whose whole
+  recent (10-minute) window is within δ: a shift caught in its first minute is one of those,
+  since nine minutes of the old traffic still dilute it;
 - `shift_detect_s_median` / `missed_shifts`: over switches that change the true disagreement
   above δ or a conditional exit rate by at least the detectors' minimum effect, seconds from the
   switch to the first alert, and switches with no alert within `--after-min` minutes;
@@ -352,11 +356,13 @@ class Episode:
             info_open=(info["fired"], info["clear_since"]) if info else None)
         return evaluate(inputs, options)
 
-    def true_disagreement(self, t: float) -> float:
-        """Disagreement of every token (not only shadow ones) of the recent window."""
+    def true_disagreement(self, t: float, seconds: float | None = None) -> float:
+        """Disagreement of every token (not only shadow ones) of the last `seconds` (default:
+        the recent window)."""
         from workers.stats.clustered import policy_outcomes
 
-        lo, hi = np.searchsorted(self.tokens["ts"], [max(t - self.options.recent_s, 0), t])
+        seconds = self.options.recent_s if seconds is None else seconds
+        lo, hi = np.searchsorted(self.tokens["ts"], [max(t - seconds, 0), t])
         if hi <= lo:
             return 0.0
         _, disagree = policy_outcomes(self.tokens["signals"][lo:hi],
@@ -391,7 +397,10 @@ class Episode:
                                   gate=SpikeGate.from_settings(get_settings()))
                 event["fallback"] = decision.fall_back
                 event["rule"] = decision.rule
-                event["true_disagreement"] = self.true_disagreement(t)
+                window = (condition.evidence.get("evidence") or {}).get("window") or {}
+                event["window_s"] = window.get("seconds", self.options.recent_s)
+                event["true_disagreement"] = self.true_disagreement(t, event["window_s"])
+                event["true_disagreement_recent"] = self.true_disagreement(t)
             fired.append(event)
         for key, alert in list(self.open.items()):
             if key in seen or alert["kind"] not in checked:
@@ -491,6 +500,7 @@ def main() -> None:
         return run.run(times)
 
     stationary_s, false_alarms, false_fallbacks, fallbacks, infos = 0.0, [], 0, 0, 0
+    diluted = 0
     per_source = args.hours * 3600 / len(sources)
     for name, source in sources.items():
         thresholds, expected = calibrated[name]
@@ -509,6 +519,7 @@ def main() -> None:
             if event["fallback"]:
                 fallbacks += 1
                 false_fallbacks += event["true_disagreement"] <= args.delta
+                diluted += event["true_disagreement_recent"] <= args.delta
 
     warmup, after = args.warmup_min * 60, args.after_min * 60
     delays, missed, shifts, skipped = [], [], [], 0
@@ -533,6 +544,10 @@ def main() -> None:
                 if event["fallback"]:
                     fallbacks += 1
                     false_fallbacks += event["true_disagreement"] <= args.delta
+                    diluted += event["true_disagreement_recent"] <= args.delta
+                    print("fallback", json.dumps({k: event[k] for k in (
+                        "t", "kind", "rule", "window_s", "true_disagreement",
+                        "true_disagreement_recent")} | {"from": home, "to": target}))
             detected = [e for e in _pages(events) if e["t"] > warmup]
             shift = {"from": home, "to": target, "moves": bool(moves),
                      "target_disagreement": round(target_disagreement, 4),
@@ -564,7 +579,8 @@ def main() -> None:
         "hours": round(hours, 2),
         "stationary_hours": round(stationary_s / 3600, 2),
         "shifts": len(shifts) - skipped, "shifts_without_change": skipped,
-        "fallbacks": fallbacks, "info_findings": infos,
+        "fallbacks": fallbacks, "fallbacks_recent_window_within_delta": int(diluted),
+        "info_findings": infos,
         "token_rate": args.token_rate, "shadow_rate": args.shadow_rate, "delta": args.delta,
         "check_every_s": args.check_every_s, "shift_check_every_s": args.shift_check_every_s,
         "first_alerts": {kind: sum(s["first_alert"] == kind for s in shifts)
