@@ -35,6 +35,20 @@ of the issue's first try was one person's test on a CPU box, not a deployment. D
 depends on it: the detectors need a given number of requests' worth of evidence, so run
 `--token-rate 30 / 100 / 1000` for the curve (README, issue 17 figures).
 
+What limits detection (measured, issue 17): (1) the token rate: a switch that moves
+disagreement a little above δ (chat -> code: 6.5% vs 5%) needs a few thousand effective shadow
+tokens at the per-look level, about a minute of traffic at 300 tokens/s and more than twenty
+at 30; (2) the window: a single 10-minute quality window dilutes a new shift with the old
+traffic (after t seconds only t/600 of it is new), which made the first session's median
+735 s, so the quality test now also looks at the last 1 and 3 minutes (their looks share one
+hourly false-alarm budget: `workers.stats.window_checks`); (3) the cadence: detection is
+quantised to the 30 s check; exit-rate moves above the minimum effect are found at the first
+check from 300 tokens/s; (4) the design effect costs little here (1.6-1.7 for disagreement,
+about 5.5 for exit rates at 300 tokens/s); the minimum counts do not bind above 30 tokens/s.
+Cost, not statistics, limited the cadence: ADWIN was fed every token of the 30-minute
+lookback at every check (seconds per check at 300 tokens/s); it now sees a capped number per
+rollup (`ExitRateMonitor`).
+
 Cadence: after a switch the detectors run every `--shift-check-every-s` (30 s, the drift
 beat); stationary stretches are checked every `--check-every-s` (default 30 s as well, the
 production cadence, so that false alarms are counted on every look production makes; a larger
