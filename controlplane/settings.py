@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     canary_failure_limit: int = Field(default=1, ge=1)
     canary_max_inconclusive: int = Field(default=10, ge=1)
     canary_min_shadow_tokens: int = Field(default=200, ge=1)
+    # issue 17: the canary's quality test counts requests; fewer cannot show clustering
+    canary_min_shadow_requests: int = Field(default=10, ge=2)
     # State shared across API processes (issues 13.4/13.6/13.7/13.8, 14.4): limits, revocation,
     # wake-ups and gauges go through Redis when configured, else the database / this process.
     revocation_poll_s: float = Field(default=0.5, gt=0)
@@ -100,6 +102,10 @@ class Settings(BaseSettings):
     # Distribution drift alone is info; it pages once it held this many consecutive windows.
     drift_distribution_persist_windows: int = Field(default=3, ge=1)
     drift_distribution_p_value: float = Field(default=1e-3, gt=0, lt=1)
+    # issue 17 detection speed: the quality test's sliding windows (seconds, each at most
+    # drift_recent_s) and the false-alarm budget per hour that all their looks share.
+    drift_quality_windows_s: list[float] = Field(default=[60.0, 180.0, 600.0], min_length=1)
+    drift_quality_alpha_per_hour: float = Field(default=1e-2, gt=0, lt=1)
     # An exit-rate spike falls back unless the (1 - alpha) upper bound of the window's
     # request-clustered shadow disagreement is within δ on enough shadow tokens and requests.
     fallback_gate_alpha: float = Field(default=0.05, gt=0, lt=1)

@@ -6,8 +6,16 @@ carry the canary version, so rollups with `version == canary` are the canary gro
 
 - failed: canary shadow disagreement significantly above δ (one-sided binomial test), or its exit
   rate significantly and materially above the calibration's expectation (quality at risk);
-- inconclusive: too few canary shadow tokens, or disagreement above δ but not significantly;
-- clean otherwise.
+- inconclusive: too few canary shadow tokens or requests, or an upper confidence bound of the
+  disagreement above δ (the window cannot show that quality holds);
+- clean otherwise: the window shows disagreement within δ at confidence 1 - alpha.
+
+The quality test counts requests, not tokens (issue 17): a request's tokens share a prompt and
+a topic, so disagreements cluster in requests, and a binomial test over tokens overstates its
+evidence by the design effect. The canary's shadow tokens are read with their request ids and
+tested as the drift detector tests them (`controlplane.stats.clustered`: ratio estimator with a
+cluster-robust variance, exact binomial bounds on the effective size). A canary whose
+disagreements sit in a few requests is therefore neither promoted nor reverted on token counts.
 
 `clean_windows` clean windows promote the candidate to `active`; `failure_limit` failed checks
 revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows pause
@@ -20,7 +28,6 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from scipy.stats import binomtest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -30,7 +37,9 @@ from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import utcnow
 from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.errors import Conflict, NotFound
+from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
 from controlplane.telemetry.models import Rollup
+from controlplane.telemetry.service import shadow_samples_by_request
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
 
@@ -46,6 +55,7 @@ class CanaryPolicy:
     failure_limit: int = 1
     max_inconclusive: int = 10
     min_shadow_tokens: int = 200
+    min_shadow_requests: int = 10  # fewer: clustering cannot be measured (issue 17)
     alpha: float = 0.01
     exit_rate_tolerance: float = 0.10  # absolute excess over the expected exit rate that fails
 
@@ -55,7 +65,8 @@ class CanaryPolicy:
                    clean_windows=settings.canary_clean_windows,
                    failure_limit=settings.canary_failure_limit,
                    max_inconclusive=settings.canary_max_inconclusive,
-                   min_shadow_tokens=settings.canary_min_shadow_tokens)
+                   min_shadow_tokens=settings.canary_min_shadow_tokens,
+                   min_shadow_requests=settings.canary_min_shadow_requests)
 
 
 def floor_minute(moment: datetime) -> datetime:
@@ -117,17 +128,31 @@ def group_figures(*, session: Session, deployment: Deployment, version: int,
             "mismatches": mismatches, "disagreement": mismatches / shadow if shadow else None}
 
 
-def _verdict(*, canary: dict, expected_exit_rate: float | None, delta: float,
-             policy: CanaryPolicy) -> tuple[str, str, dict]:
+def window_quality(*, session: Session, deployment: Deployment, version: int,
+                   thresholds: dict[int, float], since: datetime, until: datetime
+                   ) -> ClusteredProportion:
+    """The policy's disagreement on one version's shadow tokens of a window, clustered by
+    request (the unit the quality test counts)."""
+    requests, signals, matched = shadow_samples_by_request(
+        session=session, deployment=deployment, since=since, until=until, version=version)
+    layers = sorted(deployment.exit_layers)
+    _, disagree = policy_outcomes(signals, matched, [thresholds[k] for k in layers])
+    return clustered_rate(requests, disagree)
+
+
+def _verdict(*, canary: dict, quality: ClusteredProportion, expected_exit_rate: float | None,
+             delta: float, policy: CanaryPolicy) -> tuple[str, str, dict]:
     """(clean | failed | inconclusive, why, test figures) for one window of the canary."""
-    n, k = canary["shadow_tokens"], canary["mismatches"]
-    tests: dict = {}
+    n, k, requests = quality.tokens, quality.events, quality.clusters
+    tests: dict = {"quality": quality.to_dict()}
+    over = (f"{k}/{n} shadow tokens over {requests} requests (design effect "
+            f"{quality.design_effect:.1f}, effective {quality.effective_tokens:.0f})")
     if n:
-        p_quality = binomtest(k, n, p=delta, alternative="greater").pvalue
+        p_quality = quality.p_value_above(delta)
         tests["disagreement_p_value"] = float(p_quality)
         if p_quality <= policy.alpha:
-            return "failed", (f"canary disagreement {k / n:.4f} on {n} shadow tokens is "
-                              f"significantly above δ={delta} (p={p_quality:.2g})"), tests
+            return "failed", (f"canary disagreement {k / n:.4f} on {over} is significantly "
+                              f"above δ={delta} (p={p_quality:.2g})"), tests
     if expected_exit_rate is not None and canary["served_tokens"]:
         observed = LayerCounts(tokens=canary["served_tokens"], exits=canary["exits"])
         z, p_rate = proportion_z_test(observed, LayerReference(rate=expected_exit_rate))
@@ -138,13 +163,18 @@ def _verdict(*, canary: dict, expected_exit_rate: float | None, delta: float,
             return "failed", (f"canary exit rate {observed.rate:.3f} is {excess:.3f} above the "
                               f"calibration's expected {expected_exit_rate:.3f} "
                               f"(p={p_rate:.2g})"), tests
-    if n < policy.min_shadow_tokens:
-        return "inconclusive", (f"only {n} canary shadow tokens in the window; need "
-                                f"{policy.min_shadow_tokens}"), tests
-    if k / n > delta:
-        return "inconclusive", (f"canary disagreement {k / n:.4f} is above δ={delta} but not "
-                                "significantly"), tests
-    return "clean", f"canary disagreement {k / n:.4f} <= δ={delta} on {n} shadow tokens", tests
+    if n < policy.min_shadow_tokens or requests < policy.min_shadow_requests:
+        return "inconclusive", (f"only {n} canary shadow tokens from {requests} requests in the "
+                                f"window; need {policy.min_shadow_tokens} from "
+                                f"{policy.min_shadow_requests}"), tests
+    bound = quality.upper_bound(policy.alpha)
+    tests["disagreement_upper_bound"] = bound
+    if bound > delta:
+        return "inconclusive", (f"canary disagreement {k / n:.4f} on {over}: its "
+                                f"{1 - policy.alpha:.0%} upper bound {bound:.4f} is above "
+                                f"δ={delta}"), tests
+    return "clean", (f"canary disagreement {k / n:.4f} on {over}; {1 - policy.alpha:.0%} upper "
+                     f"bound {bound:.4f} <= δ={delta}"), tests
 
 
 def evaluate_canary(*, session: Session, deployment: Deployment,
@@ -177,8 +207,12 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
                                 since=start, until=end)
         stable = group_figures(session=session, deployment=deployment,
                                version=aliases["active"], since=start, until=end)
-        verdict, why, tests = _verdict(canary=figures, expected_exit_rate=expected,
-                                       delta=deployment.delta, policy=policy)
+        quality = window_quality(session=session, deployment=deployment, version=run.version,
+                                 thresholds=candidate.thresholds_by_layer(), since=start,
+                                 until=end)
+        verdict, why, tests = _verdict(canary=figures, quality=quality,
+                                       expected_exit_rate=expected, delta=deployment.delta,
+                                       policy=policy)
         run.checks = [*run.checks, {
             "window": [start.isoformat(), end.isoformat()], "verdict": verdict, "reason": why,
             "canary": figures, "stable": stable, "tests": tests, "at": now.isoformat()}]

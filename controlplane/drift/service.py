@@ -7,7 +7,9 @@ layer saw `reference_tokens` tokens:
 
 - exit rate per layer: the per-minute rollups of the lookback replayed through ADWIN with a
   confirming two-proportion test, Holm-corrected across layers (`controlplane.drift.stats`);
-- shadow disagreement of the recent window vs the deployment's δ (one-sided binomial test);
+- shadow disagreement of sliding windows of the recent shadow tokens vs the deployment's δ
+  (one-sided binomial test; the looks share an hourly false-alarm budget, see
+  `controlplane.drift.window_checks`);
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
 - runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
 
@@ -60,8 +62,8 @@ from controlplane.drift.window_checks import (
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.service import (
     exit_rates,
-    shadow_samples_by_request,
     signal_histogram,
+    timed_shadow_samples_by_request,
 )
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.service import aliases_of, get_threshold_set
@@ -174,7 +176,7 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
     minutes = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
                                          version=version), layers)
     recent_since = max(now - timedelta(seconds=options.recent_s), start)
-    requests, signals, matched = shadow_samples_by_request(
+    requests, signals, matched, times = timed_shadow_samples_by_request(
         session=session, deployment=deployment, since=recent_since, version=version)
     histograms = info_open = None
     if found is not None:
@@ -193,7 +195,8 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
         reference=reference, reference_origin=reference_origin,
         reference_window=(start, reference_until) if found is not None else None,
         since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
-        shadow_signals=signals, shadow_matched=matched, histograms=histograms,
+        shadow_signals=signals, shadow_matched=matched, shadow_times=times,
+        histograms=histograms,
         info_open=info_open)
     return evaluate(inputs, options, want_report=want_report)
 

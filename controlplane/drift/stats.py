@@ -288,6 +288,15 @@ class ExitRateMonitor:
     `min_expected_events` > 0 also holds a confirming test back until the fresh tokens' effective
     count would expect that many exits and stays at the reference rate (the z-test's normal
     approximation is poor on a handful of rare exits).
+
+    `update_counts` (one rollup at a time) shows ADWIN at most `adwin_max_per_rollup` evenly
+    spread indicators per rollup and layer, each standing for its share of the rollup's tokens;
+    the reference, tumbling window and confirming counts stay exact. Feeding every token of a
+    busy minute costs O(tokens) Python calls per check (seconds per check at a few hundred
+    tokens/s, replayed over the whole lookback each cycle) and adds nothing: once a minute
+    holds more than `window_tokens` tokens, the tumbling-window test on its exact counts tests
+    each minute against the reference anyway, so the suspicion is only needed, and is exact,
+    on thin traffic (below the cap).
     """
 
     def __init__(
@@ -306,6 +315,7 @@ class ExitRateMonitor:
         window_tokens: int = 5000,
         design_effect: Mapping[int, float] | None = None,
         min_expected_events: float = 0.0,
+        adwin_max_per_rollup: int = 128,
     ) -> None:
         self.exit_layers = sorted(exit_layers)
         self.alpha, self.min_effect, self.correction = alpha, min_effect, correction
@@ -314,6 +324,7 @@ class ExitRateMonitor:
         self.window_tokens = window_tokens
         self.design_effect = dict(design_effect or {})
         self.min_expected_events = min_expected_events
+        self.adwin_max_per_rollup = adwin_max_per_rollup
         self.tokens_seen = 0
         self._since_check = 0
         self._layers = {
@@ -363,29 +374,40 @@ class ExitRateMonitor:
             c = counts.get(layer)
             if c is None or c.tokens == 0:
                 continue
-            i = np.arange(c.tokens)
-            spread = (i + 1) * c.exits // c.tokens - i * c.exits // c.tokens
-            self._feed(state, spread.tolist())
+            m = min(c.tokens, self.adwin_max_per_rollup)
+            i = np.arange(m)
+            pseudo_exits = round(c.exits * m / c.tokens)  # what ADWIN sees: m tokens, same rate
+            spread = (i + 1) * pseudo_exits // m - i * pseudo_exits // m
+            if m == c.tokens:
+                self._feed(state, spread.tolist())
+                continue
+            tokens = (i + 1) * c.tokens // m - i * c.tokens // m  # what each one stands for
+            exits = (i + 1) * c.exits // m - i * c.exits // m
+            self._feed(state, spread.tolist(), tokens.tolist(), exits.tolist())
         self.tokens_seen += max((c.tokens for c in counts.values()), default=0)
         self._since_check = 0
         return self._check()
 
-    def _feed(self, state: _LayerState, indicators: list[int]) -> None:
+    def _feed(self, state: _LayerState, indicators: list[int],
+              tokens: list[int] | None = None, exits: list[int] | None = None) -> None:
+        """ADWIN sees `indicators`; the counts add `tokens` / `exits` per indicator (by default
+        one token each, exiting when its indicator is 1)."""
         adwin, confirm = state.adwin, state.confirm
         learning = state.reference is None
-        for exited in indicators:
-            adwin.update(exited)
+        for index, indicator in enumerate(indicators):
+            adwin.update(indicator)
+            n, exited = (1, indicator) if tokens is None else (tokens[index], exits[index])
             if learning:
-                state.warmup[0] += 1
+                state.warmup[0] += n
                 state.warmup[1] += exited
                 if state.warmup[0] >= self.warmup_tokens:
                     state.reference = LayerReference.from_counts(LayerCounts(*state.warmup))
                     learning = False
                 continue
-            state.window[0] += 1
+            state.window[0] += n
             state.window[1] += exited
             if confirm is not None:
-                confirm[0] += 1
+                confirm[0] += n
                 confirm[1] += exited
             elif adwin.drift_detected and state.firing is None:
                 confirm = state.confirm = [0, 0]

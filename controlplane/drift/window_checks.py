@@ -5,6 +5,23 @@ shadow samples with request ids) and reconciles the alerts; `bench/drift_real.py
 same windows from replayed records. Both run `evaluate`, so the benchmark measures the
 detectors the service runs.
 The statistics and why they are request-clustered: `controlplane.stats.clustered`.
+
+The quality test looks at several sliding windows of the latest shadow tokens at every check
+(`quality_windows_s`, e.g. the last 1, 3 and 10 minutes): a shift shows in the short window
+minutes before it dominates the long one, and the long one still sees a small excess. Checking
+often and on several windows must not page more often, so the looks share one false-alarm
+budget per hour: each window of each check is tested at
+
+    alpha = quality_alpha_per_hour * check_interval_s / 3600 / len(quality_windows_s)
+
+(Bonferroni over the looks of an hour, i.e. alpha spent at a constant rate). Bonferroni and not
+a confidence sequence or a Pocock-type boundary: the looks are heavily dependent (overlapping
+windows, the same requests read again every 30 s) and the detector is stateless (each check
+re-reads its windows), so a union bound over the looks is the correction that stays valid under
+any dependence without carrying state between checks; its price is a stricter per-look
+threshold (z about 4 instead of 3), which the short windows more than pay back at production
+token rates. At the δ boundary the chance of any quality page in an hour is at most
+`quality_alpha_per_hour`, whatever the cadence.
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from controlplane.drift.stats import (
 )
 from controlplane.stats.clustered import (
     ClusteredProportion,
+    cluster_codes,
     clustered_rate,
     effective_rows,
     layer_design_effects,
@@ -61,11 +79,20 @@ class DriftOptions:
     min_shadow_requests: int = 10  # fewer requests: the design effect is not measured
     default_design_effect: float = 1.0
     max_design_effect: float = 200.0
-    quality_alpha: float = 1e-3
     gate_alpha: float = 0.05  # the quality gate's upper bound is a (1 - gate_alpha) bound
     distribution_persist_windows: int = 3
     distribution_p_value: float = 1e-3
     min_expected_exits: float = 10.0  # before a confirming exit-rate test on fresh tokens
+    # sliding quality windows and the hourly false-alarm budget their looks share (docstring)
+    quality_windows_s: tuple[float, ...] = (60.0, 180.0, 600.0)
+    quality_alpha_per_hour: float = 1e-2
+    check_interval_s: float = 30.0
+
+    @property
+    def quality_look_alpha(self) -> float:
+        """The level each window of each check is tested at."""
+        looks_per_hour = 3600.0 / self.check_interval_s * len(self.quality_windows_s)
+        return self.quality_alpha_per_hour / looks_per_hour
 
     @classmethod
     def from_settings(cls, settings) -> DriftOptions:
@@ -74,7 +101,10 @@ class DriftOptions:
                    default_design_effect=settings.drift_default_design_effect,
                    gate_alpha=settings.fallback_gate_alpha,
                    distribution_persist_windows=settings.drift_distribution_persist_windows,
-                   distribution_p_value=settings.drift_distribution_p_value)
+                   distribution_p_value=settings.drift_distribution_p_value,
+                   quality_windows_s=tuple(settings.drift_quality_windows_s),
+                   quality_alpha_per_hour=settings.drift_quality_alpha_per_hour,
+                   check_interval_s=settings.drift_interval_s)
 
 
 @dataclass
@@ -95,6 +125,7 @@ class WindowInputs:
     shadow_requests: Sequence[str]  # the recent window's shadow tokens: request ids,
     shadow_signals: np.ndarray  # (n, L) signals and
     shadow_matched: np.ndarray  # (n, L) matches with full depth
+    shadow_times: np.ndarray | None = None  # (n,) epoch seconds: the quality sub-windows
     histograms: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None  # ref, recent
     info_open: tuple[datetime, datetime | None] | None = None  # open info alert: fired, clear
     extra: dict = field(default_factory=dict)
@@ -144,6 +175,7 @@ def shadow_window(*, requests: Sequence[str], signals: np.ndarray, matched: np.n
 
     `served_tokens`: tokens that reached the first exit layer in the window (rollups), to carry
     the design effect from shadow-sized requests to served-sized ones."""
+    requests = cluster_codes(requests)  # once for every statistic below
     slot, disagree = policy_outcomes(signals, matched, thresholds)
     quality = clustered_rate(requests, disagree)
     measured = layer_design_effects(requests, slot, layers,
@@ -219,18 +251,11 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
                     delta=inputs.delta, alpha=options.gate_alpha, window=recent_window)
             conditions.append(condition)
 
-    quality = shadow.disagreement
-    if quality.tokens >= options.min_shadow_tokens:
+    if shadow.disagreement.tokens >= options.min_shadow_tokens:
         checked.add(QUALITY_REGRESSION)
-        finding = check_shadow_disagreement(disagreement=quality, delta=inputs.delta,
-                                            alpha=options.quality_alpha, window=recent_window)
-        if finding is not None:
-            conditions.append(Condition(
-                kind=QUALITY_REGRESSION, severity=finding.severity, evidence=finding.to_dict(),
-                summary=(f"disagreement with full depth {quality.events}/{quality.tokens} = "
-                         f"{quality.rate:.2%} exceeds δ={inputs.delta:g} over "
-                         f"{quality.clusters} requests (design effect "
-                         f"{quality.design_effect:.1f}; p={finding.p_value:.2g})")))
+        found = quality_condition(inputs, options)
+        if found is not None:
+            conditions.append(found)
 
     if inputs.histograms is not None and inputs.reference_window is not None:
         distribution = distribution_condition(
@@ -245,6 +270,54 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
             if escalated:
                 conditions.append(escalated)
     return conditions, checked
+
+
+def quality_windows(inputs: WindowInputs, options: DriftOptions
+                    ) -> list[tuple[float, ClusteredProportion]]:
+    """(seconds, clustered disagreement) of each sliding quality window, shortest first; only
+    the whole recent window when the shadow tokens carry no times."""
+    requests = cluster_codes(inputs.shadow_requests)
+    _, disagree = policy_outcomes(inputs.shadow_signals, inputs.shadow_matched,
+                                  inputs.thresholds)
+    if inputs.shadow_times is None:
+        return [(options.recent_s, clustered_rate(requests, disagree))]
+    now = inputs.now.timestamp()
+    out = []
+    for seconds in sorted(min(w, options.recent_s) for w in set(options.quality_windows_s)):
+        pick = inputs.shadow_times >= now - seconds
+        out.append((seconds, clustered_rate(requests[pick], disagree[pick])))
+    return out
+
+
+def quality_condition(inputs: WindowInputs, options: DriftOptions) -> Condition | None:
+    """A quality_regression when any sliding window's request-clustered disagreement is
+    significantly above δ at the per-look level (module docstring); the most significant one."""
+    alpha = options.quality_look_alpha
+    best = None
+    for seconds, quality in quality_windows(inputs, options):
+        if quality.tokens < options.min_shadow_tokens:
+            continue
+        since = max(inputs.recent_since, inputs.now - timedelta(seconds=seconds))
+        window = {"since": since.isoformat(), "until": inputs.now.isoformat(),
+                  "version": inputs.version, "seconds": seconds}
+        finding = check_shadow_disagreement(disagreement=quality, delta=inputs.delta,
+                                            alpha=alpha, window=window)
+        if finding is not None and (best is None or finding.p_value < best[0].p_value):
+            best = (finding, quality, seconds)
+    if best is None:
+        return None
+    finding, quality, seconds = best
+    evidence = finding.to_dict()
+    evidence["evidence"] |= {"looks": {"windows_s": list(options.quality_windows_s),
+                                       "alpha_per_hour": options.quality_alpha_per_hour,
+                                       "check_interval_s": options.check_interval_s,
+                                       "alpha_per_look": alpha}}
+    return Condition(
+        kind=QUALITY_REGRESSION, severity=finding.severity, evidence=evidence,
+        summary=(f"disagreement with full depth {quality.events}/{quality.tokens} = "
+                 f"{quality.rate:.2%} exceeds δ={inputs.delta:g} over the last {seconds:g} s, "
+                 f"{quality.clusters} requests (design effect {quality.design_effect:.1f}; "
+                 f"p={finding.p_value:.2g} < {alpha:.2g} per look)"))
 
 
 def escalation(inputs: WindowInputs, options: DriftOptions, *, info: Condition,

@@ -84,6 +84,17 @@ def clopper_pearson(rate: float, n: float, alpha: float) -> tuple[float, float]:
     return lower, upper
 
 
+def cluster_codes(cluster_ids: Sequence) -> np.ndarray:
+    """Dense integer codes 0..k-1 of per-token cluster ids (integer ids are coded without the
+    string conversion). A window's ids are coded once: converting 10^5 ids to strings costs
+    more than the statistics themselves."""
+    if isinstance(cluster_ids, np.ndarray) and cluster_ids.dtype.kind in "iu":
+        return np.unique(cluster_ids, return_inverse=True)[1].ravel()
+    _, cluster = np.unique(np.asarray(cluster_ids, dtype=object).astype(str),
+                           return_inverse=True)
+    return cluster.ravel()
+
+
 def per_cluster(cluster_ids: Sequence, events: np.ndarray,
                 include: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-cluster (tokens, events) from per-token cluster ids and 0/1 events.
@@ -92,8 +103,7 @@ def per_cluster(cluster_ids: Sequence, events: np.ndarray,
     clusters with no included token are dropped."""
     events = np.asarray(events, dtype=np.int64)
     keep = np.ones(len(events), dtype=bool) if include is None else np.asarray(include, bool)
-    _, cluster = np.unique(np.asarray(cluster_ids, dtype=object).astype(str),
-                           return_inverse=True)
+    cluster = cluster_codes(cluster_ids)
     tokens = np.bincount(cluster.ravel(), weights=keep).astype(np.int64)
     hits = np.bincount(cluster.ravel(), weights=events * keep).astype(np.int64)
     present = tokens > 0
@@ -132,9 +142,7 @@ def mean_design_effect(cluster_ids: Sequence, values: np.ndarray) -> tuple[float
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return 1.0, len(values)
-    _, cluster = np.unique(np.asarray(cluster_ids, dtype=object).astype(str),
-                           return_inverse=True)
-    cluster = cluster.ravel()
+    cluster = cluster_codes(cluster_ids)
     sizes = np.bincount(cluster).astype(float)
     sums = np.bincount(cluster, weights=values)
     groups, total = len(sizes), float(sizes.sum())

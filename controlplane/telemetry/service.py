@@ -294,9 +294,9 @@ def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
                    until: datetime | None = None, version: int | None = None,
                    limit: int = 1_000_000) -> tuple[np.ndarray, np.ndarray]:
     """(signals float32 (n, L), matched bool (n, L)) in exit-layer order, oldest first."""
-    _, signals, matched = _read_shadow(session=session, deployment=deployment, since=since,
-                                       until=until, version=version, limit=limit,
-                                       with_requests=False)
+    _, signals, matched, _ = _read_shadow(session=session, deployment=deployment, since=since,
+                                          until=until, version=version, limit=limit,
+                                          with_requests=False)
     return signals, matched
 
 
@@ -320,14 +320,28 @@ def shadow_samples_by_request(*, session: Session, deployment: Deployment, since
 
     Samples stored before request ids were kept stand for their batch (a conservative cluster)."""
     return _read_shadow(session=session, deployment=deployment, since=since, until=until,
-                        version=version, limit=limit, with_requests=True)
+                        version=version, limit=limit, with_requests=True)[:3]
+
+
+def timed_shadow_samples_by_request(*, session: Session, deployment: Deployment,
+                                    since: datetime, version: int | None = None,
+                                    limit: int = 1_000_000
+                                    ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """`shadow_samples_by_request` plus each sample's time (epoch seconds, float64): the drift
+    check tests sub-windows of the samples it read (issue 17)."""
+    return _read_shadow(session=session, deployment=deployment, since=since, until=None,
+                        version=version, limit=limit, with_requests=True, with_times=True)
 
 
 def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
                  until: datetime | None, version: int | None, limit: int,
-                 with_requests: bool) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """One read of the shadow samples; request ids only when asked for (the column costs)."""
+                 with_requests: bool, with_times: bool = False
+                 ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """One read of the shadow samples; request ids and times only when asked for (the columns
+    cost)."""
     columns = [ShadowSampleRow.signals, ShadowSampleRow.matched]
+    if with_times:
+        columns.append(ShadowSampleRow.ts)
     if with_requests:
         columns.append(func.coalesce(ShadowSampleRow.request_id,
                                      ShadowSampleRow.batch_id).label("request_id"))
@@ -341,11 +355,16 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
     rows = session.execute(query).all()
     width = len(deployment.exit_layers)
     if not rows:
-        return [], np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool)
+        return ([], np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool),
+                np.zeros(0))
     signals = np.frombuffer(b"".join(bytes(r.signals) for r in rows), dtype="<f4")
     matched = np.frombuffer(b"".join(bytes(r.matched) for r in rows), dtype=np.uint8)
     requests = [r.request_id for r in rows] if with_requests else []
-    return requests, signals.reshape(-1, width).copy(), matched.reshape(-1, width).astype(bool)
+    # naive datetimes (SQLite) are UTC, as everything this store writes
+    times = np.array([(r.ts if r.ts.tzinfo else r.ts.replace(tzinfo=UTC)).timestamp()
+                      for r in rows]) if with_times else np.zeros(0)
+    return (requests, signals.reshape(-1, width).copy(),
+            matched.reshape(-1, width).astype(bool), times)
 
 
 def counts(*, session: Session, deployment: Deployment) -> dict:

@@ -50,10 +50,10 @@ def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
                   matched: np.ndarray, *, start: datetime, spacing_s: float = 0.05,
                   version: int = 0, thresholds: dict[int, float] | None = None,
                   shadow_every: int = 1, runtime_id: str = "rt-1",
-                  batch_size: int = 5000) -> None:
+                  batch_size: int = 5000, request_tokens: int = 64) -> None:
     """Store tokens as a runtime applying `version` would ship them: every `shadow_every`-th
     token is a shadow token (full depth, labels at every exit layer), the others exit where
-    `thresholds` let them."""
+    `thresholds` let them. Consecutive runs of `request_tokens` tokens form one request."""
     deployment = get_deployment(session=session, name=deployment_name)
     exit_at = (policy_exit(signals, thresholds) if thresholds is not None
                else np.full(len(signals), FULL))
@@ -63,8 +63,8 @@ def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
         shadow = i % shadow_every == 0
         layer = FULL if shadow else int(exit_at[i])
         column = LAYERS.index(layer) if layer in LAYERS else len(LAYERS) - 1
-        record = {"threshold_version": version, "request_id": f"req-{i // 64}",
-                  "position": i % 64, "exit_layer": layer,
+        record = {"threshold_version": version, "request_id": f"req-{i // request_tokens}",
+                  "position": i % request_tokens, "exit_layer": layer,
                   "signal_value": float(signals[i, column]), "latency_us": 900,
                   "ts": t0 + i * spacing_s}
         if shadow:

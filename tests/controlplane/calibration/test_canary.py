@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import numpy as np
 import pytest
+from scipy.stats import binomtest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -44,15 +46,17 @@ def _canary(engine, thresholds, expected_exit_rate):
 
 
 def _traffic(engine, base, thresholds, *, minutes=3, seed=5):
-    """Canary runtime on version 3 and stable runtime on version 2, one token per 0.1 s."""
+    """Canary runtime on version 3 and stable runtime on version 2, one token per 0.1 s, in
+    short requests: the quality test counts requests, and a minute of canary traffic spans
+    many of them (150 here; 0 disagreements in 150 requests bound the rate below δ)."""
     signals, matched = separable_samples(600 * minutes, seed=seed)
     with session_scope(engine) as session:
         write_traffic(session, "chat", signals, matched, start=base + timedelta(minutes=1),
                       spacing_s=0.1, version=3, thresholds=thresholds, shadow_every=2,
-                      runtime_id="rt-canary")
+                      runtime_id="rt-canary", request_tokens=4)
         write_traffic(session, "chat", signals, matched, start=base + timedelta(minutes=1),
                       spacing_s=0.1, version=2, thresholds=STABLE, shadow_every=2,
-                      runtime_id="rt-stable")
+                      runtime_id="rt-stable", request_tokens=4)
 
 
 def _evaluate(engine, at):
@@ -139,3 +143,47 @@ def test_a_canary_alias_moved_by_hand_ends_the_run(engine, outbox):
                    actor="ops", reason="trying something else")
     run = _evaluate(engine, base + timedelta(minutes=5))
     assert run.status == "aborted" and run.checks == []
+
+
+@pytest.mark.parametrize("concentrated", [False, True])
+def test_the_quality_test_counts_requests_not_tokens(engine, outbox, concentrated):
+    """The same ~2% disagreement on ~1,500 shadow tokens a window (within δ=5% even at the 99%
+    token-count bound) promotes when it is spread over many requests; held by one request a
+    window, it shows nothing about the canary's other requests: no promotion on token counts."""
+    candidate = {3: 0.6, 6: 0.6, 9: 0.6}
+    base = _canary(engine, candidate, expected_exit_rate=1 - 0.4 ** 3)
+    request_tokens, per_minute, minutes = 64, 3000, 3  # ~47 requests a minute
+    signals, matched = separable_samples(per_minute * minutes, seed=7)
+    index = np.arange(len(signals))
+    request = index // request_tokens
+    exiting_shadow = (index % 2 == 0) & (signals > 0.6).any(axis=1)  # candidate lets it out
+    held = exiting_shadow & (request % 47 == 5)  # every exiting shadow token of 1 request/min
+    if concentrated:
+        wrong = held
+    else:  # as many disagreements, one per request
+        first = np.flatnonzero(exiting_shadow & (index % request_tokens == 0))
+        wrong = np.isin(index, np.random.default_rng(0).choice(first, held.sum(), replace=False))
+    assert held.sum() == wrong.sum() > 60
+    matched[wrong] = False
+    with session_scope(engine) as session:
+        write_traffic(session, "chat", signals, matched, start=base + timedelta(minutes=1),
+                      spacing_s=60 / per_minute, version=3, thresholds=candidate,
+                      shadow_every=2, runtime_id="rt-canary", request_tokens=request_tokens)
+    run = _evaluate(engine, base + timedelta(minutes=4, seconds=30))
+    with Session(engine) as session:
+        aliases = aliases_of(session=session, deployment=get_deployment(session=session,
+                                                                        name="chat"))
+    assert run.status == ("paused" if concentrated else "promoted")
+    assert aliases["active"] == (2 if concentrated else 3)
+    quality = [check["tests"]["quality"] for check in run.checks]
+    assert all(q["tokens"] >= 1400 and 0.01 < q["rate"] < 0.03 for q in quality)
+    # what counting tokens would say: every window clearly within δ
+    assert all(binomtest(q["events"], q["tokens"], 0.05, alternative="less").pvalue < 0.01
+               for q in quality)
+    if not concentrated:
+        assert max(q["design_effect"] for q in quality) < 2
+        return
+    assert run.clean_windows == 0 and aliases["canary"] == 3
+    assert [c["verdict"] for c in run.checks] == ["inconclusive", "inconclusive"]
+    assert "upper bound" in run.checks[0]["reason"]
+    assert min(q["design_effect"] for q in quality) > 10

@@ -186,3 +186,19 @@ def test_shadow_tokens_do_not_read_as_an_exit_rate_collapse(session: Session, tm
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
                               reports_dir=tmp_path, now=now)
     assert [a.kind for a in result.fired if a.kind.startswith("exit_rate")] == []
+
+
+def test_quality_shift_of_the_last_minute_pages_from_the_short_window(session: Session):
+    # Nine quiet minutes and one whose exits disagree: over the ten-minute window the rate
+    # stays within δ, the short windows read from the store (with the samples' times) see it.
+    deployment, start, now = _setup(session, minutes=10, delta=0.05)
+    send_requests(session, deployment, start=start, seed=3, requests_per_minute=60,
+                  phases=[Requests(9, mismatch_rate=0.0), Requests(1, mismatch_rate=0.6)])
+    whole = [c for c in _conditions(session, deployment, now, quality_windows_s=(600.0,))
+             if c.kind == "quality_regression"]
+    assert whole == []
+    [quality] = [c for c in _conditions(session, deployment, now)
+                 if c.kind == "quality_regression"]
+    evidence = quality.evidence["evidence"]
+    assert evidence["window"]["seconds"] in (60.0, 180.0)
+    assert evidence["disagreement_rate"] > 0.05 and evidence["requests"] >= 30
