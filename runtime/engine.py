@@ -8,6 +8,11 @@ reads once, so a new threshold version never rebuilds anything.
 Within a step, rows that exit at layer k leave the active set and layers k+1.. run on the
 compacted tensor (`batching="compact"`); `batching="mask"` is the baseline that runs every row
 to full depth and only ignores exited rows' later results.
+
+The split follows gpt-fast: `model.py` describes and loads the model, `decoder.py` is the layer
+math over the KV cache (`kv.py`), `step.py` holds a step's rows, result and sampling, and this
+module is the loop itself (`_decode`, one screen) with the request bookkeeping around it. A
+step reads the device once per live exit layer (whether a row leaves) and once at the end.
 """
 
 from __future__ import annotations
@@ -74,6 +79,17 @@ class ExitPolicy:
     @classmethod
     def never_exit(cls, exit_layers: Iterable[int], signal: Signal = Signal.learned):
         return cls(version=0, signal=signal, thresholds=dict.fromkeys(exit_layers, 1.0))
+
+    def checked_layers(self, *, shadow: bool) -> frozenset[int]:
+        """Exit layers worth a check: a threshold of 1.0 can never be passed, so unless a
+        shadow row needs labels (or saturation needs its chain) those checks are skipped."""
+        layers = frozenset(self.thresholds)
+        if shadow:
+            return layers
+        live = frozenset(k for k, t in self.thresholds.items() if t < 1.0)
+        if self.signal == Signal.saturation and live:
+            return frozenset(k for k in layers if k <= max(live))
+        return live
 
 
 @dataclass
@@ -285,8 +301,8 @@ class Engine:
         x = parts.embed(fed)  # (B, hidden)
         out = StepBuffers(x, rows.shadow_np, parts.num_layers)
         state = signals.SignalState(len(requests), device)
-        checked = self._checked_layers(policy, any(shadow))
-        served = self._checked_layers(policy, False)
+        checked = policy.checked_layers(shadow=any(shadow))
+        served = policy.checked_layers(shadow=False)
         for layer in range(parts.num_layers):
             x = self.decoder.decode_layer(layer, x, rows)
             depth = layer + 1
@@ -331,7 +347,10 @@ class Engine:
             rows.done = rows.done | leaving
             rows.done_np = rows.done_np | leaving_np
             return rows, x
-        self._fill_skipped(depth, rows, leave_np, leave, hidden)
+        self.cache.fill_skipped(depth, rows.slots[leave], rows.positions[leave], hidden,
+                                slots_np=rows.slots_np[leave_np],
+                                positions_np=rows.positions_np[leave_np],
+                                rotary=(self.decoder.cos, self.decoder.sin))
         keep_np = np.flatnonzero(~leaving_np)
         keep = to_device(keep_np, x.device)
         state.keep(keep)
@@ -345,32 +364,6 @@ class Engine:
         out.head_in[rows.index[still]] = self.readout.head_input(parts.num_layers, x[still])
         for slot, pos in zip(rows.slots_np, rows.positions_np, strict=True):
             self.cache.mark_filled(int(slot), parts.num_layers, int(pos) + 1)
-
-    @staticmethod
-    def _checked_layers(policy: ExitPolicy, shadow: bool) -> frozenset[int]:
-        """Exit layers worth a check: a threshold of 1.0 can never be passed, so unless a
-        shadow row needs labels (or saturation needs its chain) those checks are skipped."""
-        layers = frozenset(policy.thresholds)
-        if shadow:
-            return layers
-        live = frozenset(k for k, t in policy.thresholds.items() if t < 1.0)
-        if policy.signal == Signal.saturation and live:
-            return frozenset(k for k in layers if k <= max(live))
-        return live
-
-    def _fill_skipped(self, depth: int, rows: Rows, leave_np: np.ndarray, leave: torch.Tensor,
-                      hidden: torch.Tensor) -> None:
-        """KV for layers depth+1.. of tokens leaving now (and of their pending positions)."""
-        slots, positions = rows.slots[leave], rows.positions[leave]
-        if self.cache.policy == "propagate":
-            self.cache.propagate(depth, slots, positions, hidden, self.decoder.cos[positions],
-                                 self.decoder.sin[positions])
-            depth_filled = self.parts.num_layers
-        else:
-            self.cache.stash(slots, positions, hidden)
-            depth_filled = depth
-        for slot, pos in zip(rows.slots_np[leave_np], rows.positions_np[leave_np], strict=True):
-            self.cache.mark_filled(int(slot), depth_filled, int(pos) + 1)
 
     def _finish(self, requests: list[Request], result: StepResult, policy: ExitPolicy,
                 started: float) -> list[StepOutput]:

@@ -18,7 +18,13 @@ from exitplane.wire import ShadowPoint
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array as a device tensor; an asynchronous copy, never a wait on the device."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        # from pageable memory the driver may wait for the stream before staging the copy;
+        # from pinned memory it never does (the caching host allocator keeps the block alive
+        # until the copy has run)
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class Rows:
