@@ -359,9 +359,11 @@ class Engine:
     def _full_depth(self, rows: Rows, x: torch.Tensor, out: StepBuffers) -> None:
         """Rows that ran every layer: the final norm is their head input; their KV is whole."""
         parts = self.parts
-        still_np = np.flatnonzero(~rows.done_np)
-        still = to_device(still_np, x.device)
-        out.head_in[rows.index[still]] = self.readout.head_input(parts.num_layers, x[still])
+        if rows.done_np.any():  # mask-only batching: some rows left earlier
+            still = to_device(np.flatnonzero(~rows.done_np), x.device)
+            out.head_in[rows.index[still]] = self.readout.head_input(parts.num_layers, x[still])
+        else:
+            out.head_in[rows.index] = self.readout.head_input(parts.num_layers, x)
         for slot, pos in zip(rows.slots_np, rows.positions_np, strict=True):
             self.cache.mark_filled(int(slot), parts.num_layers, int(pos) + 1)
 

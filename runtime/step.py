@@ -146,8 +146,8 @@ class StepBuffers:
                 logits[open_rows] = lm_head(self.head_in[open_rows]).to(logits.dtype)
         greedy = logits.argmax(-1)  # (B,) top-1: what shadow labels compare with
         tokens = sample(logits, greedy, temperature, top_p, generators)
-        shadow_rows = to_device(self.shadow_rows, device)
         if self.shadow_layers:
+            shadow_rows = to_device(self.shadow_rows, device)
             shadow_signal = torch.stack(self.shadow_signal, dim=1)  # (S, E)
             matched = torch.stack(self.shadow_top1, dim=1) == greedy[shadow_rows][:, None]
         else:
@@ -174,8 +174,9 @@ class StepResult:
 
     def to_host(self) -> HostStep:
         """Everything as Python values, in one device->host copy."""
-        parts = [self.tokens, self.signal.clamp(0.0, 1.0), self.signal_checked,
-                 self.shadow_signal.clamp(0.0, 1.0).flatten(), self.shadow_matched.flatten()]
+        parts = [self.tokens, self.signal.clamp(0.0, 1.0), self.signal_checked]
+        if self.shadow_signal.numel():
+            parts += [self.shadow_signal.clamp(0.0, 1.0).flatten(), self.shadow_matched.flatten()]
         flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
         batch, width = len(self.tokens), len(self.shadow_layers)
         tokens, signal, checked, shadow_signal, matched = np.split(
