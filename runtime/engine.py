@@ -290,7 +290,6 @@ class Engine:
             x = self.decoder.layer(layer, x, slots, positions, n, causal=True)
         self.cache.mark_filled(request.slot, self.parts.num_layers, n)
 
-
     def _decode(self, requests: list[Request], policy: ExitPolicy) -> StepResult:
         """One token for each request: the layers in turn, an exit check where one is due."""
         parts, device = self.parts, self.parts.device
