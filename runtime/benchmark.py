@@ -219,7 +219,7 @@ def check_costs(model, heads: ExitHeads | None, repeats: int = 200) -> dict:
         sync()
         return (time.perf_counter() - started) / repeats * 1e6
 
-    layer_us = per_call(lambda: engine._layer(10, x, slots, pos, None, 257))
+    layer_us = per_call(lambda: engine.decoder.layer(10, x, slots, pos, 257))
     hidden = x[:, 0]
     layer = engine.exit_layers[len(engine.exit_layers) // 2]
     costs = {"decoder_layer_us": round(layer_us, 1)}

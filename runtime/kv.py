@@ -94,6 +94,24 @@ class KVCache:
             return keys[:batch], values[:batch]
         return keys.index_select(0, slots), values.index_select(0, slots)
 
+    def fill_skipped(self, depth: int, slots: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor, *, slots_np: np.ndarray, positions_np: np.ndarray,
+                     rotary: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Tokens leaving after `depth` layers with (N, hidden) states: by policy, stash them
+        for a later deep token (lazy) or project their K/V through every later layer now.
+
+        `slots_np`/`positions_np` are the same rows on the host (bookkeeping never reads the
+        device); `rotary` is the (T, D) cos/sin table propagate rotates keys with."""
+        if self.policy == "propagate":
+            cos, sin = rotary
+            self.propagate(depth, slots, positions, hidden, cos[positions], sin[positions])
+            depth_filled = self.parts.num_layers
+        else:
+            self.stash(slots, positions, hidden)
+            depth_filled = depth
+        for slot, pos in zip(slots_np, positions_np, strict=True):
+            self.mark_filled(int(slot), depth_filled, int(pos) + 1)
+
     def stash(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Lazy policy: keep exited hidden states (N, hidden) until a deeper token needs them."""
         self.pending_hidden[slots, positions] = hidden

@@ -213,7 +213,7 @@ def test_after_a_failed_step_the_engine_generates_what_a_fresh_one_does(threshol
                        stop_token_ids=[])
     for _ in range(3):
         engine.step()
-    layer = engine._layer
+    layer = engine.decoder.layer  # every decoder layer of prefill and decode runs here
     calls = []
 
     def broken_layer(index, *args, **kwargs):
@@ -222,12 +222,12 @@ def test_after_a_failed_step_the_engine_generates_what_a_fresh_one_does(threshol
             raise RuntimeError(INTERNAL)
         return layer(index, *args, **kwargs)
 
-    engine._layer = broken_layer
+    engine.decoder.layer = broken_layer
     with pytest.raises(StepFailed) as failed:
         engine.step()
     assert sorted(failed.value.request_ids) == ["a", "b"]
     assert not engine.has_work and engine.cache.free_slots == 2
-    engine._layer = layer
+    engine.decoder.layer = layer
     assert engine.generate([prompt], max_new_tokens=12, stop_token_ids=[]) == expected
 
 
