@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
-from scripts.import_graph import main
-
 ROOT = Path(__file__).resolve().parents[1]
+
+# scripts/ is not an installed package and pytest runs with --import-mode=importlib (the repo
+# root is not on sys.path), so the script is loaded from its file.
+_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+main = _module.main
 
 
 def test_the_product_code_has_no_cycle_and_no_controlplane_to_workers_import():
