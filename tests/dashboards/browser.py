@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
@@ -48,7 +49,22 @@ def navigate(driver, element, seconds: float = 45) -> None:
     element right after a click could otherwise find it on the old page, about to go stale."""
     page = driver.find_element(By.TAG_NAME, "html")
     element.click()
-    wait(driver, seconds).until(expected_conditions.staleness_of(page))
+    wait(driver, seconds).until(lambda _: _gone(page))
+
+
+def _gone(element) -> bool:
+    """Whether element has left the document. While the old document is being replaced,
+    chromedriver may answer a query about its node with a generic error ("Node with given id
+    does not belong to the document") instead of a stale-element one; both mean it is gone."""
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as error:
+        if "does not belong to the document" in str(error):
+            return True
+        raise
+    return False
 
 
 def set_width(driver, width: int, height: int = 900) -> None:
