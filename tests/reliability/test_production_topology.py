@@ -28,6 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from controlplane.db import make_engine
+from controlplane.stats.clustered import clopper_pearson
 from tests.conftest import POSTGRES_URL, free_port, wait_until
 from tests.reliability.processes import EXITPLANE, ROOT, Processes
 
@@ -164,7 +165,14 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
                 "since": since, "version": recalibrated}).json()
         shadow = sum(w["shadow_tokens"] for w in windows)
         wrong = sum(w["mismatches"] for w in windows)
-        assert wrong / shadow <= DELTA, (wrong, shadow)
+        # The set is certified within δ; the raw rate on a few hundred shadow tokens of a set
+        # calibrated close to δ lands above δ about half the time (seen: 135/589 against 0.2).
+        # So the check the demo and the quality test make: fail when the tokens show
+        # disagreement above δ at 99% (one-sided Clopper-Pearson lower bound; tokens cluster by
+        # request, so this token-level bound is if anything too narrow). A set never
+        # recalibrated for B (well above δ) still fails it.
+        lower, _ = clopper_pearson(wrong / shadow, shadow, 0.01)
+        assert lower <= DELTA, (wrong, shadow, lower)
         assert shifted_at < datetime.fromisoformat(alert["fired_at"])
     finally:
         processes.close()
