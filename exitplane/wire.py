@@ -193,6 +193,10 @@ class TokenRecord(BaseModel):
     latency_us: int = Field(ge=0, le=INT32)
     ts: float = Field(gt=0, le=MAX_TS, description="unix seconds when the token was produced")
     shadow: list[ShadowPoint] | None = None
+    # The traffic segment the token's request belongs to (issue 18); left off the wire when it
+    # is `default`, so unsegmented traffic encodes exactly as before segments existed.
+    segment: SegmentName = Field(default=DEFAULT_SEGMENT,
+                                 exclude_if=lambda value: value == DEFAULT_SEGMENT)
 
     @field_validator("shadow")
     @classmethod
@@ -240,6 +244,9 @@ class AggregateCell(BaseModel):
                         description="unix seconds of the minute's start (ts // 60 * 60)")
     threshold_version: int = Field(ge=0, le=INT32)
     layer: int = Field(ge=0, le=1024)
+    # The traffic segment of the tokens counted here; left off the wire when `default`.
+    segment: SegmentName = Field(default=DEFAULT_SEGMENT,
+                                 exclude_if=lambda value: value == DEFAULT_SEGMENT)
     exits: int = Field(ge=0, le=INT63)
     histogram: list[Annotated[int, Field(ge=0, le=INT63)]] = Field(
         min_length=HISTOGRAM_BINS, max_length=HISTOGRAM_BINS)
@@ -267,15 +274,15 @@ class AggregateBatch(BaseModel):
 
     @model_validator(mode="after")
     def _cells_fit(self) -> AggregateBatch:
-        seen: set[tuple[int, int, int]] = set()
+        seen: set[tuple[int, int, str, int]] = set()
         for index, cell in enumerate(self.cells):
             if cell.layer > self.num_layers:
                 raise ValueError(f"cell {index}: layer {cell.layer} exceeds num_layers "
                                  f"{self.num_layers}")
-            key = (cell.minute, cell.threshold_version, cell.layer)
+            key = (cell.minute, cell.threshold_version, cell.segment, cell.layer)
             if key in seen:
-                raise ValueError(f"cell {index}: (minute, threshold_version, layer) {key} "
-                                 f"repeats an earlier cell")
+                raise ValueError(f"cell {index}: (minute, threshold_version, segment, layer) "
+                                 f"{key} repeats an earlier cell")
             seen.add(key)
         return self
 

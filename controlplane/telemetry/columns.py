@@ -43,6 +43,9 @@ _HEADER_DEFAULTS = {name: field.default for name, field in TelemetryBatch.model_
                     if name in _HEADER and not field.is_required()}
 _RECORDS = TypeAdapter(Annotated[list[Any], *TelemetryBatch.model_fields["records"].metadata])
 _RECORD_COLUMNS = _column_adapters(TokenRecord, skip="shadow")
+# Record fields a record may leave out (fields added later, e.g. `segment`), with their defaults.
+_RECORD_DEFAULTS = {name: field.default for name, field in TokenRecord.model_fields.items()
+                    if name in _RECORD_COLUMNS and not field.is_required()}
 _POINT_COLUMNS = _column_adapters(ShadowPoint)
 
 
@@ -74,6 +77,7 @@ class BatchColumns:
     shadow_layer: np.ndarray  # int64 (k,)
     shadow_signal: np.ndarray  # float64 (k,)
     shadow_matched: np.ndarray  # bool (k,)
+    segment: list[str]  # each record's traffic segment ('default' when the record names none)
     aggregated: bool = False  # counted by the runtime's aggregate batches: no rollup counts
 
     def __len__(self) -> int:
@@ -107,6 +111,9 @@ class BatchColumns:
         columns = [_listed(getattr(self, name)) for name in names]
         records = [dict(zip(names, values, strict=True)) | {"shadow": None}
                    for values in zip(*columns, strict=True)]
+        for record in records:  # left off the wire when default, as the model dumps it
+            if record["segment"] == _RECORD_DEFAULTS["segment"]:
+                del record["segment"]
         for index in self.shadowed.tolist():
             records[index]["shadow"] = []
         point_names = list(_POINT_COLUMNS)
@@ -139,7 +146,9 @@ def _parse_columns(payload: Any) -> BatchColumns:
         records = _RECORDS.validate_python(payload["records"])
         if set(map(type, records)) != {dict}:
             raise _NotFast
-        columns = {name: adapter.validate_python([record[name] for record in records])
+        columns = {name: adapter.validate_python(
+                       [record[name] for record in records] if name not in _RECORD_DEFAULTS
+                       else [record.get(name, _RECORD_DEFAULTS[name]) for record in records])
                    for name, adapter in _RECORD_COLUMNS.items()}
         shadowed = [index for index, record in enumerate(records)
                     if record.get("shadow") is not None]

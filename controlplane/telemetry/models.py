@@ -9,6 +9,7 @@ from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, SmallInteger,
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
+from exitplane.wire import DEFAULT_SEGMENT
 from exitplane.wire import HISTOGRAM_BINS as HISTOGRAM_BINS
 
 PARTITIONED_TABLES = ("token_records", "shadow_samples")
@@ -57,6 +58,9 @@ class TokenRecordRow(Base):
     signal_value: Mapped[float | None]  # NULL: the token's exits were not checked
     latency_us: Mapped[int]
     shadow: Mapped[bool]
+    # The request's traffic segment (issue 18); 'default' for unsegmented traffic.
+    segment: Mapped[str] = mapped_column(String(64), default=DEFAULT_SEGMENT,
+                                         server_default=DEFAULT_SEGMENT)
 
 
 class ShadowSampleRow(Base):
@@ -78,10 +82,14 @@ class ShadowSampleRow(Base):
     request_id: Mapped[str | None] = mapped_column(String(128))
     signals: Mapped[bytes] = mapped_column(LargeBinary)
     matched: Mapped[bytes] = mapped_column(LargeBinary)
+    # The request's traffic segment (issue 18); 'default' for unsegmented traffic.
+    segment: Mapped[str] = mapped_column(String(64), default=DEFAULT_SEGMENT,
+                                         server_default=DEFAULT_SEGMENT)
 
 
 class Rollup(Base):
-    """Per minute, deployment, version, runtime and layer (exit layers plus full depth):
+    """Per minute, deployment, version, runtime, traffic segment and layer (exit layers plus
+    full depth):
 
     - tokens: tokens whose check at this layer ran (exit layer >= this layer)
     - exits: tokens that left at this layer
@@ -96,6 +104,9 @@ class Rollup(Base):
     version: Mapped[int] = mapped_column(primary_key=True)
     runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     minute: Mapped[datetime] = mapped_column(primary_key=True)
+    # The traffic segment (issue 18); 'default' for unsegmented traffic.
+    segment: Mapped[str] = mapped_column(String(64), primary_key=True, default=DEFAULT_SEGMENT,
+                                         server_default=DEFAULT_SEGMENT)
     layer: Mapped[int] = mapped_column(primary_key=True)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     exits: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -106,7 +117,7 @@ class Rollup(Base):
 
 
 class RollupHistogram(Base):
-    """Signal-at-exit histogram per minute, deployment, version, runtime, layer and bin."""
+    """Signal-at-exit histogram per minute, deployment, version, runtime, segment, layer and bin."""
 
     __tablename__ = "rollup_histograms"
 
@@ -114,6 +125,9 @@ class RollupHistogram(Base):
     version: Mapped[int] = mapped_column(primary_key=True)
     runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     minute: Mapped[datetime] = mapped_column(primary_key=True)
+    # The traffic segment (issue 18); 'default' for unsegmented traffic.
+    segment: Mapped[str] = mapped_column(String(64), primary_key=True, default=DEFAULT_SEGMENT,
+                                         server_default=DEFAULT_SEGMENT)
     layer: Mapped[int] = mapped_column(primary_key=True)
     bin: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     count: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -35,6 +35,20 @@ class Deployment(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class DeploymentSegment(Base):
+    """A traffic segment a deployment knows (issue 18): registered the first time its traffic
+    is stored or a threshold set names it, while the deployment holds fewer than
+    EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT; traffic of any other name is stored as `default`.
+    This bounds the segment label's cardinality in the store, the gauges and the UI."""
+
+    __tablename__ = "deployment_segments"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class ThresholdSet(Base):
     """One immutable version of per-exit-layer thresholds."""
 
