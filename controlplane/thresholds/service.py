@@ -19,6 +19,7 @@ from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
+from controlplane.thresholds.segments import register_set_segments
 from exitplane import tracing
 from exitplane.wire import (
     DEFAULT_SEGMENT,
@@ -123,6 +124,9 @@ def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, f
         max_segments = get_settings().max_segments_per_deployment
     segments = validate_segments(segments=segments, exit_layers=deployment.exit_layers,
                                  limit=max_segments)
+    if segments:
+        register_set_segments(session=session, deployment_id=deployment.id, names=segments,
+                              limit=max_segments)
     signal = Signal(signal or deployment.signal)
     # The deployment row lock serialises version numbering between concurrent publishers.
     session.scalars(select(Deployment.id).where(Deployment.id == deployment.id).with_for_update())
