@@ -4,8 +4,9 @@ Every name a stored batch carries goes through `admit_segments` (controlplane/th
 segments.py) in the transaction that writes the batch: a name the deployment knows, or can
 still register, is stored as itself (and registered there); any other is stored as `default`.
 Admission happens where batches are written (`service.ingest`), on the HTTP path and in the
-Redis-stream ingest worker alike, and only for batches whose id is new: a replayed batch
-registers nothing and adds nothing; the API's stream path checks batches without it.
+Redis-stream ingest worker alike; the API's stream path checks batches without it (it reads
+nothing from the store). A replayed batch adds nothing: its names were decided when it was
+first stored, and the registry only grows, so deciding them again changes nothing.
 
 Decisions are cached per process (per engine, per deployment), like IngestTargets caches
 versions, so a batch whose names are all known reads nothing. A decision enters the cache only

@@ -128,11 +128,13 @@ def ingest(*, session: Session, deployment: Deployment,
         return []
     batches = [batch if isinstance(batch, BatchColumns | AggregateBatch)
                else BatchColumns.from_model(batch) for batch in batches]
+    # Segment admission comes first: registering a name locks the deployment row, which must
+    # not wait on (and be waited on by) the key-share locks the batch rows' foreign keys take.
+    # Admitting a replay's names again changes nothing: the registry only grows.
+    segment_of = _segments_stored(session=session, deployment=deployment, batches=batches)
     new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
     fresh = [b for b in batches if b.batch_id in new_ids and isinstance(b, BatchColumns)]
     aggregates = [b for b in batches if b.batch_id in new_ids and isinstance(b, AggregateBatch)]
-    segment_of = _segments_stored(session=session, deployment=deployment, fresh=fresh,
-                                  aggregates=aggregates)
     rollups, histograms = [], []
     if fresh:
         versions = set(np.unique(np.concatenate([b.threshold_version for b in fresh])).tolist())
@@ -165,15 +167,16 @@ def ingest(*, session: Session, deployment: Deployment,
                          aggregate=isinstance(b, AggregateBatch)) for b in batches]
 
 
-def _segments_stored(*, session: Session, deployment: Deployment, fresh: list[BatchColumns],
-                     aggregates: list[AggregateBatch]) -> dict[str, str]:
-    """The names of new batches that the deployment's cap stores as `default` (-> 'default');
+def _segments_stored(*, session: Session, deployment: Deployment,
+                     batches: list[BatchColumns | AggregateBatch]) -> dict[str, str]:
+    """The names in `batches` that the deployment's cap stores as `default` (-> 'default');
     names stored as themselves are left out (nothing to map)."""
     names: set[str] = set()
-    for batch in fresh:
-        names.update(batch.segment)  # C-level, per batch
-    for batch in aggregates:
-        names.update(cell.segment for cell in batch.cells)
+    for batch in batches:
+        if isinstance(batch, AggregateBatch):
+            names.update(cell.segment for cell in batch.cells)
+        else:
+            names.update(batch.segment)  # C-level, per batch
     if not names - {DEFAULT_SEGMENT}:
         return {}
     decided = stored_segments(session=session, deployment_id=deployment.id, names=names)
