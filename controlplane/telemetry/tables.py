@@ -99,7 +99,8 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
     shadows = {name: tokens[name][shadow_at] if isinstance(tokens[name], np.ndarray)
                else [tokens[name][i] for i in shadow_at.tolist()]
                for name in ("batch_id", "idx", "ts", "deployment_id", "threshold_version",
-                            "runtime_id", "request_id", "segment")}
+                            "runtime_id", "request_id")}
+    shadows["segment"] = _names(segments, segment[shadow_at])
     shadows |= {"signals": signals.astype("<f4").view(np.uint8),
                 "matched": matched.astype(np.uint8)}
 
@@ -128,7 +129,8 @@ def _segment_codes(batches: list[BatchColumns],
                    segment_of: Mapping[str, str]) -> tuple[list[str], np.ndarray]:
     """(stored segment names sorted, each record's index into them): names mapped through
     `segment_of`, one dict look-up per distinct name, never per record."""
-    raw = list(chain.from_iterable(batch.segment for batch in batches))
+    raw = batches[0].segment if len(batches) == 1 else \
+        list(chain.from_iterable(batch.segment for batch in batches))
     if not raw or raw.count(raw[0]) == len(raw):  # one segment (unsegmented traffic): no hashing
         codes, names = np.zeros(len(raw), dtype=np.int64), raw[:1] or [DEFAULT_SEGMENT]
     else:  # a hash table in C (np.unique would sort the strings: 4x slower at 10k records)
