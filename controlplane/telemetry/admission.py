@@ -62,6 +62,8 @@ def _cache(session: Session) -> dict[int, dict[str, str]]:
 @event.listens_for(Session, "after_commit")
 def _remember(session: Session) -> None:
     """The committed decisions enter the cache; a name kept out is logged once per process."""
+    if session.in_nested_transaction():
+        return  # a savepoint's commit: the enclosing transaction may still roll back
     pending = session.info.pop(_PENDING, None)
     if not pending:
         return
@@ -81,5 +83,6 @@ def _remember(session: Session) -> None:
 
 @event.listens_for(Session, "after_rollback")
 def _forget(session: Session) -> None:
-    """A rolled-back transaction's decisions may not hold: they are decided again."""
+    """A rolled-back transaction's decisions may not hold: they are decided again (after a
+    savepoint's rollback too: which of them it undid is not known here)."""
     session.info.pop(_PENDING, None)

@@ -236,7 +236,9 @@ def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
     deployment = get_deployment(session=session, name="mix")
     rng = random.Random(6)
     batch = TelemetryBatch.model_validate(_batch(_records(rng, 20, segments=("chat",))))
+    savepoint = session.begin_nested()
     service.ingest(session=session, deployment=deployment, batches=[batch])
+    savepoint.commit()  # a savepoint's commit is not the transaction's
     session.rollback()  # the batch and its registration are gone ...
     assert known_segments(session=session, deployment_id=deployment.id) == ["code"]
     service.ingest(session=session, deployment=deployment, batches=[batch])
