@@ -339,3 +339,53 @@ def test_the_stream_path_stores_segments_in_the_ingest_worker(
     assert sum(rollups[(segment, LAYERS[0])][0] for segment in ("default", "chat", "code",
                                                                 "tools")) == len(everything)
     assert _stored_segments(engine, TokenRecordRow) == Counter(map(_segment_of, records))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, tokens):
+    """Writers that meet new names at once: none deadlocks, the registry stops at the cap, and
+    every name's traffic is stored as itself exactly when it was registered."""
+    import threading
+
+    _deploy(client, tokens, engine)  # registers `code`
+    with Session(engine) as session:
+        deployment_id = get_deployment(session=session, name="mix").id
+        admit_segments(session=session, deployment_id=deployment_id,
+                       names=[f"s{index:02d}" for index in range(12)])  # 13 of 16 taken
+        session.commit()
+    names = {writer: (f"w{writer}a", f"w{writer}b", "code") for writer in range(4)}
+    payloads = [_batch(_records(random.Random(writer), 30, segments=names[writer]),
+                       runtime_id=f"rt-{writer}") for writer in names]
+    start, errors = threading.Barrier(len(payloads)), []
+
+    def write(payload: dict) -> None:
+        try:
+            batch = TelemetryBatch.model_validate(payload)
+            with Session(engine) as session:
+                start.wait()
+                service.ingest(session=session, deployment=get_deployment(
+                    session=session, name="mix"), batches=[batch])
+                session.commit()
+        except Exception as error:  # reported below: a deadlock would land here
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(payload,)) for payload in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    with Session(engine) as session:
+        known = known_segments(session=session, deployment_id=deployment_id)
+    assert len(known) == 16
+    new = {name for writer in names for name in names[writer][:2]}
+    assert len(new & set(known)) == 3
+    sent = Counter(_segment_of(record) for payload in payloads for record in payload["records"])
+    expected = Counter()
+    for name, count in sent.items():
+        expected[name if name in known or name == "default" else "default"] += count
+    assert _stored_segments(engine, TokenRecordRow) == expected
+    rollups = _rollups(engine)
+    assert {segment: tokens for (segment, layer), (tokens, *_) in rollups.items()
+            if layer == LAYERS[0]} == expected
