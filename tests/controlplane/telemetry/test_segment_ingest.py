@@ -226,7 +226,22 @@ def test_names_past_the_cap_are_stored_as_default_and_logged_once(
     assert _stored_segments(engine, TokenRecordRow) == stored
     rollups = _rollups(engine)
     assert {segment: rollups[(segment, LAYERS[0])][0] for segment in stored} == stored
+
+    # An aggregate batch of the same tokens: `late` cells fold into `default`'s, exactly.
+    aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
+    for record in records:
+        aggregator.add(TokenRecord.model_validate(record))
+    cells = aggregator.cut()
+    assert {cell.segment for cell in cells} == {"default", "late", "code", "s07"}
+    service.ingest(session=session, deployment=deployment, batches=[AggregateBatch(
+        batch_id=uuid.uuid4().hex, deployment="mix", runtime_id="rt-1", seq=2, num_layers=FULL,
+        raw_sample_rate=0.0, cells=cells)])
+    session.commit()
+    rollups = _rollups(engine)
+    assert {segment: rollups[(segment, LAYERS[0])][0] for segment in stored} == {
+        segment: 2 * count for segment, count in stored.items()}
     assert not any(segment == "late" for segment, _ in rollups)
+    assert not any(segment == "late" for segment, _ in _histograms(engine))
     assert "late" not in known_segments(session=session, deployment_id=deployment.id)
 
 
