@@ -214,7 +214,8 @@ def aggregate_tables(*, deployment_id: int, exit_layers: list[int], num_layers: 
     version = np.array([cell.threshold_version for _, cell in cells], dtype=np.int64)
     runtime = np.array([runtimes.index(name) for name, _ in cells], dtype=np.int64)
     minute = np.array([cell.minute for _, cell in cells], dtype=np.int64)
-    segment = np.array([segments.index(name) for name in stored], dtype=np.int64)
+    number = {name: index for index, name in enumerate(segments)}
+    segment = np.array([number[name] for name in stored], dtype=np.int64)
     keys, group = number_groups(version, runtime, minute, segment)
     key_of = _KeyColumns(deployment_id, keys, runtimes, segments)
     width = len(layers)
