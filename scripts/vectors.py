@@ -94,6 +94,22 @@ def payloads() -> dict:
     aggregate = AggregateBatch(batch_id="7e1d0c9b8a7f6e5d4c3b2a1908f7e6d5", deployment="tiny",
                                runtime_id="rt-1", seq=42, num_layers=6, raw_sample_rate=0.01,
                                cells=aggregator.cut()).model_dump(mode="json")
+    # Traffic segments (issue 18): the same shapes with a `segment` on records and cells,
+    # left off where it is `default` (so record_batch above is byte-for-byte unsegmented).
+    segmented_records = _records(18, seed=15)
+    for index, record in enumerate(segmented_records):
+        segment = ("default", "chat", "code")[index % 3]
+        if segment != "default":
+            record["segment"] = segment
+    segmented_batch = {**batch, "batch_id": "5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d", "seq": 43,
+                       "records": segmented_records}
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for record in segmented_records:
+        aggregator.add(TokenRecord.model_validate(record))
+    segmented_aggregate = AggregateBatch(
+        batch_id="9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b4a", deployment="tiny", runtime_id="rt-1",
+        seq=44, num_layers=6, raw_sample_rate=0.01, cells=aggregator.cut()
+    ).model_dump(mode="json")
     threshold_set = ThresholdSetWire.build(deployment="tiny", version=3, signal="maxprob",
                                            thresholds={2: 0.9, 4: 0.75}).model_dump(mode="json")
     refused = [
@@ -127,6 +143,19 @@ def payloads() -> dict:
             "content_type": "application/vnd.exitplane.aggregate+json", "payload": aggregate,
             "msgpack_content_type": "application/vnd.exitplane.aggregate+msgpack",
             "msgpack_hex": msgpack.packb(aggregate, use_bin_type=True).hex()},
+        "segmented_record_batch": {
+            "note": "records of three traffic segments: `segment` on each record, left off "
+                    "for `default`",
+            "content_type": "application/json", "payload": segmented_batch,
+            "msgpack_hex": msgpack.packb(segmented_batch, use_bin_type=True).hex()},
+        "segmented_aggregate_batch": {
+            "note": "the exact counts of segmented_record_batch's 18 tokens: one cell per "
+                    "(minute, threshold_version, segment, layer), sorted so, `segment` left "
+                    "off for `default`",
+            "content_type": "application/vnd.exitplane.aggregate+json",
+            "payload": segmented_aggregate,
+            "msgpack_content_type": "application/vnd.exitplane.aggregate+msgpack",
+            "msgpack_hex": msgpack.packb(segmented_aggregate, use_bin_type=True).hex()},
         "threshold_set": {"etag": f'"{threshold_set["checksum"]}"', "payload": threshold_set},
         "heartbeat": {"payload": {"runtime_id": "rt-1", "applied_version": 3,
                                   "applied_checksum": threshold_set["checksum"], "ready": True,

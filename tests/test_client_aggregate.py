@@ -37,3 +37,38 @@ def test_bulk_counts_and_restore_add_up():
     aggregator.restore(cells)
     again = aggregator.cut()
     assert [(c.layer, c.exits, c.histogram[-1]) for c in again] == [(2, 2, 0), (6, 10, 6)]
+
+
+def test_cells_are_keyed_by_segment_and_restore_keeps_it():
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for segment, layer in (("code", 2), ("code", 2), ("chat", 2), ("default", 2), ("code", 6)):
+        assert aggregator.add(_record(segment=segment, exit_layer=layer))
+    aggregator.add_counts(minute=1_764_460_740, threshold_version=2, exits=[0, 3, 0],
+                          histogram=[[0] * 20, [0] * 20, [0] * 20], segment="chat")
+    cells = aggregator.cut()
+    assert [(c.segment, c.layer, c.exits) for c in cells] == [
+        ("chat", 2, 1), ("chat", 4, 3), ("code", 2, 2), ("code", 6, 1), ("default", 2, 1)]
+    # 'default' stays off the wire; a named segment travels.
+    wire = [c.model_dump(mode="json") for c in cells]
+    assert "segment" not in wire[-1] and wire[0]["segment"] == "chat"
+    aggregator.restore(cells)
+    assert aggregator.cut() == cells
+
+
+def test_split_aggregate_batch_keeps_each_cells_segment():
+    from exitplane.client.codec import encode_aggregate
+    from exitplane.wire import AggregateBatch
+
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for index in range(12):
+        aggregator.add(_record(segment=("chat", "code", "default")[index % 3],
+                               exit_layer=(2, 4, 6)[index % 4 % 3], signal_value=0.9))
+    cells = aggregator.cut()
+    encoded = encode_aggregate(deployment="d", runtime_id="rt", seq=3, num_layers=6,
+                               raw_sample_rate=0.0, cells=cells)
+    halves = encoded.split()
+    assert len(halves) == 2 and sum(half.records for half in halves) == 12
+    rejoined = [cell for half in halves
+                for cell in AggregateBatch.model_validate(half.decode()).cells]
+    assert rejoined == cells
+    assert {cell.segment for cell in rejoined} == {"chat", "code", "default"}

@@ -107,3 +107,38 @@ def test_refused_vectors(case):
         decode(json.dumps(case["payload"]).encode(), case["content_type"])
     assert refused.value.status_code == case["status"]
     assert case["detail_contains"] in str(refused.value)
+
+
+def test_segmented_vectors_carry_segments_and_add_up_per_segment():
+    records = PAYLOADS["segmented_record_batch"]["payload"]
+    vector = PAYLOADS["segmented_aggregate_batch"]
+    assert msgpack.unpackb(bytes.fromhex(PAYLOADS["segmented_record_batch"]["msgpack_hex"]),
+                           raw=False) == records
+    # `default` is left off the wire; the other segments travel on each record and cell.
+    assert [record.get("segment") for record in records["records"][:3]] == [None, "chat", "code"]
+    assert TelemetryBatch.model_validate(records).model_dump(mode="json") == records
+    assert parse_batch(records).to_wire() == records
+    payload = vector["payload"]
+    assert msgpack.unpackb(bytes.fromhex(vector["msgpack_hex"]), raw=False) == payload
+    assert {cell.get("segment", "default") for cell in payload["cells"]} == {
+        "default", "chat", "code"}
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for record in records["records"]:
+        assert aggregator.add(TokenRecord.model_validate(record))
+    assert [cell.model_dump(mode="json") for cell in aggregator.cut()] == payload["cells"]
+
+    # The control plane adds the same per-segment counts for the aggregate as for the records.
+    from_records = tables_of(deployment_id=1, exit_layers=[2, 4], num_layers=6,
+                             batches=[parse_batch(records)],
+                             thresholds={0: np.ones(2), 3: np.ones(2)})
+    rollups, histogram = aggregate_tables(deployment_id=1, exit_layers=[2, 4], num_layers=6,
+                                          aggregates=[AggregateBatch.model_validate(payload)])
+
+    def rows(table, names):
+        return sorted(zip(*(np.asarray(table[name]).tolist() for name in names), strict=True))
+
+    names = ("version", "minute", "segment", "layer", "tokens", "exits")
+    assert rows(rollups, names) == [row for row in rows(from_records.rollups, names) if row[4]]
+    assert {row[2] for row in rows(rollups, names)} == {"default", "chat", "code"}
+    names = ("version", "minute", "segment", "layer", "bin", "count")
+    assert rows(histogram, names) == rows(from_records.histogram, names)

@@ -173,11 +173,33 @@ def number_groups(*keys: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     Returns each key column's value per group, and each row's group number."""
     if not keys:
         return [], np.zeros(0, dtype=np.int64)
-    uniques, codes = zip(*(np.unique(key, return_inverse=True) for key in keys), strict=True)
+    uniques, codes = zip(*(_distinct(np.asarray(key)) for key in keys), strict=True)
     sizes = [len(unique) for unique in uniques]
-    groups, group_of = np.unique(np.ravel_multi_index(codes, sizes), return_inverse=True)
+    groups, group_of = _distinct(np.ravel_multi_index(codes, sizes))
     return ([unique[code] for unique, code in zip(uniques, np.unravel_index(groups, sizes),
-                                                  strict=True)], group_of.ravel())
+                                                  strict=True)], group_of)
+
+
+def _distinct(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What `np.unique(key, return_inverse=True)` gives (sorted values, each row's index).
+
+    Integers (and times) within a small span are counted into a table instead of sorted: the
+    rollup keys (versions, runtime and segment numbers, minutes) are such, and ingestion pays
+    for a sort per key per batch otherwise."""
+    if key.dtype.kind == "M":
+        values, inverse = _distinct(key.view(np.int64))
+        return values.view(key.dtype), inverse
+    if key.dtype.kind in "iu" and len(key):
+        low = int(key.min())
+        span = int(key.max()) - low + 1
+        if span <= max(4 * len(key), 1 << 16):
+            offset = (key - low).astype(np.int64)
+            present = np.zeros(span, dtype=bool)
+            present[offset] = True
+            rank = np.cumsum(present) - 1
+            return (np.flatnonzero(present) + low).astype(key.dtype), rank[offset]
+    values, inverse = np.unique(key, return_inverse=True)
+    return values, inverse.ravel()
 
 
 def _utf8(values: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,8 @@
 
 A batch is checked whole before anything is written; it is stored in one transaction together
 with its rollups, and its id makes a replay a no-op. Ingestion works on columns (see
-columns.py and tables.py); PostgreSQL gets binary COPY for the raw rows.
+columns.py and tables.py); PostgreSQL gets binary COPY for the raw rows. Each batch's traffic
+segments go through the deployment's cap where the batch is written (admission.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.errors import Invalid
 from controlplane.telemetry import bulk
+from controlplane.telemetry.admission import stored_segments
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import (
     HISTOGRAM_BINS,
@@ -31,12 +33,13 @@ from controlplane.telemetry.models import (
 )
 from controlplane.telemetry.tables import (
     ROLLUP_COUNTERS,
+    VersionThresholds,
     aggregate_tables,
     merge_counts,
     tables_of,
 )
 from controlplane.thresholds.models import Deployment, ThresholdSet
-from exitplane.wire import AggregateBatch, TelemetryBatch
+from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch, TelemetryBatch
 
 if TYPE_CHECKING:
     from controlplane.telemetry.targets import IngestTarget
@@ -125,6 +128,10 @@ def ingest(*, session: Session, deployment: Deployment,
         return []
     batches = [batch if isinstance(batch, BatchColumns | AggregateBatch)
                else BatchColumns.from_model(batch) for batch in batches]
+    # Segment admission comes first: registering a name locks the deployment row, which must
+    # not wait on (and be waited on by) the key-share locks the batch rows' foreign keys take.
+    # Admitting a replay's names again changes nothing: the registry only grows.
+    segment_of = _segments_stored(session=session, deployment=deployment, batches=batches)
     new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
     fresh = [b for b in batches if b.batch_id in new_ids and isinstance(b, BatchColumns)]
     aggregates = [b for b in batches if b.batch_id in new_ids and isinstance(b, AggregateBatch)]
@@ -136,7 +143,7 @@ def ingest(*, session: Session, deployment: Deployment,
                                                versions=versions)
         tables = tables_of(deployment_id=deployment.id, exit_layers=deployment.exit_layers,
                            num_layers=deployment.num_layers, batches=fresh,
-                           thresholds=thresholds)
+                           thresholds=thresholds, segment_of=segment_of)
         bulk.write_rows(session, TokenRecordRow, tables.tokens)
         if len(tables.shadows["idx"]):
             bulk.write_rows(session, ShadowSampleRow, tables.shadows)
@@ -145,7 +152,7 @@ def ingest(*, session: Session, deployment: Deployment,
     if aggregates:
         rollup, histogram = aggregate_tables(
             deployment_id=deployment.id, exit_layers=deployment.exit_layers,
-            num_layers=deployment.num_layers, aggregates=aggregates)
+            num_layers=deployment.num_layers, aggregates=aggregates, segment_of=segment_of)
         rollups.append(rollup)
         histograms.append(histogram)
     if rollups:
@@ -158,6 +165,22 @@ def ingest(*, session: Session, deployment: Deployment,
     return [IngestResult(batch_id=b.batch_id, accepted=accounted(b),
                          duplicate=b.batch_id not in new_ids,
                          aggregate=isinstance(b, AggregateBatch)) for b in batches]
+
+
+def _segments_stored(*, session: Session, deployment: Deployment,
+                     batches: list[BatchColumns | AggregateBatch]) -> dict[str, str]:
+    """The names in `batches` that the deployment's cap stores as `default` (-> 'default');
+    names stored as themselves are left out (nothing to map)."""
+    names: set[str] = set()
+    for batch in batches:
+        if isinstance(batch, AggregateBatch):
+            names.update(cell.segment for cell in batch.cells)
+        else:
+            names.update(batch.segment)  # C-level, per batch
+    if not names - {DEFAULT_SEGMENT}:
+        return {}
+    decided = stored_segments(session=session, deployment_id=deployment.id, names=names)
+    return {name: stored for name, stored in decided.items() if stored != name}
 
 
 def accounted(batch: BatchColumns | AggregateBatch) -> int:
@@ -195,16 +218,23 @@ def _claim_batches(*, session: Session, deployment: Deployment,
 
 
 def thresholds_by_version(*, session: Session, deployment: Deployment,
-                          versions: Iterable[int]) -> dict[int, np.ndarray]:
+                          versions: Iterable[int]) -> VersionThresholds:
     """Thresholds in exit-layer order of those `versions` that exist: the published ones, and
-    0, the runtime's built-in never-exit set."""
+    0, the runtime's built-in never-exit set; with each version's per-segment maps."""
     layers = deployment.exit_layers
-    found = {0: np.ones(len(layers))}
-    rows = session.execute(select(ThresholdSet.version, ThresholdSet.thresholds).where(
+
+    def ordered(by_layer: dict) -> np.ndarray:
+        by_layer = {int(layer): float(value) for layer, value in by_layer.items()}
+        return np.array([by_layer[k] for k in layers])
+
+    found = VersionThresholds({0: np.ones(len(layers))})
+    rows = session.execute(select(ThresholdSet.version, ThresholdSet.thresholds,
+                                  ThresholdSet.segments).where(
         ThresholdSet.deployment_id == deployment.id, ThresholdSet.version.in_(set(versions))))
-    for version, thresholds in rows:
-        by_layer = {int(layer): float(value) for layer, value in thresholds.items()}
-        found[version] = np.array([by_layer[k] for k in layers])
+    for version, thresholds, segments in rows:
+        found[version] = ordered(thresholds)
+        for name, by_layer in (segments or {}).items():
+            found.segments[(version, name)] = ordered(by_layer)
     return found
 
 

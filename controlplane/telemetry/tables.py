@@ -5,22 +5,49 @@ Who counts what in the rollups: a record batch counts its tokens (tokens, exits,
 and its shadow labels; a record batch flagged `aggregated` counts only its shadow labels,
 because its runtime counts every token in aggregate batches, which add tokens, exits and
 histograms and never shadow labels (every shadow token is always shipped as a record). So each
-counter has exactly one source whatever the raw sample rate."""
+counter has exactly one source whatever the raw sample rate.
+
+Traffic segments (issue 18): every rollup and histogram group is keyed by (version, runtime,
+minute, segment), token and shadow rows carry their segment, and a shadow token's policy
+columns (would the policy have exited, and wrongly) use its version's thresholds for its
+segment: the segment's own map, else the version's default (`ThresholdSetWire.for_segment`).
+`segment_of` maps names the store does not take (past the deployment's cap) to `default`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
+import pandas as pd
 
 from controlplane.telemetry.bulk import Table, number_groups
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import HISTOGRAM_BINS
-from exitplane.wire import AggregateBatch
+from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch
 
 ROLLUP_COUNTERS = ("tokens", "exits", "shadow_total", "shadow_matches", "policy_exits",
                    "policy_mismatches")
+
+
+class VersionThresholds(dict[int, np.ndarray]):
+    """Per threshold version its default thresholds in exit-layer order (the dict itself), and
+    `segments[(version, segment)]`: the thresholds of a segment with a map of its own.
+
+    A plain dict of version -> thresholds is a set of versions without segment maps."""
+
+    def __init__(self, by_version: Mapping[int, np.ndarray] = (),
+                 segments: Mapping[tuple[int, str], np.ndarray] | None = None) -> None:
+        super().__init__(by_version)
+        self.segments = dict(segments or {})
+
+
+def policy_thresholds(thresholds: Mapping[int, np.ndarray], version: int,
+                      segment: str) -> np.ndarray:
+    """What a token of `segment` under `version` applied (`ThresholdSetWire.for_segment`)."""
+    own = getattr(thresholds, "segments", {})
+    return own.get((version, segment), thresholds[version])
 
 
 @dataclass(frozen=True)
@@ -32,8 +59,11 @@ class BatchTables:
 
 
 def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
-              batches: list[BatchColumns], thresholds: dict[int, np.ndarray]) -> BatchTables:
-    """Rows and rollup increments for `batches` (thresholds: per version, in exit-layer order)."""
+              batches: list[BatchColumns], thresholds: Mapping[int, np.ndarray],
+              segment_of: Mapping[str, str] | None = None) -> BatchTables:
+    """Rows and rollup increments for `batches` (thresholds: per version, in exit-layer order,
+    a `VersionThresholds` where versions have segment maps; `segment_of`: the segment each
+    name is stored under, where that is not the name itself)."""
     sizes = [len(batch) for batch in batches]
     count = sum(sizes)
 
@@ -50,6 +80,7 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
     shadowed = np.zeros(count, dtype=bool)
     shadowed[shadow_at] = True
     counted = np.repeat([not batch.aggregated for batch in batches], sizes).astype(bool)
+    segments, segment = _segment_codes(batches, segment_of or {})
     # What datetime.fromtimestamp(ts, UTC) gives: whole seconds, microseconds half-to-even.
     seconds = np.trunc(ts)
     micros = seconds.astype(np.int64) * 1_000_000 + np.rint((ts - seconds) * 1e6).astype(np.int64)
@@ -61,7 +92,7 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
               "request_id": list(chain.from_iterable(batch.request_id for batch in batches)),
               "position": joined("position"), "exit_layer": joined("exit_layer"),
               "signal_value": joined("signal_value"), "latency_us": joined("latency_us"),
-              "shadow": shadowed}
+              "shadow": shadowed, "segment": _names(segments, segment)}
     labels = [_shadow_labels(batch, exit_layers) for batch in batches]
     signals = np.concatenate([signal for signal, _ in labels])
     matched = np.concatenate([match for _, match in labels])
@@ -69,24 +100,53 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
                else [tokens[name][i] for i in shadow_at.tolist()]
                for name in ("batch_id", "idx", "ts", "deployment_id", "threshold_version",
                             "runtime_id", "request_id")}
+    shadows["segment"] = _names(segments, segment[shadow_at])
     shadows |= {"signals": signals.astype("<f4").view(np.uint8),
                 "matched": matched.astype(np.uint8)}
 
-    # Rollup groups: one per (version, runtime, minute), numbered in key order.
+    # Rollup groups: one per (version, runtime, minute, segment), numbered in key order.
     runtimes = sorted({batch.runtime_id for batch in batches})
     runtime = np.repeat([runtimes.index(batch.runtime_id) for batch in batches], sizes)
     minute = seconds.astype(np.int64) // 60 * 60
-    keys, group = number_groups(version, runtime, minute)
-    key_of = _KeyColumns(deployment_id, keys, runtimes)
+    keys, group = number_groups(version, runtime, minute, segment)
+    key_of = _KeyColumns(deployment_id, keys, runtimes, segments)
     layers = np.unique([*exit_layers, num_layers])
     slot = np.searchsorted(layers, tokens["exit_layer"])  # one of `layers` (checked)
     cell = group * len(layers) + slot
-    over = signals > np.array([thresholds[v] for v in version[shadow_at].tolist()]).reshape(
-        signals.shape)  # where each shadow token's signal beat its version's threshold
+    # Where each shadow token's signal beat its threshold: its version's, for its segment.
+    pairs, pair = number_groups(version[shadow_at], segment[shadow_at])
+    applied = np.array([policy_thresholds(thresholds, v, segments[s]) for v, s in zip(
+        pairs[0].tolist(), pairs[1].tolist(), strict=True)]) if len(shadow_at) else \
+        np.zeros((0, len(exit_layers)))
+    over = signals > applied[pair].reshape(signals.shape)
     rollups = _rollups(key_of, layers, cell[counted], group[shadow_at], exit_layers, over,
                        matched)
     histogram = _histogram(key_of, layers, cell[counted], tokens["signal_value"][counted])
     return BatchTables(tokens=tokens, shadows=shadows, rollups=rollups, histogram=histogram)
+
+
+def _segment_codes(batches: list[BatchColumns],
+                   segment_of: Mapping[str, str]) -> tuple[list[str], np.ndarray]:
+    """(stored segment names sorted, each record's index into them): names mapped through
+    `segment_of`, one dict look-up per distinct name, never per record."""
+    raw = batches[0].segment if len(batches) == 1 else \
+        list(chain.from_iterable(batch.segment for batch in batches))
+    if not raw or raw.count(raw[0]) == len(raw):  # one segment (unsegmented traffic): no hashing
+        codes, names = np.zeros(len(raw), dtype=np.int64), raw[:1] or [DEFAULT_SEGMENT]
+    else:  # a hash table in C (np.unique would sort the strings: 4x slower at 10k records)
+        codes, names = pd.factorize(np.array(raw, dtype=object))
+        names = names.tolist()
+    stored = [segment_of.get(name, name) for name in names]
+    segments = sorted(set(stored))
+    remap = np.array([segments.index(name) for name in stored], dtype=np.int64)
+    return segments, remap[codes]
+
+
+def _names(segments: list[str], code: np.ndarray) -> list[str]:
+    """The text column of segment names for codes into `segments`."""
+    if len(segments) == 1:
+        return [segments[0]] * len(code)
+    return np.array(segments, dtype=object)[code].tolist()
 
 
 def _shadow_labels(batch: BatchColumns, exit_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -140,17 +200,24 @@ def _histogram(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
 
 
 def aggregate_tables(*, deployment_id: int, exit_layers: list[int], num_layers: int,
-                     aggregates: list[AggregateBatch]) -> tuple[Table, Table]:
+                     aggregates: list[AggregateBatch],
+                     segment_of: Mapping[str, str] | None = None) -> tuple[Table, Table]:
     """(rollup increments, histogram increments) of checked aggregate batches: per (version,
-    runtime, minute) the exits per layer, `tokens` at a layer being the exits at or past it."""
+    runtime, minute, segment) the exits per layer, `tokens` at a layer being the exits at or
+    past it. `segment_of`: as for `tables_of` (cells it folds together add up)."""
     cells = [(batch.runtime_id, cell) for batch in aggregates for cell in batch.cells]
     layers = np.unique([*exit_layers, num_layers])
     runtimes = sorted({runtime for runtime, _ in cells})
+    segment_of = segment_of or {}
+    stored = [segment_of.get(cell.segment, cell.segment) for _, cell in cells]
+    segments = sorted(set(stored))
     version = np.array([cell.threshold_version for _, cell in cells], dtype=np.int64)
     runtime = np.array([runtimes.index(name) for name, _ in cells], dtype=np.int64)
     minute = np.array([cell.minute for _, cell in cells], dtype=np.int64)
-    keys, group = number_groups(version, runtime, minute)
-    key_of = _KeyColumns(deployment_id, keys, runtimes)
+    number = {name: index for index, name in enumerate(segments)}
+    segment = np.array([number[name] for name in stored], dtype=np.int64)
+    keys, group = number_groups(version, runtime, minute, segment)
+    key_of = _KeyColumns(deployment_id, keys, runtimes, segments)
     width = len(layers)
     slot = np.searchsorted(layers, [cell.layer for _, cell in cells])  # one of `layers` (checked)
     exits = np.zeros(key_of.groups * width, dtype=np.int64)
@@ -194,18 +261,21 @@ def merge_counts(tables: list[Table], counters: tuple[str, ...]) -> Table:
 
 @dataclass(frozen=True)
 class _KeyColumns:
-    """Rollup key columns before `layer` for group numbers (keys: version, runtime, minute)."""
+    """Rollup key columns before `layer` for group numbers (keys: version, runtime index,
+    minute, segment index)."""
 
     deployment_id: int
     keys: list[np.ndarray]
     runtimes: list[str]
+    segments: list[str]
 
     @property
     def groups(self) -> int:
         return len(self.keys[0])
 
     def __call__(self, group: np.ndarray) -> Table:
-        version, runtime, minute = (key[group] for key in self.keys)
+        version, runtime, minute, segment = (key[group] for key in self.keys)
         return {"deployment_id": np.full(len(group), self.deployment_id), "version": version,
                 "runtime_id": [self.runtimes[number] for number in runtime.tolist()],
-                "minute": minute.astype("datetime64[s]")}
+                "minute": minute.astype("datetime64[s]"),
+                "segment": _names(self.segments, segment)}

@@ -1,11 +1,15 @@
 """Exact edge aggregation: what every token adds to the control plane's rollups, counted on the
 runtime so that the token itself need not travel.
 
-Per (minute, threshold version, layer) the aggregator counts the tokens that exited there and
-the histogram of their signal at exit; the control plane derives "tokens that reached a layer"
-(exits at or past it) and takes shadow labels from the shadow records, which are always shipped
-(docs/protocol.md, "Aggregates"). A cut hands over the counts since the previous cut as
-`AggregateCell`s, so merging batches is plain addition and a replayed batch id adds nothing.
+Per (minute, threshold version, traffic segment, layer) the aggregator counts the tokens that
+exited there and the histogram of their signal at exit; the control plane derives "tokens that
+reached a layer" (exits at or past it) and takes shadow labels from the shadow records, which
+are always shipped (docs/protocol.md, "Aggregates"). A cut hands over the counts since the
+previous cut as `AggregateCell`s, so merging batches is plain addition and a replayed batch id
+adds nothing.
+
+Segments are only keys here: the runtime caps the names it tracks (overflow goes to
+`default`) and the control plane caps what it stores, so the aggregator holds what it is given.
 
 Pure Python on purpose: no numpy in the client. `add` is a few dict operations under a lock
 (the decode thread adds, the shipper's thread cuts).
@@ -16,17 +20,24 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from exitplane.wire import HISTOGRAM_BINS, AggregateCell, TokenRecord, signal_bin
+from exitplane.wire import (
+    DEFAULT_SEGMENT,
+    HISTOGRAM_BINS,
+    AggregateCell,
+    TokenRecord,
+    signal_bin,
+)
 
 
 class Aggregator:
-    """Counts of tokens per (minute, threshold version, exit layer) since the last `cut`."""
+    """Counts of tokens per (minute, threshold version, segment, exit layer) since the last
+    `cut`."""
 
     def __init__(self, *, exit_layers: Iterable[int], num_layers: int) -> None:
         self.layers = sorted({*exit_layers, num_layers})
         self._slot = {layer: slot for slot, layer in enumerate(self.layers)}
-        # (minute, version) -> per slot [exits, bin 0, ..., bin 19]
-        self._cells: dict[tuple[int, int], list[list[int]]] = {}
+        # (minute, version, segment) -> per slot [exits, bin 0, ..., bin 19]
+        self._cells: dict[tuple[int, int, str], list[list[int]]] = {}
         self._lock = threading.Lock()
         self.pending_tokens = 0
 
@@ -41,7 +52,7 @@ class Aggregator:
         if slot is None:
             return False
         # int() truncates toward zero like the store's minute of a (positive) unix time.
-        key = (int(record.ts) // 60 * 60, record.threshold_version)
+        key = (int(record.ts) // 60 * 60, record.threshold_version, record.segment)
         signal = record.signal_value
         with self._lock:
             cell = self._cells.get(key)
@@ -55,12 +66,13 @@ class Aggregator:
         return True
 
     def add_counts(self, *, minute: int, threshold_version: int, exits: Sequence[int],
-                   histogram: Sequence[Sequence[int]]) -> None:
-        """Count many tokens at once (vectorised producers): `exits[i]` tokens left at
-        `self.layers[i]`, `histogram[i]` their signal-at-exit bins."""
+                   histogram: Sequence[Sequence[int]],
+                   segment: str = DEFAULT_SEGMENT) -> None:
+        """Count many tokens at once (vectorised producers): `exits[i]` tokens of `segment`
+        left at `self.layers[i]`, `histogram[i]` their signal-at-exit bins."""
         if len(exits) != len(self.layers) or len(histogram) != len(self.layers):
             raise ValueError(f"expected one count per layer {self.layers}")
-        key = (int(minute) // 60 * 60, int(threshold_version))
+        key = (int(minute) // 60 * 60, int(threshold_version), segment)
         with self._lock:
             cell = self._cells.get(key)
             if cell is None:
@@ -73,16 +85,17 @@ class Aggregator:
             self.pending_tokens += int(sum(exits))
 
     def cut(self) -> list[AggregateCell]:
-        """The counts since the last cut, as cells in key order; the counts start again."""
+        """The counts since the last cut, as cells in key order (minute, version, segment,
+        layer); the counts start again."""
         with self._lock:
             cells, self._cells = self._cells, {}
             self.pending_tokens = 0
         out = []
-        for (minute, version), slots in sorted(cells.items()):
+        for (minute, version, segment), slots in sorted(cells.items()):
             for layer, counts in zip(self.layers, slots, strict=True):
                 if counts[0]:
                     out.append(AggregateCell(minute=minute, threshold_version=version,
-                                             layer=layer, exits=counts[0],
+                                             segment=segment, layer=layer, exits=counts[0],
                                              histogram=counts[1:]))
         return out
 
@@ -94,4 +107,4 @@ class Aggregator:
             exits[self._slot[cell.layer]] = cell.exits
             histogram[self._slot[cell.layer]] = list(cell.histogram)
             self.add_counts(minute=cell.minute, threshold_version=cell.threshold_version,
-                            exits=exits, histogram=histogram)
+                            exits=exits, histogram=histogram, segment=cell.segment)

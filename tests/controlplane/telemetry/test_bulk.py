@@ -6,6 +6,7 @@ import time
 from datetime import UTC, datetime
 
 import numpy as np
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -103,3 +104,20 @@ def test_binary_copy_groups_rows_by_their_text_widths():
         assert text in payload
     row_bytes = 2 + sum(4 + width for width in (8, 4, 8, 4, 1, 4, 0, 4, 2, 8, 4, 1))
     assert len(payload) == 19 + 3 * row_bytes + (1 + 2 + 3) + 2  # signature, rows, trailer
+
+
+@pytest.mark.parametrize("span", [1, 7, 3_600, 10**7, 2**40])
+def test_number_groups_is_what_sorting_gives(span):
+    """Keys in a small span are counted into a table instead of sorted: same answer."""
+    rng = np.random.default_rng(span)
+    version = rng.integers(0, 3, 500)
+    minute = (1_764_460_800 + rng.integers(0, span, 500)) // 60 * 60
+    moment = minute.astype("datetime64[s]")
+    segment = rng.choice(np.array(["default", "chat", "code"]), 500)
+    values, group = bulk.number_groups(version, minute, moment, segment)
+    rows = list(zip(version.tolist(), minute.tolist(), moment.tolist(), segment.tolist(),
+                    strict=True))
+    distinct = sorted(set(rows))
+    assert [tuple(row) for row in zip(*(value.tolist() for value in values), strict=True)] == \
+        distinct
+    assert [distinct[number] for number in group.tolist()] == rows

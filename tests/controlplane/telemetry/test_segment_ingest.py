@@ -1,0 +1,406 @@
+"""Traffic segments on the write path (issue 18): every stored token keeps its segment, the
+rollups add up per segment exactly (record and aggregate batches, HTTP and Redis stream),
+replays add nothing, names past the deployment's cap land in `default`, and a shadow token's
+policy columns use its segment's own thresholds."""
+
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+
+import msgpack
+import pytest
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.auth.service import create_token
+from controlplane.telemetry import service, stream
+from controlplane.telemetry.models import (
+    Rollup,
+    RollupHistogram,
+    ShadowSampleRow,
+    TokenRecordRow,
+)
+from controlplane.thresholds.segments import admit_segments, known_segments
+from controlplane.thresholds.service import get_deployment
+from exitplane.client.aggregate import Aggregator
+from exitplane.wire import AGGREGATE_MSGPACK, AggregateBatch, TelemetryBatch, TokenRecord
+from tests.conftest import REDIS_URL
+
+LAYERS = [3, 6, 9]
+FULL = 12
+DEFAULT_MAP = {"3": 0.9, "6": 0.8, "9": 0.7}
+CODE_MAP = {"3": 0.1, "6": 0.1, "9": 0.1}  # code exits early: its own, far lower thresholds
+SEGMENTS = ("default", "chat", "code")
+
+
+def _deploy(client, tokens, engine, name="mix"):
+    """A deployment whose version 2 gives `code` a map of its own (registering `code`)."""
+    op = tokens.headers(tokens.operator)
+    assert client.post("/v1/deployments", headers=op, json={
+        "name": name, "model_ref": "tiny", "num_layers": FULL,
+        "exit_layers": LAYERS}).status_code == 201
+    published = client.post(f"/v1/deployments/{name}/threshold-sets", headers=op, json={
+        "thresholds": DEFAULT_MAP, "segments": {"code": CODE_MAP}, "reason": "per segment",
+        "activate": True})
+    assert published.status_code == 201, published.text
+    assert published.json()["version"] == 2
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name=name)
+        _, secret = create_token(session=session, name=f"rt-{name}", scope="runtime",
+                                 deployment=deployment)
+        session.commit()
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _records(rng: random.Random, n: int, segments=SEGMENTS, shadow_rate: float = 0.3,
+             ts: float | None = None) -> list[dict]:
+    now = ts or time.time()
+    records = []
+    for i in range(n):
+        record = {"threshold_version": 2, "request_id": f"r{i % 7}", "position": i,
+                  "exit_layer": rng.choice([*LAYERS, FULL]), "signal_value": rng.random(),
+                  "latency_us": 100, "ts": now + i * 0.9}
+        segment = segments[i % len(segments)]
+        if segment != "default":  # as a runtime sends it: 'default' is left off the wire
+            record["segment"] = segment
+        if rng.random() < shadow_rate:
+            record["exit_layer"] = FULL
+            record["shadow"] = [{"layer": k, "signal": rng.random(), "matched": rng.random() < 0.8}
+                                for k in LAYERS]
+        records.append(record)
+    return records
+
+
+def _batch(records: list[dict], deployment: str = "mix", seq: int = 0,
+           runtime_id: str = "rt-1") -> dict:
+    return {"batch_id": uuid.uuid4().hex, "deployment": deployment, "runtime_id": runtime_id,
+            "seq": seq, "num_layers": FULL, "records": records}
+
+
+def _segment_of(record: dict) -> str:
+    return record.get("segment", "default")
+
+
+def _rollups(engine) -> dict[tuple[str, int], tuple[int, ...]]:
+    """(segment, layer) -> summed counters over minutes, versions and runtimes."""
+    with Session(engine) as session:
+        rows = session.execute(
+            select(Rollup.segment, Rollup.layer, func.sum(Rollup.tokens), func.sum(Rollup.exits),
+                   func.sum(Rollup.shadow_total), func.sum(Rollup.policy_exits),
+                   func.sum(Rollup.policy_mismatches))
+            .group_by(Rollup.segment, Rollup.layer))
+        return {(row[0], row[1]): tuple(int(value) for value in row[2:]) for row in rows}
+
+
+def _histograms(engine) -> Counter:
+    with Session(engine) as session:
+        rows = session.execute(select(RollupHistogram.segment, RollupHistogram.layer,
+                                      func.sum(RollupHistogram.count))
+                               .group_by(RollupHistogram.segment, RollupHistogram.layer))
+        return Counter({(row[0], row[1]): int(row[2]) for row in rows})
+
+
+def _stored_segments(engine, model) -> Counter:
+    with Session(engine) as session:
+        return Counter(dict(session.execute(
+            select(model.segment, func.count()).group_by(model.segment)).all()))
+
+
+def _expected_exits(records: list[dict]) -> dict[tuple[str, int], tuple[int, int]]:
+    """(segment, layer) -> (tokens that reached it, tokens that exited there), recounted."""
+    out = {}
+    for segment in {_segment_of(record) for record in records}:
+        mine = [record for record in records if _segment_of(record) == segment]
+        for layer in [*LAYERS, FULL]:
+            out[(segment, layer)] = (sum(r["exit_layer"] >= layer for r in mine),
+                                     sum(r["exit_layer"] == layer for r in mine))
+    return out
+
+
+def test_a_mixed_segment_record_batch_lands_per_segment_and_a_replay_adds_nothing(
+        client, tokens, engine):
+    runtime = _deploy(client, tokens, engine)
+    records = _records(random.Random(3), 150)
+    batch = _batch(records)
+    response = client.post("/v1/telemetry", content=msgpack.packb(batch), headers={
+        **runtime, "Content-Type": "application/msgpack"})
+    assert response.status_code == 202, response.text
+
+    rollups = _rollups(engine)
+    for key, (reached, exits) in _expected_exits(records).items():
+        assert rollups[key][:2] == (reached, exits), key
+    per_segment = Counter(_segment_of(record) for record in records)
+    assert {segment: rollups[(segment, LAYERS[0])][0] for segment in SEGMENTS} == per_segment
+    assert sum(rollups[(segment, LAYERS[0])][0] for segment in SEGMENTS) == len(records)
+    assert _stored_segments(engine, TokenRecordRow) == per_segment
+    assert _stored_segments(engine, ShadowSampleRow) == Counter(
+        _segment_of(record) for record in records if "shadow" in record)
+    assert sum(_histograms(engine).values()) == len(records)  # every token has a signal here
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="mix")
+        assert known_segments(session=session, deployment_id=deployment.id) == ["chat", "code"]
+
+    replay = client.post("/v1/telemetry", json=batch, headers=runtime)
+    assert replay.status_code == 202 and replay.json()["duplicate"] is True
+    assert _rollups(engine) == rollups
+    assert _stored_segments(engine, TokenRecordRow) == per_segment
+
+
+def test_an_aggregate_batch_lands_per_segment_exactly(client, tokens, engine):
+    runtime = _deploy(client, tokens, engine)
+    records = _records(random.Random(4), 120, shadow_rate=0.0)
+    aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
+    for record in records:
+        assert aggregator.add(TokenRecord.model_validate(record))
+    cells = aggregator.cut()
+    assert {cell.segment for cell in cells} == set(SEGMENTS)
+    aggregate = AggregateBatch(batch_id=uuid.uuid4().hex, deployment="mix", runtime_id="rt-1",
+                               seq=0, num_layers=FULL, raw_sample_rate=0.0, cells=cells)
+    body = msgpack.packb(aggregate.model_dump(mode="json"))
+    headers = {**runtime, "Content-Type": AGGREGATE_MSGPACK}
+    response = client.post("/v1/telemetry", content=body, headers=headers)
+    assert response.status_code == 202 and response.json()["accepted"] == len(records)
+
+    rollups = _rollups(engine)
+    for key, (reached, exits) in _expected_exits(records).items():
+        assert rollups[key][:2] == (reached, exits), key
+    histograms = _histograms(engine)
+    for segment in SEGMENTS:
+        for layer in [*LAYERS, FULL]:
+            assert histograms[(segment, layer)] == sum(
+                sum(cell.histogram) for cell in cells
+                if cell.segment == segment and cell.layer == layer)
+    assert client.post("/v1/telemetry", content=body, headers=headers).json()["duplicate"]
+    assert _rollups(engine) == rollups and _histograms(engine) == histograms
+
+
+def test_policy_counts_use_the_shadow_tokens_segment_map(session, engine, client, tokens):
+    _deploy(client, tokens, engine)
+    deployment = get_deployment(session=session, name="mix")
+    now = time.time()
+
+    def shadow(segment: str, signal: float) -> dict:
+        record = {"threshold_version": 2, "request_id": "r", "position": 0, "exit_layer": FULL,
+                  "signal_value": 0.99, "latency_us": 1, "ts": now,
+                  "shadow": [{"layer": k, "signal": signal, "matched": False} for k in LAYERS]}
+        return record | ({"segment": segment} if segment != "default" else {})
+
+    # 0.5 beats code's own 0.1 at layer 3 but none of the default map's 0.9/0.8/0.7: a code
+    # token counted with the default map would show no policy exit at all.
+    records = [shadow("code", 0.5)] * 4 + [shadow("default", 0.5)] * 3 + \
+        [shadow("chat", 0.95)] * 2  # chat has no map of its own: the default's 0.9 applies
+    batch = TelemetryBatch.model_validate(_batch(records))
+    service.check_batch(deployment=deployment, batch=service.BatchColumns.from_model(batch),
+                        known_versions={0, 1, 2})
+    service.ingest(session=session, deployment=deployment, batches=[batch])
+    session.commit()
+    rollups = _rollups(engine)
+    # (tokens, exits, shadow_total, policy_exits, policy_mismatches)
+    assert rollups[("code", 3)][2:] == (4, 4, 4)
+    assert rollups[("code", 6)][3:] == (0, 0)  # the policy's first exit only
+    assert all(rollups[("default", layer)][3:] == (0, 0) for layer in LAYERS)
+    assert rollups[("chat", 3)][2:] == (2, 2, 2)
+
+
+def test_names_past_the_cap_are_stored_as_default_and_logged_once(
+        session, engine, client, tokens, caplog):
+    _deploy(client, tokens, engine)  # registers `code`
+    deployment = get_deployment(session=session, name="mix")
+    filler = [f"s{index:02d}" for index in range(15)]  # 16 with `code`: the default cap
+    admit_segments(session=session, deployment_id=deployment.id, names=filler)
+    session.commit()
+    records = _records(random.Random(5), 60, segments=("default", "late", "code", "s07"))
+    first, second = _batch(records[:30]), _batch(records[30:], seq=1)
+    with caplog.at_level(logging.WARNING, logger="exitplane.telemetry"):
+        for batch in (first, second):
+            service.ingest(session=session, deployment=deployment,
+                           batches=[TelemetryBatch.model_validate(batch)])
+            session.commit()
+    assert [r.getMessage() for r in caplog.records if "'late'" in r.getMessage()] == [
+        f"segment 'late' of deployment {deployment.id} is stored as 'default': the deployment "
+        "already knows EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT segments"]
+    sent = Counter(_segment_of(record) for record in records)
+    stored = {"default": sent["default"] + sent["late"], "code": sent["code"], "s07": sent["s07"]}
+    assert _stored_segments(engine, TokenRecordRow) == stored
+    rollups = _rollups(engine)
+    assert {segment: rollups[(segment, LAYERS[0])][0] for segment in stored} == stored
+
+    # An aggregate batch of the same tokens: `late` cells fold into `default`'s, exactly.
+    aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
+    for record in records:
+        aggregator.add(TokenRecord.model_validate(record))
+    cells = aggregator.cut()
+    assert {cell.segment for cell in cells} == {"default", "late", "code", "s07"}
+    service.ingest(session=session, deployment=deployment, batches=[AggregateBatch(
+        batch_id=uuid.uuid4().hex, deployment="mix", runtime_id="rt-1", seq=2, num_layers=FULL,
+        raw_sample_rate=0.0, cells=cells)])
+    session.commit()
+    rollups = _rollups(engine)
+    assert {segment: rollups[(segment, LAYERS[0])][0] for segment in stored} == {
+        segment: 2 * count for segment, count in stored.items()}
+    assert not any(segment == "late" for segment, _ in rollups)
+    assert not any(segment == "late" for segment, _ in _histograms(engine))
+    assert "late" not in known_segments(session=session, deployment_id=deployment.id)
+
+
+def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
+        session, engine, client, tokens):
+    _deploy(client, tokens, engine)
+    deployment = get_deployment(session=session, name="mix")
+    rng = random.Random(6)
+    batch = TelemetryBatch.model_validate(_batch(_records(rng, 20, segments=("chat",))))
+    savepoint = session.begin_nested()
+    service.ingest(session=session, deployment=deployment, batches=[batch])
+    savepoint.commit()  # a savepoint's commit is not the transaction's
+    session.rollback()  # the batch and its registration are gone ...
+    assert known_segments(session=session, deployment_id=deployment.id) == ["code"]
+    service.ingest(session=session, deployment=deployment, batches=[batch])
+    session.commit()  # ... so storing it again registers `chat` here
+    assert known_segments(session=session, deployment_id=deployment.id) == ["chat", "code"]
+
+    def store(segments) -> list[str]:
+        """Store a batch of `segments`; the SQL it ran."""
+        statements: list[str] = []
+        listener = lambda *args: statements.append(args[2])  # noqa: E731
+        event.listen(engine, "before_cursor_execute", listener)
+        try:
+            again = TelemetryBatch.model_validate(_batch(_records(rng, 20, segments=segments)))
+            service.ingest(session=session, deployment=deployment, batches=[again])
+            session.commit()
+        finally:
+            event.remove(engine, "before_cursor_execute", listener)
+        assert statements
+        return [sql for sql in statements if "deployment_segments" in sql]
+
+    # `code` was registered by the published set, never decided here yet: one read.
+    assert store(("chat", "code")) != []
+    assert store(("code", "chat", "default")) == []  # every name decided: no registry read
+    assert _stored_segments(engine, TokenRecordRow) == {"chat": 20 + 10 + 7, "code": 10 + 7,
+                                                        "default": 6}
+
+
+@pytest.fixture
+def own_redis():
+    """A Redis database of this test file's own (the stream keys are shared names): emptied
+    of the keys these tests make, before and after."""
+    import redis
+
+    if not REDIS_URL:
+        raise RuntimeError("set EXITPLANE_TEST_REDIS_URL (make test starts Redis)")
+    url = REDIS_URL.rsplit("/", 1)[0] + "/11"
+    client = redis.Redis.from_url(url)
+
+    def clean() -> None:
+        keys = [stream.STREAMS_KEY, stream.stream_key("mix"),
+                *client.scan_iter(match=stream.SEEN_PREFIX + "*")]
+        client.delete(*keys)
+
+    clean()
+    yield url, client
+    clean()
+
+
+@pytest.mark.redis
+def test_the_stream_path_stores_segments_in_the_ingest_worker(
+        settings, engine, tokens, own_redis):
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import create_app
+
+    url, redis_client = own_redis
+    app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
+    with TestClient(app) as client:
+        runtime = _deploy(client, tokens, engine)
+        rng = random.Random(7)
+        records = _records(rng, 90, segments=("default", "chat", "code", "tools"))
+        batches = [_batch(records[:45]), _batch(records[45:], seq=1)]
+        counted = _records(rng, 40, segments=("tools", "default"), shadow_rate=0.0)
+        aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
+        for record in counted:
+            aggregator.add(TokenRecord.model_validate(record))
+        aggregate = AggregateBatch(batch_id=uuid.uuid4().hex, deployment="mix",
+                                   runtime_id="rt-2", seq=0, num_layers=FULL,
+                                   raw_sample_rate=0.0, cells=aggregator.cut())
+        for batch in batches:
+            assert client.post("/v1/telemetry", json=batch, headers=runtime).json()["queued"]
+        assert client.post("/v1/telemetry", headers={
+            **runtime, "Content-Type": AGGREGATE_MSGPACK},
+            content=msgpack.packb(aggregate.model_dump(mode="json"))).json()["queued"]
+        with Session(engine) as session:  # checked by the API, not yet admitted
+            deployment = get_deployment(session=session, name="mix")
+            assert known_segments(session=session, deployment_id=deployment.id) == ["code"]
+        factory = sessionmaker(bind=engine, expire_on_commit=False)
+        worker = stream.StreamIngestor(redis_client, factory, name="seg-worker", count=10,
+                                       block_ms=10)
+        while worker.run_once():
+            pass
+        # A reclaimed entry that was already committed: stored again, it adds nothing.
+        with factory() as session:
+            deployment = get_deployment(session=session, name="mix")
+            [result] = service.ingest(session=session, deployment=deployment,
+                                      batches=[TelemetryBatch.model_validate(batches[0])])
+            session.commit()
+            assert result.duplicate
+            assert known_segments(session=session, deployment_id=deployment.id) == [
+                "chat", "code", "tools"]
+    app.state.config_delivery.close()
+
+    everything = records + counted
+    rollups = _rollups(engine)
+    for key, (reached, exits) in _expected_exits(everything).items():
+        assert rollups[key][:2] == (reached, exits), key
+    assert sum(rollups[(segment, LAYERS[0])][0] for segment in ("default", "chat", "code",
+                                                                "tools")) == len(everything)
+    assert _stored_segments(engine, TokenRecordRow) == Counter(map(_segment_of, records))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, tokens):
+    """Writers that meet new names at once: none deadlocks, the registry stops at the cap, and
+    every name's traffic is stored as itself exactly when it was registered."""
+    import threading
+
+    _deploy(client, tokens, engine)  # registers `code`
+    with Session(engine) as session:
+        deployment_id = get_deployment(session=session, name="mix").id
+        admit_segments(session=session, deployment_id=deployment_id,
+                       names=[f"s{index:02d}" for index in range(12)])  # 13 of 16 taken
+        session.commit()
+    names = {writer: (f"w{writer}a", f"w{writer}b", "code") for writer in range(4)}
+    payloads = [_batch(_records(random.Random(writer), 30, segments=names[writer]),
+                       runtime_id=f"rt-{writer}") for writer in names]
+    start, errors = threading.Barrier(len(payloads)), []
+
+    def write(payload: dict) -> None:
+        try:
+            batch = TelemetryBatch.model_validate(payload)
+            with Session(engine) as session:
+                start.wait()
+                service.ingest(session=session, deployment=get_deployment(
+                    session=session, name="mix"), batches=[batch])
+                session.commit()
+        except Exception as error:  # reported below: a deadlock would land here
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(payload,)) for payload in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    with Session(engine) as session:
+        known = known_segments(session=session, deployment_id=deployment_id)
+    assert len(known) == 16
+    new = {name for writer in names for name in names[writer][:2]}
+    assert len(new & set(known)) == 3
+    sent = Counter(_segment_of(record) for payload in payloads for record in payload["records"])
+    expected = Counter()
+    for name, count in sent.items():
+        expected[name if name in known or name == "default" else "default"] += count
+    assert _stored_segments(engine, TokenRecordRow) == expected
+    rollups = _rollups(engine)
+    assert {segment: tokens for (segment, layer), (tokens, *_) in rollups.items()
+            if layer == LAYERS[0]} == expected
