@@ -42,8 +42,11 @@ def admit_segments(*, session: Session, deployment_id: int, names: Iterable[str]
         if limit is None:
             limit = get_settings().max_segments_per_deployment
         # The deployment row lock serialises registrations, so the cap holds across writers.
+        # FOR NO KEY UPDATE: a writer that already inserted rows referencing the deployment
+        # holds a key-share lock on it, which a plain FOR UPDATE would wait on (a deadlock
+        # when two such writers register names at once).
         session.scalars(select(Deployment.id).where(Deployment.id == deployment_id)
-                        .with_for_update())
+                        .with_for_update(key_share=True))
         known = set(known_segments(session=session, deployment_id=deployment_id))
         for name in new:
             if name not in known and len(known) < limit:
