@@ -12,6 +12,7 @@ import click
 
 from exitplane.logs import configure_logging
 from exitplane.wire import Signal, ThresholdSetWire
+from runtime.serving.segments import DEFAULT_MAX_SEGMENTS, SegmentRules
 
 
 def default_heads_path(mode: str = "post-hoc") -> Path:
@@ -21,7 +22,8 @@ def default_heads_path(mode: str = "post-hoc") -> Path:
 
 
 def read_threshold_file(path: str) -> ThresholdSetWire:
-    """A wire threshold set (with checksum) or a plain {signal, thresholds[, version]} file."""
+    """A wire threshold set (with checksum) or a plain {signal, thresholds[, version,
+    segments]} file (segments: {name: {layer: threshold}}, as on the wire)."""
     data = json.loads(Path(path).read_text())
     if "checksum" in data:
         wire = ThresholdSetWire.model_validate(data)
@@ -29,11 +31,14 @@ def read_threshold_file(path: str) -> ThresholdSetWire:
         return wire
     if "thresholds" not in data:
         raise click.BadParameter(f"{path} needs a 'thresholds' object: {{layer: threshold}}")
+    segments = {name: {int(k): float(v) for k, v in by_layer.items()}
+                for name, by_layer in (data.get("segments") or {}).items()}
     return ThresholdSetWire.build(deployment=data.get("deployment", "local"),
                                   version=int(data.get("version", 1)),
                                   signal=data.get("signal", Signal.learned),
                                   thresholds={int(k): float(v)
-                                              for k, v in data["thresholds"].items()})
+                                              for k, v in data["thresholds"].items()},
+                                  segments=segments)
 
 
 def _logging(process_name: str) -> None:
@@ -302,7 +307,8 @@ def bench(args) -> None:
                    "exitplane_segment body field its traffic segment: {\"api_keys\": "
                    "{\"<sha256 hex of the key>\": \"code\"}, \"models\": {\"<model>\": "
                    "\"chat\"}}; no rule: 'default' (runtime/README.md, Segments).")
-@click.option("--max-segments", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--max-segments", type=click.IntRange(min=1), default=DEFAULT_MAX_SEGMENTS,
+              show_default=True,
               envvar="EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT",
               help="Segment names tracked besides 'default' (the control plane's cap of the "
                    "same variable); requests naming a new one past it run as 'default'.")
@@ -325,7 +331,6 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     from runtime.engine import Engine, EngineConfig
     from runtime.serve_guard import load_api_keys
     from runtime.server import build_state, create_serve_app, exit_when_engine_dies
-    from runtime.serving.segments import SegmentRules
 
     _threads()
     _logging("runtime")

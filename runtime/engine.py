@@ -13,6 +13,7 @@ The split follows gpt-fast: `model.py` describes and loads the model, `decoder.p
 math over the KV cache (`kv.py`), `step.py` holds a step's rows, result and sampling, and this
 module is the loop itself (`_decode`, one screen) with the request bookkeeping around it. A
 step reads the device once per live exit layer (whether a row leaves) and once at the end.
+Each request has a traffic segment; its rows apply that segment's thresholds (`policy.py`).
 """
 
 from __future__ import annotations
