@@ -128,3 +128,12 @@ def test_row_plan_gives_each_row_its_map_and_counts_only_its_own_checks():
                                      [True, True]]
     assert policy.checked_layers(shadow=False, segments=["default"]) == frozenset()
     assert policy.checked_layers(shadow=False, segments=["default", "chat"]) == {4}
+
+
+def test_saturation_serves_a_segment_s_whole_chain_up_to_its_deepest_live_layer():
+    policy = ExitPolicy(version=1, signal=Signal.saturation, thresholds={2: 1.0, 4: 1.0},
+                        segments={"code": {2: 1.0, 4: 0.4}})
+    assert policy.served_layers("code") == {2, 4}  # layer 2 feeds layer 4's agreement run
+    assert policy.served_layers("default") == frozenset()
+    plan = RowPlan.build(policy, ["code", "default"], [False, False])
+    assert plan.counted.tolist() == [[True, True], [False, False]]
