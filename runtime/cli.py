@@ -12,6 +12,7 @@ import click
 
 from exitplane.logs import configure_logging
 from exitplane.wire import Signal, ThresholdSetWire
+from runtime.serving.segments import DEFAULT_MAX_SEGMENTS, SegmentRules
 
 
 def default_heads_path(mode: str = "post-hoc") -> Path:
@@ -21,7 +22,8 @@ def default_heads_path(mode: str = "post-hoc") -> Path:
 
 
 def read_threshold_file(path: str) -> ThresholdSetWire:
-    """A wire threshold set (with checksum) or a plain {signal, thresholds[, version]} file."""
+    """A wire threshold set (with checksum) or a plain {signal, thresholds[, version,
+    segments]} file (segments: {name: {layer: threshold}}, as on the wire)."""
     data = json.loads(Path(path).read_text())
     if "checksum" in data:
         wire = ThresholdSetWire.model_validate(data)
@@ -29,11 +31,14 @@ def read_threshold_file(path: str) -> ThresholdSetWire:
         return wire
     if "thresholds" not in data:
         raise click.BadParameter(f"{path} needs a 'thresholds' object: {{layer: threshold}}")
+    segments = {name: {int(k): float(v) for k, v in by_layer.items()}
+                for name, by_layer in (data.get("segments") or {}).items()}
     return ThresholdSetWire.build(deployment=data.get("deployment", "local"),
                                   version=int(data.get("version", 1)),
                                   signal=data.get("signal", Signal.learned),
                                   thresholds={int(k): float(v)
-                                              for k, v in data["thresholds"].items()})
+                                              for k, v in data["thresholds"].items()},
+                                  segments=segments)
 
 
 def _logging(process_name: str) -> None:
@@ -296,14 +301,29 @@ def bench(args) -> None:
               help="Longer prompts get 413 before tokenizing (default: 32 x max_seq_len).")
 @click.option("--stuck-after-s", default=120.0, show_default=True,
               help="/healthz answers 503 while one engine step has run longer than this.")
+@click.option("--segment-rules", "segment_rules_path", type=click.Path(dir_okay=False),
+              default=None, envvar="EXITPLANE_RUNTIME_SEGMENT_RULES",
+              help="JSON rules giving a request without an X-Exitplane-Segment header or "
+                   "exitplane_segment body field its traffic segment: {\"api_keys\": "
+                   "{\"<sha256 hex of the key>\": \"code\"}, \"models\": {\"<model>\": "
+                   "\"chat\"}}; no rule: 'default' (runtime/README.md, Segments).")
+@click.option("--max-segments", type=click.IntRange(min=1), default=DEFAULT_MAX_SEGMENTS,
+              show_default=True,
+              envvar="EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT",
+              help="Segment names tracked besides 'default' (the control plane's cap of the "
+                   "same variable); requests naming a new one past it run as 'default'.")
 @click.option("--engine-death-exit-s", default=15.0, show_default=True,
               help="After the engine thread dies, answer 503 this long, then exit with status "
                    "3 so that a restart policy brings the runtime back (negative: never exit).")
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
           port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s,
-          engine_death_exit_s, raw_sample_rate) -> None:
-    """Serve the OpenAI-compatible API on the early-exit engine."""
+          engine_death_exit_s, raw_sample_rate, segment_rules_path, max_segments) -> None:
+    """Serve the OpenAI-compatible API on the early-exit engine.
+
+    Each request runs in a traffic segment: the X-Exitplane-Segment header, else the
+    exitplane_segment body field, else --segment-rules (API key, then model name), else
+    'default'; its tokens apply that segment's thresholds of the applied set."""
     import socket
 
     import uvicorn
@@ -319,6 +339,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
                                "--thresholds FILE")
     try:
         api_keys = load_api_keys(api_key_file)
+        segment_rules = SegmentRules.load(segment_rules_path) if segment_rules_path else None
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     token = Path(token_file).read_text().strip() if token_file else None
@@ -343,7 +364,8 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
                             state_dir=state_dir, max_queue=max_queue, static_thresholds=static,
                             api_keys=api_keys, max_body_bytes=max_body_bytes,
                             max_prompt_chars=max_prompt_chars, stuck_after_s=stuck_after_s,
-                            raw_sample_rate=raw_sample_rate)
+                            raw_sample_rate=raw_sample_rate, segment_rules=segment_rules,
+                            max_segments=max_segments)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"

@@ -13,6 +13,7 @@ The split follows gpt-fast: `model.py` describes and loads the model, `decoder.p
 math over the KV cache (`kv.py`), `step.py` holds a step's rows, result and sampling, and this
 module is the loop itself (`_decode`, one screen) with the request bookkeeping around it. A
 step reads the device once per live exit layer (whether a row leaves) and once at the end.
+Each request has a traffic segment; its rows apply that segment's thresholds (`policy.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import itertools
 import queue
 import random
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -28,12 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from exitplane.wire import Signal, ThresholdSetWire, TokenRecord
+from exitplane.wire import DEFAULT_SEGMENT, NAME_PATTERN, Signal, ThresholdSetWire, TokenRecord
 from runtime import signals
 from runtime.decoder import Decoder
 from runtime.heads import ExitHeads
 from runtime.kv import KVCache
 from runtime.model import DecoderParts, decoder_parts
+from runtime.policy import ExitPolicy, RowPlan
 from runtime.step import Rows, StepBuffers, StepResult, to_device
 
 
@@ -52,44 +55,6 @@ def default_exit_layers(num_layers: int) -> list[int]:
     """Every 3rd layer from 6 (SmolLM2: 6, 9, ..., 27); tiny models: every 2nd from 2."""
     start, step = (6, 3) if num_layers >= 12 else (2, 2)
     return list(range(start, num_layers, step))
-
-
-@dataclass(frozen=True)
-class ExitPolicy:
-    """What one step applies: a threshold version, its signal and per-exit-layer thresholds."""
-
-    version: int
-    signal: Signal
-    thresholds: dict[int, float]
-    checksum: str = ""
-
-    @classmethod
-    def from_wire(cls, wire: ThresholdSetWire, exit_layers: Iterable[int]) -> ExitPolicy:
-        """Validate a pulled threshold set against this runtime's exit layers."""
-        wire.verify()
-        layers = set(exit_layers)
-        unknown = sorted(set(wire.thresholds) - layers)
-        if unknown:
-            raise ValueError(f"threshold set v{wire.version} names exit layers {unknown}; "
-                             f"this runtime exits at {sorted(layers)}")
-        return cls(version=wire.version, signal=Signal(wire.signal),
-                   thresholds={int(k): float(v) for k, v in wire.thresholds.items()},
-                   checksum=wire.checksum)
-
-    @classmethod
-    def never_exit(cls, exit_layers: Iterable[int], signal: Signal = Signal.learned):
-        return cls(version=0, signal=signal, thresholds=dict.fromkeys(exit_layers, 1.0))
-
-    def checked_layers(self, *, shadow: bool) -> frozenset[int]:
-        """Exit layers worth a check: a threshold of 1.0 can never be passed, so unless a
-        shadow row needs labels (or saturation needs its chain) those checks are skipped."""
-        layers = frozenset(self.thresholds)
-        if shadow:
-            return layers
-        live = frozenset(k for k, t in self.thresholds.items() if t < 1.0)
-        if self.signal == Signal.saturation and live:
-            return frozenset(k for k in layers if k <= max(live))
-        return live
 
 
 @dataclass
@@ -115,6 +80,7 @@ class Request:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    segment: str = DEFAULT_SEGMENT  # whose thresholds this request's tokens apply
 
     @property
     def position(self) -> int:
@@ -138,6 +104,10 @@ class StepOutput:
 
 class Engine:
     """Early-exit greedy decoding over a HF Llama-family model with continuous batching."""
+
+    # Each row applies its own segment's thresholds (ThresholdSetWire.for_segment), so the
+    # threshold client hands this engine sets with per-segment maps.
+    applies_segments = True
 
     def __init__(self, model, *, heads: ExitHeads | None = None,
                  exit_layers: list[int] | None = None, config: EngineConfig | None = None,
@@ -183,14 +153,18 @@ class Engine:
     def add_request(self, prompt: list[int], *, request_id: str | None = None,
                     max_new_tokens: int = 64, stop_token_ids: Iterable[int] | None = None,
                     temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int | None = None) -> str:
+                    seed: int | None = None, segment: str | None = None) -> str:
         """Queue a prompt (token ids); it joins the running batch at the next step.
 
         temperature 0 is greedy; otherwise the token is sampled (nucleus `top_p`) from the
-        distribution of the layer the token exits at."""
+        distribution of the layer the token exits at. `segment` picks the thresholds its
+        tokens apply (the set's map for it, else `default`'s) and is on its records."""
         request_id = request_id or f"req-{next(self._ids)}"
+        segment = segment or DEFAULT_SEGMENT
         if not prompt:
             raise ValueError("a prompt needs at least one token")
+        if not re.fullmatch(NAME_PATTERN, segment):
+            raise ValueError(f"segment {segment[:80]!r} must match {NAME_PATTERN}")
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request {request_id!r} already exists")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -205,7 +179,8 @@ class Engine:
             generator.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
         self._waiting[request_id] = Request(request_id, list(prompt), max_new_tokens,
                                             frozenset(stops), temperature=temperature,
-                                            top_p=top_p, generator=generator)
+                                            top_p=top_p, generator=generator,
+                                            segment=segment)
         return request_id
 
     def cancel(self, request_id: str) -> bool:
@@ -294,24 +269,30 @@ class Engine:
         """One token for each request: the layers in turn, an exit check where one is due."""
         parts, device = self.parts, self.parts.device
         shadow = [self._rng.random() < self.config.shadow_rate for _ in requests]
+        segments = [r.segment for r in requests]
+        plan = RowPlan.build(policy, segments, shadow)  # each row's own segment's thresholds
         rows = Rows.start([r.slot for r in requests], [r.position for r in requests], shadow,
-                          device)
+                          device, limits_np=plan.limits, counted_np=plan.counted)
         fed = to_device(np.array([r.last_token for r in requests], dtype=np.int64), device)
         x = parts.embed(fed)  # (B, hidden)
         out = StepBuffers(x, rows.shadow_np, parts.num_layers)
         state = signals.SignalState(len(requests), device)
-        checked = policy.checked_layers(shadow=any(shadow))
-        served = policy.checked_layers(shadow=False)
+        checked = policy.checked_layers(shadow=any(shadow), segments=segments)
         for layer in range(parts.num_layers):
             x = self.decoder.decode_layer(layer, x, rows)
             depth = layer + 1
             if depth not in checked:
                 continue
             value, top1, logits = signals.check(policy.signal, self.readout, depth, x, state)
-            out.note_signal(rows, value, served=depth in served, never_exit=not served)
+            column = plan.column[depth]
+            if plan.counted[rows.index_np, column].any():  # host: no device read
+                out.note_signal(rows, value, rows.counted[:, column])
             if len(out.shadow_rows):
                 self._label_shadow(depth, rows, x, value, top1, out)
-            leaving = (value > policy.thresholds[depth]) & ~rows.shadow & ~rows.done
+            open_np = ~rows.shadow_np & ~rows.done_np
+            if not (plan.limits[rows.index_np, column][open_np] < 1.0).any():
+                continue  # no open row can pass 1.0 here: skip the host read
+            leaving = (value > rows.limits[:, column]) & ~rows.shadow & ~rows.done
             leaving_np = leaving.cpu().numpy()  # the one device->host read of an exit layer
             if leaving_np.any():
                 rows, x = self._exit(depth, rows, x, leaving, leaving_np, logits, out, state)
@@ -379,7 +360,7 @@ class Engine:
                 threshold_version=policy.version, request_id=request.request_id,
                 position=len(request.generated), exit_layer=host.exit_layer[row],
                 signal_value=host.signal[row], latency_us=latency_us, ts=now,
-                shadow=host.shadow.get(row))
+                shadow=host.shadow.get(row), segment=request.segment)
             request.generated.append(token)
             finished = (token in request.stop_token_ids
                         or len(request.generated) >= request.max_new_tokens)

@@ -106,6 +106,13 @@ class ServeMetrics:
                              registry=r)
         self.dropped = Gauge("exitplane_runtime_dropped_records", "Telemetry records dropped",
                              registry=r)
+        # Traffic segments (issue 18): names accepted besides `default`, and requests whose
+        # new name found the cap reached and ran as `default`.
+        self.segments_tracked = Gauge("exitplane_runtime_segments_tracked",
+                                      "Segment names tracked besides default", registry=r)
+        self.segment_overflow = Gauge("exitplane_runtime_segment_overflow_requests",
+                                      "Requests run as default: their segment was past the cap",
+                                      registry=r)
         self.num_layers = num_layers
 
     def observe_step(self, outputs: list, seconds: float) -> None:

@@ -36,7 +36,8 @@ class Rows:
 
     def __init__(self, *, index_np: np.ndarray, slots_np: np.ndarray, positions_np: np.ndarray,
                  shadow_np: np.ndarray, done_np: np.ndarray, device: torch.device,
-                 mask: torch.Tensor | None, length: int):
+                 mask: torch.Tensor | None, length: int, limits: torch.Tensor,
+                 counted: torch.Tensor):
         self.index_np = index_np  # (B,) row number within the step
         self.slots_np = slots_np  # (B,) KV slot ids
         self.positions_np = positions_np  # (B,) position of the fed token
@@ -50,16 +51,24 @@ class Rows:
         self.mask = mask  # (B, 1, 1, T) keys each row may attend to; None for one full row
         self.length = length  # T: keys read this step
         self.contiguous = bool((slots_np == np.arange(len(slots_np))).all())
+        # Each row's own segment's thresholds and whether each exit check gives the row its
+        # recorded signal (policy.RowPlan, whose host copy is indexed by `index_np`).
+        self.limits = limits  # (B, E) float32
+        self.counted = counted  # (B, E) bool
 
     @classmethod
     def start(cls, slots: Sequence[int], positions: Sequence[int], shadow: Sequence[bool],
-              device: torch.device) -> Rows:
-        """Every request of the step, in order."""
+              device: torch.device, *, limits_np: np.ndarray, counted_np: np.ndarray) -> Rows:
+        """Every request of the step, in order, with its (B, E) thresholds and counted checks."""
         batch, length = len(slots), max(positions) + 1
+        width = limits_np.shape[1]
+        plan = to_device(np.concatenate([limits_np, counted_np.astype(np.float32)], axis=1),
+                         device)  # (B, 2E): one host->device copy
         rows = cls(index_np=np.arange(batch), slots_np=np.array(slots, dtype=np.int64),
                    positions_np=np.array(positions, dtype=np.int64),
                    shadow_np=np.array(shadow, dtype=bool), done_np=np.zeros(batch, dtype=bool),
-                   device=device, mask=None, length=length)
+                   device=device, mask=None, length=length,
+                   limits=plan[:, :width], counted=plan[:, width:].bool())
         if batch > 1:
             key_pos = torch.arange(length, device=device)
             rows.mask = (key_pos[None, :] <= rows.positions[:, None])[:, None, None]  # (B,1,1,T)
@@ -71,7 +80,8 @@ class Rows:
                     positions_np=self.positions_np[keep_np],
                     shadow_np=self.shadow_np[keep_np], done_np=self.done_np[keep_np],
                     device=self.index.device,
-                    mask=None if self.mask is None else self.mask[keep], length=self.length)
+                    mask=None if self.mask is None else self.mask[keep], length=self.length,
+                    limits=self.limits[keep], counted=self.counted[keep])
 
     def __len__(self) -> int:
         return len(self.slots_np)
@@ -100,17 +110,12 @@ class StepBuffers:
         self.shadow_signal: list[torch.Tensor] = []  # E x (S,)
         self.shadow_top1: list[torch.Tensor] = []  # E x (S,)
 
-    def note_signal(self, rows: Rows, value: torch.Tensor, *, served: bool,
-                    never_exit: bool) -> None:
-        """Keep each open row's signal from a served check (for a never-exit set, where no
-        check is served, the shadow rows' checks are the only ones)."""
-        if served:
-            self.signal[rows.index] = torch.where(rows.done, self.signal[rows.index], value)
-            self.signal_checked[rows.index] |= ~rows.done
-        elif never_exit:
-            live = rows.shadow & ~rows.done
-            self.signal[rows.index] = torch.where(live, value, self.signal[rows.index])
-            self.signal_checked[rows.index] |= live
+    def note_signal(self, rows: Rows, value: torch.Tensor, counted: torch.Tensor) -> None:
+        """Keep each open row's signal from a check that counts for it (`counted`, (B,): one
+        its own map serves; for a never-exit map, a shadow row's checks)."""
+        take = counted & ~rows.done
+        self.signal[rows.index] = torch.where(take, value, self.signal[rows.index])
+        self.signal_checked[rows.index] |= take
 
     def label_shadow(self, depth: int, value: torch.Tensor, top1: torch.Tensor) -> None:
         """The shadow rows' (S,) signal and exit top-1 at exit layer `depth`."""

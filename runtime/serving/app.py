@@ -21,6 +21,7 @@ from runtime.serving.respond import (
     error_body,
     off_loop,
     respond,
+    segment_of,
 )
 from runtime.serving.schemas import ChatRequest, CompletionRequest
 from runtime.serving.state import ServeState
@@ -92,19 +93,21 @@ def create_serve_app(state: ServeState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        segment = segment_of(state, request, body)
         check_prompt_chars(state, body)
         prompt = body.prompt_text()
         if not prompt:
             raise HTTPException(422, "prompt must not be empty")
         ids = await off_loop(state.prompt_pool, encode, state.tokenizer, prompt)
-        return await respond(state, request, body, ids, chat=False)
+        return await respond(state, request, body, ids, chat=False, segment=segment)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        segment = segment_of(state, request, body)
         check_prompt_chars(state, body)
         messages = [m.model_dump() for m in body.messages]
         ids = await off_loop(state.prompt_pool, encode_chat, state.tokenizer, messages)
-        return await respond(state, request, body, ids, chat=True)
+        return await respond(state, request, body, ids, chat=True, segment=segment)
 
     return app
 
@@ -113,6 +116,8 @@ def _refresh_gauges(state: ServeState) -> None:
     m = state.metrics
     m.queue_depth.set(state.worker.in_flight)
     m.applied_version.set(state.engine.policy.version)
+    m.segments_tracked.set(len(state.segments.tracked))
+    m.segment_overflow.set(state.segments.overflow)
     if state.shipper is not None:
         m.spooled.set(state.shipper.spooled_batches)
         m.dropped.set(state.shipper.dropped_records)

@@ -15,9 +15,11 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
+from exitplane.wire import DEFAULT_SEGMENT
 from runtime.engine import StepOutput
 from runtime.serving.detokenize import Detokenizer
 from runtime.serving.schemas import ChatRequest, CompletionRequest, GenerationRequest
+from runtime.serving.segments import SEGMENT_HEADER, MalformedSegment
 from runtime.serving.state import ServeState
 from runtime.serving.worker import ENGINE_DEAD, ENGINE_FAILED, EngineStopped, Job, JobError
 
@@ -57,8 +59,19 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
+def segment_of(state: ServeState, request: Request, body: GenerationRequest) -> str:
+    """The request's traffic segment (serving/segments.py); 400 for a malformed name."""
+    try:
+        return state.segments.resolve(header=request.headers.get(SEGMENT_HEADER),
+                                      body=body.exitplane_segment,
+                                      authorization=request.headers.get("authorization"),
+                                      model=body.model)
+    except MalformedSegment as error:
+        raise HTTPException(400, str(error)) from None
+
+
 async def respond(state: ServeState, request: Request, body: GenerationRequest,
-                  prompt: list[int], *, chat: bool):
+                  prompt: list[int], *, chat: bool, segment: str = DEFAULT_SEGMENT):
     """Submit the tokenized prompt to the engine thread and answer: a JSON body, or an SSE
     stream when body.stream; 429 when the queue is full, 503 when the engine is gone."""
     if not state.accepting:
@@ -78,7 +91,7 @@ async def respond(state: ServeState, request: Request, body: GenerationRequest,
         job = state.worker.submit(prompt, max_tokens=max_tokens,
                                   stop_ids=[] if body.ignore_eos
                                   else list(state.engine.parts.eos_token_ids),
-                                  sampling=sampling)
+                                  sampling=sampling, segment=segment)
     except OverflowError:
         state.metrics.requests.labels("rejected").inc()
         raise HTTPException(429, "the server is at capacity; retry shortly",
@@ -120,7 +133,7 @@ def _extension(state: ServeState, job: Job) -> dict:
     return {"mean_exit_layer": sum(layers) / len(layers) if layers else None,
             "num_layers": state.engine.parts.num_layers,
             "threshold_version": state.engine.policy.version,
-            "exit_layers": layers}
+            "segment": job.segment, "exit_layers": layers}
 
 
 async def _tokens(state: ServeState, request: Request, job: Job,

@@ -30,6 +30,10 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     ignore_eos: bool = Field(default=False, description="extension: generate max_tokens tokens")
+    # A malformed name is a 400 from serving/segments.py (which also reads the header and the
+    # rules), not a 422 here: every source of a segment name is checked in one place.
+    exitplane_segment: str | None = Field(default=None, description=(
+        "extension: the request's traffic segment (issue 18); see runtime/README.md"))
 
     @field_validator("stop")
     @classmethod

@@ -10,6 +10,7 @@ from typing import Any
 
 from runtime.serve_guard import DEFAULT_MAX_BODY_BYTES
 from runtime.server_metrics import ServeMetrics
+from runtime.serving.segments import DEFAULT_MAX_SEGMENTS, SegmentRouter, SegmentRules
 from runtime.serving.worker import EngineWorker
 
 
@@ -30,6 +31,7 @@ class ServeState:
     api_keys: tuple[str, ...] = ()  # empty: /v1 is open (loopback or an internal network)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: int = 32_768  # checked before tokenizing
+    segments: SegmentRouter = field(default_factory=SegmentRouter)  # each request's segment
     # Tokenizing and detokenizing run here, never on the event loop: a huge prompt or a slow
     # decode must not stall every other stream. Prompts get their own pool so that a burst of
     # long prompts cannot queue in front of the per-token work of running streams.
@@ -53,13 +55,20 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                 api_keys: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                 max_prompt_chars: int | None = None,
                 stuck_after_s: float = 120.0,
-                raw_sample_rate: float = 1.0) -> ServeState:
+                raw_sample_rate: float = 1.0, segment_rules: SegmentRules | None = None,
+                max_segments: int = DEFAULT_MAX_SEGMENTS) -> ServeState:
     """Start the engine thread, and the threshold client and shipper when a control plane is
     given; with a static set instead, apply it and serve offline.
 
     max_prompt_chars defaults to 32 characters per token of the engine's max_seq_len: more
     than any real tokenizer packs, so only prompts that could never fit are refused unread.
-    A step running longer than stuck_after_s turns /healthz to 503."""
+    A step running longer than stuck_after_s turns /healthz to 503. Each request's segment
+    comes from its header or body, else `segment_rules`; at most `max_segments` names besides
+    `default` and the applied set's own (serving/segments.py)."""
+    if segment_rules is not None:
+        segment_rules.check_keys(api_keys)
+    segments = SegmentRouter(rules=segment_rules, max_segments=max_segments,
+                             set_segments=lambda: engine.policy.segments)
     metrics = ServeMetrics(engine.parts.num_layers, model_name)
     thresholds = shipper = None
     if control_plane:
@@ -89,4 +98,5 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                       metrics=metrics, thresholds=thresholds, shipper=shipper,
                       default_max_tokens=default_max_tokens, shutdown_grace_s=shutdown_grace_s,
                       api_keys=tuple(api_keys), max_body_bytes=max_body_bytes,
+                      segments=segments,
                       max_prompt_chars=max_prompt_chars or 32 * engine.config.max_seq_len)

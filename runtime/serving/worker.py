@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from exitplane.wire import DEFAULT_SEGMENT
 from runtime.engine import StepFailed
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     exit_layers: list[int] = field(default_factory=list)
+    segment: str = DEFAULT_SEGMENT  # whose thresholds its tokens apply
     timer: Any = None  # server_metrics.RequestTimer: TTFT, inter-token and e2e latency
 
 
@@ -100,10 +102,11 @@ class EngineWorker:
         return self._pending
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: list[int],
-               sampling: dict) -> Job:
+               sampling: dict, segment: str = DEFAULT_SEGMENT) -> Job:
         """Queue a request; raises OverflowError when the bounded queue is full and
         EngineStopped when the engine thread is gone."""
-        job = Job(f"cmpl-{uuid.uuid4().hex[:24]}", asyncio.get_running_loop(), asyncio.Queue())
+        job = Job(f"cmpl-{uuid.uuid4().hex[:24]}", asyncio.get_running_loop(), asyncio.Queue(),
+                  segment=segment)
         with self._lock:  # the same lock the dying thread takes: no job slips past its sweep
             if not self.alive:
                 raise EngineStopped(self.failure or "the engine is not running")
@@ -136,7 +139,7 @@ class EngineWorker:
             try:
                 self.engine.add_request(prompt, request_id=job.request_id,
                                         max_new_tokens=max_tokens, stop_token_ids=stop_ids,
-                                        **sampling)
+                                        segment=job.segment, **sampling)
             except ValueError as error:  # the engine's own checks: what to change, in words
                 self._done(job, JobError(422, str(error)))
                 return

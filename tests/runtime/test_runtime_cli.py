@@ -63,6 +63,18 @@ def test_generate_rejects_tampered_threshold_file(tiny_checkpoint, cache, tmp_pa
     assert "checksum mismatch" in str(result.exception)
 
 
+def test_an_offline_threshold_file_may_hold_segment_maps(tmp_path):
+    from runtime.cli import read_threshold_file
+
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps({"signal": "maxprob", "thresholds": {"2": 0.9, "4": 0.8},
+                                "segments": {"code": {"2": 1.0, "4": 0.97}}}))
+    wire = read_threshold_file(str(path))
+    wire.verify()
+    assert wire.for_segment("code") == {2: 1.0, 4: 0.97}
+    assert wire.for_segment("chat") == wire.thresholds == {2: 0.9, 4: 0.8}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["post-hoc", "joint"])
 def test_train_heads_writes_verified_artifact(tiny_checkpoint, cache, mode):

@@ -144,3 +144,25 @@ def test_nucleus_sampling_draws_from_the_nucleus_in_proportion():
         probs.tolist(), abs=0.03)
     mixed = sample(logits[:3], greedy[:3], [0.0, 1.0, 0.0], [1.0] * 3, generators[:3])
     assert mixed[0] == mixed[2] == 1
+
+
+def test_rows_of_different_segments_add_no_host_read(model):
+    # Each row's thresholds come from its segment's map (a (B, E) table made on the host at
+    # the start of the step, compacted with the rows): still one read per live exit layer.
+    eng = Engine(model, exit_layers=[2, 4],
+                 config=EngineConfig(max_batch=4, max_seq_len=64, shadow_rate=0.5, seed=5))
+    eng.set_thresholds(ExitPolicy(version=2, signal=Signal.maxprob, thresholds={2: 0.12, 4: 0.1},
+                                  segments={"code": {2: 1.0, 4: 0.1}, "chat": {2: 0.0, 4: 1.0}}))
+    for prompt, segment in zip(PROMPTS, ["code", "default", "chat", "code"], strict=True):
+        eng.add_request(prompt, max_new_tokens=10, stop_token_ids=[], segment=segment)
+    eng.step()
+    exits: dict[str, set[int]] = {}
+    while eng.has_work:
+        with HostReads() as host, SyncOps() as device:
+            outputs = eng.step()
+        for output in outputs:
+            exits.setdefault(output.record.segment, set()).add(output.record.exit_layer)
+        assert host.reads <= 3, f"{host.reads} host reads in one step"
+        assert not device.ops, dict(device.ops)
+    assert 2 not in exits["code"] and 4 not in exits["chat"]
+    assert {2, 4} <= exits["default"] | exits["code"] | exits["chat"]

@@ -1,8 +1,8 @@
 """The threshold client with per-segment sets (issue 18), against the real control plane over
 HTTP: a runtime that applies segments pulls a segmented set, verifies it and looks thresholds up
-by segment (default for an unknown or missing one); the torch engine, which does not apply them
-yet, refuses such a set, keeps its previous one and says why in its heartbeat; a set whose
-segment map does not fit the exit layers is refused."""
+by segment (default for an unknown or missing one); a runtime that applies one map to every
+request refuses such a set, keeps its previous one and says why in its heartbeat; the torch
+engine applies it per row; a set whose segment map does not fit the exit layers is refused."""
 
 from __future__ import annotations
 
@@ -64,26 +64,61 @@ def test_a_segment_runtime_pulls_the_set_and_looks_up_by_segment(control_plane, 
         client.stop()
 
 
+class OneMapRuntime(SegmentRuntime):
+    """A runtime that applies one map to every request (no `applies_segments`)."""
+
+    applies_segments = False
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_the_torch_engine_refuses_a_segmented_set_and_keeps_its_own(control_plane, operator,
-                                                                    runtime_token, make_engine):
+def test_a_one_map_runtime_refuses_a_segmented_set_and_keeps_its_own(control_plane, operator,
+                                                                      runtime_token):
     publish(operator, {2: 0.9, 4: 0.8})
-    engine = make_engine(runtime_id="rt-torch")
-    client = ThresholdClient(engine, base_url=control_plane.url, deployment=DEPLOYMENT,
+    target = OneMapRuntime()
+    target.runtime_id = "rt-one-map"
+    client = ThresholdClient(target, base_url=control_plane.url, deployment=DEPLOYMENT,
                              token=runtime_token, **FAST).start()
     try:
         assert client.wait_ready(20) and client.applied.version == 2
         _publish_segmented(operator)
         wait_until(lambda: client.counters["refused"] >= 1, message="the segmented set refused")
-        assert client.applied.version == 2 and engine.policy.version == 2
+        assert client.applied.version == 2 and target.applied[-1].version == 2
         assert "has thresholds per segment (code)" in client.error
 
         def reported() -> str:
             rows = operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
-            row = next((r for r in rows if r["runtime_id"] == "rt-torch"), {})
+            row = next((r for r in rows if r["runtime_id"] == "rt-one-map"), {})
             return row.get("error") or ""
 
         wait_until(lambda: "per segment" in reported(), message="the refusal in a heartbeat")
+    finally:
+        client.stop()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_torch_engine_applies_a_segmented_set_per_row(control_plane, operator,
+                                                           runtime_token, make_engine):
+    # default never exits, code leaves every token at the first exit layer
+    created = operator.post(f"/v1/deployments/{DEPLOYMENT}/threshold-sets", json={
+        "thresholds": {"2": 1.0, "4": 1.0}, "segments": {"code": {"2": 0.0, "4": 1.0}},
+        "reason": "per segment", "activate": True})
+    assert created.status_code == 201, created.text
+    engine = make_engine(runtime_id="rt-torch")
+    client = ThresholdClient(engine, base_url=control_plane.url, deployment=DEPLOYMENT,
+                             token=runtime_token, **FAST).start()
+    try:
+        assert client.wait_ready(20) and client.error is None
+        assert engine.policy.version == created.json()["version"]
+        assert engine.policy.segments == {"code": {2: 0.0, 4: 1.0}}
+        code = engine.add_request([1, 5, 9], max_new_tokens=3, stop_token_ids=[],
+                                  segment="code")
+        plain = engine.add_request([1, 5, 9], max_new_tokens=3, stop_token_ids=[])
+        while engine.has_work:
+            engine.step()
+        exits: dict[str, set] = {code: set(), plain: set()}
+        for record in engine.drain_records():
+            exits[record.request_id].add((record.segment, record.exit_layer))
+        assert exits == {code: {("code", 2)}, plain: {("default", 6)}}
     finally:
         client.stop()
 
