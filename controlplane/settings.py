@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from exitplane.wire import DEFAULT_MAX_SEGMENTS
+
 HOST_NAME = re.compile(r"(?i)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 
 
@@ -113,7 +115,7 @@ class Settings(BaseSettings):
     fallback_min_shadow_requests: int = Field(default=20, ge=1)
     # Traffic segments (issue 18): how many segments (besides `default`) one threshold set may
     # give thresholds of their own; bounds the segment label's cardinality.
-    max_segments_per_deployment: int = Field(default=16, ge=1, le=1000)
+    max_segments_per_deployment: int = Field(default=DEFAULT_MAX_SEGMENTS, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

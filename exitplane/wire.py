@@ -25,6 +25,9 @@ NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 # Traffic segments (issue 18) are named like deployments; `default` is the set's own
 # `thresholds`, which every segment without a map of its own (or an unknown one) applies.
 DEFAULT_SEGMENT = "default"
+# How many segments besides `default` a deployment knows by default (the control plane's
+# EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT; runtimes track as many): bounds the label's cardinality.
+DEFAULT_MAX_SEGMENTS = 16
 # A runtime's id: what the fleet view, gauges and alerts show, so printable and bounded.
 RUNTIME_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 HISTOGRAM_BINS = 20  # signal-at-exit histograms: 20 bins of width 0.05 over [0, 1]

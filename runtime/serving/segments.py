@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exitplane.wire import DEFAULT_SEGMENT, NAME_PATTERN
+from exitplane.wire import DEFAULT_MAX_SEGMENTS, DEFAULT_SEGMENT, NAME_PATTERN
 
 SEGMENT_HEADER = "x-exitplane-segment"
 SEGMENT_FIELD = "exitplane_segment"
@@ -35,7 +35,6 @@ SEGMENT_RULES_ENV = "EXITPLANE_RUNTIME_SEGMENT_RULES"
 # The control plane's knob of the same name (controlplane/settings.py), with its default: one
 # variable bounds the segments a deployment's runtimes track and its registry stores.
 MAX_SEGMENTS_ENV = "EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT"
-DEFAULT_MAX_SEGMENTS = 16
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -123,6 +123,54 @@ def test_the_torch_engine_applies_a_segmented_set_per_row(control_plane, operato
         client.stop()
 
 
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
+def test_a_segment_travels_from_the_engine_row_to_the_store(control_plane, operator,
+                                                            runtime_token, make_engine,
+                                                            engine, tmp_path):
+    """End to end: rows of one batch under a segmented set, their records through the real
+    aggregating shipper (every token also sampled as a record), and the store's records and
+    rollups per segment."""
+    from sqlalchemy import text
+
+    from tests.runtime_link.test_aggregation import _shipper
+
+    created = operator.post(f"/v1/deployments/{DEPLOYMENT}/threshold-sets", json={
+        "thresholds": {"2": 1.0, "4": 1.0}, "segments": {"code": {"2": 0.0, "4": 1.0}},
+        "reason": "per segment", "activate": True})
+    assert created.status_code == 201, created.text
+    version = created.json()["version"]
+    runtime = make_engine(runtime_id="rt-e2e")
+    client = ThresholdClient(runtime, base_url=control_plane.url, deployment=DEPLOYMENT,
+                             token=runtime_token, **FAST).start()
+    shipper = _shipper(control_plane.url, runtime_token, tmp_path / "spool", "rt-e2e",
+                       raw_sample_rate=1.0, exit_layers=EXIT_LAYERS,
+                       aggregate_interval_s=0.2).start()
+    try:
+        assert client.wait_ready(20) and runtime.policy.version == version
+        for index in range(3):
+            runtime.add_request([1, 5, 9 + index], max_new_tokens=4, stop_token_ids=[],
+                                segment="code")
+            runtime.add_request([2, 6, 9 + index], max_new_tokens=4, stop_token_ids=[])
+        while runtime.has_work:
+            runtime.step()
+        records = runtime.drain_records()
+        for record in records:
+            assert shipper.submit(record)
+        assert shipper.flush(60) and shipper.wait_replayed(60)
+    finally:
+        shipper.close(10)
+        client.stop()
+    with engine.connect() as connection:
+        stored = dict(connection.execute(text(
+            "SELECT segment, COUNT(*) FROM token_records WHERE runtime_id = 'rt-e2e' "
+            "GROUP BY segment")).all())
+        exits = {(segment, layer): count for segment, layer, count in connection.execute(text(
+            "SELECT segment, layer, SUM(exits) FROM rollups WHERE runtime_id = 'rt-e2e' "
+            "AND version = :v GROUP BY segment, layer"), {"v": version}).all() if count}
+    assert stored == {"code": 12, "default": 12}
+    assert exits == {("code", 2): 12, ("default", 6): 12}
+
+
 def test_a_segment_map_that_misses_an_exit_layer_is_refused():
     wire = ThresholdSetWire.build(deployment=DEPLOYMENT, version=5, signal="maxprob",
                                   thresholds={2: 0.9, 4: 0.8}, segments={"code": {2: 0.99}})
