@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 from sqlalchemy import func, select
@@ -256,8 +256,10 @@ def last_good_version(*, session: Session, deployment: Deployment, exclude: set[
             ThresholdSet.deployment_id == deployment.id, ThresholdSet.version == version)).one()
         if candidate.origin == str(Origin.fallback):
             continue
-        shadow, mismatches = _version_disagreement(session=session, deployment=deployment,
-                                                   version=version, segment=segment)
+        shadow, mismatches = (
+            _version_disagreement(session=session, deployment=deployment, version=version)
+            if segment is None else _segment_disagreement(
+                session=session, deployment=deployment, version=candidate, segment=segment))
         if shadow < min_shadow_tokens or mismatches / shadow > deployment.delta:
             continue
         if recent is not None and len(recent[0]) >= min_shadow_tokens:
@@ -271,18 +273,31 @@ def last_good_version(*, session: Session, deployment: Deployment, exclude: set[
     return None
 
 
-def _version_disagreement(*, session: Session, deployment: Deployment, version: int,
-                          segment: str | None = None) -> tuple[int, int]:
-    """(shadow tokens, policy mismatches) over all stored rollups of `version` (of one
-    segment's rows when given)."""
-    rows = [Rollup.deployment_id == deployment.id, Rollup.version == version]
-    if segment is not None:
-        rows.append(Rollup.segment == segment)
+def _version_disagreement(*, session: Session, deployment: Deployment,
+                          version: int) -> tuple[int, int]:
+    """(shadow tokens, policy mismatches) over all stored rollups of `version`."""
     shadow = session.scalar(select(func.coalesce(func.sum(Rollup.shadow_total), 0)).where(
-        *rows, Rollup.layer == deployment.exit_layers[0]))
+        Rollup.deployment_id == deployment.id, Rollup.version == version,
+        Rollup.layer == deployment.exit_layers[0]))
     mismatches = session.scalar(select(func.coalesce(func.sum(Rollup.policy_mismatches), 0))
-                                .where(*rows))
+                                .where(Rollup.deployment_id == deployment.id,
+                                       Rollup.version == version))
     return int(shadow), int(mismatches)
+
+
+def _segment_disagreement(*, session: Session, deployment: Deployment, version: ThresholdSet,
+                          segment: str, limit: int = 200_000) -> tuple[int, int]:
+    """(shadow tokens, policy mismatches) of `version` on one segment's stored shadow tokens,
+    replayed with the map that segment applied: a rollup's mismatch count does not say which
+    segment map it was counted with."""
+    signals, matched = shadow_samples(session=session, deployment=deployment,
+                                      since=datetime.min.replace(tzinfo=UTC),
+                                      version=version.version, segment=segment, limit=limit)
+    if not len(signals):
+        return 0, 0
+    by_layer = thresholds_for(version, segment)
+    wrong, n = policy_disagreement(signals, matched, [by_layer[k] for k in deployment.exit_layers])
+    return n, wrong
 
 
 def _segment_target(*, session: Session, deployment: Deployment, current: ThresholdSet,

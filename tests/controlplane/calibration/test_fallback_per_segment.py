@@ -60,8 +60,10 @@ def test_last_good_falls_back_code_alone_to_its_last_good_thresholds(engine, out
     with session_scope(engine) as session:
         deployment = make_deployment(session, name="assist", fallback_mode="last_good",
                                      fallback_margin=0.05)
-        good = _activate(session, thresholds=GOOD, segments={"code": GOOD, "chat": CHAT},
-                         reason="good")
+        # code's map was good; default's map of that version was not (so the version's
+        # rollups, which count mismatches without telling segment maps apart, look bad)
+        good = _activate(session, thresholds=BAD, segments={"code": GOOD, "chat": CHAT},
+                         reason="good for code")
         write_traffic(session, "assist", signals, matched, start=now - timedelta(hours=2),
                       version=good, thresholds=GOOD, shadow_every=2, runtime_id="rt-code")
         label_segment(session, deployment, runtime_id="rt-code", segment="code")
