@@ -147,3 +147,26 @@ def test_a_whole_deployment_job_calibrates_each_segment_and_says_what_each_got(e
         assert published.thresholds_by_layer() == pytest.approx(
             {int(k): v for k, v in per_segment["default"]["thresholds"].items()})
         assert set(published.expected_metrics["segments"]) == {"chat", "code"}
+
+
+def test_the_api_queues_a_segment_job_and_refuses_an_unknown_segment(client, tokens, engine,
+                                                                     outbox):
+    op = tokens.headers(tokens.operator)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session, name="assist")
+        publish(session=session, deployment=deployment, thresholds=DEFAULT_MAP,
+                segments={"code": NEVER}, reason="code map", actor="test")
+    started = client.post("/v1/deployments/assist/calibrations", headers=op,
+                          json={"segment": "code", "reason": "code changed"})
+    assert started.status_code == 202, started.text
+    assert started.json()["job"]["segment"] == "code"
+    # a whole-deployment job is another scope: it is queued beside code's
+    whole = client.post("/v1/deployments/assist/calibrations", headers=op, json={})
+    assert whole.status_code == 202 and whole.json()["job"]["segment"] is None
+    unknown = client.post("/v1/deployments/assist/calibrations", headers=op,
+                          json={"segment": "chat"})
+    assert unknown.status_code in (400, 422)
+    assert "knows no traffic segment 'chat'" in unknown.text
+    malformed = client.post("/v1/deployments/assist/calibrations", headers=op,
+                            json={"segment": "Not A Name!"})
+    assert malformed.status_code == 422
