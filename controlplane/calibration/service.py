@@ -339,6 +339,18 @@ def _apply_segmented(*, session: Session, deployment: Deployment, job: Calibrati
                    "segmented": {key: value for key, value in report.items()
                                  if key != "segments"}}
     exiting = [name for name, seg in outcome.segments.items() if seg.exits]
+    failed = [f"{name} (disagreement {seg.result.holdout.disagreement:.4f} on "
+              f"{seg.result.holdout.tokens} held-out tokens)"
+              for name, seg in sorted(outcome.segments.items())
+              if seg.source == "segment" and seg.result is not None
+              and seg.result.holdout is not None and not seg.result.holdout.passed]
+    if failed:
+        # As for one set: a held-out check significantly above δ publishes nothing.
+        _finish(job, "failed", f"holdout check failed for segment {', '.join(failed)}: "
+                               f"significantly above δ={deployment.delta}; nothing was "
+                               "published", now)
+        session.flush()
+        return job
     if not exiting and all(value >= 1.0 for value in outcome.thresholds.values()):
         _finish(job, "failed", f"no segment could be certified at δ={deployment.delta}, "
                                f"ε={deployment.epsilon} (ε/{len(outcome.segments)} each); "

@@ -132,6 +132,8 @@ def test_a_whole_deployment_job_calibrates_each_segment_and_says_what_each_got(e
         assert job.summary["segmented"]["epsilon_per_segment"] == pytest.approx(0.1 / 3)
         assert per_segment["chat"]["source"] == per_segment["code"]["source"] == "segment"
         assert per_segment["chat"]["tokens"] == per_segment["code"]["tokens"] == 4000
+        assert per_segment["chat"]["holdout_passed"] is per_segment["code"]["holdout_passed"] \
+            is True
         # 300 tokens are too few for default's own Learn-Then-Test: it says so
         assert per_segment["default"]["source"] in ("pooled", "conservative")
         assert "too few shadow tokens" in per_segment["default"]["reason"]
