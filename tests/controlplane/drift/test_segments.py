@@ -171,3 +171,28 @@ def test_every_level_is_split_by_the_segments_checked():
     assert split.exit_rate_level == pytest.approx(base.exit_rate_alpha / 4)
     assert split.distribution_level == pytest.approx(base.distribution_p_value / 4)
     assert base.for_segments(1) == base
+
+
+@pytest.mark.slow  # 30 minutes of two segments' traffic through the ingestion
+def test_an_exit_rate_collapse_in_code_alerts_for_code_and_recalibrates_code(
+        session: Session, outbox):
+    deployment, version, start, now = _segmented_deployment(session, minutes=30)
+    for seed, (segment, late) in enumerate((("chat", BASE_RATES), ("code", (0.25, 0.1, 0.3)))):
+        send_traffic(session, deployment, start=start, version=version, seed=20 + seed,
+                     runtime_id=f"rt-{segment}",
+                     phases=[Phase(15, BASE_RATES), Phase(15, late)])
+        label_segment(session, deployment, runtime_id=f"rt-{segment}", segment=segment)
+
+    result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
+                              reports_dir=None, now=now)
+
+    exits = [a for a in result.fired if a.kind.startswith("exit_rate")]
+    assert [(a.kind, a.segment, a.layer) for a in exits] == [("exit_rate_collapse", "code", 8)]
+    [collapse] = exits
+    assert collapse.dedup_key == "assist:code:exit_rate_collapse:8"
+    assert collapse.summary.startswith("segment code: exit rate at layer 8 fell from")
+    assert collapse.evidence["window"]["reference"] == "first_window_after_activation"
+    # speed lost, quality safe: no fallback, code's recalibration is queued
+    assert aliases_of(session=session, deployment=deployment)["active"] == version
+    [job] = session.scalars(select(CalibrationJob)).all()
+    assert job.segment == "code" and "recalibration job" in collapse.action_taken
