@@ -278,7 +278,7 @@ def apply_outcome(*, session: Session, job: CalibrationJob, outcome: Outcome,
     deployment = session.get(Deployment, job.deployment_id)
     if isinstance(outcome, SegmentedCalibration):
         return _apply_segmented(session=session, deployment=deployment, job=job,
-                                outcome=outcome, now=now)
+                                outcome=outcome, policy=policy, now=now)
     _record_result(job=job, result=outcome)
     refusal = _refusal(result=outcome, deployment=deployment)
     if refusal and _waits_for_more(job=job, result=outcome, policy=policy, now=now):
@@ -328,9 +328,11 @@ def _segment_metrics(active_metrics: dict, segment: str, metrics: dict) -> dict:
 
 
 def _apply_segmented(*, session: Session, deployment: Deployment, job: CalibrationJob,
-                     outcome: SegmentedCalibration, now: datetime) -> CalibrationJob:
+                     outcome: SegmentedCalibration, policy: CalibrationPolicy,
+                     now: datetime) -> CalibrationJob:
     """Record each segment's outcome (under `summary["segments"]`) and publish one version
-    with every segment's map, unless no segment may exit at all."""
+    with every segment's map, unless no segment may exit at all (an automatic job with an open
+    window then waits for more samples, as an unsegmented one does)."""
     lead = _lead_result(outcome)
     if lead is not None:
         _record_result(job=job, result=lead)
@@ -352,9 +354,17 @@ def _apply_segmented(*, session: Session, deployment: Deployment, job: Calibrati
         session.flush()
         return job
     if not exiting and all(value >= 1.0 for value in outcome.thresholds.values()):
-        _finish(job, "failed", f"no segment could be certified at δ={deployment.delta}, "
-                               f"ε={deployment.epsilon} (ε/{len(outcome.segments)} each); "
-                               "the current active set stays", now)
+        refusal = (f"no segment could be certified at δ={deployment.delta}, "
+                   f"ε={deployment.epsilon} (ε/{len(outcome.segments)} each); the current "
+                   "active set stays.")
+        if (job.trigger != "manual" and job.until is None
+                and now - job.created_at < policy.wait_max):
+            job.status = "waiting_for_data"
+            job.status_reason = (f"{refusal} Waiting for more shadow samples: the window "
+                                 f"grows until {policy.wait_max.total_seconds():.0f} s after "
+                                 "the request.")
+        else:
+            _finish(job, "failed", refusal, now)
         session.flush()
         return job
     active = aliases_of(session=session, deployment=deployment).get("active")

@@ -172,3 +172,27 @@ def test_the_api_queues_a_segment_job_and_refuses_an_unknown_segment(client, tok
     malformed = client.post("/v1/deployments/assist/calibrations", headers=op,
                             json={"segment": "Not A Name!"})
     assert malformed.status_code == 422
+
+
+def test_an_automatic_segmented_job_with_too_few_samples_waits_a_manual_one_fails(engine,
+                                                                                 outbox):
+    start = utcnow() - timedelta(minutes=30)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session, name="assist")
+        _traffic(session, {"chat": (200, 0.5), "code": (200, 0.5)}, start=start)
+        automatic, _ = service.request_calibration(
+            session=session, deployment=deployment, actor="test", since=start,
+            trigger="alert", policy=POLICY)
+        automatic_id = automatic.id
+    with session_scope(engine) as session:
+        job = session.get(CalibrationJob, automatic_id)
+        service.run_calibration(session=session, job=job, policy=POLICY)
+        assert job.status == "waiting_for_data", job.status_reason
+        assert "no segment could be certified" in job.status_reason
+        assert set(job.summary["segments"]) == {"chat", "code"}
+        job.status = "failed"  # close it: one open whole-deployment job at a time
+    manual = _run(engine, since=start)
+    with Session(engine) as session:
+        job = session.get(CalibrationJob, manual)
+        assert job.status == "failed" and job.result_version is None
+        assert "no segment could be certified" in job.status_reason
