@@ -362,8 +362,10 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
               help="why, for the audit log")
 @click.option("--enqueue", is_flag=True, help="hand the job to the workers instead of "
                                               "running it here")
+@click.option("--segment", default=None, help="recalibrate this traffic segment alone (its "
+                                              "shadow tokens, its map); default: all")
 def calibrate(deployment: str, since: str | None, until: str | None, reason: str,
-              enqueue: bool) -> None:
+              enqueue: bool, segment: str | None) -> None:
     """Recalibrate a deployment's thresholds on its recent shadow samples."""
     import json
 
@@ -390,7 +392,7 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
             job, created = request_calibration(
                 session=session, deployment=target, actor="cli", trigger="manual",
                 since=window[0], until=window[1], reason=reason, policy=policy,
-                enqueue=enqueue)
+                enqueue=enqueue, segment=segment)
             job_id = job.id
         if not created:
             click.echo(f"calibration job {job_id} is already open; continuing it", err=True)
@@ -419,6 +421,9 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
                            "thresholds": job.summary.get("thresholds"),
                            "exit_rate": job.summary.get("exit_rate"),
                            "risk_bound": job.summary.get("risk_bound")}
+                if job.segment is not None or "segments" in job.summary:  # issue 18
+                    outcome |= {"segment": job.segment,
+                                "segments": job.summary.get("segments")}
     except (DomainError, ValueError) as error:
         _fail(str(error))
     click.echo(json.dumps(outcome, indent=2))

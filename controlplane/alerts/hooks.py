@@ -98,7 +98,10 @@ def _iso(moment: datetime | None) -> str | None:
 def snapshot(*, alert, deployment: str, base_url: str) -> dict[str, Any]:
     """The alert as every payload sees it (JSON-ready)."""
     base = base_url.rstrip("/")
-    return {
+    # A segment's alert names it (issue 18); a 'default' one reads exactly as before segments.
+    segment = getattr(alert, "segment", None)
+    named = {"segment": segment} if segment and segment != "default" else {}
+    return named | {
         "id": alert.id, "deployment": deployment, "kind": alert.kind, "layer": alert.layer,
         "severity": alert.severity, "status": alert.status, "dedup_key": alert.dedup_key,
         "summary": alert.summary, "evidence": alert.evidence,
@@ -159,6 +162,8 @@ def _alertmanager(hook, alert: dict, event: str, now: datetime) -> HookRequest:
               "severity": alert["severity"], "source": "exitplane"}
     if alert["kind"] == AlertKind.RUNTIME_STALE:
         labels["runtime"] = alert["dedup_key"].rsplit(":", 1)[-1]
+    if alert.get("segment"):
+        labels["segment"] = alert["segment"]
     annotations = {"summary": alert["summary"], "action_taken": alert["action_taken"] or "none",
                    "dedup_key": alert["dedup_key"]}
     if alert["report_url"]:

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.alerts.kinds import AlertKind
 from controlplane.db import Base, utcnow
+from exitplane.wire import DEFAULT_SEGMENT
 
 KINDS = tuple(kind.value for kind in AlertKind)
 SEVERITIES = ("info", "warning", "critical")
@@ -36,6 +37,10 @@ class Alert(Base):
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(32))
     layer: Mapped[int | None]
+    # The traffic segment the condition was observed on (issue 18); 'default' also for alerts
+    # about the whole deployment (stale runtimes, canaries).
+    segment: Mapped[str] = mapped_column(String(64), default=DEFAULT_SEGMENT,
+                                         server_default=DEFAULT_SEGMENT)
     severity: Mapped[str] = mapped_column(String(16))
     dedup_key: Mapped[str] = mapped_column(String(255))
     open_key: Mapped[str | None] = mapped_column(String(255))

@@ -19,6 +19,7 @@ class AlertRead(BaseModel):
     deployment: str = ""
     kind: str
     layer: int | None
+    segment: str = "default"
     severity: str
     dedup_key: str
     status: str

@@ -29,6 +29,7 @@ from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.thresholds.models import Deployment
 from exitplane import tracing
+from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.alerts")
 
@@ -38,7 +39,8 @@ SYSTEM_ACTOR = "system"
 @dataclass(frozen=True)
 class Condition:
     """What a detector observed on a deployment; `subject` tells one instance from another
-    (the exit layer, a runtime id, or "all")."""
+    (the exit layer, a runtime id, or "all"), `segment` the traffic segment it was seen on
+    (issue 18)."""
 
     kind: str
     severity: str
@@ -47,9 +49,13 @@ class Condition:
     layer: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     report_html: str | None = None
+    segment: str = DEFAULT_SEGMENT
 
     def dedup_key(self, deployment: Deployment) -> str:
-        return f"{deployment.name}:{self.kind}:{self.subject}"
+        # A 'default' key reads as it did before segments existed (open alerts keep matching).
+        if self.segment == DEFAULT_SEGMENT:
+            return f"{deployment.name}:{self.kind}:{self.subject}"
+        return f"{deployment.name}:{self.segment}:{self.kind}:{self.subject}"
 
 
 @dataclass
@@ -92,8 +98,11 @@ def list_alerts(*, session: Session, deployment: Deployment | None = None,
 
 
 def open_alerts(*, session: Session, deployment: Deployment,
-                kinds: Iterable[str] | None = None) -> list[Alert]:
+                kinds: Iterable[str] | None = None, segment: str | None = None) -> list[Alert]:
+    """The deployment's open alerts (of `kinds`, of one traffic `segment` when given)."""
     query = select(Alert).where(Alert.deployment_id == deployment.id, Alert.open_key.is_not(None))
+    if segment is not None:
+        query = query.where(Alert.segment == segment)
     if kinds is not None:
         query = query.where(Alert.kind.in_(list(kinds)))
     return list(session.scalars(query.order_by(Alert.id)))
@@ -116,7 +125,8 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
         session.flush()
         return alert, False
     alert = Alert(deployment_id=deployment.id, kind=condition.kind, layer=condition.layer,
-                  severity=condition.severity, dedup_key=key, open_key=key, status="firing",
+                  segment=condition.segment, severity=condition.severity, dedup_key=key,
+                  open_key=key, status="firing",
                   summary=condition.summary, evidence=jsonable(condition.evidence),
                   fired_at=now, last_seen_at=now)
     # A savepoint: a concurrent checker that inserted the same key first wins, we refresh it.
@@ -157,9 +167,12 @@ def on_alert_fired(session: Session, alert: Alert) -> None:
 
 def reconcile(*, session: Session, deployment: Deployment, conditions: list[Condition],
               checked_kinds: Iterable[str], clear_after_s: float, now: datetime | None = None,
-              reports_dir: Path | None = None) -> Reconciled:
+              reports_dir: Path | None = None, segment: str = DEFAULT_SEGMENT) -> Reconciled:
     """Fire/refresh alerts for `conditions`; open alerts of `checked_kinds` that were not
-    observed start their clear period and resolve once it has lasted `clear_after_s`."""
+    observed start their clear period and resolve once it has lasted `clear_after_s`.
+
+    One call covers one traffic `segment`: only that segment's open alerts can clear (a check
+    of 'code' says nothing about 'chat')."""
     now = now or utcnow()
     result = Reconciled()
     seen = set()
@@ -172,7 +185,8 @@ def reconcile(*, session: Session, deployment: Deployment, conditions: list[Cond
         else:
             result.refreshed.append(alert)
             refresh_if_due(session=session, alert=alert, now=now)
-    for alert in open_alerts(session=session, deployment=deployment, kinds=checked_kinds):
+    for alert in open_alerts(session=session, deployment=deployment, kinds=checked_kinds,
+                             segment=segment):
         if alert.id in seen:
             continue
         if alert.clear_since is None:

@@ -35,7 +35,7 @@ def start_calibration(name: str, spec: CalibrationCreate, session: SessionDep,
     job, created = service.request_calibration(
         session=session, deployment=deployment, actor=principal.actor, trigger="manual",
         since=spec.since, until=spec.until, reason=spec.reason or "requested by an operator",
-        policy=service.CalibrationPolicy.from_settings(settings))
+        policy=service.CalibrationPolicy.from_settings(settings), segment=spec.segment)
     if not created:
         response.status_code = status.HTTP_200_OK
     return CalibrationRequested(job=CalibrationJobRead.model_validate(job), created=created)

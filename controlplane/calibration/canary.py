@@ -20,12 +20,18 @@ disagreements sit in a few requests is therefore neither promoted nor reverted o
 `clean_windows` clean windows promote the candidate to `active`; `failure_limit` failed checks
 revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows pause
 the canary for a human (approve / reject the job, or promote / revert the canary).
+
+Traffic segments (issue 18): a candidate is judged on each segment whose thresholds it changes
+(`judged_segments`), each on that segment's rows with the map it applies there and against its
+own expected exit rate; a window fails if any judged segment fails, is inconclusive if any is,
+and the tests are run at alpha / k for k judged segments. A deployment without segments is
+judged on all its traffic exactly as before.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
@@ -34,6 +40,7 @@ from sqlalchemy.orm import Session
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, fire
 from controlplane.calibration.models import CalibrationJob, CanaryRun
+from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
 from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.errors import Conflict, NotFound
@@ -41,7 +48,9 @@ from controlplane.stats.clustered import ClusteredProportion, clustered_rate, po
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples_by_request
 from controlplane.thresholds.models import Deployment, ThresholdSet
+from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
+from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.canary")
 
@@ -107,12 +116,14 @@ def running_canary(*, session: Session, deployment: Deployment,
 
 
 def group_figures(*, session: Session, deployment: Deployment, version: int,
-                  since: datetime, until: datetime) -> dict:
-    """Tokens, exit rate, shadow tokens and policy disagreement of one version's runtimes."""
+                  since: datetime, until: datetime, segment: str | None = None) -> dict:
+    """Tokens, exit rate, shadow tokens and policy disagreement of one version's runtimes (on
+    one traffic segment's rows when given)."""
     first = deployment.exit_layers[0]
     exit_layers = deployment.exit_layers
     base = (Rollup.deployment_id == deployment.id, Rollup.version == version,
-            Rollup.minute >= since, Rollup.minute < until)
+            Rollup.minute >= since, Rollup.minute < until,
+            *([Rollup.segment == segment] if segment is not None else []))
     tokens, shadow = session.execute(
         select(func.coalesce(func.sum(Rollup.tokens), 0),
                func.coalesce(func.sum(Rollup.shadow_total), 0))
@@ -129,12 +140,13 @@ def group_figures(*, session: Session, deployment: Deployment, version: int,
 
 
 def window_quality(*, session: Session, deployment: Deployment, version: int,
-                   thresholds: dict[int, float], since: datetime, until: datetime
-                   ) -> ClusteredProportion:
-    """The policy's disagreement on one version's shadow tokens of a window, clustered by
-    request (the unit the quality test counts)."""
+                   thresholds: dict[int, float], since: datetime, until: datetime,
+                   segment: str | None = None) -> ClusteredProportion:
+    """The policy's disagreement on one version's shadow tokens of a window (of one traffic
+    segment when given), clustered by request (the unit the quality test counts)."""
     requests, signals, matched = shadow_samples_by_request(
-        session=session, deployment=deployment, since=since, until=until, version=version)
+        session=session, deployment=deployment, since=since, until=until, version=version,
+        segment=segment)
     layers = sorted(deployment.exit_layers)
     _, disagree = policy_outcomes(signals, matched, [thresholds[k] for k in layers])
     return clustered_rate(requests, disagree)
@@ -197,30 +209,79 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
         return run
     candidate = session.scalars(select(ThresholdSet).where(
         ThresholdSet.deployment_id == deployment.id, ThresholdSet.version == run.version)).one()
-    expected = (candidate.expected_metrics or {}).get("total_exit_rate")
+    baseline = session.scalars(select(ThresholdSet).where(
+        ThresholdSet.deployment_id == deployment.id,
+        ThresholdSet.version == aliases["active"])).one()
+    judged = judged_segments(candidate=candidate, baseline=baseline, known=known_segments(
+        session=session, deployment_id=deployment.id))
+    # Several segments judged: each failing test at alpha / k, so a good candidate is not
+    # reverted more often because it changes more segments (as the drift checks split alpha).
+    split = replace(policy, alpha=policy.alpha / len(judged))
     while run.status == "running":
         start = run.next_window_start
         end = start + policy.interval
         if end > floor_minute(now):  # only whole minutes that are over
             break
-        figures = group_figures(session=session, deployment=deployment, version=run.version,
-                                since=start, until=end)
+        verdicts = {}
+        for segment in judged:
+            figures = group_figures(session=session, deployment=deployment,
+                                    version=run.version, since=start, until=end,
+                                    segment=segment)
+            quality = window_quality(
+                session=session, deployment=deployment, version=run.version,
+                thresholds=thresholds_for(candidate, segment or DEFAULT_SEGMENT), since=start,
+                until=end, segment=segment)
+            verdicts[segment] = (*_verdict(
+                canary=figures, quality=quality, delta=deployment.delta, policy=split,
+                expected_exit_rate=_expected_exit_rate(candidate, segment)), figures)
         stable = group_figures(session=session, deployment=deployment,
                                version=aliases["active"], since=start, until=end)
-        quality = window_quality(session=session, deployment=deployment, version=run.version,
-                                 thresholds=candidate.thresholds_by_layer(), since=start,
-                                 until=end)
-        verdict, why, tests = _verdict(canary=figures, quality=quality,
-                                       expected_exit_rate=expected, delta=deployment.delta,
-                                       policy=policy)
-        run.checks = [*run.checks, {
-            "window": [start.isoformat(), end.isoformat()], "verdict": verdict, "reason": why,
-            "canary": figures, "stable": stable, "tests": tests, "at": now.isoformat()}]
+        verdict, why, tests, figures = _combine(verdicts)
+        check = {"window": [start.isoformat(), end.isoformat()], "verdict": verdict,
+                 "reason": why, "canary": figures, "stable": stable, "tests": tests,
+                 "at": now.isoformat()}
+        if judged != [None]:
+            check["segments"] = {segment: {"verdict": v, "reason": r, "tests": t, "canary": f}
+                                 for segment, (v, r, t, f) in verdicts.items()}
+        run.checks = [*run.checks, check]
         run.next_window_start = end
         _count(session=session, deployment=deployment, run=run, verdict=verdict, why=why,
                policy=policy, now=now)
     session.flush()
     return run
+
+
+def judged_segments(*, candidate: ThresholdSet, baseline: ThresholdSet, known: list[str]
+                    ) -> list[str | None]:
+    """The traffic segments a canary judges (issue 18): those whose thresholds the candidate
+    changes ('default' first), each on its own rows; [None] (all traffic, as before segments
+    existed) when neither set has segment maps and the deployment knows no segment, or when
+    the candidate changes nothing."""
+    if not known and not candidate.segments and not baseline.segments:
+        return [None]
+    names = [DEFAULT_SEGMENT, *sorted(set(known) - {DEFAULT_SEGMENT})]
+    changed = [name for name in names
+               if thresholds_for(candidate, name) != thresholds_for(baseline, name)]
+    return changed or [None]
+
+
+def _expected_exit_rate(candidate: ThresholdSet, segment: str | None) -> float | None:
+    metrics = candidate.expected_metrics or {}
+    if segment not in (None, DEFAULT_SEGMENT):
+        metrics = (metrics.get("segments") or {}).get(segment) or {}
+    return metrics.get("total_exit_rate")
+
+
+def _combine(verdicts: dict) -> tuple[str, str, dict, dict]:
+    """One window's verdict over the judged segments: failed if any failed, else inconclusive
+    if any was, else clean; the reason and figures of the segment that decided."""
+    for wanted in ("failed", "inconclusive", "clean"):
+        for segment, (verdict, why, tests, figures) in verdicts.items():
+            if verdict == wanted:
+                if segment is not None:
+                    why = f"segment {segment}: {why}"
+                return verdict, why, tests, figures
+    raise ValueError("no segment was judged")
 
 
 def _count(*, session: Session, deployment: Deployment, run: CanaryRun, verdict: str, why: str,

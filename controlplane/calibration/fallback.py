@@ -19,13 +19,22 @@ Which alerts fall back (issue 17), and the rule that decided is written on the a
   are too few shadow tokens or requests to tell (`too_few_shadow_tokens`), or the alert carries
   no such evidence (`no_quality_evidence`). Otherwise the current set stays and a
   recalibration is queued (rule `shadow_upper_bound_within_delta`).
+
+Per traffic segment (issue 18): an alert on segment S (`alert.segment`) falls back S alone.
+A version is published (origin `fallback`) equal to the active one except S's map: never exit
+(`never_exit`), or the last good version's thresholds for S raised by the margin
+(`last_good`, judged on S's traffic only); S gets a map of its own if it had none, and
+'default' and every other segment keep theirs. The recalibration it queues runs on S's shadow
+tokens only. A 'default' alert takes this path too when the active set gives other segments
+maps of their own (they keep them; segments without a map apply default's and fall back with
+it); without such maps it moves the whole deployment exactly as before segments existed.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 from sqlalchemy import func, select
@@ -34,6 +43,11 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import reactions
 from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
 from controlplane.calibration.canary import abort_canary
+from controlplane.calibration.segment_sets import (
+    has_own_map,
+    replace_segment_map,
+    thresholds_for,
+)
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
 from controlplane.calibration.stats import policy_disagreement
 from controlplane.db import utcnow
@@ -41,9 +55,9 @@ from controlplane.settings import get_settings
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples
 from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
-from controlplane.thresholds.service import aliases_of, move_alias, publish
+from controlplane.thresholds.service import aliases_of, get_threshold_set, move_alias, publish
 from exitplane import tracing
-from exitplane.wire import NEVER_EXIT, Origin
+from exitplane.wire import DEFAULT_SEGMENT, NEVER_EXIT, Origin
 
 log = logging.getLogger("exitplane.fallback")
 
@@ -110,8 +124,11 @@ class Fallback:
     source_version: int | None  # last_good: the version whose thresholds were raised
     calibration_job_id: int | None
     moved: bool
+    segment: str | None = None  # the one segment that fell back; None: the whole deployment
 
     def describe(self) -> str:
+        if self.segment is not None:
+            return self._describe_segment()
         if not self.moved:
             text = f"conservative version {self.to_version} was already active"
         elif self.source_version is not None:
@@ -122,6 +139,21 @@ class Fallback:
                     "(conservative set)")
         if self.calibration_job_id is not None:
             text += f"; recalibration job {self.calibration_job_id} queued"
+        return text
+
+    def _describe_segment(self) -> str:
+        if not self.moved:
+            text = (f"segment {self.segment} already applies conservative thresholds in "
+                    f"active version {self.to_version}")
+        else:
+            how = (f"last good version {self.source_version}'s thresholds raised"
+                   if self.source_version is not None else "never exit")
+            text = (f"fallback engaged for segment {self.segment} only: active "
+                    f"{self.from_version} -> {self.to_version} ({self.segment}: {how}; every "
+                    "other segment keeps its thresholds)")
+        if self.calibration_job_id is not None:
+            text += (f"; recalibration job {self.calibration_job_id} of segment "
+                     f"{self.segment} queued")
         return text
 
 
@@ -144,10 +176,19 @@ def engage_fallback(*, session: Session, deployment: Deployment, alert,
     if "canary" in aliases:
         abort_canary(session=session, deployment=deployment, actor=ACTOR,
                      reason=f"{reason}: canary stopped")
+    segment = getattr(alert, "segment", None) or DEFAULT_SEGMENT
+    current_set = get_threshold_set(session=session, deployment=deployment, version=current)
+    scoped = segment != DEFAULT_SEGMENT or bool(current_set.segments)
+    details["segment"] = segment
     target, source = aliases["conservative"], None
     if _already_fell_back(session=session, deployment=deployment, alert_id=alert.id,
                           current=current):
         target = current
+    elif scoped:
+        target, source = _segment_target(
+            session=session, deployment=deployment, current=current_set, segment=segment,
+            alert=alert, since=_alert_time(alert) - recent_window,
+            min_shadow_tokens=min_shadow_tokens, reason=reason)
     elif deployment.fallback_mode == "last_good":
         target, source = _last_good_target(
             session=session, deployment=deployment, current=current, alert=alert,
@@ -161,15 +202,24 @@ def engage_fallback(*, session: Session, deployment: Deployment, alert,
     job, _ = request_calibration(
         session=session, deployment=deployment, actor=ACTOR, trigger="alert",
         alert_id=alert.id, since=_alert_time(alert), policy=policy,
+        segment=segment if scoped else None,
         reason=f"traffic changed: alert {alert.id} ({alert.kind})")
     outcome = Fallback(from_version=current, to_version=target if moved else current,
                        mode=deployment.fallback_mode, source_version=source,
-                       calibration_job_id=job.id, moved=moved)
+                       calibration_job_id=job.id, moved=moved,
+                       segment=segment if scoped else None)
     previous = (alert.action_taken or "").strip()
     alert.action_taken = f"{previous}; {outcome.describe()}" if previous else outcome.describe()
     log.warning("%s: %s", deployment.name, outcome.describe())
     session.flush()
     return outcome
+
+
+def _job_segment(alert) -> str | None:
+    """The segment a recalibration answering `alert` runs on: the alert's, or the whole
+    deployment for a 'default' alert."""
+    segment = getattr(alert, "segment", None) or DEFAULT_SEGMENT
+    return None if segment == DEFAULT_SEGMENT else segment
 
 
 def _alert_time(alert) -> datetime:
@@ -187,9 +237,11 @@ def _already_fell_back(*, session: Session, deployment: Deployment, alert_id: in
 
 
 def last_good_version(*, session: Session, deployment: Deployment, exclude: set[int],
-                      min_shadow_tokens: int, recent: tuple | None = None) -> ThresholdSet | None:
+                      min_shadow_tokens: int, recent: tuple | None = None,
+                      segment: str | None = None) -> ThresholdSet | None:
     """The newest earlier active, non-fallback version whose own shadow disagreement stayed
-    within δ; with `recent` (signals, matched) also within δ on the recent traffic."""
+    within δ; with `recent` (signals, matched) also within δ on the recent traffic. With a
+    `segment`, on that segment's traffic only and with the thresholds it applied there."""
     versions = session.scalars(
         select(AuditEvent.to_version).where(AuditEvent.deployment_id == deployment.id,
                                             AuditEvent.alias == "active",
@@ -204,12 +256,15 @@ def last_good_version(*, session: Session, deployment: Deployment, exclude: set[
             ThresholdSet.deployment_id == deployment.id, ThresholdSet.version == version)).one()
         if candidate.origin == str(Origin.fallback):
             continue
-        shadow, mismatches = _version_disagreement(session=session, deployment=deployment,
-                                                   version=version)
+        shadow, mismatches = (
+            _version_disagreement(session=session, deployment=deployment, version=version)
+            if segment is None else _segment_disagreement(
+                session=session, deployment=deployment, version=candidate, segment=segment))
         if shadow < min_shadow_tokens or mismatches / shadow > deployment.delta:
             continue
         if recent is not None and len(recent[0]) >= min_shadow_tokens:
-            by_layer = candidate.thresholds_by_layer()
+            by_layer = (candidate.thresholds_by_layer() if segment is None
+                        else thresholds_for(candidate, segment))
             wrong, n = policy_disagreement(recent[0], recent[1],
                                            [by_layer[k] for k in deployment.exit_layers])
             if wrong / n > deployment.delta:
@@ -228,6 +283,62 @@ def _version_disagreement(*, session: Session, deployment: Deployment,
                                 .where(Rollup.deployment_id == deployment.id,
                                        Rollup.version == version))
     return int(shadow), int(mismatches)
+
+
+def _segment_disagreement(*, session: Session, deployment: Deployment, version: ThresholdSet,
+                          segment: str, limit: int = 200_000) -> tuple[int, int]:
+    """(shadow tokens, policy mismatches) of `version` on one segment's stored shadow tokens,
+    replayed with the map that segment applied: a rollup's mismatch count does not say which
+    segment map it was counted with."""
+    signals, matched = shadow_samples(session=session, deployment=deployment,
+                                      since=datetime.min.replace(tzinfo=UTC),
+                                      version=version.version, segment=segment, limit=limit)
+    if not len(signals):
+        return 0, 0
+    by_layer = thresholds_for(version, segment)
+    wrong, n = policy_disagreement(signals, matched, [by_layer[k] for k in deployment.exit_layers])
+    return n, wrong
+
+
+def _segment_target(*, session: Session, deployment: Deployment, current: ThresholdSet,
+                    segment: str, alert, since: datetime, min_shadow_tokens: int,
+                    reason: str) -> tuple[int, int | None]:
+    """(version to make active, the good version S's thresholds came from) when only
+    `segment` falls back: the active set with S's map made conservative (module docstring)."""
+    conservative = aliases_of(session=session, deployment=deployment)["conservative"]
+    by_layer = dict.fromkeys(deployment.exit_layers, NEVER_EXIT)
+    good = None
+    if deployment.fallback_mode == "last_good":
+        recent = shadow_samples(session=session, deployment=deployment, since=since,
+                                segment=segment)
+        good = last_good_version(session=session, deployment=deployment,
+                                 exclude={current.version, conservative},
+                                 min_shadow_tokens=min_shadow_tokens, recent=recent,
+                                 segment=segment)
+        if good is not None:
+            by_layer = {layer: min(NEVER_EXIT, value + deployment.fallback_margin)
+                        for layer, value in thresholds_for(good, segment).items()}
+    if has_own_map(current, segment) and thresholds_for(current, segment) == by_layer:
+        return current.version, None  # S is already as conservative as it gets
+    thresholds, segments = replace_segment_map(current, segment, by_layer)
+    # The other segments' expected metrics stay their drift reference; S's no longer hold.
+    expected = dict(current.expected_metrics or {})
+    if segment == DEFAULT_SEGMENT:
+        expected = {key: value for key, value in expected.items() if key == "segments"}
+    elif isinstance(expected.get("segments"), dict):
+        expected["segments"] = {name: value for name, value in expected["segments"].items()
+                                if name != segment}
+    how = (f"version {good.version}'s thresholds raised by {deployment.fallback_margin:g}"
+           if good is not None else "never exit")
+    published = publish(
+        session=session, deployment=deployment, thresholds=thresholds, segments=segments,
+        origin=Origin.fallback, parent_version=current.version, actor=ACTOR,
+        reason=f"{reason}: segment {segment} falls back ({how}); the others keep theirs",
+        expected_metrics=expected | {"fallback": {
+            "segment": segment, "alert_id": alert.id, "from_version": current.version,
+            "source_version": None if good is None else good.version,
+            "margin": deployment.fallback_margin if good is not None else None}})
+    return published.version, None if good is None else good.version
 
 
 def _last_good_target(*, session: Session, deployment: Deployment, current: int, alert,
@@ -315,6 +426,7 @@ def react_to_alert(*, session: Session, alert,
             job, _ = request_calibration(
                 session=session, deployment=deployment, actor=ACTOR, trigger="alert",
                 alert_id=alert.id, since=_alert_time(alert), policy=policy,
+                segment=_job_segment(alert),
                 reason=f"exit rate rose, quality held: alert {alert.id}")
             alert.action_taken = (f"{decision.describe()}; the active set stays; recalibration "
                                   f"job {job.id} queued")
@@ -323,6 +435,7 @@ def react_to_alert(*, session: Session, alert,
             job, _ = request_calibration(
                 session=session, deployment=deployment, actor=ACTOR, trigger="alert",
                 alert_id=alert.id, since=_alert_time(alert), policy=policy,
+                segment=_job_segment(alert),
                 reason=f"exits collapsed: alert {alert.id}")
             alert.action_taken = f"recalibration job {job.id} queued (quality is not at risk)"
         savepoint.commit()

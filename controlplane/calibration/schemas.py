@@ -6,6 +6,8 @@ from datetime import datetime
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from exitplane.wire import SegmentName
+
 
 class CalibrationCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -15,6 +17,9 @@ class CalibrationCreate(BaseModel):
     until: AwareDatetime | None = Field(
         default=None, description="end of the window (default: when the job runs)")
     reason: str = Field(default="", max_length=2000)
+    segment: SegmentName | None = Field(
+        default=None, description="recalibrate this traffic segment alone (its shadow tokens, "
+                                  "its map); none: the whole deployment")
 
 
 class Decision(BaseModel):
@@ -35,6 +40,7 @@ class CalibrationJobRead(BaseModel):
     reason: str
     since: datetime
     until: datetime | None
+    segment: str | None = None
     status: str
     status_reason: str
     attempts: int

@@ -107,6 +107,8 @@ class SegmentedCalibration:
                 "requests": seg.requests, "epsilon": seg.epsilon,
                 "thresholds": {str(k): v for k, v in seg.thresholds.items()},
                 "exit_rate": None if seg.result is None else seg.result.exit_rate,
+                "holdout_passed": None if seg.result is None or seg.result.holdout is None
+                else seg.result.holdout.passed,
             } for name, seg in sorted(self.segments.items())},
             "notes": list(self.notes),
         }

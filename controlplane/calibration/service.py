@@ -11,6 +11,14 @@ Crash safety: a worker killed before `apply_outcome` commits leaves no version b
 stays `running` (or `queued`) and a rerun starts again from the samples; a rerun after the
 commit, or a duplicate run racing it, finds the job finished and does nothing.
 
+Traffic segments (issue 18): a job with a `segment` calibrates that segment alone on its own
+shadow tokens, at its share ε/k of ε (k: 'default' plus the deployment's known segments, the
+split `calibrate_segments` makes), and publishes the active set with only that segment's map
+replaced. A whole-deployment job whose window holds tokens of named segments runs
+`calibrate_segments` (each segment its own LTT at ε/k, else the pooled set when it is
+certified on the segment, else never exit) and publishes one version with every segment's map;
+what each segment got and why is in the job's `summary["segments"]`.
+
 The automatic fallback lives in `controlplane.calibration.fallback` and the canary in
 `controlplane.calibration.canary` (its functions are re-exported here).
 """
@@ -34,6 +42,8 @@ from controlplane.calibration.canary import (
     start_canary,
 )
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
+from controlplane.calibration.segment_sets import replace_segment_map
+from controlplane.calibration.segments import SegmentedCalibration, calibrate_segments
 from controlplane.calibration.stats import (
     CalibrationResult,
     NotEnoughShadowData,
@@ -42,10 +52,17 @@ from controlplane.calibration.stats import (
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.outbox import enqueue_task
-from controlplane.telemetry.service import shadow_samples
+from controlplane.telemetry.service import shadow_samples, shadow_samples_by_request
 from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.service import aliases_of, move_alias, publish, record_audit
-from exitplane.wire import Origin
+from controlplane.thresholds.segments import known_segments
+from controlplane.thresholds.service import (
+    aliases_of,
+    get_threshold_set,
+    move_alias,
+    publish,
+    record_audit,
+)
+from exitplane.wire import DEFAULT_SEGMENT, Origin
 
 __all__ = [
     "CalibrationPolicy", "CanaryPolicy", "ShadowWindow", "apply_outcome", "approve",
@@ -84,24 +101,33 @@ def request_calibration(*, session: Session, deployment: Deployment, actor: str,
                         trigger: str = "manual", alert_id: int | None = None,
                         since: datetime | None = None, until: datetime | None = None,
                         reason: str = "", policy: CalibrationPolicy = CalibrationPolicy(),
-                        enqueue: bool = True) -> tuple[CalibrationJob, bool]:
-    """Queue a recalibration, or return the one already open: (job, created)."""
+                        enqueue: bool = True, segment: str | None = None
+                        ) -> tuple[CalibrationJob, bool]:
+    """Queue a recalibration, or return the one already open for the same scope: (job,
+    created). `segment`: recalibrate that traffic segment alone (its shadow tokens, its map);
+    None: the whole deployment."""
     if trigger not in ("alert", "manual", "schedule"):
         raise Invalid(f"unknown trigger {trigger!r}; use alert, manual or schedule")
+    if segment not in (None, DEFAULT_SEGMENT) and segment not in known_segments(
+            session=session, deployment_id=deployment.id):
+        raise Invalid(f"deployment {deployment.name!r} knows no traffic segment {segment!r}; "
+                      "use 'default' or a segment its traffic or a threshold set named")
     now = utcnow()
     since = since or now - policy.lookback
     if until is not None and until <= since:
         raise Invalid(f"the sample window is empty: until {until} is not after since {since}")
-    session.refresh(deployment, with_for_update=True)  # one open job per deployment
+    session.refresh(deployment, with_for_update=True)  # one open job per deployment + scope
+    scope = (CalibrationJob.segment.is_(None) if segment is None
+             else CalibrationJob.segment == segment)
     open_job = session.scalars(
         select(CalibrationJob).where(CalibrationJob.deployment_id == deployment.id,
-                                     CalibrationJob.status.in_(OPEN_JOB_STATUSES))
+                                     CalibrationJob.status.in_(OPEN_JOB_STATUSES), scope)
         .order_by(CalibrationJob.id.desc()).limit(1)).one_or_none()
     if open_job is not None:
         return open_job, False
     job = CalibrationJob(deployment_id=deployment.id, trigger=trigger, alert_id=alert_id,
                          requested_by=actor, reason=reason, since=since, until=until,
-                         status="queued", created_at=now, updated_at=now)
+                         segment=segment, status="queued", created_at=now, updated_at=now)
     session.add(job)
     session.flush()
     if enqueue:
@@ -154,6 +180,11 @@ class ShadowWindow:
     num_layers: int
     delta: float
     epsilon: float
+    # issue 18: the one segment a segment job calibrates (its tokens only), or, for a whole
+    # deployment with segmented traffic, each token's segment and request id
+    segment: str | None = None
+    segments: np.ndarray | None = None
+    requests: np.ndarray | None = None
 
 
 def read_window(*, session: Session, job: CalibrationJob,
@@ -163,17 +194,63 @@ def read_window(*, session: Session, job: CalibrationJob,
     if job.status in FINISHED:
         return None
     deployment = session.get(Deployment, job.deployment_id)
+    until = job.until or now or utcnow()
+    shape = dict(job_id=job.id, exit_layers=list(deployment.exit_layers),
+                 num_layers=deployment.num_layers, delta=deployment.delta)
+    known = known_segments(session=session, deployment_id=deployment.id)
+    if job.segment is not None:
+        signals, matched = shadow_samples(session=session, deployment=deployment,
+                                          since=job.since, until=until, segment=job.segment)
+        # Its share of the joint ε, as `calibrate_segments` gives each segment (module doc).
+        return ShadowWindow(signals=signals, matched=matched, segment=job.segment,
+                            epsilon=deployment.epsilon / (1 + len(known)), **shape)
+    if known:
+        window = _segmented_window(session=session, deployment=deployment, since=job.since,
+                                   until=until, names=[DEFAULT_SEGMENT, *known], shape=shape)
+        if window is not None:
+            return window
     signals, matched = shadow_samples(session=session, deployment=deployment, since=job.since,
-                                      until=job.until or now or utcnow())
-    return ShadowWindow(job_id=job.id, signals=signals, matched=matched,
-                        exit_layers=list(deployment.exit_layers),
-                        num_layers=deployment.num_layers, delta=deployment.delta,
-                        epsilon=deployment.epsilon)
+                                      until=until)
+    return ShadowWindow(signals=signals, matched=matched, epsilon=deployment.epsilon, **shape)
+
+
+def _segmented_window(*, session: Session, deployment: Deployment, since: datetime,
+                      until: datetime, names: list[str], shape: dict) -> ShadowWindow | None:
+    """Every segment's shadow tokens with their segment and request ids; None when only
+    'default' has any (the window is then calibrated as before segments existed)."""
+    parts = {name: shadow_samples_by_request(session=session, deployment=deployment,
+                                             since=since, until=until, segment=name)
+             for name in names}
+    parts = {name: part for name, part in parts.items() if len(part[0])}
+    if set(parts) <= {DEFAULT_SEGMENT}:
+        return None
+    # Request ids are unique per segment only as far as the runtime made them so: keep them
+    # apart, so that the pooled set's check tokens never split a request across segments.
+    return ShadowWindow(
+        signals=np.concatenate([part[1] for part in parts.values()]),
+        matched=np.concatenate([part[2] for part in parts.values()]),
+        segments=np.concatenate([np.full(len(part[0]), name, dtype=object)
+                                 for name, part in parts.items()]).astype(str),
+        requests=np.array([f"{name}/{request}" for name, part in parts.items()
+                           for request in part[0]]),
+        epsilon=deployment.epsilon, **shape)
+
+
+Outcome = CalibrationResult | NotEnoughShadowData | SegmentedCalibration
 
 
 def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = CalibrationPolicy()
-                     ) -> CalibrationResult | NotEnoughShadowData:
-    """Threshold selection on the window, outside any transaction (it takes seconds)."""
+                     ) -> Outcome:
+    """Threshold selection on the window, outside any transaction (it takes seconds): each
+    segment its own Learn-Then-Test at its share of ε when the window is segmented
+    (`calibrate_segments`), else one set."""
+    if window.segments is not None:
+        return calibrate_segments(
+            signals=window.signals, matched=window.matched, segments=window.segments,
+            requests=window.requests, exit_layers=window.exit_layers,
+            num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
+            strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
+            learn_fraction=policy.learn_fraction, seed=policy.seed)
     try:
         return calibrate_thresholds(
             signals=window.signals, matched=window.matched, exit_layers=window.exit_layers,
@@ -184,8 +261,7 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
         return shortage
 
 
-def apply_outcome(*, session: Session, job: CalibrationJob,
-                  outcome: CalibrationResult | NotEnoughShadowData,
+def apply_outcome(*, session: Session, job: CalibrationJob, outcome: Outcome,
                   policy: CalibrationPolicy = CalibrationPolicy(),
                   now: datetime | None = None) -> CalibrationJob:
     """Record the outcome and, for a publishable result, publish + promote the candidate: one
@@ -200,6 +276,9 @@ def apply_outcome(*, session: Session, job: CalibrationJob,
         session.flush()
         return job
     deployment = session.get(Deployment, job.deployment_id)
+    if isinstance(outcome, SegmentedCalibration):
+        return _apply_segmented(session=session, deployment=deployment, job=job,
+                                outcome=outcome, policy=policy, now=now)
     _record_result(job=job, result=outcome)
     refusal = _refusal(result=outcome, deployment=deployment)
     if refusal and _waits_for_more(job=job, result=outcome, policy=policy, now=now):
@@ -214,12 +293,20 @@ def apply_outcome(*, session: Session, job: CalibrationJob,
         log.warning("%s: calibration job %d failed: %s", deployment.name, job.id, refusal)
         return job
     active = aliases_of(session=session, deployment=deployment).get("active")
+    thresholds, segments, metrics = dict(outcome.thresholds), None, expected_metrics(outcome)
+    scope = ""
+    if job.segment is not None:
+        # Only this segment's map changes; every other segment keeps the active set's.
+        active_set = get_threshold_set(session=session, deployment=deployment, version=active)
+        thresholds, segments = replace_segment_map(active_set, job.segment, outcome.thresholds)
+        metrics = _segment_metrics(active_set.expected_metrics or {}, job.segment, metrics)
+        scope = f" of segment {job.segment}"
     candidate = publish(
-        session=session, deployment=deployment, thresholds=outcome.thresholds,
+        session=session, deployment=deployment, thresholds=thresholds, segments=segments,
         origin=Origin.calibration, parent_version=active, calibration_job_id=job.id,
-        actor=f"calibration-job-{job.id}", expected_metrics=expected_metrics(outcome),
-        reason=f"calibration job {job.id} ({job.trigger}): {outcome.samples['total']} shadow "
-               f"samples, disagreement <= {outcome.delta} with probability >= "
+        actor=f"calibration-job-{job.id}", expected_metrics=metrics,
+        reason=f"calibration job {job.id} ({job.trigger}){scope}: {outcome.samples['total']} "
+               f"shadow samples, disagreement <= {outcome.delta} with probability >= "
                f"{1 - outcome.epsilon:g}")
     job.result_version = candidate.version
     _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
@@ -229,6 +316,93 @@ def apply_outcome(*, session: Session, job: CalibrationJob,
              "%.4f", deployment.name, job.id, candidate.version, job.promotion,
              outcome.exit_rate, outcome.risk_bound)
     return job
+
+
+def _segment_metrics(active_metrics: dict, segment: str, metrics: dict) -> dict:
+    """A segment job's expected metrics: the active set's, with the recalibrated segment's
+    replaced (the set's own for 'default', under `segments` for any other)."""
+    others = dict(active_metrics.get("segments") or {})
+    if segment == DEFAULT_SEGMENT:
+        return metrics | ({"segments": others} if others else {})
+    return active_metrics | {"segments": others | {segment: metrics}}
+
+
+def _apply_segmented(*, session: Session, deployment: Deployment, job: CalibrationJob,
+                     outcome: SegmentedCalibration, policy: CalibrationPolicy,
+                     now: datetime) -> CalibrationJob:
+    """Record each segment's outcome (under `summary["segments"]`) and publish one version
+    with every segment's map, unless no segment may exit at all (an automatic job with an open
+    window then waits for more samples, as an unsegmented one does)."""
+    lead = _lead_result(outcome)
+    if lead is not None:
+        _record_result(job=job, result=lead)
+    report = outcome.summary()
+    job.summary = {**(job.summary or {}), "segments": report["segments"],
+                   "segmented": {key: value for key, value in report.items()
+                                 if key != "segments"}}
+    exiting = [name for name, seg in outcome.segments.items() if seg.exits]
+    failed = [f"{name} (disagreement {seg.result.holdout.disagreement:.4f} on "
+              f"{seg.result.holdout.tokens} held-out tokens)"
+              for name, seg in sorted(outcome.segments.items())
+              if seg.source == "segment" and seg.result is not None
+              and seg.result.holdout is not None and not seg.result.holdout.passed]
+    if failed:
+        # As for one set: a held-out check significantly above δ publishes nothing.
+        _finish(job, "failed", f"holdout check failed for segment {', '.join(failed)}: "
+                               f"significantly above δ={deployment.delta}; nothing was "
+                               "published", now)
+        session.flush()
+        return job
+    if not exiting and all(value >= 1.0 for value in outcome.thresholds.values()):
+        refusal = (f"no segment could be certified at δ={deployment.delta}, "
+                   f"ε={deployment.epsilon} (ε/{len(outcome.segments)} each); the current "
+                   "active set stays.")
+        if (job.trigger != "manual" and job.until is None
+                and now - job.created_at < policy.wait_max):
+            job.status = "waiting_for_data"
+            job.status_reason = (f"{refusal} Waiting for more shadow samples: the window "
+                                 f"grows until {policy.wait_max.total_seconds():.0f} s after "
+                                 "the request.")
+        else:
+            _finish(job, "failed", refusal, now)
+        session.flush()
+        return job
+    active = aliases_of(session=session, deployment=deployment).get("active")
+    metrics = expected_metrics(lead) if (
+        lead is not None and outcome.segments.get(DEFAULT_SEGMENT) is not None
+        and outcome.segments[DEFAULT_SEGMENT].source == "segment") else {
+        "delta": outcome.delta, "epsilon": outcome.epsilon}
+    own = {name: expected_metrics(seg.result) for name, seg in outcome.segments.items()
+           if name != DEFAULT_SEGMENT and seg.source == "segment" and seg.result is not None}
+    if own:
+        metrics["segments"] = own
+    metrics["epsilon_per_segment"] = outcome.epsilon_per_segment
+    sources = ", ".join(f"{name}: {seg.source}" for name, seg in sorted(outcome.segments.items()))
+    candidate = publish(
+        session=session, deployment=deployment, thresholds=outcome.thresholds,
+        segments=outcome.segment_thresholds() or None, origin=Origin.calibration,
+        parent_version=active, calibration_job_id=job.id, actor=f"calibration-job-{job.id}",
+        expected_metrics=metrics,
+        reason=f"calibration job {job.id} ({job.trigger}) per segment ({sources}): every "
+               f"segment's disagreement <= {outcome.delta} jointly with probability >= "
+               f"{1 - outcome.epsilon:g}")
+    job.result_version = candidate.version
+    _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
+    _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion}) with "
+                              f"thresholds per segment ({sources})", now)
+    session.flush()
+    log.info("%s: calibration job %d published version %d per segment (%s)", deployment.name,
+             job.id, candidate.version, sources)
+    return job
+
+
+def _lead_result(outcome: SegmentedCalibration) -> CalibrationResult | None:
+    """What the job's per-layer figures and curve show: the default segment's own LTT, else
+    the pooled set's."""
+    default = outcome.segments.get(DEFAULT_SEGMENT)
+    if default is not None and default.source == "segment":
+        return default.result
+    return outcome.pooled
 
 
 def run_calibration(*, session: Session, job: CalibrationJob,

@@ -28,6 +28,13 @@ the same check, or when the info finding persisted over `distribution_persist_wi
 consecutive recent windows. Each exit-rate spike carries the window's clustered shadow
 disagreement (`quality_gate`), from which the fallback decides (`controlplane.calibration.
 fallback`).
+
+Traffic segments (issue 18): every check covers 'default' and each segment the deployment
+knows that has traffic of the active version in the window (`segments_to_check`); each segment
+is tested on its own rows with the thresholds it applies (its own map, else the set's), against
+its own reference (the calibration's expected metrics under `segments`, else its first window),
+and the segments split the false-alarm budget (`window_checks.evaluate_segments`). Alerts name
+their segment; a 'default' alert reads exactly as before segments existed.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from sqlalchemy.orm import Session
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, Reconciled, jsonable, open_alerts, reconcile
 from controlplane.calibration.fallback import recheck_spike
+from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
 from controlplane.drift.stats import (
     DISTRIBUTION_DRIFT,
@@ -55,21 +63,26 @@ from controlplane.drift.window_checks import (
     EXIT_KINDS,
     DriftOptions,
     WindowInputs,
-    evaluate,
+    evaluate_segments,
     lookback_start,
     reference_window,
 )
 from controlplane.runtimes.models import Runtime
+from controlplane.telemetry.models import Rollup, ShadowSampleRow
 from controlplane.telemetry.service import (
     exit_rates,
     signal_histogram,
     timed_shadow_samples_by_request,
 )
 from controlplane.thresholds.models import Alias, Deployment
+from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import aliases_of, get_threshold_set
+from exitplane.wire import DEFAULT_SEGMENT
 
+# DriftOptions lives with evaluate
 __all__ = ["EXIT_KINDS", "DriftOptions", "check_deployment", "check_runtimes",
-           "exit_behaviour_conditions", "expected_reference"]  # DriftOptions lives with evaluate
+           "conditions_by_segment", "exit_behaviour_conditions", "expected_reference",
+           "segments_to_check"]
 
 RUNTIME_STALE = AlertKind.RUNTIME_STALE
 
@@ -149,23 +162,52 @@ def _minute_windows(points: list[dict], exit_layers: list[int]
     return out
 
 
-def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
-                              options: DriftOptions, want_report: bool = True
-                              ) -> tuple[list[Condition], set[str]]:
-    """Conditions observed now and the kinds that had enough data to be checked: the windows
-    of the active version read from the store, then `window_checks.evaluate`."""
+def segments_to_check(*, session: Session, deployment: Deployment, version: int,
+                      since: datetime) -> list[str]:
+    """'default' and, sorted, each segment the deployment knows that has traffic of `version`
+    (rollups or shadow tokens) since `since`: what one drift check covers (issue 18)."""
+    known = set(known_segments(session=session, deployment_id=deployment.id))
+    if not known:
+        return [DEFAULT_SEGMENT]
+    counted = set(session.scalars(select(Rollup.segment).where(
+        Rollup.deployment_id == deployment.id, Rollup.version == version,
+        Rollup.minute >= since.replace(second=0, microsecond=0)).distinct()))
+    shadowed = set(session.scalars(select(ShadowSampleRow.segment).where(
+        ShadowSampleRow.deployment_id == deployment.id,
+        ShadowSampleRow.threshold_version == version, ShadowSampleRow.ts >= since).distinct()))
+    return [DEFAULT_SEGMENT, *sorted(((counted | shadowed) & known) - {DEFAULT_SEGMENT})]
+
+
+def segment_reference_metrics(expected_metrics: Mapping, segment: str) -> Mapping:
+    """The calibration's expected metrics for `segment`: the set's own for 'default', a
+    segment's under `segments` when the calibration stored them, else none (the segment's
+    reference is then learned from its first window after activation)."""
+    if segment == DEFAULT_SEGMENT:
+        return expected_metrics
+    found = (expected_metrics.get("segments") or {}).get(segment)
+    return found if isinstance(found, Mapping) else {}
+
+
+def segment_window_inputs(*, session: Session, deployment: Deployment, now: datetime,
+                          options: DriftOptions, segment: str = DEFAULT_SEGMENT
+                          ) -> WindowInputs:
+    """The windows of the active version on one traffic segment's rows, read from the store,
+    with the thresholds that segment applies."""
     active = active_version(session=session, deployment=deployment)
     layers = sorted(deployment.exit_layers)
     version = active.version
     start = active.activated_at.replace(second=0, microsecond=0)
     threshold_set = get_threshold_set(session=session, deployment=deployment, version=version)
-    thresholds = [threshold_set.thresholds_by_layer()[k] for k in layers]
+    by_layer = thresholds_for(threshold_set, segment)
+    thresholds = [by_layer[k] for k in layers]
+    rows = {"session": session, "deployment": deployment, "version": version,
+            "segment": segment}
 
-    reference = expected_reference(active.expected_metrics, layers)
+    reference = expected_reference(segment_reference_metrics(active.expected_metrics, segment),
+                                   layers)
     reference_until, reference_origin = start, "expected_metrics"
     first = _minute_windows(exit_rates(
-        session=session, deployment=deployment, since=start, version=version,
-        until=start + timedelta(seconds=options.reference_max_s)), layers)
+        since=start, until=start + timedelta(seconds=options.reference_max_s), **rows), layers)
     found = reference_window(first, layers, options.reference_tokens)
     if found is not None:
         reference_until = first[found[1] - 1][0] + timedelta(minutes=1)
@@ -173,24 +215,22 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
         reference, reference_origin = found[0], "first_window_after_activation"
     since = lookback_start(start=start, reference_origin=reference_origin,
                            reference_until=reference_until, now=now, options=options)
-    minutes = _minute_windows(exit_rates(session=session, deployment=deployment, since=since,
-                                         version=version), layers)
+    minutes = _minute_windows(exit_rates(since=since, **rows), layers)
     recent_since = max(now - timedelta(seconds=options.recent_s), start)
     requests, signals, matched, times = timed_shadow_samples_by_request(
-        session=session, deployment=deployment, since=recent_since, version=version)
+        since=recent_since, **rows)
     histograms = info_open = None
     if found is not None:
         histograms = (
-            signal_histogram(session=session, deployment=deployment, since=start,
-                             until=reference_until, version=version),
-            signal_histogram(session=session, deployment=deployment,
-                             since=max(recent_since, reference_until), version=version))
-        key = f"{deployment.name}:{DISTRIBUTION_DRIFT}:all"
+            signal_histogram(since=start, until=reference_until, **rows),
+            signal_histogram(since=max(recent_since, reference_until), **rows))
+        key = Condition(kind=DISTRIBUTION_DRIFT, severity="info", summary="",
+                        segment=segment).dedup_key(deployment)
         info = next((a for a in open_alerts(session=session, deployment=deployment,
                                             kinds=[DISTRIBUTION_DRIFT])
                      if a.dedup_key == key), None)
         info_open = (info.fired_at, info.clear_since) if info is not None else None
-    inputs = WindowInputs(
+    return WindowInputs(
         version=version, layers=layers, thresholds=thresholds, delta=deployment.delta, now=now,
         reference=reference, reference_origin=reference_origin,
         reference_window=(start, reference_until) if found is not None else None,
@@ -198,28 +238,63 @@ def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: 
         shadow_signals=signals, shadow_matched=matched, shadow_times=times,
         histograms=histograms,
         info_open=info_open)
-    return evaluate(inputs, options, want_report=want_report)
+
+
+def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
+                              options: DriftOptions, want_report: bool = True
+                              ) -> tuple[list[Condition], set[str]]:
+    """Every segment's conditions observed now (each names its segment) and the kinds some
+    segment had enough data to check (`conditions_by_segment`, merged)."""
+    observed = conditions_by_segment(session=session, deployment=deployment, now=now,
+                                     options=options, want_report=want_report)
+    conditions = [c for found, _ in observed.values() for c in found]
+    return conditions, set().union(*(checked for _, checked in observed.values()))
+
+
+def conditions_by_segment(*, session: Session, deployment: Deployment, now: datetime,
+                          options: DriftOptions, want_report: bool = True
+                          ) -> dict[str, tuple[list[Condition], set[str]]]:
+    """Per traffic segment checked ('default' first): the conditions observed now and the
+    kinds that had enough data to be checked; the windows of the active version read from the
+    store, then `window_checks.evaluate_segments` (the segments share the false-alarm
+    budget)."""
+    active = active_version(session=session, deployment=deployment)
+    since = max(now - timedelta(seconds=max(options.lookback_s, options.recent_s)),
+                active.activated_at)
+    segments = segments_to_check(session=session, deployment=deployment,
+                                 version=active.version, since=since)
+    inputs = {segment: segment_window_inputs(session=session, deployment=deployment, now=now,
+                                             options=options, segment=segment)
+              for segment in segments}
+    return evaluate_segments(inputs, options, want_report=want_report)
 
 
 def check_deployment(*, session: Session, deployment: Deployment, options: DriftOptions,
                      reports_dir: Path | None, now: datetime | None = None) -> Reconciled:
-    """One drift-detection cycle for a deployment: observe, then fire / refresh / resolve."""
+    """One drift-detection cycle for a deployment: observe each traffic segment, then fire /
+    refresh / resolve that segment's alerts."""
     now = now or utcnow()
     # Evidently's HTML is costly: render it only while an open distribution alert lacks one.
     reported = [a for a in open_alerts(session=session, deployment=deployment,
                                        kinds=[DISTRIBUTION_DRIFT]) if a.report_path]
-    conditions, checked = exit_behaviour_conditions(
+    observed = conditions_by_segment(
         session=session, deployment=deployment, now=now, options=options,
         want_report=reports_dir is not None and len(reported) < 2)
-    result = reconcile(session=session, deployment=deployment, conditions=conditions,
-                       checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
-                       reports_dir=reports_dir)
-    # A spike that kept the set is re-judged on each window's shadow evidence while it lasts.
-    gates = {c.dedup_key(deployment): c.evidence["quality_gate"] for c in conditions
-             if "quality_gate" in c.evidence}
-    for alert in result.refreshed:
-        if alert.dedup_key in gates:
-            recheck_spike(session=session, alert=alert, quality_gate=gates[alert.dedup_key])
+    result = Reconciled()
+    for segment, (conditions, checked) in observed.items():
+        found = reconcile(session=session, deployment=deployment, conditions=conditions,
+                          checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
+                          reports_dir=reports_dir, segment=segment)
+        result.fired += found.fired
+        result.refreshed += found.refreshed
+        result.resolved += found.resolved
+        # A spike that kept the set is re-judged on each window's shadow evidence while it
+        # lasts.
+        gates = {c.dedup_key(deployment): c.evidence["quality_gate"] for c in conditions
+                 if "quality_gate" in c.evidence}
+        for alert in found.refreshed:
+            if alert.dedup_key in gates:
+                recheck_spike(session=session, alert=alert, quality_gate=gates[alert.dedup_key])
     return result
 
 

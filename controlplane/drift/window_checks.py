@@ -22,12 +22,23 @@ any dependence without carrying state between checks; its price is a stricter pe
 threshold (z about 4 instead of 3), which the short windows more than pay back at production
 token rates. At the δ boundary the chance of any quality page in an hour is at most
 `quality_alpha_per_hour`, whatever the cadence.
+
+Traffic segments (issue 18) share the same budget. A deployment whose check covers k segments
+('default' plus each known segment with traffic in the window) runs k families of tests per
+check; testing each at the one-segment levels would let the chance of a false page grow up to
+k-fold with the number of segments. `evaluate_segments` therefore tests every segment at 1/k
+of each level (Bonferroni again, valid under any dependence between segments, as ε is split
+across segments in calibration, `controlplane.calibration.segments`): the quality looks at
+`quality_alpha_per_hour / k` per hour, the exit-rate tests at `exit_rate_alpha / k`, the
+distribution test at `distribution_p_value / k`. With stationary traffic at the δ boundary on
+every segment the chance of any quality page in an hour stays at most `quality_alpha_per_hour`
+whatever k is; a deployment with no segments (k = 1) is tested exactly as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -59,6 +70,7 @@ from controlplane.stats.clustered import (
     weighted_cluster_size,
 )
 from controlplane.telemetry.models import HISTOGRAM_BINS
+from exitplane.wire import DEFAULT_SEGMENT
 
 EXIT_KINDS = (EXIT_RATE_COLLAPSE, EXIT_RATE_SPIKE)
 Minutes = list[tuple[datetime, dict[int, LayerCounts]]]
@@ -87,12 +99,30 @@ class DriftOptions:
     quality_windows_s: tuple[float, ...] = (60.0, 180.0, 600.0)
     quality_alpha_per_hour: float = 1e-2
     check_interval_s: float = 30.0
+    exit_rate_alpha: float = 1e-4  # family-wise over the exit layers (Holm)
+    # issue 18: how many traffic segments this check covers; every level below is split by it
+    segments_checked: int = 1
 
     @property
     def quality_look_alpha(self) -> float:
-        """The level each window of each check is tested at."""
-        looks_per_hour = 3600.0 / self.check_interval_s * len(self.quality_windows_s)
+        """The level each window of each check of each segment is tested at."""
+        looks_per_hour = (3600.0 / self.check_interval_s * len(self.quality_windows_s)
+                          * self.segments_checked)
         return self.quality_alpha_per_hour / looks_per_hour
+
+    @property
+    def exit_rate_level(self) -> float:
+        """The exit-rate tests' family-wise level for one segment."""
+        return self.exit_rate_alpha / self.segments_checked
+
+    @property
+    def distribution_level(self) -> float:
+        """The distribution test's p-value threshold for one segment."""
+        return self.distribution_p_value / self.segments_checked
+
+    def for_segments(self, count: int) -> DriftOptions:
+        """These options for a check that covers `count` segments (module docstring)."""
+        return replace(self, segments_checked=max(1, count))
 
     @classmethod
     def from_settings(cls, settings) -> DriftOptions:
@@ -242,7 +272,8 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
         for finding in detect_exit_rate_drift(reference=inputs.reference,
                                               windows=[c for _, c in inputs.minutes],
                                               design_effect=shadow.design_effect,
-                                              min_expected_events=options.min_expected_exits):
+                                              min_expected_events=options.min_expected_exits,
+                                              alpha=options.exit_rate_level):
             condition = _exit_rate_condition(finding)
             condition.evidence["window"] = window
             condition.evidence["design_effect_measured"] = shadow.measured
@@ -270,6 +301,22 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
             if escalated:
                 conditions.append(escalated)
     return conditions, checked
+
+
+def evaluate_segments(inputs: Mapping[str, WindowInputs], options: DriftOptions, *,
+                      want_report: bool = False
+                      ) -> dict[str, tuple[list[Condition], set[str]]]:
+    """`evaluate` for each traffic segment's windows, every segment at 1/k of the false-alarm
+    budget (k = the segments checked, module docstring); each condition names its segment and
+    a non-default one says so in its summary."""
+    split = options.for_segments(len(inputs))
+    out = {}
+    for segment, windows in inputs.items():
+        conditions, checked = evaluate(windows, split, want_report=want_report)
+        out[segment] = ([c if segment == DEFAULT_SEGMENT else replace(
+            c, segment=segment, summary=f"segment {segment}: {c.summary}",
+            evidence=c.evidence | {"segment": segment}) for c in conditions], checked)
+    return out
 
 
 def quality_windows(inputs: WindowInputs, options: DriftOptions
@@ -308,10 +355,12 @@ def quality_condition(inputs: WindowInputs, options: DriftOptions) -> Condition 
         return None
     finding, quality, seconds = best
     evidence = finding.to_dict()
-    evidence["evidence"] |= {"looks": {"windows_s": list(options.quality_windows_s),
-                                       "alpha_per_hour": options.quality_alpha_per_hour,
-                                       "check_interval_s": options.check_interval_s,
-                                       "alpha_per_look": alpha}}
+    looks = {"windows_s": list(options.quality_windows_s),
+             "alpha_per_hour": options.quality_alpha_per_hour,
+             "check_interval_s": options.check_interval_s, "alpha_per_look": alpha}
+    if options.segments_checked > 1:
+        looks["segments_checked"] = options.segments_checked
+    evidence["evidence"] |= {"looks": looks}
     return Condition(
         kind=QUALITY_REGRESSION, severity=finding.severity, evidence=evidence,
         summary=(f"disagreement with full depth {quality.events}/{quality.tokens} = "
@@ -375,7 +424,7 @@ def distribution_condition(inputs: WindowInputs, options: DriftOptions, *, want_
     if min(sizes) < options.min_distribution_rows:
         return None
     rows = [min(20_000, effective_rows(n, design_effect)) for n in sizes]
-    p_value = options.distribution_p_value
+    p_value = options.distribution_level
     report = distribution_drift_report(
         reference=_histogram_frame(before, rows[0]), current=_histogram_frame(after, rows[1]),
         methods={"signal": "ks", "exit_layer": "chisquare"},

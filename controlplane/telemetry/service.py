@@ -252,13 +252,14 @@ def _dialect_insert(session: Session, model):
 
 def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
                until: datetime | None = None, version: int | None = None,
-               runtime_id: str | None = None) -> list[dict]:
-    """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement."""
+               runtime_id: str | None = None, segment: str | None = None) -> list[dict]:
+    """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement
+    (of one traffic segment when `segment` is given, else summed over all)."""
     query = (select(Rollup.minute, Rollup.layer, *[func.sum(getattr(Rollup, c)).label(c)
                                                     for c in ROLLUP_COUNTERS])
              .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
              .group_by(Rollup.minute, Rollup.layer).order_by(Rollup.minute, Rollup.layer))
-    query = _filters(query, Rollup, until, version, runtime_id)
+    query = _filters(query, Rollup, until, version, runtime_id, segment)
     out = []
     for row in session.execute(query):
         item = {"minute": row.minute, "layer": row.layer,
@@ -296,21 +297,24 @@ def disagreement(*, session: Session, deployment: Deployment, since: datetime,
 
 def signal_histogram(*, session: Session, deployment: Deployment, since: datetime,
                      until: datetime | None = None, version: int | None = None,
-                     runtime_id: str | None = None) -> dict[int, list[int]]:
+                     runtime_id: str | None = None, segment: str | None = None
+                     ) -> dict[int, list[int]]:
     """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1]."""
     query = (select(RollupHistogram.layer, RollupHistogram.bin,
                     func.sum(RollupHistogram.count).label("n"))
              .where(RollupHistogram.deployment_id == deployment.id,
                     RollupHistogram.minute >= since)
              .group_by(RollupHistogram.layer, RollupHistogram.bin))
-    query = _filters(query, RollupHistogram, until, version, runtime_id)
+    query = _filters(query, RollupHistogram, until, version, runtime_id, segment)
     out: dict[int, list[int]] = {}
     for row in session.execute(query):
         out.setdefault(row.layer, [0] * HISTOGRAM_BINS)[row.bin] = int(row.n)
     return dict(sorted(out.items()))
 
 
-def _filters(query, model, until, version, runtime_id):
+def _filters(query, model, until, version, runtime_id, segment=None):
+    if segment is not None:
+        query = query.where(model.segment == segment)
     if until is not None:
         query = query.where(model.minute < until)
     if version is not None:
@@ -322,11 +326,13 @@ def _filters(query, model, until, version, runtime_id):
 
 def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
                    until: datetime | None = None, version: int | None = None,
-                   limit: int = 1_000_000) -> tuple[np.ndarray, np.ndarray]:
-    """(signals float32 (n, L), matched bool (n, L)) in exit-layer order, oldest first."""
+                   limit: int = 1_000_000, segment: str | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(signals float32 (n, L), matched bool (n, L)) in exit-layer order, oldest first (of one
+    traffic segment when `segment` is given)."""
     _, signals, matched, _ = _read_shadow(session=session, deployment=deployment, since=since,
                                           until=until, version=version, limit=limit,
-                                          with_requests=False)
+                                          with_requests=False, segment=segment)
     return signals, matched
 
 
@@ -344,28 +350,29 @@ def raw_sample_rate(*, session: Session, deployment: Deployment,
 
 def shadow_samples_by_request(*, session: Session, deployment: Deployment, since: datetime,
                               until: datetime | None = None, version: int | None = None,
-                              limit: int = 1_000_000
+                              limit: int = 1_000_000, segment: str | None = None
                               ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """`shadow_samples` with each sample's request id (tests cluster tokens by request).
 
     Samples stored before request ids were kept stand for their batch (a conservative cluster)."""
     return _read_shadow(session=session, deployment=deployment, since=since, until=until,
-                        version=version, limit=limit, with_requests=True)[:3]
+                        version=version, limit=limit, with_requests=True, segment=segment)[:3]
 
 
 def timed_shadow_samples_by_request(*, session: Session, deployment: Deployment,
                                     since: datetime, version: int | None = None,
-                                    limit: int = 1_000_000
+                                    limit: int = 1_000_000, segment: str | None = None
                                     ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """`shadow_samples_by_request` plus each sample's time (epoch seconds, float64): the drift
     check tests sub-windows of the samples it read (issue 17)."""
     return _read_shadow(session=session, deployment=deployment, since=since, until=None,
-                        version=version, limit=limit, with_requests=True, with_times=True)
+                        version=version, limit=limit, with_requests=True, with_times=True,
+                        segment=segment)
 
 
 def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
                  until: datetime | None, version: int | None, limit: int,
-                 with_requests: bool, with_times: bool = False
+                 with_requests: bool, with_times: bool = False, segment: str | None = None
                  ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """One read of the shadow samples; request ids and times only when asked for (the columns
     cost)."""
@@ -382,6 +389,8 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
         query = query.where(ShadowSampleRow.ts < until)
     if version is not None:
         query = query.where(ShadowSampleRow.threshold_version == version)
+    if segment is not None:
+        query = query.where(ShadowSampleRow.segment == segment)
     rows = session.execute(query).all()
     width = len(deployment.exit_layers)
     if not rows:

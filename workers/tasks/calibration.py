@@ -3,7 +3,9 @@
 `calibration.run` marks the job running, reads its shadow samples, calibrates outside any
 transaction, then publishes and promotes in one last transaction; a worker killed before that
 commit leaves the job `running` with no version, and the redelivered task (acks_late) or the
-sweep runs it again from the start.
+sweep runs it again from the start. A job with a `segment` reads and replaces that segment
+alone; a whole-deployment job over segmented traffic calibrates every segment (issue 18; both
+in `controlplane.calibration.service`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def run(job_id: int) -> dict:
         job = apply_outcome(session=session, job=session.get(CalibrationJob, job_id),
                             outcome=result, policy=policy)
         outcome = {"job": job_id, "status": job.status, "version": job.result_version,
-                   "promotion": job.promotion, "reason": job.status_reason}
+                   "promotion": job.promotion, "reason": job.status_reason,
+                   "segment": job.segment}
     if outcome["status"] == "waiting_for_data":
         # Waiting is not failing: a fresh message, not a retry that Celery's retry limit would
         # end (the job's own wait_max bounds the wait; the sweep re-sends a lost message).

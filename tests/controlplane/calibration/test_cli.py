@@ -61,3 +61,24 @@ def test_moments():
     assert abs((utcnow() - _moment("90m")) - timedelta(minutes=90)) < timedelta(seconds=5)
     with pytest.raises(ValueError, match="neither an ISO time"):
         _moment("5 weeks")
+
+
+def test_calibrate_one_segment_and_refuse_an_unknown_one(engine, calibrate):
+    from controlplane.thresholds.service import get_deployment, publish
+    from tests.controlplane.segment_rows import label_segment
+
+    signals, matched = separable_samples(3000, seed=6)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session)
+        publish(session=session, deployment=deployment, thresholds={3: 1.0, 6: 1.0, 9: 1.0},
+                segments={"code": {3: 1.0, 6: 1.0, 9: 1.0}}, reason="code map", actor="test")
+        write_traffic(session, "chat", signals, matched, start=utcnow() - timedelta(hours=1),
+                      runtime_id="rt-code")
+        label_segment(session, get_deployment(session=session, name="chat"),
+                      runtime_id="rt-code", segment="code")
+    unknown = calibrate("--deployment", "chat", "--segment", "chat")
+    assert unknown.exit_code == 2 and "knows no traffic segment 'chat'" in unknown.stderr
+    done = calibrate("--deployment", "chat", "--since", "2h", "--segment", "code")
+    assert done.exit_code == 0, done.output
+    outcome = json.loads(done.stdout)
+    assert outcome["status"] == "succeeded" and outcome["segment"] == "code"
