@@ -222,13 +222,13 @@ def _dialect_insert(session: Session, model):
 
 def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
                until: datetime | None = None, version: int | None = None,
-               runtime_id: str | None = None) -> list[dict]:
+               runtime_id: str | None = None, segment: str | None = None) -> list[dict]:
     """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement."""
     query = (select(Rollup.minute, Rollup.layer, *[func.sum(getattr(Rollup, c)).label(c)
                                                     for c in ROLLUP_COUNTERS])
              .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
              .group_by(Rollup.minute, Rollup.layer).order_by(Rollup.minute, Rollup.layer))
-    query = _filters(query, Rollup, until, version, runtime_id)
+    query = _filters(query, Rollup, until, version, runtime_id, segment)
     out = []
     for row in session.execute(query):
         item = {"minute": row.minute, "layer": row.layer,
@@ -240,21 +240,21 @@ def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
 
 def disagreement(*, session: Session, deployment: Deployment, since: datetime,
                  until: datetime | None = None, version: int | None = None,
-                 runtime_id: str | None = None) -> list[dict]:
+                 runtime_id: str | None = None, segment: str | None = None) -> list[dict]:
     """Per minute: shadow tokens and how many the applied policy would have answered wrong."""
     first = deployment.exit_layers[0]
     query = (select(Rollup.minute, func.sum(Rollup.shadow_total).label("shadow_tokens"),
                     func.sum(Rollup.policy_mismatches).label("mismatches"))
              .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
              .group_by(Rollup.minute).order_by(Rollup.minute))
-    query = _filters(query, Rollup, until, version, runtime_id)
+    query = _filters(query, Rollup, until, version, runtime_id, segment)
     # shadow_total counts a shadow token once per exit layer; the first layer counts it once.
     per_minute = {row.minute: int(row.mismatches) for row in session.execute(query)}
     totals = session.execute(
         _filters(select(Rollup.minute, func.sum(Rollup.shadow_total).label("n"))
                  .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since,
                         Rollup.layer == first).group_by(Rollup.minute), Rollup, until, version,
-                 runtime_id))
+                 runtime_id, segment))
     out = []
     for row in totals:
         n = int(row.n)
@@ -266,21 +266,25 @@ def disagreement(*, session: Session, deployment: Deployment, since: datetime,
 
 def signal_histogram(*, session: Session, deployment: Deployment, since: datetime,
                      until: datetime | None = None, version: int | None = None,
-                     runtime_id: str | None = None) -> dict[int, list[int]]:
+                     runtime_id: str | None = None,
+                     segment: str | None = None) -> dict[int, list[int]]:
     """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1]."""
     query = (select(RollupHistogram.layer, RollupHistogram.bin,
                     func.sum(RollupHistogram.count).label("n"))
              .where(RollupHistogram.deployment_id == deployment.id,
                     RollupHistogram.minute >= since)
              .group_by(RollupHistogram.layer, RollupHistogram.bin))
-    query = _filters(query, RollupHistogram, until, version, runtime_id)
+    query = _filters(query, RollupHistogram, until, version, runtime_id, segment)
     out: dict[int, list[int]] = {}
     for row in session.execute(query):
         out.setdefault(row.layer, [0] * HISTOGRAM_BINS)[row.bin] = int(row.n)
     return dict(sorted(out.items()))
 
 
-def _filters(query, model, until, version, runtime_id):
+def _filters(query, model, until, version, runtime_id, segment=None):
+    """The optional filters of a rollup read; `segment` None sums over every segment."""
+    if segment is not None:
+        query = query.where(model.segment == segment)
     if until is not None:
         query = query.where(model.minute < until)
     if version is not None:
