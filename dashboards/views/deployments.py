@@ -12,8 +12,10 @@ from controlplane.telemetry.service import raw_sample_rate
 from controlplane.thresholds import service as thresholds
 from dashboards import charts
 from dashboards.security import Viewer
+from dashboards.segments import segment_table
 from dashboards.templating import render
 from dashboards.views.overview import REPORTING_WITHIN, runtime_counts
+from exitplane.wire import NEVER_EXIT
 
 router = APIRouter()
 
@@ -42,6 +44,7 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
         runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
         reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
         initial=initial, totals=initial["totals"], alerts_enabled=True,
+        segments=segment_table(initial["segments"], active), never_exit=NEVER_EXIT,
         raw_sample_rate=raw_sample_rate(session=session, deployment=deployment),
         refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
         open_alerts=alerts.open_alerts(session=session, deployment=deployment),
