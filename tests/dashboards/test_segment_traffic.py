@@ -9,7 +9,7 @@ token as 'default'); the seeded deployment's own traffic is the default segment'
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy.orm import Session
@@ -39,9 +39,10 @@ def write_rollups(session: Session, deployment_id: int, segment: str, minute,
                            policy_exits=policy_exits, policy_mismatches=mismatches))
 
 
-def add_segment_traffic(engine, *, minutes: int = 2) -> None:
-    """`chat` (the deployment) learns segments chat and code, with `minutes` of rollups each,
-    and v5 (active) gives code a map of its own (chat applies the default one)."""
+def add_segment_traffic(engine, *, minutes: int = 2) -> datetime:
+    """`chat` (the deployment) learns segments chat and code, with `minutes` of rollups each
+    before the current minute (returned), and v5 (active) gives code a map of its own (chat
+    applies the default one)."""
     with Session(engine) as session:
         deployment = thresholds.get_deployment(session=session, name="chat")
         admit_segments(session=session, deployment_id=deployment.id, names=["chat", "code"])
@@ -56,6 +57,7 @@ def add_segment_traffic(engine, *, minutes: int = 2) -> None:
         thresholds.move_alias(session=session, deployment=deployment, alias="active",
                               version=v5.version, actor="user:seed", reason="segments")
         session.commit()
+    return now
 
 
 @pytest.fixture
