@@ -29,6 +29,7 @@ from controlplane.thresholds.service import get_deployment
 from exitplane.wire import (
     AGGREGATE_JSON,
     AGGREGATE_MSGPACK,
+    NAME_PATTERN,
     RECORDS_JSON,
     RECORDS_MSGPACK,
     AggregateBatch,
@@ -161,8 +162,8 @@ class Window:
     version: int | None = None
     runtime_id: str | None = None
     segment: Annotated[str | None, Query(
-        max_length=64, description="one traffic segment ('default' or a registered name); "
-                                   "default: every segment summed")] = None
+        pattern=NAME_PATTERN, description="one traffic segment ('default' or a registered "
+                                          "name); default: every segment summed")] = None
 
     def filters(self) -> dict:
         since = self.since or datetime.now(UTC) - timedelta(hours=1)
