@@ -129,11 +129,15 @@ SEGMENT_RESULTS = {
     "code": {"outcome": "conservative", "thresholds": {"3": 1.0, "6": 1.0, "9": 1.0},
              "reason": "120 shadow tokens, fewer than 400; the pooled set failed its check "
                        "(p 0.31 > 0.0033)", "samples": 120},
-    # The shape `SegmentedCalibration.summary()` writes: source / tokens.
+    # The shape `SegmentedCalibration.summary()` writes (seg-loop stores it): source / tokens.
     "tools": {"source": "pooled", "thresholds": {"3": 0.88, "6": 0.8, "9": 0.66},
               "reason": "too few for its own test; the pooled set passed on its check tokens",
-              "tokens": 350, "exit_rate": None},
+              "tokens": 350, "requests": 40, "epsilon": 0.1 / 3, "exit_rate": None},
 }
+# What seg-loop stores beside them: the rest of `SegmentedCalibration.summary()`.
+SEGMENTED = {"delta": 0.05, "epsilon": 0.1, "epsilon_per_segment": 0.1 / 3,
+             "default_thresholds": {"3": 0.9, "6": 0.85, "9": 0.7}, "pooled_exit_rate": 0.2,
+             "notes": ["default had no samples of its own: it applies the pooled set"]}
 
 
 @pytest.fixture
@@ -142,8 +146,7 @@ def segmented_job(engine, queued_job) -> int:
     with Session(engine) as session:
         job = session.get(CalibrationJob, queued_job)
         job.status = "succeeded"
-        job.summary = {"samples": 4680, "epsilon_per_segment": 0.1 / 3,
-                       "segments": SEGMENT_RESULTS}
+        job.summary = {"samples": 4680, "segments": SEGMENT_RESULTS, "segmented": SEGMENTED}
         session.commit()
     return queued_job
 
@@ -165,8 +168,46 @@ def test_calibration_job_shows_each_segments_outcome(as_role, segmented_job):
     assert "fewer than 400" in rows["code"]
     assert "<td>350</td>" in rows["tools"]  # `tokens` read as the sample count
     assert "ε/3 = 0.03333" in page
+    assert "<li>default had no samples of its own: it applies the pooled set</li>" in page
 
 
 def test_a_job_without_segments_shows_no_segment_table(as_role, queued_job):
     page = as_role("viewer").get(f"/ui/deployments/chat/calibrations/{queued_job}").text
     assert "segment-results" not in page
+
+
+def test_calibration_job_shows_a_real_segmented_calibration(as_role, engine, queued_job):
+    """The report `calibrate_segments` writes (what seg-loop stores in the job) renders as
+    computed: each segment's outcome, thresholds and sample count."""
+    import json
+
+    import numpy as np
+
+    from controlplane.calibration.segments import calibrate_segments
+
+    rng = np.random.default_rng(5)
+    n = {"chat": 6000, "code": 300}
+    signals = rng.random((sum(n.values()), 3))
+    # Confident tokens agree with full depth, the others mostly do not.
+    matched = (signals > 0.5) & (rng.random(signals.shape) < 0.995)
+    names = np.array(["chat"] * n["chat"] + ["code"] * n["code"])
+    result = calibrate_segments(signals=signals, matched=matched, segments=names,
+                                exit_layers=[3, 6, 9], num_layers=FULL, delta=0.05,
+                                epsilon=0.1, min_samples_per_layer=1000)
+    report = json.loads(json.dumps(result.summary()))  # as a JSON column stores it
+    with Session(engine) as session:
+        job = session.get(CalibrationJob, queued_job)
+        job.status = "succeeded"
+        job.summary = {"segments": report["segments"],
+                       "segmented": {k: v for k, v in report.items() if k != "segments"}}
+        session.commit()
+    page = as_role("viewer").get(f"/ui/deployments/chat/calibrations/{queued_job}").text
+    shown = dict(re.findall(r'<tr data-segment="([^"]+)">.*?class="outcome outcome-(\w+)"',
+                            page, re.S))
+    expected = {"segment": "calibrated", "pooled": "pooled", "conservative": "conservative"}
+    assert shown == {name: expected[seg.source] for name, seg in result.segments.items()}
+    assert shown["chat"] == "calibrated"  # 6000 tokens: its own Learn-Then-Test
+    chat = re.search(r'<tr data-segment="chat">(.*?)</tr>', page, re.S).group(1)
+    assert f"<td>{result.segments['chat'].tokens}</td>" in chat
+    assert f"3: {result.segments['chat'].thresholds[3]:.4g}" in chat
+    assert "ε/2 = 0.05" in page
