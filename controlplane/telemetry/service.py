@@ -223,7 +223,8 @@ def _dialect_insert(session: Session, model):
 def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
                until: datetime | None = None, version: int | None = None,
                runtime_id: str | None = None, segment: str | None = None) -> list[dict]:
-    """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement."""
+    """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement
+    (of one traffic segment when `segment` is given, else summed over all)."""
     query = (select(Rollup.minute, Rollup.layer, *[func.sum(getattr(Rollup, c)).label(c)
                                                     for c in ROLLUP_COUNTERS])
              .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
@@ -266,8 +267,8 @@ def disagreement(*, session: Session, deployment: Deployment, since: datetime,
 
 def signal_histogram(*, session: Session, deployment: Deployment, since: datetime,
                      until: datetime | None = None, version: int | None = None,
-                     runtime_id: str | None = None,
-                     segment: str | None = None) -> dict[int, list[int]]:
+                     runtime_id: str | None = None, segment: str | None = None
+                     ) -> dict[int, list[int]]:
     """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1]."""
     query = (select(RollupHistogram.layer, RollupHistogram.bin,
                     func.sum(RollupHistogram.count).label("n"))
@@ -282,7 +283,6 @@ def signal_histogram(*, session: Session, deployment: Deployment, since: datetim
 
 
 def _filters(query, model, until, version, runtime_id, segment=None):
-    """The optional filters of a rollup read; `segment` None sums over every segment."""
     if segment is not None:
         query = query.where(model.segment == segment)
     if until is not None:
