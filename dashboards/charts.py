@@ -66,10 +66,13 @@ def since_for(minutes: int) -> datetime:
 
 
 def per_minute(*, session: Session, deployment: Deployment, since: datetime,
-               rates: list[dict] | None = None) -> list[MinuteSummary]:
-    """Tokens, early exits, depth and shadow disagreement per minute (oldest first)."""
+               rates: list[dict] | None = None,
+               segment: str | None = None) -> list[MinuteSummary]:
+    """Tokens, early exits, depth and shadow disagreement per minute (oldest first), of one
+    traffic segment when `segment` is given."""
     if rates is None:
-        rates = telemetry.exit_rates(session=session, deployment=deployment, since=since)
+        rates = telemetry.exit_rates(session=session, deployment=deployment, since=since,
+                                     segment=segment)
     first = deployment.exit_layers[0]
     minutes: dict[datetime, MinuteSummary] = {}
     for row in rates:
@@ -79,7 +82,8 @@ def per_minute(*, session: Session, deployment: Deployment, since: datetime,
         if row["layer"] < deployment.num_layers:
             summary.early_exits += row["exits"]
         summary.depth_sum += row["exits"] * row["layer"]
-    for row in telemetry.disagreement(session=session, deployment=deployment, since=since):
+    for row in telemetry.disagreement(session=session, deployment=deployment, since=since,
+                                      segment=segment):
         summary = minutes.setdefault(row["minute"], MinuteSummary(row["minute"]))
         summary.shadow_tokens += row["shadow_tokens"]
         summary.mismatches += row["mismatches"]
@@ -168,11 +172,14 @@ def _x_range(since: datetime) -> list[str]:
 
 
 def deployment_figures(*, session: Session, deployment: Deployment, minutes: int,
-                       markers: list[Marker]) -> dict:
-    """Everything the deployment page draws, as JSON-ready Plotly figures plus totals."""
+                       markers: list[Marker], segment: str | None = None) -> dict:
+    """Everything the deployment page draws, as JSON-ready Plotly figures plus totals; the
+    deployment-wide figures and totals of one traffic segment when `segment` is given."""
     since = since_for(minutes)
-    rates = telemetry.exit_rates(session=session, deployment=deployment, since=since)
-    summary = per_minute(session=session, deployment=deployment, since=since, rates=rates)
+    rates = telemetry.exit_rates(session=session, deployment=deployment, since=since,
+                                 segment=segment)
+    summary = per_minute(session=session, deployment=deployment, since=since, rates=rates,
+                         segment=segment)
     markers = [m for m in markers if m.at >= since]
     x_axis = {"type": "date", "range": _x_range(since), "gridcolor": "#e6e8eb"}
     layers = [*deployment.exit_layers, deployment.num_layers]
@@ -244,7 +251,8 @@ def deployment_figures(*, session: Session, deployment: Deployment, minutes: int
                           xaxis={"type": "category", "title": {"text": "exit layer"}},
                           showlegend=False)}
 
-    hist = telemetry.signal_histogram(session=session, deployment=deployment, since=since)
+    hist = telemetry.signal_histogram(session=session, deployment=deployment, since=since,
+                                      segment=segment)
     centers = [(i + 0.5) / HISTOGRAM_BINS for i in range(HISTOGRAM_BINS)]
     signal_traces = []
     for layer, counts in hist.items():

@@ -374,3 +374,16 @@ def test_operator_sees_per_segment_exit_rates(browser, app, engine, seeded):
         By.CSS_SELECTOR, "tr[data-segment=code] [data-segment-stat=exit_rate]").text == "36.7%")
     assert driver.find_element(
         By.CSS_SELECTOR, "tr[data-segment=code] [data-segment-stat=tokens]").text == "300"
+
+    # The segment filter redraws the whole page's charts and totals for code alone.
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "#segment-filter a[href$=code]"))
+    wait(driver).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#charts .js-plotly-plot .main-svg').length") >= 5)
+    assert driver.find_element(By.CSS_SELECTOR, "[data-stat=tokens]").text == "300"
+    assert driver.find_element(By.CSS_SELECTOR, "[data-stat=early_exit_rate]").text == "36.7%"
+    assert "segment code" in driver.find_element(By.ID, "charts-title").text
+    check_page_quality(driver, "deployment-segment-code")
+    screenshot(driver, "deployment-segment-code")
+    # Leave no page polling every second: the next test's console would show its failed
+    # fetches once this test's server is gone.
+    driver.get(f"{driver.base}/ui/deployments/chat/versions")

@@ -211,3 +211,27 @@ def test_calibration_job_shows_a_real_segmented_calibration(as_role, engine, que
     assert f"<td>{result.segments['chat'].tokens}</td>" in chat
     assert f"3: {result.segments['chat'].thresholds[3]:.4g}" in chat
     assert "ε/2 = 0.05" in page
+
+
+def test_the_deployment_charts_show_one_segment_on_request(as_role, segment_traffic):
+    viewer = as_role("viewer")
+    page = viewer.get("/ui/deployments/chat?window=15m&segment=code").text
+    assert re.search(r'data-stat="tokens" data-format="int">200</span> tokens in window · '
+                     r'segment code', page)
+    assert re.search(r'data-stat="early_exit_rate" data-format="pct">10.0%<', page)
+    assert 'charts.json?window=15m&amp;segment=code"' in page
+    assert re.search(r'<a href="\?window=15m&amp;segment=code" aria-current="true">code</a>',
+                     page)
+    payload = viewer.get("/ui/deployments/chat/charts.json?window=15m&segment=code").json()
+    assert payload["totals"]["tokens"] == 200
+    assert payload["totals"]["disagreement"] == pytest.approx(0.15)
+    layer3 = next(t for t in payload["figures"]["exit_rate"]["data"] if t["name"] == "layer 3")
+    assert layer3["y"] == [pytest.approx(0.05)] * 2  # code's 5 of 100 at layer 3
+    # The per-segment charts and table still show every segment.
+    assert len(payload["segments"]) == 3
+    whole = viewer.get("/ui/deployments/chat/charts.json?window=15m").json()
+    assert whole["totals"]["tokens"] > 200 + 400
+
+    unknown = viewer.get("/ui/deployments/chat?segment=spam")
+    assert unknown.status_code == 404 and "knows no segment" in unknown.text
+    assert viewer.get("/ui/deployments/chat/charts.json?segment=spam").status_code == 404
