@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import service as alerts
 from controlplane.db import utcnow
+from controlplane.telemetry import reads
 from controlplane.telemetry import service as telemetry
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from controlplane.thresholds import service as thresholds
@@ -65,10 +66,13 @@ def since_for(minutes: int) -> datetime:
 
 
 def per_minute(*, session: Session, deployment: Deployment, since: datetime,
-               rates: list[dict] | None = None) -> list[MinuteSummary]:
-    """Tokens, early exits, depth and shadow disagreement per minute (oldest first)."""
+               rates: list[dict] | None = None,
+               segment: str | None = None) -> list[MinuteSummary]:
+    """Tokens, early exits, depth and shadow disagreement per minute (oldest first), of one
+    traffic segment when `segment` is given."""
     if rates is None:
-        rates = telemetry.exit_rates(session=session, deployment=deployment, since=since)
+        rates = telemetry.exit_rates(session=session, deployment=deployment, since=since,
+                                     segment=segment)
     first = deployment.exit_layers[0]
     minutes: dict[datetime, MinuteSummary] = {}
     for row in rates:
@@ -78,7 +82,8 @@ def per_minute(*, session: Session, deployment: Deployment, since: datetime,
         if row["layer"] < deployment.num_layers:
             summary.early_exits += row["exits"]
         summary.depth_sum += row["exits"] * row["layer"]
-    for row in telemetry.disagreement(session=session, deployment=deployment, since=since):
+    for row in telemetry.disagreement(session=session, deployment=deployment, since=since,
+                                      segment=segment):
         summary = minutes.setdefault(row["minute"], MinuteSummary(row["minute"]))
         summary.shadow_tokens += row["shadow_tokens"]
         summary.mismatches += row["mismatches"]
@@ -167,11 +172,14 @@ def _x_range(since: datetime) -> list[str]:
 
 
 def deployment_figures(*, session: Session, deployment: Deployment, minutes: int,
-                       markers: list[Marker]) -> dict:
-    """Everything the deployment page draws, as JSON-ready Plotly figures plus totals."""
+                       markers: list[Marker], segment: str | None = None) -> dict:
+    """Everything the deployment page draws, as JSON-ready Plotly figures plus totals; the
+    deployment-wide figures and totals of one traffic segment when `segment` is given."""
     since = since_for(minutes)
-    rates = telemetry.exit_rates(session=session, deployment=deployment, since=since)
-    summary = per_minute(session=session, deployment=deployment, since=since, rates=rates)
+    rates = telemetry.exit_rates(session=session, deployment=deployment, since=since,
+                                 segment=segment)
+    summary = per_minute(session=session, deployment=deployment, since=since, rates=rates,
+                         segment=segment)
     markers = [m for m in markers if m.at >= since]
     x_axis = {"type": "date", "range": _x_range(since), "gridcolor": "#e6e8eb"}
     layers = [*deployment.exit_layers, deployment.num_layers]
@@ -243,7 +251,8 @@ def deployment_figures(*, session: Session, deployment: Deployment, minutes: int
                           xaxis={"type": "category", "title": {"text": "exit layer"}},
                           showlegend=False)}
 
-    hist = telemetry.signal_histogram(session=session, deployment=deployment, since=since)
+    hist = telemetry.signal_histogram(session=session, deployment=deployment, since=since,
+                                      segment=segment)
     centers = [(i + 0.5) / HISTOGRAM_BINS for i in range(HISTOGRAM_BINS)]
     signal_traces = []
     for layer, counts in hist.items():
@@ -265,10 +274,69 @@ def deployment_figures(*, session: Session, deployment: Deployment, minutes: int
         yaxis={"title": {"text": "share"}, "tickformat": ".0%", "rangemode": "tozero",
                "gridcolor": "#e6e8eb"})}
 
-    return {"figures": {"exit_rate": exit_rate, "disagreement": disagreement, "depth": depth,
-                        "histogram": histogram, "signal": signal},
-            "totals": totals(deployment, summary),
+    figures = {"exit_rate": exit_rate, "disagreement": disagreement, "depth": depth,
+               "histogram": histogram, "signal": signal}
+    per_segment = segment_figures(session=session, deployment=deployment, since=since,
+                                  markers=markers)
+    if per_segment is not None:
+        figures.update(per_segment["figures"])
+    return {"figures": figures, "totals": totals(deployment, summary),
+            "segments": per_segment["totals"] if per_segment else [],
             "updated": utcnow().isoformat(timespec="seconds")}
+
+
+def segment_figures(*, session: Session, deployment: Deployment, since: datetime,
+                    markers: list[Marker]) -> dict | None:
+    """Early-exit rate and shadow disagreement over time, one line per traffic segment, and
+    each segment's window totals; None for a deployment that knows no segment."""
+    by_segment = reads.segment_minutes(session=session, deployment=deployment, since=since)
+    if len(by_segment) < 2:  # only `default`: the deployment-wide charts say it all
+        return None
+    x_axis = {"type": "date", "range": _x_range(since), "gridcolor": "#e6e8eb"}
+    colour = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(by_segment)}
+    rates, quality = [], []
+    for name, minutes in by_segment.items():
+        with_tokens = [(minute, f) for minute, f in minutes if f.tokens]
+        rates.append({
+            "type": "scatter", "mode": "lines+markers", "name": name,
+            "x": [minute.isoformat() for minute, _ in with_tokens],
+            "y": [f.exit_rate for _, f in with_tokens],
+            "customdata": [[f.early_exits, f.tokens] for _, f in with_tokens],
+            "hovertemplate": "%{y:.1%} (%{customdata[0]} of %{customdata[1]})",
+            "line": {"color": colour[name], "width": 2}, "marker": {"size": 4}})
+        with_shadow = [(minute, f) for minute, f in minutes if f.shadow_tokens]
+        quality.append({
+            "type": "scatter", "mode": "lines+markers", "name": name,
+            "x": [minute.isoformat() for minute, _ in with_shadow],
+            "y": [f.disagreement for _, f in with_shadow],
+            "customdata": [[f.policy_mismatches, f.shadow_tokens] for _, f in with_shadow],
+            "hovertemplate": "%{y:.2%} (%{customdata[0]} of %{customdata[1]})",
+            "line": {"color": colour[name], "width": 2}, "marker": {"size": 4}})
+    delta = deployment.delta
+    quality.append({"type": "scatter", "mode": "lines", "name": f"δ = {delta:g}",
+                    "x": _x_range(since), "y": [delta, delta], "hoverinfo": "skip",
+                    "line": {"color": DANGER, "width": 2, "dash": "dash"}})
+    exit_rate = {"data": rates, "layout": _with_markers(_layout(
+        "Early-exit rate by segment", "tokens leaving before full depth", xaxis=x_axis,
+        yaxis={"title": {"text": "early-exit rate"}, "tickformat": ".0%",
+               "rangemode": "tozero", "gridcolor": "#e6e8eb"}), markers)}
+    disagreement = {"data": quality, "layout": _with_markers(_layout(
+        "Shadow disagreement by segment vs δ", "disagreement", xaxis=x_axis,
+        yaxis={"title": {"text": "disagreement"}, "tickformat": ".1%", "rangemode": "tozero",
+               "gridcolor": "#e6e8eb"}), markers)}
+    return {"figures": {"segment_exit_rate": exit_rate, "segment_disagreement": disagreement},
+            "totals": [segment_totals(name, [f for _, f in minutes])
+                       for name, minutes in by_segment.items()]}
+
+
+def segment_totals(name: str, minutes: list[reads.SegmentFigures]) -> dict:
+    """One segment's window totals for the deployment page's segment table."""
+    tokens = sum(f.tokens for f in minutes)
+    shadow = sum(f.shadow_tokens for f in minutes)
+    mismatches = sum(f.policy_mismatches for f in minutes)
+    return {"segment": name, "tokens": tokens, "shadow_tokens": shadow,
+            "exit_rate": sum(f.early_exits for f in minutes) / tokens if tokens else None,
+            "disagreement": mismatches / shadow if shadow else None}
 
 
 def sparkline(values: list[float | None], *, label: str, ceiling: float | None = None,

@@ -1,5 +1,6 @@
 """Traffic segments in the admin UI (issue 18): a version's segment maps as a layer x segment
-table, their per-segment diff, and the new-version form's segment rows.
+table, their per-segment diff, the new-version form's segment rows, and the deployment page's
+per-segment traffic table.
 
 Plain functions over `ThresholdSet`; names, the cap and the per-layer ranges are checked by the
 thresholds service, so the form shows the same messages as the API.
@@ -115,3 +116,41 @@ def segments_from_rows(rows: list[SegmentRow]) -> dict[str, dict[int, float]] | 
 
 def _typed(value: float | None) -> str:
     return "" if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class SegmentTraffic:
+    """One row of the deployment page's segment table: the window's figures and the
+    thresholds the active version applies to the segment's rows."""
+
+    name: str
+    tokens: int
+    exit_rate: float | None
+    shadow_tokens: int
+    disagreement: float | None
+    thresholds: dict[int, float]
+    own_map: bool  # False: the version has no map for it and applies its default one
+
+
+def segment_table(totals: list[dict], active: ThresholdSet) -> list[SegmentTraffic]:
+    """`totals` (charts.segment_totals, default first) joined with `active`'s maps."""
+    own = active.segments_by_layer() or {}
+    default = active.thresholds_by_layer()
+    return [SegmentTraffic(name=row["segment"], tokens=row["tokens"],
+                           exit_rate=row["exit_rate"], shadow_tokens=row["shadow_tokens"],
+                           disagreement=row["disagreement"],
+                           thresholds=own.get(row["segment"], default),
+                           own_map=row["segment"] == DEFAULT_SEGMENT or row["segment"] in own)
+            for row in totals]
+
+
+# What a calibration job's per-segment result may call its outcome: seg-loop's job result uses
+# "outcome"; `SegmentedCalibration.summary()` says "source" ("segment" for its own LTT set).
+OUTCOMES = {"segment": "calibrated", "calibrated": "calibrated", "pooled": "pooled",
+            "conservative": "conservative"}
+
+
+def segment_outcome(result: dict) -> str:
+    """'calibrated', 'pooled' or 'conservative' for one segment of a job's result."""
+    raw = result.get("outcome", result.get("source"))
+    return OUTCOMES.get(raw, str(raw or "unknown"))

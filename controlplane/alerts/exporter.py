@@ -19,6 +19,13 @@ process ingested the telemetry (the rules aggregate with max by deployment / lay
   token ran through on average over the last `WINDOW`, active version; speed-up = num_layers /
   mean depth, the estimate calibration reports)
 
+The exit-behaviour gauges (exit_rate, tokens_checked, shadow_disagreement, shadow_tokens,
+mean_exit_depth, estimated_speedup) carry a `segment` label (issue 18): segment="" is the whole
+deployment (Prometheus drops empty labels, so it is the series these gauges always exported),
+and a deployment that knows traffic segments also gets one series per registered segment and
+`default`, at most EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT + 1 of them. The rules select
+{segment=""} for the deployment and {segment!=""} for its segments.
+
 The /metrics route runs the collection off the event loop; the values are cached for `ttl`
 seconds (EXITPLANE_METRICS_CACHE_TTL_S) so frequent scrapes cost one set of queries.
 """
@@ -41,23 +48,28 @@ from controlplane.db import utcnow
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import FORGET_AFTER
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
-from controlplane.thresholds.models import Alias, Deployment
+from controlplane.thresholds.models import Alias, Deployment, DeploymentSegment
+from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.metrics")
 
 WINDOW = timedelta(minutes=5)
+# The segment label of a series about the whole deployment: empty, which Prometheus treats as
+# no label, so a rule written before segments (or one selecting {segment=""}) reads it.
+WHOLE_DEPLOYMENT = ""
 
 
 def _families() -> dict[str, GaugeMetricFamily]:
     specs = {
         "exit_rate": ("Conditional exit rate of the active version over the last 5 minutes",
-                      ["deployment", "layer"]),
+                      ["deployment", "layer", "segment"]),
         "tokens_checked": ("Tokens that reached the layer in the last 5 minutes (active version)",
-                           ["deployment", "layer"]),
+                           ["deployment", "layer", "segment"]),
         "shadow_disagreement": ("Shadow tokens the active policy would have answered "
-                                "differently from full depth, last 5 minutes", ["deployment"]),
+                                "differently from full depth, last 5 minutes",
+                                ["deployment", "segment"]),
         "shadow_tokens": ("Shadow tokens in the last 5 minutes (active version)",
-                          ["deployment"]),
+                          ["deployment", "segment"]),
         "disagreement_target": ("The deployment's maximum disagreement δ", ["deployment"]),
         "active_version": ("Threshold version the active alias points at", ["deployment"]),
         "last_ingest_timestamp_seconds": ("When the last telemetry batch was stored",
@@ -75,9 +87,9 @@ def _families() -> dict[str, GaugeMetricFamily]:
         "alerts_open": ("Open (firing or acknowledged) alerts", ["deployment", "kind",
                                                                  "severity"]),
         "mean_exit_depth": ("Mean layers run per token, last 5 minutes (active version)",
-                            ["deployment"]),
+                            ["deployment", "segment"]),
         "estimated_speedup": ("num_layers / mean exit depth, last 5 minutes (active version)",
-                              ["deployment"]),
+                              ["deployment", "segment"]),
     }
     return {name: GaugeMetricFamily(f"exitplane_{name}", doc, labels=labels)
             for name, (doc, labels) in specs.items()}
@@ -132,45 +144,7 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         if active is not None:
             families["active_version"].add_metric([deployment.name], active)
 
-    rollups = session.execute(
-        select(Rollup.deployment_id, Rollup.version, Rollup.layer,
-               func.sum(Rollup.tokens).label("tokens"), func.sum(Rollup.exits).label("exits"),
-               func.sum(Rollup.shadow_total).label("shadow"),
-               func.sum(Rollup.policy_mismatches).label("mismatches"))
-        .where(Rollup.minute >= now - WINDOW)
-        .group_by(Rollup.deployment_id, Rollup.version, Rollup.layer))
-    shadow: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    depth: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # tokens, exits, layer-sum
-    for row in rollups:
-        deployment = deployments.get(row.deployment_id)
-        if deployment is None or row.version != aliases[deployment.id].get("active"):
-            continue
-        if row.layer not in deployment.exit_layers:
-            continue
-        labels = [deployment.name, str(row.layer)]
-        tokens = int(row.tokens or 0)
-        families["tokens_checked"].add_metric(labels, tokens)
-        if tokens:
-            families["exit_rate"].add_metric(labels, int(row.exits or 0) / tokens)
-        if row.layer == deployment.exit_layers[0]:
-            depth[deployment.id][0] += tokens  # every token reaches the first exit layer
-        depth[deployment.id][1] += int(row.exits or 0)
-        depth[deployment.id][2] += int(row.exits or 0) * row.layer
-        if row.layer == deployment.exit_layers[0]:
-            shadow[deployment.id][0] += int(row.shadow or 0)
-        shadow[deployment.id][1] += int(row.mismatches or 0)
-    for deployment_id, (tokens, exits, exited_layers) in depth.items():
-        deployment = deployments[deployment_id]
-        if tokens:
-            mean = (exited_layers + (tokens - exits) * deployment.num_layers) / tokens
-            families["mean_exit_depth"].add_metric([deployment.name], mean)
-            families["estimated_speedup"].add_metric([deployment.name],
-                                                     deployment.num_layers / mean)
-    for deployment_id, (total, mismatches) in shadow.items():
-        name = deployments[deployment_id].name
-        families["shadow_tokens"].add_metric([name], total)
-        if total:
-            families["shadow_disagreement"].add_metric([name], mismatches / total)
+    _fill_exit_behaviour(session, families, deployments, aliases, now)
 
     for row in session.execute(select(TelemetryBatchRow.deployment_id,
                                       func.max(TelemetryBatchRow.received_at).label("last"))
@@ -203,6 +177,66 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         if row.deployment_id in deployments:
             families["alerts_open"].add_metric(
                 [deployments[row.deployment_id].name, row.kind, row.severity], row.n)
+
+
+def _fill_exit_behaviour(session, families: dict[str, GaugeMetricFamily],
+                         deployments: dict[int, Deployment],
+                         aliases: dict[int, dict[str, int]], now) -> None:
+    """The exit-behaviour gauges of each deployment's active version over the last WINDOW:
+    the whole deployment under segment="" (Prometheus stores an empty label as no label, so
+    these are the very series exported before segments existed) and, for a deployment that
+    knows segments, one series per registered segment and `default`. Rollup rows of any other
+    name count only in the whole-deployment series, so the cardinality is bounded by the
+    registry cap."""
+    segmented: dict[int, set[str]] = defaultdict(set)
+    for row in session.execute(select(DeploymentSegment.deployment_id, DeploymentSegment.name)):
+        segmented[row.deployment_id].add(row.name)
+    rollups = session.execute(
+        select(Rollup.deployment_id, Rollup.version, Rollup.segment, Rollup.layer,
+               func.sum(Rollup.tokens).label("tokens"), func.sum(Rollup.exits).label("exits"),
+               func.sum(Rollup.shadow_total).label("shadow"),
+               func.sum(Rollup.policy_mismatches).label("mismatches"))
+        .where(Rollup.minute >= now - WINDOW)
+        .group_by(Rollup.deployment_id, Rollup.version, Rollup.segment, Rollup.layer))
+    # (deployment id, segment label) -> layer -> [tokens, exits, shadow, mismatches]
+    sums: dict[tuple[int, str], dict[int, list[int]]] = defaultdict(
+        lambda: defaultdict(lambda: [0, 0, 0, 0]))
+    for row in rollups:
+        deployment = deployments.get(row.deployment_id)
+        if deployment is None or row.version != aliases[deployment.id].get("active"):
+            continue
+        if row.layer not in deployment.exit_layers:
+            continue
+        labels = [WHOLE_DEPLOYMENT]
+        known = segmented.get(deployment.id)
+        if known and (row.segment in known or row.segment == DEFAULT_SEGMENT):
+            labels.append(row.segment)
+        for label in labels:
+            counts = sums[deployment.id, label][row.layer]
+            for i, value in enumerate((row.tokens, row.exits, row.shadow, row.mismatches)):
+                counts[i] += int(value or 0)
+    for (deployment_id, segment), by_layer in sorted(sums.items()):
+        deployment = deployments[deployment_id]
+        first = deployment.exit_layers[0]
+        exits_total = exited_layers = mismatches = 0
+        for layer, (tokens, exits, _, layer_mismatches) in sorted(by_layer.items()):
+            labels = [deployment.name, str(layer), segment]
+            families["tokens_checked"].add_metric(labels, tokens)
+            if tokens:
+                families["exit_rate"].add_metric(labels, exits / tokens)
+            exits_total += exits
+            exited_layers += exits * layer
+            mismatches += layer_mismatches
+        # Every token reaches the first exit layer; a shadow token is labelled there once.
+        tokens, _, shadow, _ = by_layer.get(first, [0, 0, 0, 0])
+        labels = [deployment.name, segment]
+        if tokens:
+            mean = (exited_layers + (tokens - exits_total) * deployment.num_layers) / tokens
+            families["mean_exit_depth"].add_metric(labels, mean)
+            families["estimated_speedup"].add_metric(labels, deployment.num_layers / mean)
+        families["shadow_tokens"].add_metric(labels, shadow)
+        if shadow:
+            families["shadow_disagreement"].add_metric(labels, mismatches / shadow)
 
 
 store_collector = StoreCollector()

@@ -16,18 +16,20 @@ from controlplane import metrics
 from controlplane.auth.service import Principal
 from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited
 from controlplane.errors import DomainError, Invalid
-from controlplane.telemetry import service, stream
+from controlplane.telemetry import reads, service, stream
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.schemas import (
     DisagreementPoint,
     ExitRatePoint,
     IngestAck,
+    SegmentReport,
     TelemetryCounts,
 )
 from controlplane.thresholds.service import get_deployment
 from exitplane.wire import (
     AGGREGATE_JSON,
     AGGREGATE_MSGPACK,
+    NAME_PATTERN,
     RECORDS_JSON,
     RECORDS_MSGPACK,
     AggregateBatch,
@@ -159,26 +161,30 @@ class Window:
     until: datetime | None = None
     version: int | None = None
     runtime_id: str | None = None
+    segment: Annotated[str | None, Query(
+        pattern=NAME_PATTERN, description="one traffic segment ('default' or a registered "
+                                          "name); default: every segment summed")] = None
 
     def filters(self) -> dict:
         since = self.since or datetime.now(UTC) - timedelta(hours=1)
         return {"since": since, "until": self.until, "version": self.version,
-                "runtime_id": self.runtime_id}
+                "runtime_id": self.runtime_id, "segment": self.segment}
 
 
 WindowDep = Annotated[Window, Depends()]
 
 
-def _own_deployment(session, principal: Principal, name: str):
+def _own_deployment(session, principal: Principal, name: str, segment: str | None = None):
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
+    reads.check_segment(session=session, deployment=deployment, segment=segment)
     return deployment
 
 
 @router.get("/v1/deployments/{name}/telemetry/exit-rates", response_model=list[ExitRatePoint])
 def exit_rates(name: str, session: SessionDep, principal: RuntimePrincipal,
                window: WindowDep) -> list[ExitRatePoint]:
-    deployment = _own_deployment(session, principal, name)
+    deployment = _own_deployment(session, principal, name, window.segment)
     rows = service.exit_rates(session=session, deployment=deployment, **window.filters())
     return [ExitRatePoint(**row) for row in rows]
 
@@ -187,7 +193,7 @@ def exit_rates(name: str, session: SessionDep, principal: RuntimePrincipal,
             response_model=list[DisagreementPoint])
 def disagreement(name: str, session: SessionDep, principal: RuntimePrincipal,
                  window: WindowDep) -> list[DisagreementPoint]:
-    deployment = _own_deployment(session, principal, name)
+    deployment = _own_deployment(session, principal, name, window.segment)
     rows = service.disagreement(session=session, deployment=deployment, **window.filters())
     return [DisagreementPoint(**row) for row in rows]
 
@@ -196,7 +202,7 @@ def disagreement(name: str, session: SessionDep, principal: RuntimePrincipal,
             response_model=dict[int, list[int]])
 def signal_histogram(name: str, session: SessionDep, principal: RuntimePrincipal,
                      window: WindowDep) -> dict[int, list[int]]:
-    deployment = _own_deployment(session, principal, name)
+    deployment = _own_deployment(session, principal, name, window.segment)
     return service.signal_histogram(session=session, deployment=deployment, **window.filters())
 
 
@@ -205,3 +211,21 @@ def telemetry_count(name: str, session: SessionDep,
                     principal: RuntimePrincipal) -> TelemetryCounts:
     deployment = _own_deployment(session, principal, name)
     return TelemetryCounts(**service.counts(session=session, deployment=deployment))
+
+
+@router.get("/v1/deployments/{name}/segments", response_model=SegmentReport)
+def segments(name: str, session: SessionDep, principal: RuntimePrincipal,
+             window_s: Annotated[int, Query(ge=60, le=31 * 86400, description=(
+                 "the window ending now, in seconds"))] = 3600,
+             version: int | None = None, runtime_id: str | None = None) -> SegmentReport:
+    """Per traffic segment (`default` and each registered one) over the last `window_s`
+    seconds: tokens, exit rate, shadow tokens and disagreement, from the rollups."""
+    deployment = _own_deployment(session, principal, name)
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
+    figures = reads.segment_summary(session=session, deployment=deployment, since=since,
+                                    version=version, runtime_id=runtime_id)
+    return SegmentReport(
+        deployment=deployment.name, since=since, delta=deployment.delta,
+        segments=[item.as_dict() for item in figures],
+        records_sampled=reads.records_sampled(session=session, deployment=deployment),
+        raw_sample_rate=service.raw_sample_rate(session=session, deployment=deployment))

@@ -271,21 +271,21 @@ def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
 
 def disagreement(*, session: Session, deployment: Deployment, since: datetime,
                  until: datetime | None = None, version: int | None = None,
-                 runtime_id: str | None = None) -> list[dict]:
+                 runtime_id: str | None = None, segment: str | None = None) -> list[dict]:
     """Per minute: shadow tokens and how many the applied policy would have answered wrong."""
     first = deployment.exit_layers[0]
     query = (select(Rollup.minute, func.sum(Rollup.shadow_total).label("shadow_tokens"),
                     func.sum(Rollup.policy_mismatches).label("mismatches"))
              .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
              .group_by(Rollup.minute).order_by(Rollup.minute))
-    query = _filters(query, Rollup, until, version, runtime_id)
+    query = _filters(query, Rollup, until, version, runtime_id, segment)
     # shadow_total counts a shadow token once per exit layer; the first layer counts it once.
     per_minute = {row.minute: int(row.mismatches) for row in session.execute(query)}
     totals = session.execute(
         _filters(select(Rollup.minute, func.sum(Rollup.shadow_total).label("n"))
                  .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since,
                         Rollup.layer == first).group_by(Rollup.minute), Rollup, until, version,
-                 runtime_id))
+                 runtime_id, segment))
     out = []
     for row in totals:
         n = int(row.n)

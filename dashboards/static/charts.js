@@ -32,6 +32,19 @@
         element.classList.toggle("text-bad", value !== null && value > parseFloat(limit));
       }
     });
+    (payload.segments || []).forEach(function (row) {
+      var line = document.querySelector('tr[data-segment="' + CSS.escape(row.segment) + '"]');
+      if (!line) { return; }
+      line.querySelectorAll("[data-segment-stat]").forEach(function (element) {
+        var value = row[element.getAttribute("data-segment-stat")];
+        element.textContent = value === null || value === undefined ? "—"
+          : formats[element.getAttribute("data-format")](value);
+        var limit = element.getAttribute("data-limit");
+        if (limit !== null) {
+          element.classList.toggle("text-bad", value !== null && value > parseFloat(limit));
+        }
+      });
+    });
     var updated = document.getElementById("updated");
     if (updated && payload.updated) { updated.textContent = payload.updated.slice(11, 19); }
     root.setAttribute("data-drawn", payload.updated || "yes");

@@ -17,8 +17,10 @@ from controlplane.errors import Invalid
 from controlplane.thresholds import service as thresholds
 from dashboards import charts
 from dashboards.security import Csrf, Operator, Viewer, actor
+from dashboards.segments import segment_outcome
 from dashboards.templating import redirect, render
 from dashboards.views import attempt
+from exitplane.wire import NEVER_EXIT
 
 router = APIRouter()
 
@@ -68,6 +70,7 @@ def job_page(name: str, job_id: int, request: Request, session: SessionDep,
     return render(request, "calibration.html", deployment=deployment, job=job,
                   aliases=thresholds.aliases_of(session=session, deployment=deployment),
                   curve=charts.calibration_curve(job=job, delta=deployment.delta),
+                  segment_outcome=segment_outcome, never_exit=NEVER_EXIT,
                   pending=job.promotion in DECISION_PENDING)
 
 

@@ -8,12 +8,15 @@ from fastapi.responses import JSONResponse, Response
 from controlplane.alerts import service as alerts
 from controlplane.deps import SessionDep
 from controlplane.runtimes.service import list_runtimes
+from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
 from controlplane.thresholds import service as thresholds
 from dashboards import charts
 from dashboards.security import Viewer
+from dashboards.segments import segment_table
 from dashboards.templating import render
 from dashboards.views.overview import REPORTING_WITHIN, runtime_counts
+from exitplane.wire import NEVER_EXIT
 
 router = APIRouter()
 
@@ -26,8 +29,9 @@ def _window(window: str) -> tuple[str, int]:
 
 @router.get("/deployments/{name}")
 def deployment_page(name: str, request: Request, session: SessionDep, _user: Viewer,
-                    window: str = "1h") -> Response:
+                    window: str = "1h", segment: str | None = None) -> Response:
     deployment = thresholds.get_deployment(session=session, name=name)
+    reads.check_segment(session=session, deployment=deployment, segment=segment)
     window, minutes = _window(window)
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     active = thresholds.get_threshold_set(session=session, deployment=deployment,
@@ -36,12 +40,14 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
     markers = charts.markers_for(session=session, deployment=deployment,
                                  since=charts.since_for(minutes))
     initial = charts.deployment_figures(session=session, deployment=deployment,
-                                        minutes=minutes, markers=markers)
+                                        minutes=minutes, markers=markers, segment=segment)
     return render(
         request, "deployment.html", deployment=deployment, aliases=aliases, active=active,
         runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
         reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
         initial=initial, totals=initial["totals"], alerts_enabled=True,
+        segments=segment_table(initial["segments"], active), never_exit=NEVER_EXIT,
+        segment=segment,
         raw_sample_rate=raw_sample_rate(session=session, deployment=deployment),
         refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
         open_alerts=alerts.open_alerts(session=session, deployment=deployment),
@@ -50,12 +56,14 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
 
 @router.get("/deployments/{name}/charts.json")
 def deployment_charts(name: str, session: SessionDep, _user: Viewer,
-                      window: str = "1h") -> JSONResponse:
+                      window: str = "1h", segment: str | None = None) -> JSONResponse:
     """The deployment page's figures, fetched again every REFRESH_S seconds."""
     deployment = thresholds.get_deployment(session=session, name=name)
+    reads.check_segment(session=session, deployment=deployment, segment=segment)
     _, minutes = _window(window)
     markers = charts.markers_for(session=session, deployment=deployment,
                                  since=charts.since_for(minutes))
     return JSONResponse(charts.deployment_figures(session=session, deployment=deployment,
-                                                  minutes=minutes, markers=markers),
+                                                  minutes=minutes, markers=markers,
+                                                  segment=segment),
                         headers={"Cache-Control": "no-store"})

@@ -46,6 +46,8 @@ def browser(chromium, live_server, people, seeded):
 def sign_in_with_keyboard(driver, username: str) -> None:
     driver.get(f"{driver.base}/ui/")
     wait_for(driver, "form input#username")
+    # The previous test's page (polling a server now stopped) is gone: drop what it logged.
+    driver.get_log("browser")
     wait(driver).until(  # autofocus (applied once the page has loaded)
         lambda d: d.switch_to.active_element.get_attribute("id") == "username")
     driver.switch_to.active_element.send_keys(username, Keys.TAB)
@@ -327,3 +329,63 @@ def test_the_contrast_check_catches_faint_text(browser):
         p.textContent = 'faint'; p.style.color = '#c8c8c8';
         document.querySelector('main').appendChild(p);""")
     assert browser.execute_script(LOW_CONTRAST) == ['P "faint" 1.57']  # on the page's #f6f8fa
+
+
+def test_operator_sees_per_segment_exit_rates(browser, app, engine, seeded):
+    """Issue 18 point 4: a deployment with traffic segments shows each segment's exit rate and
+    disagreement (table and charts), and the table follows new telemetry without a reload."""
+    from datetime import timedelta
+
+    from tests.dashboards.test_segment_traffic import CODE, add_segment_traffic, write_rollups
+
+    now = add_segment_traffic(engine)
+    ui = next(r.app for r in app.routes if getattr(r, "path", "") == "/ui")
+    ui.state.refresh_s = 1
+    driver = browser
+    sign_in_with_keyboard(driver, "operator")
+    navigate(driver, driver.find_element(By.LINK_TEXT, "chat"))
+    wait(driver).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#segment-charts .js-plotly-plot .main-svg').length")
+        >= 2)
+    names = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#chart-segment_exit_rate .legendtext'))"
+        ".map(e => e.textContent)")
+    assert names == ["default", "chat", "code"]
+    rows = {row.get_attribute("data-segment"): row for row in
+            driver.find_elements(By.CSS_SELECTOR, "table.segments tbody tr")}
+    assert list(rows) == ["default", "chat", "code"]
+    code = rows["code"].find_element(By.CSS_SELECTOR, "[data-segment-stat=exit_rate]")
+    assert code.text == "10.0%"
+    assert rows["chat"].find_element(By.CSS_SELECTOR, "[data-segment-stat=exit_rate]").text \
+        == "60.0%"
+    over = rows["code"].find_element(By.CSS_SELECTOR, "[data-segment-stat=disagreement]")
+    assert over.text == "15.00%" and "text-bad" in over.get_attribute("class")
+    check_page_quality(driver, "deployment-segments")
+    screenshot(driver, "deployment-segments")
+
+    # A minute where code exits at layer 3 on 90 of 100 tokens: 290 of 300 in the window...
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        write_rollups(session, deployment.id, "code",
+                      now - timedelta(minutes=3),
+                      {**CODE, 3: (100, 90, 40, 4, 4), 6: (10, 0, 40, 2, 2),
+                       9: (10, 0, 40, 0, 0), 12: (10, 10, 40, 0, 0)})
+        session.commit()
+    # ... the row reads (5 + 5) * 2 + 90 = 110 early exits of 300 tokens without a reload.
+    wait(driver, 60).until(lambda d: d.find_element(
+        By.CSS_SELECTOR, "tr[data-segment=code] [data-segment-stat=exit_rate]").text == "36.7%")
+    assert driver.find_element(
+        By.CSS_SELECTOR, "tr[data-segment=code] [data-segment-stat=tokens]").text == "300"
+
+    # The segment filter redraws the whole page's charts and totals for code alone.
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "#segment-filter a[href$=code]"))
+    wait(driver).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#charts .js-plotly-plot .main-svg').length") >= 5)
+    assert driver.find_element(By.CSS_SELECTOR, "[data-stat=tokens]").text == "300"
+    assert driver.find_element(By.CSS_SELECTOR, "[data-stat=early_exit_rate]").text == "36.7%"
+    assert "segment code" in driver.find_element(By.ID, "charts-title").text
+    check_page_quality(driver, "deployment-segment-code")
+    screenshot(driver, "deployment-segment-code")
+    # Leave no page polling every second: the next test's console would show its failed
+    # fetches once this test's server is gone.
+    driver.get(f"{driver.base}/ui/deployments/chat/versions")

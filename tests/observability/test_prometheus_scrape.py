@@ -125,6 +125,7 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
             assert shipper.post("/v1/telemetry", json=replayed).status_code == 202
         ops.post("/v1/deployments/chat/calibrations", json={"reason": "a worker task"})
         _open_alert(postgres_migrated)
+        _code_segment_traffic(postgres_migrated)
 
         config = tmp_path / "prometheus.yml"
         config.write_text(yaml.safe_dump({
@@ -155,9 +156,17 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
             time.sleep(2)
             still = missing()
         assert still == set(), f"no samples for {sorted(still)}"
+        # segment="" is stored as no label: the whole deployment's series are those exported
+        # before segments existed; the code segment and default have series of their own.
+        whole = _query(prometheus, 'exitplane_exit_rate{deployment="chat",segment=""}')
+        assert whole and all("segment" not in r["metric"] for r in whole), whole
+        for segment in ("code", "default"):
+            wait_until(lambda segment=segment: _query(
+                prometheus, f'exitplane_exit_rate{{deployment="chat",segment="{segment}"}}'),
+                60, f"the {segment} segment's exit rate")
         groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
         rules = [rule for group in groups for rule in group["rules"]]
-        assert len(rules) == 5 and all(rule["health"] == "ok" for rule in rules), rules
+        assert len(rules) == 7 and all(rule["health"] == "ok" for rule in rules), rules
     finally:
         for process in processes:
             process.terminate()
@@ -181,5 +190,27 @@ def _open_alert(url: str) -> None:
         fire(session=session, deployment=get_deployment(session=session, name="chat"),
              condition=Condition(kind="distribution_drift", severity="warning",
                                  summary="signal distribution moved", subject="2", layer=2))
+        session.commit()
+    engine.dispose()
+
+
+def _code_segment_traffic(url: str) -> None:
+    """`chat` learns the code segment, and a minute of code rollups under the active version
+    (written through the ORM: seg-ingest's write path stores posted traffic's segment)."""
+    from controlplane.db import utcnow
+    from controlplane.telemetry.models import Rollup
+    from controlplane.thresholds.segments import admit_segments
+    from controlplane.thresholds.service import aliases_of, get_deployment
+
+    engine = make_engine(url)
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        admit_segments(session=session, deployment_id=deployment.id, names=["code"])
+        minute = utcnow().replace(second=0, microsecond=0)
+        active = aliases_of(session=session, deployment=deployment)["active"]
+        for layer, tokens, exits in ((2, 50, 5), (4, 45, 5), (6, 40, 40)):
+            session.add(Rollup(deployment_id=deployment.id, version=active, runtime_id="rt-x",
+                               minute=minute, segment="code", layer=layer, tokens=tokens,
+                               exits=exits))
         session.commit()
     engine.dispose()
