@@ -99,39 +99,49 @@ def rate_limited(kind: str):
 
     async def dependency(request: Request, principal: Annotated[Principal, Depends(
             get_principal)]) -> None:
-        limiter: RateLimiter = request.app.state.rate_limiters[kind]
-        wait = await limiter.retry_after(str(principal.token_id))
-        if wait is not None:
-            raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
-                              retry_after=wait)
+        await check_rate(request.app.state, kind, principal)
 
     return Depends(dependency)
 
 
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization", "")
+async def check_rate(state, kind: str, principal: Principal) -> None:
+    """Take one `kind` request from the token's bucket, or RateLimited with the wait."""
+    limiter: RateLimiter = state.rate_limiters[kind]
+    wait = await limiter.retry_after(str(principal.token_id))
+    if wait is not None:
+        raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
+                          retry_after=wait)
+
+
+def _bearer(header: str) -> str:
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise Unauthorized("missing API token: send 'Authorization: Bearer <token>'")
     return secret.strip()
 
 
-def _lookup(request: Request, secret: str) -> Principal:
-    with request.app.state.session_factory() as session:
+def _lookup(factory, secret: str) -> Principal:
+    with factory() as session:
         return authenticate(session=session, secret=secret)
 
 
-async def get_principal(request: Request) -> Principal:
-    """The caller behind the bearer token (cached briefly), or 401."""
-    secret = _bearer(request)
-    cache: PrincipalCache = request.app.state.principal_cache
+async def principal_for(state, authorization: str) -> Principal:
+    """The caller behind an `Authorization` header value (cached briefly), or 401; `state` is
+    the app's state (the request path and the telemetry fast path share this)."""
+    secret = _bearer(authorization)
+    cache: PrincipalCache = state.principal_cache
     key = digest(secret)
     principal = cache.peek(key)
     if principal is None:
         generation, started = cache.generation, time.monotonic()
-        principal = await to_thread.run_sync(_lookup, request, secret)
+        principal = await to_thread.run_sync(_lookup, state.session_factory, secret)
         cache.put(key, principal, generation=generation, started=started)
     return principal
+
+
+async def get_principal(request: Request) -> Principal:
+    """The caller behind the bearer token (cached briefly), or 401."""
+    return await principal_for(request.app.state, request.headers.get("authorization", ""))
 
 
 def require(scope: str):
