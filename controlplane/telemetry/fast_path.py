@@ -4,12 +4,12 @@ At fleet scale the API's cost is per request, and most of it was FastAPI's routi
 solving and response serialisation around a body that `store_batch` checks and queues anyway.
 This layer sits inside the body-size gate (so 413 and the body read are unchanged) and inside
 the request-id/metrics middleware, and does what the route's dependencies do, in the same
-order and with the same functions: the bearer token (`principal_for`, the same cache), the
-token's ingest rate limit (`check_rate`), the runtime scope, then `store_batch`. An error is
-answered by the app's own exception handler for it, so status codes, messages and headers
-(WWW-Authenticate, Retry-After) are the route's. The route stays registered: it describes the
-operation in the OpenAPI document and serves when the fast path is turned off
-(`EXITPLANE_TELEMETRY_FAST_PATH=false`).
+order and with the same functions: the bearer token (`resolve_principal`, the same cache), the
+token's ingest rate limit (the same shared bucket), the runtime scope, then `store_batch`, all
+on one worker thread. An error is answered by the app's own exception handler for it, so
+status codes, messages and headers (WWW-Authenticate, Retry-After) are the route's. The route
+stays registered: it describes the operation in the OpenAPI document and serves when the fast
+path is turned off (`EXITPLANE_TELEMETRY_FAST_PATH=false`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 from anyio import to_thread
 from starlette.requests import Request
 
-from controlplane.deps import check_rate, principal_for
+from controlplane.deps import check_rate_blocking, resolve_principal
 from controlplane.telemetry.api import router, store_batch
+from controlplane.telemetry.schemas import IngestAck
 
 TELEMETRY_PATH = "/v1/telemetry"
 
@@ -45,16 +46,14 @@ class TelemetryFastPath:
                 authorization = value.decode("latin-1")
             elif name == b"content-type" and content_type is None:
                 content_type = value.decode("latin-1")
-        state = api.state
+        # The body first: the size gate outside has already read and buffered all of it, so
+        # nothing is spent on a refused request that the route would not have spent.
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left before its body was complete: nobody to answer
         try:
-            principal = await principal_for(state, authorization or "")
-            await check_rate(state, "ingest", principal)
-            principal.require("runtime")
-            body = await _read_body(receive)
-            if body is None:
-                return  # the client left before its body was complete: nobody to answer
-            ack = await to_thread.run_sync(store_batch, state, principal, body,
-                                           content_type or "application/json")
+            ack = await to_thread.run_sync(_serve, api.state, authorization or "",
+                                           content_type or "application/json", body)
         except Exception as error:
             handler = _handler_for(api.exception_handlers, error)
             if handler is None:
@@ -67,6 +66,15 @@ class TelemetryFastPath:
                     "headers": [(b"content-length", str(len(payload)).encode()),
                                 (b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _serve(state, authorization: str, content_type: str, body: bytes) -> IngestAck:
+    """The route's dependencies and body, in their order, on one worker thread (one thread
+    hop per request; the rate limit's Redis call through the blocking client)."""
+    principal = resolve_principal(state, authorization)
+    check_rate_blocking(state, "ingest", principal)
+    principal.require("runtime")
+    return store_batch(state, principal, body, content_type)
 
 
 async def _read_body(receive) -> bytes | None:
