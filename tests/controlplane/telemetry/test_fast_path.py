@@ -169,3 +169,71 @@ def test_a_revoked_token_stops_on_the_fast_path(pair, tokens, engine):
     assert answer.status_code == 401
     assert answer.json()["detail"] == "this API token was revoked"
     assert "/v1/telemetry" not in fast_app.router.paths
+
+
+def _beat_shape(response) -> tuple:
+    body = response.json()
+    if response.status_code == 200:
+        body.pop("first_seen"), body.pop("last_seen")
+    return (response.status_code, body,
+            {name: response.headers.get(name) for name in COMPARED_HEADERS})
+
+
+def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
+    apps = pair()
+    fast_app, fast = apps[True]
+    route_app, route = apps[False]
+    runtime = _deploy(fast, tokens, engine)
+    other = _deploy(fast, tokens, engine, name="code")
+    operator = tokens.headers(tokens.operator)
+    beat = {"runtime_id": "rt-1", "applied_version": 2, "applied_checksum": "abc",
+            "spooled_batches": 3}
+    cases = [
+        ("chat", runtime, {"json": beat}),
+        ("chat", runtime, {"json": {**beat, "ready": False, "error": "warming up"}}),
+        ("chat", operator, {"json": {**beat, "runtime_id": "rt-2"}}),
+        ("chat", runtime, {"json": {**beat, "runtime_id": "bad id!"}}),  # the route's 422
+        ("chat", runtime, {"content": b"{not json", "headers": {
+            "Content-Type": "application/json"}}),
+        ("chat", runtime, {"content": b"", "headers": {"Content-Type": "application/json"}}),
+        ("nope", runtime, {"json": beat}),  # no such deployment
+        ("code", runtime, {"json": beat}),  # another deployment's
+        ("chat", other, {"json": beat}),
+        ("chat", {}, {"json": beat}),
+        ("chat", {"Authorization": "Bearer ept_unknown"}, {"json": beat}),
+        ("chat", {}, {"json": {"runtime_id": ""}}),  # bad token and bad body: 401 first
+    ]
+    answers = {}
+    for fast_on, client in ((True, fast), (False, route)):
+        answers[fast_on] = []
+        for name, headers, kwargs in cases:
+            extra = kwargs.get("headers", {})
+            response = client.post(f"/v1/deployments/{name}/heartbeats",
+                                   headers={**headers, **extra},
+                                   **{k: v for k, v in kwargs.items() if k != "headers"})
+            answers[fast_on].append(_beat_shape(response))
+    assert answers[True] == answers[False]
+    assert [answer[0] for answer in answers[True]] == [
+        200, 200, 200, 422, 422, 422, 404, 403, 403, 401, 401, 401]
+    assert answers[True][1][1]["error"] == "warming up"
+    # Valid heartbeats never reached the router; the bodies the route must judge did.
+    beats = [path for path in fast_app.router.paths if path.endswith("/heartbeats")]
+    assert len(beats) == 4  # the three 422s, and the bad body with no token
+    assert sum(path.endswith("/heartbeats") for path in route_app.router.paths) == len(cases)
+    listed = fast.get("/v1/deployments/chat/runtimes", headers=operator).json()
+    assert {row["runtime_id"]: row["ready"] for row in listed} == {"rt-1": False, "rt-2": True}
+
+
+def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
+    apps = pair(rate_limit_heartbeat_per_s=0.5)
+    _, fast = apps[True]
+    _, route = apps[False]
+    runtime = _deploy(fast, tokens, engine)
+    answers = {}
+    for fast_on, client in ((True, fast), (False, route)):
+        answers[fast_on] = [_beat_shape(client.post(
+            "/v1/deployments/chat/heartbeats", headers=runtime,
+            json={"runtime_id": f"rt-{fast_on}"})) for _ in range(2)]
+    assert [answer[0] for answer in answers[True]] == [200, 429]
+    assert answers[True][1] == answers[False][1]
+    assert answers[True][1][2]["retry-after"] == "2"
