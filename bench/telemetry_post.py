@@ -3,21 +3,26 @@
 At fleet scale the API's cost is per request, so this measures CPU-seconds of one API process
 per `POST /v1/telemetry`, as a fleet sends them: msgpack aggregate batches (4 cells, one
 minute of a runtime at `--tokens-per-batch`) alternating with sampled record batches
-(`--records-per-batch` records, a tenth of them shadow tokens), each with its own batch id,
-from `--tokens` runtime tokens in turn. The production path: PostgreSQL (a database of its
-own), a private Redis (rate limits and the telemetry stream; no ingest worker, so only the
-API is measured), `EXITPLANE_ENVIRONMENT=production`.
+(`--records-per-batch` records, a tenth of them shadow tokens), each with its own batch id.
+The production path: PostgreSQL (a database of its own), a private Redis (rate limits and the
+telemetry stream; no ingest worker, so only the API is measured),
+`EXITPLANE_ENVIRONMENT=production`, the default 2 s token cache.
 
-Four API processes: {fast path, route} x {token cache as configured (2 s: a token used again
-within it is a cache hit), `EXITPLANE_TOKEN_CACHE_TTL_S=0` (a store lookup per request, as a
-fleet runtime whose requests are 5 s apart meets)}. Rounds are interleaved (each process gets
-`--requests` per round, in turn) so the load other processes put on this machine falls on all
-four alike; CPU comes from /proc for the API process and its children. Prints the command, a
-table, then one JSON line (microseconds of API CPU per request, medians over rounds, and the
-ratios fast/route).
+API processes: `fast` (this tree), `route` (this tree, `EXITPLANE_TELEMETRY_FAST_PATH=false`)
+and, with `--baseline-tree DIR` (e.g. `git archive main | tar -x -C DIR`), `baseline`: that
+tree's code on PYTHONPATH. Three workloads: `hot` (`--hot-tokens` tokens in turn: the token
+cache hits), `fleet` (`--requests` tokens, each used once per round and rounds more than the
+cache's 2 s apart, as a fleet whose runtimes post every 5 s meets: no hit within the maximum
+age) and `beat` (heartbeats from the fleet's tokens, one runtime id each: an upsert each).
+Rounds are interleaved so the load other processes put on this machine falls on every process
+alike; CPU comes from /proc for the API process and its children. Prints the command, a
+table, then one JSON line (microseconds of API CPU per request, medians over rounds, and
+ratios to the route and to the baseline).
 
     . var/services/env  # EXITPLANE_BENCH_POSTGRES_URL
-    .venv/bin/python bench/telemetry_post.py --requests 1000 --rounds 5
+    rm -rf /tmp/ep-base && mkdir /tmp/ep-base && git archive main | tar -x -C /tmp/ep-base
+    .venv/bin/python bench/telemetry_post.py --requests 1000 --rounds 5 \
+        --baseline-tree /tmp/ep-base
 """
 
 from __future__ import annotations
@@ -62,8 +67,7 @@ from exitplane.client.codec import encode_aggregate  # noqa: E402
 from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, RECORDS_MSGPACK  # noqa: E402
 
 DEPLOYMENT = "tpost"
-SERVERS = [("fast", True, None), ("route", False, None),
-           ("fast_lookup", True, "0"), ("route_lookup", False, "0")]
+TOKEN_CACHE_TTL_S = 2.0  # the settings' default, which the processes keep
 
 
 def aggregate_body(seq: int, tokens: int) -> bytes:
@@ -109,17 +113,18 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-async def post_all(url: str, requests: list[tuple[str, str, bytes]], concurrency: int
+async def post_all(url: str, requests: list[tuple[str, str, str, bytes]], concurrency: int
                    ) -> dict[int, int]:
-    """POST every (token, content type, body) with `concurrency` keep-alive connections."""
+    """POST every (path, token, content type, body) with `concurrency` keep-alive
+    connections."""
     statuses: dict[int, int] = {}
     queue = list(reversed(requests))
 
     async def connection() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             while queue:
-                token, content_type, body = queue.pop()
-                response = await http.post("/v1/telemetry", content=body, headers={
+                path, token, content_type, body = queue.pop()
+                response = await http.post(path, content=body, headers={
                     "Authorization": f"Bearer {token}", "Content-Type": content_type})
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
@@ -133,7 +138,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1000, help="per process and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=8, help="runtime tokens, in turn")
+    parser.add_argument("--hot-tokens", type=int, default=8,
+                        help="runtime tokens of the hot workload, in turn")
+    parser.add_argument("--baseline-tree", default="",
+                        help="a checkout of the code to compare with (its own process)")
     parser.add_argument("--tokens-per-batch", type=int, default=5000)
     parser.add_argument("--records-per-batch", type=int, default=100)
     parser.add_argument("--py-spy", default="", metavar="PROCESS",
@@ -171,15 +179,19 @@ def main() -> int:
                                       "admin"], env=env, check=True, capture_output=True,
                                      text=True).stdout.strip()
         urls = {}
-        for name, fast, ttl in SERVERS:
+        servers = {"fast": {"EXITPLANE_TELEMETRY_FAST_PATH": "true"},
+                   "route": {"EXITPLANE_TELEMETRY_FAST_PATH": "false"}}
+        if args.baseline_tree:
+            tree = str(Path(args.baseline_tree).resolve())
+            servers["baseline"] = {"PYTHONPATH": os.pathsep.join(
+                [tree, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        for name, own in servers.items():
             port = _free_port()
-            own = {**env, "EXITPLANE_TELEMETRY_FAST_PATH": str(fast).lower()}
-            if ttl is not None:
-                own["EXITPLANE_TOKEN_CACHE_TTL_S"] = ttl
             with (workdir / f"{name}.log").open("w") as log:
                 processes[name] = subprocess.Popen(
                     [EXE, "up", "--host", "127.0.0.1", "--port", str(port), "--no-migrate",
-                     "--no-workers"], env=own, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                     "--no-workers"], env={**env, **own}, cwd=own.get("PYTHONPATH", ROOT),
+                    stdout=log, stderr=subprocess.STDOUT)
             urls[name] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         for name, url in urls.items():
@@ -200,36 +212,52 @@ def main() -> int:
                                      "reason": "bench", "activate": True}).raise_for_status()
         with Session(engine) as session:
             target = get_deployment(session=session, name=DEPLOYMENT)
-            tokens = [create_token(session=session, name=f"tpost-{i}", scope="runtime",
-                                   deployment=target)[1] for i in range(args.tokens)]
+            made = {workload: [create_token(session=session, name=f"tpost-{workload}-{i}",
+                                            scope="runtime", deployment=target)[1]
+                               for i in range(count)]
+                    for workload, count in (("hot", args.hot_tokens),
+                                            ("fleet", args.requests))}
             session.commit()
 
-        def requests(count: int) -> list[tuple[str, str, bytes]]:
+        def requests(workload: str, count: int) -> list[tuple[str, str, str, bytes]]:
+            tokens = made["hot" if workload == "hot" else "fleet"]
             out = []
             for i in range(count):
                 token = tokens[i % len(tokens)]
-                if i % 2 == 0:
-                    out.append((token, AGGREGATE_MSGPACK,
+                if workload == "beat":
+                    out.append((f"/v1/deployments/{DEPLOYMENT}/heartbeats", token,
+                                "application/json", json.dumps({
+                                    "runtime_id": f"rt-{i}", "applied_version": 1,
+                                    "applied_checksum": "0" * 64}).encode()))
+                elif i % 2 == 0:
+                    out.append(("/v1/telemetry", token, AGGREGATE_MSGPACK,
                                 aggregate_body(i, args.tokens_per_batch)))
                 else:
-                    out.append((token, RECORDS_MSGPACK,
+                    out.append(("/v1/telemetry", token, RECORDS_MSGPACK,
                                 records_body(i, args.records_per_batch)))
             return out
 
         for name in urls:  # warm-up: imports, caches, connections
-            statuses = asyncio.run(post_all(urls[name], requests(50), args.concurrency))
+            statuses = asyncio.run(post_all(urls[name], requests("hot", 50), args.concurrency))
             if set(statuses) != {202}:
                 raise RuntimeError(f"{name} answered {statuses} (logs in {workdir})")
-        per_request: dict[str, list[float]] = {name: [] for name in urls}
+        per_request: dict[str, list[float]] = {
+            f"{name}_{workload}": [] for workload in ("hot", "fleet", "beat") for name in urls}
+        fleet_done: dict[str, float] = {}
         for _ in range(args.rounds):
-            for name in urls:
-                batch = requests(args.requests)  # built before the meter starts
+            for key in per_request:
+                name, workload = key.rsplit("_", 1)
+                batch = requests(workload, args.requests)  # built before the meter starts
+                if workload != "hot":  # no token of this round is still in the cache
+                    time.sleep(max(0.0, fleet_done.get(name, 0.0) + TOKEN_CACHE_TTL_S + 0.2
+                                   - time.monotonic()))
                 before = tree_cpu(processes[name].pid)
                 statuses = asyncio.run(post_all(urls[name], batch, args.concurrency))
                 spent = tree_cpu(processes[name].pid) - before
+                fleet_done[name] = time.monotonic()
                 if set(statuses) != {202}:
                     raise RuntimeError(f"{name} answered {statuses} (logs in {workdir})")
-                per_request[name].append(spent / args.requests * 1e6)
+                per_request[key].append(spent / args.requests * 1e6)
         if args.py_spy:
             # py-spy comes with the dev extra (a layered venv may hold it in its base's bin).
             found = shutil.which("py-spy", path=os.pathsep.join(
@@ -239,7 +267,8 @@ def main() -> int:
                                     "--rate", "250", "--nonblocking", "-o", args.py_spy_out],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
-            asyncio.run(post_all(urls[args.py_spy], requests(args.requests), args.concurrency))
+            asyncio.run(post_all(urls[args.py_spy], requests("fleet", args.requests),
+                                 args.concurrency))
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=30)
     finally:
@@ -259,18 +288,23 @@ def main() -> int:
         admin.dispose()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    median = {name: statistics.median(values) for name, values in per_request.items()}
+    median = {key: statistics.median(values) for key, values in per_request.items()}
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"{'API process':<16}{'us CPU/request (median)':>26}{'rounds':>40}")
-    for name, values in per_request.items():
-        print(f"{name:<16}{median[name]:>26.0f}    {' '.join(f'{v:.0f}' for v in values)}")
+    print(f"{'process_workload':<18}{'us CPU/request (median)':>25}   rounds")
+    for key, values in per_request.items():
+        print(f"{key:<18}{median[key]:>25.0f}   {' '.join(f'{v:.0f}' for v in values)}")
+    ratios = {}
+    for workload in ("hot", "fleet", "beat"):
+        ratios[f"ratio_fast_to_route_{workload}"] = round(
+            median[f"fast_{workload}"] / median[f"route_{workload}"], 3)
+        if f"baseline_{workload}" in median:
+            ratios[f"ratio_fast_to_baseline_{workload}"] = round(
+                median[f"fast_{workload}"] / median[f"baseline_{workload}"], 3)
     print(json.dumps({
         "requests_per_round": args.requests, "rounds": args.rounds,
-        "concurrency": args.concurrency, "tokens": args.tokens,
-        **{f"us_per_request_{name}": round(value, 1) for name, value in median.items()},
-        "ratio_fast_to_route": round(median["fast"] / median["route"], 3),
-        "ratio_fast_to_route_lookup": round(median["fast_lookup"] / median["route_lookup"], 3),
-        "load_1min": round(os.getloadavg()[0], 2)}))
+        "concurrency": args.concurrency, "hot_tokens": args.hot_tokens,
+        **{f"us_per_request_{key}": round(value, 1) for key, value in median.items()},
+        **ratios, "load_1min": round(os.getloadavg()[0], 2)}))
     return 0
 
 
