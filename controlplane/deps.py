@@ -160,6 +160,10 @@ def _bearer(header: str) -> str:
     return secret.strip()
 
 
+# Tokens one refresh reads at most (the cache's own bound); any beyond are looked up singly.
+REFRESH_LIMIT = 10_000
+
+
 def _lookup(factory, cache: PrincipalCache, key: str, secret: str) -> Principal:
     """A cache miss (blocking): refresh every active token when due, else look this one up."""
     if cache.refresh_due():
@@ -177,10 +181,6 @@ def _lookup(factory, cache: PrincipalCache, key: str, secret: str) -> Principal:
         principal = authenticate(session=session, secret=secret)
     cache.put(key, principal, generation=generation, started=started)
     return principal
-
-
-# Tokens one refresh reads at most (the cache's own bound); any beyond are looked up singly.
-REFRESH_LIMIT = 10_000
 
 
 def resolve_principal(state, authorization: str) -> Principal:
