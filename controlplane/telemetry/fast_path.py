@@ -71,7 +71,7 @@ class TelemetryFastPath:
         if body is None:
             return  # the client left before its body was complete: nobody to answer
         await _answer(scope, receive, send, 202, _serve, scope["app"].state, authorization,
-                      content_type or "application/json", body)
+                      "application/json" if content_type is None else content_type, body)
 
     async def _heartbeat_post(self, scope, receive, send, name: str) -> None:
         authorization, content_type = _headers(scope)
