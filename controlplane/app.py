@@ -34,6 +34,7 @@ from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
+from controlplane.telemetry.fast_path import TelemetryFastPath
 from controlplane.telemetry.service import ensure_partitions
 from controlplane.telemetry.targets import IngestTargets
 from controlplane.thresholds.api import router as thresholds_router
@@ -89,6 +90,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                                             socket_timeout=5)
                        if settings.redis_url else None)
 
+    if settings.telemetry_fast_path:  # inside the body gate: 413 and the body read stay its
+        app.add_middleware(TelemetryFastPath)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_control_body_bytes,
                        routes={TELEMETRY_PATH: settings.max_body_bytes})
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,

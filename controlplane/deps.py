@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from anyio import to_thread
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from controlplane.auth.service import Principal, authenticate, digest
+from controlplane.auth.service import Principal, active_principals, authenticate, digest
 from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter
 from controlplane.errors import RateLimited, Unauthorized
 
@@ -42,13 +42,44 @@ class PrincipalCache:
     in the others, or through the revocation epoch within `revocation_poll_s` without Redis), so
     a revoked token stops working within `ttl` even if that notice is lost. A lookup that was
     under way when a revocation arrived is not cached (generation check), so it cannot bring
-    the old principal back."""
+    the old principal back.
+
+    A fleet's runtime sends a request every few seconds, further apart than `ttl`, so a cache
+    of single lookups missed on nearly every request (issue 14). A miss therefore first loads
+    every active token in one read (`refresh`, at most once per `ttl`, one thread at a time);
+    those entries follow the same rules: they expire `ttl` after that read began, and a
+    revocation during it discards them."""
 
     def __init__(self, ttl: float) -> None:
         self._ttl = ttl
         self._entries: dict[str, tuple[float, Principal]] = {}
         self._generation = 0
         self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._refreshed_at = float("-inf")  # when the last read of every token began
+
+    def refresh_due(self) -> bool:
+        """Whether the last read of every token is older than the maximum age."""
+        return self._ttl > 0 and time.monotonic() >= self._refreshed_at + self._ttl
+
+    def refresh(self, load: Callable[[], dict[str, Principal]]) -> None:
+        """Cache every principal `load` returns (digest -> principal), unless another thread
+        did so less than `ttl` ago; callers wait for a refresh under way instead of
+        starting their own."""
+        with self._refresh_lock:
+            if not self.refresh_due():
+                return
+            generation, started = self._generation, time.monotonic()
+            principals = load()
+            with self._lock:
+                self._refreshed_at = started
+                if generation != self._generation:
+                    return  # a revocation arrived meanwhile: the read may predate it
+                expires = started + self._ttl
+                if len(self._entries) + len(principals) > 10_000:
+                    self._entries = {k: e for k, e in self._entries.items() if e[0] >= started}
+                for key, principal in principals.items():
+                    self._entries[key] = (expires, principal)
 
     @property
     def generation(self) -> int:
@@ -99,39 +130,86 @@ def rate_limited(kind: str):
 
     async def dependency(request: Request, principal: Annotated[Principal, Depends(
             get_principal)]) -> None:
-        limiter: RateLimiter = request.app.state.rate_limiters[kind]
-        wait = await limiter.retry_after(str(principal.token_id))
-        if wait is not None:
-            raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
-                              retry_after=wait)
+        await check_rate(request.app.state, kind, principal)
 
     return Depends(dependency)
 
 
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization", "")
+async def check_rate(state, kind: str, principal: Principal) -> None:
+    """Take one `kind` request from the token's bucket, or RateLimited with the wait."""
+    limiter: RateLimiter = state.rate_limiters[kind]
+    _refuse_past_rate(kind, await limiter.retry_after(str(principal.token_id)))
+
+
+def check_rate_blocking(state, kind: str, principal: Principal) -> None:
+    """`check_rate` for code already on a worker thread (the same shared bucket)."""
+    limiter: RateLimiter = state.rate_limiters[kind]
+    _refuse_past_rate(kind, limiter.take(str(principal.token_id)))
+
+
+def _refuse_past_rate(kind: str, wait: float | None) -> None:
+    if wait is not None:
+        raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
+                          retry_after=wait)
+
+
+def _bearer(header: str) -> str:
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise Unauthorized("missing API token: send 'Authorization: Bearer <token>'")
     return secret.strip()
 
 
-def _lookup(request: Request, secret: str) -> Principal:
-    with request.app.state.session_factory() as session:
-        return authenticate(session=session, secret=secret)
+# Tokens one refresh reads at most (the cache's own bound); any beyond are looked up singly.
+REFRESH_LIMIT = 10_000
+
+
+def _lookup(factory, cache: PrincipalCache, key: str, secret: str) -> Principal:
+    """A cache miss (blocking): refresh every active token when due, else look this one up."""
+    if cache.refresh_due():
+        def load() -> dict[str, Principal]:
+            with factory() as session:
+                return active_principals(session=session, limit=REFRESH_LIMIT)
+
+        cache.refresh(load)
+        principal = cache.peek(key)
+        if principal is not None:
+            return principal
+    # Not among them: a token created since, a revoked or unknown one (its own message).
+    generation, started = cache.generation, time.monotonic()
+    with factory() as session:
+        principal = authenticate(session=session, secret=secret)
+    cache.put(key, principal, generation=generation, started=started)
+    return principal
+
+
+def resolve_principal(state, authorization: str) -> Principal:
+    """`principal_for` for code already on a worker thread (blocking)."""
+    secret = _bearer(authorization)
+    cache: PrincipalCache = state.principal_cache
+    key = digest(secret)
+    principal = cache.peek(key)
+    if principal is None:
+        principal = _lookup(state.session_factory, cache, key, secret)
+    return principal
+
+
+async def principal_for(state, authorization: str) -> Principal:
+    """The caller behind an `Authorization` header value (cached briefly), or 401; `state` is
+    the app's state (the request path and the telemetry fast path share this)."""
+    secret = _bearer(authorization)
+    cache: PrincipalCache = state.principal_cache
+    key = digest(secret)
+    principal = cache.peek(key)
+    if principal is None:
+        principal = await to_thread.run_sync(_lookup, state.session_factory, cache, key,
+                                             secret)
+    return principal
 
 
 async def get_principal(request: Request) -> Principal:
     """The caller behind the bearer token (cached briefly), or 401."""
-    secret = _bearer(request)
-    cache: PrincipalCache = request.app.state.principal_cache
-    key = digest(secret)
-    principal = cache.peek(key)
-    if principal is None:
-        generation, started = cache.generation, time.monotonic()
-        principal = await to_thread.run_sync(_lookup, request, secret)
-        cache.put(key, principal, generation=generation, started=started)
-    return principal
+    return await principal_for(request.app.state, request.headers.get("authorization", ""))
 
 
 def require(scope: str):

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     # Traffic segments (issue 18): how many segments (besides `default`) one threshold set may
     # give thresholds of their own; bounds the segment label's cardinality.
     max_segments_per_deployment: int = Field(default=DEFAULT_MAX_SEGMENTS, ge=1, le=1000)
+    # Issue 14 (fleet cost per request): telemetry POSTs and heartbeats answered below the
+    # router by a pure-ASGI layer with the routes' checks; false serves them through FastAPI.
+    telemetry_fast_path: bool = True
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -75,6 +75,17 @@ def authenticate(*, session: Session, secret: str) -> Principal:
                      deployment_id=token.deployment_id)
 
 
+def active_principals(*, session: Session, limit: int) -> dict[str, Principal]:
+    """Digest -> principal of every token not revoked (at most `limit`, oldest first), in one
+    read: the API's token cache refreshes from it (controlplane/deps.py)."""
+    rows = session.execute(select(ApiToken.token_hash, ApiToken.id, ApiToken.name,
+                                  ApiToken.scope, ApiToken.deployment_id)
+                           .where(ApiToken.revoked_at.is_(None))
+                           .order_by(ApiToken.id).limit(limit))
+    return {row.token_hash: Principal(token_id=row.id, name=row.name, scope=row.scope,
+                                      deployment_id=row.deployment_id) for row in rows}
+
+
 def list_tokens(*, session: Session) -> list[ApiToken]:
     return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
 

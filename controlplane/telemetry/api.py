@@ -99,26 +99,27 @@ def _check(deployment, batch, aggregate: bool, known_versions) -> None:
         service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions)
 
 
-def _store(request: Request, principal: Principal, body: bytes, content_type: str) -> IngestAck:
+def store_batch(state, principal: Principal, body: bytes, content_type: str) -> IngestAck:
+    """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
+    and the fast path (controlplane/telemetry/fast_path.py) both end here."""
     try:
         aggregate = is_aggregate(content_type)
         batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
-        app = request.app
         versions = ([cell.threshold_version for cell in batch.cells] if aggregate
                     else batch.threshold_version.tolist())
-        if app.state.redis is not None:
+        if state.redis is not None:
             # The stream path reads nothing from the store: the checks use the cached target.
-            target = app.state.ingest_targets.get(batch.deployment, versions)
+            target = state.ingest_targets.get(batch.deployment, versions)
             principal.require_deployment(target.id)
             _check(target, batch, aggregate, target.versions)
-            added = stream.append(app.state.redis, batch,
+            added = stream.append(state.redis, batch,
                                   body if "msgpack" in content_type else None)
             metrics.queued_batches.labels(batch.deployment).inc(int(added))
             if not added:  # a replay the stream already holds: acknowledged here
                 metrics.duplicate_batches.labels(batch.deployment).inc()
             return IngestAck(batch_id=batch.batch_id, accepted=service.accounted(batch),
                              duplicate=not added, queued=True)
-        with app.state.session_factory() as session:
+        with state.session_factory() as session:
             deployment = get_deployment(session=session, name=batch.deployment)
             principal.require_deployment(deployment.id)
             thresholds = service.thresholds_by_version(
@@ -150,7 +151,8 @@ async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> Ing
     docs/protocol.md); a replayed batch id is acknowledged with duplicate=true."""
     body = await request.body()
     content_type = request.headers.get("content-type", "application/json")
-    return await to_thread.run_sync(_store, request, principal, body, content_type)
+    return await to_thread.run_sync(store_batch, request.app.state, principal, body,
+                                    content_type)
 
 
 @dataclass(frozen=True)

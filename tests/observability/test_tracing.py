@@ -141,3 +141,34 @@ def test_api_requests_and_their_queries_are_spans(spans, database):
     queries = [s for s in finished if s.attributes.get("db.system") == "sqlite"
                and s.context.trace_id == server.context.trace_id]
     assert queries, [s.name for s in finished]
+
+
+def test_fast_path_requests_are_spans_named_by_their_route(spans, database):
+    """Telemetry POSTs and heartbeats, served below the router (issue 14), are server spans
+    named as the routes were, with the heartbeat's queries in their trace."""
+    from controlplane.app import create_app
+    from controlplane.auth.service import create_token
+
+    engine = make_engine(database)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session, name="traced")
+        _, secret = create_token(session=session, name="rt", scope="runtime",
+                                 deployment=deployment)
+    app = create_app(Settings(database_url=database), engine=engine)
+    spans.clear()
+    runtime = {"Authorization": f"Bearer {secret}"}
+    with TestClient(app) as client:
+        assert client.post("/v1/deployments/traced/heartbeats", headers=runtime,
+                           json={"runtime_id": "rt-1"}).status_code == 200
+        assert client.post("/v1/telemetry", headers=runtime,
+                           json={"records": "nope"}).status_code == 422
+    app.state.config_delivery.close()
+    engine.dispose()
+    finished = spans.get_finished_spans()
+    servers = {s.name: s for s in finished if s.kind == trace.SpanKind.SERVER}
+    assert set(servers) == {"POST /v1/deployments/{name}/heartbeats", "POST /v1/telemetry"}
+    beat = servers["POST /v1/deployments/{name}/heartbeats"]
+    assert beat.attributes.get("http.status_code", beat.attributes.get(
+        "http.response.status_code")) == 200
+    assert [s for s in finished if s.attributes.get("db.system") == "sqlite"
+            and s.context.trace_id == beat.context.trace_id]

@@ -57,3 +57,24 @@ def test_the_local_bucket_limits_and_refills():
     answers = [limiter.take("t") for _ in range(11)]
     assert answers[:10] == [None] * 10 and answers[10] > 0
     assert LocalRateLimiter(0).take("t") is None  # 0 turns the limit off
+
+
+def test_a_worker_thread_draws_from_the_same_shared_bucket(private_redis):
+    """The blocking call (the telemetry fast path's) and the asyncio call share one bucket,
+    across processes too."""
+    import redis as blocking_redis
+
+    other_process = _limiter(private_redis.url, 2.0)
+    limiter = RedisRateLimiter(2.0, kind="pull", client=redis.asyncio.Redis.from_url(
+        private_redis.url), blocking_client=blocking_redis.Redis.from_url(private_redis.url))
+    answers = [limiter.take("token-9") for _ in range(2)]
+
+    async def from_the_other_process() -> list:
+        return [await other_process.retry_after("token-9") for _ in range(2)]
+
+    answers += asyncio.run(from_the_other_process())
+    assert answers == [None] * 4  # the burst of 4, drawn from both ways
+    assert 0 < limiter.take("token-9") <= 0.5
+    private_redis.kill()
+    fallback = [limiter.take("token-10") for _ in range(5)]
+    assert fallback[:4] == [None] * 4 and fallback[4] > 0  # Redis away: this process's bucket

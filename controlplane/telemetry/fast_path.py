@@ -1,0 +1,194 @@
+"""Pure-ASGI answers for the requests a fleet sends most (issue 14): `POST /v1/telemetry` and
+`POST /v1/deployments/{name}/heartbeats`.
+
+At fleet scale the API's cost is per request, and much of it was FastAPI's routing, dependency
+solving and response serialisation around work the services do anyway. This layer sits inside
+the body-size gate (so 413 and the body read are unchanged) and inside the request-id/metrics
+middleware, and does what the routes' dependencies do, in the same order and with the same
+functions: the bearer token (`resolve_principal`, the same cache), the token's rate limit (the
+same shared bucket), the runtime scope, then the route's own work, all on one worker thread.
+An error is answered by the app's own exception handler for it, so status codes, messages and
+headers (WWW-Authenticate, Retry-After) are the routes'. A heartbeat whose body is not a plain
+valid JSON heartbeat passes on untouched to the route, whose 422 says what is wrong. The routes
+stay registered: they describe the operations in the OpenAPI document and serve when the fast
+path is turned off (`EXITPLANE_TELEMETRY_FAST_PATH=false`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from anyio import to_thread
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from controlplane.deps import check_rate_blocking, resolve_principal
+from controlplane.runtimes import service as runtimes
+from controlplane.runtimes.api import router as runtimes_router
+from controlplane.runtimes.schemas import RuntimeRead
+from controlplane.telemetry.api import router as telemetry_router
+from controlplane.telemetry.api import store_batch
+from controlplane.telemetry.schemas import IngestAck
+from controlplane.thresholds.service import get_deployment
+from exitplane.wire import Heartbeat
+
+TELEMETRY_PATH = "/v1/telemetry"
+HEARTBEATS = ("/v1/deployments/", "/heartbeats")  # around the deployment's name
+
+
+class TelemetryFastPath:
+    """Serve telemetry POSTs and heartbeats without entering the router; everything else
+    passes on."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        # The routes' APIRoutes: request metrics, logs and traces name the route as before.
+        [self._telemetry] = [route for route in telemetry_router.routes
+                             if route.path == TELEMETRY_PATH and "POST" in route.methods]
+        [self._heartbeat] = [route for route in runtimes_router.routes
+                             if route.path == "".join((HEARTBEATS[0], "{name}", HEARTBEATS[1]))
+                             and "POST" in route.methods]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path == TELEMETRY_PATH:
+            await self._telemetry_post(scope, receive, send)
+        elif path.startswith(HEARTBEATS[0]) and path.endswith(HEARTBEATS[1]) and "/" not in (
+                name := path[len(HEARTBEATS[0]):-len(HEARTBEATS[1])]) and name:
+            await self._heartbeat_post(scope, receive, send, name)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _telemetry_post(self, scope, receive, send) -> None:
+        scope["route"] = self._telemetry
+        authorization, content_type = _headers(scope)
+        # The body first: the size gate outside has already read and buffered all of it, so
+        # nothing is spent on a refused request that the route would not have spent.
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left before its body was complete: nobody to answer
+        await _answer(scope, receive, send, 202, _serve, scope["app"].state, authorization,
+                      "application/json" if content_type is None else content_type, body)
+
+    async def _heartbeat_post(self, scope, receive, send, name: str) -> None:
+        authorization, content_type = _headers(scope)
+        body = await _read_body(receive)
+        if body is None:
+            return
+        beat = _plain_heartbeat(content_type, body)
+        if beat is None:  # the route parses and refuses it, with FastAPI's own 422
+            await self.app(scope, _replay(body, receive), send)
+            return
+        scope["route"] = self._heartbeat
+        await _answer(scope, receive, send, 200, _serve_heartbeat, scope["app"].state,
+                      authorization, name, beat)
+
+
+def _headers(scope) -> tuple[str, str | None]:
+    """The first Authorization ('' without one) and Content-Type headers."""
+    authorization = content_type = None
+    for key, value in scope["headers"]:
+        if key == b"authorization" and authorization is None:
+            authorization = value.decode("latin-1")
+        elif key == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1")
+    return authorization or "", content_type
+
+
+async def _answer(scope, receive, send, status: int, serve, *args) -> None:
+    """Run `serve(*args)` on a worker thread; send its model as JSON, or its error as the
+    app's exception handler answers it."""
+    api = scope["app"]
+    try:
+        answer: BaseModel = await to_thread.run_sync(serve, *args)
+    except Exception as error:
+        handler = _handler_for(api.exception_handlers, error)
+        if handler is None:
+            raise  # as in the route: the server-error middleware answers 500
+        response = await handler(Request(scope, receive), error)
+        await response(scope, receive, send)
+        return
+    payload = answer.model_dump_json().encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", str(len(payload)).encode()),
+                            (b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _serve(state, authorization: str, content_type: str, body: bytes) -> IngestAck:
+    """The telemetry route's dependencies and body, in their order (blocking)."""
+    principal = resolve_principal(state, authorization)
+    check_rate_blocking(state, "ingest", principal)
+    principal.require("runtime")
+    return store_batch(state, principal, body, content_type)
+
+
+def _serve_heartbeat(state, authorization: str, name: str, beat: Heartbeat) -> RuntimeRead:
+    """The heartbeat route's dependencies, work and commit, in their order (blocking)."""
+    principal = resolve_principal(state, authorization)
+    check_rate_blocking(state, "heartbeat", principal)
+    principal.require("runtime")
+    with state.session_factory() as session:
+        try:
+            deployment = get_deployment(session=session, name=name)
+            principal.require_deployment(deployment.id)
+            runtime = runtimes.record_heartbeat(
+                session=session, deployment=deployment, beat=beat,
+                max_runtimes=state.settings.max_runtimes_per_deployment)
+            answer = RuntimeRead.model_validate(runtime)
+            session.commit()  # before the answer, as the route's session dependency does
+        except BaseException:
+            session.rollback()
+            raise
+    return answer
+
+
+def _plain_heartbeat(content_type: str | None, body: bytes) -> Heartbeat | None:
+    """The heartbeat in a JSON body the route would take as it is, else None."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        return None
+    try:
+        payload = json.loads(body)
+        return Heartbeat.model_validate(payload) if isinstance(payload, dict) else None
+    except (ValueError, ValidationError):
+        return None
+
+
+def _replay(body: bytes, receive):
+    """A receive channel that hands `body` on once, then the client's own messages."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _read_body(receive) -> bytes | None:
+    """The whole body (the size gate outside has already bounded and buffered it), or None
+    when the client disconnected."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _handler_for(handlers: dict, error: Exception):
+    """The app's handler for `error`'s class or its nearest base, as Starlette looks it up."""
+    for cls in type(error).__mro__:
+        if cls in handlers:
+            return handlers[cls]
+    return None

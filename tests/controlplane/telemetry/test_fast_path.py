@@ -1,0 +1,239 @@
+"""The pure-ASGI telemetry path (issue 14) answers every request as the FastAPI route does:
+the same status, body and headers for good batches, replays, bad bodies, bad tokens, foreign
+deployments, unknown content types and rate limits; it never enters the router, and the
+request metrics and revocation behave as on the route."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from controlplane.app import create_app
+from controlplane.auth.service import create_token
+from controlplane.observability import http_request_duration
+from controlplane.thresholds.service import get_deployment
+from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+
+COMPARED_HEADERS = ("content-type", "www-authenticate", "retry-after")
+
+
+class RouterSpy:
+    """Records which paths reach the app's router (the fast path must not); passes all on."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self.paths: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.router(scope, receive, send)
+
+    def __getattr__(self, name):
+        return getattr(self.router, name)
+
+
+@pytest.fixture
+def pair(settings, engine):
+    """Two apps on one store: the fast path, and the FastAPI route (fast path off)."""
+    made = []
+
+    def start(**update):
+        apps = {}
+        for fast in (True, False):
+            app = create_app(settings.model_copy(update={**update, "telemetry_fast_path": fast}),
+                             engine=engine)
+            app.router = RouterSpy(app.router)  # before the first request builds the stack
+            client = TestClient(app).__enter__()
+            made.append((app, client))
+            apps[fast] = (app, client)
+        return apps
+
+    yield start
+    for app, client in made:
+        client.__exit__(None, None, None)
+        app.state.config_delivery.close()
+
+
+def _shape(response) -> tuple:
+    body = response.json()
+    if isinstance(body, dict):
+        body.pop("batch_id", None)  # each app gets its own batch (one store: no false replay)
+    return (response.status_code, body,
+            {name: response.headers.get(name) for name in COMPARED_HEADERS})
+
+
+def _duration_count(status: str) -> float:
+    return sum(
+        sample.value for metric in http_request_duration.collect() for sample in metric.samples
+        if sample.name.endswith("_count") and sample.labels == {
+            "method": "POST", "route": "/v1/telemetry", "status": status})
+
+
+def test_the_fast_path_answers_as_the_route_does(pair, tokens, engine):
+    apps = pair()
+    fast_app, fast = apps[True]
+    route_app, route = apps[False]
+    runtime = _deploy(fast, tokens, engine)
+    other = _deploy(fast, tokens, engine, name="code")
+    operator = tokens.headers(tokens.operator)
+    rng = random.Random(14)
+    counted_before = _duration_count("202")
+
+    def cases():
+        """(headers, body kwargs) per request; a fresh batch each call, replays included."""
+        batch = make_batch(rng, n=10)
+        bad = make_batch(rng, n=10)
+        bad["records"][3]["exit_layer"] = 7
+        packed = make_batch(rng, n=10)
+        return [
+            (runtime, {"json": batch}),
+            (runtime, {"json": batch}),  # replay: duplicate=true
+            (runtime, {"content": msgpack.packb(packed),
+                       "headers": {"Content-Type": "application/msgpack"}}),
+            (operator, {"json": make_batch(rng, n=3)}),  # operators may ship too
+            (runtime, {"json": bad}),
+            (runtime, {"content": b"\xc1\x00",
+                       "headers": {"Content-Type": "application/msgpack"}}),
+            (runtime, {"content": b"{}",
+                       "headers": {"Content-Type": "application/vnd.exitplane.future+json"}}),
+            (runtime, {"content": b"not json"}),  # no content type: JSON, as the route reads it
+            (other, {"json": make_batch(rng, n=3)}),  # another deployment's token
+            ({}, {"json": make_batch(rng, n=3)}),
+            ({"Authorization": "Bearer ept_unknown"}, {"json": make_batch(rng, n=3)}),
+            ({"Authorization": "Basic abc"}, {"json": make_batch(rng, n=3)}),
+        ]
+
+    answers = {}
+    for fast_on, client in ((True, fast), (False, route)):
+        answers[fast_on] = []
+        for headers, kwargs in cases():
+            extra = kwargs.pop("headers", {})
+            response = client.post("/v1/telemetry", headers={**headers, **extra}, **kwargs)
+            assert response.headers.get("x-request-id")
+            answers[fast_on].append(_shape(response))
+    assert answers[True] == answers[False]
+    statuses = [answer[0] for answer in answers[True]]
+    assert statuses == [202, 202, 202, 202, 422, 422, 415, 422, 403, 401, 401, 401]
+    assert answers[True][1][1]["duplicate"] is True
+    assert answers[True][9][2]["www-authenticate"] == "Bearer"
+    # The fast path served every telemetry POST; the route app's router saw each one.
+    assert "/v1/telemetry" not in fast_app.router.paths
+    assert route_app.router.paths.count("/v1/telemetry") == len(statuses)
+    # Request metrics name the route template, as they did on the route (4 x 202 per app).
+    assert _duration_count("202") - counted_before == 8
+
+
+def test_the_fast_path_rate_limits_as_the_route_does(pair, tokens, engine):
+    apps = pair(rate_limit_ingest_per_s=0.5)  # bursts of 1: the second request waits 2 s
+    _, fast = apps[True]
+    _, route = apps[False]
+    runtime = _deploy(fast, tokens, engine)
+    rng = random.Random(15)
+    answers = {}
+    for fast_on, client in ((True, fast), (False, route)):
+        answers[fast_on] = [_shape(client.post("/v1/telemetry", headers=runtime,
+                                               json=make_batch(rng, n=5))) for _ in range(2)]
+    assert answers[True] == answers[False]
+    limited = answers[True][1]
+    assert limited[0] == 429 and limited[2]["retry-after"] == "2"
+    assert limited[1]["detail"].startswith("too many ingest requests for this token")
+
+
+def test_a_revoked_token_stops_on_the_fast_path(pair, tokens, engine):
+    apps = pair(token_cache_ttl_s=30)  # long: only the revocation notice can stop it
+    fast_app, fast = apps[True]
+    _deploy(fast, tokens, engine)
+    with Session(engine) as session:
+        token, secret = create_token(session=session, name="rt-revoked", scope="runtime",
+                                     deployment=get_deployment(session=session, name="chat"))
+        session.commit()
+        token_id = token.id
+    runtime = {"Authorization": f"Bearer {secret}"}
+    rng = random.Random(16)
+    assert fast.post("/v1/telemetry", headers=runtime,
+                     json=make_batch(rng, n=3)).status_code == 202  # now cached
+    revoked = fast.delete(f"/v1/tokens/{token_id}", headers=tokens.headers(tokens.admin))
+    assert revoked.status_code in (200, 204), revoked.text
+    deadline = time.monotonic() + 5
+    while True:
+        answer = fast.post("/v1/telemetry", headers=runtime, json=make_batch(rng, n=3))
+        if answer.status_code == 401 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert answer.status_code == 401
+    assert answer.json()["detail"] == "this API token was revoked"
+    assert "/v1/telemetry" not in fast_app.router.paths
+
+
+def _beat_shape(response) -> tuple:
+    body = response.json()
+    if response.status_code == 200:
+        body.pop("first_seen"), body.pop("last_seen")
+    return (response.status_code, body,
+            {name: response.headers.get(name) for name in COMPARED_HEADERS})
+
+
+def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
+    apps = pair()
+    fast_app, fast = apps[True]
+    route_app, route = apps[False]
+    runtime = _deploy(fast, tokens, engine)
+    other = _deploy(fast, tokens, engine, name="code")
+    operator = tokens.headers(tokens.operator)
+    beat = {"runtime_id": "rt-1", "applied_version": 2, "applied_checksum": "abc",
+            "spooled_batches": 3}
+    cases = [
+        ("chat", runtime, {"json": beat}),
+        ("chat", runtime, {"json": {**beat, "ready": False, "error": "warming up"}}),
+        ("chat", operator, {"json": {**beat, "runtime_id": "rt-2"}}),
+        ("chat", runtime, {"json": {**beat, "runtime_id": "bad id!"}}),  # the route's 422
+        ("chat", runtime, {"content": b"{not json", "headers": {
+            "Content-Type": "application/json"}}),
+        ("chat", runtime, {"content": b"", "headers": {"Content-Type": "application/json"}}),
+        ("nope", runtime, {"json": beat}),  # no such deployment
+        ("code", runtime, {"json": beat}),  # another deployment's
+        ("chat", other, {"json": beat}),
+        ("chat", {}, {"json": beat}),
+        ("chat", {"Authorization": "Bearer ept_unknown"}, {"json": beat}),
+        ("chat", {}, {"json": {"runtime_id": ""}}),  # bad token and bad body: 401 first
+    ]
+    answers = {}
+    for fast_on, client in ((True, fast), (False, route)):
+        answers[fast_on] = []
+        for name, headers, kwargs in cases:
+            extra = kwargs.get("headers", {})
+            response = client.post(f"/v1/deployments/{name}/heartbeats",
+                                   headers={**headers, **extra},
+                                   **{k: v for k, v in kwargs.items() if k != "headers"})
+            answers[fast_on].append(_beat_shape(response))
+    assert answers[True] == answers[False]
+    assert [answer[0] for answer in answers[True]] == [
+        200, 200, 200, 422, 422, 422, 404, 403, 403, 401, 401, 401]
+    assert answers[True][1][1]["error"] == "warming up"
+    # Valid heartbeats never reached the router; the bodies the route must judge did.
+    beats = [path for path in fast_app.router.paths if path.endswith("/heartbeats")]
+    assert len(beats) == 4  # the three 422s, and the bad body with no token
+    assert sum(path.endswith("/heartbeats") for path in route_app.router.paths) == len(cases)
+    listed = fast.get("/v1/deployments/chat/runtimes", headers=operator).json()
+    assert {row["runtime_id"]: row["ready"] for row in listed} == {"rt-1": False, "rt-2": True}
+
+
+def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
+    apps = pair(rate_limit_heartbeat_per_s=0.5)
+    _, fast = apps[True]
+    _, route = apps[False]
+    runtime = _deploy(fast, tokens, engine)
+    answers = {}
+    for fast_on, client in ((True, fast), (False, route)):
+        answers[fast_on] = [_beat_shape(client.post(
+            "/v1/deployments/chat/heartbeats", headers=runtime,
+            json={"runtime_id": f"rt-{fast_on}"})) for _ in range(2)]
+    assert [answer[0] for answer in answers[True]] == [200, 429]
+    assert answers[True][1] == answers[False][1]
+    assert answers[True][1][2]["retry-after"] == "2"
