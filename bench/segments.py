@@ -29,6 +29,9 @@ sizes.
 
     .venv/bin/python -P bench/segments.py
     .venv/bin/python -P bench/segments.py --trials 100 --delta 0.05 --epsilon 0.1
+    # 480 requests per source (records: bench/drift_real.py --records-only --requests 480,
+    # about 20 minutes per source on a loaded 2-core box)
+    .venv/bin/python -P bench/segments.py --requests 480
 """
 
 from __future__ import annotations
