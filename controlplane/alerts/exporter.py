@@ -14,7 +14,7 @@ process ingested the telemetry (the rules aggregate with max by deployment / lay
   exitplane_runtime_applied_version, exitplane_runtime_spooled_batches and
   exitplane_runtime_dropped_records (from the runtime's last heartbeat, whichever process took
   it); runtimes silent for a day, or deleted, are left out: their series disappear
-- exitplane_alerts_open{deployment,kind,severity}
+- exitplane_alerts_open{deployment,kind,severity,segment}
 - exitplane_mean_exit_depth{deployment} and exitplane_estimated_speedup{deployment} (layers a
   token ran through on average over the last `WINDOW`, active version; speed-up = num_layers /
   mean depth, the estimate calibration reports)
@@ -84,8 +84,8 @@ def _families() -> dict[str, GaugeMetricFamily]:
                                     ["deployment", "runtime"]),
         "runtime_dropped_records": ("Telemetry records a runtime dropped (last heartbeat)",
                                     ["deployment", "runtime"]),
-        "alerts_open": ("Open (firing or acknowledged) alerts", ["deployment", "kind",
-                                                                 "severity"]),
+        "alerts_open": ("Open (firing or acknowledged) alerts; segment is empty for the "
+                        "default segment's", ["deployment", "kind", "severity", "segment"]),
         "mean_exit_depth": ("Mean layers run per token, last 5 minutes (active version)",
                             ["deployment", "segment"]),
         "estimated_speedup": ("num_layers / mean exit depth, last 5 minutes (active version)",
@@ -171,12 +171,15 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         families["runtime_dropped_records"].add_metric(labels, runtime.dropped_records)
 
     for row in session.execute(select(Alert.deployment_id, Alert.kind, Alert.severity,
-                                      func.count().label("n"))
+                                      Alert.segment, func.count().label("n"))
                                .where(Alert.open_key.is_not(None))
-                               .group_by(Alert.deployment_id, Alert.kind, Alert.severity)):
+                               .group_by(Alert.deployment_id, Alert.kind, Alert.severity,
+                                         Alert.segment)):
         if row.deployment_id in deployments:
+            # An empty label is no label to Prometheus: a default alert's series is unchanged.
+            segment = "" if row.segment == DEFAULT_SEGMENT else row.segment
             families["alerts_open"].add_metric(
-                [deployments[row.deployment_id].name, row.kind, row.severity], row.n)
+                [deployments[row.deployment_id].name, row.kind, row.severity, segment], row.n)
 
 
 def _fill_exit_behaviour(session, families: dict[str, GaugeMetricFamily],

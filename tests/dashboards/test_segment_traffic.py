@@ -235,3 +235,25 @@ def test_the_deployment_charts_show_one_segment_on_request(as_role, segment_traf
     unknown = viewer.get("/ui/deployments/chat?segment=spam")
     assert unknown.status_code == 404 and "knows no segment" in unknown.text
     assert viewer.get("/ui/deployments/chat/charts.json?segment=spam").status_code == 404
+
+
+def test_alerts_name_their_segment_and_a_default_alert_reads_as_before(as_role, engine, outbox):
+    from controlplane.alerts import service as alerts
+    from controlplane.alerts.service import Condition
+
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        fired = {segment: alerts.fire(session=session, deployment=deployment,
+                                      condition=Condition(
+                                          kind="quality_regression", severity="critical",
+                                          segment=segment, summary=f"over δ on {segment}"))[0].id
+                 for segment in ("code", "default")}
+        session.commit()
+    viewer = as_role("viewer")
+    for page in (viewer.get("/ui/alerts").text, viewer.get("/ui/deployments/chat").text):
+        code = re.search(rf'href="[^"]*/alerts/{fired["code"]}">([^<]*)</a>', page)
+        default = re.search(rf'href="[^"]*/alerts/{fired["default"]}">([^<]*)</a>', page)
+        assert code and code.group(1).strip() == "quality_regression · segment code"
+        assert default and default.group(1).strip() == "quality_regression"
+    detail = viewer.get(f"/ui/alerts/{fired['code']}").text
+    assert '<span class="sub">segment code</span>' in detail

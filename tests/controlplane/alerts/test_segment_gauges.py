@@ -130,9 +130,12 @@ def test_rules_and_dashboard_pick_the_whole_deployment_or_the_segments():
 
     from controlplane.alerts.exporter import _families
 
-    segmented = {family.name for family in _families().values()
-                 if "segment" in family._labelnames}
-    assert segmented == set(SEGMENTED)
+    labelled = {family.name for family in _families().values()
+                if "segment" in family._labelnames}
+    # Open alerts carry their segment too, but a sum over them never double counts: each alert
+    # is one series, whatever its segment; only the exit-behaviour gauges repeat the whole.
+    assert labelled == {*SEGMENTED, "exitplane_alerts_open"}
+    segmented = set(SEGMENTED)
     root = Path(__file__).resolve().parents[3] / "dashboards"
     dashboard = json.loads((root / "grafana" / "exitplane.json").read_text())
     exprs = [target["expr"] for panel in dashboard["panels"]
@@ -144,3 +147,25 @@ def test_rules_and_dashboard_pick_the_whole_deployment_or_the_segments():
     assert len(uses) >= 12
     for use in uses:
         assert use.group(2) and re.search(r'segment(=|!=)""', use.group(2)), use.group(0)
+
+
+def test_open_alerts_are_counted_per_segment_and_a_default_alert_keeps_its_series(
+        client, engine, mixed, outbox):
+    from controlplane.alerts import service
+    from controlplane.alerts.service import Condition
+    from controlplane.thresholds.models import Deployment
+
+    with Session(engine) as session:
+        mix = session.query(Deployment).filter_by(name="mix").one()
+        for segment in ("code", "default"):
+            service.fire(session=session, deployment=mix, condition=Condition(
+                kind="quality_regression", severity="critical", segment=segment,
+                summary=f"disagreement above δ on {segment}"))
+        session.commit()
+    scrape = client.get("/metrics").text
+    found = samples(scrape)
+    assert value(found, "exitplane_alerts_open", deployment="mix", kind="quality_regression",
+                 severity="critical", segment="code") == 1
+    # the default segment's alert is exported without a segment label, as before segments
+    assert ('exitplane_alerts_open{deployment="mix",kind="quality_regression",'
+            'segment="",severity="critical"} 1.0') in scrape
