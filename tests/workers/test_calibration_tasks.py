@@ -125,7 +125,8 @@ def test_a_job_waiting_for_data_is_retried_until_the_samples_arrive(engine, stac
         time.sleep(0.5)
         with Session(engine) as session:
             job = session.get(CalibrationJob, job_id)
-    assert job.status == "waiting_for_data"
+    # read between attempts: an attempt in progress shows the job as running
+    assert _wait_for(engine, job_id, statuses=("waiting_for_data",)).status == "waiting_for_data"
     with session_scope(engine) as session:
         write_traffic(session, "chat", signals[200:], matched[200:],
                       start=since + timedelta(minutes=10))
