@@ -29,8 +29,8 @@ test: $(STAMP) services
 	$(PY) -m scripts.import_graph
 	. var/services/env && $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (processes, the real model, over ~1 s): the quick loop,
-# spread over the cores by pytest-xdist (FAST_WORKERS=0 runs it in one process).
+# Everything but the tests marked slow (processes, the real model, seconds of work): the
+# quick loop, spread over the cores by pytest-xdist (FAST_WORKERS=0 runs it in one process).
 FAST_WORKERS ?= auto
 test-fast: $(STAMP) services
 	$(VENV)/bin/ruff check .
