@@ -29,10 +29,12 @@ test: $(STAMP) services
 	$(PY) -m scripts.import_graph
 	. var/services/env && $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (process-level, real model, over ~5 s): the quick loop.
+# Everything but the tests marked slow (processes, the real model, seconds of work): the
+# quick loop, spread over the cores by pytest-xdist (FAST_WORKERS=0 runs it in one process).
+FAST_WORKERS ?= auto
 test-fast: $(STAMP) services
 	$(VENV)/bin/ruff check .
-	. var/services/env && $(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+	. var/services/env && $(VENV)/bin/pytest -m "not slow" -n $(FAST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

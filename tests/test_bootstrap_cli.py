@@ -35,6 +35,7 @@ def _run(env, *args):
                           timeout=120)
 
 
+@pytest.mark.slow  # runs the CLI's process
 def test_deployment_ensure_creates_once_then_is_a_noop(env):
     first = _run(env, *ENSURE)
     assert first.returncode == 0, first.stderr
@@ -55,6 +56,7 @@ def test_deployment_ensure_creates_once_then_is_a_noop(env):
     assert bad.returncode == 2 and "invalid deployment settings" in bad.stderr
 
 
+@pytest.mark.slow  # runs the CLI's process
 def test_token_out_if_missing_writes_once(env, tmp_path):
     assert _run(env, *ENSURE).returncode == 0
     token_file = tmp_path / "bootstrap" / "runtime.token"

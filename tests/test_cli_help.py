@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import version
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from exitplane.cli import main
@@ -73,6 +74,7 @@ def test_corpus_generation_shows_progress(tmp_path, monkeypatch, capsys):
     assert again == sequences
 
 
+@pytest.mark.slow  # runs the CLI's processes
 def test_a_bad_log_setting_is_one_line_not_a_traceback(tmp_path):
     import os
     import subprocess

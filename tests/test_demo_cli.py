@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 
 
+@pytest.mark.slow  # runs the CLI's process
 def test_demo_refuses_a_busy_port(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

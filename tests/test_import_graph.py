@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # scripts/ is not an installed package and pytest runs with --import-mode=importlib (the repo
@@ -18,6 +20,7 @@ _spec.loader.exec_module(_module)
 main = _module.main
 
 
+@pytest.mark.slow  # a process over the whole tree; `make test` and `make lint` also run it
 def test_the_product_code_has_no_cycle_and_no_controlplane_to_workers_import():
     run = subprocess.run([sys.executable, "-m", "scripts.import_graph"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

@@ -35,6 +35,9 @@ log = logging.getLogger("exitplane.coordination")
 CHANNEL_PREFIX = "exitplane:notify:"
 TOPICS = ("revocation", "config")
 EPOCH_TOPICS = ("revocation",)
+# How long the listener blocks on Redis between checks of its stop flag: `close()` (an API
+# process shutting down, or each test app) waits for at most this, not a whole second.
+LISTEN_WAIT_S = 0.1
 
 Listener = Callable[[str | None], None]
 
@@ -178,7 +181,7 @@ class Bus:
                 self._reset_all()  # anything published while we were away was missed
                 self.subscribed.set()
                 while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=1.0)
+                    message = pubsub.get_message(timeout=LISTEN_WAIT_S)
                     if message is None:
                         continue
                     topic = message["channel"].decode().removeprefix(CHANNEL_PREFIX)

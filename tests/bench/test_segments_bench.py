@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from controlplane.stats.synthetic import shadow_samples
 
@@ -56,6 +57,7 @@ def test_request_groups_keep_whole_requests_in_position_order(tmp_path):
     assert (len(mix["chat"]), len(mix["code"])) == (15, 60)
 
 
+@pytest.mark.slow  # runs the bench script's process
 def test_the_bench_prints_its_command_and_one_json_line(tmp_path):
     _records(tmp_path)
     run = subprocess.run(
@@ -76,6 +78,7 @@ def test_the_bench_prints_its_command_and_one_json_line(tmp_path):
     assert report["segments"]["chat"]["calibration_tokens_mean"] == 60 * 32
 
 
+@pytest.mark.slow  # runs the bench script's process
 def test_missing_records_exit_2_with_one_line(tmp_path):
     run = subprocess.run(
         [sys.executable, "-P", "bench/segments.py", "--records-dir", str(tmp_path)],

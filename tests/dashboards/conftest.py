@@ -43,6 +43,11 @@ def _every_ui_test_hashes_quickly(quick_hashing):
 @pytest.fixture
 def people(engine) -> dict[str, str]:
     """One user per role, each named after the role, all with PASSWORD."""
+    return create_people(engine)
+
+
+def create_people(engine) -> dict[str, str]:
+    """Store `people`'s users (username -> role)."""
     with Session(engine) as session:
         for role in ROLES:
             create_user(session=session, username=role, password=PASSWORD, role=role)
@@ -187,20 +192,25 @@ def as_role(ui, people):
 @pytest.fixture
 def firing_alert(engine, settings, seeded) -> int:
     """A distribution-drift alert on layer 6 that fired ten minutes ago, with a report."""
+    return fire_drift_alert(engine, name=seeded.name, reports_dir=settings.var_dir / "reports")
+
+
+def fire_drift_alert(engine, *, name: str, reports_dir) -> int:
+    """Store `firing_alert`'s alert on deployment `name`, its report under `reports_dir`."""
     from datetime import timedelta
 
     from controlplane.alerts.service import Condition, fire
     from controlplane.db import utcnow
 
     with Session(engine) as session:
-        deployment = thresholds.get_deployment(session=session, name=seeded.name)
+        deployment = thresholds.get_deployment(session=session, name=name)
         alert, _ = fire(session=session, deployment=deployment, condition=Condition(
             kind="distribution_drift", severity="warning", layer=6, subject="6",
             summary="signal distribution at layer 6 drifted (PSI 0.31 > 0.2)",
             evidence={"test": "psi", "statistic": 0.31, "threshold": 0.2,
                       "reference": {"minutes": 30}, "current": {"minutes": 10}},
             report_html="<html><body><h1>Evidently report</h1><script>1</script></body></html>"),
-            now=utcnow() - timedelta(minutes=10), reports_dir=settings.var_dir / "reports")
+            now=utcnow() - timedelta(minutes=10), reports_dir=reports_dir)
         session.commit()
         return alert.id
 
@@ -208,8 +218,9 @@ def firing_alert(engine, settings, seeded) -> int:
 @pytest.fixture
 def hook_receiver():
     """A local HTTP endpoint that accepts hook deliveries and remembers them."""
-    import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.conftest import serve_in_thread
 
     received: list[dict] = []
 
@@ -224,8 +235,7 @@ def hook_receiver():
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    serve_in_thread(server)
     server.received = received
     server.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
     yield server
@@ -236,6 +246,11 @@ def hook_receiver():
 @pytest.fixture
 def dead_hook(engine) -> int:
     """A webhook pointing at a closed local port: deliveries fail fast."""
+    return create_dead_hook(engine)
+
+
+def create_dead_hook(engine) -> int:
+    """Store `dead_hook`'s webhook."""
     from controlplane.alerts.hook_service import create_hook
     from tests.conftest import free_port
 
@@ -277,10 +292,15 @@ def calibrated(engine, seeded) -> int:
 @pytest.fixture
 def queued_job(engine, seeded) -> int:
     """A recalibration job that no worker picked up yet (id 1)."""
+    return queue_calibration(engine, name=seeded.name)
+
+
+def queue_calibration(engine, *, name: str) -> int:
+    """Store `queued_job`'s job on deployment `name`."""
     from controlplane.calibration import service as calibration
 
     with Session(engine) as session:
-        deployment = thresholds.get_deployment(session=session, name=seeded.name)
+        deployment = thresholds.get_deployment(session=session, name=name)
         job, _ = calibration.request_calibration(session=session, deployment=deployment,
                                                  actor="user:seed", enqueue=False)
         session.commit()

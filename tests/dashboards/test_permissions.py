@@ -5,14 +5,30 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.auth import users
 from controlplane.auth.models import User
+from controlplane.db import make_engine
 from controlplane.thresholds.models import AuditEvent
-from tests.dashboards.conftest import PASSWORD, csrf_of, sign_in
+from tests.conftest import quick_hasher
+from tests.dashboards.conftest import (
+    PASSWORD,
+    Seeded,
+    create_dead_hook,
+    create_people,
+    csrf_of,
+    fire_drift_alert,
+    queue_calibration,
+    seed_deployment,
+    sign_in,
+)
 
 # (route template, concrete path, form, weakest role allowed)
 ACTIONS = [
@@ -63,13 +79,73 @@ ACTION_IDS = [path.removeprefix("/ui/") for _, path, _, _ in ACTIONS]
 pytestmark = pytest.mark.usefixtures("seeded", "firing_alert", "dead_hook", "queued_job")
 
 
+@dataclass
+class Store:
+    """The store every test here starts from: a SQLite file and the alert reports beside it."""
+
+    path: Path
+    reports: Path
+    seeded: Seeded
+    alert_id: int
+    hook_id: int
+    job_id: int
+    people: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def store(sqlite_template, tmp_path_factory) -> Iterator[Store]:
+    """The seeded deployment, firing alert, dead hook, queued job and people of
+    tests/dashboards/conftest.py, stored once (in the order those fixtures store them) rather
+    than for each of the ~180 tests: each test gets a copy (`db_url`, `firing_alert`)."""
+    folder = tmp_path_factory.mktemp("permissions")
+    path, reports = folder / "seeded.db", folder / "var" / "reports"
+    shutil.copy(sqlite_template, path)
+    engine = make_engine(f"sqlite:///{path}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(users, "_hasher", quick_hasher())  # as the tests' quick_hashing
+        seeded = seed_deployment(engine, minutes=3)  # what `seeded` stores outside the browser
+        alert_id = fire_drift_alert(engine, name=seeded.name, reports_dir=reports)
+        hook_id = create_dead_hook(engine)
+        job_id = queue_calibration(engine, name=seeded.name)
+        people = create_people(engine)
+    engine.dispose()
+    yield Store(path=path, reports=reports, seeded=seeded, alert_id=alert_id, hook_id=hook_id,
+                job_id=job_id, people=people)
+
+
 @pytest.fixture
-def db_url(sqlite_template, tmp_path) -> str:
+def db_url(store, tmp_path) -> str:
     """Roles and CSRF do not depend on the store, so this module runs on SQLite only (the
     action, alert and calibration tests run on every backend)."""
     path = tmp_path / "exitplane.db"
-    shutil.copy(sqlite_template, path)
+    shutil.copy(store.path, path)
     return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def seeded(store) -> Seeded:
+    return store.seeded
+
+
+@pytest.fixture
+def firing_alert(store, settings) -> int:
+    shutil.copytree(store.reports, settings.var_dir / "reports")
+    return store.alert_id
+
+
+@pytest.fixture
+def dead_hook(store) -> int:
+    return store.hook_id
+
+
+@pytest.fixture
+def queued_job(store) -> int:
+    return store.job_id
+
+
+@pytest.fixture
+def people(store) -> dict[str, str]:
+    return store.people
 
 
 def _ui_app(app):

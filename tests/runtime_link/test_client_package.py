@@ -101,6 +101,7 @@ print(json.dumps({{"file": exitplane.wire.__file__,
     assert found["installed"] == [] and found["imported"] == []
 
 
+@pytest.mark.slow  # builds a virtual environment
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_guide_s_decode_loop_runs(client_venv, control_plane, operator, runtime_token,
                                       engine, tmp_path):

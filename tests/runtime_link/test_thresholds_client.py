@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import ThresholdSetWire, threshold_checksum
-from tests.conftest import wait_until
+from tests.conftest import serve_in_thread, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -104,8 +103,7 @@ class TamperingProxy:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.thread = serve_in_thread(self.server)
 
     @property
     def url(self) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import socket
 import ssl
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -21,7 +20,7 @@ from controlplane.alerts import delivery_service, hook_service, hooks
 from controlplane.alerts.guard import AllowList, HookGuard
 from controlplane.keys import vault
 from controlplane.settings import Settings
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_in_thread
 from tests.controlplane.alerts.support import make_deployment
 
 BASE = "http://exitplane.test"
@@ -91,7 +90,7 @@ class Server:
         if tls is not None:
             self.http.socket = tls.wrap_socket(self.http.socket, server_side=True)
         self.port = self.http.server_address[1]
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        serve_in_thread(self.http)
 
     def stop(self) -> None:
         self.http.shutdown()

@@ -19,7 +19,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +35,7 @@ from controlplane.alerts.models import AlertHook
 from controlplane.auth.users import create_user
 from controlplane.db import make_engine
 from controlplane.settings import Settings
-from tests.conftest import BACKENDS, free_port
+from tests.conftest import BACKENDS, free_port, serve_in_thread
 
 pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
@@ -97,8 +96,7 @@ class EchoingReceiver(BaseHTTPRequestHandler):
 @pytest.fixture
 def receiver() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), EchoingReceiver)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    serve_in_thread(server)
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()

@@ -119,6 +119,7 @@ def test_a_cookie_signed_with_the_old_constant_is_refused_and_the_key_survives_r
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
 
 
+@pytest.mark.slow  # runs the CLI's process
 def test_a_short_secret_on_a_public_address_refuses_to_start(tmp_path):
     refused = _cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
                    _env(tmp_path / "var", EXITPLANE_SECRET_KEY="too-short"))
@@ -155,6 +156,7 @@ def test_no_constant_in_the_code_signs():
     assert Settings.model_fields["secret_key"].default == ""
 
 
+@pytest.mark.slow  # six Python processes
 def test_processes_starting_together_share_one_generated_key(tmp_path):
     """API, worker and beat start at once on a fresh var dir: one key wins, all read it."""
     var_dir = tmp_path / "var"

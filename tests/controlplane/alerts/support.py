@@ -4,7 +4,6 @@ and a real HTTP receiver on loopback that records what hooks send."""
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.schemas import DeploymentCreate
 from controlplane.thresholds.service import create_deployment, move_alias, publish
 from exitplane.wire import TelemetryBatch
+from tests.conftest import serve_in_thread
 
 LAYERS = [4, 8, 12]
 FULL = 16
@@ -136,7 +136,7 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
         return self
 
     def stop(self) -> None:

@@ -49,11 +49,13 @@ def _assert_fallback_installed(found: dict) -> None:
     assert found["after"]["canary_failed"] == []
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_create_app_installs_the_fallback(tmp_path):
     _assert_fallback_installed(_registered_after(
         "from controlplane.app import create_app\ncreate_app()\ncreate_app()", tmp_path))
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_the_celery_worker_app_installs_the_fallback(tmp_path):
     _assert_fallback_installed(_registered_after("import workers.app", tmp_path))
 

@@ -125,6 +125,7 @@ def test_whole_requests_go_to_the_check_side_together():
     assert result.pooled.samples["total"] == 3000 - 30 * 30
 
 
+@pytest.mark.slow  # repeated calibration trials: ~7 s
 def test_every_segment_is_within_delta_jointly_in_at_least_one_minus_epsilon_of_trials():
     """Joint coverage: the share of trials where any segment's true risk (on 100,000 fresh
     tokens of that segment) exceeds δ stays <= ε (+ slack for 60 trials). The foil, one pooled

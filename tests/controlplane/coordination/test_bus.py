@@ -49,6 +49,7 @@ def test_notices_wait_for_the_commit(engine):
         notify_after_commit(session=Session(engine), topic="nonsense", message="x")
 
 
+@pytest.mark.slow  # a redis-server process, killed and restarted
 def test_other_processes_hear_through_redis_and_reset_after_an_outage(private_redis):
     sender, receiver = Bus(redis_url=private_redis.url), Bus(redis_url=private_redis.url)
     heard = Heard()
@@ -69,6 +70,7 @@ def test_other_processes_hear_through_redis_and_reset_after_an_outage(private_re
         sender.close()
 
 
+@pytest.mark.slow  # a redis-server and a Python process
 def test_long_polls_reread_the_store_while_redis_is_away(settings, engine, tokens,
                                                          private_redis, tmp_path):
     """A move whose notice cannot travel (Redis is down) still reaches a waiting long-poll,
