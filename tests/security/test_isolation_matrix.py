@@ -121,6 +121,8 @@ API: dict[str, tuple[str, Call]] = {
         "/v1/deployments/alpha/telemetry/signal-histogram")),
     "GET /v1/deployments/{name}/telemetry/count": ("runtime", Call(
         "/v1/deployments/alpha/telemetry/count")),
+    "GET /v1/deployments/{name}/segments": ("runtime", Call(
+        "/v1/deployments/alpha/segments")),
     # tokens
     "POST /v1/tokens": ("admin", Call("/v1/tokens", {"name": "ci", "scope": "operator"})),
     "GET /v1/tokens": ("admin", Call("/v1/tokens")),
