@@ -310,8 +310,10 @@ def background_workers(*, enabled: bool):
 def demo(quick: bool, serve: bool, port: int, story: str) -> None:
     """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
     from exitplane.demo import run_demo
+    from exitplane.demo_segments import segments_story
 
-    sys.exit(run_demo(quick=quick, serve=serve, port=port, story=story))
+    told = segments_story if story == "segments" else None
+    sys.exit(run_demo(quick=quick, serve=serve, port=port, story=told))
 
 
 @main.command()
