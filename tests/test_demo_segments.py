@@ -36,6 +36,15 @@ def test_judge_closes_the_loop_per_segment():
     assert checks["chat keeps exiting during code's fallback"][0]
     assert "6 code within δ" in checks and "3 chat within δ" in checks
     assert "4 code within δ" not in checks  # the drift itself is judged by the loop
+    assert "4 chat within δ" in checks and "5 chat within δ" in checks
+
+
+def test_judge_fails_when_chat_pays_for_codes_drift():
+    story = _story((300, 120, 100, 4))
+    story[2] = _phase("4 code drifts", chat=(300, 160, 89, 14), code=(300, 160, 100, 30))
+    checks = judge(story, delta=0.05, epsilon=0.1)
+    assert not checks["4 chat within δ"][0]
+    assert checks["6 code within δ"][0]
 
 
 def test_judge_fails_when_code_disagrees_after_recalibration():
