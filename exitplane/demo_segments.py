@@ -8,33 +8,29 @@ batches and each row applies its own segment's thresholds. The story:
    segment (`calibrate_segments`, ε split across the segments) and publishes one version;
 2. the mix shifts from mostly chat to mostly code: each segment keeps its δ on its own, so
    nothing falls back and the active version stays;
-3. code's prompts drift to another source (`DRIFT_SOURCES`): the workers see it on code alone,
-   publish a version where only code's map falls back while chat keeps exiting, and recalibrate
-   code on code's shadow tokens only;
+3. code's traffic drifts from programming questions (chat template, `CODE_QUESTION`) to raw
+   Python source sent for completion (an editor plugin on the same route): the workers see it
+   on code alone, publish a version where only code's map falls back while chat keeps exiting,
+   and recalibrate code on code's shadow tokens only;
 4. the report gives, per phase and segment, exit rate, disagreement and versions, and says
    "loop closed" with the default story's judgement (one-sided Clopper-Pearson lower bound).
 """
 
 from __future__ import annotations
 
-import ast
-import sysconfig
+import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import click
 
 from exitplane.demo import PhaseStats, _wait, _wait_job
 
 SEGMENTS = ("chat", "code")
-# The drift within code: module and function docstrings of standard-library modules the heads
-# were not trained on, i.e. English prose a caller labels `code` (documentation questions sent
-# through the code route), the kind of shift a segment's own traffic goes through.
-DRIFT_SOURCES = ("argparse.py", "logging/__init__.py", "subprocess.py", "pathlib.py",
-                 "collections/__init__.py", "functools.py", "typing.py", "unittest/case.py",
-                 "email/message.py", "http/client.py", "zipfile.py", "json/__init__.py",
-                 "tarfile.py", "inspect.py", "datetime.py", "decimal.py")
+# Chat prompts about programming: the `code` segment's traffic before its drift (a coding
+# assistant's questions, answered in the chat template); the others are the `chat` segment's.
+CODE_QUESTION = re.compile(r"\b(python|code|codes|function|program|programming|sql|git|api|json|"
+                           r"class|closure|variable|loop|list|string)\b", re.IGNORECASE)
 
 
 @dataclass
@@ -52,24 +48,6 @@ class SegmentPhase:
     @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.by_segment.values())
-
-
-def drift_prompts(tokenizer, count: int, tokens: int = 96) -> list[list[int]]:
-    """Openings of the docstring prose of `DRIFT_SOURCES` (the prompts code drifts to)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    for name in DRIFT_SOURCES:
-        path = root / name
-        if not path.exists():
-            continue
-        tree = ast.parse(path.read_text(errors="replace"))
-        docs = [ast.get_docstring(node) for node in ast.walk(tree)
-                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)]
-        ids = tokenizer("\n\n".join(d for d in docs if d and len(d) > 80)[:4000],
-                        add_special_tokens=False)["input_ids"]
-        if len(ids) >= tokens:
-            prompts.append(ids[:tokens])
-    return (prompts * (count // max(1, len(prompts)) + 1))[:count]
 
 
 def mix(chat: list, code: list, code_share: float, cursor: int, size: int = 4) -> list:
@@ -122,10 +100,10 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     """The segments story (module docstring); 0 when the loop closed."""
     from exitplane.demo import _code_prompts
 
-    chat = [corpus.chat_prompt_ids(tokenizer, p)
-            for p in corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS]
-    code = _code_prompts(tokenizer, 64)
-    drifted = drift_prompts(tokenizer, 64)
+    prompts = corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS
+    chat = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts if not CODE_QUESTION.search(p)]
+    code = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts if CODE_QUESTION.search(p)]
+    drifted = _code_prompts(tokenizer, 64)
     new_tokens = 48 if quick else 64
     phase_tokens = 300 if quick else 600
     phases: list[SegmentPhase] = []
@@ -229,8 +207,8 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
 
     # 3. Code's prompts drift to docstring prose; chat goes on as before.
-    timeline.mark("code traffic drifts: documentation prose sent as `code`")
-    drift = SegmentPhase("4 code drifts (80% code, prose)", code_share=0.8)
+    timeline.mark("code traffic drifts: raw Python source sent for completion as `code`")
+    drift = SegmentPhase("4 code drifts (80%, raw source)", code_share=0.8)
     phases.append(drift)
     if not serve_until(drift, drifted, lambda: active_version() != version_a, 420):
         timeline.mark("no drift reaction within the time limit")
@@ -252,7 +230,8 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"{_short(after['segments'].get('code'))}")
 
     # 4. Fallback: code collects shadow samples for its recalibration, chat keeps exiting.
-    runtime.engine.config.shadow_rate = 0.5
+    # Enough of code's tokens shadowed for its recalibration; a quarter of chat's still served.
+    runtime.engine.config.shadow_rate = 0.75
     fallback = SegmentPhase("5 code fallback (collecting samples)", code_share=0.8)
     phases.append(fallback)
     noted: set[int] = set()

@@ -58,3 +58,15 @@ def test_judge_fails_when_code_does_not_exit_again_or_the_story_stopped():
                      epsilon=0.1)["code exits again after recalibration"][0]
     stopped = judge(_story((300, 120, 100, 4))[:3], delta=0.05, epsilon=0.1)
     assert not stopped["story reached the recalibrated phase"][0]
+
+
+def test_programming_questions_are_the_code_segment_and_the_rest_chat():
+    from exitplane.demo_segments import CODE_QUESTION
+    from runtime import corpus
+
+    prompts = corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS
+    code = [p for p in prompts if CODE_QUESTION.search(p)]
+    assert "How do I read a CSV file in Python?" in code
+    assert "Write a haiku about autumn leaves." not in code
+    assert "What is the capital of Japan, and what is it known for?" not in code  # not 'api'
+    assert 20 <= len(code) <= len(prompts) - 20  # both segments get enough distinct prompts
