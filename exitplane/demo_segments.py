@@ -8,17 +8,15 @@ batches and each row applies its own segment's thresholds. The story:
    segment (`calibrate_segments`, ε split across the segments) and publishes one version;
 2. the mix shifts from mostly chat to mostly code: each segment keeps its δ on its own, so
    nothing falls back and the active version stays;
-3. code's traffic drifts from programming questions (chat template, `CODE_QUESTION`) to raw
-   Python source sent for completion (an editor plugin on the same route): the workers see it
-   on code alone, publish a version where only code's map falls back while chat keeps exiting,
-   and recalibrate code on code's shadow tokens only;
+3. chat's traffic drifts (`DRIFTING`): its users paste raw Python source for the assistant to
+   continue; the workers see it on chat alone, publish a version where only chat's map falls
+   back while code (`STEADY`) keeps exiting, and recalibrate chat on chat's shadow tokens only;
 4. the report gives, per phase and segment, exit rate, disagreement and versions, and says
    "loop closed" with the default story's judgement (one-sided Clopper-Pearson lower bound).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -27,10 +25,12 @@ import click
 from exitplane.demo import PhaseStats, _wait, _wait_job
 
 SEGMENTS = ("chat", "code")
-# Chat prompts about programming: the `code` segment's traffic before its drift (a coding
-# assistant's questions, answered in the chat template); the others are the `chat` segment's.
-CODE_QUESTION = re.compile(r"\b(python|code|codes|function|program|programming|sql|git|api|json|"
-                           r"class|closure|variable|loop|list|string)\b", re.IGNORECASE)
+# The segment whose traffic drifts, and the one that must not notice. Chat drifts, not code:
+# on the real run a map calibrated on raw source (code's) exits ~9% of tokens with thresholds
+# near 1, and neither docstring prose nor C headers nor other code crossed δ under it, while
+# chat's map (~50% exits) on raw source disagrees ~29% (the default story's drift), so that
+# is the drift that reliably needs a fallback.
+DRIFTING, STEADY = "chat", "code"
 
 
 @dataclass
@@ -100,10 +100,10 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     """The segments story (module docstring); 0 when the loop closed."""
     from exitplane.demo import _code_prompts
 
-    prompts = corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS
-    chat = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts if not CODE_QUESTION.search(p)]
-    code = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts if CODE_QUESTION.search(p)]
-    drifted = _code_prompts(tokenizer, 64)
+    chat = [corpus.chat_prompt_ids(tokenizer, p)
+            for p in corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS]
+    code = _code_prompts(tokenizer, 64)
+    pasted = code  # what chat drifts to: source pasted into the chat route, no template
     new_tokens = 48 if quick else 64
     phase_tokens = 300 if quick else 600
     phases: list[SegmentPhase] = []
@@ -129,11 +129,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     def active_version() -> int:
         return api.get("/v1/deployments/demo").json()["aliases"]["active"]
 
-    def serve_until(phase: SegmentPhase, code_prompts, done, timeout: float) -> bool:
+    def serve_until(phase: SegmentPhase, chat_prompts, done, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         cursor = 0
         while time.monotonic() < deadline:
-            run_mixed(runtime, phase, mix(chat, code_prompts, phase.code_share, cursor),
+            run_mixed(runtime, phase, mix(chat_prompts, code, phase.code_share, cursor),
                       new_tokens, thresholds_of)
             cursor += 4
             if done():
@@ -161,7 +161,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         # Each segment's LTT runs at ε/k: on one min_samples' worth it certified nothing
         # (real run: 384 tokens each, nothing; 672 each, both maps), so start at two.
         need = (attempt + 1) * min_samples + 40
-        serve_until(warmup, code, lambda n=need: all(
+        serve_until(warmup, chat, lambda n=need: all(
             warmup.stats(s).shadow >= n for s in SEGMENTS), 900)
         runtime.shipper.flush(30)
         job = api.post("/v1/deployments/demo/calibrations", json={
@@ -192,11 +192,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     runtime.engine.config.shadow_rate = 0.25
     chat_heavy = SegmentPhase("2 mostly chat (20% code)", code_share=0.2)
     phases.append(chat_heavy)
-    serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= phase_tokens, 600)
+    serve_until(chat_heavy, chat, lambda: chat_heavy.tokens >= phase_tokens, 600)
     timeline.mark("the mix shifts to mostly code (80%)")
     code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=0.8)
     phases.append(code_heavy)
-    serve_until(code_heavy, code, lambda: code_heavy.tokens >= phase_tokens, 600)
+    serve_until(code_heavy, chat, lambda: code_heavy.tokens >= phase_tokens, 600)
     runtime.shipper.flush(30)
     time.sleep(12)  # two drift checks (every 5 s) over the shifted mix
     still = active_version()
@@ -206,11 +206,12 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"active v{still} (calibrated v{version_a}), {len(alerts)} alert(s)")
     timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
 
-    # 3. Code's prompts drift to docstring prose; chat goes on as before.
-    timeline.mark("code traffic drifts: raw Python source sent for completion as `code`")
-    drift = SegmentPhase("4 code drifts (80%, raw source)", code_share=0.8)
+    # 3. Chat's traffic drifts to pasted source (the mix settles at half and half, so that chat
+    # has the tokens for its recalibration); code goes on as before.
+    timeline.mark(f"{DRIFTING} traffic drifts: raw Python source pasted into chat requests")
+    drift = SegmentPhase(f"4 {DRIFTING} drifts (50/50 mix)", code_share=0.5)
     phases.append(drift)
-    if not serve_until(drift, drifted, lambda: active_version() != version_a, 420):
+    if not serve_until(drift, pasted, lambda: active_version() != version_a, 420):
         timeline.mark("no drift reaction within the time limit")
         return finish(False)
     version_f = active_version()
@@ -219,20 +220,20 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     timeline.mark(f"drift detected ({', '.join(f'{k} on {s}' for k, s in named)}); "
                   f"v{version_f} active ({threshold_set(version_f)['origin']})")
     before, after = threshold_set(version_a), threshold_set(version_f)
-    checks["alert names segment code (and only code)"] = (
-        bool(named) and {s for _, s in named} == {"code"}, str(named))
-    checks["fallback changes code's map only"] = (
-        after["segments"].get("code") != before["segments"].get("code")
+    checks[f"alert names segment {DRIFTING} (and only {DRIFTING})"] = (
+        bool(named) and {s for _, s in named} == {DRIFTING}, str(named))
+    checks[f"fallback changes {DRIFTING}'s map only"] = (
+        after["segments"].get(DRIFTING) != before["segments"].get(DRIFTING)
         and after["default"] == before["default"]
-        and {k: v for k, v in after["segments"].items() if k != "code"}
-        == {k: v for k, v in before["segments"].items() if k != "code"},
-        f"v{version_a} -> v{version_f}: code {_short(before['segments'].get('code'))} -> "
-        f"{_short(after['segments'].get('code'))}")
+        and {k: v for k, v in after["segments"].items() if k != DRIFTING}
+        == {k: v for k, v in before["segments"].items() if k != DRIFTING},
+        f"v{version_a} -> v{version_f}: {DRIFTING} {_short(before['segments'].get(DRIFTING))}"
+        f" -> {_short(after['segments'].get(DRIFTING))}")
 
-    # 4. Fallback: code collects shadow samples for its recalibration, chat keeps exiting.
-    # Enough of code's tokens shadowed for its recalibration; a quarter of chat's still served.
+    # 4. Fallback: chat collects shadow samples for its recalibration, code keeps exiting (a
+    # quarter of its tokens are still served).
     runtime.engine.config.shadow_rate = 0.75
-    fallback = SegmentPhase("5 code fallback (collecting samples)", code_share=0.8)
+    fallback = SegmentPhase(f"5 {DRIFTING} fallback (collecting samples)", code_share=0.5)
     phases.append(fallback)
     noted: set[int] = set()
 
@@ -248,23 +249,24 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
                           f"waits for more samples ({jobs[0]['status_reason'][:70]}...)")
         return False
 
-    if not serve_until(fallback, drifted, recalibrated, 900):
+    if not serve_until(fallback, pasted, recalibrated, 900):
         timeline.mark("recalibration did not publish within the time limit")
         return finish(False)
     version_b = active_version()
     recal = threshold_set(version_b)
-    checks["recalibration replaces code's map only"] = (
+    checks[f"recalibration replaces {DRIFTING}'s map only"] = (
         recal["default"] == before["default"]
-        and {k: v for k, v in recal["segments"].items() if k != "code"}
-        == {k: v for k, v in before["segments"].items() if k != "code"},
-        f"v{version_b}: code {_short(recal['segments'].get('code'))}, chat unchanged")
+        and {k: v for k, v in recal["segments"].items() if k != DRIFTING}
+        == {k: v for k, v in before["segments"].items() if k != DRIFTING},
+        f"v{version_b}: {DRIFTING} {_short(recal['segments'].get(DRIFTING))}, "
+        f"{STEADY} unchanged")
     _wait(lambda: runtime.client.applied_version == version_b, 60, lambda: time.sleep(0.5))
     timeline.mark(f"recalibrated version {version_b} active and applied by the runtime")
 
     runtime.engine.config.shadow_rate = 0.25
-    recovered = SegmentPhase("6 code recalibrated", code_share=0.8)
+    recovered = SegmentPhase(f"6 {DRIFTING} recalibrated", code_share=0.5)
     phases.append(recovered)
-    serve_until(recovered, drifted, lambda: recovered.tokens >= phase_tokens, 600)
+    serve_until(recovered, pasted, lambda: recovered.tokens >= phase_tokens, 600)
     return finish(True)
 
 
@@ -282,30 +284,31 @@ def _short(layers: dict[int, float] | None) -> str:
 
 
 def judge(phases: list[SegmentPhase], delta: float, epsilon: float) -> dict[str, tuple[bool, str]]:
-    """The statistical part of "loop closed": code exits more after its recalibration than
-    during its fallback, and no phase's served segment shows disagreement above δ at 1 - ε
-    (one-sided Clopper-Pearson lower bound, as the default story judges its last phase; code
-    is not judged while it drifts or falls back); chat exits during code's fallback."""
+    """The statistical part of "loop closed": the drifting segment exits more after its
+    recalibration than during its fallback, and no phase's served segment shows disagreement
+    above δ at 1 - ε (one-sided Clopper-Pearson lower bound, as the default story judges its
+    last phase; the drifting segment is not judged while it drifts or falls back); the steady
+    segment exits during the fallback."""
     from controlplane.stats.clustered import clopper_pearson
 
     by_name = {p.name.split(" ")[0]: p for p in phases}
     out: dict[str, tuple[bool, str]] = {}
     fallback, recovered = by_name.get("5"), by_name.get("6")
     if fallback and recovered:
-        before, after = fallback.stats("code"), recovered.stats("code")
-        out["code exits again after recalibration"] = (
+        before, after = fallback.stats(DRIFTING), recovered.stats(DRIFTING)
+        out[f"{DRIFTING} exits again after recalibration"] = (
             after.exit_rate > before.exit_rate,
             f"{before.exit_rate:.1%} in fallback -> {after.exit_rate:.1%}")
-        chat = fallback.stats("chat")
-        out["chat keeps exiting during code's fallback"] = (
-            chat.exit_rate > 0, f"chat exit rate {chat.exit_rate:.1%}")
+        steady = fallback.stats(STEADY)
+        out[f"{STEADY} keeps exiting during {DRIFTING}'s fallback"] = (
+            steady.exit_rate > 0, f"{STEADY} exit rate {steady.exit_rate:.1%}")
     else:
         out["story reached the recalibrated phase"] = (False, "it stopped earlier")
     for phase in phases:
         step = phase.name.split(" ")[0]
-        # Not judged: the never-exit warm-up, and code while it drifts or falls back (the loop
-        # judges those). Chat is judged in every serving phase: code's drift must not cost it.
-        judged = {"2": SEGMENTS, "3": SEGMENTS, "4": ("chat",), "5": ("chat",),
+        # Not judged: the never-exit warm-up, and the drifting segment while it drifts or falls
+        # back (the loop judges those). The steady one is judged in every serving phase.
+        judged = {"2": SEGMENTS, "3": SEGMENTS, "4": (STEADY,), "5": (STEADY,),
                   "6": SEGMENTS}.get(step, ())
         for segment in judged:
             stats = phase.stats(segment)

@@ -22,51 +22,40 @@ def _phase(name: str, **segments: tuple[int, int, int, int]) -> SegmentPhase:
     return phase
 
 
-def _story(recovered_code: tuple[int, int, int, int]) -> list[SegmentPhase]:
-    return [_phase("2 mostly chat", chat=(300, 150, 100, 3), code=(75, 40, 25, 0)),
-            _phase("3 mostly code", chat=(75, 38, 25, 1), code=(300, 160, 100, 2)),
-            _phase("4 code drifts", chat=(75, 38, 25, 1), code=(300, 160, 100, 30)),
-            _phase("5 code fallback", chat=(75, 30, 75, 2), code=(300, 0, 300, 0)),
-            _phase("6 code recalibrated", chat=(75, 38, 25, 1), code=recovered_code)]
+def _story(recovered_chat: tuple[int, int, int, int]) -> list[SegmentPhase]:
+    """Phases as the story names them; chat drifts in phase 4 (served, exits, shadow, bad)."""
+    return [_phase("2 mostly chat", chat=(300, 150, 100, 3), code=(75, 10, 25, 0)),
+            _phase("3 mostly code", chat=(75, 38, 25, 1), code=(300, 30, 100, 2)),
+            _phase("4 chat drifts", chat=(150, 90, 50, 15), code=(150, 15, 50, 1)),
+            _phase("5 chat fallback", chat=(75, 0, 225, 0), code=(75, 8, 225, 3)),
+            _phase("6 chat recalibrated", chat=recovered_chat, code=(150, 15, 50, 1))]
 
 
 def test_judge_closes_the_loop_per_segment():
     checks = judge(_story((300, 120, 100, 4)), delta=0.05, epsilon=0.1)
     assert all(passed for passed, _ in checks.values()), checks
-    assert checks["chat keeps exiting during code's fallback"][0]
-    assert "6 code within δ" in checks and "3 chat within δ" in checks
-    assert "4 code within δ" not in checks  # the drift itself is judged by the loop
-    assert "4 chat within δ" in checks and "5 chat within δ" in checks
+    assert checks["code keeps exiting during chat's fallback"][0]
+    assert "6 chat within δ" in checks and "3 code within δ" in checks
+    assert "4 chat within δ" not in checks  # the drift itself is judged by the loop
+    assert "4 code within δ" in checks and "5 code within δ" in checks
 
 
-def test_judge_fails_when_chat_pays_for_codes_drift():
+def test_judge_fails_when_the_steady_segment_pays_for_the_drift():
     story = _story((300, 120, 100, 4))
-    story[2] = _phase("4 code drifts", chat=(300, 160, 89, 14), code=(300, 160, 100, 30))
+    story[2] = _phase("4 chat drifts", chat=(150, 90, 50, 15), code=(300, 160, 89, 14))
     checks = judge(story, delta=0.05, epsilon=0.1)
-    assert not checks["4 chat within δ"][0]
-    assert checks["6 code within δ"][0]
+    assert not checks["4 code within δ"][0]
+    assert checks["6 chat within δ"][0]
 
 
-def test_judge_fails_when_code_disagrees_after_recalibration():
+def test_judge_fails_when_chat_disagrees_after_recalibration():
     checks = judge(_story((300, 120, 100, 20)), delta=0.05, epsilon=0.1)
-    assert not checks["6 code within δ"][0]
-    assert checks["code exits again after recalibration"][0]
+    assert not checks["6 chat within δ"][0]
+    assert checks["chat exits again after recalibration"][0]
 
 
-def test_judge_fails_when_code_does_not_exit_again_or_the_story_stopped():
+def test_judge_fails_when_chat_does_not_exit_again_or_the_story_stopped():
     assert not judge(_story((300, 0, 100, 0)), delta=0.05,
-                     epsilon=0.1)["code exits again after recalibration"][0]
+                     epsilon=0.1)["chat exits again after recalibration"][0]
     stopped = judge(_story((300, 120, 100, 4))[:3], delta=0.05, epsilon=0.1)
     assert not stopped["story reached the recalibrated phase"][0]
-
-
-def test_programming_questions_are_the_code_segment_and_the_rest_chat():
-    from exitplane.demo_segments import CODE_QUESTION
-    from runtime import corpus
-
-    prompts = corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS
-    code = [p for p in prompts if CODE_QUESTION.search(p)]
-    assert "How do I read a CSV file in Python?" in code
-    assert "Write a haiku about autumn leaves." not in code
-    assert "What is the capital of Japan, and what is it known for?" not in code  # not 'api'
-    assert 20 <= len(code) <= len(prompts) - 20  # both segments get enough distinct prompts
