@@ -172,11 +172,18 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
                       "code shadow tokens")
         done = _wait_job(api, job["id"], timeout=300)
         per_segment = (done.get("summary") or {}).get("segments") or {}
-        if done.get("result_version") is not None:
+        for name, what in sorted(per_segment.items()):
+            timeline.mark(f"  segment {name}: {_describe(what)}")
+        own = all((per_segment.get(s) or {}).get("source") == "segment" for s in SEGMENTS)
+        if done.get("result_version") is not None and own:
             version_a = done["result_version"]
-            for name, what in sorted(per_segment.items()):
-                timeline.mark(f"  segment {name}: {_describe(what)}")
             break
+        if done.get("result_version") is not None:
+            # A segment that got the pooled or never-exit set has nothing to tell in this story
+            # (its drift could not cost quality); calibrate again on more of its tokens.
+            timeline.mark(f"v{done['result_version']} does not give every segment a map of its "
+                          "own; collecting more shadow samples")
+            continue
         timeline.mark(f"job {job['id']} published nothing ({done.get('status_reason')}); "
                       "collecting more shadow samples")
     if version_a is None:
