@@ -304,11 +304,16 @@ def background_workers(*, enabled: bool):
               help="keep the control plane and its UI up after the summary")
 @click.option("--port", type=int, default=8000, show_default=True,
               help="port of the control plane and its UI")
-def demo(quick: bool, serve: bool, port: int) -> None:
+@click.option("--story", type=click.Choice(["default", "segments"]), default="default",
+              show_default=True, help="segments: chat and code as two traffic segments; a drift "
+              "within code falls back and recalibrates code alone (issue 18)")
+def demo(quick: bool, serve: bool, port: int, story: str) -> None:
     """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
     from exitplane.demo import run_demo
+    from exitplane.demo_segments import segments_story
 
-    sys.exit(run_demo(quick=quick, serve=serve, port=port))
+    told = segments_story if story == "segments" else None
+    sys.exit(run_demo(quick=quick, serve=serve, port=port, story=told))
 
 
 @main.command()

@@ -234,8 +234,10 @@ def _wait(predicate, timeout: float, step) -> bool:
     return False
 
 
-def run_demo(*, quick: bool, serve: bool, port: int) -> int:
-    """Run the story end to end; returns 0 when every step of the loop was seen."""
+def run_demo(*, quick: bool, serve: bool, port: int, story=None) -> int:
+    """Run the story end to end; returns 0 when every step of the loop was seen. `story`: the
+    function that tells it on the set-up control plane and runtime (`_story`'s arguments),
+    this module's story by default (`exitplane.demo_segments.segments_story`: issue 18)."""
     import torch
 
     from runtime import corpus
@@ -289,10 +291,11 @@ def run_demo(*, quick: bool, serve: bool, port: int) -> int:
         timeline.mark(f"deployment 'demo' created (δ={delta}, ε={epsilon}, policy auto)")
         runtime = Runtime(model=model, heads=heads, cp_url=cp.url, deployment="demo",
                           token=runtime_token, state_dir=demo_dir / "runtime", shadow_rate=1.0)
-        return _story(cp=cp, api=api, runtime=runtime, tokenizer=tokenizer, corpus=corpus,
-                      timeline=timeline, quick=quick, delta=delta, epsilon=epsilon,
-                      min_samples=min_samples,
-                      serve=serve)
+        tell = story or _story
+        return tell(cp=cp, api=api, runtime=runtime, tokenizer=tokenizer, corpus=corpus,
+                    timeline=timeline, quick=quick, delta=delta, epsilon=epsilon,
+                    min_samples=min_samples,
+                    serve=serve)
     finally:
         if runtime is not None:
             runtime.close()

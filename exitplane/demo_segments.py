@@ -1,0 +1,355 @@
+"""`exitplane demo --story segments`: one deployment, two traffic segments (issue 18 point 5).
+
+The same control plane and in-process runtime as the default story (`exitplane.demo`); every
+request carries its segment (`Engine.add_request(..., segment=)`), chat and code rows share
+batches and each row applies its own segment's thresholds. The story:
+
+1. chat and code traffic, all shadow; one whole-deployment calibration certifies a map per
+   segment (`calibrate_segments`, ε split across the segments) and publishes one version;
+2. the mix shifts from mostly chat to mostly code: each segment keeps its δ on its own, so
+   nothing falls back and the active version stays;
+3. chat's traffic drifts (`DRIFTING`): its users paste raw Python source for the assistant to
+   continue; the workers see it on chat alone, publish a version where only chat's map falls
+   back while code (`STEADY`) keeps exiting, and recalibrate chat on chat's shadow tokens only;
+4. the report gives, per phase and segment, exit rate, disagreement and versions, and says
+   "loop closed" with the default story's judgement (one-sided Clopper-Pearson lower bound).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import click
+
+from exitplane.demo import PhaseStats, _wait, _wait_job
+
+SEGMENTS = ("chat", "code")
+# The segment whose traffic drifts, and the one that must not notice. Chat drifts, not code:
+# on the real run a map calibrated on raw source (code's) exits ~9% of tokens with thresholds
+# near 1, and neither docstring prose nor C headers nor other code crossed δ under it, while
+# chat's map (~50% exits) on raw source disagrees ~29% (the default story's drift), so that
+# is the drift that reliably needs a fallback.
+DRIFTING, STEADY = "chat", "code"
+
+
+@dataclass
+class SegmentPhase:
+    """One phase of the story: its own stats per segment, the share of code in its mix."""
+
+    name: str
+    code_share: float
+    by_segment: dict[str, PhaseStats] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def stats(self, segment: str) -> PhaseStats:
+        return self.by_segment.setdefault(segment, PhaseStats(f"{self.name} [{segment}]"))
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.by_segment.values())
+
+
+def mix(chat: list, code: list, code_share: float, cursor: int, size: int = 4) -> list:
+    """`size` (prompt, segment) pairs with about `code_share` of code, round robin; a batch
+    mixes both segments, so each row applies its own segment's map."""
+    items = []
+    for i in range(size):
+        n = cursor + i
+        is_code = int((n + 1) * code_share) > int(n * code_share)
+        source, segment = (code, "code") if is_code else (chat, "chat")
+        items.append((source[n % len(source)], segment))
+    return items
+
+
+def run_mixed(runtime, phase: SegmentPhase, items: list, max_new_tokens: int,
+              thresholds_of) -> None:
+    """Generate (prompt, segment) pairs in one batch; each record counts for its segment, and
+    a shadow token disagrees when its version's map for its segment would have exited where
+    top-1 differed (as `Runtime.run` judges the default story)."""
+    engine = runtime.engine
+    num_layers = engine.parts.num_layers
+    before = len(runtime.records)
+    started = time.perf_counter()
+    for prompt, segment in items:
+        engine.add_request(prompt, max_new_tokens=max_new_tokens, segment=segment)
+    while engine.has_work:
+        engine.step()
+    elapsed = time.perf_counter() - started
+    phase.seconds += elapsed
+    for record in runtime.records[before:]:
+        stats = phase.stats(record.segment)
+        stats.tokens += 1
+        stats.versions.add(record.threshold_version)
+        if record.shadow is None:
+            stats.served += 1
+            stats.depth_sum += record.exit_layer
+            stats.exits += record.exit_layer < num_layers
+            continue
+        stats.shadow += 1
+        thresholds = thresholds_of(record.threshold_version, record.segment)
+        exit_point = next((p for p in sorted(record.shadow, key=lambda p: p.layer)
+                           if p.signal > thresholds.get(p.layer, 1.0)), None)
+        stats.disagreements += exit_point is not None and not exit_point.matched
+    for segment in {segment for _, segment in items}:
+        phase.stats(segment).seconds += elapsed  # the batch both segments shared
+
+
+def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, epsilon,
+                   min_samples, serve) -> int:
+    """The segments story (module docstring); 0 when the loop closed."""
+    from exitplane.demo import _code_prompts
+
+    chat = [corpus.chat_prompt_ids(tokenizer, p)
+            for p in corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS]
+    code = _code_prompts(tokenizer, 64)
+    pasted = code  # what chat drifts to: source pasted into the chat route, no template
+    new_tokens = 48 if quick else 64
+    phase_tokens = 300 if quick else 600
+    phases: list[SegmentPhase] = []
+    checks: dict[str, tuple[bool, str]] = {}
+    sets: dict[int, dict] = {}
+
+    def threshold_set(version: int) -> dict:
+        if version not in sets:
+            body = api.get(f"/v1/deployments/demo/threshold-sets/{version}").json()
+            sets[version] = {
+                "origin": body.get("origin"),
+                "default": {int(k): float(v) for k, v in body["thresholds"].items()},
+                "segments": {name: {int(k): float(v) for k, v in layers.items()}
+                             for name, layers in (body.get("segments") or {}).items()}}
+        return sets[version]
+
+    def thresholds_of(version: int, segment: str) -> dict[int, float]:
+        if version == 0:
+            return {}
+        found = threshold_set(version)
+        return found["segments"].get(segment, found["default"])
+
+    def active_version() -> int:
+        return api.get("/v1/deployments/demo").json()["aliases"]["active"]
+
+    def serve_until(phase: SegmentPhase, chat_prompts, done, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        cursor = 0
+        while time.monotonic() < deadline:
+            run_mixed(runtime, phase, mix(chat_prompts, code, phase.code_share, cursor),
+                      new_tokens, thresholds_of)
+            cursor += 4
+            if done():
+                return True
+        return False
+
+    def finish(ok_so_far: bool) -> int:
+        runtime.shipper.flush(30)
+        ok = _report(timeline, phases, checks, delta, epsilon) and ok_so_far
+        if serve:
+            click.echo(f"\nThe UI is at {cp.url}/ui (admin token in var/demo/admin.token). "
+                       "Ctrl-C to stop.")
+            try:
+                while True:
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+        return 0 if ok else 1
+
+    # 1. Chat and code, all shadow, until one calibration certifies a map per segment.
+    warmup = SegmentPhase("1 chat+code: shadow samples (never exit)", code_share=0.5)
+    phases.append(warmup)
+    version_a = None
+    for attempt in range(1, 5):
+        # Each segment's LTT runs at ε/k: on one min_samples' worth it certified nothing
+        # (real run: 384 tokens each, nothing; 672 each, both maps), so start at two.
+        need = (attempt + 1) * min_samples + 40
+        serve_until(warmup, chat, lambda n=need: all(
+            warmup.stats(s).shadow >= n for s in SEGMENTS), 900)
+        runtime.shipper.flush(30)
+        job = api.post("/v1/deployments/demo/calibrations", json={
+            "reason": f"whole-deployment calibration, chat + code (attempt {attempt})"}
+        ).json()["job"]
+        timeline.mark(f"calibration job {job['id']} requested on "
+                      f"{warmup.stats('chat').shadow} chat + {warmup.stats('code').shadow} "
+                      "code shadow tokens")
+        done = _wait_job(api, job["id"], timeout=300)
+        per_segment = (done.get("summary") or {}).get("segments") or {}
+        for name, what in sorted(per_segment.items()):
+            timeline.mark(f"  segment {name}: {_describe(what)}")
+        own = all((per_segment.get(s) or {}).get("source") == "segment" for s in SEGMENTS)
+        if done.get("result_version") is not None and own:
+            version_a = done["result_version"]
+            break
+        if done.get("result_version") is not None:
+            # A segment that got the pooled or never-exit set has nothing to tell in this story
+            # (its drift could not cost quality); calibrate again on more of its tokens.
+            timeline.mark(f"v{done['result_version']} does not give every segment a map of its "
+                          "own; collecting more shadow samples")
+            continue
+        timeline.mark(f"job {job['id']} published nothing ({done.get('status_reason')}); "
+                      "collecting more shadow samples")
+    if version_a is None:
+        return finish(False)
+    maps = threshold_set(version_a)["segments"]
+    checks["calibration published a map per segment"] = (
+        all(s in maps for s in SEGMENTS), f"v{version_a} maps: {sorted(maps)}")
+    _wait(lambda: runtime.client.applied_version == version_a, 60, lambda: time.sleep(0.5))
+    timeline.mark(f"version {version_a} active and applied by the runtime (maps for "
+                  f"{', '.join(sorted(maps))})")
+
+    # 2. Serving: mostly chat, then the mix shifts to mostly code; nothing may fall back.
+    runtime.engine.config.shadow_rate = 0.25
+    chat_heavy = SegmentPhase("2 mostly chat (20% code)", code_share=0.2)
+    phases.append(chat_heavy)
+    serve_until(chat_heavy, chat, lambda: chat_heavy.tokens >= phase_tokens, 600)
+    timeline.mark("the mix shifts to mostly code (80%)")
+    code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=0.8)
+    phases.append(code_heavy)
+    serve_until(code_heavy, chat, lambda: code_heavy.tokens >= phase_tokens, 600)
+    runtime.shipper.flush(30)
+    time.sleep(12)  # two drift checks (every 5 s) over the shifted mix
+    still = active_version()
+    alerts = api.get("/v1/alerts", params={"deployment": "demo"}).json()
+    checks["mix shift: no fallback, no alert"] = (
+        still == version_a and not alerts,
+        f"active v{still} (calibrated v{version_a}), {len(alerts)} alert(s)")
+    timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
+
+    # 3. Chat's traffic drifts to pasted source (the mix settles at half and half, so that chat
+    # has the tokens for its recalibration); code goes on as before.
+    timeline.mark(f"{DRIFTING} traffic drifts: raw Python source pasted into chat requests")
+    drift = SegmentPhase(f"4 {DRIFTING} drifts (50/50 mix)", code_share=0.5)
+    phases.append(drift)
+    if not serve_until(drift, pasted, lambda: active_version() != version_a, 420):
+        timeline.mark("no drift reaction within the time limit")
+        return finish(False)
+    version_f = active_version()
+    alerts = api.get("/v1/alerts", params={"deployment": "demo"}).json()
+    named = sorted({(a["kind"], a["segment"]) for a in alerts})
+    timeline.mark(f"drift detected ({', '.join(f'{k} on {s}' for k, s in named)}); "
+                  f"v{version_f} active ({threshold_set(version_f)['origin']})")
+    before, after = threshold_set(version_a), threshold_set(version_f)
+    checks[f"alert names segment {DRIFTING} (and only {DRIFTING})"] = (
+        bool(named) and {s for _, s in named} == {DRIFTING}, str(named))
+    checks[f"fallback changes {DRIFTING}'s map only"] = (
+        after["segments"].get(DRIFTING) != before["segments"].get(DRIFTING)
+        and after["default"] == before["default"]
+        and {k: v for k, v in after["segments"].items() if k != DRIFTING}
+        == {k: v for k, v in before["segments"].items() if k != DRIFTING},
+        f"v{version_a} -> v{version_f}: {DRIFTING} {_short(before['segments'].get(DRIFTING))}"
+        f" -> {_short(after['segments'].get(DRIFTING))}")
+
+    # 4. Fallback: chat collects shadow samples for its recalibration, code keeps exiting (a
+    # quarter of its tokens are still served).
+    runtime.engine.config.shadow_rate = 0.75
+    fallback = SegmentPhase(f"5 {DRIFTING} fallback (collecting samples)", code_share=0.5)
+    phases.append(fallback)
+    noted: set[int] = set()
+
+    def recalibrated() -> bool:
+        version = active_version()
+        if version not in (version_a, version_f) and (
+                threshold_set(version)["origin"] == "calibration"):
+            return True
+        jobs = api.get("/v1/deployments/demo/calibrations").json()
+        if jobs and jobs[0]["status"] == "waiting_for_data" and jobs[0]["id"] not in noted:
+            noted.add(jobs[0]["id"])
+            timeline.mark(f"calibration job {jobs[0]['id']} (segment {jobs[0].get('segment')}) "
+                          f"waits for more samples ({jobs[0]['status_reason'][:70]}...)")
+        return False
+
+    if not serve_until(fallback, pasted, recalibrated, 900):
+        timeline.mark("recalibration did not publish within the time limit")
+        return finish(False)
+    version_b = active_version()
+    recal = threshold_set(version_b)
+    checks[f"recalibration replaces {DRIFTING}'s map only"] = (
+        recal["default"] == before["default"]
+        and {k: v for k, v in recal["segments"].items() if k != DRIFTING}
+        == {k: v for k, v in before["segments"].items() if k != DRIFTING},
+        f"v{version_b}: {DRIFTING} {_short(recal['segments'].get(DRIFTING))}, "
+        f"{STEADY} unchanged")
+    _wait(lambda: runtime.client.applied_version == version_b, 60, lambda: time.sleep(0.5))
+    timeline.mark(f"recalibrated version {version_b} active and applied by the runtime")
+
+    runtime.engine.config.shadow_rate = 0.25
+    recovered = SegmentPhase(f"6 {DRIFTING} recalibrated", code_share=0.5)
+    phases.append(recovered)
+    serve_until(recovered, pasted, lambda: recovered.tokens >= phase_tokens, 600)
+    return finish(True)
+
+
+def _describe(what) -> str:
+    if isinstance(what, dict):
+        return ", ".join(f"{k}={v}" for k, v in what.items()
+                         if k in ("source", "reason", "tokens", "exit_rate"))
+    return str(what)
+
+
+def _short(layers: dict[int, float] | None) -> str:
+    if not layers:
+        return "(none)"
+    return "{" + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(layers.items())) + "}"
+
+
+def judge(phases: list[SegmentPhase], delta: float, epsilon: float) -> dict[str, tuple[bool, str]]:
+    """The statistical part of "loop closed": the drifting segment exits more after its
+    recalibration than during its fallback, and no phase's served segment shows disagreement
+    above δ at 1 - ε (one-sided Clopper-Pearson lower bound, as the default story judges its
+    last phase; the drifting segment is not judged while it drifts or falls back); the steady
+    segment exits during the fallback."""
+    from controlplane.stats.clustered import clopper_pearson
+
+    by_name = {p.name.split(" ")[0]: p for p in phases}
+    out: dict[str, tuple[bool, str]] = {}
+    fallback, recovered = by_name.get("5"), by_name.get("6")
+    if fallback and recovered:
+        before, after = fallback.stats(DRIFTING), recovered.stats(DRIFTING)
+        out[f"{DRIFTING} exits again after recalibration"] = (
+            after.exit_rate > before.exit_rate,
+            f"{before.exit_rate:.1%} in fallback -> {after.exit_rate:.1%}")
+        steady = fallback.stats(STEADY)
+        out[f"{STEADY} keeps exiting during {DRIFTING}'s fallback"] = (
+            steady.exit_rate > 0, f"{STEADY} exit rate {steady.exit_rate:.1%}")
+    else:
+        out["story reached the recalibrated phase"] = (False, "it stopped earlier")
+    for phase in phases:
+        step = phase.name.split(" ")[0]
+        # Not judged: the never-exit warm-up, and the drifting segment while it drifts or falls
+        # back (the loop judges those). The steady one is judged in every serving phase.
+        judged = {"2": SEGMENTS, "3": SEGMENTS, "4": (STEADY,), "5": (STEADY,),
+                  "6": SEGMENTS}.get(step, ())
+        for segment in judged:
+            stats = phase.stats(segment)
+            if not stats.shadow:
+                continue
+            lower = clopper_pearson(stats.disagreement or 0.0, stats.shadow, epsilon)[0]
+            out[f"{phase.name.split(' ')[0]} {segment} within δ"] = (
+                lower <= delta, f"disagreement {stats.disagreement:.3f} on {stats.shadow} "
+                f"shadow tokens, lower {1 - epsilon:.0%} bound {lower:.3f} vs δ {delta}")
+    return out
+
+
+def _report(timeline, phases: list[SegmentPhase], checks: dict[str, tuple[bool, str]],
+            delta: float, epsilon: float) -> bool:
+    """Print the timeline, the per-phase per-segment table and the checks; True when every
+    check passed (the loop closed)."""
+    click.echo("\nTimeline")
+    for at, text in timeline.events:
+        click.echo(f"  {at:7.1f}s  {text}")
+    click.echo("\nSummary per phase and segment")
+    click.echo(f"  {'phase':<40}{'segment':>8}{'tokens':>8}{'exit rate':>10}{'mean exit':>10}"
+               f"{'shadow':>8}{'disagree':>9}  versions")
+    for phase in phases:
+        for segment in SEGMENTS:
+            p = phase.stats(segment)
+            disagreement = "-" if p.disagreement is None else f"{p.disagreement:.3f}"
+            depth = f"{p.mean_exit_layer:.1f}" if p.served else "full"
+            click.echo(f"  {phase.name:<40}{segment:>8}{p.tokens:>8}{p.exit_rate:>10.1%}"
+                       f"{depth:>10}{p.shadow:>8}{disagreement:>9}  {sorted(p.versions)}")
+    everything = {**checks, **judge(phases, delta, epsilon)}
+    click.echo("\nChecks")
+    for name, (passed, detail) in everything.items():
+        click.echo(f"  [{'ok' if passed else 'FAIL'}] {name}: {detail}")
+    ok = bool(everything) and all(passed for passed, _ in everything.values())
+    click.echo(f"\nloop closed: {'yes' if ok else 'no'} (per segment; Clopper-Pearson lower "
+               f"{1 - epsilon:.0%} bounds vs δ {delta})")
+    return ok
