@@ -20,6 +20,7 @@ from tests.conftest import REDIS_URL
 
 LAYERS = [3, 6, 9]
 FULL = 12
+OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/14" if REDIS_URL else ""
 
 
 def _deploy(client, tokens, engine, name="chat"):
@@ -218,7 +219,8 @@ def redis_client():
 
     if not REDIS_URL:
         raise RuntimeError("set EXITPLANE_TEST_REDIS_URL (make test starts Redis)")
-    client = redis.Redis.from_url(REDIS_URL)
+    # A database of this module's own: under pytest-xdist another worker's test may use /0.
+    client = redis.Redis.from_url(OWN_REDIS_URL)
     client.flushdb()
     yield client
     client.flushdb()
@@ -230,7 +232,7 @@ def redis_app(settings, engine, redis_client):
 
     from controlplane.app import create_app
 
-    app = create_app(settings.model_copy(update={"redis_url": REDIS_URL}), engine=engine)
+    app = create_app(settings.model_copy(update={"redis_url": OWN_REDIS_URL}), engine=engine)
     with TestClient(app) as client:
         yield client
     app.state.config_delivery.close()

@@ -289,7 +289,7 @@ def own_redis():
 
     if not REDIS_URL:
         raise RuntimeError("set EXITPLANE_TEST_REDIS_URL (make test starts Redis)")
-    url = REDIS_URL.rsplit("/", 1)[0] + "/11"
+    url = REDIS_URL.rsplit("/", 1)[0] + "/10"
     client = redis.Redis.from_url(url)
 
     def clean() -> None:

@@ -11,7 +11,7 @@ from controlplane.telemetry.stream import StreamIngestor
 from tests.conftest import REDIS_URL
 
 # A database number of its own: the test Redis is shared with other suites.
-OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/13" if REDIS_URL else ""
+OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/15" if REDIS_URL else ""
 
 
 @pytest.mark.redis
