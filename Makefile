@@ -34,7 +34,7 @@ test: $(STAMP) services
 FAST_WORKERS ?= auto
 test-fast: $(STAMP) services
 	$(VENV)/bin/ruff check .
-	. var/services/env && $(VENV)/bin/pytest -m "not slow" -n $(FAST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	. var/services/env && $(VENV)/bin/pytest -m "not slow" -n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

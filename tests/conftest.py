@@ -48,16 +48,6 @@ if os.environ.get("CI") and not POSTGRES_URL:
                        "(scripts/services.sh start writes it)")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test-fast` runs `-n auto --dist loadgroup`), every test marked
-    `redis` runs in one worker: those tests flush fixed databases of the shared test Redis,
-    which a test running at the same time in another worker would lose. Without xdist the
-    group mark does nothing."""
-    for item in items:
-        if item.get_closest_marker("redis"):
-            item.add_marker(pytest.mark.xdist_group("shared-redis"))
-
-
 @pytest.fixture(autouse=True, scope="session")
 def alert_reactions() -> None:
     """The alert reactions every process installs when it starts (`create_app`, `workers.app`):
