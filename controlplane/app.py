@@ -28,7 +28,7 @@ from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
 from controlplane.coordination.limits import make_rate_limiters
 from controlplane.db import get_engine, session_factory
-from controlplane.deps import PrincipalCache
+from controlplane.deps import PrincipalCache, token_reader
 from controlplane.errors import DomainError, Unauthorized
 from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
@@ -77,7 +77,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     polled = factory if engine.dialect.name != "sqlite" else None
     app.state.bus = Bus(redis_url=settings.redis_url, session_factory=polled,
                         epoch_poll_s=settings.revocation_poll_s)
-    app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s)
+    app.state.principal_cache = PrincipalCache(settings.token_cache_ttl_s,
+                                               load=token_reader(factory))
     app.state.bus.subscribe("revocation", app.state.principal_cache.on_revocation)
     app.state.rate_limiters = make_rate_limiters(redis_url=settings.redis_url, rates={
         "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
@@ -91,7 +92,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                        if settings.redis_url else None)
 
     if settings.telemetry_fast_path:  # inside the body gate: 413 and the body read stay its
-        app.add_middleware(TelemetryFastPath)
+        app.add_middleware(TelemetryFastPath, threads=settings.telemetry_threads)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_control_body_bytes,
                        routes={TELEMETRY_PATH: settings.max_body_bytes})
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,

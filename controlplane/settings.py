@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     # Issue 14 (fleet cost per request): telemetry POSTs and heartbeats answered below the
     # router by a pure-ASGI layer with the routes' checks; false serves them through FastAPI.
     telemetry_fast_path: bool = True
+    # Worker threads the fast path may use per API process, apart from the pool the routes
+    # use: a burst of telemetry never queues a pull, an alias move or a UI page behind it.
+    telemetry_threads: int = Field(default=16, ge=1, le=256)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -16,9 +16,10 @@ path is turned off (`EXITPLANE_TELEMETRY_FAST_PATH=false`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from anyio import to_thread
+from anyio import CapacityLimiter, to_thread
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
@@ -40,8 +41,14 @@ class TelemetryFastPath:
     """Serve telemetry POSTs and heartbeats without entering the router; everything else
     passes on."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, *, threads: int = 16) -> None:
         self.app = app
+        # Telemetry and heartbeats run on threads of their own (a CapacityLimiter apart from
+        # the default one the routes' dependencies and sync routes use): at fleet scale they
+        # would otherwise fill the shared pool, and a config pull whose token must be looked
+        # up, or an operator's alias move, would wait behind seconds of telemetry.
+        self._threads = threads
+        self._limiter: tuple[object, CapacityLimiter] | None = None  # (its loop, it)
         # The routes' APIRoutes: request metrics, logs and traces name the route as before.
         [self._telemetry] = [route for route in telemetry_router.routes
                              if route.path == TELEMETRY_PATH and "POST" in route.methods]
@@ -70,7 +77,8 @@ class TelemetryFastPath:
         body = await _read_body(receive)
         if body is None:
             return  # the client left before its body was complete: nobody to answer
-        await _answer(scope, receive, send, 202, _serve, scope["app"].state, authorization,
+        await _answer(scope, receive, send, self._pool(), 202, _serve, scope["app"].state,
+                      authorization,
                       "application/json" if content_type is None else content_type, body)
 
     async def _heartbeat_post(self, scope, receive, send, name: str) -> None:
@@ -83,8 +91,16 @@ class TelemetryFastPath:
             await self.app(scope, _replay(body, receive), send)
             return
         scope["route"] = self._heartbeat
-        await _answer(scope, receive, send, 200, _serve_heartbeat, scope["app"].state,
-                      authorization, name, beat)
+        await _answer(scope, receive, send, self._pool(), 200, _serve_heartbeat,
+                      scope["app"].state, authorization, name, beat)
+
+
+    def _pool(self) -> CapacityLimiter:
+        """The limiter, made on the running event loop (a test may serve from several)."""
+        loop = asyncio.get_running_loop()
+        if self._limiter is None or self._limiter[0] is not loop:
+            self._limiter = (loop, CapacityLimiter(self._threads))
+        return self._limiter[1]
 
 
 def _headers(scope) -> tuple[str, str | None]:
@@ -98,12 +114,13 @@ def _headers(scope) -> tuple[str, str | None]:
     return authorization or "", content_type
 
 
-async def _answer(scope, receive, send, status: int, serve, *args) -> None:
-    """Run `serve(*args)` on a worker thread; send its model as JSON, or its error as the
-    app's exception handler answers it."""
+async def _answer(scope, receive, send, limiter: CapacityLimiter, status: int, serve,
+                  *args) -> None:
+    """Run `serve(*args)` on one of `limiter`'s worker threads; send its model as JSON, or its
+    error as the app's exception handler answers it."""
     api = scope["app"]
     try:
-        answer: BaseModel = await to_thread.run_sync(serve, *args)
+        answer: BaseModel = await to_thread.run_sync(serve, *args, limiter=limiter)
     except Exception as error:
         handler = _handler_for(api.exception_handlers, error)
         if handler is None:

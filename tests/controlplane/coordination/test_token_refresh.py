@@ -121,3 +121,63 @@ def test_refreshes_are_at_most_one_per_maximum_age():
     cache.refresh(load)
     assert len(loads) == 2 and cache.peek("k") == principal
     assert not PrincipalCache(ttl=0).refresh_due()  # no cache: nothing to refresh
+
+
+def test_a_busy_process_reads_every_token_ahead_and_no_request_waits_for_it(settings, engine,
+                                                                             tokens):
+    """With steady traffic the entries never expire together: after the first miss, every
+    read of the tokens runs on the read-ahead thread, never on a request's; an idle process
+    reads nothing."""
+    import threading
+
+    with TestClient(create_app(settings, engine=engine)) as setup:
+        assert setup.post("/v1/deployments", headers=tokens.headers(tokens.admin), json={
+            "name": "chat", "model_ref": "m", "num_layers": 12,
+            "exit_layers": [3, 6, 9]}).status_code == 201
+    fleet = _runtime_tokens(engine, 5, "fleet")
+    ttl = 0.6
+    app = create_app(settings.model_copy(update={"token_cache_ttl_s": ttl}), engine=engine)
+    readers: list[str] = []
+
+    def record(_conn, _cursor, statement, *_args):
+        if "FROM api_tokens" in statement:
+            readers.append(threading.current_thread().name)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with TestClient(app) as client:
+            assert _pull(client, fleet[0][1]).status_code == 200  # the cold miss reads
+            first = len(readers)
+            assert first == 1
+            until = time.monotonic() + 5 * ttl
+            while time.monotonic() < until:  # a request every 50 ms, across many maximum ages
+                assert all(_pull(client, secret).status_code == 200 for _, secret in fleet)
+                time.sleep(0.05)
+            ahead = readers[first:]
+            assert len(ahead) >= 5  # renewed about every half maximum age
+            assert set(ahead) == {"token-read-ahead"}  # no request read them itself
+            time.sleep(2 * ttl)  # idle: every entry expires, nothing reads
+            idle = len(readers)
+            time.sleep(ttl)
+            assert len(readers) == idle
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    app.state.config_delivery.close()
+
+
+def test_a_failed_read_ahead_leaves_requests_their_own_lookups():
+    principal = Principal(token_id=1, name="rt", scope="runtime", deployment_id=1)
+    calls = []
+
+    def load():
+        calls.append(time.monotonic())
+        if len(calls) > 1:
+            raise ConnectionError("the store is away")
+        return {"k": principal}
+
+    cache = PrincipalCache(ttl=0.4, load=load)
+    cache.refresh(load)
+    time.sleep(0.25)
+    assert cache.peek("k") == principal  # past half its age: starts the read ahead
+    time.sleep(0.2)  # the read failed; the entry expires at its maximum age regardless
+    assert len(calls) == 2 and cache.peek("k") is None and cache.refresh_due()

@@ -6,6 +6,7 @@ request metrics and revocation behave as on the route."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import msgpack
@@ -130,7 +131,9 @@ def test_the_fast_path_answers_as_the_route_does(pair, tokens, engine):
 
 
 def test_the_fast_path_rate_limits_as_the_route_does(pair, tokens, engine):
-    apps = pair(rate_limit_ingest_per_s=0.5)  # bursts of 1: the second request waits 2 s
+    # Bursts of 1: the second request waits 20 s, so a slow machine's half second between
+    # the two requests cannot change the rounded Retry-After (at 2 s it could, and did).
+    apps = pair(rate_limit_ingest_per_s=0.05)
     _, fast = apps[True]
     _, route = apps[False]
     runtime = _deploy(fast, tokens, engine)
@@ -141,7 +144,7 @@ def test_the_fast_path_rate_limits_as_the_route_does(pair, tokens, engine):
                                                json=make_batch(rng, n=5))) for _ in range(2)]
     assert answers[True] == answers[False]
     limited = answers[True][1]
-    assert limited[0] == 429 and limited[2]["retry-after"] == "2"
+    assert limited[0] == 429 and limited[2]["retry-after"] == "20"
     assert limited[1]["detail"].startswith("too many ingest requests for this token")
 
 
@@ -225,7 +228,7 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
 
 
 def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
-    apps = pair(rate_limit_heartbeat_per_s=0.5)
+    apps = pair(rate_limit_heartbeat_per_s=0.05)  # a 20 s wait: see the telemetry case
     _, fast = apps[True]
     _, route = apps[False]
     runtime = _deploy(fast, tokens, engine)
@@ -236,4 +239,51 @@ def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
             json={"runtime_id": f"rt-{fast_on}"})) for _ in range(2)]
     assert [answer[0] for answer in answers[True]] == [200, 429]
     assert answers[True][1] == answers[False][1]
-    assert answers[True][1][2]["retry-after"] == "2"
+    assert answers[True][1][2]["retry-after"] == "20"
+
+
+def test_telemetry_cannot_take_the_threads_the_routes_need(settings, engine, tokens,
+                                                           monkeypatch):
+    """Telemetry runs on threads of its own: with more stuck batches in flight than the
+    routes' whole thread pool (anyio's 40), a sync route and a config pull still answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import anyio.to_thread
+
+    from controlplane.telemetry import fast_path
+
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def stuck(*_args, **_kwargs):
+        entered.release()
+        release.wait(30)
+        raise RuntimeError("released")
+
+    app = create_app(settings.model_copy(update={"telemetry_threads": 4}), engine=engine)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        runtime = _deploy(client, tokens, engine)
+        monkeypatch.setattr(fast_path, "store_batch", stuck)
+        shared = anyio.to_thread.current_default_thread_limiter
+        burst = 50  # over the shared pool's 40 threads
+        pool = ThreadPoolExecutor(burst)
+        try:
+            posts = [pool.submit(client.post, "/v1/telemetry", headers=runtime,
+                                 json=make_batch(random.Random(i), n=2)) for i in range(burst)]
+            assert all(entered.acquire(timeout=10) for _ in range(4))  # its threads are busy
+            assert not entered.acquire(timeout=0.3)  # and the others wait, holding none
+            # The routes' pool is untouched: every one of its threads is free.
+            assert client.portal.call(lambda: (shared().available_tokens,
+                                               shared().total_tokens)) == (40, 40)
+            listed = client.get("/v1/deployments", headers=tokens.headers(tokens.operator))
+            assert listed.status_code == 200 and [d["name"] for d in listed.json()] == ["chat"]
+            pulled = client.get("/v1/deployments/chat/thresholds",
+                                params={"runtime_id": "rt-1"}, headers=runtime)
+            assert pulled.status_code == 200 and pulled.json()["version"] == 2
+        finally:
+            release.set()
+            answered = [post.result(timeout=60).status_code for post in posts]
+            pool.shutdown()
+    app.state.config_delivery.close()
+    assert answered == [500] * burst  # every stuck batch was answered once released
+
