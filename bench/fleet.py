@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -348,6 +349,14 @@ class Fleet:
                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
             runtime.poller = asyncio.create_task(self._poll(runtime))
             self.tasks += [asyncio.create_task(self._ship(runtime)), runtime.poller]
+        # The fleet's long-lived state (1,000 clients, aggregators, tasks) out of the
+        # collector's reach: a full collection over it paused the harness ~0.5 s at a time,
+        # delaying every simulated runtime's receipts at once (gc_max_ms in harness_lag_ms).
+        gc.collect()
+        gc.freeze()
+        # What is left to collect is the records and batches of a few seconds, mostly freed by
+        # reference counting: collect the young rarely and the old seldom.
+        gc.set_threshold(50_000, 50, 100)
 
     def shrink(self, count: int) -> None:
         """Back to `count` runtimes: the others stop generating and polling, and stop
@@ -365,11 +374,11 @@ class Fleet:
         while not self.stopping:
             runtimes = list(self.active)
             if runtimes:
-                self._tick(runtimes, tick)
+                await self._tick(runtimes, tick)
             next_at += tick
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
-    def _tick(self, runtimes: list[SimRuntime], tick: float) -> None:
+    async def _tick(self, runtimes: list[SimRuntime], tick: float) -> None:
         n = len(runtimes)
         now = time.time()
         minute = int(now) // 60 * 60
@@ -382,7 +391,11 @@ class Fleet:
         sampled = self.rng.binomial(tokens - shadow, self.raw_sample_rate) if self.aggregate \
             else tokens - shadow
         self.generated += int(tokens.sum())
-        for i in np.flatnonzero(tokens):  # an idle runtime has nothing to count or ship
+        for done, i in enumerate(np.flatnonzero(tokens)):  # an idle runtime has nothing
+            if done % TICK_CHUNK == TICK_CHUNK - 1:
+                # Let sends and receipts in between: one pass over 1,000 runtimes held the
+                # loop for hundreds of ms, a delay no real runtime's receipt has.
+                await asyncio.sleep(0)
             runtime = runtimes[i]
             if self.aggregate:
                 runtime.aggregator.add_counts(minute=minute, threshold_version=runtime.version,
@@ -503,9 +516,14 @@ class Fleet:
                 finally:
                     self.pulls_holding -= 1
                 if response.status_code == 200:
+                    received = time.monotonic()
                     body = response.json()
                     runtime.version, runtime.etag = body["version"], body["checksum"]
-                    self.received[runtime.runtime_id] = (body["version"], time.monotonic())
+                    self.received[runtime.runtime_id] = (body["version"], received)
+                    # Applying the set takes a real runtime a moment of its own CPU; here one
+                    # process plays every runtime, and 1,000 new long-polls sent back to back
+                    # would hold up the receipts still queued behind them.
+                    await asyncio.sleep(random.uniform(0.5, 1.5))
                 elif response.status_code != 304:
                     await asyncio.sleep(1.0)
             except httpx.HTTPError:
@@ -548,6 +566,8 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
         begin_generated, begin = fleet.generated, time.monotonic()
         cpu_before = await asyncio.to_thread(meter.sample)
         probing = asyncio.create_task(pull_probe(fleet)) if admin else None
+        lag = LoopLag()
+        lag.start()
         await asyncio.sleep(stage_s)
         generated, elapsed = fleet.generated, time.monotonic() - begin
         cpu = CpuMeter.split(cpu_before, await asyncio.to_thread(meter.sample),
@@ -568,6 +588,7 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
             stage["probe"] = await probing
             if caught_up:  # an overloaded stage would time its backlog, not the protocol
                 stage["propagation"] = await propagation(fleet, admin)
+        stage["harness_lag_ms"] = lag.stop()
         stages.append(stage)
         print(json.dumps({"stage": fleet.deployment, **stage}), file=sys.stderr, flush=True)
         if not caught_up:
@@ -579,29 +600,93 @@ async def pull_probe(fleet: Fleet, pulls: int = 200, budget_s: float = 30.0,
                      timeout_s: float = 10.0) -> dict:
     """Non-waiting pulls (current ETag) while every runtime holds a long-poll: `pulls` of
     them, or as many as fit in `budget_s` (a stage must not wait on its probe). A pull that
-    fails or takes over `timeout_s` counts as an error, at the time it took."""
+    fails or takes over `timeout_s` counts as an error, at the time it took.
+
+    The probe is a process of its own, as the runtime that pulls is: timed inside the harness,
+    a pull also waited for the event loop of the 1,000 simulated runtimes (their generation
+    ticks and responses), which no real runtime's pull waits for; that lag is reported apart
+    (`harness_lag_ms`)."""
     await asyncio.sleep(5.0)
     probe = fleet.active[0]
+    spec = {"urls": fleet.topology.urls, "deployment": fleet.deployment,
+            "auth": probe.auth, "etag": probe.etag, "pulls": pulls, "budget_s": budget_s,
+            "timeout_s": timeout_s}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-P", __file__, "--probe", json.dumps(spec),
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await process.communicate()
+    figures = json.loads(out.decode().strip().splitlines()[-1])
+    return {**figures, "long_polls_held": fleet.pulls_holding}
+
+
+async def _probe_pulls(spec: dict) -> dict:
+    """The probe process (`--probe SPEC`): the pulls of `pull_probe`, one JSON line."""
+    clients = [httpx.AsyncClient(base_url=url, timeout=spec["timeout_s"])
+               for url in spec["urls"]]
     latencies, errors = [], 0
-    deadline = time.monotonic() + budget_s
-    for index in range(pulls):
-        if time.monotonic() > deadline:
-            break
-        http = fleet.http[index % 2]
-        start = time.perf_counter()
-        try:
-            response = await http.get(f"/v1/deployments/{fleet.deployment}/thresholds",
-                                      params={"runtime_id": "probe"}, timeout=timeout_s,
-                                      headers={**probe.auth,
-                                               "If-None-Match": f'"{probe.etag}"'})
-            errors += response.status_code not in (200, 304)
-        except httpx.HTTPError:
-            errors += 1
-        latencies.append((time.perf_counter() - start) * 1000)
-        await asyncio.sleep(0.02)
+    deadline = time.monotonic() + spec["budget_s"]
+    try:
+        for index in range(spec["pulls"]):
+            if time.monotonic() > deadline:
+                break
+            start = time.perf_counter()
+            try:
+                response = await clients[index % 2].get(
+                    f"/v1/deployments/{spec['deployment']}/thresholds",
+                    params={"runtime_id": "probe"},
+                    headers={**spec["auth"], "If-None-Match": f'"{spec["etag"]}"'})
+                errors += response.status_code not in (200, 304)
+            except httpx.HTTPError:
+                errors += 1
+            latencies.append((time.perf_counter() - start) * 1000)
+            await asyncio.sleep(0.02)
+    finally:
+        for client in clients:
+            await client.aclose()
     return {"pull_p99_ms": round(percentile(latencies, 99), 1),
             "pull_p50_ms": round(percentile(latencies, 50), 1), "pulls": len(latencies),
-            "errors": errors, "long_polls_held": fleet.pulls_holding}
+            "errors": errors}
+
+
+TICK_CHUNK = 50  # runtimes generated between two yields to the event loop
+
+
+class LoopLag:
+    """How late the harness's event loop wakes a 100 ms sleeper: the delay every simulated
+    runtime's sends and receipts (propagation's included) share."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.gc_pauses: list[float] = []
+        self._gc_started = 0.0
+        self._task: asyncio.Task | None = None
+
+    def _gc(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_pauses.append((time.perf_counter() - self._gc_started) * 1000)
+
+    async def _watch(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.1)
+            self.lags.append((time.perf_counter() - start - 0.1) * 1000)
+
+    def start(self) -> None:
+        self.lags, self.gc_pauses = [], []
+        gc.callbacks.append(self._gc)
+        self._task = asyncio.create_task(self._watch())
+
+    def stop(self) -> dict:
+        if self._task is not None:
+            self._task.cancel()
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._gc)
+        return {"p99_ms": round(percentile(self.lags, 99) or 0, 1),
+                "max_ms": round(max(self.lags, default=0), 1),
+                "gc_max_ms": round(max(self.gc_pauses, default=0), 1),
+                "gc_s": round(sum(self.gc_pauses) / 1000, 2)}
 
 
 async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
@@ -710,6 +795,10 @@ async def run(args) -> dict:
             raise SystemExit(f"the first stage ({steps[0]} runtimes) did not hold: "
                              "start the ramp lower (--steps)")
         steady, moved = best["probe"], best["propagation"]
+        if args.ramp_only:
+            return {"fleet_tokens_per_s": best["tokens_per_s"], "runtimes": best["runtimes"],
+                    "pull_p99_ms": steady["pull_p99_ms"],
+                    "propagation_p99_ms": moved["propagation_p99_ms"], "stages": stages}
         if not stages[-1]["held"]:
             # Back to the fleet the store holds; the drift shift is measured once the store
             # has caught up with the others' backlog.
@@ -793,7 +882,13 @@ def main() -> int:
                         help="EXITPLANE_DRIFT_INTERVAL_S of the workers (production default)")
     parser.add_argument("--drift-timeout-s", type=float, default=300.0)
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--ramp-only", action="store_true",
+                        help="stop after the ramp (no drift, flush or records phases)")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # the probe process (pull_probe)
     args = parser.parse_args()
+    if args.probe:
+        print(json.dumps(asyncio.run(_probe_pulls(json.loads(args.probe)))), flush=True)
+        return 0
     if not args.postgres_url:
         parser.error("give --postgres-url or set EXITPLANE_BENCH_POSTGRES_URL "
                      "(. var/services/env)")
