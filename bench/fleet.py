@@ -34,7 +34,9 @@ from ~0 to ~5% against δ = 0.01, which the quality detector (`quality_regressio
 is meant to catch; the exit-layer distribution finding also pages (warning) once it persists.
 `drift_alert_s` is the time to the first alert that pages (severity warning or critical; an
 `info` distribution finding does not count) and `drift_alert_kind` its kind. The load
-stops, everything is flushed, and `lost` = tokens generated - tokens in the rollups. Last,
+stops, everything is flushed, and once the telemetry stream is empty `lost` = tokens
+generated - tokens in the rollups (null, with `stream_backlog`, if the store never caught up:
+tokens still in the stream are late, not lost). Last,
 the same topology takes today's path (every token a record, another deployment) and ramps
 until it falls behind: `records_mode_tokens_per_s`.
 
@@ -68,6 +70,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import redis
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
@@ -77,6 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 from controlplane.auth.service import create_token  # noqa: E402
 from controlplane.db import make_engine  # noqa: E402
+from controlplane.telemetry.stream import GROUP, stream_key  # noqa: E402
 from controlplane.thresholds.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
 from exitplane.client.codec import encode, encode_aggregate  # noqa: E402
@@ -176,6 +180,32 @@ class Topology:
                 "SELECT coalesce(sum(r.tokens), 0) FROM rollups r JOIN deployments d "
                 "ON d.id = r.deployment_id WHERE d.name = :name AND r.layer = :first"),
                 {"name": deployment, "first": EXIT_LAYERS[0]}).scalar())
+
+    def backlog(self, deployment: str) -> int:
+        """Batches in the deployment's telemetry stream not yet stored by the ingest worker
+        (unread plus read and not acknowledged)."""
+        client = redis.Redis(port=self.redis_port)
+        try:
+            groups = client.xinfo_groups(stream_key(deployment))
+        except redis.ResponseError:  # no stream yet
+            return 0
+        finally:
+            client.close()
+        return sum((group.get("lag") or 0) + (group.get("pending") or 0) for group in groups
+                   if group.get("name") in (GROUP, GROUP.encode()))
+
+    async def drained(self, deployment: str, generated: int, timeout: float) -> bool:
+        """Wait until the store has counted `generated` tokens, or the stream is empty (what
+        is not counted then is lost), or `timeout`; whether the stream was drained."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(self.counted, deployment) >= generated:
+                return True
+            if await asyncio.to_thread(self.backlog, deployment) == 0:
+                await asyncio.sleep(2.0)  # a batch in the worker's hands at that instant
+                return await asyncio.to_thread(self.backlog, deployment) == 0
+            await asyncio.sleep(1.0)
+        return await asyncio.to_thread(self.backlog, deployment) == 0
 
     def rows(self, deployment: str) -> dict[str, int]:
         with self.engine.connect() as connection:
@@ -811,11 +841,12 @@ async def run(args) -> dict:
         print(json.dumps({"drift_alert_s": alert_s, "kind": alert_kind}), file=sys.stderr,
               flush=True)
         flushed = await fleet.flush(120)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and topology.counted("fleet") < fleet.generated:
-            await asyncio.sleep(1.0)
+        # `lost` is only what an empty stream did not count: a store still catching up (a
+        # loaded machine) is reported as `stream_backlog`, never as lost tokens.
+        drained = await topology.drained("fleet", fleet.generated, 600)
         await asyncio.sleep(2.0)
         counted = topology.counted("fleet")
+        backlog = topology.backlog("fleet")
         rows = topology.rows("fleet")
         await fleet.close()
 
@@ -827,11 +858,8 @@ async def run(args) -> dict:
         await records.start()
         record_stages = await ramp(records, topology, args.records_steps_list,
                                    args.records_stage_s, args.drain_s)
-        await records.flush(120)
-        deadline = time.monotonic() + 180
-        while (time.monotonic() < deadline
-               and topology.counted("fleet-records") < records.generated):
-            await asyncio.sleep(1.0)
+        records_flushed = await records.flush(120)
+        records_drained = await topology.drained("fleet-records", records.generated, 600)
         record_rows = topology.rows("fleet-records")
         records_counted = topology.counted("fleet-records")
         await records.close()
@@ -848,10 +876,11 @@ async def run(args) -> dict:
             "records_mode_tokens_per_s": max(record_held, default=0),
             "drift_alert_s": alert_s, "drift_alert_kind": alert_kind,
             "drift_interval_s": args.drift_interval_s,
-            "lost": fleet.generated - counted,
-            "flushed": flushed,
+            "lost": fleet.generated - counted if flushed and drained else None,
+            "flushed": flushed, "stream_backlog": backlog,
             "generated": fleet.generated, "counted": counted,
-            "records_mode_lost": records.generated - records_counted,
+            "records_mode_lost": records.generated - records_counted
+            if records_flushed and records_drained else None,
             "records_mode_rows_per_million_tokens": round(
                 sum(record_rows.values()) * 1e6 / max(1, records.generated)),
             "propagation": moved, "probe": steady,
