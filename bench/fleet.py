@@ -10,8 +10,10 @@ exit-layer mix, signal histograms per layer, 1% shadow tokens, 1% raw sample), c
 `AggregateBatch`es and record batches (`aggregated: true`) encoded by the shipper's codec
 (`exitplane.client.codec`: msgpack of the wire models), POSTs them with the
 protocol's content types, retries with the same batch id on 429/503/errors (in memory: no
-disk spool), long-polls its threshold set with its ETag, and heartbeats, each through its own
-HTTP client. Half the runtimes talk to API A, half to B.
+disk spool), long-polls its threshold set with its ETag, and heartbeats, each over its own
+keep-alive HTTP/1.1 connections (`LeanConnection`: plain asyncio streams, since httpx's CPU per
+request, paid by one process for 1,000 runtimes, came out of the two cores the API needs).
+Half the runtimes talk to API A, half to B.
 
 Phases: the fleet ramps (runtimes x tokens/s each) stage by stage; a stage holds when, after
 `--stage-s` seconds of load, the store has counted every token generated up to the stage's end
@@ -58,7 +60,6 @@ import os
 import random
 import resource
 import shutil
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -310,6 +311,89 @@ def _free_port() -> int:
 
 # -- simulated runtimes ------------------------------------------------------------------------
 
+# -- the simulated runtimes' transport -----------------------------------------------------------
+
+class TransportError(Exception):
+    """A request that got no HTTP answer (refused, reset, timed out)."""
+
+
+@dataclass
+class Answer:
+    """What the harness reads of a response."""
+
+    status_code: int
+    headers: dict[str, str]
+    content: bytes
+
+    def json(self):
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+class LeanConnection:
+    """One keep-alive HTTP/1.1 connection, one request at a time, over asyncio streams.
+
+    The simulated runtimes' transport: the protocol's requests and status handling are the
+    same as through httpx, at a fraction of its CPU per request. httpx took ~40% of the
+    harness at 500 runtimes (py-spy), and the harness shares the API's two cores, so its cost
+    per request came out of the very figures it measures; each real runtime pays its own client
+    on its own machine."""
+
+    def __init__(self, url: str) -> None:
+        parts = httpx.URL(url)
+        self.host, self.port = parts.host, parts.port
+        self._host_header = f"{self.host}:{self.port}".encode()
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def request(self, method: str, path: str, *, headers: dict[str, str],
+                      body: bytes = b"", timeout: float = 60.0) -> Answer:
+        try:
+            return await asyncio.wait_for(self._exchange(method, path, headers, body), timeout)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                TimeoutError, ValueError) as error:
+            self.close()  # its state is unknown: the next request opens a new one
+            raise TransportError(f"{method} {path}: {error!r}") from error
+
+    async def _exchange(self, method: str, path: str, headers: dict[str, str],
+                        body: bytes) -> Answer:
+        if self._streams is None:
+            self._streams = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._streams
+        head = [f"{method} {path} HTTP/1.1".encode(), b"Host: " + self._host_header,
+                b"Content-Length: " + str(len(body)).encode()]
+        head += [f"{name}: {value}".encode("latin-1") for name, value in headers.items()]
+        writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        await writer.drain()
+        status_line, *lines = (await reader.readuntil(b"\r\n\r\n")).decode(
+            "latin-1").split("\r\n")
+        status = int(status_line.split(" ", 2)[1])
+        answer_headers = {}
+        for line in lines:
+            if line:
+                name, _, value = line.partition(":")
+                answer_headers[name.strip().lower()] = value.strip()
+        if answer_headers.get("transfer-encoding", "").lower() == "chunked":
+            chunks = []
+            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                chunks.append(await reader.readexactly(size))
+                await reader.readexactly(2)
+            await reader.readuntil(b"\r\n")  # no trailers are sent here
+            content = b"".join(chunks)
+        else:
+            content = await reader.readexactly(int(answer_headers.get("content-length", 0)))
+        if answer_headers.get("connection", "").lower() == "close":
+            self.close()
+        return Answer(status, answer_headers, content)
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None
+
+
 @dataclass
 class SimRuntime:
     """One runtime's client state: aggregator, sampled records, outbox, applied version."""
@@ -329,7 +413,10 @@ class SimRuntime:
     counted_tokens: int = 0  # records mode: tokens in its records not yet cut
     sending: asyncio.Lock = field(default_factory=asyncio.Lock)  # one delivery at a time
     poller: asyncio.Task | None = None
-    http: httpx.AsyncClient | None = None  # its own connections, as a real runtime has
+    # Its own connections, as a real runtime has: one for telemetry and heartbeats, one for
+    # the long-poll.
+    shipping: LeanConnection | None = None
+    polling: LeanConnection | None = None
     retired: bool = False  # out of the fleet: delivers its backlog, then stops
 
     @property
@@ -359,7 +446,6 @@ class Fleet:
         self.pulls_holding = 0
         self.tasks: list[asyncio.Task] = []
         self.http: list[httpx.AsyncClient] = []  # the probes' and the admin's
-        self._tls = ssl.create_default_context()  # one for all clients (costly to build)
         self.stopping = False
 
     async def start(self) -> None:
@@ -372,11 +458,8 @@ class Fleet:
         """Bring the fleet to `count` runtimes (new ones start shipping and polling)."""
         for runtime in self.pool[len(self.active):count]:
             self.active.append(runtime)
-            # One client (and pool) per runtime: httpx scans its whole pool on every request,
-            # so one shared pool of 1,000 connections made the harness quadratic in the fleet.
-            runtime.http = httpx.AsyncClient(
-                base_url=self.topology.urls[runtime.api], timeout=60, verify=self._tls,
-                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
+            url = self.topology.urls[runtime.api]
+            runtime.shipping, runtime.polling = LeanConnection(url), LeanConnection(url)
             runtime.poller = asyncio.create_task(self._poll(runtime))
             self.tasks += [asyncio.create_task(self._ship(runtime)), runtime.poller]
         # The fleet's long-lived state (1,000 clients, aggregators, tasks) out of the
@@ -491,12 +574,14 @@ class Fleet:
             await self._deliver(runtime)
             if self.heartbeat_s and time.monotonic() >= beat_at:
                 beat_at = time.monotonic() + self.heartbeat_s
-                with contextlib.suppress(httpx.HTTPError):
-                    await runtime.http.post(
-                        f"/v1/deployments/{self.deployment}/heartbeats", headers=runtime.auth,
-                        json={"runtime_id": runtime.runtime_id,
-                              "applied_version": runtime.version,
-                              "applied_checksum": runtime.etag, "ready": True})
+                with contextlib.suppress(TransportError):
+                    await runtime.shipping.request(
+                        "POST", f"/v1/deployments/{self.deployment}/heartbeats",
+                        headers={**runtime.auth, "Content-Type": "application/json"},
+                        body=json.dumps({"runtime_id": runtime.runtime_id,
+                                         "applied_version": runtime.version,
+                                         "applied_checksum": runtime.etag,
+                                         "ready": True}).encode())
             if self.stopping or (runtime.retired and not runtime.outbox):
                 return
             await asyncio.sleep(self.ship_interval_s)
@@ -511,8 +596,8 @@ class Fleet:
             content_type, body = runtime.outbox[0]
             wait = None
             try:
-                response = await runtime.http.post(
-                    "/v1/telemetry", content=body,
+                response = await runtime.shipping.request(
+                    "POST", "/v1/telemetry", body=body,
                     headers={**runtime.auth, "Content-Type": content_type})
                 status = response.status_code
                 if status == 202:
@@ -527,7 +612,7 @@ class Fleet:
                     self.refused += 1
                     runtime.outbox.popleft()
                     continue
-            except httpx.HTTPError:
+            except TransportError:
                 pass
             self.errors += 1
             attempt += 1
@@ -538,11 +623,11 @@ class Fleet:
             try:
                 self.pulls_holding += 1
                 try:
-                    response = await runtime.http.get(
-                        f"/v1/deployments/{self.deployment}/thresholds",
-                        params={"runtime_id": runtime.runtime_id, "wait": 60},
+                    response = await runtime.polling.request(
+                        "GET", f"/v1/deployments/{self.deployment}/thresholds"
+                               f"?runtime_id={runtime.runtime_id}&wait=60",
                         headers={**runtime.auth, "If-None-Match": f'"{runtime.etag}"'},
-                        timeout=httpx.Timeout(30, read=90))
+                        timeout=90)
                 finally:
                     self.pulls_holding -= 1
                 if response.status_code == 200:
@@ -556,7 +641,7 @@ class Fleet:
                     await asyncio.sleep(random.uniform(0.5, 1.5))
                 elif response.status_code != 304:
                     await asyncio.sleep(1.0)
-            except httpx.HTTPError:
+            except TransportError:
                 await asyncio.sleep(1.0)
 
     def pending(self) -> int:
@@ -579,8 +664,12 @@ class Fleet:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for http in [*self.http, *(r.http for r in self.pool if r.http is not None)]:
+        for http in self.http:
             await http.aclose()
+        for runtime in self.pool:
+            for connection in (runtime.shipping, runtime.polling):
+                if connection is not None:
+                    connection.close()
 
 
 # -- phases ------------------------------------------------------------------------------------
