@@ -54,6 +54,7 @@ from controlplane.db import utcnow
 from controlplane.settings import get_settings
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples
+from controlplane.thresholds.locks import DEPLOYMENT_LOCK
 from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.service import aliases_of, get_threshold_set, move_alias, publish
 from exitplane import tracing
@@ -167,7 +168,7 @@ def engage_fallback(*, session: Session, deployment: Deployment, alert,
     `last_good` checks a candidate version on the shadow samples of `recent_window` before the
     alert too (the traffic that set it off), so a version good only on the old traffic is
     skipped."""
-    session.refresh(deployment, with_for_update=True)
+    session.refresh(deployment, with_for_update=DEPLOYMENT_LOCK)
     aliases = aliases_of(session=session, deployment=deployment)
     current = aliases["active"]
     reason = f"automatic fallback on alert {alert.id} ({alert.kind})"

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from controlplane.db import utcnow
 from controlplane.errors import Conflict
 from controlplane.runtimes.models import Runtime
+from controlplane.thresholds.locks import lock_deployment
 from controlplane.thresholds.models import Deployment
 from exitplane.wire import Heartbeat
 
@@ -44,8 +45,7 @@ def record_heartbeat(*, session: Session, deployment: Deployment, beat: Heartbea
 def _check_room(*, session: Session, deployment: Deployment, max_runtimes: int) -> None:
     # The deployment's row lock serialises new runtimes, so concurrent ones cannot all slip
     # under the cap (SQLite's BEGIN IMMEDIATE already serialises writers).
-    session.execute(select(Deployment.id).where(Deployment.id == deployment.id)
-                    .with_for_update())
+    lock_deployment(session=session, deployment_id=deployment.id)
     live = session.scalar(select(func.count()).select_from(Runtime).where(
         Runtime.deployment_id == deployment.id, Runtime.last_seen >= utcnow() - FORGET_AFTER))
     if live >= max_runtimes:

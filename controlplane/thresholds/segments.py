@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session
 
 from controlplane.errors import Invalid
 from controlplane.settings import get_settings
-from controlplane.thresholds.models import Deployment, DeploymentSegment
+from controlplane.thresholds.locks import lock_deployment
+from controlplane.thresholds.models import DeploymentSegment
 from exitplane.wire import DEFAULT_SEGMENT
 
 
@@ -41,12 +42,10 @@ def admit_segments(*, session: Session, deployment_id: int, names: Iterable[str]
     if new:
         if limit is None:
             limit = get_settings().max_segments_per_deployment
-        # The deployment row lock serialises registrations, so the cap holds across writers.
-        # FOR NO KEY UPDATE: a writer that already inserted rows referencing the deployment
-        # holds a key-share lock on it, which a plain FOR UPDATE would wait on (a deadlock
-        # when two such writers register names at once).
-        session.scalars(select(Deployment.id).where(Deployment.id == deployment_id)
-                        .with_for_update(key_share=True))
+        # The deployment row lock serialises registrations, so the cap holds across writers
+        # (FOR NO KEY UPDATE: two writers that inserted rows referencing the deployment would
+        # deadlock on a plain FOR UPDATE; see locks.py).
+        lock_deployment(session=session, deployment_id=deployment_id)
         known = set(known_segments(session=session, deployment_id=deployment_id))
         for name in new:
             if name not in known and len(known) < limit:

@@ -17,6 +17,7 @@ from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
+from controlplane.thresholds.locks import DEPLOYMENT_LOCK, lock_deployment
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
 from controlplane.thresholds.segments import register_set_segments
@@ -36,7 +37,7 @@ def get_deployment(*, session: Session, name: str, lock: bool = False) -> Deploy
     """The deployment called `name`; `lock` takes its row lock for a read-modify-write."""
     query = select(Deployment).where(Deployment.name == name)
     if lock:
-        query = query.with_for_update()
+        query = query.with_for_update(**DEPLOYMENT_LOCK)
     deployment = session.scalars(query).one_or_none()
     if deployment is None:
         raise NotFound(f"deployment {name!r} does not exist")
@@ -129,7 +130,7 @@ def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, f
                               limit=max_segments)
     signal = Signal(signal or deployment.signal)
     # The deployment row lock serialises version numbering between concurrent publishers.
-    session.scalars(select(Deployment.id).where(Deployment.id == deployment.id).with_for_update())
+    lock_deployment(session=session, deployment_id=deployment.id)
     version = (session.scalar(select(func.max(ThresholdSet.version))
                               .where(ThresholdSet.deployment_id == deployment.id)) or 0) + 1
     wire = ThresholdSetWire.build(deployment=deployment.name, version=version, signal=signal,
@@ -228,7 +229,7 @@ def clear_alias(*, session: Session, deployment: Deployment, alias: str, actor: 
 def rollback(*, session: Session, deployment: Deployment, actor: str, reason: str,
              to_version: int | None = None) -> AuditEvent:
     """Move `active` back: to `to_version`, or to the version it pointed at before."""
-    session.refresh(deployment, with_for_update=True)
+    session.refresh(deployment, with_for_update=DEPLOYMENT_LOCK)
     current = aliases_of(session=session, deployment=deployment)["active"]
     if to_version is None:
         to_version = session.scalar(
@@ -269,7 +270,7 @@ def to_wire(*, deployment: Deployment, threshold_set: ThresholdSet) -> Threshold
 
 def _locked_alias(*, session: Session, deployment: Deployment, alias: str) -> Alias | None:
     """Lock the deployment row, then read the alias fresh from the store (not the session)."""
-    session.refresh(deployment, with_for_update=True)
+    session.refresh(deployment, with_for_update=DEPLOYMENT_LOCK)
     return session.scalars(
         select(Alias).where(Alias.deployment_id == deployment.id, Alias.name == alias)
         .with_for_update().execution_options(populate_existing=True)).one_or_none()
