@@ -333,6 +333,18 @@ def test_tokens_past_the_cap_are_counted_in_prometheus_once_each(client, tokens,
         client.get("/metrics").text
 
 
+def test_a_deployment_s_overflow_series_exists_at_zero_from_its_first_batch(
+        client, tokens, engine):
+    name = f"calm-{uuid.uuid4().hex[:8]}"  # a series no other test of this process touched
+    runtime = _deploy(client, tokens, engine, name=name)
+    samples = lambda: metrics.registry.get_sample_value(  # noqa: E731
+        "exitplane_segment_overflow_tokens_total", {"deployment": name})
+    assert samples() is None
+    batch = _batch(_records(random.Random(12), 10), deployment=name)
+    assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
+    assert samples() == 0.0  # so a rate over it sees the first overflow
+
+
 @pytest.fixture
 def own_redis():
     """A Redis database of this test file's own (the stream keys are shared names): emptied
