@@ -32,11 +32,11 @@ class ExitPolicy:
     thresholds: dict[int, float]
     checksum: str = ""
     segments: dict[str, dict[int, float]] = field(default_factory=dict)
-    rows: SegmentRows = field(init=False, repr=False, compare=False)
+    segment_rows: SegmentRows = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # derived once per policy, not per decode step (the maps are never mutated in place)
-        object.__setattr__(self, "rows", SegmentRows.derive(self))
+        object.__setattr__(self, "segment_rows", SegmentRows.derive(self))
 
     @classmethod
     def from_wire(cls, wire: ThresholdSetWire, exit_layers: Iterable[int]) -> ExitPolicy:
@@ -67,12 +67,12 @@ class ExitPolicy:
     @property
     def layers(self) -> tuple[int, ...]:
         """Every exit layer any map names, ascending: the columns of a step's row table."""
-        return self.rows.layers
+        return self.segment_rows.layers
 
     def served_layers(self, segment: str | None = DEFAULT_SEGMENT) -> frozenset[int]:
         """Exit layers a row of `segment` needs checked: a threshold of 1.0 can never be
         passed, so those checks are skipped, except where saturation needs its chain."""
-        return self.rows.served_layers[self.rows.row_of(segment)]
+        return self.segment_rows.served_layers[self.segment_rows.row_of(segment)]
 
     def checked_layers(self, *, shadow: bool,
                        segments: Iterable[str | None] = (DEFAULT_SEGMENT,)) -> frozenset[int]:
@@ -162,7 +162,7 @@ class RowPlan:
         """Gather each request's segment row from the policy's table (no per-step derivation)."""
         if len(segments) != len(shadow):
             raise ValueError(f"{len(segments)} segments for {len(shadow)} shadow flags")
-        table = policy.rows
+        table = policy.segment_rows
         at = np.fromiter((table.row_of(name) for name in segments), dtype=np.intp,
                          count=len(segments))  # (B,) each row's segment row
         shadow_np = np.fromiter(shadow, dtype=bool, count=len(shadow))  # (B,)

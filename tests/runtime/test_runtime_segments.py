@@ -178,7 +178,8 @@ def test_a_policy_derives_its_segment_rows_once_not_at_every_step(model, monkeyp
     assert derived == [0, 3, 4] and lookups == []
     assert [{r.exit_layer for r in rows} for rows in records] == [{NUM_LAYERS}, {2}]
     plan = RowPlan.build(eng.policy, ["chat"], [False])
-    assert plan.column is eng.policy.rows.column and not eng.policy.rows.limits.flags.writeable
+    kept = eng.policy.segment_rows
+    assert plan.column is kept.column and not kept.limits.flags.writeable  # shared, read-only
 
 
 def _plan_row_by_row(policy: ExitPolicy, segments, shadow) -> tuple[list, list]:
