@@ -16,6 +16,12 @@ rejected_batches = Counter("exitplane_rejected_batches", "Telemetry batches refu
                            ["reason"], registry=registry)
 queued_batches = Counter("exitplane_queued_batches", "Batches appended to the Redis stream",
                          ["deployment"], registry=registry)
+# Traffic segments (issue 18): tokens whose segment was past the deployment's cap, stored as
+# `default` (a name kept out is logged once per process; this counts every token of it).
+segment_overflow_tokens = Counter(
+    "exitplane_segment_overflow_tokens",
+    "Tokens stored as segment default because their segment was past the deployment's cap",
+    ["deployment"], registry=registry)
 stream_lag = Gauge("exitplane_stream_lag_entries", "Stream entries not yet ingested",
                    ["deployment"], registry=registry)
 # Runtime gauges (applied version, spool, drops) are read from the store at scrape time:

@@ -7,7 +7,7 @@ the threshold audit log; nothing recomputes what the services already provide.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from markupsafe import Markup, escape
@@ -18,6 +18,7 @@ from controlplane.db import utcnow
 from controlplane.telemetry import reads
 from controlplane.telemetry import service as telemetry
 from controlplane.telemetry.models import HISTOGRAM_BINS
+from controlplane.telemetry.tables import ROLLUP_COUNTERS
 from controlplane.thresholds import service as thresholds
 from controlplane.thresholds.models import Deployment
 
@@ -39,25 +40,10 @@ class Marker:
 
 
 @dataclass
-class MinuteSummary:
-    minute: datetime
-    tokens: int = 0
-    early_exits: int = 0
-    depth_sum: int = 0
-    shadow_tokens: int = 0
-    mismatches: int = 0
+class MinuteSummary(reads.RollupFigures):
+    """One minute of the deployment's (or one segment's) rollups."""
 
-    @property
-    def early_exit_rate(self) -> float | None:
-        return self.early_exits / self.tokens if self.tokens else None
-
-    @property
-    def mean_depth(self) -> float | None:
-        return self.depth_sum / self.tokens if self.tokens else None
-
-    @property
-    def disagreement(self) -> float | None:
-        return self.mismatches / self.shadow_tokens if self.shadow_tokens else None
+    minute: datetime = field(kw_only=True)
 
 
 def since_for(minutes: int) -> datetime:
@@ -69,38 +55,29 @@ def per_minute(*, session: Session, deployment: Deployment, since: datetime,
                rates: list[dict] | None = None,
                segment: str | None = None) -> list[MinuteSummary]:
     """Tokens, early exits, depth and shadow disagreement per minute (oldest first), of one
-    traffic segment when `segment` is given."""
+    traffic segment when `segment` is given; `rates`: what `telemetry.exit_rates` gave for
+    the same window, if the caller has it (its rows carry every rollup counter)."""
     if rates is None:
         rates = telemetry.exit_rates(session=session, deployment=deployment, since=since,
                                      segment=segment)
     first = deployment.exit_layers[0]
     minutes: dict[datetime, MinuteSummary] = {}
     for row in rates:
-        summary = minutes.setdefault(row["minute"], MinuteSummary(row["minute"]))
-        if row["layer"] == first:
-            summary.tokens += row["tokens"]  # every token is checked at the first exit layer
-        if row["layer"] < deployment.num_layers:
-            summary.early_exits += row["exits"]
-        summary.depth_sum += row["exits"] * row["layer"]
-    for row in telemetry.disagreement(session=session, deployment=deployment, since=since,
-                                      segment=segment):
-        summary = minutes.setdefault(row["minute"], MinuteSummary(row["minute"]))
-        summary.shadow_tokens += row["shadow_tokens"]
-        summary.mismatches += row["mismatches"]
+        summary = minutes.setdefault(row["minute"], MinuteSummary(minute=row["minute"]))
+        summary.add(layer=row["layer"], first=first, num_layers=deployment.num_layers,
+                    counts={name: row[name] for name in ROLLUP_COUNTERS})
     return [minutes[key] for key in sorted(minutes)]
 
 
 def totals(deployment: Deployment, minutes: list[MinuteSummary]) -> dict:
     """Window totals for the stat cards."""
-    tokens = sum(m.tokens for m in minutes)
-    shadow = sum(m.shadow_tokens for m in minutes)
-    mismatches = sum(m.mismatches for m in minutes)
-    depth = sum(m.depth_sum for m in minutes) / tokens if tokens else None
+    window = reads.RollupFigures.total(minutes)
+    depth = window.mean_depth
     return {
-        "tokens": tokens,
-        "early_exit_rate": sum(m.early_exits for m in minutes) / tokens if tokens else None,
-        "shadow_tokens": shadow,
-        "disagreement": mismatches / shadow if shadow else None,
+        "tokens": window.tokens,
+        "early_exit_rate": window.exit_rate,
+        "shadow_tokens": window.shadow_tokens,
+        "disagreement": window.disagreement,
         "delta": deployment.delta,
         "mean_depth": depth,
         "speedup": deployment.num_layers / depth if depth else None,
@@ -207,7 +184,8 @@ def deployment_figures(*, session: Session, deployment: Deployment, minutes: int
         {"type": "scatter", "mode": "lines+markers", "name": "shadow disagreement",
          "x": [m.minute.isoformat() for m in summary if m.shadow_tokens],
          "y": [m.disagreement for m in summary if m.shadow_tokens],
-         "customdata": [[m.mismatches, m.shadow_tokens] for m in summary if m.shadow_tokens],
+         "customdata": [[m.policy_mismatches, m.shadow_tokens] for m in summary
+                        if m.shadow_tokens],
          "hovertemplate": "%{y:.2%} (%{customdata[0]} of %{customdata[1]})",
          "line": {"color": PALETTE[0], "width": 2}, "marker": {"size": 4}},
         {"type": "scatter", "mode": "lines", "name": f"δ = {delta:g}",
@@ -331,12 +309,9 @@ def segment_figures(*, session: Session, deployment: Deployment, since: datetime
 
 def segment_totals(name: str, minutes: list[reads.SegmentFigures]) -> dict:
     """One segment's window totals for the deployment page's segment table."""
-    tokens = sum(f.tokens for f in minutes)
-    shadow = sum(f.shadow_tokens for f in minutes)
-    mismatches = sum(f.policy_mismatches for f in minutes)
-    return {"segment": name, "tokens": tokens, "shadow_tokens": shadow,
-            "exit_rate": sum(f.early_exits for f in minutes) / tokens if tokens else None,
-            "disagreement": mismatches / shadow if shadow else None}
+    window = reads.RollupFigures.total(minutes)
+    return {"segment": name, "tokens": window.tokens, "shadow_tokens": window.shadow_tokens,
+            "exit_rate": window.exit_rate, "disagreement": window.disagreement}
 
 
 def sparkline(values: list[float | None], *, label: str, ceiling: float | None = None,

@@ -5,6 +5,11 @@ A threshold set may hold per-segment maps (issue 18); a row applies `for_segment
 segment)`: its segment's own map, else the set's `thresholds` (`default`). The engine turns
 that into a (rows, exit layers) table once per step, on the host, so the exit check stays one
 comparison of a (B,) signal against a (B,) column, whatever mix of segments shares the batch.
+
+Each segment's row of that table depends on the policy alone, so a policy derives them once,
+when it is built (`SegmentRows`); a step only gathers the rows of its requests' segments. A
+policy is immutable (a new threshold set is a new policy, with its own rows), so the cache can
+never go stale.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ class ExitPolicy:
     thresholds: dict[int, float]
     checksum: str = ""
     segments: dict[str, dict[int, float]] = field(default_factory=dict)
+    segment_rows: SegmentRows = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # derived once per policy, not per decode step (the maps are never mutated in place)
+        object.__setattr__(self, "segment_rows", SegmentRows.derive(self))
 
     @classmethod
     def from_wire(cls, wire: ThresholdSetWire, exit_layers: Iterable[int]) -> ExitPolicy:
@@ -57,19 +67,12 @@ class ExitPolicy:
     @property
     def layers(self) -> tuple[int, ...]:
         """Every exit layer any map names, ascending: the columns of a step's row table."""
-        names = set(self.thresholds)
-        for by_layer in self.segments.values():
-            names |= set(by_layer)
-        return tuple(sorted(names))
+        return self.segment_rows.layers
 
     def served_layers(self, segment: str | None = DEFAULT_SEGMENT) -> frozenset[int]:
         """Exit layers a row of `segment` needs checked: a threshold of 1.0 can never be
         passed, so those checks are skipped, except where saturation needs its chain."""
-        by_layer = self.for_segment(segment)
-        live = frozenset(k for k, t in by_layer.items() if t < NEVER_EXIT)
-        if self.signal == Signal.saturation and live:
-            return frozenset(k for k in by_layer if k <= max(live))
-        return live
+        return self.segment_rows.served_layers[self.segment_rows.row_of(segment)]
 
     def checked_layers(self, *, shadow: bool,
                        segments: Iterable[str | None] = (DEFAULT_SEGMENT,)) -> frozenset[int]:
@@ -85,6 +88,57 @@ class ExitPolicy:
 
 def _floats(by_layer: dict[int, float]) -> dict[int, float]:
     return {int(k): float(v) for k, v in by_layer.items()}
+
+
+def _served(by_layer: dict[int, float], signal: Signal) -> frozenset[int]:
+    """The exit layers a map serves (see `ExitPolicy.served_layers`)."""
+    live = frozenset(k for k, t in by_layer.items() if t < NEVER_EXIT)
+    if signal == Signal.saturation and live:
+        return frozenset(k for k in by_layer if k <= max(live))
+    return live
+
+
+@dataclass(frozen=True)
+class SegmentRows:
+    """A policy's per-segment rows of a step's table, derived once when the policy is built.
+
+    Row 0 is `default`'s map (and every segment without one), row i + 1 the policy's i-th
+    segment map. The arrays are read-only: steps gather from them, never write.
+    """
+
+    layers: tuple[int, ...]  # E exit layers, ascending
+    column: dict[int, int]  # exit layer -> column
+    index: dict[str, int]  # segment with its own map -> row
+    limits: np.ndarray  # (S, E) float32: the segment's threshold, 1.0 where its map has none
+    served: np.ndarray  # (S, E) bool: checks the segment's map serves
+    serves_none: np.ndarray  # (S,) bool: a never-exit map (its shadow rows count every check)
+    served_layers: tuple[frozenset[int], ...]  # (S,) the same as `served`, as layer sets
+
+    @classmethod
+    def derive(cls, policy: ExitPolicy) -> SegmentRows:
+        names = set(policy.thresholds)
+        for by_layer in policy.segments.values():
+            names |= set(by_layer)
+        layers = tuple(sorted(names))
+        maps = [policy.thresholds, *policy.segments.values()]
+        served_layers = tuple(_served(by_layer, policy.signal) for by_layer in maps)
+        # float32 like the signals: the comparison rounds each threshold as a scalar
+        # threshold would be rounded, so an all-default batch exits exactly as before.
+        limits = np.array([[by_layer.get(k, NEVER_EXIT) for k in layers] for by_layer in maps],
+                          dtype=np.float32).reshape(len(maps), len(layers))
+        served = np.array([[k in live for k in layers] for live in served_layers],
+                          dtype=bool).reshape(len(maps), len(layers))
+        serves_none = ~served.any(axis=1)
+        for array in (limits, served, serves_none):
+            array.setflags(write=False)
+        return cls(layers=layers, column={layer: e for e, layer in enumerate(layers)},
+                   index={name: i + 1 for i, name in enumerate(policy.segments)},
+                   limits=limits, served=served, serves_none=serves_none,
+                   served_layers=served_layers)
+
+    def row_of(self, segment: str | None) -> int:
+        """The row a request of `segment` applies (`default`'s for a segment without a map)."""
+        return self.index.get(segment, 0) if segment else 0
 
 
 @dataclass(frozen=True)
@@ -105,18 +159,13 @@ class RowPlan:
     @classmethod
     def build(cls, policy: ExitPolicy, segments: Sequence[str],
               shadow: Sequence[bool]) -> RowPlan:
-        layers = policy.layers
-        column = {layer: e for e, layer in enumerate(layers)}
-        by_segment: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for name in set(segments):
-            by_layer, served = policy.for_segment(name), policy.served_layers(name)
-            # float32 like the signals: the comparison rounds each threshold as a scalar
-            # threshold would be rounded, so an all-default batch exits exactly as before.
-            limit = np.array([by_layer.get(k, NEVER_EXIT) for k in layers], dtype=np.float32)
-            by_segment[name] = (limit, np.array([k in served for k in layers], dtype=bool))
-        limits = np.stack([by_segment[name][0] for name in segments])
-        counted = np.stack([by_segment[name][1] if by_segment[name][1].any()
-                            else np.full(len(layers), bool(row_shadow))
-                            for name, row_shadow in zip(segments, shadow, strict=True)])
-        return cls(layers=layers, column=column, limits=limits.reshape(len(segments), -1),
-                   counted=counted.reshape(len(segments), -1))
+        """Gather each request's segment row from the policy's table (no per-step derivation)."""
+        if len(segments) != len(shadow):
+            raise ValueError(f"{len(segments)} segments for {len(shadow)} shadow flags")
+        table = policy.segment_rows
+        at = np.fromiter((table.row_of(name) for name in segments), dtype=np.intp,
+                         count=len(segments))  # (B,) each row's segment row
+        shadow_np = np.fromiter(shadow, dtype=bool, count=len(shadow))  # (B,)
+        counted = table.served[at] | (table.serves_none[at] & shadow_np)[:, None]  # (B, E)
+        return cls(layers=table.layers, column=table.column, limits=table.limits[at],
+                   counted=counted)

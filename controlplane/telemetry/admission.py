@@ -2,7 +2,9 @@
 
 Every name a stored batch carries goes through `admit_segments` (controlplane/thresholds/
 segments.py) in the transaction that writes the batch: a name the deployment knows, or can
-still register, is stored as itself (and registered there); any other is stored as `default`.
+still register, is stored as itself (and registered there); any other is stored as `default`
+(logged once per process here; every such token is counted by the callers that commit, in
+`exitplane_segment_overflow_tokens_total`, from `IngestResult.overflow`).
 Admission happens where batches are written (`service.ingest`), on the HTTP path and in the
 Redis-stream ingest worker alike; the API's stream path checks batches without it (it reads
 nothing from the store). A replayed batch adds nothing: its names were decided when it was

@@ -135,6 +135,8 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
     counter.labels(batch.deployment).inc()
     if not result.duplicate and not aggregate:
         metrics.ingested_records.labels(batch.deployment).inc(result.accepted)
+    if not result.duplicate:  # the series exists at 0 first: a rate over it sees the first
+        metrics.segment_overflow_tokens.labels(batch.deployment).inc(result.overflow)
     return IngestAck(batch_id=result.batch_id, accepted=result.accepted,
                      duplicate=result.duplicate)
 

@@ -8,6 +8,7 @@ registry's cap however many names traffic carried.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -38,17 +39,18 @@ def check_segment(*, session: Session, deployment: Deployment, segment: str | No
 
 
 @dataclass
-class SegmentFigures:
-    """One segment's counts over a window (sums of its rollup rows)."""
+class RollupFigures:
+    """Counts summed from rollup rows (a window, a minute, a segment's share of either) and
+    the rates they give: the one definition the read API, the admin UI's totals and its
+    per-minute charts derive their exit rate, depth and disagreement from."""
 
-    segment: str
     tokens: int = 0  # every token is checked at the first exit layer
     early_exits: int = 0  # tokens that left before full depth
     depth_sum: int = 0  # layers run, summed over tokens
     shadow_tokens: int = 0
     policy_exits: int = 0  # shadow tokens the applied policy would have let out early
     policy_mismatches: int = 0  # of those, the ones that differ from full depth
-    layers: dict[int, dict[str, int]] = field(default_factory=dict)
+    layers: dict[int, dict[str, int]] = field(default_factory=dict)  # exit layer -> counters
 
     @property
     def exit_rate(self) -> float | None:
@@ -76,10 +78,37 @@ class SegmentFigures:
             self.shadow_tokens += counts["shadow_total"]  # one label per token at each layer
         if layer < num_layers:
             self.early_exits += counts["exits"]
-            self.layers[layer] = counts
+            self._add_layer(layer, counts)
         self.depth_sum += counts["exits"] * layer
         self.policy_exits += counts["policy_exits"]
         self.policy_mismatches += counts["policy_mismatches"]
+
+    def _add_layer(self, layer: int, counts: dict[str, int]) -> None:
+        mine = self.layers.setdefault(layer, {})
+        for name, value in counts.items():
+            mine[name] = mine.get(name, 0) + value
+
+    @classmethod
+    def total(cls, parts: Iterable[RollupFigures]) -> RollupFigures:
+        """The sum of `parts` (minutes of a window, say), its rates derived from the sums."""
+        whole = cls()
+        for part in parts:
+            whole.tokens += part.tokens
+            whole.early_exits += part.early_exits
+            whole.depth_sum += part.depth_sum
+            whole.shadow_tokens += part.shadow_tokens
+            whole.policy_exits += part.policy_exits
+            whole.policy_mismatches += part.policy_mismatches
+            for layer, counts in part.layers.items():
+                whole._add_layer(layer, counts)
+        return whole
+
+
+@dataclass
+class SegmentFigures(RollupFigures):
+    """One segment's counts over a window (sums of its rollup rows)."""
+
+    segment: str = field(kw_only=True)
 
     def as_dict(self) -> dict:
         return {"segment": self.segment, "tokens": self.tokens, "early_exits": self.early_exits,
@@ -117,7 +146,7 @@ def segment_summary(*, session: Session, deployment: Deployment, since: datetime
     the window): tokens, exit rate, mean depth, shadow tokens and disagreement. Rollup rows of
     names the registry does not hold are left out: the answer stays bounded by the cap."""
     names = segment_names(session=session, deployment=deployment)
-    figures = {name: SegmentFigures(name) for name in names}
+    figures = {name: SegmentFigures(segment=name) for name in names}
     first = deployment.exit_layers[0]
     for row in _rollup_sums(session=session, deployment=deployment, names=names, since=since,
                             until=until, version=version, runtime_id=runtime_id,
@@ -136,7 +165,8 @@ def segment_minutes(*, session: Session, deployment: Deployment, since: datetime
     first = deployment.exit_layers[0]
     for row in _rollup_sums(session=session, deployment=deployment, names=names, since=since,
                             until=until, version=None, runtime_id=None, by_minute=True):
-        figures = minutes[row.segment].setdefault(row.minute, SegmentFigures(row.segment))
+        figures = minutes[row.segment].setdefault(row.minute,
+                                                  SegmentFigures(segment=row.segment))
         figures.add(layer=row.layer, first=first, num_layers=deployment.num_layers,
                     counts={c: int(getattr(row, c) or 0) for c in ROLLUP_COUNTERS})
     return {name: sorted(by_minute.items()) for name, by_minute in minutes.items()}

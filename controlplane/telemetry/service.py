@@ -65,6 +65,7 @@ class IngestResult:
     accepted: int  # records, or for an aggregate batch the tokens it counts
     duplicate: bool
     aggregate: bool = False
+    overflow: int = 0  # of its tokens, those stored as `default`, past the segment cap
 
 
 def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
@@ -164,7 +165,9 @@ def ingest(*, session: Session, deployment: Deployment,
     session.flush()
     return [IngestResult(batch_id=b.batch_id, accepted=accounted(b),
                          duplicate=b.batch_id not in new_ids,
-                         aggregate=isinstance(b, AggregateBatch)) for b in batches]
+                         aggregate=isinstance(b, AggregateBatch),
+                         overflow=overflow_tokens(b, segment_of) if b.batch_id in new_ids else 0)
+            for b in batches]
 
 
 def _segments_stored(*, session: Session, deployment: Deployment,
@@ -181,6 +184,19 @@ def _segments_stored(*, session: Session, deployment: Deployment,
         return {}
     decided = stored_segments(session=session, deployment_id=deployment.id, names=names)
     return {name: stored for name, stored in decided.items() if stored != name}
+
+
+def overflow_tokens(batch: BatchColumns | AggregateBatch, segment_of: dict[str, str]) -> int:
+    """Tokens of `batch` stored as `default` because their segment was past the cap. A
+    sampled record batch counts none: its tokens are counted by the runtime's aggregate
+    batches, whose cells were relabelled the same way."""
+    if not segment_of:
+        return 0
+    if isinstance(batch, AggregateBatch):
+        return sum(cell.exits for cell in batch.cells if cell.segment in segment_of)
+    if batch.aggregated:
+        return 0
+    return sum(1 for name in batch.segment if name in segment_of)
 
 
 def accounted(batch: BatchColumns | AggregateBatch) -> int:

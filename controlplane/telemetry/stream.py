@@ -179,6 +179,8 @@ class StreamIngestor:
                     metrics.ingested_batches.labels(deployment_name).inc()
                     if not result.aggregate:
                         metrics.ingested_records.labels(deployment_name).inc(result.accepted)
+                    # at 0 from the first batch on: a rate over it sees the first overflow
+                    metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
             self.stats.batches += len(batches)
         for entry_id, fields in dead:
             self.client.xadd(DEAD_LETTER, {**fields, b"stream": key.encode()})

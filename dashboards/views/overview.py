@@ -77,7 +77,7 @@ def health(*, session: Session, deployment: Deployment) -> DeploymentHealth:
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     since = charts.since_for(SPARK_MINUTES)
     summary = charts.per_minute(session=session, deployment=deployment, since=since)
-    exit_series = charts.minute_series(summary, since, SPARK_MINUTES, "early_exit_rate")
+    exit_series = charts.minute_series(summary, since, SPARK_MINUTES, "exit_rate")
     dis_series = charts.minute_series(summary, since, SPARK_MINUTES, "disagreement")
     return DeploymentHealth(
         deployment=deployment, aliases=aliases,

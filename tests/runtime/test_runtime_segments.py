@@ -3,13 +3,16 @@ records carry the segment, and a batch of default rows decodes exactly as before
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
 from exitplane.wire import Signal, ThresholdSetWire
 from runtime.engine import Engine, EngineConfig, ExitPolicy
 from runtime.model import tiny_llama
-from runtime.policy import RowPlan
+from runtime.policy import RowPlan, SegmentRows
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 17, 3], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1]]
 NEW_TOKENS = 8
@@ -137,3 +140,71 @@ def test_saturation_serves_a_segment_s_whole_chain_up_to_its_deepest_live_layer(
     assert policy.served_layers("default") == frozenset()
     plan = RowPlan.build(policy, ["code", "default"], [False, False])
     assert plan.counted.tolist() == [[True, True], [False, False]]
+
+
+def test_a_policy_derives_its_segment_rows_once_not_at_every_step(model, monkeypatch):
+    derived: list[int] = []
+    lookups: list[str | None] = []
+    derive, for_segment = SegmentRows.derive.__func__, ExitPolicy.for_segment
+
+    def counting_derive(cls, policy):
+        derived.append(policy.version)
+        return derive(cls, policy)
+
+    def counting_for_segment(policy, segment):
+        lookups.append(segment)
+        return for_segment(policy, segment)
+
+    monkeypatch.setattr(SegmentRows, "derive", classmethod(counting_derive))
+    monkeypatch.setattr(ExitPolicy, "for_segment", counting_for_segment)
+    eng = engine(model, max_batch=4)
+    eng.set_thresholds(SEGMENTED)
+    steps = 0
+    for prompt, segment in zip(PROMPTS, ["code", None, "chat", "ops"], strict=True):
+        eng.add_request(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[], segment=segment)
+    while eng.has_work:
+        eng.step()
+        steps += 1
+    assert steps >= NEW_TOKENS
+    eng.drain_records()
+    # the engine's never-exit policy and the applied set, each once; no step looks a map up
+    assert derived == [0, 3] and lookups == []
+    # a new set brings its own rows, and the next steps apply them: code never exits now
+    swapped = ThresholdSetWire.build(deployment="tiny", version=4, signal="maxprob",
+                                     thresholds={2: 1.0, 4: 1.0},
+                                     segments={"code": {2: 1.0, 4: 1.0}, "chat": {2: 0.0}})
+    eng.set_thresholds(swapped)
+    _, records = run(eng, PROMPTS[:2], ["code", "chat"])
+    assert derived == [0, 3, 4] and lookups == []
+    assert [{r.exit_layer for r in rows} for rows in records] == [{NUM_LAYERS}, {2}]
+    plan = RowPlan.build(eng.policy, ["chat"], [False])
+    kept = eng.policy.segment_rows
+    assert plan.column is kept.column and not kept.limits.flags.writeable  # shared, read-only
+
+
+def _plan_row_by_row(policy: ExitPolicy, segments, shadow) -> tuple[list, list]:
+    """What a step's plan must hold, derived from the maps for each row on its own."""
+    limits, counted = [], []
+    for segment, row_shadow in zip(segments, shadow, strict=True):
+        by_layer, served = policy.for_segment(segment), policy.served_layers(segment)
+        limits.append([np.float32(by_layer.get(k, 1.0)) for k in policy.layers])
+        counted.append([k in served if served else row_shadow for k in policy.layers])
+    return limits, counted
+
+
+@pytest.mark.parametrize("signal", [Signal.maxprob, Signal.saturation])
+def test_the_gathered_plan_equals_each_row_s_own_map(signal):
+    rng = random.Random(18)
+    for _ in range(50):
+        def a_map():
+            return {k: rng.choice([0.0, 0.3, 0.7, 1.0]) for k in rng.sample([2, 4, 6], 2)}
+
+        policy = ExitPolicy(version=1, signal=signal, thresholds=a_map(),
+                            segments={name: a_map() for name in rng.sample(["chat", "code"],
+                                                                            rng.randint(0, 2))})
+        segments = [rng.choice(["chat", "code", "ops", "default", None]) for _ in range(6)]
+        shadow = [rng.random() < 0.3 for _ in segments]
+        plan = RowPlan.build(policy, segments, shadow)
+        limits, counted = _plan_row_by_row(policy, segments, shadow)
+        assert plan.limits.dtype == np.float32 and plan.limits.tolist() == limits
+        assert plan.counted.tolist() == counted

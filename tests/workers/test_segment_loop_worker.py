@@ -25,7 +25,6 @@ from tests.controlplane.calibration.support import (
     separable_samples,
     write_traffic,
 )
-from tests.controlplane.segment_rows import label_segment
 from tests.workers.test_calibration_tasks import _wait_for, stack
 
 __all__ = ["stack"]
@@ -49,8 +48,7 @@ def test_a_code_regression_recalibrates_code_alone_on_the_worker(engine, stack):
         for segment, boundary, seed in (("code", 0.5, 8), ("chat", 0.9, 9)):
             signals, matched = separable_samples(3000, seed=seed, mismatch_below=boundary)
             write_traffic(session, "chat", signals, matched, runtime_id=f"rt-{segment}",
-                          start=fired_at + timedelta(minutes=1))
-            label_segment(session, deployment, runtime_id=f"rt-{segment}", segment=segment)
+                          start=fired_at + timedelta(minutes=1), segment=segment)
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         fire(session=session, deployment=deployment, now=fired_at, condition=Condition(

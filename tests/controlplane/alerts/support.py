@@ -18,7 +18,7 @@ from controlplane.telemetry.service import ingest
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.schemas import DeploymentCreate
 from controlplane.thresholds.service import create_deployment, move_alias, publish
-from exitplane.wire import TelemetryBatch
+from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
 from tests.conftest import serve_in_thread
 
 LAYERS = [4, 8, 12]
@@ -56,8 +56,10 @@ class Phase:
 
 def send_traffic(session: Session, deployment: Deployment, *, start: datetime,
                  phases: list[Phase], tokens_per_minute: int = 500, seed: int = 0,
-                 version: int = 2, runtime_id: str = "rt-1") -> datetime:
-    """Ingest seeded token records minute by minute through the real ingestion; returns the end.
+                 version: int = 2, runtime_id: str = "rt-1",
+                 segment: str = DEFAULT_SEGMENT) -> datetime:
+    """Ingest seeded token records minute by minute through the real ingestion, each record of
+    traffic segment `segment`; returns the end.
 
     Shadow tokens run to full depth; their signal at layer 4 clears its threshold, so the active
     policy would have exited there, and they disagree with full depth at `mismatch_rate`."""
@@ -79,6 +81,8 @@ def send_traffic(session: Session, deployment: Deployment, *, start: datetime,
                                                     + 0.1 * rng.random())),
                           "latency_us": 1000,
                           "ts": moment.timestamp() + i * 59.0 / tokens_per_minute}
+                if segment != DEFAULT_SEGMENT:  # left off the wire, as a runtime sends it
+                    record["segment"] = segment
                 if rng.random() < phase.shadow_rate:
                     record["exit_layer"] = FULL
                     matched_first = bool(rng.random() >= phase.mismatch_rate)

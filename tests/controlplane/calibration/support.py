@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.schemas import DeploymentCreate
 from controlplane.thresholds.service import create_deployment, get_deployment
-from exitplane.wire import TelemetryBatch
+from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
 
 LAYERS = [3, 6, 9]
 FULL = 12
@@ -50,10 +50,12 @@ def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
                   matched: np.ndarray, *, start: datetime, spacing_s: float = 0.05,
                   version: int = 0, thresholds: dict[int, float] | None = None,
                   shadow_every: int = 1, runtime_id: str = "rt-1",
-                  batch_size: int = 5000, request_tokens: int = 64) -> None:
+                  batch_size: int = 5000, request_tokens: int = 64,
+                  segment: str = DEFAULT_SEGMENT) -> None:
     """Store tokens as a runtime applying `version` would ship them: every `shadow_every`-th
     token is a shadow token (full depth, labels at every exit layer), the others exit where
-    `thresholds` let them. Consecutive runs of `request_tokens` tokens form one request."""
+    `thresholds` let them. Consecutive runs of `request_tokens` tokens form one request; every
+    record carries traffic segment `segment`."""
     deployment = get_deployment(session=session, name=deployment_name)
     exit_at = (policy_exit(signals, thresholds) if thresholds is not None
                else np.full(len(signals), FULL))
@@ -67,6 +69,8 @@ def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
                   "position": i % request_tokens, "exit_layer": layer,
                   "signal_value": float(signals[i, column]), "latency_us": 900,
                   "ts": t0 + i * spacing_s}
+        if segment != DEFAULT_SEGMENT:  # as a runtime sends it: 'default' is left off the wire
+            record["segment"] = segment
         if shadow:
             record["shadow"] = [{"layer": k, "signal": float(signals[i, j]),
                                  "matched": bool(matched[i, j])} for j, k in enumerate(LAYERS)]

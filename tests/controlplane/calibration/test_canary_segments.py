@@ -16,7 +16,6 @@ from tests.controlplane.calibration.support import (
     separable_samples,
     write_traffic,
 )
-from tests.controlplane.segment_rows import label_segment
 
 STABLE = {3: 0.9, 6: 0.9, 9: 0.9}
 POLICY = CanaryPolicy(clean_windows=3, failure_limit=1, max_inconclusive=2,
@@ -46,15 +45,13 @@ def _traffic(engine, base, *, code_map, chat_boundary: float):
     """Canary runtimes (version 3) of both segments, in short requests; chat's layers match
     full depth only above `chat_boundary`."""
     with session_scope(engine) as session:
-        deployment = get_deployment(session=session, name="assist")
         for segment, thresholds, boundary, seed in (("code", code_map, 0.5, 5),
                                                     ("chat", STABLE, chat_boundary, 6)):
             signals, matched = separable_samples(1800, seed=seed, mismatch_below=boundary)
             write_traffic(session, "assist", signals, matched,
                           start=base + timedelta(minutes=1), spacing_s=0.1, version=3,
                           thresholds=thresholds, shadow_every=2, request_tokens=4,
-                          runtime_id=f"rt-{segment}")
-            label_segment(session, deployment, runtime_id=f"rt-{segment}", segment=segment)
+                          runtime_id=f"rt-{segment}", segment=segment)
 
 
 def _evaluate(engine, at):

@@ -64,8 +64,7 @@ def test_moments():
 
 
 def test_calibrate_one_segment_and_refuse_an_unknown_one(engine, calibrate):
-    from controlplane.thresholds.service import get_deployment, publish
-    from tests.controlplane.segment_rows import label_segment
+    from controlplane.thresholds.service import publish
 
     signals, matched = separable_samples(3000, seed=6)
     with session_scope(engine) as session:
@@ -73,8 +72,6 @@ def test_calibrate_one_segment_and_refuse_an_unknown_one(engine, calibrate):
         publish(session=session, deployment=deployment, thresholds={3: 1.0, 6: 1.0, 9: 1.0},
                 segments={"code": {3: 1.0, 6: 1.0, 9: 1.0}}, reason="code map", actor="test")
         write_traffic(session, "chat", signals, matched, start=utcnow() - timedelta(hours=1),
-                      runtime_id="rt-code")
-        label_segment(session, get_deployment(session=session, name="chat"),
                       runtime_id="rt-code", segment="code")
     unknown = calibrate("--deployment", "chat", "--segment", "chat")
     assert unknown.exit_code == 2 and "knows no traffic segment 'chat'" in unknown.stderr

@@ -28,7 +28,6 @@ from tests.controlplane.calibration.support import (
     separable_samples,
     write_traffic,
 )
-from tests.controlplane.segment_rows import label_segment
 
 GOOD = {3: 0.9, 6: 0.8, 9: 0.7}
 BAD = {3: 0.1, 6: 0.1, 9: 0.1}
@@ -60,18 +59,20 @@ def test_last_good_falls_back_code_alone_to_its_last_good_thresholds(engine, out
     with session_scope(engine) as session:
         deployment = make_deployment(session, name="assist", fallback_mode="last_good",
                                      fallback_margin=0.05)
-        # code's map was good; default's map of that version was not (so the version's
-        # rollups, which count mismatches without telling segment maps apart, look bad)
+        # code's map was good; default's map of that version was not, on default's traffic
+        # (so the version as a whole, summed over its segments, looks bad)
         good = _activate(session, thresholds=BAD, segments={"code": GOOD, "chat": CHAT},
                          reason="good for code")
         write_traffic(session, "assist", signals, matched, start=now - timedelta(hours=2),
-                      version=good, thresholds=GOOD, shadow_every=2, runtime_id="rt-code")
-        label_segment(session, deployment, runtime_id="rt-code", segment="code")
+                      version=good, thresholds=GOOD, shadow_every=2, runtime_id="rt-code",
+                      segment="code")
+        write_traffic(session, "assist", signals, matched, start=now - timedelta(hours=2),
+                      version=good, thresholds=BAD, shadow_every=2, runtime_id="rt-default")
         bad = _activate(session, thresholds=GOOD, segments={"code": BAD, "chat": CHAT},
                         reason="code too aggressive")
         write_traffic(session, "assist", signals, matched, start=now - timedelta(minutes=5),
-                      version=bad, thresholds=BAD, shadow_every=2, runtime_id="rt-code-2")
-        label_segment(session, deployment, runtime_id="rt-code-2", segment="code")
+                      version=bad, thresholds=BAD, shadow_every=2, runtime_id="rt-code-2",
+                      segment="code")
     alert_id = _fire(engine, "code")
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="assist")

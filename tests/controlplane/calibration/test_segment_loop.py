@@ -28,7 +28,6 @@ from tests.controlplane.calibration.support import (
     separable_samples,
     write_traffic,
 )
-from tests.controlplane.segment_rows import label_segment
 
 POLICY = service.CalibrationPolicy(min_samples_per_layer=500)
 DEFAULT_MAP = {3: 0.95, 6: 0.9, 9: 0.85}
@@ -38,14 +37,11 @@ NEVER = {3: 1.0, 6: 1.0, 9: 1.0}
 
 def _traffic(session: Session, segments: dict[str, tuple[int, float]], *, start, version=0):
     """Each segment's separable shadow tokens (count, boundary above which a layer matches
-    full depth) from a runtime of its own, labelled with the segment."""
-    deployment = get_deployment(session=session, name="assist")
+    full depth) from a runtime of its own, each record carrying its segment."""
     for seed, (segment, (count, boundary)) in enumerate(sorted(segments.items())):
         signals, matched = separable_samples(count, seed=seed + 1, mismatch_below=boundary)
         write_traffic(session, "assist", signals, matched, start=start, version=version,
-                      runtime_id=f"rt-{segment}")
-        if segment != "default":
-            label_segment(session, deployment, runtime_id=f"rt-{segment}", segment=segment)
+                      runtime_id=f"rt-{segment}", segment=segment)
 
 
 def _run(engine, *, since, segment=None) -> int:

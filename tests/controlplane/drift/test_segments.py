@@ -19,7 +19,6 @@ from controlplane.drift.window_checks import WindowInputs, evaluate_segments
 from controlplane.thresholds.models import Alias
 from controlplane.thresholds.service import aliases_of, get_threshold_set, move_alias, publish
 from tests.controlplane.alerts.support import THRESHOLDS, Phase, make_deployment, send_traffic
-from tests.controlplane.segment_rows import label_segment
 
 BASE_RATES = (0.25, 0.4, 0.3)
 # Shadow tokens carry signal 0.95 at layer 4 (the helper): every map here exits them there.
@@ -46,12 +45,9 @@ def _segmented_deployment(session: Session, minutes: int):
 
 def _send(session, deployment, version, start, minutes, *, mismatch: dict[str, float]):
     for seed, (segment, rate) in enumerate(sorted(mismatch.items())):
-        runtime = f"rt-{segment}"
-        send_traffic(session, deployment, start=start, version=version, runtime_id=runtime,
-                     seed=10 + seed, phases=[Phase(minutes, BASE_RATES, shadow_rate=0.2,
-                                                   mismatch_rate=rate)])
-        if segment != "default":
-            label_segment(session, deployment, runtime_id=runtime, segment=segment)
+        send_traffic(session, deployment, start=start, version=version,
+                     runtime_id=f"rt-{segment}", segment=segment, seed=10 + seed,
+                     phases=[Phase(minutes, BASE_RATES, shadow_rate=0.2, mismatch_rate=rate)])
 
 
 def test_a_regression_in_code_pages_for_code_and_falls_back_code_alone(
@@ -179,9 +175,8 @@ def test_an_exit_rate_collapse_in_code_alerts_for_code_and_recalibrates_code(
     deployment, version, start, now = _segmented_deployment(session, minutes=30)
     for seed, (segment, late) in enumerate((("chat", BASE_RATES), ("code", (0.25, 0.1, 0.3)))):
         send_traffic(session, deployment, start=start, version=version, seed=20 + seed,
-                     runtime_id=f"rt-{segment}",
+                     runtime_id=f"rt-{segment}", segment=segment,
                      phases=[Phase(15, BASE_RATES), Phase(15, late)])
-        label_segment(session, deployment, runtime_id=f"rt-{segment}", segment=segment)
 
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
                               reports_dir=None, now=now)

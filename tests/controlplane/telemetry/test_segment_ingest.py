@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane import metrics
 from controlplane.auth.service import create_token
 from controlplane.telemetry import service, stream
 from controlplane.telemetry.models import (
@@ -281,6 +282,69 @@ def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
                                                         "default": 6}
 
 
+def _overflow_counted(deployment: str = "mix") -> float:
+    """exitplane_segment_overflow_tokens_total{deployment} of this process so far."""
+    return metrics.registry.get_sample_value("exitplane_segment_overflow_tokens_total",
+                                             {"deployment": deployment}) or 0.0
+
+
+def _fill_the_cap(engine, name: str = "mix") -> None:
+    """Register 15 names besides `code`: the deployment is at the default cap of 16."""
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name=name)
+        admit_segments(session=session, deployment_id=deployment.id,
+                       names=[f"s{index:02d}" for index in range(15)])
+        session.commit()
+
+
+def _aggregate_of(records: list[dict], seq: int, runtime_id: str = "rt-1") -> AggregateBatch:
+    aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
+    for record in records:
+        assert aggregator.add(TokenRecord.model_validate(record))
+    return AggregateBatch(batch_id=uuid.uuid4().hex, deployment="mix", runtime_id=runtime_id,
+                          seq=seq, num_layers=FULL, raw_sample_rate=0.0, cells=aggregator.cut())
+
+
+def test_tokens_past_the_cap_are_counted_in_prometheus_once_each(client, tokens, engine):
+    runtime = _deploy(client, tokens, engine)
+    _fill_the_cap(engine)
+    before = _overflow_counted()
+    records = _records(random.Random(8), 60, segments=("default", "late", "code", "later"))
+    past_cap = sum(_segment_of(record) in {"late", "later"} for record in records)
+    batch = _batch(records)
+    assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
+    assert _overflow_counted() - before == past_cap == 30
+    # a replay stores nothing and counts nothing; names within the cap never count
+    assert client.post("/v1/telemetry", json=batch, headers=runtime).json()["duplicate"]
+    within = _batch(_records(random.Random(9), 20, segments=("code", "s03")), seq=1)
+    assert client.post("/v1/telemetry", json=within, headers=runtime).status_code == 202
+    assert _overflow_counted() - before == past_cap
+
+    # the same tokens as an aggregate batch: its relabelled cells count their exits
+    aggregate = _aggregate_of(records, seq=2)
+    assert {cell.segment for cell in aggregate.cells} >= {"late", "later"}
+    response = client.post("/v1/telemetry", headers={
+        **runtime, "Content-Type": AGGREGATE_MSGPACK},
+        content=msgpack.packb(aggregate.model_dump(mode="json")))
+    assert response.status_code == 202, response.text
+    assert _overflow_counted() - before == 2 * past_cap
+    assert _stored_segments(engine, TokenRecordRow)["default"] == 15 + past_cap
+    assert 'exitplane_segment_overflow_tokens_total{deployment="mix"}' in \
+        client.get("/metrics").text
+
+
+def test_a_deployment_s_overflow_series_exists_at_zero_from_its_first_batch(
+        client, tokens, engine):
+    name = f"calm-{uuid.uuid4().hex[:8]}"  # a series no other test of this process touched
+    runtime = _deploy(client, tokens, engine, name=name)
+    samples = lambda: metrics.registry.get_sample_value(  # noqa: E731
+        "exitplane_segment_overflow_tokens_total", {"deployment": name})
+    assert samples() is None
+    batch = _batch(_records(random.Random(12), 10), deployment=name)
+    assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
+    assert samples() == 0.0  # so a rate over it sees the first overflow
+
+
 @pytest.fixture
 def own_redis():
     """A Redis database of this test file's own (the stream keys are shared names): emptied
@@ -404,3 +468,32 @@ def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, to
     rollups = _rollups(engine)
     assert {segment: tokens for (segment, layer), (tokens, *_) in rollups.items()
             if layer == LAYERS[0]} == expected
+
+
+@pytest.mark.redis
+def test_the_ingest_worker_counts_tokens_past_the_cap(settings, engine, tokens, own_redis):
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import create_app
+
+    url, redis_client = own_redis
+    app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
+    with TestClient(app) as client:
+        runtime = _deploy(client, tokens, engine)
+        _fill_the_cap(engine)
+        records = _records(random.Random(10), 40, segments=("late", "code", "default", "late"))
+        counted = _records(random.Random(11), 30, segments=("later", "s01"), shadow_rate=0.0)
+        batch, aggregate = _batch(records), _aggregate_of(counted, seq=0, runtime_id="rt-2")
+        before = _overflow_counted()
+        assert client.post("/v1/telemetry", json=batch, headers=runtime).json()["queued"]
+        assert client.post("/v1/telemetry", headers={
+            **runtime, "Content-Type": AGGREGATE_MSGPACK},
+            content=msgpack.packb(aggregate.model_dump(mode="json"))).json()["queued"]
+        assert _overflow_counted() == before  # queued: nothing is stored, nothing relabelled
+        worker = stream.StreamIngestor(redis_client, sessionmaker(bind=engine), name="cap-worker",
+                                       count=10, block_ms=10)
+        while worker.run_once():
+            pass
+    app.state.config_delivery.close()
+    assert _overflow_counted() - before == 20 + 15
+    assert _stored_segments(engine, TokenRecordRow) == {"default": 30, "code": 10}
