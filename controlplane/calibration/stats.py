@@ -14,10 +14,22 @@ Selection (Angelopoulos et al., "Learn then Test", fixed-sequence testing):
    from 1 to 0 is a path of threshold vectors from conservative to aggressive (each layer's
    threshold never increases along it). `strategy="shared"` instead uses one raw threshold for
    all layers, from 1.0 down to 0.0, and no learn part.
-3. Test: for each step in path order, the null "policy risk > δ" gets a Hoeffding-Bentkus
-   p-value on the test part; steps are rejected while p <= ε and testing stops at the first
-   failure. The last rejected step is chosen (never-exit if none). Because the path is fixed
-   before the test data is seen, P(risk of the chosen thresholds > δ) <= ε.
+3. Test: for each step in path order, the null "policy risk > δ" gets a p-value on the test
+   part; steps are rejected while p <= ε and testing stops at the first failure. The last
+   rejected step is chosen (never-exit if none). Because the path is fixed before the test
+   data is seen, P(risk of the chosen thresholds > δ) <= ε.
+
+The p-value (`risk_test`). The loss is 0/1 (a token disagrees or not) and, as throughout, the test
+tokens are treated as independent draws from the traffic, so the number of disagreements K of
+n test tokens is Binomial(n, R). The default, `"binomial"`, is the exact tail
+p = P(Binomial(n, δ) <= K): under the null R >= δ, Binomial(n, R) is stochastically larger
+than Binomial(n, δ), so P(p <= ε) <= ε — a valid p-value, the exact one LTT names for
+Bernoulli losses. `"hoeffding-bentkus"` (the earlier default, kept for comparison) is valid
+for any loss in [0, 1]; for 0/1 losses it is never smaller: its Hoeffding term is the Chernoff
+bound on that same tail and its Bentkus term is the tail times e. So the binomial test
+certifies every step the Hoeffding-Bentkus one does, under the same independence assumption,
+and usually a few more (measured in bench/segments.py). `risk_bound` is the matching 1-ε upper
+bound (one-sided Clopper-Pearson for "binomial").
 
 Per-layer figures (exit rate, risk contribution, its bound) are descriptive; the p-value and
 the guarantee belong to the whole policy (each layer carries the policy's fixed-sequence
@@ -32,7 +44,7 @@ from typing import Any
 
 import numpy as np
 from scipy.special import rel_entr
-from scipy.stats import binom, binomtest
+from scipy.stats import beta, binom, binomtest
 from sklearn.isotonic import IsotonicRegression
 
 NEVER_EXIT = 1.0
@@ -60,7 +72,7 @@ class LayerCalibration:
     exit_rate: float  # share of all tokens exiting here
     conditional_exit_rate: float  # exits here / tokens reaching here (what drift monitors)
     risk: float  # share of all tokens exiting here with a mismatch
-    risk_bound: float  # Hoeffding-Bentkus upper bound (level 1-ε) on `risk`
+    risk_bound: float  # upper bound (level 1-ε) on `risk`, the path test's kind
     p_value: float  # the policy's adjusted p-value at the chosen step
     conditional_disagreement: float  # mismatches among tokens exiting here
     samples: int
@@ -117,6 +129,7 @@ class CalibrationResult:
     samples: dict[str, int]
     holdout: HoldoutCheck | None = None
     notes: list[str] = field(default_factory=list)
+    risk_test: str = "binomial"  # the path's p-value (module docstring)
 
     @property
     def exit_rates(self) -> dict[int, float]:
@@ -156,6 +169,48 @@ def hb_upper_bound(risk_hat: Any, n: int, epsilon: float) -> Any:
         hi = np.where(reject, mid, hi)
         lo = np.where(reject, lo, mid)
     return hi if r.ndim else float(hi)
+
+
+def binomial_p_value(losses: Any, n: int, delta: float) -> np.ndarray:
+    """Exact p-value for H0: risk >= δ from `losses` disagreements (a count) among n
+    independent 0/1 losses: P(Binomial(n, δ) <= losses). Valid because Binomial(n, R) is
+    stochastically larger than Binomial(n, δ) whenever R >= δ (module docstring)."""
+    k = np.asarray(losses, dtype=float)
+    return np.minimum(1.0, binom.cdf(k, n, delta))
+
+
+def binomial_upper_bound(losses: Any, n: int, epsilon: float) -> Any:
+    """One-sided Clopper-Pearson bound: the smallest R with P(Binomial(n, R) <= losses) <= ε,
+    so that `binomial_p_value(losses, n, R) <= ε` exactly when R >= this bound.
+
+    Vectorised over `losses` (counts); returns a float for a scalar input.
+    """
+    k = np.asarray(losses, dtype=float)
+    if n == 0:
+        return np.ones_like(k) if k.ndim else 1.0
+    bound = np.where(k >= n, 1.0, beta.ppf(1.0 - epsilon, k + 1, np.maximum(n - k, 1)))
+    return bound if k.ndim else float(bound)
+
+
+TESTS = ("binomial", "hoeffding-bentkus")
+
+
+def risk_p_values(losses: Any, n: int, delta: float, test: str = "binomial") -> np.ndarray:
+    """p-values for H0: risk > δ from loss counts, by the named test (module docstring)."""
+    if test == "binomial":
+        return binomial_p_value(losses, n, delta)
+    if test == "hoeffding-bentkus":
+        return hb_p_value(np.asarray(losses, dtype=float) / n, n, delta)
+    raise ValueError(f"unknown test {test!r}; use one of {', '.join(TESTS)}")
+
+
+def risk_upper_bound(losses: Any, n: int, epsilon: float, test: str = "binomial") -> Any:
+    """The 1-ε upper bound on the risk that matches `risk_p_values`' test."""
+    if test == "binomial":
+        return binomial_upper_bound(losses, n, epsilon)
+    if test == "hoeffding-bentkus":
+        return hb_upper_bound(np.asarray(losses, dtype=float) / n if n else losses, n, epsilon)
+    raise ValueError(f"unknown test {test!r}; use one of {', '.join(TESTS)}")
 
 
 def simulate_policy(
@@ -310,7 +365,7 @@ def _threshold_path(
     return path[keep], levels[keep], models, learn, test
 
 
-def _test_path(path, signals, matched, match_prob, *, delta, epsilon):
+def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test):
     """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen)."""
     n, n_layers = signals.shape
     firsts, losses, predicted = [], [], []
@@ -320,14 +375,15 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon):
         firsts.append(first)
         losses.append(int(disagree.sum()))
         predicted.append(float((1.0 - match_prob[rows, first[rows]]).sum() / n))
-    p_values = hb_p_value(np.array(losses) / n, n, delta)
+    p_values = risk_p_values(np.array(losses), n, delta, risk_test)
     p_values[0] = 0.0  # never-exit is certain, not tested
     failed = np.flatnonzero(p_values > epsilon)
     chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
     return firsts, np.array(losses), predicted, p_values, chosen
 
 
-def _layer_results(first, disagree, path_step, signals, models, layers, epsilon, p_value):
+def _layer_results(first, disagree, path_step, signals, models, layers, epsilon, p_value,
+                   risk_test):
     n, reaching, out = len(first), len(first), []
     for j, layer in enumerate(layers):
         here = first == j
@@ -339,7 +395,7 @@ def _layer_results(first, disagree, path_step, signals, models, layers, epsilon,
                 exit_rate=exits / n,
                 conditional_exit_rate=exits / reaching if reaching else 0.0,
                 risk=wrong / n,
-                risk_bound=hb_upper_bound(wrong / n, n, epsilon),
+                risk_bound=float(risk_upper_bound(wrong, n, epsilon, risk_test)),
                 p_value=p_value,
                 conditional_disagreement=wrong / exits if exits else 0.0,
                 samples=int((~np.isnan(signals[:, j])).sum()),
@@ -364,6 +420,7 @@ def calibrate_thresholds(
     holdout_fraction: float = 0.2,
     min_samples_per_layer: int = 1000,
     seed: int = 0,
+    risk_test: str = "binomial",
 ) -> CalibrationResult:
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
 
@@ -371,12 +428,15 @@ def calibrate_thresholds(
     exit_layers: the L exit layers in increasing order. A random `holdout_fraction` is set
     aside for `check_holdout`; of the rest, `learn_fraction` builds the path ("calibrated").
     `grid` overrides the path levels (match-probability levels for "calibrated", raw
-    thresholds for "shared"; conservative first). Raises NotEnoughShadowData below
+    thresholds for "shared"; conservative first). `risk_test` names the path's p-value
+    ("binomial" or "hoeffding-bentkus", module docstring). Raises NotEnoughShadowData below
     `min_samples_per_layer` samples on any layer, ValueError on malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
     layers = np.asarray(exit_layers, dtype=int)
     _validate(signals, matched, layers, delta, epsilon)
+    if risk_test not in TESTS:
+        raise ValueError(f"unknown test {risk_test!r}; use one of {', '.join(TESTS)}")
     _check_counts(signals, layers, max(1, min_samples_per_layer))
     calib, holdout = split_shadow_samples(
         len(signals), holdout_fraction=holdout_fraction, seed=seed
@@ -390,10 +450,10 @@ def calibrate_thresholds(
         [models[j].predict(np.nan_to_num(s_test[:, j], nan=0.0)) for j in range(len(layers))]
     )  # (n, L)
     firsts, losses, predicted, p_values, chosen = _test_path(
-        path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon
+        path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon, risk_test=risk_test
     )
     adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
-    bounds = hb_upper_bound(losses / n, n, epsilon)
+    bounds = risk_upper_bound(losses, n, epsilon, risk_test)
     curve = []
     for i, first in enumerate(firsts):
         depth = float(_depth(first, layers, num_layers).mean())
@@ -427,7 +487,8 @@ def calibrate_thresholds(
     return CalibrationResult(
         thresholds=dict(best.thresholds),
         layers=_layer_results(
-            firsts[chosen], disagree, path[chosen], signals, models, layers, epsilon, adjusted
+            firsts[chosen], disagree, path[chosen], signals, models, layers, epsilon, adjusted,
+            risk_test,
         ),
         delta=delta,
         epsilon=epsilon,
@@ -443,4 +504,5 @@ def calibrate_thresholds(
         samples={"total": len(signals), "learn": len(learn), "test": n, "holdout": len(holdout)},
         holdout=holdout_check,
         notes=[] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"],
+        risk_test=risk_test,
     )
