@@ -48,6 +48,8 @@ import numpy as np
 
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.calibration.stats import (
+    MATCH_MODELS,
+    TESTS,
     NotEnoughShadowData,
     calibrate_thresholds,
     simulate_policy,
@@ -114,11 +116,14 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     return exits, wrong
 
 
-def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed):
+def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed,
+            method):
     try:
         result = calibrate_thresholds(signals=signals, matched=matched, exit_layers=layers,
                                       num_layers=num_layers, delta=delta, epsilon=epsilon,
-                                      min_samples_per_layer=min_samples, seed=seed)
+                                      min_samples_per_layer=min_samples, seed=seed,
+                                      risk_test=method["risk_test"],
+                                      match_model=method["match_model"])
     except NotEnoughShadowData:
         return [1.0] * len(layers)
     return [result.thresholds[k] for k in layers]
@@ -126,8 +131,12 @@ def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples
 
 def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: float,
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
-               min_samples: int = 200, seed: int = 0) -> dict:
-    """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring."""
+               min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
+               match_model: str = "logistic", pooled_check_share: float = 0.1) -> dict:
+    """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
+    `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
+    product defaults), there to measure what each costs; every set uses the same ones."""
+    method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
     if [int(k) for k in records["code"]["exit_layers"]] != layers:
@@ -135,7 +144,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
     groups = {name: request_groups(records[name]) for name in SEGMENTS}
     rng = np.random.default_rng(seed)
     options = dict(layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
-                   min_samples=min_samples)
+                   min_samples=min_samples, method=method)
     served_disagreement = {"pooled": [], "segment": [], "recalibrated": []}
     served_exit = {"pooled": [], "segment": [], "recalibrated": []}
     per_segment = {name: {"exit": [], "disagreement": [], "calibration_tokens": [],
@@ -155,7 +164,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         segmented = calibrate_segments(
             signals=cal[0], matched=cal[1], segments=cal[2], requests=cal[3],
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
-            min_samples_per_layer=min_samples, seed=trial)
+            min_samples_per_layer=min_samples, seed=trial,
+            pooled_check_share=pooled_check_share, **method)
         recalibrated = _pooled(after[0], after[1], seed=trial, **options)
 
         sets = {
@@ -206,6 +216,9 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "calibrate_mix_chat": calibrate_mix,
         "serve_mix_chat": serve_mix,
         "min_samples_per_layer": min_samples,
+        "risk_test": risk_test,
+        "match_model": match_model,
+        "pooled_check_share": pooled_check_share,
     }
 
 
@@ -225,6 +238,12 @@ def main() -> int:
     parser.add_argument("--min-samples", type=int, default=200,
                         help="fewest shadow tokens per layer for a Learn-Then-Test run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--risk-test", choices=TESTS, default="binomial",
+                        help="Learn-Then-Test p-value (ablation; the product default)")
+    parser.add_argument("--match-model", choices=MATCH_MODELS, default="logistic",
+                        help="the path's P(match) model (ablation; the product default)")
+    parser.add_argument("--pooled-check-share", type=float, default=0.1,
+                        help="share of a segment's ε for the pooled-set fallback (ablation)")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
@@ -240,7 +259,9 @@ def main() -> int:
     started = time.perf_counter()
     report = run_trials(records, trials=args.trials, delta=args.delta, epsilon=args.epsilon,
                         calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,
-                        split=args.split, min_samples=args.min_samples, seed=args.seed)
+                        split=args.split, min_samples=args.min_samples, seed=args.seed,
+                        risk_test=args.risk_test, match_model=args.match_model,
+                        pooled_check_share=args.pooled_check_share)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0

@@ -12,8 +12,8 @@ most two tests whose levels are fixed before any loss is seen, again by the unio
 
 - its own fixed-sequence LTT (`calibrate_thresholds`) on all its shadow tokens, and
 - when that cannot run (fewer than `min_samples_per_layer` tokens on some layer) or certifies
-  nothing, an exact binomial test (`binomial_p_value`) of the *pooled* thresholds on the
-  segment's check tokens.
+  nothing, a test of the *pooled* thresholds on the segment's check tokens (the same test as
+  the LTT's, `risk_test`: by default the exact binomial tail, `stats.binomial_p_value`).
 
 A segment with enough tokens spends (1 - `pooled_check_share`) ε/k on its own LTT and
 `pooled_check_share` ε/k (default 0.1) on the pooled check; a segment too small for its own LTT
@@ -49,8 +49,8 @@ from controlplane.calibration.stats import (
     NEVER_EXIT,
     CalibrationResult,
     NotEnoughShadowData,
-    binomial_p_value,
     calibrate_thresholds,
+    risk_p_values,
     simulate_policy,
 )
 from exitplane.wire import DEFAULT_SEGMENT
@@ -152,13 +152,18 @@ def calibrate_segments(
     learn_fraction: float = 0.3,
     holdout_fraction: float = 0.2,
     pooled_check_share: float = 0.1,
+    risk_test: str = "binomial",
+    match_model: str = "logistic",
     seed: int = 0,
 ) -> SegmentedCalibration:
     """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
 
     signals, matched: (n, L) shadow tokens as for `calibrate_thresholds`; segments: (n,) the
     segment name of each token; requests: (n,) request ids (each token its own request when
-    None), so that the pooled set's check tokens are whole requests. Raises ValueError on
+    None), so that the pooled set's check tokens are whole requests. `risk_test` and
+    `match_model` go to every `calibrate_thresholds` run (and the pooled check uses the same
+    test); `pooled_check_share` is the share of a segment's ε/k kept for the pooled-set
+    fallback when its own LTT runs (module docstring). Raises ValueError on
     malformed input; a segment or pool too small for LTT is not an error, it is reported.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -177,7 +182,8 @@ def calibrate_segments(
     per_segment = epsilon / len(names)
     options = dict(exit_layers=exit_layers, num_layers=num_layers, delta=delta,
                    strategy=strategy, learn_fraction=learn_fraction,
-                   holdout_fraction=holdout_fraction,
+                   holdout_fraction=holdout_fraction, risk_test=risk_test,
+                   match_model=match_model,
                    min_samples_per_layer=min_samples_per_layer, seed=seed)
     check = np.zeros(len(signals), dtype=bool)
     for index, name in enumerate(names):
@@ -236,7 +242,7 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
             segment=name, source="conservative", thresholds=dict(never), result=own,
             reason=f"{why_not}; no exiting pooled set to fall back on: never exit", **sizes)
     check_test = _pooled_check(pooled.thresholds, signals[check], matched[check],
-                               delta=delta, level=level)
+                               delta=delta, level=level, risk_test=options["risk_test"])
     if check_test.certified:
         return SegmentCalibration(
             segment=name, source="pooled", thresholds=dict(pooled.thresholds), result=own,
@@ -253,13 +259,13 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
 
 
 def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray, *,
-                  delta: float, level: float) -> PooledCheck:
+                  delta: float, level: float, risk_test: str) -> PooledCheck:
     layers = sorted(thresholds)
     n = len(signals)
     if n == 0:
         return PooledCheck(tokens=0, disagreements=0, p_value=1.0, level=level, certified=False)
     _, disagree = simulate_policy(signals, matched, [thresholds[k] for k in layers])
     wrong = int(disagree.sum())
-    p_value = float(binomial_p_value(wrong, n, delta))
+    p_value = float(risk_p_values(wrong, n, delta, risk_test))
     return PooledCheck(tokens=n, disagreements=wrong, p_value=p_value, level=level,
                        certified=p_value <= level)

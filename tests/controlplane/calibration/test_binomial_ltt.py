@@ -1,8 +1,9 @@
-"""The exact binomial test behind Learn-Then-Test (issue 18 benchmark): known answers against
-scipy's binomial law and a hand sum, never above the Hoeffding-Bentkus p-value, its
-Clopper-Pearson bound, and validity on simulated Bernoulli streams whose true risk is known:
-over many seeds the calibrator certifies thresholds whose true risk is above δ in at most ε of
-them (while a rule without the test, "empirical risk <= δ", does so far more often)."""
+"""The exact binomial test behind Learn-Then-Test and the logistic match model that draws its
+path (issue 18 benchmark): known answers against scipy's binomial law and a hand sum, never
+above the Hoeffding-Bentkus p-value, its Clopper-Pearson bound, the logistic fit against
+scikit-learn's, and validity on simulated Bernoulli streams whose true risk is known: over many
+seeds the calibrator certifies thresholds whose true risk is above δ in at most ε of them
+(while a rule without the test, "empirical risk <= δ", does so far more often)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from scipy.stats import binom
+from sklearn.linear_model import LogisticRegression
 
 from controlplane.calibration import stats as cal
 from controlplane.calibration.segments import calibrate_segments
@@ -68,11 +70,32 @@ def _true_risk(threshold: float) -> float:
     return 0.15 * (1.0 - threshold) ** 2
 
 
-@pytest.mark.slow  # 1,200 calibrations: ~25 s on the shared 2-core box
+def test_logistic_match_model_is_sklearns_fit_made_monotone():
+    rng = np.random.default_rng(3)
+    signals = rng.random(3000) ** 3
+    matched = rng.random(3000) < np.sqrt(signals)
+    model = cal.LogisticMatchModel(signals, matched)
+    reference = LogisticRegression(C=1.0, tol=1e-10, max_iter=10_000).fit(
+        cal.LogisticMatchModel._features(signals), matched)
+    grid = cal.LogisticMatchModel.GRID
+    expected = np.maximum.accumulate(
+        reference.predict_proba(cal.LogisticMatchModel._features(grid))[:, 1])
+    assert np.allclose(model.predict(grid), expected, atol=1e-6)
+    assert np.all(np.diff(model.predict(np.sort(rng.random(500)))) >= 0)
+    # fitted P(match) follows the truth sqrt(s) where the data is
+    assert model.predict([0.5])[0] == pytest.approx(np.sqrt(0.5), abs=0.08)
+    # nothing to fit: a flat curve at the observed share (0 for a layer never observed)
+    assert set(cal.LogisticMatchModel(signals, np.ones(3000, bool)).predict(grid)) == {1.0}
+    assert set(cal.LogisticMatchModel(np.array([]), np.array([], bool)).predict(grid)) == {0.0}
+    with pytest.raises(ValueError, match="unknown match model 'spline'"):
+        cal.fit_match_models(signals[:, None], matched[:, None], "spline")
+
+
+@pytest.mark.slow  # 1,800 calibrations: ~30 s on the shared 2-core box
 def test_binomial_ltt_certifies_a_risk_above_delta_in_at_most_epsilon_of_seeds():
     trials, n, slack = 600, 1000, 0.03  # slack: 2.5 sd of a rate near ε over 600 trials
     grid = np.round(np.linspace(1.0, 0.0, 201), 3)
-    over = {"binomial": 0, "hoeffding-bentkus": 0, "no test": 0}
+    over = {"binomial": 0, "hoeffding-bentkus": 0, "logistic path": 0, "no test": 0}
     chosen = {"binomial": [], "hoeffding-bentkus": []}
     for seed in range(trials):
         signals, matched = _stream(n, np.random.default_rng(seed))
@@ -85,6 +108,12 @@ def test_binomial_ltt_certifies_a_risk_above_delta_in_at_most_epsilon_of_seeds()
             threshold = result.thresholds[8]
             chosen[test].append(threshold)
             over[test] += _true_risk(threshold) > DELTA
+        # the default: a path drawn by the logistic match model on a learn part
+        path = cal.calibrate_thresholds(
+            signals=signals, matched=matched, exit_layers=[8], num_layers=30, delta=DELTA,
+            epsilon=EPSILON, holdout_fraction=0.0, min_samples_per_layer=100, seed=seed)
+        assert path.match_model == "logistic" and path.samples["learn"] == 300
+        over["logistic path"] += _true_risk(path.thresholds[8]) > DELTA
         # the foil: the most aggressive grid step whose empirical risk is <= δ, untested
         risks = [cal.policy_disagreement(signals, matched, [t])[0] / n for t in grid]
         ok = np.flatnonzero(np.array(risks) > DELTA)
@@ -93,6 +122,7 @@ def test_binomial_ltt_certifies_a_risk_above_delta_in_at_most_epsilon_of_seeds()
     rates = {test: count / trials for test, count in over.items()}
     print(rates, {test: float(np.mean(values)) for test, values in chosen.items()})
     assert rates["binomial"] <= EPSILON + slack
+    assert rates["logistic path"] <= EPSILON + slack
     assert rates["hoeffding-bentkus"] <= rates["binomial"]
     assert rates["no test"] > EPSILON + slack  # the check could fail
     # and the exact test is not vacuous: it exits more than Hoeffding-Bentkus, never less
