@@ -27,6 +27,39 @@ trials whose served disagreement exceeds δ), `segment_exit_rate`, `pooled_exit_
 per-segment figures: served exit rates and disagreement, which set each segment got, sample
 sizes.
 
+Figures (2026-11-30, loaded 2-core box, 480 requests x 32 tokens per source, 100 trials,
+δ 0.05, ε 0.1; `--requests 480` plus the flags shown; the flags only name the calibrators'
+options, every set in a run uses the same ones):
+
+calibration (flags)                      violation: pooled  segment   exit: segment  recal.  ratio
+main at 129d16a (HB, isotonic, ε/2k each)             0.39     0.01            0.188   0.222  0.85x
+A --risk-test hoeffding-bentkus
+  --match-model isotonic --pooled-check-share 0.5     0.47     0.02            0.192   0.227  0.85x
+B --match-model isotonic --pooled-check-share 0.5     0.53     0.03            0.194   0.232  0.84x
+  (binomial test)
+C --match-model isotonic (+ own LTT at 0.9 ε/k)       0.53     0.04            0.201   0.232  0.87x
+D --risk-test hoeffding-bentkus
+  --pooled-check-share 0.5 (logistic path only)       0.75     0.05            0.216   0.240  0.90x
+defaults: binomial, logistic path, 0.9 ε/k            0.81     0.08            0.227   0.244  0.93x
+
+(row A differs from main only by the path levels read off the fit, which every row but
+main's has). With the defaults the served code segment exits 0.233 (chat 0.203); per
+segment, served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat,
+1,916 served tokens) of trials: a set certified at true risk just under δ crosses it on a
+finite served sample now and then, and tokens of one request are not independent, which the
+tests assume (as before). At `--requests 120`: 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
+
+Where the per-segment sets lost exits (measured): in the 80/20 mix code has 60 requests (1,920
+tokens) against the recalibrated pool's 300 (9,600); on main its own LTT held out 384 tokens,
+learnt its path on 461 and tested 1,075 at ε/2k = 0.025, the pool 1,920 / 2,304 / 5,376 at ε.
+The isotonic path drawn from 461 tokens was the largest cost (the logistic path: code 0.205 ->
+0.233 served exit rate), then the halved level (0.199 -> 0.208), then Bentkus' factor e. The
+check split does not shrink a segment's own LTT (it runs on all the segment's tokens; the
+check tokens are kept out of the pooled fallback set only). Tried and not adopted: no holdout
+inside a segment's LTT (+0.005 overall, but the service's per-segment holdout gate would go),
+an ε split weighted by 1/sqrt(tokens) (+0.004, but a later one-segment recalibration at ε/k
+could then overspend the joint ε).
+
     .venv/bin/python -P bench/segments.py
     .venv/bin/python -P bench/segments.py --trials 100 --delta 0.05 --epsilon 0.1
     # 480 requests per source (records: bench/drift_real.py --records-only --requests 480,
