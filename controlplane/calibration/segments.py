@@ -64,7 +64,7 @@ class PooledCheck:
 
     tokens: int
     disagreements: int
-    p_value: float  # Hoeffding-Bentkus, H0: the pooled set's risk on this segment > δ
+    p_value: float  # `risk_test` (exact binomial by default), H0: pooled risk here > δ
     level: float  # the share of ε this test may spend
     certified: bool
 

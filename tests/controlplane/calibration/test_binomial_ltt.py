@@ -17,6 +17,8 @@ from sklearn.linear_model import LogisticRegression
 from controlplane.calibration import stats as cal
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
+from tests.controlplane.calibration.support import LAYERS as SUPPORT_LAYERS
+from tests.controlplane.calibration.support import separable_samples
 
 DELTA, EPSILON = 0.05, 0.1
 
@@ -158,3 +160,27 @@ def test_a_segment_with_enough_tokens_spends_most_of_its_share_on_its_own_ltt():
         calibrate_segments(signals=chat[0], matched=chat[1], segments=np.array(["a"] * 4000),
                            exit_layers=layers, num_layers=DEFAULT_NUM_LAYERS, delta=DELTA,
                            epsilon=EPSILON, pooled_check_share=1.0)
+
+
+def test_a_plateau_in_the_match_curve_is_crossed_in_small_steps():
+    """4,000 tokens that never match at any signal, then 3,000 that match exactly above 0.5:
+    P(match) is 0 below 0.5 and a flat 0.43 above. The fixed levels alone cross the flat part
+    of a smooth fit in big steps (the first exiting one lets 16% of tokens exit at once, its
+    risk is above δ: nothing is certified); levels read off the fit at signal quantiles keep
+    each step small and certify a few percent of exits."""
+    never = separable_samples(4000, seed=1, mismatch_below=1.1)
+    step = separable_samples(3000, seed=7)
+    options = dict(signals=np.vstack([never[0], step[0]]).astype(float),
+                   matched=np.vstack([never[1], step[1]]), exit_layers=SUPPORT_LAYERS,
+                   num_layers=12, delta=DELTA, epsilon=EPSILON, min_samples_per_layer=500)
+
+    def biggest_step(result):
+        rates = [point.exit_rate for point in result.curve if point.exit_rate < 0.6]
+        return max(np.diff(rates))
+
+    result = cal.calibrate_thresholds(**options)
+    assert biggest_step(result) < 0.05
+    assert result.exit_rate > 0.05 and result.risk <= DELTA
+    coarse = cal.calibrate_thresholds(**options, grid=cal.default_levels())
+    assert biggest_step(coarse) > 0.15
+    assert coarse.exit_rate == 0.0  # the failure the quantile levels fixed
