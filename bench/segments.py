@@ -27,6 +27,39 @@ trials whose served disagreement exceeds δ), `segment_exit_rate`, `pooled_exit_
 per-segment figures: served exit rates and disagreement, which set each segment got, sample
 sizes.
 
+Figures (2026-11-30, loaded 2-core box, 480 requests x 32 tokens per source, 100 trials,
+δ 0.05, ε 0.1; `--requests 480` plus the flags shown; the flags only name the calibrators'
+options, every set in a run uses the same ones):
+
+calibration (flags)                      violation: pooled  segment   exit: segment  recal.  ratio
+main at 129d16a (HB, isotonic, ε/2k each)             0.39     0.01            0.188   0.222  0.85x
+A --risk-test hoeffding-bentkus
+  --match-model isotonic --pooled-check-share 0.5     0.47     0.02            0.192   0.227  0.85x
+B --match-model isotonic --pooled-check-share 0.5     0.53     0.03            0.194   0.232  0.84x
+  (binomial test)
+C --match-model isotonic (+ own LTT at 0.9 ε/k)       0.53     0.04            0.201   0.232  0.87x
+D --risk-test hoeffding-bentkus
+  --pooled-check-share 0.5 (logistic path only)       0.75     0.05            0.216   0.240  0.90x
+defaults: binomial, logistic path, 0.9 ε/k            0.81     0.08            0.227   0.244  0.93x
+
+(row A differs from main only by the path levels read off the fit, which every row but
+main's has). With the defaults the served code segment exits 0.233 (chat 0.203); per
+segment, served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat,
+1,916 served tokens) of trials: a set certified at true risk just under δ crosses it on a
+finite served sample now and then, and tokens of one request are not independent, which the
+tests assume (as before). At `--requests 120`: 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
+
+Where the per-segment sets lost exits (measured): in the 80/20 mix code has 60 requests (1,920
+tokens) against the recalibrated pool's 300 (9,600); on main its own LTT held out 384 tokens,
+learnt its path on 461 and tested 1,075 at ε/2k = 0.025, the pool 1,920 / 2,304 / 5,376 at ε.
+The isotonic path drawn from 461 tokens was the largest cost (the logistic path: code 0.205 ->
+0.233 served exit rate), then the halved level (0.199 -> 0.208), then Bentkus' factor e. The
+check split does not shrink a segment's own LTT (it runs on all the segment's tokens; the
+check tokens are kept out of the pooled fallback set only). Tried and not adopted: no holdout
+inside a segment's LTT (+0.005 overall, but the service's per-segment holdout gate would go),
+an ε split weighted by 1/sqrt(tokens) (+0.004, but a later one-segment recalibration at ε/k
+could then overspend the joint ε).
+
     .venv/bin/python -P bench/segments.py
     .venv/bin/python -P bench/segments.py --trials 100 --delta 0.05 --epsilon 0.1
     # 480 requests per source (records: bench/drift_real.py --records-only --requests 480,
@@ -48,6 +81,8 @@ import numpy as np
 
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.calibration.stats import (
+    MATCH_MODELS,
+    TESTS,
     NotEnoughShadowData,
     calibrate_thresholds,
     simulate_policy,
@@ -114,11 +149,14 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     return exits, wrong
 
 
-def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed):
+def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed,
+            method):
     try:
         result = calibrate_thresholds(signals=signals, matched=matched, exit_layers=layers,
                                       num_layers=num_layers, delta=delta, epsilon=epsilon,
-                                      min_samples_per_layer=min_samples, seed=seed)
+                                      min_samples_per_layer=min_samples, seed=seed,
+                                      risk_test=method["risk_test"],
+                                      match_model=method["match_model"])
     except NotEnoughShadowData:
         return [1.0] * len(layers)
     return [result.thresholds[k] for k in layers]
@@ -126,8 +164,12 @@ def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples
 
 def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: float,
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
-               min_samples: int = 200, seed: int = 0) -> dict:
-    """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring."""
+               min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
+               match_model: str = "logistic", pooled_check_share: float = 0.1) -> dict:
+    """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
+    `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
+    product defaults), there to measure what each costs; every set uses the same ones."""
+    method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
     if [int(k) for k in records["code"]["exit_layers"]] != layers:
@@ -135,7 +177,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
     groups = {name: request_groups(records[name]) for name in SEGMENTS}
     rng = np.random.default_rng(seed)
     options = dict(layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
-                   min_samples=min_samples)
+                   min_samples=min_samples, method=method)
     served_disagreement = {"pooled": [], "segment": [], "recalibrated": []}
     served_exit = {"pooled": [], "segment": [], "recalibrated": []}
     per_segment = {name: {"exit": [], "disagreement": [], "calibration_tokens": [],
@@ -155,7 +197,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         segmented = calibrate_segments(
             signals=cal[0], matched=cal[1], segments=cal[2], requests=cal[3],
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
-            min_samples_per_layer=min_samples, seed=trial)
+            min_samples_per_layer=min_samples, seed=trial,
+            pooled_check_share=pooled_check_share, **method)
         recalibrated = _pooled(after[0], after[1], seed=trial, **options)
 
         sets = {
@@ -206,6 +249,9 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "calibrate_mix_chat": calibrate_mix,
         "serve_mix_chat": serve_mix,
         "min_samples_per_layer": min_samples,
+        "risk_test": risk_test,
+        "match_model": match_model,
+        "pooled_check_share": pooled_check_share,
     }
 
 
@@ -225,6 +271,12 @@ def main() -> int:
     parser.add_argument("--min-samples", type=int, default=200,
                         help="fewest shadow tokens per layer for a Learn-Then-Test run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--risk-test", choices=TESTS, default="binomial",
+                        help="Learn-Then-Test p-value (ablation; the product default)")
+    parser.add_argument("--match-model", choices=MATCH_MODELS, default="logistic",
+                        help="the path's P(match) model (ablation; the product default)")
+    parser.add_argument("--pooled-check-share", type=float, default=0.1,
+                        help="share of a segment's ε for the pooled-set fallback (ablation)")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
@@ -240,7 +292,9 @@ def main() -> int:
     started = time.perf_counter()
     report = run_trials(records, trials=args.trials, delta=args.delta, epsilon=args.epsilon,
                         calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,
-                        split=args.split, min_samples=args.min_samples, seed=args.seed)
+                        split=args.split, min_samples=args.min_samples, seed=args.seed,
+                        risk_test=args.risk_test, match_model=args.match_model,
+                        pooled_check_share=args.pooled_check_share)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0

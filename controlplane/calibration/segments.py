@@ -8,15 +8,29 @@ segment is over δ grow with the number of segments k (up to k·ε). What operat
 mix moves is "every segment within δ, with probability 1-ε": by the union bound,
 P(∃ s: R_s > δ) <= Σ_s P(R_s > δ), so testing each segment at ε/k makes the joint statement
 hold whatever the dependence between segments. Within a segment the budget ε/k is spent on at
-most two tests fixed before any loss is seen, again by the union bound:
+most two tests whose levels are fixed before any loss is seen, again by the union bound:
 
 - its own fixed-sequence LTT (`calibrate_thresholds`) on all its shadow tokens, and
 - when that cannot run (fewer than `min_samples_per_layer` tokens on some layer) or certifies
-  nothing, a Hoeffding-Bentkus test of the *pooled* thresholds on the segment's check tokens.
+  nothing, a test of the *pooled* thresholds on the segment's check tokens (the same test as
+  the LTT's, `risk_test`: by default the exact binomial tail, `stats.binomial_p_value`).
 
-A segment with enough tokens spends ε/2k on each; a segment too small for its own LTT spends
-all ε/k on the pooled check. The pooled set is calibrated (at ε, its own statement about the
-mix) on every segment's tokens except the check tokens, a share of each segment's *requests*
+A segment with enough tokens spends (1 - `pooled_check_share`) ε/k on its own LTT and
+`pooled_check_share` ε/k (default 0.1) on the pooled check; a segment too small for its own LTT
+spends all ε/k on the pooled check. Whether the own LTT runs depends on token counts only, so
+the levels are fixed before any loss is seen and the two levels sum to ε/k: the union bound
+holds whatever the dependence between the two tests (the pooled set is chosen partly on the
+segment's own non-check tokens, so a rule that moved level between them according to an
+outcome would need more than the union bound). Why mostly the own LTT (it was ε/2k each):
+measured on bench/segments.py's real records, a segment with enough tokens to run its own LTT
+almost never falls back (chat 100/100 trials, code 99/100 took their own set at ε/2k), so the
+level held for the fallback bought nothing while halving the own test's level cost the served
+code segment exits (served exit rate 0.199 at ε/2k, 0.208 at 0.9 ε/k; binomial test, 100
+trials, `bench/segments.py --requests 480`); the fallback keeps a tenth so that a segment
+whose own path certifies nothing can still keep a pooled set that is clearly fine on it.
+
+The pooled set is calibrated (at ε, its own statement about the mix) on every segment's tokens
+except the check tokens, a share of each segment's *requests*
 (tokens of one request are correlated, so they stay on one side), so the pooled check sees
 data the pooled set was not chosen on. If neither test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
@@ -36,7 +50,7 @@ from controlplane.calibration.stats import (
     CalibrationResult,
     NotEnoughShadowData,
     calibrate_thresholds,
-    hb_p_value,
+    risk_p_values,
     simulate_policy,
 )
 from exitplane.wire import DEFAULT_SEGMENT
@@ -50,7 +64,7 @@ class PooledCheck:
 
     tokens: int
     disagreements: int
-    p_value: float  # Hoeffding-Bentkus, H0: the pooled set's risk on this segment > δ
+    p_value: float  # `risk_test` (exact binomial by default), H0: pooled risk here > δ
     level: float  # the share of ε this test may spend
     certified: bool
 
@@ -136,13 +150,20 @@ def calibrate_segments(
     min_samples_per_layer: int = 1000,
     strategy: str = "calibrated",
     learn_fraction: float = 0.3,
+    holdout_fraction: float = 0.2,
+    pooled_check_share: float = 0.1,
+    risk_test: str = "binomial",
+    match_model: str = "logistic",
     seed: int = 0,
 ) -> SegmentedCalibration:
     """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
 
     signals, matched: (n, L) shadow tokens as for `calibrate_thresholds`; segments: (n,) the
     segment name of each token; requests: (n,) request ids (each token its own request when
-    None), so that the pooled set's check tokens are whole requests. Raises ValueError on
+    None), so that the pooled set's check tokens are whole requests. `risk_test` and
+    `match_model` go to every `calibrate_thresholds` run (and the pooled check uses the same
+    test); `pooled_check_share` is the share of a segment's ε/k kept for the pooled-set
+    fallback when its own LTT runs (module docstring). Raises ValueError on
     malformed input; a segment or pool too small for LTT is not an error, it is reported.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -152,6 +173,8 @@ def calibrate_segments(
                          f"({len(signals)},)")
     if not 0 < check_fraction < 1:
         raise ValueError(f"check_fraction must lie in (0, 1), got {check_fraction}")
+    if not 0 < pooled_check_share < 1:
+        raise ValueError(f"pooled_check_share must lie in (0, 1), got {pooled_check_share}")
     requests = np.arange(len(signals)) if requests is None else np.asarray(requests)
     names = sorted(set(labels.tolist()))
     if not names:
@@ -159,6 +182,8 @@ def calibrate_segments(
     per_segment = epsilon / len(names)
     options = dict(exit_layers=exit_layers, num_layers=num_layers, delta=delta,
                    strategy=strategy, learn_fraction=learn_fraction,
+                   holdout_fraction=holdout_fraction, risk_test=risk_test,
+                   match_model=match_model,
                    min_samples_per_layer=min_samples_per_layer, seed=seed)
     check = np.zeros(len(signals), dtype=bool)
     for index, name in enumerate(names):
@@ -178,7 +203,8 @@ def calibrate_segments(
         mine = labels == name
         decided[name] = _decide(
             name, signals[mine], matched[mine], check[mine], requests[mine], pooled=pooled,
-            never=never, delta=delta, per_segment=per_segment, options=options)
+            never=never, delta=delta, per_segment=per_segment,
+            check_share=pooled_check_share, options=options)
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
         dict(pooled.thresholds) if pooled is not None else never)
     return SegmentedCalibration(delta=delta, epsilon=epsilon, epsilon_per_segment=per_segment,
@@ -188,32 +214,35 @@ def calibrate_segments(
 
 def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
             requests: np.ndarray, *, pooled: CalibrationResult | None, never: dict[int, float],
-            delta: float, per_segment: float, options: dict) -> SegmentCalibration:
+            delta: float, per_segment: float, check_share: float,
+            options: dict) -> SegmentCalibration:
     """One segment: its own LTT if it certifies something, else a certified pooled set, else
     never-exit."""
     sizes = dict(tokens=len(signals), requests=len(np.unique(requests)), epsilon=per_segment)
     own, why_not = None, ""
+    own_level = per_segment * (1.0 - check_share)
     try:
         own = calibrate_thresholds(signals=signals, matched=matched,
-                                   epsilon=per_segment / 2, **options)
+                                   epsilon=own_level, **options)
     except NotEnoughShadowData as error:
         why_not = f"too few shadow tokens for its own calibration ({error})"
     if own is not None:
         if any(value < NEVER_EXIT for value in own.thresholds.values()):
             return SegmentCalibration(
                 segment=name, source="segment", thresholds=dict(own.thresholds), result=own,
-                reason=(f"own Learn-Then-Test at ε/2k = {per_segment / 2:.4g}: risk bound "
+                reason=(f"own Learn-Then-Test at {1 - check_share:g} ε/k = {own_level:.4g}: "
+                        f"risk bound "
                         f"{own.risk_bound:.4g} <= δ {delta:g}, exit rate {own.exit_rate:.3f}"),
                 **sizes)
         why_not = "its own calibration certified no exiting step"
-    # Half the segment's ε went to its own LTT when that ran; otherwise all of it is here.
-    level = per_segment / 2 if own is not None else per_segment
+    # The rest of the segment's ε when its own LTT ran; otherwise all of it is here.
+    level = per_segment * check_share if own is not None else per_segment
     if pooled is None or not any(value < NEVER_EXIT for value in pooled.thresholds.values()):
         return SegmentCalibration(
             segment=name, source="conservative", thresholds=dict(never), result=own,
             reason=f"{why_not}; no exiting pooled set to fall back on: never exit", **sizes)
     check_test = _pooled_check(pooled.thresholds, signals[check], matched[check],
-                               delta=delta, level=level)
+                               delta=delta, level=level, risk_test=options["risk_test"])
     if check_test.certified:
         return SegmentCalibration(
             segment=name, source="pooled", thresholds=dict(pooled.thresholds), result=own,
@@ -230,13 +259,13 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
 
 
 def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray, *,
-                  delta: float, level: float) -> PooledCheck:
+                  delta: float, level: float, risk_test: str) -> PooledCheck:
     layers = sorted(thresholds)
     n = len(signals)
     if n == 0:
         return PooledCheck(tokens=0, disagreements=0, p_value=1.0, level=level, certified=False)
     _, disagree = simulate_policy(signals, matched, [thresholds[k] for k in layers])
     wrong = int(disagree.sum())
-    p_value = float(hb_p_value(wrong / n, n, delta))
+    p_value = float(risk_p_values(wrong, n, delta, risk_test))
     return PooledCheck(tokens=n, disagreements=wrong, p_value=p_value, level=level,
                        certified=p_value <= level)

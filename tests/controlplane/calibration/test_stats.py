@@ -167,7 +167,7 @@ def test_result_report_fields_and_curve():
     for lc in result.layers:
         assert lc.conditional_exit_rate == pytest.approx(expected[lc.layer])
         probs = [p for _, p in lc.match_curve]
-        assert probs == sorted(probs)  # isotonic: P(match) non-decreasing in the signal
+        assert probs == sorted(probs)  # the match model: P(match) non-decreasing in the signal
     assert result.samples == {"total": 10_000, "learn": 2400, "test": 5600, "holdout": 2000}
     assert result.holdout is not None and result.holdout.passed
     assert result.holdout.disagreement < 0.08
