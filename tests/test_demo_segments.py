@@ -1,7 +1,14 @@
-"""The segments story's pure parts: the traffic mix and the "loop closed" judgement."""
+"""The segments story's pure parts: the traffic mix, its prompt sources and the "loop closed"
+judgement."""
 
-from exitplane.demo import PhaseStats
-from exitplane.demo_segments import SegmentPhase, judge, mix
+import base64
+import re
+import sysconfig
+from pathlib import Path
+
+from exitplane.demo import CODE_FILES, PhaseStats
+from exitplane.demo_segments import DRIFTING, STEADY, SegmentPhase, judge, mix
+from runtime import corpus
 
 
 def test_mix_gives_each_phase_its_share_of_code_in_shared_batches():
@@ -22,40 +29,72 @@ def _phase(name: str, **segments: tuple[int, int, int, int]) -> SegmentPhase:
     return phase
 
 
-def _story(recovered_chat: tuple[int, int, int, int]) -> list[SegmentPhase]:
-    """Phases as the story names them; chat drifts in phase 4 (served, exits, shadow, bad)."""
+def _story(recovered_code: tuple[int, int, int, int]) -> list[SegmentPhase]:
+    """Phases as the story names them; code drifts in phase 4 (served, exits, shadow, bad)."""
     return [_phase("2 mostly chat", chat=(300, 150, 100, 3), code=(75, 10, 25, 0)),
             _phase("3 mostly code", chat=(75, 38, 25, 1), code=(300, 30, 100, 2)),
-            _phase("4 chat drifts", chat=(150, 90, 50, 15), code=(150, 15, 50, 1)),
-            _phase("5 chat fallback", chat=(75, 0, 225, 0), code=(75, 8, 225, 3)),
-            _phase("6 chat recalibrated", chat=recovered_chat, code=(150, 15, 50, 1))]
+            _phase("4 code drifts", chat=(150, 75, 50, 1), code=(150, 90, 50, 15)),
+            _phase("5 code fallback", chat=(75, 38, 225, 3), code=(75, 0, 225, 0)),
+            _phase("6 code recalibrated", chat=(150, 75, 50, 1), code=recovered_code)]
+
+
+def test_the_drift_is_within_code_and_chat_must_not_notice():
+    assert (DRIFTING, STEADY) == ("code", "chat")  # issue 18 point 5's wording
 
 
 def test_judge_closes_the_loop_per_segment():
     checks = judge(_story((300, 120, 100, 4)), delta=0.05, epsilon=0.1)
     assert all(passed for passed, _ in checks.values()), checks
-    assert checks["code keeps exiting during chat's fallback"][0]
-    assert "6 chat within δ" in checks and "3 code within δ" in checks
-    assert "4 chat within δ" not in checks  # the drift itself is judged by the loop
-    assert "4 code within δ" in checks and "5 code within δ" in checks
+    assert checks["chat keeps exiting during code's fallback"][0]
+    assert "6 code within δ" in checks and "3 chat within δ" in checks
+    assert "4 code within δ" not in checks  # the drift itself is judged by the loop
+    assert "4 chat within δ" in checks and "5 chat within δ" in checks
 
 
 def test_judge_fails_when_the_steady_segment_pays_for_the_drift():
     story = _story((300, 120, 100, 4))
-    story[2] = _phase("4 chat drifts", chat=(150, 90, 50, 15), code=(300, 160, 89, 14))
+    story[2] = _phase("4 code drifts", chat=(300, 160, 89, 14), code=(150, 90, 50, 15))
     checks = judge(story, delta=0.05, epsilon=0.1)
-    assert not checks["4 code within δ"][0]
-    assert checks["6 chat within δ"][0]
+    assert not checks["4 chat within δ"][0]
+    assert checks["6 code within δ"][0]
 
 
-def test_judge_fails_when_chat_disagrees_after_recalibration():
+def test_judge_fails_when_chat_stops_exiting_during_codes_fallback():
+    story = _story((300, 120, 100, 4))
+    story[3] = _phase("5 code fallback", chat=(75, 0, 225, 3), code=(75, 0, 225, 0))
+    assert not judge(story, delta=0.05, epsilon=0.1)["chat keeps exiting during code's fallback"][0]
+
+
+def test_judge_fails_when_code_disagrees_after_recalibration():
     checks = judge(_story((300, 120, 100, 20)), delta=0.05, epsilon=0.1)
-    assert not checks["6 chat within δ"][0]
-    assert checks["chat exits again after recalibration"][0]
+    assert not checks["6 code within δ"][0]
+    assert checks["code exits again after recalibration"][0]
 
 
-def test_judge_fails_when_chat_does_not_exit_again_or_the_story_stopped():
+def test_judge_fails_when_code_does_not_exit_again_or_the_story_stopped():
     assert not judge(_story((300, 0, 100, 0)), delta=0.05,
-                     epsilon=0.1)["chat exits again after recalibration"][0]
+                     epsilon=0.1)["code exits again after recalibration"][0]
     stopped = judge(_story((300, 120, 100, 4))[:3], delta=0.05, epsilon=0.1)
     assert not stopped["story reached the recalibrated phase"][0]
+
+
+def test_code_requests_ask_for_stdlib_functions_in_one_sentence():
+    requests = corpus.code_requests(64, skip=CODE_FILES)
+    assert len(requests) == 64 and len(set(requests)) == 64
+    for request in requests:
+        name = re.fullmatch(r"Write a Python function `(\w+)\(.*?\)`: ([A-Z].{29,199})", request)
+        assert name, request
+        assert ">" not in name.group(2)
+    # Leaving a file out drops its functions (list_public_methods is xmlrpc/server.py's).
+    assert "`list_public_methods(obj)`" in requests[0]
+    without = corpus.code_requests(64, skip=("server.py",))
+    assert not any("list_public_methods" in r for r in without)
+
+
+def test_encoded_payloads_are_the_stdlib_sources_base64_encoded():
+    payloads = corpus.encoded_payloads(CODE_FILES)
+    assert len(payloads) == len(CODE_FILES)  # every listed file exists in any CPython
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = base64.b64decode(payloads[0]).decode()
+    assert text == (root / CODE_FILES[0]).read_text(encoding="utf-8")[2000:6000]
+    assert corpus.encoded_payloads(("no_such_module.py",)) == []
