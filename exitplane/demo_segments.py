@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from exitplane.demo import PhaseStats, _wait, _wait_job
+from exitplane.demo import PhaseStats, _wait, _wait_job, hold_ui
 
 SEGMENTS = ("chat", "code")
 # The segment whose traffic drifts, and the one that must not notice. Measured offline on the
@@ -86,19 +86,8 @@ def run_mixed(runtime, phase: SegmentPhase, items: list, max_new_tokens: int,
     elapsed = time.perf_counter() - started
     phase.seconds += elapsed
     for record in runtime.records[before:]:
-        stats = phase.stats(record.segment)
-        stats.tokens += 1
-        stats.versions.add(record.threshold_version)
-        if record.shadow is None:
-            stats.served += 1
-            stats.depth_sum += record.exit_layer
-            stats.exits += record.exit_layer < num_layers
-            continue
-        stats.shadow += 1
-        thresholds = thresholds_of(record.threshold_version, record.segment)
-        exit_point = next((p for p in sorted(record.shadow, key=lambda p: p.layer)
-                           if p.signal > thresholds.get(p.layer, 1.0)), None)
-        stats.disagreements += exit_point is not None and not exit_point.matched
+        phase.stats(record.segment).count(
+            record, thresholds_of(record.threshold_version, record.segment), num_layers)
     for segment in {segment for _, segment in items}:
         phase.stats(segment).seconds += elapsed  # the batch both segments shared
 
@@ -147,13 +136,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         runtime.shipper.flush(30)
         ok = _report(timeline, phases, checks, delta, epsilon) and ok_so_far
         if serve:
-            click.echo(f"\nThe UI is at {cp.url}/ui (admin token in var/demo/admin.token). "
-                       "Ctrl-C to stop.")
-            try:
-                while True:
-                    time.sleep(1)
-            except KeyboardInterrupt:
-                pass
+            hold_ui(cp)
         return 0 if ok else 1
 
     # 1. Chat and code, all shadow, until one calibration certifies a map per segment.

@@ -98,3 +98,26 @@ def test_encoded_payloads_are_the_stdlib_sources_base64_encoded():
     text = base64.b64decode(payloads[0]).decode()
     assert text == (root / CODE_FILES[0]).read_text(encoding="utf-8")[2000:6000]
     assert corpus.encoded_payloads(("no_such_module.py",)) == []
+
+
+def _record(exit_layer: int, shadow=None, segment: str = "code"):
+    from exitplane.wire import ShadowPoint, TokenRecord
+
+    points = None if shadow is None else [ShadowPoint(layer=k, signal=s, matched=m)
+                                         for k, s, m in shadow]
+    return TokenRecord(threshold_version=3, request_id="r", position=0, exit_layer=exit_layer,
+                       signal_value=None, latency_us=1, ts=1.0, shadow=points, segment=segment)
+
+
+def test_phase_stats_count_served_and_shadow_tokens_as_both_stories_do():
+    stats = PhaseStats("x")
+    thresholds = {6: 0.9, 12: 0.5}
+    stats.count(_record(6), thresholds, 30)     # served, exited at 6
+    stats.count(_record(30), thresholds, 30)    # served, full depth
+    # shadow: layer 6 stays (0.8 <= 0.9), layer 12 would exit (0.6 > 0.5) and its top-1 differs
+    stats.count(_record(30, [(6, 0.8, True), (12, 0.6, False)]), thresholds, 30)
+    # shadow: the first layer that would exit matched, a later mismatch does not count
+    stats.count(_record(30, [(6, 0.95, True), (12, 0.99, False)]), thresholds, 30)
+    assert (stats.tokens, stats.served, stats.exits, stats.depth_sum) == (4, 2, 1, 36)
+    assert (stats.shadow, stats.disagreements, stats.versions) == (2, 1, {3})
+    assert stats.exit_rate == 0.5 and stats.disagreement == 0.5
