@@ -31,7 +31,7 @@ SEGMENTS = ("chat", "code")
 # The segment whose traffic drifts, and the one that must not notice. Measured offline on the
 # real model's shadow records (every token at every exit layer, 48 tokens per request; README):
 # code's map, calibrated on code requests, disagrees with the full model on 1.5-3.3% of them
-# and on 2-5.5% of pasted raw source (the heads' confidence is about as good on source as on
+# and on 2.3-5.5% of pasted raw source (the heads' confidence is about as good on source as on
 # the requests: no drift, which is why pasting source into chat never crossed δ), but on base64
 # payloads it exits 29-54% of tokens (an exit spike) at 7-15% disagreement (δ 0.05): the heads
 # are confidently wrong there. A recalibration on the payloads' own shadow tokens certifies
