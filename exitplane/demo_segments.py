@@ -11,7 +11,8 @@ batches and each row applies its own segment's thresholds. The story:
 2. the mix shifts from mostly chat to mostly code: each segment keeps its δ on its own, so
    nothing falls back and the active version stays;
 3. code's traffic drifts (`DRIFTING`): an editor plugin starts sending the open file
-   base64-encoded for completion (`corpus.encoded_payloads`); the workers see it on code
+   base64-encoded, and its block checksums, for completion (`corpus.encoded_payloads`); the
+   workers see it on code
    alone, publish a version where only code's map falls back while chat (`STEADY`) keeps
    exiting, and recalibrate code on code's shadow tokens only;
 4. the report gives, per phase and segment, exit rate, disagreement and versions, and says
@@ -37,6 +38,8 @@ SEGMENTS = ("chat", "code")
 # are confidently wrong there. A recalibration on the payloads' own shadow tokens certifies
 # 12-15% exits at <= 1.2% disagreement, so the loop can close on code alone.
 DRIFTING, STEADY = "code", "chat"
+# The share of code in the mix from the shift on (phases 3-6).
+MIX_AFTER_SHIFT = 0.8
 # Tokens of a request's prompt: the payloads are cut to this many (an open file's first part).
 PAYLOAD_TOKENS = 96
 
@@ -65,8 +68,13 @@ def mix(chat: list, code: list, code_share: float, cursor: int, size: int = 4) -
     for i in range(size):
         n = cursor + i
         is_code = int((n + 1) * code_share) > int(n * code_share)
-        source, segment = (code, "code") if is_code else (chat, "chat")
-        items.append((source[n % len(source)], segment))
+        # Each source's own count so far, so that every prompt of it comes round (indexing by
+        # n served only every other payload at a half-and-half mix).
+        codes_before = int(n * code_share)
+        if is_code:
+            items.append((code[codes_before % len(code)], "code"))
+        else:
+            items.append((chat[(n - codes_before) % len(chat)], "chat"))
     return items
 
 
@@ -187,7 +195,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     phases.append(chat_heavy)
     serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= phase_tokens, 600)
     timeline.mark("the mix shifts to mostly code (80%)")
-    code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=0.8)
+    code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(code_heavy)
     serve_until(code_heavy, code, lambda: code_heavy.tokens >= phase_tokens, 600)
     runtime.shipper.flush(30)
@@ -199,12 +207,14 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"active v{still} (calibrated v{version_a}), {len(alerts)} alert(s)")
     timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
 
-    # 3. Code's traffic drifts to base64 payloads (the mix settles at half and half, so that
-    # chat goes on being judged); chat goes on as before.
-    timeline.mark(f"{DRIFTING} traffic drifts: an editor plugin sends files base64-encoded")
-    drift = SegmentPhase(f"4 {DRIFTING} drifts (50/50 mix)", code_share=0.5)
+    # 3. Code's traffic drifts to base64 payloads; the mix stays mostly code, so the drift has
+    # the tokens to be seen (real run, 50/50 at ~3 tokens/s: 25 code shadow tokens a minute,
+    # nothing fired in 7 minutes) and chat, a fifth of the traffic, goes on being judged.
+    timeline.mark(f"{DRIFTING} traffic drifts: an editor plugin sends files base64-encoded "
+                  "and their block checksums")
+    drift = SegmentPhase(f"4 {DRIFTING} drifts (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(drift)
-    if not serve_until(drift, payloads, lambda: active_version() != version_a, 420):
+    if not serve_until(drift, payloads, lambda: active_version() != version_a, 600):
         timeline.mark("no drift reaction within the time limit")
         return finish(False)
     version_f = active_version()
@@ -226,7 +236,8 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     # 4. Fallback: code collects shadow samples for its recalibration, chat keeps exiting (a
     # quarter of its tokens are still served).
     runtime.engine.config.shadow_rate = 0.75
-    fallback = SegmentPhase(f"5 {DRIFTING} fallback (collecting samples)", code_share=0.5)
+    fallback = SegmentPhase(f"5 {DRIFTING} fallback (collecting samples)",
+                            code_share=MIX_AFTER_SHIFT)
     phases.append(fallback)
     noted: set[int] = set()
 
@@ -257,7 +268,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     timeline.mark(f"recalibrated version {version_b} active and applied by the runtime")
 
     runtime.engine.config.shadow_rate = 0.25
-    recovered = SegmentPhase(f"6 {DRIFTING} recalibrated", code_share=0.5)
+    recovered = SegmentPhase(f"6 {DRIFTING} recalibrated", code_share=MIX_AFTER_SHIFT)
     phases.append(recovered)
     serve_until(recovered, payloads, lambda: recovered.tokens >= phase_tokens, 600)
     return finish(True)

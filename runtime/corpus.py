@@ -213,16 +213,20 @@ def code_requests(count: int, *, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def encoded_payloads(file_names: tuple[str, ...]) -> list[str]:
-    """Standard-library sources as base64 payloads (an editor plugin that sends the open file
-    encoded instead of as text): the demo's drift within its `code` segment. The exit heads
-    are confidently wrong on it: a map calibrated on code requests exits more and disagrees
-    with the full model 7-15% of the time (measured; README, the segments story)."""
+    """What an editor plugin sends instead of text: each standard-library file base64-encoded,
+    then the file's manifest of block checksums (sha256 of each 64-byte block, 8 hex digits,
+    comma-separated), in turn. The demo's drift within its `code` segment: the exit heads are
+    confidently wrong on both (README, the segments story; `bench/demo_segments.py`)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     payloads = []
     for name in file_names:
         path = root / name
-        if path.exists():
-            # Past the license header, so that the payloads differ from their first line.
-            text = path.read_text(encoding="utf-8", errors="replace")[2000:6000]
-            payloads.append(base64.b64encode(text.encode()).decode())
+        if not path.exists():
+            continue
+        # Past the license header, so that the payloads differ from their first line.
+        text = path.read_text(encoding="utf-8", errors="replace")[2000:6000]
+        data = text.encode()
+        payloads.append(base64.b64encode(data).decode())
+        payloads.append(",".join(hashlib.sha256(data[i:i + 64]).hexdigest()[:8]
+                                 for i in range(0, len(data), 64)))
     return payloads

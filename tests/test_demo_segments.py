@@ -2,6 +2,7 @@
 judgement."""
 
 import base64
+import hashlib
 import re
 import sysconfig
 from pathlib import Path
@@ -91,13 +92,24 @@ def test_code_requests_ask_for_stdlib_functions_in_one_sentence():
     assert not any("list_public_methods" in r for r in without)
 
 
-def test_encoded_payloads_are_the_stdlib_sources_base64_encoded():
+def test_encoded_payloads_are_stdlib_sources_base64_encoded_and_their_checksums():
     payloads = corpus.encoded_payloads(CODE_FILES)
-    assert len(payloads) == len(CODE_FILES)  # every listed file exists in any CPython
+    assert len(payloads) == 2 * len(CODE_FILES)  # every listed file exists in any CPython
     root = Path(sysconfig.get_paths()["stdlib"])
-    text = base64.b64decode(payloads[0]).decode()
-    assert text == (root / CODE_FILES[0]).read_text(encoding="utf-8")[2000:6000]
+    text = (root / CODE_FILES[0]).read_text(encoding="utf-8")[2000:6000]
+    assert base64.b64decode(payloads[0]).decode() == text
+    checksums = payloads[1].split(",")
+    assert len(checksums) == -(-len(text.encode()) // 64)
+    assert checksums[0] == hashlib.sha256(text.encode()[:64]).hexdigest()[:8]
     assert corpus.encoded_payloads(("no_such_module.py",)) == []
+
+
+def test_mix_serves_every_prompt_of_each_source():
+    chat, code = [[i] for i in range(80)], [[100 + i] for i in range(32)]
+    for share in (0.2, 0.5, 0.8):
+        items = [item for cursor in range(0, 400, 4) for item in mix(chat, code, share, cursor)]
+        assert {p[0] for p, s in items if s == "code"} == set(range(100, 132))
+        assert {p[0] for p, s in items if s == "chat"} == set(range(80))
 
 
 def _record(exit_layer: int, shadow=None, segment: str = "code"):
