@@ -10,7 +10,12 @@ the real model's shadow records (issue 18 point 5).
    `chat` (the 80 chat prompts, chat template), `code` (80 code-assistant requests,
    `corpus.code_requests`, chat template; the story serves the first 64), `pasted` (the 16
    raw stdlib sources the default story shifts to) and `payloads` (the same files base64-
-   encoded, `corpus.encoded_payloads`, raw: what the story's code segment drifts to).
+   encoded and their block-checksum lists, 32 requests, `corpus.encoded_payloads`, raw: what
+   the story's code segment drifts to).
+
+These records are the full model's own text; served, a drift is milder (in the real run the
+payloads' shadow disagreement under code's map was 5.1-5.3%, not the 7-15% seen here), so read
+the figures as an upper bound of what the workers will see.
 2. The story's calibration, replayed `--seeds` times on the first `--requests` requests of chat
    and of code: `calibrate_segments` (δ 0.05, ε 0.1 split across the two segments, 300 samples
    per layer, learn fraction 0.5: the demo's settings). For each segment's map: exit rate and

@@ -30,13 +30,15 @@ from exitplane.demo import PhaseStats, _wait, _wait_job, hold_ui
 
 SEGMENTS = ("chat", "code")
 # The segment whose traffic drifts, and the one that must not notice. Measured offline on the
-# real model's shadow records (every token at every exit layer, 48 tokens per request; README):
-# code's map, calibrated on code requests, disagrees with the full model on 1.5-3.3% of them
-# and on 2.3-5.5% of pasted raw source (the heads' confidence is about as good on source as on
-# the requests: no drift, which is why pasting source into chat never crossed δ), but on base64
-# payloads it exits 29-54% of tokens (an exit spike) at 7-15% disagreement (δ 0.05): the heads
-# are confidently wrong there. A recalibration on the payloads' own shadow tokens certifies
-# 12-15% exits at <= 1.2% disagreement, so the loop can close on code alone.
+# real model's shadow records (`bench/demo_segments.py`: every token at every exit layer, the
+# full model's own text): code's map disagrees on 1.5-3.3% of code requests and on 2.3-5.5% of
+# pasted raw source (the heads' confidence is as good on source as on the requests: no drift,
+# which is why pasting source into chat never crossed δ), but base64 payloads and checksum
+# lists make the heads confidently wrong: many more exits, at about twice δ. Served, the drift
+# is milder (likely because served exits change the text after them; not measured): in a real
+# run code's exit rate at layer 24 rose from 5% to 40% and its shadow disagreement to 5.1-5.3%,
+# so the workers' exit-rate spike fired and, the shadow tokens' upper bound being above δ, code
+# fell back.
 DRIFTING, STEADY = "code", "chat"
 # The share of code in the mix from the shift on (phases 3-6).
 MIX_AFTER_SHIFT = 0.8
@@ -207,9 +209,9 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"active v{still} (calibrated v{version_a}), {len(alerts)} alert(s)")
     timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
 
-    # 3. Code's traffic drifts to base64 payloads; the mix stays mostly code, so the drift has
-    # the tokens to be seen (real run, 50/50 at ~3 tokens/s: 25 code shadow tokens a minute,
-    # nothing fired in 7 minutes) and chat, a fifth of the traffic, goes on being judged.
+    # 3. Code's traffic drifts to encoded payloads; the mix stays mostly code, so the drift has
+    # the tokens to be seen (a real run at 50/50 with base64 alone: 4.6% disagreement, 22.6%
+    # exits, nothing fired in 7 minutes) and chat, a fifth of the traffic, goes on being judged.
     timeline.mark(f"{DRIFTING} traffic drifts: an editor plugin sends files base64-encoded "
                   "and their block checksums")
     drift = SegmentPhase(f"4 {DRIFTING} drifts (80% code)", code_share=MIX_AFTER_SHIFT)
