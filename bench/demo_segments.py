@@ -14,7 +14,7 @@ the real model's shadow records (issue 18 point 5).
    the story's code segment drifts to).
 
 These records are the full model's own text; served, a drift is milder (in the real run the
-payloads' shadow disagreement under code's map was 5.1-5.3%, not the 7-15% seen here), so read
+payloads' shadow disagreement under code's map was 5.1-5.3%, not the 8.5-15% seen here), so read
 the figures as an upper bound of what the workers will see.
 2. The story's calibration, replayed `--seeds` times on the first `--requests` requests of chat
    and of code: `calibrate_segments` (δ 0.05, ε 0.1 split across the two segments, 300 samples
@@ -30,6 +30,7 @@ Prints the command and one JSON line: per seed the rows above, and the ranges ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -68,7 +69,8 @@ def produce_records() -> None:
 
     torch.set_num_threads(1)  # the shared box: more threads than cores only thrash
     model, tokenizer = load_model()
-    heads, _, _ = _heads(model, tokenizer, True, Timeline())
+    with contextlib.redirect_stdout(sys.stderr):  # its timeline line; stdout is the result
+        heads, _, _ = _heads(model, tokenizer, True, Timeline())
     torch.set_grad_enabled(False)
     heads.float()
     prompts = _prompts(tokenizer)
