@@ -108,6 +108,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     chat, code, payloads = prompt_sources(tokenizer, corpus)
     new_tokens = 48 if quick else 64
     phase_tokens = 300 if quick else 600
+    # The mix phases are the drift detectors' baseline: the exit-rate test runs when ADWIN sees
+    # a change within the version's minutes, and in a real run whose drift began 61 s after
+    # activation code's exit rate at layer 24 sat at 35-40% (5% expected) for 10 minutes
+    # without an alert (another run, 75 s of baseline, fired after 390 s).
+    baseline_tokens = 2 * phase_tokens
     phases: list[SegmentPhase] = []
     checks: dict[str, tuple[bool, str]] = {}
     sets: dict[int, dict] = {}
@@ -195,11 +200,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     runtime.engine.config.shadow_rate = 0.25
     chat_heavy = SegmentPhase("2 mostly chat (20% code)", code_share=0.2)
     phases.append(chat_heavy)
-    serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= phase_tokens, 600)
+    serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= baseline_tokens, 600)
     timeline.mark("the mix shifts to mostly code (80%)")
     code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(code_heavy)
-    serve_until(code_heavy, code, lambda: code_heavy.tokens >= phase_tokens, 600)
+    serve_until(code_heavy, code, lambda: code_heavy.tokens >= baseline_tokens, 600)
     runtime.shipper.flush(30)
     time.sleep(12)  # two drift checks (every 5 s) over the shifted mix
     still = active_version()
@@ -281,8 +286,11 @@ def prompt_sources(tokenizer, corpus) -> tuple[list, list, list]:
     the chat template), and the base64 payloads code drifts to (raw, for completion)."""
     from exitplane.demo import CODE_FILES
 
+    # Held-out prompts first: the quick heads are trained on the answers to the first training
+    # prompts, and a calibration on those promised chat more than the rest of its traffic gave
+    # (real run: map certified at risk bound 4.5%, 8.6% disagreement on all 80 prompts).
     chat = [corpus.chat_prompt_ids(tokenizer, p)
-            for p in corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS]
+            for p in corpus.HELD_OUT_PROMPTS + corpus.TRAIN_PROMPTS]
     code = [corpus.chat_prompt_ids(tokenizer, p)
             for p in corpus.code_requests(64, skip=CODE_FILES)]
     payloads = [tokenizer(p, add_special_tokens=False)["input_ids"][:PAYLOAD_TOKENS]
