@@ -61,6 +61,21 @@ class PhaseStats:
     def disagreement(self) -> float | None:
         return self.disagreements / self.shadow if self.shadow else None
 
+    def count(self, record, thresholds: dict[int, float], num_layers: int) -> None:
+        """Add one token record; a shadow token disagrees when `thresholds` (its version's
+        policy) would have exited where top-1 differed from full depth."""
+        self.tokens += 1
+        self.versions.add(record.threshold_version)
+        if record.shadow is None:
+            self.served += 1
+            self.depth_sum += record.exit_layer
+            self.exits += record.exit_layer < num_layers
+            return
+        self.shadow += 1
+        exit_point = next((p for p in sorted(record.shadow, key=lambda p: p.layer)
+                           if p.signal > thresholds.get(p.layer, 1.0)), None)
+        self.disagreements += exit_point is not None and not exit_point.matched
+
 
 class Timeline:
     def __init__(self) -> None:
@@ -202,18 +217,7 @@ class Runtime:
         self.engine.generate(prompts, max_new_tokens=max_new_tokens)
         stats.seconds += time.perf_counter() - started
         for record in self.records[before:]:
-            stats.tokens += 1
-            stats.versions.add(record.threshold_version)
-            if record.shadow is None:
-                stats.served += 1
-                stats.depth_sum += record.exit_layer
-                stats.exits += record.exit_layer < num_layers
-                continue
-            stats.shadow += 1
-            thresholds = thresholds_of(record.threshold_version)
-            exit_point = next((p for p in sorted(record.shadow, key=lambda p: p.layer)
-                               if p.signal > thresholds.get(p.layer, 1.0)), None)
-            stats.disagreements += exit_point is not None and not exit_point.matched
+            stats.count(record, thresholds_of(record.threshold_version), num_layers)
 
     def close(self) -> None:
         self.client.stop()
@@ -412,14 +416,19 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, epsil
     runtime.shipper.flush(30)
     ok = _report(timeline, phases, delta, epsilon)
     if serve:
-        click.echo(f"\nThe UI is at {cp.url}/ui (admin token in var/demo/admin.token; create a "
-                   f"user with `exitplane user create`). Ctrl-C to stop.")
-        try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+        hold_ui(cp)
     return 0 if ok else 1
+
+
+def hold_ui(cp: ControlPlane) -> None:
+    """Keep the control plane and its UI up after the summary, until Ctrl-C."""
+    click.echo(f"\nThe UI is at {cp.url}/ui (admin token in var/demo/admin.token; create a "
+               f"user with `exitplane user create`). Ctrl-C to stop.")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
 
 
 def _wait_job(api: httpx.Client, job_id: int, timeout: float) -> dict:

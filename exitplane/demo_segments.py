@@ -4,13 +4,17 @@ The same control plane and in-process runtime as the default story (`exitplane.d
 request carries its segment (`Engine.add_request(..., segment=)`), chat and code rows share
 batches and each row applies its own segment's thresholds. The story:
 
-1. chat and code traffic, all shadow; one whole-deployment calibration certifies a map per
-   segment (`calibrate_segments`, ε split across the segments) and publishes one version;
+1. chat traffic (questions in the chat template) and code traffic (a code assistant's
+   requests, "Write a Python function `name(args)`: ...", answered in code by the model), all
+   shadow; one whole-deployment calibration certifies a map per segment (`calibrate_segments`,
+   ε split across the segments) and publishes one version;
 2. the mix shifts from mostly chat to mostly code: each segment keeps its δ on its own, so
    nothing falls back and the active version stays;
-3. chat's traffic drifts (`DRIFTING`): its users paste raw Python source for the assistant to
-   continue; the workers see it on chat alone, publish a version where only chat's map falls
-   back while code (`STEADY`) keeps exiting, and recalibrate chat on chat's shadow tokens only;
+3. code's traffic drifts (`DRIFTING`): an editor plugin starts sending the open file
+   base64-encoded, and its block checksums, for completion (`corpus.encoded_payloads`); the
+   workers see it on code
+   alone, publish a version where only code's map falls back while chat (`STEADY`) keeps
+   exiting, and recalibrate code on code's shadow tokens only;
 4. the report gives, per phase and segment, exit rate, disagreement and versions, and says
    "loop closed" with the default story's judgement (one-sided Clopper-Pearson lower bound).
 """
@@ -22,15 +26,24 @@ from dataclasses import dataclass, field
 
 import click
 
-from exitplane.demo import PhaseStats, _wait, _wait_job
+from exitplane.demo import PhaseStats, _wait, _wait_job, hold_ui
 
 SEGMENTS = ("chat", "code")
-# The segment whose traffic drifts, and the one that must not notice. Chat drifts, not code:
-# on the real run a map calibrated on raw source (code's) exits ~9% of tokens with thresholds
-# near 1, and neither docstring prose nor C headers nor other code crossed δ under it, while
-# chat's map (~50% exits) on raw source disagrees ~29% (the default story's drift), so that
-# is the drift that reliably needs a fallback.
-DRIFTING, STEADY = "chat", "code"
+# The segment whose traffic drifts, and the one that must not notice. Measured offline on the
+# real model's shadow records (`bench/demo_segments.py`: every token at every exit layer, the
+# full model's own text): code's map disagrees on 1.5-3.3% of code requests and on 2.3-5.5% of
+# pasted raw source (the heads' confidence is as good on source as on the requests: no drift,
+# which is why pasting source into chat never crossed δ), but base64 payloads and checksum
+# lists make the heads confidently wrong: many more exits, at about twice δ. Served, the drift
+# is milder (likely because served exits change the text after them; not measured): in a real
+# run code's exit rate at layer 24 rose from 5% to 40% and its shadow disagreement to 5.1-5.3%,
+# so the workers' exit-rate spike fired and, the shadow tokens' upper bound being above δ, code
+# fell back.
+DRIFTING, STEADY = "code", "chat"
+# The share of code in the mix from the shift on (phases 3-6).
+MIX_AFTER_SHIFT = 0.8
+# Tokens of a request's prompt: the payloads are cut to this many (an open file's first part).
+PAYLOAD_TOKENS = 96
 
 
 @dataclass
@@ -57,8 +70,13 @@ def mix(chat: list, code: list, code_share: float, cursor: int, size: int = 4) -
     for i in range(size):
         n = cursor + i
         is_code = int((n + 1) * code_share) > int(n * code_share)
-        source, segment = (code, "code") if is_code else (chat, "chat")
-        items.append((source[n % len(source)], segment))
+        # Each source's own count so far, so that every prompt of it comes round (indexing by
+        # n served only every other payload at a half-and-half mix).
+        codes_before = int(n * code_share)
+        if is_code:
+            items.append((code[codes_before % len(code)], "code"))
+        else:
+            items.append((chat[(n - codes_before) % len(chat)], "chat"))
     return items
 
 
@@ -78,19 +96,8 @@ def run_mixed(runtime, phase: SegmentPhase, items: list, max_new_tokens: int,
     elapsed = time.perf_counter() - started
     phase.seconds += elapsed
     for record in runtime.records[before:]:
-        stats = phase.stats(record.segment)
-        stats.tokens += 1
-        stats.versions.add(record.threshold_version)
-        if record.shadow is None:
-            stats.served += 1
-            stats.depth_sum += record.exit_layer
-            stats.exits += record.exit_layer < num_layers
-            continue
-        stats.shadow += 1
-        thresholds = thresholds_of(record.threshold_version, record.segment)
-        exit_point = next((p for p in sorted(record.shadow, key=lambda p: p.layer)
-                           if p.signal > thresholds.get(p.layer, 1.0)), None)
-        stats.disagreements += exit_point is not None and not exit_point.matched
+        phase.stats(record.segment).count(
+            record, thresholds_of(record.threshold_version, record.segment), num_layers)
     for segment in {segment for _, segment in items}:
         phase.stats(segment).seconds += elapsed  # the batch both segments shared
 
@@ -98,14 +105,14 @@ def run_mixed(runtime, phase: SegmentPhase, items: list, max_new_tokens: int,
 def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, epsilon,
                    min_samples, serve) -> int:
     """The segments story (module docstring); 0 when the loop closed."""
-    from exitplane.demo import _code_prompts
-
-    chat = [corpus.chat_prompt_ids(tokenizer, p)
-            for p in corpus.TRAIN_PROMPTS + corpus.HELD_OUT_PROMPTS]
-    code = _code_prompts(tokenizer, 64)
-    pasted = code  # what chat drifts to: source pasted into the chat route, no template
+    chat, code, payloads = prompt_sources(tokenizer, corpus)
     new_tokens = 48 if quick else 64
     phase_tokens = 300 if quick else 600
+    # The mix phases are the drift detectors' baseline: the exit-rate test runs when ADWIN sees
+    # a change within the version's minutes, and in a real run whose drift began 61 s after
+    # activation code's exit rate at layer 24 sat at 35-40% (5% expected) for 10 minutes
+    # without an alert (another run, 75 s of baseline, fired after 390 s).
+    baseline_tokens = 2 * phase_tokens
     phases: list[SegmentPhase] = []
     checks: dict[str, tuple[bool, str]] = {}
     sets: dict[int, dict] = {}
@@ -129,11 +136,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     def active_version() -> int:
         return api.get("/v1/deployments/demo").json()["aliases"]["active"]
 
-    def serve_until(phase: SegmentPhase, chat_prompts, done, timeout: float) -> bool:
+    def serve_until(phase: SegmentPhase, code_prompts, done, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         cursor = 0
         while time.monotonic() < deadline:
-            run_mixed(runtime, phase, mix(chat_prompts, code, phase.code_share, cursor),
+            run_mixed(runtime, phase, mix(chat, code_prompts, phase.code_share, cursor),
                       new_tokens, thresholds_of)
             cursor += 4
             if done():
@@ -144,13 +151,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         runtime.shipper.flush(30)
         ok = _report(timeline, phases, checks, delta, epsilon) and ok_so_far
         if serve:
-            click.echo(f"\nThe UI is at {cp.url}/ui (admin token in var/demo/admin.token). "
-                       "Ctrl-C to stop.")
-            try:
-                while True:
-                    time.sleep(1)
-            except KeyboardInterrupt:
-                pass
+            hold_ui(cp)
         return 0 if ok else 1
 
     # 1. Chat and code, all shadow, until one calibration certifies a map per segment.
@@ -161,7 +162,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         # Each segment's LTT runs at ε/k: on one min_samples' worth it certified nothing
         # (real run: 384 tokens each, nothing; 672 each, both maps), so start at two.
         need = (attempt + 1) * min_samples + 40
-        serve_until(warmup, chat, lambda n=need: all(
+        serve_until(warmup, code, lambda n=need: all(
             warmup.stats(s).shadow >= n for s in SEGMENTS), 900)
         runtime.shipper.flush(30)
         job = api.post("/v1/deployments/demo/calibrations", json={
@@ -199,11 +200,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     runtime.engine.config.shadow_rate = 0.25
     chat_heavy = SegmentPhase("2 mostly chat (20% code)", code_share=0.2)
     phases.append(chat_heavy)
-    serve_until(chat_heavy, chat, lambda: chat_heavy.tokens >= phase_tokens, 600)
+    serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= baseline_tokens, 600)
     timeline.mark("the mix shifts to mostly code (80%)")
-    code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=0.8)
+    code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(code_heavy)
-    serve_until(code_heavy, chat, lambda: code_heavy.tokens >= phase_tokens, 600)
+    serve_until(code_heavy, code, lambda: code_heavy.tokens >= baseline_tokens, 600)
     runtime.shipper.flush(30)
     time.sleep(12)  # two drift checks (every 5 s) over the shifted mix
     still = active_version()
@@ -213,12 +214,14 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"active v{still} (calibrated v{version_a}), {len(alerts)} alert(s)")
     timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
 
-    # 3. Chat's traffic drifts to pasted source (the mix settles at half and half, so that chat
-    # has the tokens for its recalibration); code goes on as before.
-    timeline.mark(f"{DRIFTING} traffic drifts: raw Python source pasted into chat requests")
-    drift = SegmentPhase(f"4 {DRIFTING} drifts (50/50 mix)", code_share=0.5)
+    # 3. Code's traffic drifts to encoded payloads; the mix stays mostly code, so the drift has
+    # the tokens to be seen (a real run at 50/50 with base64 alone: 4.6% disagreement, 22.6%
+    # exits, nothing fired in 7 minutes) and chat, a fifth of the traffic, goes on being judged.
+    timeline.mark(f"{DRIFTING} traffic drifts: an editor plugin sends files base64-encoded "
+                  "and their block checksums")
+    drift = SegmentPhase(f"4 {DRIFTING} drifts (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(drift)
-    if not serve_until(drift, pasted, lambda: active_version() != version_a, 420):
+    if not serve_until(drift, payloads, lambda: active_version() != version_a, 600):
         timeline.mark("no drift reaction within the time limit")
         return finish(False)
     version_f = active_version()
@@ -237,10 +240,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"v{version_a} -> v{version_f}: {DRIFTING} {_short(before['segments'].get(DRIFTING))}"
         f" -> {_short(after['segments'].get(DRIFTING))}")
 
-    # 4. Fallback: chat collects shadow samples for its recalibration, code keeps exiting (a
+    # 4. Fallback: code collects shadow samples for its recalibration, chat keeps exiting (a
     # quarter of its tokens are still served).
     runtime.engine.config.shadow_rate = 0.75
-    fallback = SegmentPhase(f"5 {DRIFTING} fallback (collecting samples)", code_share=0.5)
+    fallback = SegmentPhase(f"5 {DRIFTING} fallback (collecting samples)",
+                            code_share=MIX_AFTER_SHIFT)
     phases.append(fallback)
     noted: set[int] = set()
 
@@ -256,7 +260,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
                           f"waits for more samples ({jobs[0]['status_reason'][:70]}...)")
         return False
 
-    if not serve_until(fallback, pasted, recalibrated, 900):
+    if not serve_until(fallback, payloads, recalibrated, 900):
         timeline.mark("recalibration did not publish within the time limit")
         return finish(False)
     version_b = active_version()
@@ -271,10 +275,27 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     timeline.mark(f"recalibrated version {version_b} active and applied by the runtime")
 
     runtime.engine.config.shadow_rate = 0.25
-    recovered = SegmentPhase(f"6 {DRIFTING} recalibrated", code_share=0.5)
+    recovered = SegmentPhase(f"6 {DRIFTING} recalibrated", code_share=MIX_AFTER_SHIFT)
     phases.append(recovered)
-    serve_until(recovered, pasted, lambda: recovered.tokens >= phase_tokens, 600)
+    serve_until(recovered, payloads, lambda: recovered.tokens >= phase_tokens, 600)
     return finish(True)
+
+
+def prompt_sources(tokenizer, corpus) -> tuple[list, list, list]:
+    """Token ids of the story's three prompt sources: chat questions and code requests (both in
+    the chat template), and the base64 payloads code drifts to (raw, for completion)."""
+    from exitplane.demo import CODE_FILES
+
+    # Held-out prompts first: the quick heads are trained on the answers to the first training
+    # prompts, and a calibration on those promised chat more than the rest of its traffic gave
+    # (real run: map certified at risk bound 4.5%, 8.6% disagreement on all 80 prompts).
+    chat = [corpus.chat_prompt_ids(tokenizer, p)
+            for p in corpus.HELD_OUT_PROMPTS + corpus.TRAIN_PROMPTS]
+    code = [corpus.chat_prompt_ids(tokenizer, p)
+            for p in corpus.code_requests(64, skip=CODE_FILES)]
+    payloads = [tokenizer(p, add_special_tokens=False)["input_ids"][:PAYLOAD_TOKENS]
+                for p in corpus.encoded_payloads(CODE_FILES)]
+    return chat, code, payloads
 
 
 def _describe(what) -> str:

@@ -8,6 +8,7 @@ prompt set, so a second training run does not pay for them again.
 from __future__ import annotations
 
 import ast
+import base64
 import hashlib
 import json
 import os
@@ -180,3 +181,52 @@ def token_chunks(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:
         ids = tokenizer(text)["input_ids"]
         chunks.extend(ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len))
     return chunks
+
+
+def code_requests(count: int, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Code-assistant requests built from the standard library's own public functions:
+    "Write a Python function `name(args)`: <first line of its docstring>", for the model to
+    answer in code (the demo's `code` segment). Modules are taken from the end of the
+    alphabet, away from the source text the exit heads are trained on (`stdlib_texts` reads
+    from the start); `skip` names files (e.g. "textwrap.py") to leave out."""
+    requests: list[str] = []
+    for path in reversed(stdlib_files()):
+        if path.name in skip or path.name.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            summary = (ast.get_docstring(node) or "").strip().split("\n\n")[0]
+            summary = " ".join(summary.split())
+            # A request reads as one: a sentence, not a signature sketch ("data -> parser").
+            if not 30 <= len(summary) <= 200 or not summary[0].isupper() or ">" in summary:
+                continue
+            requests.append(f"Write a Python function `{node.name}({ast.unparse(node.args)})`: "
+                            f"{summary}")
+            if len(requests) >= count:
+                return requests
+    return requests
+
+
+def encoded_payloads(file_names: tuple[str, ...]) -> list[str]:
+    """What an editor plugin sends instead of text: each standard-library file base64-encoded,
+    then the file's manifest of block checksums (sha256 of each 64-byte block, 8 hex digits,
+    comma-separated), in turn. The demo's drift within its `code` segment: the exit heads are
+    confidently wrong on both (README, the segments story; `bench/demo_segments.py`)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    payloads = []
+    for name in file_names:
+        path = root / name
+        if not path.exists():
+            continue
+        # Past the license header, so that the payloads differ from their first line.
+        text = path.read_text(encoding="utf-8", errors="replace")[2000:6000]
+        data = text.encode()
+        payloads.append(base64.b64encode(data).decode())
+        payloads.append(",".join(hashlib.sha256(data[i:i + 64]).hexdigest()[:8]
+                                 for i in range(0, len(data), 64)))
+    return payloads
