@@ -350,11 +350,25 @@ class LeanConnection:
 
     async def request(self, method: str, path: str, *, headers: dict[str, str],
                       body: bytes = b"", timeout: float = 60.0) -> Answer:
+        if self._streams is not None and self._streams[0].at_eof():
+            self.close()  # the server closed it while idle (uvicorn: after 5 s)
+        reused = self._streams is not None
+        try:
+            return await asyncio.wait_for(self._exchange(method, path, headers, body), timeout)
+        except (ConnectionError, asyncio.IncompleteReadError) as error:
+            self.close()
+            if not reused:
+                raise TransportError(f"{method} {path}: {error!r}") from error
+        except (OSError, asyncio.LimitOverrunError, TimeoutError, ValueError) as error:
+            self.close()  # its state is unknown: the next request opens a new one
+            raise TransportError(f"{method} {path}: {error!r}") from error
+        # A kept-alive connection the server closed as the request left: once more on a new
+        # one, as httpx does (the protocol's requests are idempotent: batch ids, GETs).
         try:
             return await asyncio.wait_for(self._exchange(method, path, headers, body), timeout)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 TimeoutError, ValueError) as error:
-            self.close()  # its state is unknown: the next request opens a new one
+            self.close()
             raise TransportError(f"{method} {path}: {error!r}") from error
 
     async def _exchange(self, method: str, path: str, headers: dict[str, str],
