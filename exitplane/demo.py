@@ -266,7 +266,7 @@ def run_demo(*, quick: bool, serve: bool, port: int, story=None) -> int:
            "EXITPLANE_DRIFT_INTERVAL_S": "5", "EXITPLANE_DRIFT_RECENT_S": "120",
            "EXITPLANE_CALIBRATION_MIN_SAMPLES": str(min_samples),
            "EXITPLANE_CALIBRATION_RETRY_S": "5", "EXITPLANE_CALIBRATION_LOOKBACK_S": "3600",
-           # Few samples: a larger share fits the isotonic path, which then has fine steps.
+           # Few samples: a larger share fits the match model the path is drawn from.
            "EXITPLANE_CALIBRATION_LEARN_FRACTION": "0.5",
            "EXITPLANE_LOG_LEVEL": "warning"}
     env.pop("EXITPLANE_DATABASE_URL", None)

@@ -289,8 +289,8 @@ def _version_disagreement(*, session: Session, deployment: Deployment,
 def _segment_disagreement(*, session: Session, deployment: Deployment, version: ThresholdSet,
                           segment: str, limit: int = 200_000) -> tuple[int, int]:
     """(shadow tokens, policy mismatches) of `version` on one segment's stored shadow tokens,
-    replayed with the map that segment applied: a rollup's mismatch count does not say which
-    segment map it was counted with."""
+    replayed with the map that segment applies in `version` (from every stored shadow token of
+    the segment under that version, not a window's rollups)."""
     signals, matched = shadow_samples(session=session, deployment=deployment,
                                       since=datetime.min.replace(tzinfo=UTC),
                                       version=version.version, segment=segment, limit=limit)

@@ -86,7 +86,7 @@ class LayerCalibration:
     p_value: float  # the policy's adjusted p-value at the chosen step
     conditional_disagreement: float  # mismatches among tokens exiting here
     samples: int
-    match_curve: list[tuple[float, float]]  # isotonic signal -> P(match), for the report
+    match_curve: list[tuple[float, float]]  # signal -> fitted P(match), for the report
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class CurvePoint:
     thresholds: dict[int, float]
     risk: float
     risk_bound: float
-    predicted_disagreement: float  # from the isotonic match models
+    predicted_disagreement: float  # from the fitted match models
     p_value: float
     certified: bool  # rejected "risk > δ" in the fixed sequence
     exit_rate: float
