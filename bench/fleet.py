@@ -35,7 +35,8 @@ that detector is not meant to catch it; the shadow disagreement of the exiting t
 from ~0 to ~5% against δ = 0.01, which the quality detector (`quality_regression`, critical)
 is meant to catch; the exit-layer distribution finding also pages (warning) once it persists.
 `drift_alert_s` is the time to the first alert that pages (severity warning or critical; an
-`info` distribution finding does not count) and `drift_alert_kind` its kind. The load
+`info` distribution finding does not count) and `drift_alert_kind` the kinds paging then
+(comma-separated: one check often opens several). The load
 stops, everything is flushed, and once the telemetry stream is empty `lost` = tokens
 generated - tokens in the rollups (null, with `stream_backlog`, if the store never caught up:
 tokens still in the stream are late, not lost). Last,
@@ -113,7 +114,8 @@ def percentile(values: list[float], q: float) -> float | None:
 class Topology:
     """PostgreSQL database, private Redis, 2 APIs, ingest worker, Celery worker and beat."""
 
-    def __init__(self, postgres_url: str, workdir: Path, drift_interval_s: float) -> None:
+    def __init__(self, postgres_url: str, workdir: Path, drift_interval_s: float,
+                 worker_loglevel: str = "warning") -> None:
         self.workdir = workdir
         base = make_url(postgres_url)
         self.db_name = f"exitplane_fleet_{os.getpid()}"
@@ -143,7 +145,7 @@ class Topology:
             self._start([EXE, "up", "--host", "127.0.0.1", "--port", str(port),
                          "--no-migrate", "--no-workers"], f"api-{index}")
         self._start([EXE, "ingest", "--name", "ingest-1", "--claim-idle-ms", "10000"], "ingest")
-        self._start([EXE, "worker", "--loglevel", "warning"], "worker")
+        self._start([EXE, "worker", "--loglevel", worker_loglevel], "worker")
         self._start([EXE, "beat", "--loglevel", "warning"], "beat")
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
         deadline = time.monotonic() + 120
@@ -861,8 +863,8 @@ async def drift(fleet: Fleet, admin: dict, timeout: float,
     effect, so the detector meant to catch this shift is the quality one: the disagreement
     of the tokens the policy lets exit rises from ~0 to ~5%, above δ = 0.01. The exit-layer
     distribution moves too, and its finding pages (warning) once it persists. Returns seconds
-    until an alert that pages (warning or critical) opens, and its kind; an `info` finding
-    (distribution drift alone) pages no one and does not count."""
+    until an alert that pages (warning or critical) opens, and the kinds paging then; an
+    `info` finding (distribution drift alone) pages no one and does not count."""
     steady = (int(activated) // 60 + 1) * 60 + 5  # the reference minute is over
     await asyncio.sleep(max(0.0, steady - time.time()))
     shifted = fleet.active[:max(1, len(fleet.active) // 20)]
@@ -874,10 +876,10 @@ async def drift(fleet: Fleet, admin: dict, timeout: float,
         with contextlib.suppress(httpx.HTTPError):
             alerts = (await fleet.http[1].get("/v1/alerts", headers=admin, params={
                 "deployment": fleet.deployment, "status": "open"})).json()
-            paging = [a["kind"] for a in alerts if a["severity"] in ("warning", "critical")
-                      and a["kind"] != "runtime_stale"]
-            if paging:
-                return round(time.monotonic() - injected, 1), paging[0]
+            paging = sorted({a["kind"] for a in alerts if a["severity"] in ("warning", "critical")
+                             and a["kind"] != "runtime_stale"})
+            if paging:  # every kind that pages by then (one check often opens several)
+                return round(time.monotonic() - injected, 1), ",".join(paging)
         await asyncio.sleep(0.5)
     return None, None
 
@@ -893,7 +895,8 @@ def make_tokens(topology: Topology, deployment: str, count: int) -> list[str]:
 
 async def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="exitplane-fleet-"))
-    topology = Topology(args.postgres_url, workdir, args.drift_interval_s)
+    topology = Topology(args.postgres_url, workdir, args.drift_interval_s,
+                        args.worker_loglevel)
     try:
         admin = {"Authorization": "Bearer " + topology.exitplane(
             "token", "create", "--name", "bench", "--scope", "admin")}
@@ -1014,6 +1017,8 @@ def main() -> int:
                         help="EXITPLANE_DRIFT_INTERVAL_S of the workers (production default)")
     parser.add_argument("--drift-timeout-s", type=float, default=300.0)
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--worker-loglevel", default="warning",
+                        help="the Celery worker's (info logs each task and its duration)")
     parser.add_argument("--ramp-only", action="store_true",
                         help="stop after the ramp (no drift, flush or records phases)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # the probe process (pull_probe)

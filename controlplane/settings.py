@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     # drift_recent_s) and the false-alarm budget per hour that all their looks share.
     drift_quality_windows_s: list[float] = Field(default=[60.0, 180.0, 600.0], min_length=1)
     drift_quality_alpha_per_hour: float = Field(default=1e-2, gt=0, lt=1)
+    # issue 14 (fleet): a check reads at most this many of a segment's newest shadow tokens (a
+    # fleet ships ~10,000 a second; past the cap the windows hold their newest tokens).
+    drift_max_shadow_tokens: int = Field(default=100_000, ge=1000)
     # An exit-rate spike falls back unless the (1 - alpha) upper bound of the window's
     # request-clustered shadow disagreement is within δ on enough shadow tokens and requests.
     fallback_gate_alpha: float = Field(default=0.05, gt=0, lt=1)

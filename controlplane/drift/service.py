@@ -218,7 +218,7 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
     minutes = _minute_windows(exit_rates(since=since, **rows), layers)
     recent_since = max(now - timedelta(seconds=options.recent_s), start)
     requests, signals, matched, times = timed_shadow_samples_by_request(
-        since=recent_since, **rows)
+        since=recent_since, limit=options.max_shadow_tokens, **rows)
     histograms = info_open = None
     if found is not None:
         histograms = (
@@ -236,7 +236,7 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
         reference_window=(start, reference_until) if found is not None else None,
         since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
         shadow_signals=signals, shadow_matched=matched, shadow_times=times,
-        histograms=histograms,
+        shadow_capped=len(requests) >= options.max_shadow_tokens, histograms=histograms,
         info_open=info_open)
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 
@@ -102,6 +102,8 @@ class DriftOptions:
     exit_rate_alpha: float = 1e-4  # family-wise over the exit layers (Holm)
     # issue 18: how many traffic segments this check covers; every level below is split by it
     segments_checked: int = 1
+    # issue 14: the newest shadow tokens a check reads per segment (fleet rates pass it)
+    max_shadow_tokens: int = 100_000
 
     @property
     def quality_look_alpha(self) -> float:
@@ -134,7 +136,8 @@ class DriftOptions:
                    distribution_p_value=settings.drift_distribution_p_value,
                    quality_windows_s=tuple(settings.drift_quality_windows_s),
                    quality_alpha_per_hour=settings.drift_quality_alpha_per_hour,
-                   check_interval_s=settings.drift_interval_s)
+                   check_interval_s=settings.drift_interval_s,
+                   max_shadow_tokens=settings.drift_max_shadow_tokens)
 
 
 @dataclass
@@ -156,6 +159,8 @@ class WindowInputs:
     shadow_signals: np.ndarray  # (n, L) signals and
     shadow_matched: np.ndarray  # (n, L) matches with full depth
     shadow_times: np.ndarray | None = None  # (n,) epoch seconds: the quality sub-windows
+    # the read stopped at `max_shadow_tokens`: the windows begin at the oldest token read
+    shadow_capped: bool = False
     histograms: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None  # ref, recent
     info_open: tuple[datetime, datetime | None] | None = None  # open info alert: fired, clear
     extra: dict = field(default_factory=dict)
@@ -347,6 +352,13 @@ def quality_condition(inputs: WindowInputs, options: DriftOptions) -> Condition 
         since = max(inputs.recent_since, inputs.now - timedelta(seconds=seconds))
         window = {"since": since.isoformat(), "until": inputs.now.isoformat(),
                   "version": inputs.version, "seconds": seconds}
+        if inputs.shadow_capped and inputs.shadow_times is not None:
+            read_from = datetime.fromtimestamp(float(inputs.shadow_times[0]), tz=UTC)
+            if since.tzinfo is None:  # SQLite's naive UTC
+                read_from = read_from.replace(tzinfo=None)
+            if read_from > since:  # the window holds its newest max_shadow_tokens only
+                window |= {"since": read_from.isoformat(),
+                           "capped_at_tokens": options.max_shadow_tokens}
         finding = check_shadow_disagreement(disagreement=quality, delta=inputs.delta,
                                             alpha=alpha, window=window)
         if finding is not None and (best is None or finding.p_value < best[0].p_value):

@@ -125,8 +125,9 @@ def test_an_automatic_job_that_certifies_nothing_waits_for_the_window_to_grow(en
         assert job.result_version is None and _calibration_versions(session) == []
         assert job.curve  # what it found so far is on record
     signals, matched = separable_samples(40000, seed=7)
-    with session_scope(engine) as session:
-        write_traffic(session, "chat", signals, matched, start=start + timedelta(minutes=5))
+    with session_scope(engine) as session:  # all of it before now (20 minutes from start + 5)
+        write_traffic(session, "chat", signals, matched, start=start + timedelta(minutes=5),
+                      spacing_s=0.03)
     with session_scope(engine) as session:  # the retried task
         assert service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:

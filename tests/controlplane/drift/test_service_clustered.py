@@ -6,8 +6,9 @@ of the distributions."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+import numpy as np
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -202,3 +203,44 @@ def test_quality_shift_of_the_last_minute_pages_from_the_short_window(session: S
     evidence = quality.evidence["evidence"]
     assert evidence["window"]["seconds"] in (60.0, 180.0)
     assert evidence["disagreement_rate"] > 0.05 and evidence["requests"] >= 30
+
+
+def test_a_window_past_the_read_cap_is_judged_on_its_newest_shadow_tokens(session: Session):
+    # A fleet ships ~10,000 shadow tokens a second: a check reads at most `max_shadow_tokens`
+    # of them. Before issue 14 the read kept the window's oldest tokens (ORDER BY ts LIMIT), so
+    # a shift in the last minute was never read; now the newest, and the evidence says where
+    # the capped window begins.
+    deployment, start, now = _setup(session, minutes=10, delta=0.05)
+    send_requests(session, deployment, start=start, seed=3, requests_per_minute=60,
+                  phases=[Requests(9, mismatch_rate=0.0), Requests(1, mismatch_rate=0.6)])
+    capped = 1000  # of ~3,600 shadow tokens in the ten minutes, ~360 a minute
+    [quality] = [c for c in _conditions(session, deployment, now, max_shadow_tokens=capped,
+                                        quality_windows_s=(600.0,))
+                 if c.kind == "quality_regression"]
+    window = quality.evidence["evidence"]["window"]
+    assert window["capped_at_tokens"] == capped
+    begins = datetime.fromisoformat(window["since"]).replace(tzinfo=None)
+    assert (now - timedelta(minutes=4)).replace(tzinfo=None) < begins
+    assert begins < (now - timedelta(minutes=2)).replace(tzinfo=None)
+    assert quality.evidence["evidence"]["disagreement_rate"] > 0.05
+    # Under the cap the ten-minute window is whole, and the one quiet-looking minute in ten
+    # stays within δ there (the short windows catch it: the test above).
+    assert [c for c in _conditions(session, deployment, now, quality_windows_s=(600.0,))
+            if c.kind == "quality_regression"] == []
+
+
+def test_a_capped_shadow_read_gives_the_newest_samples_oldest_first(session: Session):
+    deployment, start, _ = _setup(session, minutes=3)
+    send_requests(session, deployment, start=start, seed=9, phases=[Requests(3)])
+    from controlplane.telemetry.service import timed_shadow_samples_by_request
+
+    requests, signals, _, times = timed_shadow_samples_by_request(
+        session=session, deployment=deployment, since=start)
+    assert len(requests) > 300 and (np.diff(times) >= 0).all()
+    newest = timed_shadow_samples_by_request(session=session, deployment=deployment,
+                                             since=start, limit=100)
+    assert (np.diff(newest[3]) >= 0).all() and len(newest[0]) == 100
+    assert newest[3][0] >= times[-100] and newest[3][-1] == times[-1]
+    assert newest[1].shape == (100, signals.shape[1])
+    # the same rows as the newest of the whole read (ties in time may come in either order)
+    assert sorted(map(tuple, newest[1].tolist())) == sorted(map(tuple, signals[-100:].tolist()))
