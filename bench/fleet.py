@@ -731,7 +731,7 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
     return stages
 
 
-async def pull_probe(fleet: Fleet, pulls: int = 200, budget_s: float = 30.0,
+async def pull_probe(fleet: Fleet, pulls: int = 500, budget_s: float = 30.0,
                      timeout_s: float = 10.0) -> dict:
     """Non-waiting pulls (current ETag) while every runtime holds a long-poll: `pulls` of
     them, or as many as fit in `budget_s` (a stage must not wait on its probe). A pull that
