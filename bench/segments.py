@@ -149,10 +149,16 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     return exits, wrong
 
 
-def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed,
-            method):
+def _ids(stacked, by_request: bool):
+    """The stacked mix's request ids for the calibrators, or None to hide them."""
+    return stacked[3] if by_request else None
+
+
+def _pooled(signals, matched, requests, *, layers, num_layers, delta, epsilon, min_samples,
+            seed, method):
     try:
-        result = calibrate_thresholds(signals=signals, matched=matched, exit_layers=layers,
+        result = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
+                                      exit_layers=layers,
                                       num_layers=num_layers, delta=delta, epsilon=epsilon,
                                       min_samples_per_layer=min_samples, seed=seed,
                                       risk_test=method["risk_test"],
@@ -165,10 +171,13 @@ def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples
 def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: float,
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
                min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
-               match_model: str = "logistic", pooled_check_share: float = 0.1) -> dict:
+               match_model: str = "logistic", pooled_check_share: float = 0.1,
+               by_request: bool = True) -> dict:
     """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
     `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
-    product defaults), there to measure what each costs; every set uses the same ones."""
+    product defaults), there to measure what each costs; every set uses the same ones.
+    `by_request` False hides the request ids from every calibrator (tokens then count as
+    independent draws, the calibrator before request-level tests)."""
     method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
@@ -181,7 +190,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
     served_disagreement = {"pooled": [], "segment": [], "recalibrated": []}
     served_exit = {"pooled": [], "segment": [], "recalibrated": []}
     per_segment = {name: {"exit": [], "disagreement": [], "calibration_tokens": [],
-                          "served_tokens": [], "sources": Counter()} for name in SEGMENTS}
+                          "served_tokens": [], "sources": Counter(), "half": []}
+                   for name in SEGMENTS}
     for trial in range(trials):
         calibration, serving = {}, {}
         for name in SEGMENTS:
@@ -193,13 +203,13 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         served = _stack(records, _mix(serving, serve_mix, rng))
         after = _stack(records, _mix(calibration, serve_mix, rng))
 
-        pooled = _pooled(cal[0], cal[1], seed=trial, **options)
+        pooled = _pooled(cal[0], cal[1], _ids(cal, by_request), seed=trial, **options)
         segmented = calibrate_segments(
-            signals=cal[0], matched=cal[1], segments=cal[2], requests=cal[3],
+            signals=cal[0], matched=cal[1], segments=cal[2], requests=_ids(cal, by_request),
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
             min_samples_per_layer=min_samples, seed=trial,
             pooled_check_share=pooled_check_share, **method)
-        recalibrated = _pooled(after[0], after[1], seed=trial, **options)
+        recalibrated = _pooled(after[0], after[1], _ids(after, by_request), seed=trial, **options)
 
         sets = {
             "pooled": dict.fromkeys(SEGMENTS, pooled),
@@ -220,6 +230,12 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
                     stats["served_tokens"].append(int(mine.sum()))
                     stats["calibration_tokens"].append(int((cal[2] == name).sum()))
                     stats["sources"][segmented.segments[name].source] += 1
+                    # the segment's set on *every* request of its serving half (~240): a
+                    # closer reading of its true risk than the served mix's share of them
+                    half = _stack(records, {name: serving[name]})
+                    wrong_half = _replay(half[0], half[1], half[2],
+                                         {name: by_segment[name]})[1]
+                    stats["half"].append(float(wrong_half.mean()))
 
     def violation_rate(kind: str) -> float:
         return float(np.mean(np.array(served_disagreement[kind]) > delta))
@@ -240,6 +256,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
             "served_exit_rate": float(np.mean(stats["exit"])),
             "served_disagreement_mean": float(np.mean(stats["disagreement"])),
             "served_violation_rate": float(np.mean(np.array(stats["disagreement"]) > delta)),
+            "serving_half_violation_rate": float(np.mean(np.array(stats["half"]) > delta)),
+            "serving_half_disagreement_mean": float(np.mean(stats["half"])),
             "calibration_tokens_mean": float(np.mean(stats["calibration_tokens"])),
             "served_tokens_mean": float(np.mean(stats["served_tokens"])),
             "thresholds_from": dict(stats["sources"]),
@@ -252,6 +270,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "risk_test": risk_test,
         "match_model": match_model,
         "pooled_check_share": pooled_check_share,
+        "risk_unit": "request" if by_request else "token",
     }
 
 
@@ -277,6 +296,9 @@ def main() -> int:
                         help="the path's P(match) model (ablation; the product default)")
     parser.add_argument("--pooled-check-share", type=float, default=0.1,
                         help="share of a segment's ε for the pooled-set fallback (ablation)")
+    parser.add_argument("--independent-tokens", action="store_true",
+                        help="hide request ids from the calibrators (ablation: the token-level "
+                             "test they used before)")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
@@ -294,7 +316,8 @@ def main() -> int:
                         calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,
                         split=args.split, min_samples=args.min_samples, seed=args.seed,
                         risk_test=args.risk_test, match_model=args.match_model,
-                        pooled_check_share=args.pooled_check_share)
+                        pooled_check_share=args.pooled_check_share,
+                        by_request=not args.independent_tokens)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0
