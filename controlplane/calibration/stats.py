@@ -29,9 +29,9 @@ Selection (Angelopoulos et al., "Learn then Test", fixed-sequence testing):
    rejected step is chosen (never-exit if none). Because the path is fixed before the test
    data is seen, P(risk of the chosen thresholds > δ) <= ε.
 
-The p-value (`risk_test`). The loss is 0/1 (a token disagrees or not) and, as throughout, the test
-tokens are treated as independent draws from the traffic, so the number of disagreements K of
-n test tokens is Binomial(n, R). The default, `"binomial"`, is the exact tail
+The p-value (`risk_test`). The loss is 0/1 (a token disagrees or not); with the test tokens taken
+as independent draws from the traffic (no request ids; the request level is below), the number
+of disagreements K of n test tokens is Binomial(n, R). The default, `"binomial"`, is the exact tail
 p = P(Binomial(n, δ) <= K): under the null R >= δ, Binomial(n, R) is stochastically larger
 than Binomial(n, δ), so P(p <= ε) <= ε — a valid p-value, the exact one LTT names for
 Bernoulli losses. `"hoeffding-bentkus"` (the earlier default, kept for comparison) is valid
@@ -40,6 +40,52 @@ bound on that same tail and its Bentkus term is the tail times e. So the binomia
 certifies every step the Hoeffding-Bentkus one does, under the same independence assumption,
 and usually a few more (measured in bench/segments.py). `risk_bound` is the matching 1-ε upper
 bound (one-sided Clopper-Pearson for "binomial").
+
+The request-level test (`requests` given; the service always passes the shadow tokens' request
+ids). Tokens of one request share a prompt and a topic, so their disagreements are correlated and
+n test tokens carry less evidence than n independent draws: on a dozen requests the token test
+above is optimistic (the demo's chat set, certified on 384 tokens of 12 requests, disagreed 8.9%
+against δ 5%). The risk is the served token disagreement, a ratio over requests i of x_i
+disagreements among n_i tokens, R = E[x] / E[n]; H0: R >= δ says each request's score
+z_i = x_i - δ n_i has mean >= 0 whatever the request lengths. The p-value is the exact binomial
+tail on the count deflated by a design effect d (Kish; Korn & Graubard's effective sample size
+for clustered proportions): n_eff = n / d * KG, k_eff = k n_eff / n, p = P(Bin(n_eff, δ) <=
+k_eff) (continuous in non-integer n_eff, k_eff through the incomplete beta), where
+
+- d is read under the null, sum z_i^2 / (δ(1-δ) n), in [1, sum n_i^2 / n]
+  (`stats.clustered.null_design_effect`): the observed-rate sandwich variance is 0 for a step
+  with no disagreement, which would make the most conservative steps look least certain;
+- d is the larger of that reading on the test requests and on the requests the test does not
+  see (learn and holdout), step by step. Why both: the test sample's own reading is low exactly
+  when it missed the few bad requests, that is when its count is low, so alone it is
+  anti-conservative (measured at the boundary R = δ, 32-token requests, intra-request
+  correlation 0.03-0.67: P(p <= 0.1) 0.12-0.21 on 34 requests, 0.10-0.14 on 100); a reading on
+  other requests is independent of the test's outcome (0.08-0.11 alone), and the larger of the
+  two stayed at or below ε = 0.1 in every setting tried (0.07-0.09;
+  tests/controlplane/calibration/test_request_level.py), and at ε = 0.045 up to correlation
+  0.25, but reached 0.068 with nearly all-or-nothing requests (correlation 0.67) on 34;
+- KG = (z_{1-ε} / t_{m-1, 1-ε})^2 shrinks n_eff for a variance read on few (m) requests.
+
+Why this and not the other candidates: a Hoeffding-Bentkus bound (or a betting test) on
+per-request losses x_i / n_i is valid with no model at all, but it must allow for requests that
+disagree all-or-nothing, so it cannot certify anything on fewer than log ε / log(1 - δ)
+requests (60 at δ 0.05, ε 0.045, more than a 60-request segment's test part ever holds), and it
+tests the mean of per-request rates, not the served token rate, when lengths vary. A cluster
+bootstrap is random and costs hundreds of resamples per path step. The design effect keeps every
+token's evidence, pays exactly what the measured clustering costs (1.3-2 on bench/segments.py's
+real SmolLM2 requests) and reduces to the exact binomial when every request is one token (d = 1
+by definition: independence is then the assumption itself; `risk_unit` stays "token").
+
+What it assumes, and where it is weak: the p-value is valid in large samples of requests (a
+variance is estimated), not exactly in finite ones. Measured end to end (one layer, `shared`
+path, 32-token requests with a request effect on the match logit, 100 trials, ε 0.1): with 100
+or 200 requests the chosen thresholds' true risk exceeded δ in 0.00-0.07 of trials (token test:
+0.14-0.19); with 20-50 requests, 0.10-0.16 (token test: 0.22-0.35). So on a few dozen requests it
+halves the optimism but does not remove it. Without request ids (an upload or a caller that has
+none) tokens are taken as independent draws, as before; the service's shadow tokens stored
+without a request id stand for their telemetry batch, a larger cluster (conservative). With
+`requests` the holdout, learn and test parts are whole requests (a request split across them
+would let the test see what the path was fitted on).
 
 Per-layer figures (exit rate, risk contribution, its bound) are descriptive; the p-value and
 the guarantee belong to the whole policy (each layer carries the policy's fixed-sequence
@@ -755,6 +801,8 @@ def _sample_counts(codes, *, learn, test, holdout) -> dict[str, int]:
     counts = {"total": len(learn) + len(test) + len(holdout), "learn": len(learn),
               "test": len(test), "holdout": len(holdout)}
     if codes is not None:
-        counts |= {"requests": len(np.unique(codes)), "test_requests": len(np.unique(codes[test])),
-                   "learn_requests": len(np.unique(codes[learn]))}
+        counts |= {"requests": len(np.unique(codes)),
+                   "learn_requests": len(np.unique(codes[learn])),
+                   "test_requests": len(np.unique(codes[test])),
+                   "holdout_requests": len(np.unique(codes[holdout]))}
     return counts
