@@ -24,8 +24,10 @@ they are never split):
 Reported (one JSON line, last): `pooled_violation_rate` / `segment_violation_rate` (share of
 trials whose served disagreement exceeds δ), `segment_exit_rate`, `pooled_exit_rate` and
 `pooled_recalibrated_exit_rate` (mean exit rates on the served mix), `epsilon`, `trials`, and
-per-segment figures: served exit rates and disagreement, which set each segment got, sample
-sizes.
+per-segment figures: served exit rates and disagreement, `served_violation_rate` (the segment
+served alone: its share of trials above δ), `serving_half_violation_rate` (its set on every
+request of its serving half, a closer reading of its true risk), which set each segment got,
+sample sizes. Every calibrator gets the mix's request ids (`--independent-tokens` hides them).
 
 Figures (2026-11-30, loaded 2-core box, 480 requests x 32 tokens per source, 100 trials,
 δ 0.05, ε 0.1; `--requests 480` plus the flags shown; the flags only name the calibrators'
@@ -40,14 +42,22 @@ B --match-model isotonic --pooled-check-share 0.5     0.53     0.03            0
 C --match-model isotonic (+ own LTT at 0.9 ε/k)       0.53     0.04            0.201   0.232  0.87x
 D --risk-test hoeffding-bentkus
   --pooled-check-share 0.5 (logistic path only)       0.75     0.05            0.216   0.240  0.90x
-defaults: binomial, logistic path, 0.9 ε/k            0.81     0.08            0.227   0.244  0.93x
+E --independent-tokens (binomial, logistic path,
+  0.9 ε/k; main at 9de5f49, tokens as independent)    0.81     0.08            0.227   0.244  0.93x
+defaults: E tested per request (ltt-cluster)          0.79     0.02            0.214   0.241  0.89x
 
 (row A differs from main only by the path levels read off the fit, which every row but
-main's has). With the defaults the served code segment exits 0.233 (chat 0.203); per
-segment, served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat,
-1,916 served tokens) of trials: a set certified at true risk just under δ crosses it on a
-finite served sample now and then, and tokens of one request are not independent, which the
-tests assume (as before). At `--requests 120`: 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
+main's has). In row E the served code segment exits 0.233 (chat 0.203) and, per segment,
+served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat, 1,916 served
+tokens) of trials, above ε: the tests counted the tokens of a request as independent draws.
+With the request-level test (the defaults; `calibration.stats`, "the request-level test") code
+exits 0.218 and chat 0.198, and served alone each segment exceeds δ in 0.03 (code) and 0.09
+(chat) of trials; on every serving-half request of the segment (~7,680 tokens,
+`serving_half_violation_rate`) 0.03 and 0.06. The price is code's: its own LTT tests 34
+requests (1,088 tokens), whose design effect reads 1.1-1.6 at the chosen step, while the
+recalibrated pool tests 168; the exit ratio fell 0.93x -> 0.89x, under the 0.9x target by
+0.011 (0.91x on the first 30 trials alone: the ratio is noisy at this margin). At `--requests
+120` (row E): 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
 
 Where the per-segment sets lost exits (measured): in the 80/20 mix code has 60 requests (1,920
 tokens) against the recalibrated pool's 300 (9,600); on main its own LTT held out 384 tokens,

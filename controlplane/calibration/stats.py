@@ -58,12 +58,14 @@ k_eff) (continuous in non-integer n_eff, k_eff through the incomplete beta), whe
 - d is the larger of that reading on the test requests and on the requests the test does not
   see (learn and holdout), step by step. Why both: the test sample's own reading is low exactly
   when it missed the few bad requests, that is when its count is low, so alone it is
-  anti-conservative (measured at the boundary R = δ, 32-token requests, intra-request
-  correlation 0.03-0.67: P(p <= 0.1) 0.12-0.21 on 34 requests, 0.10-0.14 on 100); a reading on
-  other requests is independent of the test's outcome (0.08-0.11 alone), and the larger of the
-  two stayed at or below ε = 0.1 in every setting tried (0.07-0.09;
-  tests/controlplane/calibration/test_request_level.py), and at ε = 0.045 up to correlation
-  0.25, but reached 0.068 with nearly all-or-nothing requests (correlation 0.67) on 34;
+  anti-conservative; a reading on other requests is independent of the test's outcome, and the
+  larger of the two held the level where requests are not too few. Measured at the null's
+  boundary R = δ (`bench/request_level_ltt.py`, 32-token requests, intra-request correlation
+  0.03-0.67, share of draws with p <= ε): at ε 0.1, the token test 0.15-0.49, the test's own
+  reading 0.11-0.21 on 34 requests and 0.12-0.16 on 100, the larger reading 0.074-0.081 on 34
+  and 0.078-0.090 on 100; at ε 0.045, 0.037-0.051 on 34 up to correlation 0.25 but 0.066 at
+  0.67 (nearly all-or-nothing requests), 0.037-0.041 on 100. On 12 requests it does not hold
+  (0.07-0.24 at ε 0.1);
 - KG = (z_{1-ε} / t_{m-1, 1-ε})^2 shrinks n_eff for a variance read on few (m) requests.
 
 Why this and not the other candidates: a Hoeffding-Bentkus bound (or a betting test) on
@@ -77,11 +79,12 @@ real SmolLM2 requests) and reduces to the exact binomial when every request is o
 by definition: independence is then the assumption itself; `risk_unit` stays "token").
 
 What it assumes, and where it is weak: the p-value is valid in large samples of requests (a
-variance is estimated), not exactly in finite ones. Measured end to end (one layer, `shared`
-path, 32-token requests with a request effect on the match logit, 100 trials, ε 0.1): with 100
-or 200 requests the chosen thresholds' true risk exceeded δ in 0.00-0.07 of trials (token test:
-0.14-0.19); with 20-50 requests, 0.10-0.16 (token test: 0.22-0.35). So on a few dozen requests it
-halves the optimism but does not remove it. Without request ids (an upload or a caller that has
+variance is estimated), not exactly in finite ones. Measured end to end
+(`bench/request_level_ltt.py`: one layer, `shared` path, 32-token requests with a request
+effect on the match logit, 100 trials, ε 0.1): with 100 or 200 requests the chosen thresholds'
+true risk exceeded δ in 0.04-0.07 of trials (token test: 0.15-0.26); with 20-50 requests,
+0.06-0.16 (token test: 0.18-0.28). So on a few dozen requests it cuts the optimism but does not
+remove it. Without request ids (an upload or a caller that has
 none) tokens are taken as independent draws, as before; the service's shadow tokens stored
 without a request id stand for their telemetry batch, a larger cluster (conservative). With
 `requests` the holdout, learn and test parts are whole requests (a request split across them

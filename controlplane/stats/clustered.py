@@ -230,7 +230,9 @@ def null_design_effect(tokens: np.ndarray, events: np.ndarray, rate: Any) -> np.
     rate = np.broadcast_to(np.asarray(rate, dtype=float), (len(events),))
     score = ((events - rate[:, None] * tokens[None, :]) ** 2).sum(axis=1)
     ceiling = max(1.0, float(tokens @ tokens) / total)
-    return np.clip(score / (rate * (1.0 - rate) * total), 1.0, ceiling)
+    spread = rate * (1.0 - rate) * total  # 0 at rate 0 or 1, where nothing varies: d = 1
+    design = np.where(spread > 0, score / np.where(spread > 0, spread, 1.0), 1.0)
+    return np.clip(design, 1.0, ceiling)
 
 
 def few_clusters_factor(clusters: int, alpha: float) -> float:

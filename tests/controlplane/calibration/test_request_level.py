@@ -14,6 +14,7 @@ import pytest
 from controlplane.calibration import stats as cal
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.stats.clustered import binomial_lower_tail, null_design_effect
+from controlplane.stats.synthetic import correlated_requests
 from tests.controlplane.calibration.support import LAYERS, separable_samples
 
 DELTA, EPSILON = 0.05, 0.1
@@ -107,30 +108,18 @@ def test_request_level_p_value_stays_within_epsilon_where_the_token_test_does_no
     assert np.mean(alone_p <= EPSILON) > EPSILON
 
 
-def _correlated_shadow(rng, requests: int, request_effect: float):
-    """One exit layer: token signals independent, P(match) on the logit scale raised by the
-    signal and shifted per request by `request_effect` * N(0, 1): a request's tokens agree or
-    disagree together beyond what the signal says."""
-    n = requests * SIZE
-    shift = np.repeat(rng.normal(size=requests), SIZE) * request_effect
-    signals = 1.0 / (1.0 + np.exp(-rng.normal(size=n)))
-    match_logit = 3.0 + 8.0 * (signals - 0.5) + shift
-    matched = rng.random(n) < 1.0 / (1.0 + np.exp(-match_logit))
-    return signals[:, None], matched[:, None], np.repeat(np.arange(requests), SIZE)
-
-
 def test_learn_then_test_on_correlated_requests_keeps_the_chosen_risk_within_delta():
     """The whole calibrator, repeated on fresh samples of 120 requests: the share of trials
     whose chosen threshold has a true risk (on 20,000 requests) above δ."""
     rng = np.random.default_rng(0)
     grid = np.linspace(1.0, 0.0, 101)
-    population_s, population_m, _ = _correlated_shadow(rng, 20_000, request_effect=3.0)
+    population_s, population_m, _ = correlated_requests(20_000, rng=rng, request_effect=3.0)
     true_risk = np.array([((population_s[:, 0] > t) & ~population_m[:, 0]).mean()
                           for t in grid])
     violations = {"token": 0, "request": 0}
     trials = 60
     for trial in range(trials):
-        signals, matched, requests = _correlated_shadow(rng, 120, request_effect=3.0)
+        signals, matched, requests = correlated_requests(120, rng=rng, request_effect=3.0)
         for unit, ids in (("token", None), ("request", requests)):
             result = cal.calibrate_thresholds(
                 signals=signals, matched=matched, exit_layers=[4], num_layers=8, delta=DELTA,
