@@ -321,13 +321,22 @@ def clustered_risk_p_values(request_losses: Any, request_tokens: Any, delta: Any
 
 def clustered_risk_upper_bound(request_losses: Any, request_tokens: Any, epsilon: float,
                                test: str = "binomial",
-                               reference: tuple[Any, Any] | None = None) -> np.ndarray:
-    """The smallest R whose request-level p-value is <= ε (the design effect re-measured at
-    each R, by bisection): the 1-ε upper bound matching `clustered_risk_p_values`."""
+                               reference: tuple[Any, Any] | None = None,
+                               delta: float | None = None) -> np.ndarray:
+    """An upper bound at 1-ε matching `clustered_risk_p_values`: by bisection, an R at which the
+    request-level p-value is <= ε, within 2^-30 of the smallest such R where the p-value falls
+    as R grows. It need not everywhere: the design effect is re-read at each R and grows with
+    the distance from the observed rate (about 1% of random samples tried). So where `delta`
+    is given and the test rejects at δ, the search stays below δ: a certified step's bound is
+    never above δ."""
     losses = np.atleast_2d(np.asarray(request_losses, dtype=float))
     tokens = np.asarray(request_tokens, dtype=float)
     lo = losses.sum(axis=1) / max(float(tokens.sum()), 1.0)
     hi = np.ones_like(lo)
+    if delta is not None:
+        at_delta = clustered_risk_p_values(losses, tokens, delta, alpha=epsilon, test=test,
+                                           reference=reference)[0]
+        hi = np.where((at_delta <= epsilon) & (lo <= delta), delta, hi)
     for _ in range(30):
         mid = 0.5 * (lo + hi)
         p_values = clustered_risk_p_values(losses, tokens, mid, alpha=epsilon, test=test,
@@ -729,7 +738,7 @@ def calibrate_thresholds(
         bounds = risk_upper_bound(losses, n, epsilon, risk_test)
     else:
         bounds = clustered_risk_upper_bound(request_losses, np.bincount(test_codes), epsilon,
-                                            risk_test, reference=ref)
+                                            risk_test, reference=ref, delta=delta)
     curve = []
     for i, first in enumerate(firsts):
         depth = float(_depth(first, layers, num_layers).mean())

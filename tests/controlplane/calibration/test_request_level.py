@@ -78,6 +78,19 @@ def test_with_request_ids_the_parts_are_whole_requests_and_the_result_says_so():
                                  min_samples_per_layer=500, requests=requests[:10])
 
 
+def test_request_level_bound_is_where_the_test_starts_rejecting():
+    rng = np.random.default_rng(4)
+    sizes = rng.integers(5, 80, size=60)
+    losses = rng.binomial(sizes, rng.beta(0.3, 10, size=60))
+    bound = cal.clustered_risk_upper_bound(losses, sizes, EPSILON)[0]
+    assert losses.sum() / sizes.sum() < bound < 1
+    p_at, _ = cal.clustered_risk_p_values(losses, sizes, bound, alpha=EPSILON)
+    p_below, _ = cal.clustered_risk_p_values(losses, sizes, bound * 0.995, alpha=EPSILON)
+    assert p_at[0] <= EPSILON < p_below[0]
+    # clustering widens it beyond the token bound
+    assert bound > cal.binomial_upper_bound(int(losses.sum()), int(sizes.sum()), EPSILON)
+
+
 def _beta_binomial(rng, draws: int, requests: int, concentration: float) -> np.ndarray:
     """(draws, requests) disagreements of SIZE-token requests whose rates are Beta with mean δ
     (the null's boundary): intra-request correlation 1 / (concentration + 1)."""
@@ -128,6 +141,7 @@ def test_learn_then_test_on_correlated_requests_keeps_the_chosen_risk_within_del
             threshold = result.thresholds[4]
             risk = 0.0 if threshold >= 1.0 else true_risk[np.argmin(np.abs(grid - threshold))]
             violations[unit] += risk > DELTA
+            assert result.risk_bound <= DELTA  # a certified step's bound (never-exit: 0)
     assert violations["token"] / trials > 1.5 * EPSILON, violations
     assert violations["request"] / trials <= EPSILON, violations
 
