@@ -35,7 +35,11 @@ except the check tokens, a share of each segment's *requests*
 data the pooled set was not chosen on. If neither test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
 
-Like the LTT itself, the tests treat tokens as independent draws from the segment's traffic.
+Like the LTT itself (`calibration.stats`, "the request-level test"), both tests work at the
+request level when `requests` are given: a segment's own LTT splits and tests whole requests,
+and the pooled check deflates its check tokens by the design effect read on them and on the
+segment's other requests. Without request ids every token is its own request, the token-level
+test of before.
 """
 
 from __future__ import annotations
