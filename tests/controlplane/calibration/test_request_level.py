@@ -162,3 +162,22 @@ def test_segments_calibrate_at_the_request_level_when_ids_are_given():
                                  exit_layers=LAYERS, num_layers=12, delta=DELTA,
                                  epsilon=EPSILON, min_samples_per_layer=500)
     assert without.segments["chat"].result.risk_unit == "token"
+
+
+def test_a_small_segments_pooled_check_tests_its_check_requests():
+    """A segment too small for its own LTT keeps the pooled set only if the check, at the
+    request level, certifies it: its p-value is the request-level one on its check requests,
+    never below the token-level one."""
+    signals, matched = separable_samples(4000, seed=9, mismatch_below=0.6)
+    labels = np.where(np.arange(4000) < 3600, "chat", "tiny")
+    requests = np.repeat(np.arange(4000 // 40), 40)
+    options = dict(signals=signals, matched=matched, segments=labels, exit_layers=LAYERS,
+                   num_layers=12, delta=DELTA, epsilon=EPSILON, min_samples_per_layer=500)
+    clustered = calibrate_segments(requests=requests, **options).segments["tiny"]
+    tokens = calibrate_segments(**options).segments["tiny"]
+    assert clustered.pooled_check is not None and tokens.pooled_check is not None
+    check = clustered.pooled_check
+    assert clustered.requests == 10 and check.tokens == 3 * 40  # 30% of its requests, whole
+    token_level = float(cal.binomial_p_value(check.disagreements, check.tokens, DELTA))
+    assert check.p_value > token_level  # 3 requests weigh less than 120 independent tokens
+    assert tokens.pooled_check.tokens == 120 and tokens.source in ("pooled", "conservative")
