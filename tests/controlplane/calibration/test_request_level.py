@@ -89,6 +89,12 @@ def test_request_level_bound_is_where_the_test_starts_rejecting():
     assert p_at[0] <= EPSILON < p_below[0]
     # clustering widens it beyond the token bound
     assert bound > cal.binomial_upper_bound(int(losses.sum()), int(sizes.sum()), EPSILON)
+    # Hoeffding-Bentkus on the same effective count is never below the binomial test
+    many = rng.binomial(sizes, rng.beta(0.3, 10, size=(200, 60)))
+    exact, _ = cal.clustered_risk_p_values(many, sizes, DELTA, alpha=EPSILON)
+    hb, _ = cal.clustered_risk_p_values(many, sizes, DELTA, alpha=EPSILON,
+                                        test="hoeffding-bentkus")
+    assert np.all(hb >= exact - 1e-12) and np.any(hb > exact)
 
 
 def _beta_binomial(rng, draws: int, requests: int, concentration: float) -> np.ndarray:
