@@ -24,8 +24,10 @@ they are never split):
 Reported (one JSON line, last): `pooled_violation_rate` / `segment_violation_rate` (share of
 trials whose served disagreement exceeds δ), `segment_exit_rate`, `pooled_exit_rate` and
 `pooled_recalibrated_exit_rate` (mean exit rates on the served mix), `epsilon`, `trials`, and
-per-segment figures: served exit rates and disagreement, which set each segment got, sample
-sizes.
+per-segment figures: served exit rates and disagreement, `served_violation_rate` (the segment
+served alone: its share of trials above δ), `serving_half_violation_rate` (its set on every
+request of its serving half, a closer reading of its true risk), which set each segment got,
+sample sizes. Every calibrator gets the mix's request ids (`--independent-tokens` hides them).
 
 Figures (2026-11-30, loaded 2-core box, 480 requests x 32 tokens per source, 100 trials,
 δ 0.05, ε 0.1; `--requests 480` plus the flags shown; the flags only name the calibrators'
@@ -40,14 +42,22 @@ B --match-model isotonic --pooled-check-share 0.5     0.53     0.03            0
 C --match-model isotonic (+ own LTT at 0.9 ε/k)       0.53     0.04            0.201   0.232  0.87x
 D --risk-test hoeffding-bentkus
   --pooled-check-share 0.5 (logistic path only)       0.75     0.05            0.216   0.240  0.90x
-defaults: binomial, logistic path, 0.9 ε/k            0.81     0.08            0.227   0.244  0.93x
+E --independent-tokens (binomial, logistic path,
+  0.9 ε/k; main at 9de5f49, tokens as independent)    0.81     0.08            0.227   0.244  0.93x
+defaults: E tested per request (ltt-cluster)          0.79     0.02            0.214   0.241  0.89x
 
 (row A differs from main only by the path levels read off the fit, which every row but
-main's has). With the defaults the served code segment exits 0.233 (chat 0.203); per
-segment, served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat,
-1,916 served tokens) of trials: a set certified at true risk just under δ crosses it on a
-finite served sample now and then, and tokens of one request are not independent, which the
-tests assume (as before). At `--requests 120`: 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
+main's has). In row E the served code segment exits 0.233 (chat 0.203) and, per segment,
+served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat, 1,916 served
+tokens) of trials, above ε: the tests counted the tokens of a request as independent draws.
+With the request-level test (the defaults; `calibration.stats`, "the request-level test") code
+exits 0.218 and chat 0.198, and served alone each segment exceeds δ in 0.03 (code) and 0.09
+(chat) of trials; on every serving-half request of the segment (~7,680 tokens,
+`serving_half_violation_rate`) 0.03 and 0.06. The price is code's: its own LTT tests 34
+requests (1,088 tokens), whose design effect reads 1.1-1.6 at the chosen step, while the
+recalibrated pool tests 168; the exit ratio fell 0.93x -> 0.89x, under the 0.9x target by
+0.011 (0.91x on the first 30 trials alone: the ratio is noisy at this margin). At `--requests
+120` (row E): 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
 
 Where the per-segment sets lost exits (measured): in the 80/20 mix code has 60 requests (1,920
 tokens) against the recalibrated pool's 300 (9,600); on main its own LTT held out 384 tokens,
@@ -149,10 +159,16 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     return exits, wrong
 
 
-def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples, seed,
-            method):
+def _ids(stacked, by_request: bool):
+    """The stacked mix's request ids for the calibrators, or None to hide them."""
+    return stacked[3] if by_request else None
+
+
+def _pooled(signals, matched, requests, *, layers, num_layers, delta, epsilon, min_samples,
+            seed, method):
     try:
-        result = calibrate_thresholds(signals=signals, matched=matched, exit_layers=layers,
+        result = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
+                                      exit_layers=layers,
                                       num_layers=num_layers, delta=delta, epsilon=epsilon,
                                       min_samples_per_layer=min_samples, seed=seed,
                                       risk_test=method["risk_test"],
@@ -165,10 +181,13 @@ def _pooled(signals, matched, *, layers, num_layers, delta, epsilon, min_samples
 def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: float,
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
                min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
-               match_model: str = "logistic", pooled_check_share: float = 0.1) -> dict:
+               match_model: str = "logistic", pooled_check_share: float = 0.1,
+               by_request: bool = True) -> dict:
     """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
     `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
-    product defaults), there to measure what each costs; every set uses the same ones."""
+    product defaults), there to measure what each costs; every set uses the same ones.
+    `by_request` False hides the request ids from every calibrator (tokens then count as
+    independent draws, the calibrator before request-level tests)."""
     method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
@@ -181,7 +200,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
     served_disagreement = {"pooled": [], "segment": [], "recalibrated": []}
     served_exit = {"pooled": [], "segment": [], "recalibrated": []}
     per_segment = {name: {"exit": [], "disagreement": [], "calibration_tokens": [],
-                          "served_tokens": [], "sources": Counter()} for name in SEGMENTS}
+                          "served_tokens": [], "sources": Counter(), "half": []}
+                   for name in SEGMENTS}
     for trial in range(trials):
         calibration, serving = {}, {}
         for name in SEGMENTS:
@@ -193,13 +213,13 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         served = _stack(records, _mix(serving, serve_mix, rng))
         after = _stack(records, _mix(calibration, serve_mix, rng))
 
-        pooled = _pooled(cal[0], cal[1], seed=trial, **options)
+        pooled = _pooled(cal[0], cal[1], _ids(cal, by_request), seed=trial, **options)
         segmented = calibrate_segments(
-            signals=cal[0], matched=cal[1], segments=cal[2], requests=cal[3],
+            signals=cal[0], matched=cal[1], segments=cal[2], requests=_ids(cal, by_request),
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
             min_samples_per_layer=min_samples, seed=trial,
             pooled_check_share=pooled_check_share, **method)
-        recalibrated = _pooled(after[0], after[1], seed=trial, **options)
+        recalibrated = _pooled(after[0], after[1], _ids(after, by_request), seed=trial, **options)
 
         sets = {
             "pooled": dict.fromkeys(SEGMENTS, pooled),
@@ -220,6 +240,12 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
                     stats["served_tokens"].append(int(mine.sum()))
                     stats["calibration_tokens"].append(int((cal[2] == name).sum()))
                     stats["sources"][segmented.segments[name].source] += 1
+                    # the segment's set on *every* request of its serving half (~240): a
+                    # closer reading of its true risk than the served mix's share of them
+                    half = _stack(records, {name: serving[name]})
+                    wrong_half = _replay(half[0], half[1], half[2],
+                                         {name: by_segment[name]})[1]
+                    stats["half"].append(float(wrong_half.mean()))
 
     def violation_rate(kind: str) -> float:
         return float(np.mean(np.array(served_disagreement[kind]) > delta))
@@ -240,6 +266,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
             "served_exit_rate": float(np.mean(stats["exit"])),
             "served_disagreement_mean": float(np.mean(stats["disagreement"])),
             "served_violation_rate": float(np.mean(np.array(stats["disagreement"]) > delta)),
+            "serving_half_violation_rate": float(np.mean(np.array(stats["half"]) > delta)),
+            "serving_half_disagreement_mean": float(np.mean(stats["half"])),
             "calibration_tokens_mean": float(np.mean(stats["calibration_tokens"])),
             "served_tokens_mean": float(np.mean(stats["served_tokens"])),
             "thresholds_from": dict(stats["sources"]),
@@ -252,6 +280,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "risk_test": risk_test,
         "match_model": match_model,
         "pooled_check_share": pooled_check_share,
+        "risk_unit": "request" if by_request else "token",
     }
 
 
@@ -277,6 +306,9 @@ def main() -> int:
                         help="the path's P(match) model (ablation; the product default)")
     parser.add_argument("--pooled-check-share", type=float, default=0.1,
                         help="share of a segment's ε for the pooled-set fallback (ablation)")
+    parser.add_argument("--independent-tokens", action="store_true",
+                        help="hide request ids from the calibrators (ablation: the token-level "
+                             "test they used before)")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
@@ -294,7 +326,8 @@ def main() -> int:
                         calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,
                         split=args.split, min_samples=args.min_samples, seed=args.seed,
                         risk_test=args.risk_test, match_model=args.match_model,
-                        pooled_check_share=args.pooled_check_share)
+                        pooled_check_share=args.pooled_check_share,
+                        by_request=not args.independent_tokens)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0

@@ -35,7 +35,11 @@ except the check tokens, a share of each segment's *requests*
 data the pooled set was not chosen on. If neither test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
 
-Like the LTT itself, the tests treat tokens as independent draws from the segment's traffic.
+Like the LTT itself (`calibration.stats`, "the request-level test"), both tests work at the
+request level when `requests` are given: a segment's own LTT splits and tests whole requests,
+and the pooled check deflates its check tokens by the design effect read on them and on the
+segment's other requests. Without request ids every token is its own request, the token-level
+test of before.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ from controlplane.calibration.stats import (
     CalibrationResult,
     NotEnoughShadowData,
     calibrate_thresholds,
+    clustered_risk_p_values,
     risk_p_values,
     simulate_policy,
 )
+from controlplane.stats.clustered import cluster_codes
 from exitplane.wire import DEFAULT_SEGMENT
 
 Source = Literal["segment", "pooled", "conservative"]
@@ -193,7 +199,7 @@ def calibrate_segments(
     notes: list[str] = []
     try:
         pooled = calibrate_thresholds(signals=signals[~check], matched=matched[~check],
-                                      epsilon=epsilon, **options)
+                                      requests=requests[~check], epsilon=epsilon, **options)
     except NotEnoughShadowData as error:
         pooled = None
         notes.append(f"pooled set not calibrated: {error}")
@@ -222,7 +228,7 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
     own, why_not = None, ""
     own_level = per_segment * (1.0 - check_share)
     try:
-        own = calibrate_thresholds(signals=signals, matched=matched,
+        own = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
                                    epsilon=own_level, **options)
     except NotEnoughShadowData as error:
         why_not = f"too few shadow tokens for its own calibration ({error})"
@@ -241,7 +247,7 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
         return SegmentCalibration(
             segment=name, source="conservative", thresholds=dict(never), result=own,
             reason=f"{why_not}; no exiting pooled set to fall back on: never exit", **sizes)
-    check_test = _pooled_check(pooled.thresholds, signals[check], matched[check],
+    check_test = _pooled_check(pooled.thresholds, signals, matched, check, requests,
                                delta=delta, level=level, risk_test=options["risk_test"])
     if check_test.certified:
         return SegmentCalibration(
@@ -258,14 +264,27 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
                 f"{check_test.p_value:.3g} > {level:.4g}): never exit"), **sizes)
 
 
-def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray, *,
-                  delta: float, level: float, risk_test: str) -> PooledCheck:
+def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray,
+                  check: np.ndarray, requests: np.ndarray, *, delta: float, level: float,
+                  risk_test: str) -> PooledCheck:
+    """The pooled set on the segment's check tokens, by the LTT's test: at the request level
+    (its design effect also read on the segment's other requests, as the LTT reads it on the
+    requests its test does not see) unless every request is one token."""
     layers = sorted(thresholds)
-    n = len(signals)
+    n = int(check.sum())
     if n == 0:
         return PooledCheck(tokens=0, disagreements=0, p_value=1.0, level=level, certified=False)
     _, disagree = simulate_policy(signals, matched, [thresholds[k] for k in layers])
-    wrong = int(disagree.sum())
-    p_value = float(risk_p_values(wrong, n, delta, risk_test))
+    wrong = int(disagree[check].sum())
+    codes = cluster_codes(requests)
+    if np.bincount(codes).max() <= 1:
+        p_value = float(risk_p_values(wrong, n, delta, risk_test))
+    else:
+        def per_request(part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            dense = np.unique(codes[part], return_inverse=True)[1]
+            return np.bincount(dense, weights=disagree[part]), np.bincount(dense)
+        reference = per_request(~check) if (~check).any() else None
+        p_value = float(clustered_risk_p_values(*per_request(check), delta, alpha=level,
+                                                test=risk_test, reference=reference)[0][0])
     return PooledCheck(tokens=n, disagreements=wrong, p_value=p_value, level=level,
                        certified=p_value <= level)

@@ -19,6 +19,11 @@ replaced. A whole-deployment job whose window holds tokens of named segments run
 certified on the segment, else never exit) and publishes one version with every segment's map;
 what each segment got and why is in the job's `summary["segments"]`.
 
+Request-level guarantee: shadow tokens are read with their request ids (a sample stored without
+one stands for its telemetry batch, a larger and so more conservative cluster), so every
+calibration tests its thresholds at the request level (`calibration.stats`, "the request-level
+test"); the job's summary names the test (`risk_unit`, `design_effect`) and counts requests.
+
 The automatic fallback lives in `controlplane.calibration.fallback` and the canary in
 `controlplane.calibration.canary` (its functions are re-exported here).
 """
@@ -52,7 +57,7 @@ from controlplane.calibration.stats import (
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.outbox import enqueue_task
-from controlplane.telemetry.service import shadow_samples, shadow_samples_by_request
+from controlplane.telemetry.service import shadow_samples_by_request
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import (
@@ -181,7 +186,8 @@ class ShadowWindow:
     delta: float
     epsilon: float
     # issue 18: the one segment a segment job calibrates (its tokens only), or, for a whole
-    # deployment with segmented traffic, each token's segment and request id
+    # deployment with segmented traffic, each token's segment; each token's request id (the
+    # request-level test's clusters; None: tokens count as independent draws)
     segment: str | None = None
     segments: np.ndarray | None = None
     requests: np.ndarray | None = None
@@ -199,19 +205,22 @@ def read_window(*, session: Session, job: CalibrationJob,
                  num_layers=deployment.num_layers, delta=deployment.delta)
     known = known_segments(session=session, deployment_id=deployment.id)
     if job.segment is not None:
-        signals, matched = shadow_samples(session=session, deployment=deployment,
-                                          since=job.since, until=until, segment=job.segment)
+        requests, signals, matched = shadow_samples_by_request(
+            session=session, deployment=deployment, since=job.since, until=until,
+            segment=job.segment)
         # Its share of the joint ε, as `calibrate_segments` gives each segment (module doc).
         return ShadowWindow(signals=signals, matched=matched, segment=job.segment,
+                            requests=np.asarray(requests, dtype=str),
                             epsilon=deployment.epsilon / (1 + len(known)), **shape)
     if known:
         window = _segmented_window(session=session, deployment=deployment, since=job.since,
                                    until=until, names=[DEFAULT_SEGMENT, *known], shape=shape)
         if window is not None:
             return window
-    signals, matched = shadow_samples(session=session, deployment=deployment, since=job.since,
-                                      until=until)
-    return ShadowWindow(signals=signals, matched=matched, epsilon=deployment.epsilon, **shape)
+    requests, signals, matched = shadow_samples_by_request(
+        session=session, deployment=deployment, since=job.since, until=until)
+    return ShadowWindow(signals=signals, matched=matched, epsilon=deployment.epsilon,
+                        requests=np.asarray(requests, dtype=str), **shape)
 
 
 def _segmented_window(*, session: Session, deployment: Deployment, since: datetime,
@@ -254,6 +263,7 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
     try:
         return calibrate_thresholds(
             signals=window.signals, matched=window.matched, exit_layers=window.exit_layers,
+            requests=window.requests,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
             learn_fraction=policy.learn_fraction, seed=policy.seed)
@@ -306,8 +316,8 @@ def apply_outcome(*, session: Session, job: CalibrationJob, outcome: Outcome,
         origin=Origin.calibration, parent_version=active, calibration_job_id=job.id,
         actor=f"calibration-job-{job.id}", expected_metrics=metrics,
         reason=f"calibration job {job.id} ({job.trigger}){scope}: {outcome.samples['total']} "
-               f"shadow samples, disagreement <= {outcome.delta} with probability >= "
-               f"{1 - outcome.epsilon:g}")
+               f"shadow samples{_requests_note(outcome)}, disagreement <= {outcome.delta} "
+               f"with probability >= {1 - outcome.epsilon:g}")
     job.result_version = candidate.version
     _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
     _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion})", now)
@@ -468,12 +478,21 @@ def _record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
         "exit_rate": result.exit_rate, "mean_depth": result.mean_depth,
         "speedup": result.speedup, "delta": result.delta, "epsilon": result.epsilon,
         "strategy": result.strategy, "samples": result.samples, "notes": result.notes,
+        "risk_test": result.risk_test, "risk_unit": result.risk_unit,
+        "design_effect": result.design_effect,
         "holdout": None if holdout is None else {
             "tokens": holdout.tokens, "disagreements": holdout.disagreements,
             "disagreement": holdout.disagreement, "exit_rate": holdout.exit_rate,
             "mean_depth": holdout.mean_depth, "p_value": holdout.p_value,
             "passed": holdout.passed},
     }
+
+
+def _requests_note(result: CalibrationResult) -> str:
+    """' of N requests (tested per request)' when the test ran at the request level."""
+    if result.risk_unit != "request":
+        return " (tokens tested as independent)"
+    return f" of {result.samples['requests']} requests (tested per request)"
 
 
 def _nothing_certified(result: CalibrationResult) -> bool:

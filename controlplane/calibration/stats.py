@@ -29,9 +29,9 @@ Selection (Angelopoulos et al., "Learn then Test", fixed-sequence testing):
    rejected step is chosen (never-exit if none). Because the path is fixed before the test
    data is seen, P(risk of the chosen thresholds > δ) <= ε.
 
-The p-value (`risk_test`). The loss is 0/1 (a token disagrees or not) and, as throughout, the test
-tokens are treated as independent draws from the traffic, so the number of disagreements K of
-n test tokens is Binomial(n, R). The default, `"binomial"`, is the exact tail
+The p-value (`risk_test`). The loss is 0/1 (a token disagrees or not); with the test tokens taken
+as independent draws from the traffic (no request ids; the request level is below), the number
+of disagreements K of n test tokens is Binomial(n, R). The default, `"binomial"`, is the exact tail
 p = P(Binomial(n, δ) <= K): under the null R >= δ, Binomial(n, R) is stochastically larger
 than Binomial(n, δ), so P(p <= ε) <= ε — a valid p-value, the exact one LTT names for
 Bernoulli losses. `"hoeffding-bentkus"` (the earlier default, kept for comparison) is valid
@@ -40,6 +40,55 @@ bound on that same tail and its Bentkus term is the tail times e. So the binomia
 certifies every step the Hoeffding-Bentkus one does, under the same independence assumption,
 and usually a few more (measured in bench/segments.py). `risk_bound` is the matching 1-ε upper
 bound (one-sided Clopper-Pearson for "binomial").
+
+The request-level test (`requests` given; the service always passes the shadow tokens' request
+ids). Tokens of one request share a prompt and a topic, so their disagreements are correlated and
+n test tokens carry less evidence than n independent draws: on a dozen requests the token test
+above is optimistic (the demo's chat set, certified on 384 tokens of 12 requests, disagreed 8.9%
+against δ 5%). The risk is the served token disagreement, a ratio over requests i of x_i
+disagreements among n_i tokens, R = E[x] / E[n]; H0: R >= δ says each request's score
+z_i = x_i - δ n_i has mean >= 0 whatever the request lengths. The p-value is the exact binomial
+tail on the count deflated by a design effect d (Kish; Korn & Graubard's effective sample size
+for clustered proportions): n_eff = n / d * KG, k_eff = k n_eff / n, p = P(Bin(n_eff, δ) <=
+k_eff) (continuous in non-integer n_eff, k_eff through the incomplete beta), where
+
+- d is read under the null, sum z_i^2 / (δ(1-δ) n), in [1, sum n_i^2 / n]
+  (`stats.clustered.null_design_effect`): the observed-rate sandwich variance is 0 for a step
+  with no disagreement, which would make the most conservative steps look least certain;
+- d is the larger of that reading on the test requests and on the requests the test does not
+  see (learn and holdout), step by step. Why both: the test sample's own reading is low exactly
+  when it missed the few bad requests, that is when its count is low, so alone it is
+  anti-conservative; a reading on other requests is independent of the test's outcome, and the
+  larger of the two held the level where requests are not too few. Measured at the null's
+  boundary R = δ (`bench/request_level_ltt.py`, 32-token requests, intra-request correlation
+  0.03-0.67, share of draws with p <= ε): at ε 0.1, the token test 0.15-0.49, the test's own
+  reading 0.11-0.21 on 34 requests and 0.12-0.16 on 100, the larger reading 0.074-0.081 on 34
+  and 0.078-0.090 on 100; at ε 0.045, 0.037-0.051 on 34 up to correlation 0.25 but 0.066 at
+  0.67 (nearly all-or-nothing requests), 0.037-0.041 on 100. On 12 requests it does not hold
+  (0.07-0.24 at ε 0.1);
+- KG = (z_{1-ε} / t_{m-1, 1-ε})^2 shrinks n_eff for a variance read on few (m) requests.
+
+Why this and not the other candidates: a Hoeffding-Bentkus bound (or a betting test) on
+per-request losses x_i / n_i is valid with no model at all, but it must allow for requests that
+disagree all-or-nothing, so it cannot certify anything on fewer than log ε / log(1 - δ)
+requests (60 at δ 0.05, ε 0.045, more than a 60-request segment's test part ever holds), and it
+tests the mean of per-request rates, not the served token rate, when lengths vary. A cluster
+bootstrap is random and costs hundreds of resamples per path step. The design effect keeps every
+token's evidence, pays exactly what the measured clustering costs (1.3-2 on bench/segments.py's
+real SmolLM2 requests) and reduces to the exact binomial when every request is one token (d = 1
+by definition: independence is then the assumption itself; `risk_unit` stays "token").
+
+What it assumes, and where it is weak: the p-value is valid in large samples of requests (a
+variance is estimated), not exactly in finite ones. Measured end to end
+(`bench/request_level_ltt.py`: one layer, `shared` path, 32-token requests with a request
+effect on the match logit, 100 trials, ε 0.1): with 100 or 200 requests the chosen thresholds'
+true risk exceeded δ in 0.04-0.07 of trials (token test: 0.15-0.26); with 20-50 requests,
+0.06-0.16 (token test: 0.18-0.28). So on a few dozen requests it cuts the optimism but does not
+remove it. Without request ids (an upload or a caller that has
+none) tokens are taken as independent draws, as before; the service's shadow tokens stored
+without a request id stand for their telemetry batch, a larger cluster (conservative). With
+`requests` the holdout, learn and test parts are whole requests (a request split across them
+would let the test see what the path was fitted on).
 
 Per-layer figures (exit rate, risk contribution, its bound) are descriptive; the p-value and
 the guarantee belong to the whole policy (each layer carries the policy's fixed-sequence
@@ -56,6 +105,13 @@ import numpy as np
 from scipy.special import rel_entr
 from scipy.stats import beta, binom, binomtest
 from sklearn.isotonic import IsotonicRegression
+
+from controlplane.stats.clustered import (
+    binomial_lower_tail,
+    cluster_codes,
+    few_clusters_factor,
+    null_design_effect,
+)
 
 NEVER_EXIT = 1.0
 
@@ -141,6 +197,10 @@ class CalibrationResult:
     notes: list[str] = field(default_factory=list)
     risk_test: str = "binomial"  # the path's p-value (module docstring)
     match_model: str = "logistic"  # the path's P(match) model (module docstring)
+    # "request": p-values at the request level (module docstring); "token": tokens as
+    # independent draws (no request ids, or one token each)
+    risk_unit: str = "token"
+    design_effect: float = 1.0  # of the chosen step's test (1 at the token level)
 
     @property
     def exit_rates(self) -> dict[int, float]:
@@ -222,6 +282,69 @@ def risk_upper_bound(losses: Any, n: int, epsilon: float, test: str = "binomial"
     if test == "hoeffding-bentkus":
         return hb_upper_bound(np.asarray(losses, dtype=float) / n if n else losses, n, epsilon)
     raise ValueError(f"unknown test {test!r}; use one of {', '.join(TESTS)}")
+
+
+def clustered_risk_p_values(request_losses: Any, request_tokens: Any, delta: Any, *,
+                            alpha: float, test: str = "binomial",
+                            reference: tuple[Any, Any] | None = None
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """Request-level p-values for H0: risk >= δ, and the design effect each used.
+
+    request_losses: (steps, m) or (m,) disagreements per request; request_tokens: (m,) tokens
+    per request; `delta` a number or one per step; `alpha`: the level the p-values are
+    compared with (the few-requests shrink depends on it). The count is deflated to its
+    effective size (module docstring, "the request-level test"): n_eff = n / d * KG(m, alpha),
+    losses k * n_eff / n, then the named test on (k_eff, n_eff). `reference`: (losses (steps,
+    m'), tokens (m',)) of the same steps on requests apart from the tested ones; d is the larger
+    of the two readings (module docstring: why the tested sample's own is not enough). Every
+    request one token: exactly `risk_p_values` (d = 1)."""
+    tokens = np.asarray(request_tokens, dtype=float)
+    losses = np.atleast_2d(np.asarray(request_losses, dtype=float))
+    total, counts = float(tokens.sum()), losses.sum(axis=1)
+    if tokens.max(initial=0.0) <= 1.0:  # every request is one token: independent draws
+        return (np.atleast_1d(risk_p_values(counts.astype(int), int(total), delta, test)),
+                np.ones(len(counts)))
+    delta = np.broadcast_to(np.asarray(delta, dtype=float), counts.shape)
+    design = null_design_effect(tokens, losses, delta)
+    if reference is not None and np.sum(reference[1]) > 0:
+        design = np.maximum(design, null_design_effect(reference[1], reference[0], delta))
+    effective = total / design * few_clusters_factor(len(tokens), alpha)
+    if test == "binomial":
+        p_values = binomial_lower_tail(counts * effective / total, effective, delta)
+    elif test == "hoeffding-bentkus":
+        trials = np.floor(effective)
+        p_values = np.where(trials >= 1, hb_p_value(counts / total, trials, delta), 1.0)
+    else:
+        raise ValueError(f"unknown test {test!r}; use one of {', '.join(TESTS)}")
+    return np.minimum(1.0, p_values), design
+
+
+def clustered_risk_upper_bound(request_losses: Any, request_tokens: Any, epsilon: float,
+                               test: str = "binomial",
+                               reference: tuple[Any, Any] | None = None,
+                               delta: float | None = None) -> np.ndarray:
+    """An upper bound at 1-ε matching `clustered_risk_p_values`: by bisection, an R at which the
+    request-level p-value is <= ε, within 2^-30 of the smallest such R where the p-value falls
+    as R grows. It need not everywhere: the design effect is re-read at each R and grows with
+    the distance from the observed rate (about 1% of random samples tried). So where `delta`
+    is given and the test rejects at δ, the search stays below δ: a certified step's bound is
+    never above δ."""
+    losses = np.atleast_2d(np.asarray(request_losses, dtype=float))
+    tokens = np.asarray(request_tokens, dtype=float)
+    lo = losses.sum(axis=1) / max(float(tokens.sum()), 1.0)
+    hi = np.ones_like(lo)
+    if delta is not None:
+        at_delta = clustered_risk_p_values(losses, tokens, delta, alpha=epsilon, test=test,
+                                           reference=reference)[0]
+        hi = np.where((at_delta <= epsilon) & (lo <= delta), delta, hi)
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        p_values = clustered_risk_p_values(losses, tokens, mid, alpha=epsilon, test=test,
+                                           reference=reference)[0]
+        reject = p_values <= epsilon
+        hi = np.where(reject, mid, hi)
+        lo = np.where(reject, lo, mid)
+    return hi
 
 
 def simulate_policy(
@@ -380,6 +503,19 @@ def split_shadow_samples(
     return np.sort(order[n_holdout:]), np.sort(order[:n_holdout])
 
 
+def split_by_request(codes: np.ndarray, *, fraction: float, seed: int,
+                     among: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rest, part): token indices (of `among`, default all) split so that a random `fraction`
+    of the requests (dense `codes` per token) goes to `part`, whole. Tokens of one request are
+    correlated: a request split across the learn, test and holdout parts would let the test
+    see what the path was fitted on."""
+    among = np.arange(len(codes)) if among is None else np.asarray(among)
+    ids = np.unique(codes[among])
+    chosen = np.random.default_rng(seed).permutation(ids)[:round(len(ids) * fraction)]
+    inside = np.isin(codes[among], chosen)
+    return among[~inside], among[inside]
+
+
 def _depth(first: np.ndarray, exit_layers: np.ndarray, num_layers: int) -> np.ndarray:
     return np.append(exit_layers, num_layers)[first]
 
@@ -430,11 +566,18 @@ def _threshold_path(
     grid: Sequence[float] | None,
     learn_fraction: float,
     match_model: str = "logistic",
+    codes: np.ndarray | None = None,
+    seed: int = 0,
 ):
-    """(path (steps, L) conservative first, levels, match models, learn idx, test idx)."""
+    """(path (steps, L) conservative first, levels, match models, learn idx, test idx).
+    With request `codes` the learn part is a share of the requests, each whole."""
     if strategy == "calibrated":
-        n_learn = round(len(calib) * learn_fraction)
-        learn, test = calib[:n_learn], calib[n_learn:]
+        if codes is None:
+            n_learn = round(len(calib) * learn_fraction)
+            learn, test = calib[:n_learn], calib[n_learn:]
+        else:
+            test, learn = split_by_request(codes, fraction=learn_fraction, seed=seed + 1,
+                                           among=calib)
         models = fit_match_models(signals[learn], matched[learn], match_model)
         levels = np.asarray(grid if grid is not None else _path_levels(signals[learn], models),
                             dtype=float)
@@ -454,29 +597,54 @@ def _threshold_path(
     return path[keep], levels[keep], models, learn, test
 
 
-def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test):
-    """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen)."""
+def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test, codes=None,
+               reference=None):
+    """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen,
+    per-request losses (steps, m) or None, design effects, reference (losses, tokens) or None).
+    `codes`: the test tokens' dense request codes, for the request-level p-values (None: tokens
+    are independent draws); `reference`: (signals, matched, codes) of the requests outside the
+    test, where each step's design effect is read as well."""
     n, n_layers = signals.shape
-    firsts, losses, predicted = [], [], []
+    firsts, losses, predicted, by_request, by_reference = [], [], [], [], []
     for thresholds in path:
+        if codes is not None and reference is not None:
+            ref_disagree = simulate_policy(reference[0], reference[1], thresholds)[1]
+            by_reference.append(np.bincount(reference[2], weights=ref_disagree,
+                                            minlength=reference[2].max() + 1))
         first, disagree = simulate_policy(signals, matched, thresholds)
         rows = np.flatnonzero(first < n_layers)
         firsts.append(first)
         losses.append(int(disagree.sum()))
         predicted.append(float((1.0 - match_prob[rows, first[rows]]).sum() / n))
-    p_values = risk_p_values(np.array(losses), n, delta, risk_test)
+        if codes is not None:
+            by_request.append(np.bincount(codes, weights=disagree, minlength=codes.max() + 1))
+    if codes is None:
+        p_values = risk_p_values(np.array(losses), n, delta, risk_test)
+        design, request_losses, ref = np.ones(len(path)), None, None
+    else:
+        request_losses = np.array(by_request)
+        ref = (np.array(by_reference), np.bincount(reference[2])) if by_reference else None
+        p_values, design = clustered_risk_p_values(request_losses, np.bincount(codes), delta,
+                                                   alpha=epsilon, test=risk_test, reference=ref)
+        p_values = p_values.copy()
     p_values[0] = 0.0  # never-exit is certain, not tested
     failed = np.flatnonzero(p_values > epsilon)
     chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
-    return firsts, np.array(losses), predicted, p_values, chosen
+    return firsts, np.array(losses), predicted, p_values, chosen, request_losses, design, ref
 
 
 def _layer_results(first, disagree, path_step, signals, models, layers, epsilon, p_value,
-                   risk_test):
+                   risk_test, codes=None):
     n, reaching, out = len(first), len(first), []
     for j, layer in enumerate(layers):
         here = first == j
         exits, wrong = int(here.sum()), int((here & disagree).sum())
+        if codes is None:
+            bound = float(risk_upper_bound(wrong, n, epsilon, risk_test))
+        else:
+            bound = float(clustered_risk_upper_bound(
+                np.bincount(codes, weights=here & disagree, minlength=codes.max() + 1),
+                np.bincount(codes), epsilon, risk_test)[0])
         out.append(
             LayerCalibration(
                 layer=int(layer),
@@ -484,7 +652,7 @@ def _layer_results(first, disagree, path_step, signals, models, layers, epsilon,
                 exit_rate=exits / n,
                 conditional_exit_rate=exits / reaching if reaching else 0.0,
                 risk=wrong / n,
-                risk_bound=float(risk_upper_bound(wrong, n, epsilon, risk_test)),
+                risk_bound=bound,
                 p_value=p_value,
                 conditional_disagreement=wrong / exits if exits else 0.0,
                 samples=int((~np.isnan(signals[:, j])).sum()),
@@ -511,6 +679,7 @@ def calibrate_thresholds(
     seed: int = 0,
     risk_test: str = "binomial",
     match_model: str = "logistic",
+    requests: Sequence | np.ndarray | None = None,
 ) -> CalibrationResult:
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
 
@@ -520,7 +689,10 @@ def calibrate_thresholds(
     `grid` overrides the path levels (match-probability levels for "calibrated", raw
     thresholds for "shared"; conservative first). `risk_test` names the path's p-value
     ("binomial" or "hoeffding-bentkus"), `match_model` the path's model of P(match)
-    ("logistic" or "isotonic"; module docstring). Raises NotEnoughShadowData below
+    ("logistic" or "isotonic"; module docstring). `requests`: each sample's request id; given,
+    the holdout, learn and test parts are whole requests and the test is the request-level one
+    (module docstring); None, or every request one token: tokens are independent draws, as
+    before. Raises NotEnoughShadowData below
     `min_samples_per_layer` samples on any layer, ValueError on malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -532,23 +704,41 @@ def calibrate_thresholds(
     if risk_test not in TESTS:
         raise ValueError(f"unknown test {risk_test!r}; use one of {', '.join(TESTS)}")
     _check_counts(signals, layers, max(1, min_samples_per_layer))
-    calib, holdout = split_shadow_samples(
-        len(signals), holdout_fraction=holdout_fraction, seed=seed
-    )
-    calib = np.random.default_rng(seed + 1).permutation(calib)
+    codes = _request_codes(requests, len(signals))
+    if codes is None:
+        calib, holdout = split_shadow_samples(
+            len(signals), holdout_fraction=holdout_fraction, seed=seed
+        )
+        calib = np.random.default_rng(seed + 1).permutation(calib)
+    else:
+        calib, holdout = split_by_request(codes, fraction=holdout_fraction, seed=seed)
     path, levels, models, learn, test = _threshold_path(
         strategy, signals, matched, calib, grid=grid, learn_fraction=learn_fraction,
-        match_model=match_model,
+        match_model=match_model, codes=codes, seed=seed,
     )
     s_test, m_test, n = signals[test], matched[test], len(test)
+    test_codes = reference = None
+    if codes is not None:
+        test_codes = np.unique(codes[test], return_inverse=True)[1]
+        # every request the test does not see (learn and holdout): where each step's design
+        # effect is read independently of the test's outcome (module docstring)
+        apart = np.setdiff1d(np.arange(len(signals)), test)
+        if len(apart):
+            reference = (signals[apart], matched[apart],
+                         np.unique(codes[apart], return_inverse=True)[1])
     match_prob = np.column_stack(
         [models[j].predict(np.nan_to_num(s_test[:, j], nan=0.0)) for j in range(len(layers))]
     )  # (n, L)
-    firsts, losses, predicted, p_values, chosen = _test_path(
-        path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon, risk_test=risk_test
+    firsts, losses, predicted, p_values, chosen, request_losses, design, ref = _test_path(
+        path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon, risk_test=risk_test,
+        codes=test_codes, reference=reference,
     )
     adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
-    bounds = risk_upper_bound(losses, n, epsilon, risk_test)
+    if test_codes is None:
+        bounds = risk_upper_bound(losses, n, epsilon, risk_test)
+    else:
+        bounds = clustered_risk_upper_bound(request_losses, np.bincount(test_codes), epsilon,
+                                            risk_test, reference=ref, delta=delta)
     curve = []
     for i, first in enumerate(firsts):
         depth = float(_depth(first, layers, num_layers).mean())
@@ -583,7 +773,7 @@ def calibrate_thresholds(
         thresholds=dict(best.thresholds),
         layers=_layer_results(
             firsts[chosen], disagree, path[chosen], signals, models, layers, epsilon, adjusted,
-            risk_test,
+            risk_test, test_codes,
         ),
         delta=delta,
         epsilon=epsilon,
@@ -596,9 +786,35 @@ def calibrate_thresholds(
         mean_depth=best.mean_depth,
         speedup=best.speedup,
         curve=curve,
-        samples={"total": len(signals), "learn": len(learn), "test": n, "holdout": len(holdout)},
+        samples=_sample_counts(codes, learn=learn, test=test, holdout=holdout),
         holdout=holdout_check,
         notes=[] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"],
         risk_test=risk_test,
         match_model=match_model,
+        risk_unit="token" if codes is None else "request",
+        design_effect=float(design[chosen]),
     )
+
+
+def _request_codes(requests, n: int) -> np.ndarray | None:
+    """Dense request codes per sample, or None when tokens are to be taken as independent
+    (no ids, or every request one token: the request-level test is then the token one)."""
+    if requests is None:
+        return None
+    requests = np.asarray(requests)
+    if requests.shape != (n,):
+        raise ValueError(f"requests has shape {requests.shape}; need one id per sample ({n},)")
+    codes = cluster_codes(requests)
+    return None if np.bincount(codes).max(initial=0) <= 1 else codes
+
+
+def _sample_counts(codes, *, learn, test, holdout) -> dict[str, int]:
+    """Token counts per part, and request counts when the samples carry request ids."""
+    counts = {"total": len(learn) + len(test) + len(holdout), "learn": len(learn),
+              "test": len(test), "holdout": len(holdout)}
+    if codes is not None:
+        counts |= {"requests": len(np.unique(codes)),
+                   "learn_requests": len(np.unique(codes[learn])),
+                   "test_requests": len(np.unique(codes[test])),
+                   "holdout_requests": len(np.unique(codes[holdout]))}
+    return counts

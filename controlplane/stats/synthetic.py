@@ -53,3 +53,22 @@ def exit_stream(
     exits = rng.random(h.shape) < h  # (n, L)
     first = np.where(exits.any(axis=1), exits.argmax(axis=1), h.shape[1])
     return np.append(np.asarray(exit_layers), num_layers)[first]
+
+
+def correlated_requests(
+    requests: int,
+    *,
+    rng: np.random.Generator,
+    tokens_per_request: int = 32,
+    request_effect: float = 3.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(signals (n, 1), matched (n, 1), request id per token): one exit layer whose tokens
+    agree with full depth more often as the signal rises (logit 3 + 8 (s - 0.5)), shifted per
+    request by `request_effect` x N(0, 1), so that a request's tokens agree or disagree together
+    beyond what the signal says (the request-level Learn-Then-Test's simulations)."""
+    n = requests * tokens_per_request
+    shift = np.repeat(rng.normal(size=requests), tokens_per_request) * request_effect
+    signals = 1.0 / (1.0 + np.exp(-rng.normal(size=n)))
+    match_logit = 3.0 + 8.0 * (signals - 0.5) + shift
+    matched = rng.random(n) < 1.0 / (1.0 + np.exp(-match_logit))
+    return signals[:, None], matched[:, None], np.repeat(np.arange(requests), tokens_per_request)

@@ -31,6 +31,7 @@ def test_job_page_shows_results_curve_and_version(as_role, calibrated):
     page = viewer.get(f"/ui/deployments/chat/calibrations/{calibrated}").text
     assert 'data-figure-for="figure-curve"' in page and '"chosen"' in page
     assert "Disagreement bound" in page and "Per exit layer" in page
+    assert "requests, tested per request (design effect" in page  # the request-level test
     assert "/ui/deployments/chat/versions#v5" in page
     assert "approve-reason" not in page  # viewers cannot decide
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import numpy as np
 import pytest
 from sqlalchemy.orm import Session
 
@@ -78,9 +79,11 @@ def test_recalibrating_code_reads_code_tokens_only_and_replaces_only_its_map(eng
     job_id = _run(engine, since=start, segment="code")
 
     code_signals, code_matched = separable_samples(4000, seed=2, mismatch_below=0.5)
+    # tested per request, with the ids write_traffic gives (64-token requests)
     alone = calibrate_thresholds(signals=code_signals, matched=code_matched,
                                  exit_layers=LAYERS, num_layers=12, delta=0.05,
-                                 epsilon=0.1 / 3, min_samples_per_layer=500)
+                                 epsilon=0.1 / 3, min_samples_per_layer=500,
+                                 requests=np.array([f"req-{i // 64}" for i in range(4000)]))
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
         assert job.status == "succeeded", job.status_reason

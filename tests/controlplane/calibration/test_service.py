@@ -63,12 +63,16 @@ def _calibration_versions(session: Session) -> list[ThresholdSet]:
 def test_publishes_what_the_statistics_choose_and_promotes(engine, outbox):
     signals, matched, start = _seed(engine)
     job_id = _run(engine, since=start)
+    # the service tests per request, with the ids the runtime shipped (64-token requests)
+    requests = np.array([f"req-{i // 64}" for i in range(len(signals))])
     expected = calibrate_thresholds(signals=signals, matched=matched, exit_layers=LAYERS,
                                     num_layers=12, delta=0.05, epsilon=0.1,
-                                    min_samples_per_layer=500)
+                                    min_samples_per_layer=500, requests=requests)
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
         assert job.status == "succeeded", job.status_reason
+        assert job.summary["risk_unit"] == "request" and job.summary["risk_test"] == "binomial"
+        assert job.summary["samples"]["requests"] == len(np.unique(requests)) == 63
         assert job.promotion == "active" and job.result_version == 2
         published = session.scalars(select(ThresholdSet).where(
             ThresholdSet.version == job.result_version)).one()
