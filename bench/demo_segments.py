@@ -9,18 +9,19 @@ the real model's shadow records (issue 18 point 5).
    exit layer, greedy under the never-exit set (the full model's own text):
    `chat` (the 80 chat prompts, chat template), `code` (80 code-assistant requests,
    `corpus.code_requests`, chat template; the story serves the first 64), `pasted` (the 16
-   raw stdlib sources the default story shifts to) and `payloads` (the same files base64-
-   encoded and their block-checksum lists, 32 requests, `corpus.encoded_payloads`, raw: what
-   the story's code segment drifts to).
+   raw stdlib sources the default story shifts to) and `manifests` (the same files' block-
+   checksum manifests, 32 requests, `corpus.checksum_manifests`, raw: what the story's code segment
+   drifts to; the figures in README's demo row were taken when half of them were the files
+   base64-encoded).
 
-These records are the full model's own text; served, a drift is milder (in the real run the
-payloads' shadow disagreement under code's map was 5.1-5.3%, not the 8.5-15% seen here), so read
-the figures as an upper bound of what the workers will see.
+These records are the full model's own text; served, a drift is milder (in a real run the
+checksum manifests' shadow disagreement under code's map was 5.4%, base64 text's 4.2%, not the
+8.5-15% seen here), so read the figures as an upper bound of what the workers will see.
 2. The story's calibration, replayed `--seeds` times on the first `--requests` requests of chat
    and of code: `calibrate_segments` (δ 0.05, ε 0.1 split across the two segments, 300 samples
    per layer, learn fraction 0.5: the demo's settings). For each segment's map: exit rate and
    disagreement on its own source and on each drift candidate; then a recalibration
-   (`calibrate_thresholds` at ε/2, one segment's share) on the payloads alone.
+   (`calibrate_thresholds` at ε/2, one segment's share) on the manifests alone.
 
 Prints the command and one JSON line: per seed the rows above, and the ranges over seeds.
 
@@ -40,7 +41,7 @@ import numpy as np
 
 RECORDS_DIR = Path("var/drift_real")
 NEW_TOKENS = 48
-SOURCES = ("chat", "code", "pasted", "payloads")
+SOURCES = ("chat", "code", "pasted", "manifests")
 DELTA, EPSILON, MIN_SAMPLES, LEARN_FRACTION = 0.05, 0.1, 300, 0.5  # `exitplane demo --quick`
 
 
@@ -49,11 +50,11 @@ def _prompts(tokenizer) -> dict[str, list[list[int]]]:
     from exitplane.demo_segments import prompt_sources
     from runtime import corpus
 
-    chat, _, payloads = prompt_sources(tokenizer, corpus)
+    chat, _, manifests = prompt_sources(tokenizer, corpus)
     code = [corpus.chat_prompt_ids(tokenizer, p)
             for p in corpus.code_requests(80, skip=CODE_FILES)]
     return {"chat": chat, "code": code, "pasted": _code_prompts(tokenizer, 16),
-            "payloads": payloads}
+            "manifests": manifests}
 
 
 def produce_records() -> None:
@@ -133,12 +134,12 @@ def story_trial(records: dict[str, dict], *, requests: int, seed: int) -> dict:
         decided = result.segments[name]
         trial[name] = {"source": decided.source,
                        **{f"on_{s}": _served(decided.thresholds, records[s]) for s in SOURCES}}
-    payloads = records["payloads"]
+    manifests = records["manifests"]
     recalibrated = calibrate_thresholds(
-        signals=payloads["signals"], matched=payloads["matched"], exit_layers=layers,
-        num_layers=int(payloads["num_layers"]), delta=DELTA, epsilon=EPSILON / 2,
+        signals=manifests["signals"], matched=manifests["matched"], exit_layers=layers,
+        num_layers=int(manifests["num_layers"]), delta=DELTA, epsilon=EPSILON / 2,
         min_samples_per_layer=MIN_SAMPLES, learn_fraction=LEARN_FRACTION, seed=seed)
-    trial["code_recalibrated_on_payloads"] = _served(recalibrated.thresholds, payloads)
+    trial["code_recalibrated_on_manifests"] = _served(recalibrated.thresholds, manifests)
     return trial
 
 

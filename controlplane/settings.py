@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     fallback_gate_alpha: float = Field(default=0.05, gt=0, lt=1)
     fallback_min_shadow_tokens: int = Field(default=200, ge=1)
     fallback_min_shadow_requests: int = Field(default=20, ge=1)
+    # issue 18 point 5: an exit-rate tumbling window closes after this many minutes of rollups
+    # (once it holds enough tokens for its test) when its 5,000 tokens take longer.
+    drift_exit_rate_window_min: int = Field(default=5, ge=1)
     # Traffic segments (issue 18): how many segments (besides `default`) one threshold set may
     # give thresholds of their own; bounds the segment label's cardinality.
     max_segments_per_deployment: int = Field(default=DEFAULT_MAX_SEGMENTS, ge=1, le=1000)

@@ -10,9 +10,8 @@ batches and each row applies its own segment's thresholds. The story:
    ε split across the segments) and publishes one version;
 2. the mix shifts from mostly chat to mostly code: each segment keeps its δ on its own, so
    nothing falls back and the active version stays;
-3. code's traffic drifts (`DRIFTING`): an editor plugin starts sending the open file
-   base64-encoded, and its block checksums, for completion (`corpus.encoded_payloads`); the
-   workers see it on code
+3. code's traffic drifts (`DRIFTING`): a sync plugin starts sending the open file's manifest
+   of block checksums for completion (`corpus.checksum_manifests`); the workers see it on code
    alone, publish a version where only code's map falls back while chat (`STEADY`) keeps
    exiting, and recalibrate code on code's shadow tokens only;
 4. the report gives, per phase and segment, exit rate, disagreement and versions, and says
@@ -33,17 +32,21 @@ SEGMENTS = ("chat", "code")
 # real model's shadow records (`bench/demo_segments.py`: every token at every exit layer, the
 # full model's own text): code's map disagrees on 1.5-3.3% of code requests and on 2.3-5.5% of
 # pasted raw source (the heads' confidence is as good on source as on the requests: no drift,
-# which is why pasting source into chat never crossed δ), but base64 payloads and checksum
-# lists make the heads confidently wrong: many more exits, at about twice δ. Served, the drift
-# is milder (likely because served exits change the text after them; not measured): in a real
-# run code's exit rate at layer 24 rose from 5% to 40% and its shadow disagreement to 5.1-5.3%,
-# so the workers' exit-rate spike fired and, the shadow tokens' upper bound being above δ, code
-# fell back.
+# which is why pasting source into chat never crossed δ). The drift is checksum manifests alone:
+# served in a real run (code's shadow tokens split by request), they exited 49% of tokens under
+# code's map (layer 21: 5% expected, 28% seen) at 5.4% disagreement, alike across requests
+# (design effect 1.0-1.6), while base64 text, the other half of the earlier payloads, exited 24%
+# at 4.2% and so unevenly across requests (design effect 10 at layer 24) that, mixed with the
+# checksums, no exit-rate test could tell the spike from the calibration's expected rates
+# (known from ~250 test tokens): z at most 2.6 however long the drift lasted.
 DRIFTING, STEADY = "code", "chat"
 # The share of code in the mix from the shift on (phases 3-6).
 MIX_AFTER_SHIFT = 0.8
-# Tokens of a request's prompt: the payloads are cut to this many (an open file's first part).
+# Tokens of a request's prompt: the manifests are cut to this many (a file's first blocks).
 PAYLOAD_TOKENS = 96
+# Seconds each mix phase serves at least (their tokens too): the drift starts 2.5 minutes or
+# more after activation (why: `segments_story`).
+BASELINE_S = 75.0
 
 
 @dataclass
@@ -108,11 +111,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     chat, code, payloads = prompt_sources(tokenizer, corpus)
     new_tokens = 48 if quick else 64
     phase_tokens = 300 if quick else 600
-    # The mix phases are the drift detectors' baseline: the exit-rate test runs when ADWIN sees
-    # a change within the version's minutes, and in a real run whose drift began 61 s after
-    # activation code's exit rate at layer 24 sat at 35-40% (5% expected) for 10 minutes
-    # without an alert (another run, 75 s of baseline, fired after 390 s).
-    baseline_tokens = 2 * phase_tokens
+    # The mix phases are the drift detectors' baseline, by tokens and by time: ADWIN cuts a
+    # change only after it saw the version's rollups (one per minute) before it. Replayed at the
+    # demo's rates (issue 18 point 5), a drift after one minute of rollups waited for a
+    # tumbling window to close (4 minutes), one after two or three was confirmed within 2.
+    baseline_tokens, baseline_s = 2 * phase_tokens, BASELINE_S
     phases: list[SegmentPhase] = []
     checks: dict[str, tuple[bool, str]] = {}
     sets: dict[int, dict] = {}
@@ -200,11 +203,15 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     runtime.engine.config.shadow_rate = 0.25
     chat_heavy = SegmentPhase("2 mostly chat (20% code)", code_share=0.2)
     phases.append(chat_heavy)
-    serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= baseline_tokens, 600)
+    started = time.monotonic()
+    serve_until(chat_heavy, code, lambda: chat_heavy.tokens >= baseline_tokens
+                and time.monotonic() - started >= baseline_s, 600)
     timeline.mark("the mix shifts to mostly code (80%)")
     code_heavy = SegmentPhase("3 mostly code (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(code_heavy)
-    serve_until(code_heavy, code, lambda: code_heavy.tokens >= baseline_tokens, 600)
+    started = time.monotonic()
+    serve_until(code_heavy, code, lambda: code_heavy.tokens >= baseline_tokens
+                and time.monotonic() - started >= baseline_s, 600)
     runtime.shipper.flush(30)
     time.sleep(12)  # two drift checks (every 5 s) over the shifted mix
     still = active_version()
@@ -214,11 +221,11 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         f"active v{still} (calibrated v{version_a}), {len(alerts)} alert(s)")
     timeline.mark(f"after the mix shift: active v{still}, {len(alerts)} alert(s)")
 
-    # 3. Code's traffic drifts to encoded payloads; the mix stays mostly code, so the drift has
+    # 3. Code's traffic drifts to checksum manifests; the mix stays mostly code, so the drift has
     # the tokens to be seen (a real run at 50/50 with base64 alone: 4.6% disagreement, 22.6%
     # exits, nothing fired in 7 minutes) and chat, a fifth of the traffic, goes on being judged.
-    timeline.mark(f"{DRIFTING} traffic drifts: an editor plugin sends files base64-encoded "
-                  "and their block checksums")
+    timeline.mark(f"{DRIFTING} traffic drifts: a sync plugin sends the open files' block "
+                  "checksum manifests")
     drift = SegmentPhase(f"4 {DRIFTING} drifts (80% code)", code_share=MIX_AFTER_SHIFT)
     phases.append(drift)
     if not serve_until(drift, payloads, lambda: active_version() != version_a, 600):
@@ -283,7 +290,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
 
 def prompt_sources(tokenizer, corpus) -> tuple[list, list, list]:
     """Token ids of the story's three prompt sources: chat questions and code requests (both in
-    the chat template), and the base64 payloads code drifts to (raw, for completion)."""
+    the chat template), and the checksum manifests code drifts to (raw, for completion)."""
     from exitplane.demo import CODE_FILES
 
     # Held-out prompts first: the quick heads are trained on the answers to the first training
@@ -294,7 +301,7 @@ def prompt_sources(tokenizer, corpus) -> tuple[list, list, list]:
     code = [corpus.chat_prompt_ids(tokenizer, p)
             for p in corpus.code_requests(64, skip=CODE_FILES)]
     payloads = [tokenizer(p, add_special_tokens=False)["input_ids"][:PAYLOAD_TOKENS]
-                for p in corpus.encoded_payloads(CODE_FILES)]
+                for p in corpus.checksum_manifests(CODE_FILES)]
     return chat, code, payloads
 
 

@@ -8,7 +8,6 @@ prompt set, so a second training run does not pay for them again.
 from __future__ import annotations
 
 import ast
-import base64
 import hashlib
 import json
 import os
@@ -212,21 +211,22 @@ def code_requests(count: int, *, skip: tuple[str, ...] = ()) -> list[str]:
     return requests
 
 
-def encoded_payloads(file_names: tuple[str, ...]) -> list[str]:
-    """What an editor plugin sends instead of text: each standard-library file base64-encoded,
-    then the file's manifest of block checksums (sha256 of each 64-byte block, 8 hex digits,
-    comma-separated), in turn. The demo's drift within its `code` segment: the exit heads are
-    confidently wrong on both (README, the segments story; `bench/demo_segments.py`)."""
+def checksum_manifests(file_names: tuple[str, ...],
+                       offsets: tuple[int, ...] = (2000, 0)) -> list[str]:
+    """What a sync plugin sends instead of text: for each standard-library file and each
+    offset, the manifest of block checksums of the 4,000 characters from there (sha256 of each
+    64-byte block, 8 hex digits, comma-separated). The demo's drift within its `code` segment:
+    the exit heads exit confidently on it (README, the segments story)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    payloads = []
+    manifests = []
     for name in file_names:
         path = root / name
         if not path.exists():
             continue
-        # Past the license header, so that the payloads differ from their first line.
-        text = path.read_text(encoding="utf-8", errors="replace")[2000:6000]
-        data = text.encode()
-        payloads.append(base64.b64encode(data).decode())
-        payloads.append(",".join(hashlib.sha256(data[i:i + 64]).hexdigest()[:8]
-                                 for i in range(0, len(data), 64)))
-    return payloads
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for offset in offsets:
+            data = text[offset:offset + 4000].encode()
+            if data:
+                manifests.append(",".join(hashlib.sha256(data[i:i + 64]).hexdigest()[:8]
+                                          for i in range(0, len(data), 64)))
+    return manifests

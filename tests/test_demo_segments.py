@@ -1,7 +1,6 @@
 """The segments story's pure parts: the traffic mix, its prompt sources and the "loop closed"
 judgement."""
 
-import base64
 import hashlib
 import re
 import sysconfig
@@ -92,16 +91,19 @@ def test_code_requests_ask_for_stdlib_functions_in_one_sentence():
     assert not any("list_public_methods" in r for r in without)
 
 
-def test_encoded_payloads_are_stdlib_sources_base64_encoded_and_their_checksums():
-    payloads = corpus.encoded_payloads(CODE_FILES)
-    assert len(payloads) == 2 * len(CODE_FILES)  # every listed file exists in any CPython
+def test_checksum_manifests_are_block_checksums_of_stdlib_sources():
+    manifests = corpus.checksum_manifests(CODE_FILES)
+    assert len(manifests) == 2 * len(CODE_FILES)  # every listed file exists in any CPython
+    assert len(set(manifests)) == len(manifests)  # two offsets per file: distinct prompts
     root = Path(sysconfig.get_paths()["stdlib"])
-    text = (root / CODE_FILES[0]).read_text(encoding="utf-8")[2000:6000]
-    assert base64.b64decode(payloads[0]).decode() == text
-    checksums = payloads[1].split(",")
-    assert len(checksums) == -(-len(text.encode()) // 64)
-    assert checksums[0] == hashlib.sha256(text.encode()[:64]).hexdigest()[:8]
-    assert corpus.encoded_payloads(("no_such_module.py",)) == []
+    text = (root / CODE_FILES[0]).read_text(encoding="utf-8")
+    for manifest, data in zip(manifests[:2], (text[2000:6000].encode(), text[:4000].encode()),
+                              strict=True):
+        checksums = manifest.split(",")
+        assert len(checksums) == -(-len(data) // 64)
+        assert checksums[0] == hashlib.sha256(data[:64]).hexdigest()[:8]
+        assert all(re.fullmatch("[0-9a-f]{8}", c) for c in checksums)
+    assert corpus.checksum_manifests(("no_such_module.py",)) == []
 
 
 def test_mix_serves_every_prompt_of_each_source():

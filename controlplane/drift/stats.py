@@ -269,6 +269,7 @@ class _LayerState:
     warmup: list[int]  # reached, exited while learning the reference
     window: list[int]  # tumbling window: reached, exited
     confirm: list[int] | None = None  # fresh tokens since an ADWIN suspicion
+    window_rollups: int = 0  # rollups the tumbling window spans (`update_counts`)
     firing: str | None = None
 
 
@@ -284,6 +285,14 @@ class ExitRateMonitor:
     reached tokens is full, that window against the reference. Without a given reference a layer
     learns it from its first `warmup_tokens` reached tokens. A layer that fired stays quiet
     until a full tumbling window no longer differs from the reference (then it resolves).
+
+    Fed rollups (`update_counts`), a tumbling window also closes by time: after
+    `window_rollups` rollups (minutes with traffic), once it holds the tokens a confirming test
+    needs (`min_tokens`, or `min_expected_events` as below). Without it a layer reached by
+    fewer than `window_tokens` per lookback (5,000 in 30 minutes: under 2.8 tokens/s) never
+    had its window tested, and a reference that was wrong from the start (no change inside the
+    stream for ADWIN to see) never paged; at busier layers the token count closes the window
+    first, so the looks per hour at low traffic stay fewer than at high traffic.
     `design_effect` {layer: d} widens each layer's confirming test for clustered tokens;
     `min_expected_events` > 0 also holds a confirming test back until the fresh tokens' effective
     count would expect that many exits and stays at the reference rate (the z-test's normal
@@ -316,6 +325,7 @@ class ExitRateMonitor:
         design_effect: Mapping[int, float] | None = None,
         min_expected_events: float = 0.0,
         adwin_max_per_rollup: int = 128,
+        window_rollups: int | None = None,
     ) -> None:
         self.exit_layers = sorted(exit_layers)
         self.alpha, self.min_effect, self.correction = alpha, min_effect, correction
@@ -325,6 +335,7 @@ class ExitRateMonitor:
         self.design_effect = dict(design_effect or {})
         self.min_expected_events = min_expected_events
         self.adwin_max_per_rollup = adwin_max_per_rollup
+        self.window_rollups = window_rollups
         self.tokens_seen = 0
         self._since_check = 0
         self._layers = {
@@ -384,6 +395,9 @@ class ExitRateMonitor:
             tokens = (i + 1) * c.tokens // m - i * c.tokens // m  # what each one stands for
             exits = (i + 1) * c.exits // m - i * c.exits // m
             self._feed(state, spread.tolist(), tokens.tolist(), exits.tolist())
+        for state in self._layers.values():
+            if state.reference is not None:
+                state.window_rollups += 1
         self.tokens_seen += max((c.tokens for c in counts.values()), default=0)
         self._since_check = 0
         return self._check()
@@ -420,6 +434,14 @@ class ExitRateMonitor:
         needed = self.min_expected_events * self.design_effect.get(layer, 1.0) / max(rate, 1e-3)
         return max(self.min_tokens, min(needed, self.confirm_tokens))
 
+    def _window_closed(self, layer: int, state: _LayerState) -> bool:
+        """The tumbling window is full: `window_tokens` reached tokens, or `window_rollups`
+        rollups holding what a confirming test needs."""
+        if state.window[0] >= self.window_tokens:
+            return True
+        return (self.window_rollups is not None and state.window_rollups >= self.window_rollups
+                and state.window[0] >= self._confirm_tokens(layer, state))
+
     def _check(self) -> list[DriftFinding]:
         tested = []
         for layer, state in self._layers.items():
@@ -433,8 +455,9 @@ class ExitRateMonitor:
                     "tokens_seen": self.tokens_seen,
                 }
                 tested.append((layer, LayerCounts(*state.confirm), state.reference, extra))
-            if state.window[0] >= self.window_tokens:
-                extra = {"trigger": "window", "tokens_seen": self.tokens_seen}
+            if self._window_closed(layer, state):
+                extra = {"trigger": "window", "tokens_seen": self.tokens_seen,
+                         "window_rollups": state.window_rollups}
                 tested.append((layer, LayerCounts(*state.window), state.reference, extra))
         findings = _exit_rate_findings(
             tested,
@@ -453,7 +476,7 @@ class ExitRateMonitor:
                 new.append(f)
         fired = {f.layer for f in findings}
         for layer, state in self._layers.items():
-            if state.window[0] >= self.window_tokens:
+            if state.reference is not None and self._window_closed(layer, state):
                 back = abs(state.window[1] / state.window[0] - state.reference.rate) \
                     < self.min_effect
                 if state.firing is not None and layer not in fired and back:
@@ -461,6 +484,7 @@ class ExitRateMonitor:
                     # not significant (a window straddling the change) does not
                     state.firing = None
                 state.window = [0, 0]
+                state.window_rollups = 0
             if state.confirm is not None and state.confirm[0] >= self.confirm_tokens:
                 state.confirm = None  # suspicion not confirmed on fresh tokens: dismiss
         return new

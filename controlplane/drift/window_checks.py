@@ -100,6 +100,9 @@ class DriftOptions:
     quality_alpha_per_hour: float = 1e-2
     check_interval_s: float = 30.0
     exit_rate_alpha: float = 1e-4  # family-wise over the exit layers (Holm)
+    # issue 18 point 5: a tumbling exit-rate window also closes after this many minutes of
+    # rollups (`ExitRateMonitor.window_rollups`), so thin traffic gets its window test in time
+    exit_rate_window_min: int = 5
     # issue 18: how many traffic segments this check covers; every level below is split by it
     segments_checked: int = 1
     # issue 14: the newest shadow tokens a check reads per segment (fleet rates pass it)
@@ -137,7 +140,8 @@ class DriftOptions:
                    quality_windows_s=tuple(settings.drift_quality_windows_s),
                    quality_alpha_per_hour=settings.drift_quality_alpha_per_hour,
                    check_interval_s=settings.drift_interval_s,
-                   max_shadow_tokens=settings.drift_max_shadow_tokens)
+                   max_shadow_tokens=settings.drift_max_shadow_tokens,
+                   exit_rate_window_min=settings.drift_exit_rate_window_min)
 
 
 @dataclass
@@ -278,7 +282,8 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
                                               windows=[c for _, c in inputs.minutes],
                                               design_effect=shadow.design_effect,
                                               min_expected_events=options.min_expected_exits,
-                                              alpha=options.exit_rate_level):
+                                              alpha=options.exit_rate_level,
+                                              window_rollups=options.exit_rate_window_min):
             condition = _exit_rate_condition(finding)
             condition.evidence["window"] = window
             condition.evidence["design_effect_measured"] = shadow.measured

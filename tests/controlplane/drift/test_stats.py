@@ -219,3 +219,66 @@ def test_monitor_is_independent_of_how_the_stream_is_chunked():
     as_list = [None if t == 30 else int(t) for t in tokens]
     listed = ExitRateMonitor(LAYERS).update(as_list)
     assert [f.to_dict() for f in listed] == [f.to_dict() for f in whole]
+
+
+def _thin_minutes(rng, hazards, minutes: int, tokens_per_minute: int) -> list:
+    """Per-minute rollups of a thin stream (a few tokens per second)."""
+    out = []
+    for _ in range(minutes):
+        tokens = exit_stream(np.tile(hazards, (tokens_per_minute, 1)), rng=rng)
+        exits = {k: int((tokens == k).sum()) for k in LAYERS}
+        out.append(drift.layer_counts_from_exits(exits, len(tokens), LAYERS))
+    return out
+
+
+def test_thin_traffic_window_closes_by_time():
+    # 120 tokens a minute (2 tokens/s): 5,000 tokens per window take 40 minutes, more than the
+    # 30-minute lookback, so without a time limit the window test never runs; a reference that
+    # was wrong from the start (no change in the stream for ADWIN) went unreported forever.
+    rng = np.random.default_rng(21)
+    reference = {8: LayerReference(0.25), 16: LayerReference(0.70), 24: LayerReference(0.30)}
+    minutes = _thin_minutes(rng, BASE, 30, 120)
+    assert drift.detect_exit_rate_drift(reference=reference, windows=minutes) == []  # as before
+    found = drift.detect_exit_rate_drift(reference=reference, windows=minutes, window_rollups=5)
+    assert [(f.kind, f.layer, f.evidence["trigger"]) for f in found] == [
+        (EXIT_RATE_COLLAPSE, 16, "window")]
+    # found at the first window that closed by time: 5 minutes, not 40
+    monitor = ExitRateMonitor(LAYERS, reference=reference, window_rollups=5)
+    fired_at = next(i for i, counts in enumerate(minutes, 1) if monitor.update_counts(counts))
+    assert fired_at == 5
+    assert monitor.firing == {16: EXIT_RATE_COLLAPSE}
+
+
+def test_time_closed_window_waits_for_enough_tokens():
+    # 20 tokens a minute at a layer whose reference exits 5%: a confirming test needs
+    # min_expected_events / rate = 200 tokens, so the window stays open past 5 minutes
+    # until it holds them (10 minutes), and a handful of exits never pages early.
+    reference = {16: LayerReference(0.05)}
+    monitor = ExitRateMonitor([16], reference=reference, window_rollups=5,
+                              min_expected_events=10.0)
+    fired = [bool(monitor.update_counts({16: LayerCounts(20, 6)})) for _ in range(10)]
+    assert fired == [False] * 9 + [True]
+
+
+def test_time_closed_window_keeps_false_alarms_rare_at_the_reference():
+    # Stationary thin traffic at the reference rates, many seeds: the extra looks the time
+    # limit adds stay inside the family-wise level (no finding in 40 simulated hours).
+    reference = {k: LayerReference(float(r)) for k, r in zip(LAYERS, BASE, strict=True)}
+    findings = []
+    for seed in range(40):
+        minutes = _thin_minutes(np.random.default_rng(100 + seed), BASE, 60, 60)
+        findings += drift.detect_exit_rate_drift(reference=reference, windows=minutes,
+                                                 window_rollups=5)
+    assert findings == []
+
+
+def test_time_closed_window_resolves_when_rate_returns():
+    rng = np.random.default_rng(22)
+    reference = {k: LayerReference(float(r)) for k, r in zip(LAYERS, BASE, strict=True)}
+    monitor = ExitRateMonitor(LAYERS, reference=reference, window_rollups=5)
+    for counts in _thin_minutes(rng, [0.25, 0.05, 0.30], 10, 120):
+        monitor.update_counts(counts)
+    assert monitor.firing == {16: EXIT_RATE_COLLAPSE}
+    for counts in _thin_minutes(rng, BASE, 15, 120):
+        monitor.update_counts(counts)
+    assert monitor.firing == {}

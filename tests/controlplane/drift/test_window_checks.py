@@ -68,3 +68,33 @@ def test_the_looks_of_an_hour_share_one_false_alarm_budget():
                          check_interval_s=30.0, quality_alpha_per_hour=0.01)
     assert faster.quality_look_alpha == pytest.approx(base.quality_look_alpha / 2)
     assert wider.quality_look_alpha == pytest.approx(base.quality_look_alpha / 2)
+
+
+def test_thin_traffic_gets_its_exit_rate_alert_from_a_window_closed_by_time(monkeypatch):
+    # A deployment at 2 tokens/s whose calibration expected 5% exits at layer 6 while 30% exit:
+    # one check of the service's code (`evaluate`) on 12 minutes of rollups pages, through a
+    # window closed after `exit_rate_window_min` minutes; its 5,000 tokens would take 42.
+    from controlplane.drift.stats import LayerCounts, LayerReference
+    from controlplane.settings import get_settings
+
+    minutes = [(NOW - timedelta(minutes=12 - i),
+                {3: LayerCounts(120, 0), 6: LayerCounts(120, 36), 9: LayerCounts(84, 0)})
+               for i in range(12)]
+    reference = {3: LayerReference(0.0, 2000), 6: LayerReference(0.05, 2000),
+                 9: LayerReference(0.0, 1900)}
+    inputs = _inputs(shifted_s=0, before=0.0, after=0.0)
+    inputs.reference, inputs.minutes = reference, minutes
+    inputs.since = minutes[0][0]
+
+    def exit_alerts(options):
+        return [(c.kind, c.layer, c.evidence["evidence"]["trigger"])
+                for c in evaluate(inputs, options)[0] if c.kind.startswith("exit_rate")]
+
+    assert exit_alerts(DriftOptions(exit_rate_window_min=10_000)) == []  # tokens alone
+    assert exit_alerts(DriftOptions()) == [("exit_rate_spike", 6, "window")]
+    monkeypatch.setenv("EXITPLANE_DRIFT_EXIT_RATE_WINDOW_MIN", "7")
+    get_settings.cache_clear()
+    try:
+        assert DriftOptions.from_settings(get_settings()).exit_rate_window_min == 7
+    finally:
+        get_settings.cache_clear()
