@@ -529,11 +529,28 @@ def check_holdout(
     num_layers: int,
     delta: float,
     alpha: float = 0.05,
+    codes: np.ndarray | None = None,
 ) -> HoldoutCheck:
-    """Replay thresholds on held-out samples; fails when disagreement > δ is significant."""
+    """Replay thresholds on held-out samples; fails when disagreement > δ is significant.
+
+    `codes`: each sample's dense request code. Given (and some request longer than a token),
+    the test counts requests as the path's test does: the count deflated by its design
+    effect under δ (`null_design_effect`, read on these requests, with the few-requests
+    shrink), then the binomial upper tail. Tokens of one request disagree together, so two
+    held-out requests are not 28 independent tokens: counted as tokens, one unlucky request
+    failed a demo recalibration whose test had certified its set (4/28 tokens of 2 requests,
+    p = 0.049)."""
     first, disagree = simulate_policy(signals, matched, [thresholds[k] for k in exit_layers])
     n, k = len(first), int(disagree.sum())
     p = binomtest(k, n, p=delta, alternative="greater").pvalue if n else 1.0
+    if n and k and codes is not None and np.bincount(codes).max() > 1:
+        tokens = np.bincount(codes).astype(float)
+        losses = np.bincount(codes, weights=disagree.astype(float), minlength=len(tokens))
+        design = float(null_design_effect(tokens, losses, delta)[0])
+        effective = n / design * few_clusters_factor(int((tokens > 0).sum()), alpha)
+        # P(Binomial(n_eff, δ) >= k_eff), continuous in the effective counts
+        p = float(beta.cdf(delta, k * effective / n, max(effective - k * effective / n, 0.0)
+                           + 1.0)) if effective > 0 else 1.0
     return HoldoutCheck(
         tokens=n,
         disagreements=k,
@@ -768,6 +785,7 @@ def calibrate_thresholds(
             exit_layers=[int(x) for x in layers],
             num_layers=num_layers,
             delta=delta,
+            codes=None if codes is None else np.unique(codes[holdout], return_inverse=True)[1],
         )
     return CalibrationResult(
         thresholds=dict(best.thresholds),

@@ -187,3 +187,28 @@ def test_a_small_segments_pooled_check_tests_its_check_requests():
     token_level = float(cal.binomial_p_value(check.disagreements, check.tokens, DELTA))
     assert check.p_value > token_level  # 3 requests weigh less than 120 independent tokens
     assert tokens.pooled_check.tokens == 120 and tokens.source in ("pooled", "conservative")
+
+
+def test_holdout_check_counts_requests_not_tokens():
+    # Two held-out requests, one of which disagrees on 4 of its 14 tokens: as 28 independent
+    # tokens that is "significantly above δ" (p 0.049) and failed a demo recalibration; two
+    # requests are almost no evidence. Many requests that disagree are still caught, and one
+    # token per request is exactly the token test.
+    from controlplane.calibration.stats import check_holdout
+
+    thresholds = {3: 0.5, 6: 0.5, 9: 0.5}
+    shape = dict(exit_layers=[3, 6, 9], num_layers=12, delta=0.05, thresholds=thresholds)
+    signals, matched = np.full((28, 3), 0.99), np.ones((28, 3), dtype=bool)
+    matched[:4, 0] = False
+    tokens = check_holdout(signals=signals, matched=matched, **shape)
+    two = check_holdout(signals=signals, matched=matched, codes=np.repeat([0, 1], 14), **shape)
+    single = check_holdout(signals=signals, matched=matched, codes=np.arange(28), **shape)
+    assert not tokens.passed and tokens.p_value < 0.05
+    assert two.passed and two.p_value > 0.5
+    assert single.p_value == tokens.p_value
+    rng = np.random.default_rng(0)
+    signals, matched = np.full((400, 3), 0.99), np.ones((400, 3), dtype=bool)
+    matched[rng.random(400) < 0.3, 0] = False
+    many = check_holdout(signals=signals, matched=matched,
+                         codes=np.repeat(np.arange(40), 10), **shape)
+    assert not many.passed and many.p_value < 1e-3
