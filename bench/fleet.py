@@ -590,14 +590,16 @@ class Fleet:
             await self._deliver(runtime)
             if self.heartbeat_s and time.monotonic() >= beat_at:
                 beat_at = time.monotonic() + self.heartbeat_s
-                with contextlib.suppress(TransportError):
-                    await runtime.shipping.request(
-                        "POST", f"/v1/deployments/{self.deployment}/heartbeats",
-                        headers={**runtime.auth, "Content-Type": "application/json"},
-                        body=json.dumps({"runtime_id": runtime.runtime_id,
-                                         "applied_version": runtime.version,
-                                         "applied_checksum": runtime.etag,
-                                         "ready": True}).encode())
+                # on the shipping connection, so under its lock: `flush` delivers too
+                async with runtime.sending:
+                    with contextlib.suppress(TransportError):
+                        await runtime.shipping.request(
+                            "POST", f"/v1/deployments/{self.deployment}/heartbeats",
+                            headers={**runtime.auth, "Content-Type": "application/json"},
+                            body=json.dumps({"runtime_id": runtime.runtime_id,
+                                             "applied_version": runtime.version,
+                                             "applied_checksum": runtime.etag,
+                                             "ready": True}).encode())
             if self.stopping or (runtime.retired and not runtime.outbox):
                 return
             await asyncio.sleep(self.ship_interval_s)
