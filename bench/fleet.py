@@ -115,7 +115,7 @@ class Topology:
     """PostgreSQL database, private Redis, 2 APIs, ingest worker, Celery worker and beat."""
 
     def __init__(self, postgres_url: str, workdir: Path, drift_interval_s: float,
-                 worker_loglevel: str = "warning") -> None:
+                 worker_loglevel: str = "warning", ingest_nice: int = 0) -> None:
         self.workdir = workdir
         base = make_url(postgres_url)
         self.db_name = f"exitplane_fleet_{os.getpid()}"
@@ -144,7 +144,11 @@ class Topology:
         for index, port in enumerate(self.ports):
             self._start([EXE, "up", "--host", "127.0.0.1", "--port", str(port),
                          "--no-migrate", "--no-workers"], f"api-{index}")
-        self._start([EXE, "ingest", "--name", "ingest-1", "--claim-idle-ms", "10000"], "ingest")
+        # The stream's ingest may run at a lower priority than the API processes whose answers
+        # runtimes wait for (`--ingest-nice`): it is throughput work that the stream buffers.
+        # PostgreSQL (its locks are shared) and Celery (drift checks) stay at the default.
+        self._start([EXE, "ingest", "--name", "ingest-1", "--claim-idle-ms", "10000"], "ingest",
+                    nice=ingest_nice)
         self._start([EXE, "worker", "--loglevel", worker_loglevel], "worker")
         self._start([EXE, "beat", "--loglevel", "warning"], "beat")
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
@@ -159,11 +163,12 @@ class Topology:
                 time.sleep(0.2)
         self.engine = make_engine(self.db_url)
 
-    def _start(self, command: list[str], name: str) -> None:
+    def _start(self, command: list[str], name: str, nice: int = 0) -> None:
         log = (self.workdir / f"{name}.log").open("a")
-        self.processes.append(subprocess.Popen(command, cwd=ROOT, stdout=log,
-                                               stderr=subprocess.STDOUT,
-                                               env=getattr(self, "env", os.environ)))
+        self.processes.append(subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env=getattr(self, "env", os.environ),
+            preexec_fn=(lambda: os.nice(nice)) if nice else None))
         self.names.append(name)
 
     def backends(self) -> list[int]:
@@ -901,7 +906,7 @@ def make_tokens(topology: Topology, deployment: str, count: int) -> list[str]:
 async def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="exitplane-fleet-"))
     topology = Topology(args.postgres_url, workdir, args.drift_interval_s,
-                        args.worker_loglevel)
+                        args.worker_loglevel, args.ingest_nice)
     try:
         admin = {"Authorization": "Bearer " + topology.exitplane(
             "token", "create", "--name", "bench", "--scope", "admin")}
@@ -1004,6 +1009,7 @@ async def run(args) -> dict:
             "stages": stages, "records_stages": record_stages, "rows": rows,
             "send_retries": fleet.errors, "refused_batches": fleet.refused + records.refused,
             "cpus": os.cpu_count(), "harness_nice": args.harness_nice,
+            "ingest_nice": args.ingest_nice,
             "loadavg_1m": round(os.getloadavg()[0], 2),
         }
     finally:
@@ -1029,6 +1035,9 @@ def main() -> int:
                         help="EXITPLANE_DRIFT_INTERVAL_S of the workers (production default)")
     parser.add_argument("--drift-timeout-s", type=float, default=300.0)
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--ingest-nice", type=int, default=0,
+                        help="nice value of the ingest worker (the API processes, Celery and "
+                             "PostgreSQL stay at the default priority)")
     parser.add_argument("--harness-nice", type=int, default=0,
                         help="nice value of the simulated fleet's process (the control plane "
                              "and the pull probe stay at the default priority)")
