@@ -108,6 +108,7 @@ from sklearn.isotonic import IsotonicRegression
 
 from controlplane.stats.clustered import (
     binomial_lower_tail,
+    binomial_upper_tail,
     cluster_codes,
     few_clusters_factor,
     null_design_effect,
@@ -305,10 +306,8 @@ def clustered_risk_p_values(request_losses: Any, request_tokens: Any, delta: Any
         return (np.atleast_1d(risk_p_values(counts.astype(int), int(total), delta, test)),
                 np.ones(len(counts)))
     delta = np.broadcast_to(np.asarray(delta, dtype=float), counts.shape)
-    design = null_design_effect(tokens, losses, delta)
-    if reference is not None and np.sum(reference[1]) > 0:
-        design = np.maximum(design, null_design_effect(reference[1], reference[0], delta))
-    effective = total / design * few_clusters_factor(len(tokens), alpha)
+    effective, design = effective_trials(tokens, losses, delta, alpha=alpha,
+                                         reference=reference)
     if test == "binomial":
         p_values = binomial_lower_tail(counts * effective / total, effective, delta)
     elif test == "hoeffding-bentkus":
@@ -317,6 +316,19 @@ def clustered_risk_p_values(request_losses: Any, request_tokens: Any, delta: Any
     else:
         raise ValueError(f"unknown test {test!r}; use one of {', '.join(TESTS)}")
     return np.minimum(1.0, p_values), design
+
+
+def effective_trials(tokens: np.ndarray, losses: np.ndarray, delta: Any, *, alpha: float,
+                     reference: tuple[Any, Any] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(n_eff, d) per step: the token count n deflated by its design effect d under δ (the
+    larger of the reading on these requests and on `reference`'s), shrunk for few requests
+    (module docstring, "the request-level test")."""
+    design = null_design_effect(tokens, losses, delta)
+    if reference is not None and np.sum(reference[1]) > 0:
+        design = np.maximum(design, null_design_effect(reference[1], reference[0], delta))
+    clusters = int(np.count_nonzero(tokens))
+    return float(np.sum(tokens)) / design * few_clusters_factor(clusters, alpha), design
 
 
 def clustered_risk_upper_bound(request_losses: Any, request_tokens: Any, epsilon: float,
@@ -546,11 +558,8 @@ def check_holdout(
     if n and k and codes is not None and np.bincount(codes).max() > 1:
         tokens = np.bincount(codes).astype(float)
         losses = np.bincount(codes, weights=disagree.astype(float), minlength=len(tokens))
-        design = float(null_design_effect(tokens, losses, delta)[0])
-        effective = n / design * few_clusters_factor(int((tokens > 0).sum()), alpha)
-        # P(Binomial(n_eff, δ) >= k_eff), continuous in the effective counts
-        p = float(beta.cdf(delta, k * effective / n, max(effective - k * effective / n, 0.0)
-                           + 1.0)) if effective > 0 else 1.0
+        effective = float(effective_trials(tokens, losses, delta, alpha=alpha)[0][0])
+        p = float(binomial_upper_tail(k * effective / n, effective, delta)[()])
     return HoldoutCheck(
         tokens=n,
         disagreements=k,

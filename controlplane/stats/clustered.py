@@ -245,6 +245,17 @@ def few_clusters_factor(clusters: int, alpha: float) -> float:
     return float((norm.ppf(1.0 - alpha) / student_t.ppf(1.0 - alpha, clusters - 1)) ** 2)
 
 
+def binomial_upper_tail(events: Any, trials: Any, rate: Any) -> np.ndarray:
+    """P(Binomial(trials, rate) >= events), continuous in non-integer (effective) events and
+    trials: I_rate(events, trials - events + 1); 1 at no events, 0 past the trials. Equal to
+    scipy's binom.sf(events - 1) for integers."""
+    k = np.asarray(events, dtype=float)
+    n = np.asarray(trials, dtype=float)
+    inside = (k > 0) & (k <= n)
+    tail = beta.cdf(rate, np.where(inside, k, 1.0), np.where(inside, n - k + 1.0, 1.0))
+    return np.where(k <= 0, 1.0, np.where(inside, tail, 0.0))
+
+
 def binomial_lower_tail(events: Any, trials: Any, rate: Any) -> np.ndarray:
     """P(Binomial(trials, rate) <= events), continuous in non-integer (effective) events and
     trials through the regularised incomplete beta: I_{1-rate}(trials - events, events + 1).

@@ -13,7 +13,11 @@ import pytest
 
 from controlplane.calibration import stats as cal
 from controlplane.calibration.segments import calibrate_segments
-from controlplane.stats.clustered import binomial_lower_tail, null_design_effect
+from controlplane.stats.clustered import (
+    binomial_lower_tail,
+    binomial_upper_tail,
+    null_design_effect,
+)
 from controlplane.stats.synthetic import correlated_requests
 from tests.controlplane.calibration.support import LAYERS, separable_samples
 
@@ -35,6 +39,8 @@ def test_null_design_effect_known_answers():
     from scipy.stats import binom
     assert np.allclose(binomial_lower_tail(np.arange(20), 300, DELTA),
                        binom.cdf(np.arange(20), 300, DELTA))
+    assert np.allclose(binomial_upper_tail(np.arange(20), 300, DELTA),
+                       binom.sf(np.arange(20) - 1, 300, DELTA))
 
 
 def test_one_token_per_request_is_exactly_the_token_test():
