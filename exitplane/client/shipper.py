@@ -120,7 +120,10 @@ class TelemetryShipper:
                          "rejected_batches": 0, "rejected_records": 0, "retries": 0,
                          "send_errors": 0, "auth_errors": 0, "splits": 0,
                          "sent_aggregate_batches": 0, "sent_aggregate_tokens": 0,
-                         "dropped_aggregate_tokens": 0, "rejected_aggregate_tokens": 0}
+                         "dropped_aggregate_tokens": 0, "rejected_aggregate_tokens": 0,
+                         # delivered before, its answer lost (a crash, a timeout): acknowledged
+                         # now as a replay, so sent_* + duplicate_* is what the server holds
+                         "duplicate_records": 0, "duplicate_aggregate_tokens": 0}
         self.unaggregated_records = 0  # submitted at a layer the deployment lacks (refused)
         if self.spool.pending_batches:
             log.info("found %d spooled telemetry batches in %s; replaying them first",
@@ -390,9 +393,8 @@ class TelemetryShipper:
             duplicate = _json(response).get("duplicate") is True
             self.counters["sent_aggregate_batches" if batch.is_aggregate else "sent_batches"] += 1
             self.counters["duplicate_batches"] += int(duplicate)
-            if not duplicate:
-                self.counters["sent_aggregate_tokens" if batch.is_aggregate
-                              else "sent_records"] += batch.records
+            kind = "aggregate_tokens" if batch.is_aggregate else "records"
+            self.counters[f"duplicate_{kind}" if duplicate else f"sent_{kind}"] += batch.records
             return "done", None
         if status == 413:
             return "split", None

@@ -139,6 +139,7 @@ def test_a_replayed_batch_is_acknowledged_not_stored_twice(control_plane, operat
     third = _shipper(control_plane.url, runtime_token, tmp_path / "spool-again").start()
     assert third.wait_replayed(30) and third.close(10)
     assert third.counters["duplicate_batches"] == 3 and third.counters["sent_records"] == 0
+    assert third.counters["duplicate_records"] == 120  # delivered before: acknowledged, not lost
     assert _counts(operator) == {"records": 120, "batches": 3, "shadow_samples": 0}
 
     # A restarted runtime keeps numbering after what it spooled before.
