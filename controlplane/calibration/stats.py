@@ -23,7 +23,10 @@ Selection (Angelopoulos et al., "Learn then Test", fixed-sequence testing):
    parameters per layer are steadier. Measured on bench/segments.py's real SmolLM2 records
    (binomial test, 50 trials): served exit rate of the code segment's own set (1,536 tokens,
    461 of them learn) 0.205 isotonic -> 0.233 logistic; of the pooled set recalibrated on
-   9,600 tokens 0.227 -> 0.243.
+   9,600 tokens 0.227 -> 0.243. `borrowed` tokens (from requests the test never sees: another
+   traffic segment's, `calibration.segments`) may join the learn part: the logistic fit per
+   layer is then shrunk towards a fit on both (`prior_weight`), the isotonic one fitted on
+   both; the path is still fixed before the test part is seen.
 3. Test: for each step in path order, the null "policy risk > δ" gets a p-value on the test
    part; steps are rejected while p <= ε and testing stops at the first failure. The last
    rejected step is chosen (never-exit if none). Because the path is fixed before the test
@@ -102,7 +105,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.special import rel_entr
+from scipy.special import expit, rel_entr
 from scipy.stats import beta, binom, binomtest
 from sklearn.isotonic import IsotonicRegression
 
@@ -388,12 +391,25 @@ class LogisticMatchModel:
 
     GRID = np.linspace(0.0, 1.0, 1001)
 
-    def __init__(self, signals: np.ndarray, matched: np.ndarray) -> None:
+    def __init__(self, signals: np.ndarray, matched: np.ndarray, *,
+                 prior: LogisticMatchModel | None = None, prior_weight: float = 0.0) -> None:
         share = float(matched.mean()) if len(matched) else 0.0
-        if 0.0 < share < 1.0:
-            intercept, weights = _fit_logistic(self._features(signals), matched.astype(float))
+        # `coefficients` (intercept, weights), or None for a flat fit; `prior`: a fit on other
+        # (borrowed) tokens towards which this one is shrunk with strength `prior_weight`
+        self.coefficients: tuple[float, np.ndarray] | None = None
+        centre = None if prior is None or prior_weight <= 0 else prior.coefficients
+        if centre is not None and len(matched):
+            # a flat own sample (all matched, say) still moves the prior's curve: no early out
+            self.coefficients = _fit_logistic(self._features(signals), matched.astype(float),
+                                              prior=centre, prior_weight=prior_weight)
+        elif 0.0 < share < 1.0:
+            self.coefficients = _fit_logistic(self._features(signals), matched.astype(float))
+        if self.coefficients is not None:
+            intercept, weights = self.coefficients
             logits = intercept + self._features(self.GRID) @ weights
-            curve = np.maximum.accumulate(1.0 / (1.0 + np.exp(-logits)))
+            curve = np.maximum.accumulate(expit(logits))
+        elif centre is not None:  # nothing observed here: the prior's curve as it is
+            curve = prior.y_thresholds_.copy()
         else:  # all matched or none (or nothing observed): a flat P(match)
             curve = np.full(len(self.GRID), share)
         self.X_thresholds_, self.y_thresholds_ = self.GRID, curve
@@ -408,20 +424,42 @@ class LogisticMatchModel:
 
 
 def _fit_logistic(features: np.ndarray, y: np.ndarray, *, penalty: float = 1.0,
-                  iterations: int = 50) -> tuple[float, np.ndarray]:
+                  iterations: int = 50, prior: tuple[float, np.ndarray] | None = None,
+                  prior_weight: float = 0.0) -> tuple[float, np.ndarray]:
     """(intercept, weights) minimising the log-loss sum + penalty/2 |weights|^2 (sklearn's
     LogisticRegression at C = 1/penalty: the mild L2 keeps a small or separable sample from an
     extreme slope), by Newton's method on a few parameters: milliseconds where lbfgs takes tens
-    of them per layer."""
+    of them per layer. With `prior` (intercept, weights) the penalty is instead
+    prior_weight/2 |beta - prior|^2 on every coefficient, the intercept included: the fit is
+    shrunk towards the prior's, as much as `prior_weight` against the sample's evidence (a
+    Gaussian prior centred there; partial pooling when the prior is fitted on other tokens)."""
     x = np.column_stack([np.ones(len(features)), features])
-    ridge = np.diag([0.0] + [penalty] * features.shape[1])
-    beta = np.zeros(x.shape[1])
+    if prior is None:
+        ridge = np.diag([0.0] + [penalty] * features.shape[1])
+        centre = np.zeros(x.shape[1])
+    else:
+        ridge = prior_weight * np.eye(x.shape[1])
+        centre = np.concatenate([[prior[0]], prior[1]])
+
+    def objective(b: np.ndarray) -> float:
+        z = x @ b
+        return float(np.sum(np.logaddexp(0.0, z) - y * z)
+                     + 0.5 * (b - centre) @ ridge @ (b - centre))
+
+    beta = centre.copy()
     for _ in range(iterations):
-        p = 1.0 / (1.0 + np.exp(-(x @ beta)))
-        gradient = x.T @ (p - y) + ridge @ beta
+        p = expit(x @ beta)
+        gradient = x.T @ (p - y) + ridge @ (beta - centre)
         hessian = (x * (p * (1.0 - p))[:, None]).T @ x + ridge + 1e-9 * np.eye(len(beta))
         step = np.linalg.solve(hessian, gradient)
-        beta -= step
+        # Full Newton steps can cycle on a far start (seen: a fit started at a prior's
+        # coefficients on 224 tokens swung between two points); halve until the loss falls.
+        before = objective(beta)
+        for _ in range(30):
+            if objective(beta - step) <= before:
+                break
+            step = step / 2.0
+        beta = beta - step
         if np.max(np.abs(step)) < 1e-8:
             break
     return float(beta[0]), beta[1:]
@@ -431,18 +469,30 @@ MATCH_MODELS = ("logistic", "isotonic")
 
 
 def fit_match_models(
-    signals: np.ndarray, matched: np.ndarray, kind: str = "logistic"
+    signals: np.ndarray, matched: np.ndarray, kind: str = "logistic", *,
+    borrowed: tuple[np.ndarray, np.ndarray] | None = None, prior_weight: float = 0.0,
 ) -> list[IsotonicRegression | LogisticMatchModel]:
     """Per exit layer, a model signal -> P(match), non-decreasing in the signal: `"logistic"`
-    (`LogisticMatchModel`, the default) or `"isotonic"` regression (module docstring)."""
+    (`LogisticMatchModel`, the default) or `"isotonic"` regression (module docstring).
+    `borrowed` (signals, matched) of other tokens: the logistic fit is shrunk towards one on
+    these and the own tokens together, with strength `prior_weight` (`_fit_logistic`); the
+    isotonic one is fitted on both together."""
     if kind not in MATCH_MODELS:
         raise ValueError(f"unknown match model {kind!r}; use one of {', '.join(MATCH_MODELS)}")
+    if borrowed is not None:
+        pool_signals = np.vstack([signals, np.asarray(borrowed[0], dtype=float)])
+        pool_matched = np.vstack([matched, np.asarray(borrowed[1], dtype=bool)])
+        if kind == "isotonic":
+            return fit_match_models(pool_signals, pool_matched, kind)
+        pool = fit_match_models(pool_signals, pool_matched, kind)
     models = []
     for j in range(signals.shape[1]):
         ok = ~np.isnan(signals[:, j])
         if kind == "logistic":
             # a layer never observed gets P(match) = 0, so it never exits
-            models.append(LogisticMatchModel(signals[ok, j], matched[ok, j].astype(bool)))
+            models.append(LogisticMatchModel(
+                signals[ok, j], matched[ok, j].astype(bool),
+                prior=None if borrowed is None else pool[j], prior_weight=prior_weight))
             continue
         model = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
         if ok.any():
@@ -594,9 +644,13 @@ def _threshold_path(
     match_model: str = "logistic",
     codes: np.ndarray | None = None,
     seed: int = 0,
+    borrowed: tuple[np.ndarray, np.ndarray] | None = None,
+    prior_weight: float = 0.0,
 ):
     """(path (steps, L) conservative first, levels, match models, learn idx, test idx).
-    With request `codes` the learn part is a share of the requests, each whole."""
+    With request `codes` the learn part is a share of the requests, each whole. `borrowed`
+    (signals, matched) of other requests join the learn part in drawing the path
+    (`calibrate_thresholds`)."""
     if strategy == "calibrated":
         if codes is None:
             n_learn = round(len(calib) * learn_fraction)
@@ -604,10 +658,12 @@ def _threshold_path(
         else:
             test, learn = split_by_request(codes, fraction=learn_fraction, seed=seed + 1,
                                            among=calib)
-        models = fit_match_models(signals[learn], matched[learn], match_model)
-        levels = np.asarray(grid if grid is not None else _path_levels(signals[learn], models),
+        models = fit_match_models(signals[learn], matched[learn], match_model,
+                                  borrowed=borrowed, prior_weight=prior_weight)
+        seen = signals[learn] if borrowed is None else np.vstack([signals[learn], borrowed[0]])
+        levels = np.asarray(grid if grid is not None else _path_levels(seen, models),
                             dtype=float)
-        path = _calibrated_thresholds(signals[learn], models, levels)
+        path = _calibrated_thresholds(seen, models, levels)
     elif strategy == "shared":
         learn, test = calib[:0], calib
         models = fit_match_models(signals[calib], matched[calib], match_model)  # report only
@@ -706,6 +762,8 @@ def calibrate_thresholds(
     risk_test: str = "binomial",
     match_model: str = "logistic",
     requests: Sequence | np.ndarray | None = None,
+    borrowed: tuple[np.ndarray, np.ndarray] | None = None,
+    prior_weight: float = 0.0,
 ) -> CalibrationResult:
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
 
@@ -718,7 +776,10 @@ def calibrate_thresholds(
     ("logistic" or "isotonic"; module docstring). `requests`: each sample's request id; given,
     the holdout, learn and test parts are whole requests and the test is the request-level one
     (module docstring); None, or every request one token: tokens are independent draws, as
-    before. Raises NotEnoughShadowData below
+    before. `borrowed`: (signals, matched) of tokens from *other* requests (never these
+    samples'), which help draw the path only (module docstring, step 2; `prior_weight` the
+    shrink towards them); the split, the test and its level are unchanged. Raises
+    NotEnoughShadowData below
     `min_samples_per_layer` samples on any layer, ValueError on malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -740,7 +801,8 @@ def calibrate_thresholds(
         calib, holdout = split_by_request(codes, fraction=holdout_fraction, seed=seed)
     path, levels, models, learn, test = _threshold_path(
         strategy, signals, matched, calib, grid=grid, learn_fraction=learn_fraction,
-        match_model=match_model, codes=codes, seed=seed,
+        match_model=match_model, codes=codes, seed=seed, borrowed=borrowed,
+        prior_weight=prior_weight,
     )
     s_test, m_test, n = signals[test], matched[test], len(test)
     test_codes = reference = None
@@ -813,7 +875,8 @@ def calibrate_thresholds(
         mean_depth=best.mean_depth,
         speedup=best.speedup,
         curve=curve,
-        samples=_sample_counts(codes, learn=learn, test=test, holdout=holdout),
+        samples=_sample_counts(codes, learn=learn, test=test, holdout=holdout) | (
+            {} if borrowed is None else {"borrowed": len(borrowed[0])}),
         holdout=holdout_check,
         notes=[] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"],
         risk_test=risk_test,
