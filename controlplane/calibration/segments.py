@@ -35,6 +35,40 @@ except the check tokens, a share of each segment's *requests*
 data the pooled set was not chosen on. If neither test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
 
+A small segment's path borrows the other segments' tokens (`borrow_path`, issue 18's power on
+a small segment). The LTT's guarantee needs only that the path be fixed independently of the
+tokens it is tested on; every other segment's tokens come from other requests, so they may help
+draw it. When the other segments together hold more tokens than this one, its match model per
+layer is its own learn tokens' logistic fit shrunk towards a fit on them plus every other
+segment's tokens (`prior_weight`, a Gaussian prior on the coefficients: `stats._fit_logistic`);
+the test, its requests, its level and the reference reading of the design effect are exactly
+those of the segment's own LTT without borrowing, so its validity is the same by construction.
+A segment holding at least half of the tokens keeps its own path: its learn part is already
+the largest, and a pool it dominates has little to lend (when chat borrowed too, its served
+exit rate did not move: 0.199 with and 0.198 without, 100 trials). What it buys, measured:
+little on bench/segments.py's
+real records (`--requests 480`, 30 trials, same splits: served exit rate 0.2184 own path ->
+0.2207 borrowed at `prior_weight` 30; 0.2191 at 3, 0.2201 at 10, 0.2195 at 100, 0.2191 with the
+pooled fit itself), because there the path is not what limits code: on its serving half
+(15 trials) the best step of its own path under true risk 0.035 exits 0.2166, of the borrowed
+one 0.2190, of a path fitted on its 240 serving requests themselves 0.2195; what limits it is
+the test's power on 34 requests at 0.9 ε/k (its chosen steps' true risk 0.018-0.046). On a
+40-request segment whose requests vary more within themselves it pays more
+(tests/controlplane/calibration/test_segment_power.py: fresh exit rate 0.4496 -> 0.4590).
+
+Weighed and not adopted, with the figures: (1) a smaller learn share for a segment whose path
+is borrowed (0.15 instead of 0.3, so its test holds 41 requests instead of 34): +0.005 served
+exit rate on 30 trials, but its learn requests are half of the reference on which the design
+effect is read apart from the test (26 -> 19 requests), and at the null's boundary the
+request-level test then rejects more often than its level (ε 0.045, 8,000 draws of 32-token
+requests, intra-request correlation 0.03 / 0.09 / 0.25 / 0.67: 0.035 / 0.040 / 0.048 / 0.060
+with 34 tested and 26 apart, 0.038 / 0.048 / 0.054 / 0.071 with 41 and 19): it buys power by
+weakening validity. (2) ε split by 1 / sqrt(tokens) instead of ε/k: +0.002 on 30 trials on top
+of the borrowed path, but it is zero-sum: it takes level from the segments large at
+calibration, and bench/segments.py serves 80% of the segment that was small at calibration,
+which a product default should not assume; and a later one-segment recalibration would have to
+read its recorded share (not ε/k) to keep the joint statement.
+
 Like the LTT itself (`calibration.stats`, "the request-level test"), both tests work at the
 request level when `requests` are given: a segment's own LTT splits and tests whole requests,
 and the pooled check deflates its check tokens by the design effect read on them and on the
@@ -160,6 +194,8 @@ def calibrate_segments(
     pooled_check_share: float = 0.1,
     risk_test: str = "binomial",
     match_model: str = "logistic",
+    borrow_path: bool = True,
+    prior_weight: float = 30.0,
     seed: int = 0,
 ) -> SegmentedCalibration:
     """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
@@ -169,7 +205,9 @@ def calibrate_segments(
     None), so that the pooled set's check tokens are whole requests. `risk_test` and
     `match_model` go to every `calibrate_thresholds` run (and the pooled check uses the same
     test); `pooled_check_share` is the share of a segment's ε/k kept for the pooled-set
-    fallback when its own LTT runs (module docstring). Raises ValueError on
+    fallback when its own LTT runs; `borrow_path` lets a segment smaller than the rest draw its
+    path with the other segments' tokens, shrunk by `prior_weight` (module docstring; False:
+    each path from its own learn tokens only, as before). Raises ValueError on
     malformed input; a segment or pool too small for LTT is not an error, it is reported.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -207,10 +245,15 @@ def calibrate_segments(
     decided = {}
     for name in names:
         mine = labels == name
+        own_options = dict(options)
+        if borrow_path and (~mine).sum() > mine.sum():
+            # every other segment's tokens: none is among this segment's test requests
+            own_options.update(borrowed=(signals[~mine], matched[~mine]),
+                               prior_weight=prior_weight)
         decided[name] = _decide(
             name, signals[mine], matched[mine], check[mine], requests[mine], pooled=pooled,
             never=never, delta=delta, per_segment=per_segment,
-            check_share=pooled_check_share, options=options)
+            check_share=pooled_check_share, options=own_options)
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
         dict(pooled.thresholds) if pooled is not None else never)
     return SegmentedCalibration(delta=delta, epsilon=epsilon, epsilon_per_segment=per_segment,

@@ -1,0 +1,143 @@
+"""A small segment's own Learn-Then-Test draws its path with the other segments' tokens
+(issue 18, the per-segment calibration's power): on the same data it certifies more exits than a
+path learnt on its own few tokens, while at the null (its signals mean less than the pool's, so
+the borrowed path misleads) every segment stays within δ jointly in at least 1-ε of the trials,
+tested per request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controlplane.calibration.segments import calibrate_segments
+from controlplane.calibration.stats import (
+    LogisticMatchModel,
+    calibrate_thresholds,
+    policy_disagreement,
+    simulate_policy,
+)
+
+DELTA, EPSILON = 0.05, 0.1
+LAYERS, NUM_LAYERS = [8, 16, 24], 30
+TOKENS = 32
+
+
+def _requests(count: int, *, seed: int, overconfidence: float = 0.0, first_id: int = 0,
+              spread: float = 0.15):
+    """(signals (n, 3), matched (n, 3), request ids) of `count` requests of 32 tokens: a token
+    of difficulty d matches full depth at layer k with probability sigmoid(8 k / 30 - 6 d - 1 -
+    `overconfidence`), its difficulty a request's (Beta(3, 2)) plus N(0, `spread`) of its own
+    (so a request's tokens agree together), the signal a noisy view that does not see
+    `overconfidence`: the same signal means less match in a segment with a larger one."""
+    rng = np.random.default_rng(seed)
+    request_difficulty = np.repeat(rng.beta(3.0, 2.0, size=count), TOKENS)
+    n = count * TOKENS
+    difficulty = np.clip(request_difficulty + spread * rng.standard_normal(n), 0.0, 1.0)[:, None]
+    depth = np.asarray(LAYERS, dtype=float)[None, :] / NUM_LAYERS
+    seen = 8.0 * depth - 6.0 * difficulty - 1.0  # (n, L)
+    matched = rng.random(seen.shape) < 1.0 / (1.0 + np.exp(-(seen - overconfidence)))
+    signals = 1.0 / (1.0 + np.exp(-(1.3 * seen + 0.5 + rng.standard_normal(seen.shape))))
+    return signals, matched, np.repeat(np.arange(first_id, first_id + count), TOKENS)
+
+
+def _mix(chat, code):
+    return (np.vstack([chat[0], code[0]]), np.vstack([chat[1], code[1]]),
+            np.array(["chat"] * len(chat[0]) + ["code"] * len(code[0])),
+            np.concatenate([chat[2], code[2]]))
+
+
+def _calibrate(chat, code, *, seed: int, **options):
+    signals, matched, segments, requests = _mix(chat, code)
+    return calibrate_segments(signals=signals, matched=matched, segments=segments,
+                              requests=requests, exit_layers=LAYERS, num_layers=NUM_LAYERS,
+                              delta=DELTA, epsilon=EPSILON, min_samples_per_layer=200,
+                              seed=seed, **options)
+
+
+def test_a_fit_shrunk_towards_a_prior_lies_between_the_prior_and_its_own_tokens():
+    rng = np.random.default_rng(0)
+    signals = rng.random(4000)
+    pool = LogisticMatchModel(signals, rng.random(4000) < signals)
+    few = rng.random(60)
+    matched = rng.random(60) < few ** 3  # this segment's tokens match far less
+    own = LogisticMatchModel(few, matched)
+    shrunk = LogisticMatchModel(few, matched, prior=pool, prior_weight=30.0)
+    at = np.array([0.5])
+    assert own.predict(at)[0] < shrunk.predict(at)[0] < pool.predict(at)[0]
+    stronger = LogisticMatchModel(few, matched, prior=pool, prior_weight=3000.0)
+    assert abs(stronger.predict(at)[0] - pool.predict(at)[0]) < abs(
+        shrunk.predict(at)[0] - pool.predict(at)[0])
+    # no prior weight: exactly its own fit; a flat own sample still moves the prior's curve
+    unshrunk = LogisticMatchModel(few, matched, prior=pool, prior_weight=0.0)
+    assert np.allclose(unshrunk.y_thresholds_, own.y_thresholds_)
+    all_matched = LogisticMatchModel(few, np.ones(60, bool), prior=pool, prior_weight=30.0)
+    assert all_matched.predict(at)[0] > pool.predict(at)[0]
+
+
+def test_borrowed_tokens_draw_the_path_but_never_join_the_test():
+    code = _requests(60, seed=1)
+    chat = _requests(240, seed=2, first_id=1000)
+    own = calibrate_thresholds(signals=code[0], matched=code[1], requests=code[2],
+                               exit_layers=LAYERS, num_layers=NUM_LAYERS, delta=DELTA,
+                               epsilon=0.045, min_samples_per_layer=200, seed=3,
+                               learn_fraction=0.15)
+    borrowing = calibrate_thresholds(signals=code[0], matched=code[1], requests=code[2],
+                                     exit_layers=LAYERS, num_layers=NUM_LAYERS, delta=DELTA,
+                                     epsilon=0.045, min_samples_per_layer=200, seed=3,
+                                     learn_fraction=0.15, borrowed=(chat[0], chat[1]),
+                                     prior_weight=30.0)
+    assert borrowing.samples["borrowed"] == 240 * TOKENS
+    # the same split of the segment's own requests: the test sees the same tokens
+    for part in ("test", "learn", "holdout", "test_requests"):
+        assert borrowing.samples[part] == own.samples[part]
+    assert borrowing.samples["total"] == 60 * TOKENS
+    assert [c.thresholds for c in borrowing.curve] != [c.thresholds for c in own.curve]
+
+
+@pytest.mark.slow  # 30 seeded calibrations of a two-segment mix, each way: ~15 s
+def test_a_small_segment_certifies_more_exits_with_a_borrowed_path_on_the_same_data():
+    """Same mixes, same seeds: the small segment (40 requests against 240) exits more on fresh
+    traffic of its kind when its path borrows the large segment's tokens than when it is drawn
+    from its own dozen learn requests, and stays within δ."""
+    fresh = _requests(3000, seed=99_999, spread=0.3)
+    exits = {"borrowed": [], "own": []}
+    for trial in range(30):
+        chat = _requests(240, seed=2 * trial, first_id=10_000)
+        code = _requests(40, seed=2 * trial + 1, spread=0.3)
+        for kind, options in (("borrowed", {}), ("own", {"borrow_path": False})):
+            result = _calibrate(chat, code, seed=trial, **options)
+            thresholds = result.segments["code"].thresholds
+            first, _ = simulate_policy(fresh[0], fresh[1], [thresholds[k] for k in LAYERS])
+            exits[kind].append(float((first < len(LAYERS)).mean()))
+    borrowed, own = np.mean(exits["borrowed"]), np.mean(exits["own"])
+    print(f"small segment's fresh exit rate: borrowed path {borrowed:.4f}, own path {own:.4f}")
+    assert borrowed > own + 0.005
+
+
+@pytest.mark.slow  # 80 seeded calibrations, each scored on fresh requests: ~20 s
+def test_a_misleading_borrowed_path_keeps_every_segment_within_delta_jointly():
+    """At the null: the small segment's signals overstate its match (its exits are wrong more
+    often than the pool's at the same signal), so the path borrowed from the pool leads it
+    towards thresholds that are too aggressive; its own test at ε/k, per request, must stop it.
+    The share of trials where some segment's true risk (on fresh requests of its kind) exceeds δ
+    stays <= ε (+ slack for 80 trials), and the check is not vacuous (the small segment exits)."""
+    trials, slack = 80, 0.05
+    fresh = {"chat": _requests(3000, seed=77_777),
+             "code": _requests(3000, seed=88_888, overconfidence=1.5)}
+    joint, code_over, code_exits = 0, 0, 0
+    for trial in range(trials):
+        chat = _requests(240, seed=3 * trial, first_id=10_000)
+        code = _requests(60, seed=3 * trial + 1, overconfidence=1.5)
+        result = _calibrate(chat, code, seed=trial)
+        over = {}
+        for name, seg in result.segments.items():
+            wrong, n = policy_disagreement(*fresh[name][:2], [seg.thresholds[k] for k in LAYERS])
+            over[name] = wrong / n > DELTA
+        joint += any(over.values())
+        code_over += over["code"]
+        code_exits += result.segments["code"].exits
+    print(f"joint violations {joint}/{trials}, small segment {code_over}/{trials}, "
+          f"small segment exiting {code_exits}/{trials}")
+    assert joint / trials <= EPSILON + slack
+    assert code_over / trials <= EPSILON / 2 + slack
+    assert code_exits >= trials / 2
