@@ -45,6 +45,8 @@ D --risk-test hoeffding-bentkus
 E --independent-tokens (binomial, logistic path,
   0.9 ε/k; main at 9de5f49, tokens as independent)    0.81     0.08            0.227   0.244  0.93x
 defaults: E tested per request (ltt-cluster)          0.79     0.02            0.214   0.241  0.89x
+defaults: + a small segment's path borrows the
+  others' tokens (the row above: main before it)     0.79     0.01            0.215   0.241  0.89x
 
 (row A differs from main only by the path levels read off the fit, which every row but
 main's has). In row E the served code segment exits 0.233 (chat 0.203) and, per segment,
@@ -58,6 +60,19 @@ requests (1,088 tokens), whose design effect reads 1.1-1.6 at the chosen step, w
 recalibrated pool tests 168; the exit ratio fell 0.93x -> 0.89x, under the 0.9x target by
 0.011 (0.91x on the first 30 trials alone: the ratio is noisy at this margin). At `--requests
 120` (row E): 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
+
+The borrowed path (2026-12-01, `calibration.segments`, "A small segment's path borrows"): code's
+path drawn from its own learn tokens shrunk towards a fit on every chat token (the test, its
+requests and level unchanged): code 0.218 -> 0.219, chat keeps its own path (0.198), segment
+0.2141 -> 0.2149 vs 0.2408 (0.889x -> 0.892x), served alone each segment exceeds δ in 0.02
+(code) and 0.09 (chat) of trials (serving half: 0.02 / 0.06); 168 s. Still under 0.9x: the path
+is not what limits code (on its serving half, at true risk 0.035 its own path's best step exits
+0.2166, a path fitted on its 240 serving requests themselves 0.2195, 15 trials); its test on 34
+requests at 0.9 ε/k is. Moving its learn requests into the test (learn share 0.15, 41 test
+requests) gave +0.005 on 30 trials but shrinks the reference on which the design effect is read
+(26 -> 19 requests), and the test then rejects a true null more often than its level (figures
+in `calibration.segments`); an ε split by 1 / sqrt(tokens) gave +0.002 more, zero-sum in
+favour of the bench's served segment. Neither adopted.
 
 Where the per-segment sets lost exits (measured): in the 80/20 mix code has 60 requests (1,920
 tokens) against the recalibrated pool's 300 (9,600); on main its own LTT held out 384 tokens,
@@ -75,6 +90,7 @@ could then overspend the joint ε).
     # 480 requests per source (records: bench/drift_real.py --records-only --requests 480,
     # about 20 minutes per source on a loaded 2-core box)
     .venv/bin/python -P bench/segments.py --requests 480
+    .venv/bin/python -P bench/segments.py --requests 480 --own-path-only  # before seg-power
 """
 
 from __future__ import annotations
@@ -182,12 +198,13 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
                min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
                match_model: str = "logistic", pooled_check_share: float = 0.1,
-               by_request: bool = True) -> dict:
+               by_request: bool = True, borrow_path: bool = True) -> dict:
     """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
     `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
     product defaults), there to measure what each costs; every set uses the same ones.
     `by_request` False hides the request ids from every calibrator (tokens then count as
-    independent draws, the calibrator before request-level tests)."""
+    independent draws, the calibrator before request-level tests). `borrow_path` False draws
+    each segment's path from its own learn tokens only (the calibrator before it borrowed)."""
     method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
@@ -218,7 +235,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
             signals=cal[0], matched=cal[1], segments=cal[2], requests=_ids(cal, by_request),
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
             min_samples_per_layer=min_samples, seed=trial,
-            pooled_check_share=pooled_check_share, **method)
+            pooled_check_share=pooled_check_share, borrow_path=borrow_path, **method)
         recalibrated = _pooled(after[0], after[1], _ids(after, by_request), seed=trial, **options)
 
         sets = {
@@ -281,6 +298,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "match_model": match_model,
         "pooled_check_share": pooled_check_share,
         "risk_unit": "request" if by_request else "token",
+        "borrow_path": borrow_path,
     }
 
 
@@ -309,6 +327,9 @@ def main() -> int:
     parser.add_argument("--independent-tokens", action="store_true",
                         help="hide request ids from the calibrators (ablation: the token-level "
                              "test they used before)")
+    parser.add_argument("--own-path-only", action="store_true",
+                        help="each segment's path from its own learn tokens only (ablation: "
+                             "the calibrator before it borrowed the other segments')")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
@@ -327,7 +348,8 @@ def main() -> int:
                         split=args.split, min_samples=args.min_samples, seed=args.seed,
                         risk_test=args.risk_test, match_model=args.match_model,
                         pooled_check_share=args.pooled_check_share,
-                        by_request=not args.independent_tokens)
+                        by_request=not args.independent_tokens,
+                        borrow_path=not args.own_path_only)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0
