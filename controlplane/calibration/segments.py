@@ -163,6 +163,8 @@ class SegmentedCalibration:
                 "exit_rate": None if seg.result is None else seg.result.exit_rate,
                 "holdout_passed": None if seg.result is None or seg.result.holdout is None
                 else seg.result.holdout.passed,
+                "borrowed_tokens": None if seg.result is None
+                else seg.result.samples.get("borrowed", 0),
             } for name, seg in sorted(self.segments.items())},
             "notes": list(self.notes),
         }
@@ -281,7 +283,8 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
                 segment=name, source="segment", thresholds=dict(own.thresholds), result=own,
                 reason=(f"own Learn-Then-Test at {1 - check_share:g} ε/k = {own_level:.4g}: "
                         f"risk bound "
-                        f"{own.risk_bound:.4g} <= δ {delta:g}, exit rate {own.exit_rate:.3f}"),
+                        f"{own.risk_bound:.4g} <= δ {delta:g}, exit rate {own.exit_rate:.3f}"
+                        + _borrowed_note(own)),
                 **sizes)
         why_not = "its own calibration certified no exiting step"
     # The rest of the segment's ε when its own LTT ran; otherwise all of it is here.
@@ -305,6 +308,15 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
         reason=(f"{why_not}; the pooled set is not certified on its {check_test.tokens} check "
                 f"tokens ({check_test.disagreements} disagreements, p "
                 f"{check_test.p_value:.3g} > {level:.4g}): never exit"), **sizes)
+
+
+def _borrowed_note(result: CalibrationResult) -> str:
+    """How the segment's path was drawn, for its reason (the operator sees what it rests on)."""
+    borrowed = result.samples.get("borrowed")
+    if not borrowed:
+        return ""
+    return (f"; path drawn with {borrowed} tokens of the other segments besides its own "
+            f"{result.samples['learn']} learn tokens (tested on its own {result.samples['test']})")
 
 
 def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray,

@@ -94,7 +94,7 @@ def test_borrowed_tokens_draw_the_path_but_never_join_the_test():
     assert [c.thresholds for c in borrowing.curve] != [c.thresholds for c in own.curve]
 
 
-@pytest.mark.slow  # 30 seeded calibrations of a two-segment mix, each way: ~15 s
+@pytest.mark.slow  # 30 seeded calibrations of a two-segment mix, each way: ~25 s
 def test_a_small_segment_certifies_more_exits_with_a_borrowed_path_on_the_same_data():
     """Same mixes, same seeds: the small segment (40 requests against 240) exits more on fresh
     traffic of its kind when its path borrows the large segment's tokens than when it is drawn
@@ -114,17 +114,35 @@ def test_a_small_segment_certifies_more_exits_with_a_borrowed_path_on_the_same_d
     assert borrowed > own + 0.005
 
 
-@pytest.mark.slow  # 80 seeded calibrations, each scored on fresh requests: ~20 s
+def test_the_result_says_which_segment_borrowed_its_path():
+    chat = _requests(240, seed=5, first_id=10_000)
+    code = _requests(40, seed=6, spread=0.3)
+    result = _calibrate(chat, code, seed=0)
+    small, large = result.segments["code"], result.segments["chat"]
+    assert small.source == large.source == "segment"
+    assert small.result.samples["borrowed"] == 240 * TOKENS
+    assert f"path drawn with {240 * TOKENS} tokens of the other segments" in small.reason
+    # the largest segment keeps its own path
+    assert "borrowed" not in large.result.samples and "path drawn" not in large.reason
+    summary = result.summary()["segments"]
+    assert summary["code"]["borrowed_tokens"] == 240 * TOKENS
+    assert summary["chat"]["borrowed_tokens"] == 0
+    unborrowed = _calibrate(chat, code, seed=0, borrow_path=False).segments["code"]
+    assert "borrowed" not in unborrowed.result.samples
+
+
+@pytest.mark.slow  # 80 seeded calibrations, each scored on fresh requests: ~30 s
 def test_a_misleading_borrowed_path_keeps_every_segment_within_delta_jointly():
     """At the null: the small segment's signals overstate its match (its exits are wrong more
     often than the pool's at the same signal), so the path borrowed from the pool leads it
     towards thresholds that are too aggressive; its own test at ε/k, per request, must stop it.
     The share of trials where some segment's true risk (on fresh requests of its kind) exceeds δ
-    stays <= ε (+ slack for 80 trials), and the check is not vacuous (the small segment exits)."""
+    stays <= ε (+ slack for 80 trials), and the check is not vacuous: the small segment exits,
+    and the pooled set (drawn and tested mostly on the other segment) breaks δ on it."""
     trials, slack = 80, 0.05
     fresh = {"chat": _requests(3000, seed=77_777),
              "code": _requests(3000, seed=88_888, overconfidence=1.5)}
-    joint, code_over, code_exits = 0, 0, 0
+    joint, code_over, code_exits, pooled_over = 0, 0, 0, 0
     for trial in range(trials):
         chat = _requests(240, seed=3 * trial, first_id=10_000)
         code = _requests(60, seed=3 * trial + 1, overconfidence=1.5)
@@ -136,8 +154,13 @@ def test_a_misleading_borrowed_path_keeps_every_segment_within_delta_jointly():
         joint += any(over.values())
         code_over += over["code"]
         code_exits += result.segments["code"].exits
+        wrong, n = policy_disagreement(*fresh["code"][:2],
+                                       [result.pooled.thresholds[k] for k in LAYERS])
+        pooled_over += wrong / n > DELTA
     print(f"joint violations {joint}/{trials}, small segment {code_over}/{trials}, "
-          f"small segment exiting {code_exits}/{trials}")
+          f"small segment exiting {code_exits}/{trials}, pooled set over δ on it "
+          f"{pooled_over}/{trials}")
     assert joint / trials <= EPSILON + slack
     assert code_over / trials <= EPSILON / 2 + slack
     assert code_exits >= trials / 2
+    assert pooled_over / trials > EPSILON + slack
