@@ -43,6 +43,8 @@ layer is its own learn tokens' logistic fit shrunk towards a fit on them plus ev
 segment's tokens (`prior_weight`, a Gaussian prior on the coefficients: `stats._fit_logistic`);
 the test, its requests, its level and the reference reading of the design effect are exactly
 those of the segment's own LTT without borrowing, so its validity is the same by construction.
+A one-segment recalibration (a segment that fell back alone) decides the same way
+(`path_borrowing`) with the other segments' shadow tokens of its window.
 A segment holding at least half of the tokens keeps its own path: its learn part is already
 the largest, and a pool it dominates has little to lend (when chat borrowed too, its served
 exit rate did not move: 0.199 with and 0.198 without, 100 trials). What it buys, measured:
@@ -96,6 +98,21 @@ from controlplane.stats.clustered import cluster_codes
 from exitplane.wire import DEFAULT_SEGMENT
 
 Source = Literal["segment", "pooled", "conservative"]
+
+# The shrink of a borrowing segment's match model towards the fit on every segment's tokens
+# (module docstring: 3 / 10 / 30 / 100 measured, 30 kept)
+PRIOR_WEIGHT = 30.0
+
+
+def path_borrowing(own_tokens: int, borrowed: tuple[np.ndarray, np.ndarray] | None, *,
+                   prior_weight: float = PRIOR_WEIGHT) -> dict[str, Any]:
+    """`calibrate_thresholds` options that let a segment of `own_tokens` shadow tokens draw its
+    path with `borrowed` (signals, matched) of the other segments' requests, when those
+    outnumber its own (module docstring); {} otherwise. Used by `calibrate_segments` and by a
+    one-segment recalibration (`calibration.service`), so both decide alike."""
+    if borrowed is None or len(borrowed[0]) <= own_tokens:
+        return {}
+    return {"borrowed": borrowed, "prior_weight": prior_weight}
 
 
 @dataclass(frozen=True)
@@ -197,7 +214,7 @@ def calibrate_segments(
     risk_test: str = "binomial",
     match_model: str = "logistic",
     borrow_path: bool = True,
-    prior_weight: float = 30.0,
+    prior_weight: float = PRIOR_WEIGHT,
     seed: int = 0,
 ) -> SegmentedCalibration:
     """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
@@ -248,10 +265,10 @@ def calibrate_segments(
     for name in names:
         mine = labels == name
         own_options = dict(options)
-        if borrow_path and (~mine).sum() > mine.sum():
+        if borrow_path:
             # every other segment's tokens: none is among this segment's test requests
-            own_options.update(borrowed=(signals[~mine], matched[~mine]),
-                               prior_weight=prior_weight)
+            own_options.update(path_borrowing(int(mine.sum()), (signals[~mine], matched[~mine]),
+                                              prior_weight=prior_weight))
         decided[name] = _decide(
             name, signals[mine], matched[mine], check[mine], requests[mine], pooled=pooled,
             never=never, delta=delta, per_segment=per_segment,

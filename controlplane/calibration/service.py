@@ -48,7 +48,11 @@ from controlplane.calibration.canary import (
 )
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
 from controlplane.calibration.segment_sets import replace_segment_map
-from controlplane.calibration.segments import SegmentedCalibration, calibrate_segments
+from controlplane.calibration.segments import (
+    SegmentedCalibration,
+    calibrate_segments,
+    path_borrowing,
+)
 from controlplane.calibration.stats import (
     CalibrationResult,
     NotEnoughShadowData,
@@ -191,11 +195,15 @@ class ShadowWindow:
     segment: str | None = None
     segments: np.ndarray | None = None
     requests: np.ndarray | None = None
+    # issue 18 (seg-power): for a segment job, the other segments' shadow tokens of the same
+    # window (signals, matched), which its path may borrow (`segments.path_borrowing`)
+    borrowed: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def read_window(*, session: Session, job: CalibrationJob,
                 now: datetime | None = None) -> ShadowWindow | None:
-    """The job's shadow samples (None when the job is already finished)."""
+    """The job's shadow samples (None when the job is already finished); a segment job's come
+    with the other segments' shadow tokens of the same window, which its path may borrow."""
     session.refresh(job)
     if job.status in FINISHED:
         return None
@@ -208,10 +216,17 @@ def read_window(*, session: Session, job: CalibrationJob,
         requests, signals, matched = shadow_samples_by_request(
             session=session, deployment=deployment, since=job.since, until=until,
             segment=job.segment)
+        others = [shadow_samples_by_request(session=session, deployment=deployment,
+                                            since=job.since, until=until, segment=name)[1:]
+                  for name in [DEFAULT_SEGMENT, *known] if name != job.segment]
+        others = [part for part in others if len(part[0])]
         # Its share of the joint ε, as `calibrate_segments` gives each segment (module doc).
         return ShadowWindow(signals=signals, matched=matched, segment=job.segment,
                             requests=np.asarray(requests, dtype=str),
-                            epsilon=deployment.epsilon / (1 + len(known)), **shape)
+                            epsilon=deployment.epsilon / (1 + len(known)),
+                            borrowed=(np.concatenate([part[0] for part in others]),
+                                      np.concatenate([part[1] for part in others]))
+                            if others else None, **shape)
     if known:
         window = _segmented_window(session=session, deployment=deployment, since=job.since,
                                    until=until, names=[DEFAULT_SEGMENT, *known], shape=shape)
@@ -266,7 +281,8 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
             requests=window.requests,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
-            learn_fraction=policy.learn_fraction, seed=policy.seed)
+            learn_fraction=policy.learn_fraction, seed=policy.seed,
+            **path_borrowing(len(window.signals), window.borrowed))
     except NotEnoughShadowData as shortage:
         return shortage
 

@@ -6,9 +6,13 @@ tested per request."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 
+from controlplane.calibration import service
+from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.calibration.stats import (
     LogisticMatchModel,
@@ -16,6 +20,9 @@ from controlplane.calibration.stats import (
     policy_disagreement,
     simulate_policy,
 )
+from controlplane.db import session_scope, utcnow
+from controlplane.thresholds.service import get_deployment
+from tests.controlplane.calibration.support import make_deployment, separable_samples, write_traffic
 
 DELTA, EPSILON = 0.05, 0.1
 LAYERS, NUM_LAYERS = [8, 16, 24], 30
@@ -164,3 +171,41 @@ def test_a_misleading_borrowed_path_keeps_every_segment_within_delta_jointly():
     assert code_over / trials <= EPSILON / 2 + slack
     assert code_exits >= trials / 2
     assert pooled_over / trials > EPSILON + slack
+
+
+def _window_job(engine, *, segment: str) -> int:
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="assist")
+        job, _ = service.request_calibration(session=session, deployment=deployment,
+                                             actor="test", segment=segment,
+                                             since=utcnow() - timedelta(hours=1))
+        return job.id
+
+
+def test_a_one_segment_recalibration_borrows_the_other_segments_tokens_of_its_window(
+        engine, outbox):
+    """The job of a segment that fell back alone reads the other segments' shadow tokens of
+    the same window for its path (and only when they outnumber its own); its test, on its own
+    tokens, at its share of ε, is what it was."""
+    start = utcnow() - timedelta(minutes=30)
+    with session_scope(engine) as session:
+        make_deployment(session, name="assist")
+        write_traffic(session, "assist", *separable_samples(4000, seed=1, noise=0.02),
+                      start=start, request_tokens=32)
+        write_traffic(session, "assist", *separable_samples(1000, seed=2, noise=0.02),
+                      start=start, request_tokens=32, segment="code", runtime_id="rt-code")
+    policy = service.CalibrationPolicy(min_samples_per_layer=300)
+    outcomes = {}
+    for name in ("code", "default"):
+        job_id = _window_job(engine, segment=name)
+        with session_scope(engine) as session:
+            window = service.read_window(session=session, job=session.get(CalibrationJob, job_id))
+        outcomes[name] = (window, service.calibrate_window(window, policy))
+    code_window, code = outcomes["code"]
+    assert len(code_window.signals) == 1000 and len(code_window.borrowed[0]) == 4000
+    assert code_window.epsilon == pytest.approx(0.1 / 2)
+    assert code.samples["borrowed"] == 4000 and code.samples["total"] == 1000
+    assert any(t < 1.0 for t in code.thresholds.values())
+    default_window, default = outcomes["default"]
+    assert len(default_window.borrowed[0]) == 1000  # code's: fewer than its own, not used
+    assert "borrowed" not in default.samples
