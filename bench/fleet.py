@@ -73,6 +73,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
@@ -642,17 +643,20 @@ class Fleet:
             await asyncio.sleep(wait or min(5.0, 0.1 * 2 ** attempt) * random.uniform(0.5, 1))
 
     async def _poll(self, runtime: SimRuntime) -> None:
+        # A runtime starts as the client does: one plain pull for its set, then long-polls.
+        started = False
         while not self.stopping:
             try:
-                self.pulls_holding += 1
+                self.pulls_holding += started
                 try:
                     response = await runtime.polling.request(
                         "GET", f"/v1/deployments/{self.deployment}/thresholds"
-                               f"?runtime_id={runtime.runtime_id}&wait=60",
-                        headers={**runtime.auth, "If-None-Match": f'"{runtime.etag}"'},
-                        timeout=90)
+                               f"?runtime_id={runtime.runtime_id}" + ("&wait=60" * started),
+                        headers={**runtime.auth, "If-None-Match": f'"{runtime.etag}"'}
+                        if started else runtime.auth, timeout=90)
                 finally:
-                    self.pulls_holding -= 1
+                    self.pulls_holding -= started
+                    started = True
                 if response.status_code == 200:
                     received = time.monotonic()
                     body = response.json()
@@ -768,6 +772,7 @@ async def _probe_pulls(spec: dict) -> dict:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
     clients = [httpx.AsyncClient(base_url=url, timeout=spec["timeout_s"])
                for url in spec["urls"]]
+    server_before = [await _server_timings(client) for client in clients]
     latencies, errors = [], 0
     deadline = time.monotonic() + spec["budget_s"]
     try:
@@ -785,12 +790,51 @@ async def _probe_pulls(spec: dict) -> dict:
                 errors += 1
             latencies.append((time.perf_counter() - start) * 1000)
             await asyncio.sleep(0.02)
+        server = [await _server_timings(client) for client in clients]
     finally:
         for client in clients:
             await client.aclose()
+    # What the APIs saw in the same seconds (their /metrics, summed over both): the 304s'
+    # durations inside the app, how late each event loop woke (`exitplane_event_loop_lag`) and
+    # its collector's pauses.
+    # A client tail with neither means the wait was outside the processes' Python code.
+    inside = {name: {le: sum(after[name].get(le, 0) - before[name].get(le, 0)
+                             for before, after in zip(server_before, server, strict=True))
+                     for le in server[0][name]} for name in server[0]}
     return {"pull_p99_ms": round(percentile(latencies, 99), 1),
             "pull_p50_ms": round(percentile(latencies, 50), 1), "pulls": len(latencies),
-            "errors": errors, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+            "slowest_ms": [round(value, 1) for value in sorted(latencies)[-5:]],
+            "errors": errors, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "server_304_over": _over(inside["pull"]), "loop_lag_over": _over(inside["lag"]),
+            "gc_pause_over": _over(inside["gc"])}
+
+
+def _over(buckets: dict[float, float]) -> dict[str, int]:
+    """Cumulative bucket counts -> how many samples exceeded 10 / 25 / 50 / 100 ms."""
+    total = buckets.get(float("inf"), 0)
+    return {f"{int(le * 1000)}ms": int(total - buckets.get(le, 0))
+            for le in (0.01, 0.025, 0.05, 0.1)} | {"samples": int(total)}
+
+
+async def _server_timings(client: httpx.AsyncClient) -> dict[str, dict[float, float]]:
+    """Cumulative buckets of an API's GET 304 durations, event-loop lag and garbage
+    collection pauses (its /metrics)."""
+    text_ = (await client.get("/metrics")).text
+    found: dict[str, dict[float, float]] = {"pull": {}, "lag": {}, "gc": {}}
+    for family in text_string_to_metric_families(text_):
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                continue
+            le = float(sample.labels["le"])
+            if family.name == "exitplane_event_loop_lag_seconds":
+                found["lag"][le] = found["lag"].get(le, 0) + sample.value
+            elif family.name == "exitplane_gc_pause_seconds":
+                found["gc"][le] = found["gc"].get(le, 0) + sample.value
+            elif (family.name == "exitplane_http_request_duration_seconds"
+                  and sample.labels.get("method") == "GET"
+                  and sample.labels.get("status") == "304"):
+                found["pull"][le] = found["pull"].get(le, 0) + sample.value
+    return found
 
 
 TICK_CHUNK = 50  # runtimes generated between two yields to the event loop

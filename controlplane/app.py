@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from controlplane import metrics, observability
+from controlplane import collector, metrics, observability
 from controlplane.alerts.api import router as alerts_router
 from controlplane.alerts.exporter import store_collector
 from controlplane.auth.api import router as auth_router
@@ -60,7 +60,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     async def lifespan(app: FastAPI):
         await to_thread.run_sync(_prepare_store, factory)
         app.state.bus.start()
-        yield
+        collector.freeze_startup()  # controlplane/collector.py: the pull tail at fleet load
+        async with (observability.loop_lag_watcher(),
+                    collector.scheduled_full_collections(settings.api_gc_full_interval_s)):
+            yield
         app.state.bus.close()
         app.state.config_delivery.close()
 
@@ -97,7 +100,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                        routes={TELEMETRY_PATH: settings.max_body_bytes})
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
                        principals=app.state.principal_cache, digest=digest,
-                       limiter=app.state.rate_limiters["pull"])
+                       limiter=app.state.rate_limiters["pull"],
+                       long_poll_max_s=settings.long_poll_max_s)
     # Outermost: request id, access log and duration cover every layer below (issue 15).
     observability.install(app, access_log=settings.access_log if settings.access_log is not None
                           else access_log_enabled(settings.environment))

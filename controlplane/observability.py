@@ -8,6 +8,9 @@ duration by route template (never the raw path: ids in paths would explode the s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import logging
 import time
 
@@ -23,6 +26,63 @@ http_request_duration = Histogram(
     "exitplane_http_request_duration_seconds", "HTTP request duration by route template",
     ["method", "route", "status"], registry=registry,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
+
+
+# How late the API's event loop wakes a sleeper: every request the process serves waits at least
+# this long; a tail here with fast handlers means the loop (or the CPU) is shared too thinly.
+event_loop_lag = Histogram(
+    "exitplane_event_loop_lag_seconds", "Delay of the API event loop waking a 250 ms sleeper",
+    registry=registry,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+
+LOOP_LAG_PERIOD_S = 0.25
+
+
+async def watch_loop_lag(period: float = LOOP_LAG_PERIOD_S) -> None:
+    """Observe `event_loop_lag` every `period` seconds until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(period)
+        event_loop_lag.observe(max(0.0, loop.time() - start - period))
+
+
+# The collector stops every thread of the process while it runs: a long pause is a latency
+# tail for every request in flight, whatever the handlers cost.
+gc_pause = Histogram(
+    "exitplane_gc_pause_seconds", "Python garbage collection pauses, by generation",
+    ["generation"], registry=registry,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+
+
+class _GcTimer:
+    """A gc callback timing each collection into `gc_pause`."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._children = [gc_pause.labels(str(generation)) for generation in range(3)]
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._children[info["generation"]].observe(time.perf_counter() - self._started)
+
+
+@contextlib.asynccontextmanager
+async def loop_lag_watcher():
+    """Run `watch_loop_lag` and time garbage collections for the life of the app (its
+    lifespan)."""
+    task = asyncio.create_task(watch_loop_lag())
+    timer = _GcTimer()
+    gc.callbacks.append(timer)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(timer)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def route_template(scope: dict) -> str:

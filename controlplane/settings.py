@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     port: int = 8000
     public_url: str = ""
     long_poll_max_s: float = Field(default=60.0, gt=0)
+    # Issue 14: an API process runs a full garbage collection every this many seconds instead
+    # of Python's automatic ones (controlplane/collector.py); 0 keeps Python's policy.
+    api_gc_full_interval_s: float = Field(default=60.0, ge=0)
     config_cache_ttl_s: float = Field(default=0.5, ge=0)
     # Hard maximum age of a cached token lookup: a revoked token stops working within it even
     # when the revocation notice is lost.

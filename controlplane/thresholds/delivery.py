@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.coordination.bus import Bus
 from controlplane.thresholds.models import Alias, ThresholdSet
 from controlplane.thresholds.service import get_deployment, in_canary, to_wire
-from exitplane.wire import ThresholdSetWire
+from exitplane.wire import RUNTIME_ID_PATTERN, ThresholdSetWire
 
 
 @dataclass(frozen=True)
@@ -163,31 +164,51 @@ class ConfigDelivery:
 
 
 class NotModifiedFastPath:
-    """Pure-ASGI answer for the hottest request in the system: a runtime polling with a
-    current ETag and no long-poll. When the caller's token and the deployment's state are both
-    in the caches, it answers 304 without entering FastAPI; anything else (a miss, a changed
-    set, a long-poll, a bad token) falls through to the full route, which decides."""
+    """Pure-ASGI answers for the hottest requests in the system: a runtime polling with its
+    current ETag, without (304 at once) or with a long-poll (`wait`: held here until its set
+    changes or the wait ends, then 200 with the new set or 304). When the caller's token and
+    the deployment's state are both in the caches, the pull never enters FastAPI; anything
+    else (a miss, a changed set, a bad token or parameter, an error while waiting) falls
+    through to the full route, which decides.
 
-    def __init__(self, app, *, delivery: ConfigDelivery, principals, digest, limiter) -> None:
+    Why long-polls too: a fleet holds one per runtime at all times, and through the router each
+    held one kept ~250 objects alive (32 coroutines) for its whole wait; at 1,000 runtimes the
+    collector's full passes over them paused each API process 50-300 ms every few seconds,
+    the tail of every other request (bench/fleet.py's probe: exitplane_gc_pause_seconds)."""
+
+    def __init__(self, app, *, delivery: ConfigDelivery, principals, digest, limiter,
+                 long_poll_max_s: float = 60.0) -> None:
         self.app = app
         self.delivery = delivery
         self.principals = principals
         self.digest = digest
         self.limiter = limiter
+        self.long_poll_max_s = long_poll_max_s
+        self._route = None  # the pull's APIRoute: metrics and logs name the route as before
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
             path: str = scope["path"]
             if path.startswith("/v1/deployments/") and path.endswith("/thresholds"):
-                headers = await self._answer(scope)
-                if headers is not None:
-                    await send({"type": "http.response.start", "status": 304,
-                                "headers": headers})
-                    await send({"type": "http.response.body", "body": b""})
+                pull = await self._pull(scope)
+                if pull is not None:
+                    name, runtime_id, chosen, wait = pull
+                    state = None
+                    if wait > 0:
+                        try:
+                            state = await self.delivery.wait_for_change(
+                                name, runtime_id, chosen.checksum,
+                                min(wait, self.long_poll_max_s))
+                        except Exception:  # the store went away meanwhile: the route answers
+                            await self.app(scope, receive, send)
+                            return
+                    await self._send(scope, send, chosen, state, runtime_id)
                     return
         await self.app(scope, receive, send)
 
-    async def _answer(self, scope) -> list[tuple[bytes, bytes]] | None:
+    async def _pull(self, scope) -> tuple[str, str, ThresholdSetWire, float] | None:
+        """(deployment, runtime id, its current set, wait seconds) for a pull this path may
+        answer, after the token's rate limit; None for the route."""
         name = scope["path"][len("/v1/deployments/"):-len("/thresholds")]
         state = self.delivery.cached(name)
         if state is None:
@@ -195,8 +216,9 @@ class NotModifiedFastPath:
         query = dict(part.partition("=")[::2]
                      for part in scope["query_string"].decode("latin-1").split("&") if part)
         runtime_id = query.get("runtime_id", "")
-        if not runtime_id or "%" in runtime_id or query.get("wait", "0") not in ("", "0"):
-            return None
+        wait = _wait_seconds(query.get("wait", "0"))
+        if wait is None or not _RUNTIME_ID.fullmatch(runtime_id):
+            return None  # the route's own 422 says what is wrong
         auth = etag = None
         for key, value in scope["headers"]:
             if key == b"authorization":
@@ -215,5 +237,45 @@ class NotModifiedFastPath:
             return None
         if await self.limiter.retry_after(str(principal.token_id)) is not None:
             return None  # the full route answers 429
-        return [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
-                (b"x-exitplane-version", str(chosen.version).encode())]
+        return name, runtime_id, chosen, wait
+
+    async def _send(self, scope, send, chosen: ThresholdSetWire, state: DeliveryState | None,
+                    runtime_id: str) -> None:
+        """304 if the runtime's set is still `chosen`, else 200 with the set `state` holds."""
+        if state is not None:
+            latest = state.for_runtime(runtime_id)
+            changed = latest.checksum != chosen.checksum
+            chosen = latest
+        else:
+            changed = False
+        scope["route"] = self._pull_route(scope)
+        headers = [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
+                   (b"x-exitplane-version", str(chosen.version).encode())]
+        if not changed:
+            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = state.body(chosen).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            *headers, (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _pull_route(self, scope):
+        if self._route is None:
+            self._route = next((route for route in scope["app"].routes
+                                if getattr(route, "path", None) == PULL_ROUTE), None)
+        return self._route
+
+
+PULL_ROUTE = "/v1/deployments/{name}/thresholds"
+_RUNTIME_ID = re.compile(RUNTIME_ID_PATTERN)
+
+
+def _wait_seconds(raw: str) -> float | None:
+    """The `wait` parameter as the route reads it (0 to 300 seconds), else None."""
+    try:
+        wait = float(raw) if raw else 0.0
+    except ValueError:
+        return None
+    return wait if 0 <= wait <= 300 else None

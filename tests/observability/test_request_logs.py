@@ -178,3 +178,14 @@ def test_http_durations_by_route_template_and_task_durations(stack):
 
     stack["http"].post("/v1/deployments/chat/calibrations", json={"reason": "metrics"})
     assert wait_until(task_count, 90, "a calibration.run duration sample") >= 1
+
+
+def test_the_api_reports_its_event_loop_lag(stack):
+    def lag_samples() -> float:
+        for line in stack["http"].get("/metrics").text.splitlines():
+            if line.startswith("exitplane_event_loop_lag_seconds_count "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    wait_until(lambda: lag_samples() >= 2, 30, "two event-loop lag samples")
+    assert lag_samples() >= 2
