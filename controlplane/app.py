@@ -101,7 +101,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
                        principals=app.state.principal_cache, digest=digest,
                        limiter=app.state.rate_limiters["pull"],
-                       long_poll_max_s=settings.long_poll_max_s)
+                       long_poll_max_s=settings.long_poll_max_s,
+                       route=next(route for route in thresholds_router.routes
+                                  if route.path == "/v1/deployments/{name}/thresholds"))
     # Outermost: request id, access log and duration cover every layer below (issue 15).
     observability.install(app, access_log=settings.access_log if settings.access_log is not None
                           else access_log_enabled(settings.environment))

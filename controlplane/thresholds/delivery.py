@@ -177,14 +177,14 @@ class NotModifiedFastPath:
     the tail of every other request (bench/fleet.py's probe: exitplane_gc_pause_seconds)."""
 
     def __init__(self, app, *, delivery: ConfigDelivery, principals, digest, limiter,
-                 long_poll_max_s: float = 60.0) -> None:
+                 long_poll_max_s: float = 60.0, route=None) -> None:
         self.app = app
         self.delivery = delivery
         self.principals = principals
         self.digest = digest
         self.limiter = limiter
         self.long_poll_max_s = long_poll_max_s
-        self._route = None  # the pull's APIRoute: metrics and logs name the route as before
+        self._route = route  # the pull's APIRoute: metrics and logs name the route as before
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
@@ -248,7 +248,7 @@ class NotModifiedFastPath:
             chosen = latest
         else:
             changed = False
-        scope["route"] = self._pull_route(scope)
+        scope["route"] = self._route
         headers = [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
                    (b"x-exitplane-version", str(chosen.version).encode())]
         if not changed:
@@ -261,14 +261,7 @@ class NotModifiedFastPath:
             (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    def _pull_route(self, scope):
-        if self._route is None:
-            self._route = next((route for route in scope["app"].routes
-                                if getattr(route, "path", None) == PULL_ROUTE), None)
-        return self._route
 
-
-PULL_ROUTE = "/v1/deployments/{name}/thresholds"
 _RUNTIME_ID = re.compile(RUNTIME_ID_PATTERN)
 
 
