@@ -41,7 +41,11 @@ def test_full_collections_run_on_the_schedule_and_the_thresholds_come_back():
             automatic = _automatic_full_passes()
             gc.callbacks.append(note)
             try:
-                await asyncio.sleep(0.35)
+                # every 0.1 s; a full pass of a big, loaded test process may take longer
+                for _ in range(100):
+                    if len(timed) >= 2:
+                        break
+                    await asyncio.sleep(0.1)
             finally:
                 gc.callbacks.remove(note)
             return inside, automatic
@@ -49,7 +53,7 @@ def test_full_collections_run_on_the_schedule_and_the_thresholds_come_back():
     inside, automatic = asyncio.run(scenario())
     assert inside[2] == collector.NEVER and inside[:2] == before[:2]
     assert automatic == 0  # no full pass of Python's own while scheduled
-    assert len(timed) >= 2  # the schedule's, every 0.1 s
+    assert len(timed) >= 2  # the schedule's
     assert gc.get_threshold() == before
 
 
