@@ -22,9 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
-
-log = logging.getLogger(__name__)
 
 NEVER = 2**31 - 1  # a generation-2 threshold the collector never reaches
 _scheduled = 0  # apps of this process inside `scheduled_full_collections`

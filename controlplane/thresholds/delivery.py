@@ -193,7 +193,7 @@ class NotModifiedFastPath:
                 pull = await self._pull(scope)
                 if pull is not None:
                     name, runtime_id, chosen, wait = pull
-                    state = None
+                    body = None
                     if wait > 0:
                         try:
                             state = await self.delivery.wait_for_change(
@@ -202,7 +202,11 @@ class NotModifiedFastPath:
                         except Exception:  # the store went away meanwhile: the route answers
                             await self.app(scope, receive, send)
                             return
-                    await self._send(scope, send, chosen, state, runtime_id)
+                        latest = state.for_runtime(runtime_id)
+                        if latest.checksum != chosen.checksum:
+                            chosen, body = latest, state.body(latest).encode()
+                    scope["route"] = self._route
+                    await _answer(send, chosen, body)
                     return
         await self.app(scope, receive, send)
 
@@ -239,27 +243,19 @@ class NotModifiedFastPath:
             return None  # the full route answers 429
         return name, runtime_id, chosen, wait
 
-    async def _send(self, scope, send, chosen: ThresholdSetWire, state: DeliveryState | None,
-                    runtime_id: str) -> None:
-        """304 if the runtime's set is still `chosen`, else 200 with the set `state` holds."""
-        if state is not None:
-            latest = state.for_runtime(runtime_id)
-            changed = latest.checksum != chosen.checksum
-            chosen = latest
-        else:
-            changed = False
-        scope["route"] = self._route
-        headers = [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
-                   (b"x-exitplane-version", str(chosen.version).encode())]
-        if not changed:
-            await send({"type": "http.response.start", "status": 304, "headers": headers})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        body = state.body(chosen).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            *headers, (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+
+async def _answer(send, chosen: ThresholdSetWire, body: bytes | None) -> None:
+    """304 for `chosen` without a body, else 200 with `body` (its JSON)."""
+    headers = [(b"etag", f'"{chosen.checksum}"'.encode()), (b"cache-control", b"no-cache"),
+               (b"x-exitplane-version", str(chosen.version).encode())]
+    if body is None:
+        await send({"type": "http.response.start", "status": 304, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        *headers, (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 _RUNTIME_ID = re.compile(RUNTIME_ID_PATTERN)

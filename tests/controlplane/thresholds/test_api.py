@@ -151,16 +151,22 @@ def test_heartbeats_record_applied_version(client, tokens, engine):
     assert fleet[0]["ready"] is False and "checksum mismatch" in fleet[0]["error"]
 
 
-def test_long_poll_wakes_on_alias_move(live_server, tokens, engine):
+def tuned_deployment(http: httpx.Client, tokens, engine, runtime_id: str = "r"):
+    """'chat' with a second, inactive set (v2) and a runtime token that pulled once: the
+    operator's headers, the runtime's headers and the ETag it holds."""
     op = tokens.headers(tokens.operator)
+    assert http.post("/v1/deployments", json=DEPLOYMENT, headers=op).status_code == 201
+    http.post("/v1/deployments/chat/threshold-sets", headers=op, json={
+        "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "tuned"})
+    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    first = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": runtime_id},
+                     headers=runtime)
+    return op, runtime, first.headers["etag"]
+
+
+def test_long_poll_wakes_on_alias_move(live_server, tokens, engine):
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
-        assert http.post("/v1/deployments", json=DEPLOYMENT, headers=op).status_code == 201
-        http.post("/v1/deployments/chat/threshold-sets", headers=op, json={
-            "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "tuned"})
-        runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
-        first = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": "r"},
-                         headers=runtime)
-        etag = first.headers["etag"]
+        op, runtime, etag = tuned_deployment(http, tokens, engine)
         result = {}
 
         def poll() -> None:

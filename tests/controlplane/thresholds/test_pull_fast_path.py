@@ -11,7 +11,7 @@ import types
 import httpx
 import pytest
 
-from tests.controlplane.thresholds.test_api import DEPLOYMENT, _runtime_token
+from tests.controlplane.thresholds.test_api import DEPLOYMENT, _runtime_token, tuned_deployment
 
 POLLS = 40
 
@@ -36,14 +36,8 @@ def _coroutines() -> int:
 
 
 def test_held_long_polls_keep_few_objects_and_all_wake_on_a_move(live_server, tokens, engine):
-    op = tokens.headers(tokens.operator)
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
-        assert http.post("/v1/deployments", json=DEPLOYMENT, headers=op).status_code == 201
-        http.post("/v1/deployments/chat/threshold-sets", headers=op, json={
-            "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "tuned"})
-        runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
-        etag = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-0"},
-                        headers=runtime).headers["etag"]
+        op, runtime, etag = tuned_deployment(http, tokens, engine, runtime_id="rt-0")
         answers: dict[int, httpx.Response] = {}
 
         def poll(index: int) -> None:
