@@ -30,7 +30,6 @@ from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.api import store_batch
 from controlplane.telemetry.schemas import IngestAck
-from controlplane.thresholds.service import get_deployment
 from exitplane.wire import Heartbeat
 
 TELEMETRY_PATH = "/v1/telemetry"
@@ -148,10 +147,12 @@ def _serve_heartbeat(state, authorization: str, name: str, beat: Heartbeat) -> R
     principal = resolve_principal(state, authorization)
     check_rate_blocking(state, "heartbeat", principal)
     principal.require("runtime")
+    # The deployment's id and name never change: the per-process cache the telemetry checks
+    # use answers them, so a beat costs one statement (NotFound as the route's lookup).
+    deployment = state.ingest_targets.get(name, ())
+    principal.require_deployment(deployment.id)
     with state.session_factory() as session:
         try:
-            deployment = get_deployment(session=session, name=name)
-            principal.require_deployment(deployment.id)
             runtime = runtimes.record_heartbeat(
                 session=session, deployment=deployment, beat=beat,
                 max_runtimes=state.settings.max_runtimes_per_deployment)

@@ -12,6 +12,7 @@ import time
 import msgpack
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from controlplane.app import create_app
@@ -225,6 +226,44 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
     assert sum(path.endswith("/heartbeats") for path in route_app.router.paths) == len(cases)
     listed = fast.get("/v1/deployments/chat/runtimes", headers=operator).json()
     assert {row["runtime_id"]: row["ready"] for row in listed} == {"rt-1": False, "rt-2": True}
+
+
+def test_a_known_runtimes_heartbeat_is_one_statement(pair, tokens, engine):
+    """At fleet scale heartbeats were the API's costliest request (a deployment read, a runtime
+    read, then the update): a runtime already known is now one UPDATE ... RETURNING, the
+    deployment coming from the per-process cache the telemetry checks use."""
+    apps = pair()
+    _, fast = apps[True]
+    runtime = _deploy(fast, tokens, engine)
+    path = "/v1/deployments/chat/heartbeats"
+    first = fast.post(path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})
+    assert first.status_code == 200
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        statements.append(" ".join(statement.split()))
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        again = fast.post(path, headers=runtime, json={
+            "runtime_id": "rt-1", "applied_version": 3, "spooled_batches": 7, "ready": False,
+            "error": "warming up"})
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert again.status_code == 200, again.text
+    queries = [text for text in statements if text != "BEGIN IMMEDIATE"]  # SQLite's writer lock
+    assert len(queries) == 1 and queries[0].startswith("UPDATE runtimes SET"), statements
+    body, before = again.json(), first.json()
+    assert (body["applied_version"], body["spooled_batches"], body["ready"], body["error"]) == (
+        3, 7, False, "warming up")
+    assert body["first_seen"] == before["first_seen"]
+    assert body["last_seen"] > before["last_seen"]
+    # A new runtime still takes the insert path, under the deployment's cap of runtimes.
+    capped = pair(max_runtimes_per_deployment=1)
+    _, full = capped[True]
+    refused = full.post(path, headers=runtime, json={"runtime_id": "rt-2"})
+    assert refused.status_code == 409 and "cap is 1" in refused.json()["detail"]
+    assert full.post(path, headers=runtime, json={"runtime_id": "rt-1"}).status_code == 200
 
 
 def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
