@@ -175,16 +175,17 @@ def rate_limited(kind: str):
 async def check_rate(state, kind: str, principal: Principal) -> None:
     """Take one `kind` request from the token's bucket, or RateLimited with the wait."""
     limiter: RateLimiter = state.rate_limiters[kind]
-    _refuse_past_rate(kind, await limiter.retry_after(str(principal.token_id)))
+    refuse_past_rate(kind, await limiter.retry_after(str(principal.token_id)))
 
 
 def check_rate_blocking(state, kind: str, principal: Principal) -> None:
     """`check_rate` for code already on a worker thread (the same shared bucket)."""
     limiter: RateLimiter = state.rate_limiters[kind]
-    _refuse_past_rate(kind, limiter.take(str(principal.token_id)))
+    refuse_past_rate(kind, limiter.take(str(principal.token_id)))
 
 
-def _refuse_past_rate(kind: str, wait: float | None) -> None:
+def refuse_past_rate(kind: str, wait: float | None) -> None:
+    """RateLimited (429, Retry-After) when a bucket answered a wait."""
     if wait is not None:
         raise RateLimited(f"too many {kind} requests for this token; retry in {wait:.1f} s",
                           retry_after=wait)
@@ -234,6 +235,17 @@ def resolve_principal(state, authorization: str) -> Principal:
     if principal is None:
         principal = _lookup(state.session_factory, cache, key, secret)
     return principal
+
+
+def cached_principal(state, authorization: str) -> Principal | None:
+    """The caller behind an `Authorization` header value if the token cache holds it; None
+    otherwise (a bad header too: `resolve_principal` says what is wrong). Never reads the
+    store, so the event loop may call it."""
+    try:
+        secret = _bearer(authorization)
+    except Unauthorized:
+        return None
+    return state.principal_cache.peek(digest(secret))
 
 
 async def principal_for(state, authorization: str) -> Principal:

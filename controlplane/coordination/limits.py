@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio
@@ -24,20 +25,35 @@ KEY_PREFIX = "exitplane:ratelimit:"
 
 # GCRA: the key holds the theoretical arrival time (TAT, microseconds of the Redis clock).
 # A request is allowed when TAT - now <= tolerance; it then advances TAT by one interval.
-_GCRA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local interval = tonumber(ARGV[1])
-local tolerance = tonumber(ARGV[2])
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-if tat < now then tat = now end
-if tat - now > tolerance then
-  return math.max(1, math.ceil(tat - now - tolerance))
+# A Lua function, so that a script of another module can take from a bucket and act in the
+# same atomic step (the telemetry stream's append: `SharedBucket`). Returns the microseconds
+# to wait (0: taken).
+GCRA_LUA = """
+local function gcra_take(key, interval, tolerance)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local tat = tonumber(redis.call('GET', key) or now)
+  if tat < now then tat = now end
+  if tat - now > tolerance then
+    return math.max(1, math.ceil(tat - now - tolerance))
+  end
+  tat = tat + interval
+  redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+  return 0
 end
-tat = tat + interval
-redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
-return 0
 """
+_GCRA = GCRA_LUA + "return gcra_take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))\n"
+
+
+@dataclass(frozen=True)
+class SharedBucket:
+    """One key's GCRA bucket in Redis, for a script that takes from it itself (`GCRA_LUA`):
+    `key` and `args` (interval and tolerance in microseconds) go to `gcra_take`. `client` is
+    the asyncio client the limiter uses."""
+
+    client: redis.asyncio.Redis
+    key: str
+    args: tuple[str, str]
 
 
 class LocalRateLimiter:
@@ -114,6 +130,13 @@ class RedisRateLimiter:
             return self._unshared(key, error)
         wait = float(wait_us) / 1_000_000
         return wait if wait > 0 else None
+
+    def shared_bucket(self, key: str) -> SharedBucket | None:
+        """`key`'s bucket for a script that takes from it itself; None when unlimited."""
+        if self.rate <= 0:
+            return None
+        return SharedBucket(client=self._client, key=self._prefix + key,
+                            args=(self._args[0], self._args[1]))
 
     def _unshared(self, key: str, error: Exception) -> float | None:
         log.warning("shared rate limit unavailable (%s); limiting in process",

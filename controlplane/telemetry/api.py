@@ -99,6 +99,36 @@ def _check(deployment, batch, aggregate: bool, known_versions) -> None:
         service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions)
 
 
+def _fits_target(target, principal: Principal, batch, aggregate: bool) -> None:
+    principal.require_deployment(target.id)
+    _check(target, batch, aggregate, target.versions)
+
+
+def checked_from_cache(state, principal: Principal, body: bytes, content_type: str):
+    """The stream path's decode and checks against the deployment's target as this process
+    has cached it, never reading the store (for the event loop): the batch, or None when the
+    target or one of its versions is not cached yet (`store_batch` reads it on a thread).
+    Raises as `store_batch` does for a bad batch."""
+    aggregate = is_aggregate(content_type)
+    batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
+    versions = ([cell.threshold_version for cell in batch.cells] if aggregate
+                else batch.threshold_version.tolist())
+    target = state.ingest_targets.peek(batch.deployment, versions)
+    if target is None:
+        return None
+    _fits_target(target, principal, batch, aggregate)
+    return batch
+
+
+def queued_ack(batch, added: bool) -> IngestAck:
+    """The answer for a batch appended to the stream (or found there: a replay)."""
+    metrics.queued_batches.labels(batch.deployment).inc(int(added))
+    if not added:  # a replay the stream already holds: acknowledged here
+        metrics.duplicate_batches.labels(batch.deployment).inc()
+    return IngestAck(batch_id=batch.batch_id, accepted=service.accounted(batch),
+                     duplicate=not added, queued=True)
+
+
 def store_batch(state, principal: Principal, body: bytes, content_type: str) -> IngestAck:
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
     and the fast path (controlplane/telemetry/fast_path.py) both end here."""
@@ -109,16 +139,11 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
                     else batch.threshold_version.tolist())
         if state.redis is not None:
             # The stream path reads nothing from the store: the checks use the cached target.
-            target = state.ingest_targets.get(batch.deployment, versions)
-            principal.require_deployment(target.id)
-            _check(target, batch, aggregate, target.versions)
+            _fits_target(state.ingest_targets.get(batch.deployment, versions), principal,
+                         batch, aggregate)
             added = stream.append(state.redis, batch,
                                   body if "msgpack" in content_type else None)
-            metrics.queued_batches.labels(batch.deployment).inc(int(added))
-            if not added:  # a replay the stream already holds: acknowledged here
-                metrics.duplicate_batches.labels(batch.deployment).inc()
-            return IngestAck(batch_id=batch.batch_id, accepted=service.accounted(batch),
-                             duplicate=not added, queued=True)
+            return queued_ack(batch, added)
         with state.session_factory() as session:
             deployment = get_deployment(session=session, name=batch.deployment)
             principal.require_deployment(deployment.id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 
 import msgpack
@@ -18,6 +19,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
+from controlplane.coordination.limits import GCRA_LUA, SharedBucket
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.service import get_deployment
@@ -42,6 +44,23 @@ return false
 """
 _FIELD = {False: "batch", True: "aggregate"}
 
+# The same append, after taking one request from the sender's rate bucket in the same atomic
+# step (KEYS[4]: the bucket, ARGV[5..6]: its interval and tolerance; `limits.GCRA_LUA`).
+# Returns {added (0/1), microseconds to wait (0: within the rate)}; past the rate nothing is
+# appended. One round trip where the API made two.
+_APPEND_WITHIN_RATE = GCRA_LUA + """
+local wait = gcra_take(KEYS[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
+if wait > 0 then return {0, wait} end
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
+  redis.call('SADD', KEYS[3], ARGV[3])
+  redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[1])
+  return {1, 0}
+end
+return {0, 0}
+"""
+# client -> the script registered with it (called by its SHA: EVALSHA, not the text each time)
+_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def stream_key(deployment: str) -> str:
     return STREAM_PREFIX + deployment
@@ -53,13 +72,36 @@ def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
     id was appended before. `body`: the msgpack `batch` was decoded and checked from, appended
     as it came (the worker parses it the same way, so re-encoding would only cost the API)."""
     if body is None:
-        wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) \
-            else batch.to_wire()
-        body = msgpack.packb(wire, use_bin_type=True)
+        body = _wire_body(batch)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
                         body, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
     return bool(added)
+
+
+async def append_within_rate(bucket: SharedBucket, batch: BatchColumns | AggregateBatch,
+                             body: bytes | None = None) -> tuple[bool, float | None]:
+    """`append`, on the event loop, after taking one request from `bucket` (the sender's rate
+    limit) in the same script: (appended, None), or (False, seconds to wait) past the rate.
+    Raises what the client raises when Redis cannot be reached."""
+    if body is None:
+        body = _wire_body(batch)
+    script = _scripts.get(bucket.client)
+    if script is None:
+        script = _scripts[bucket.client] = bucket.client.register_script(_APPEND_WITHIN_RATE)
+    key = stream_key(batch.deployment)
+    added, wait_us = await script(
+        keys=[SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY, bucket.key],
+        args=[body, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)], *bucket.args])
+    if int(wait_us) > 0:
+        return False, int(wait_us) / 1_000_000
+    return bool(int(added)), None
+
+
+def _wire_body(batch: BatchColumns | AggregateBatch) -> bytes:
+    wire = batch.model_dump(mode="json") if isinstance(batch, AggregateBatch) \
+        else batch.to_wire()
+    return msgpack.packb(wire, use_bin_type=True)
 
 
 def _parse_entry(fields: dict) -> BatchColumns | AggregateBatch:

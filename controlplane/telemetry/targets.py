@@ -55,6 +55,12 @@ class IngestTargets:
                 target = self._targets[name] = self._load(name)
         return target
 
+    def peek(self, name: str, versions: Iterable[int]) -> IngestTarget | None:
+        """The cached target if it knows every version of `versions`; never reads the store
+        (for the event loop: None sends the caller to `get` on a worker thread)."""
+        target = self._targets.get(name)
+        return target if target is not None and set(versions) <= target.versions else None
+
     def _load(self, name: str) -> IngestTarget:
         with self._session_factory() as session:
             deployment = get_deployment(session=session, name=name)
