@@ -197,7 +197,7 @@ def _pooled(signals, matched, requests, *, layers, num_layers, delta, epsilon, m
 def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: float,
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
                min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
-               match_model: str = "logistic", pooled_check_share: float = 0.1,
+               match_model: str = "logistic", pooled_check_share: float = 0.0,
                by_request: bool = True, borrow_path: bool = True) -> dict:
     """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
     `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
@@ -322,8 +322,10 @@ def main() -> int:
                         help="Learn-Then-Test p-value (ablation; the product default)")
     parser.add_argument("--match-model", choices=MATCH_MODELS, default="logistic",
                         help="the path's P(match) model (ablation; the product default)")
-    parser.add_argument("--pooled-check-share", type=float, default=0.1,
-                        help="share of a segment's ε for the pooled-set fallback (ablation)")
+    parser.add_argument("--pooled-check-share", type=float, default=0.0,
+                        help="share of a segment's ε/k for the pooled-set fallback (ablation: "
+                             "> 0 is the Bonferroni split with a reserve, main before "
+                             "seg-power2; 0.1 was its default)")
     parser.add_argument("--independent-tokens", action="store_true",
                         help="hide request ids from the calibrators (ablation: the token-level "
                              "test they used before)")
