@@ -532,25 +532,13 @@ def default_levels() -> np.ndarray:
     return 1.0 - np.concatenate([[0.0], np.geomspace(1e-4, 1.0, 160)])
 
 
-# Path levels read off each layer's fit per learn-signal quantile (`_path_levels`). The test's
-# count only moves at a disagreeing test token, so the chosen step is the last one before the
-# disagreement that fails the test, short of it by up to one step: finer steps stop closer.
-# Measured (seg-power2) on bench/segments.py's code segment, its set on its serving half, 20
-# trials: served exit rate 0.2253 / 0.2259 / 0.2269 / 0.2278 / 0.2281 at 64 / 128 / 256 / 512 /
-# 1024, 0.21 / 0.29 / 0.49 / 0.85 / 1.62 s per calibration; 256 kept (it was 64). Validity
-# does not depend on it: any path fixed before the test is.
-PATH_STEPS_PER_LAYER = 256
-
-
-def _path_levels(signals: np.ndarray, models: list,
-                 per_layer: int = PATH_STEPS_PER_LAYER) -> np.ndarray:
+def _path_levels(signals: np.ndarray, models: list, per_layer: int = 64) -> np.ndarray:
     """`default_levels` plus each layer's fitted P(match) at `per_layer` quantiles of its learn
     signals, descending. A smooth fit can be nearly flat over a wide band of signals (a
     plateau); the fixed levels would then cross it in one step that adds a large share of
     exits at once, and the first such step can fail where smaller ones pass. Levels read off
-    the fit at signal quantiles make each step add about 1/`per_layer` of a layer's tokens
-    (`PATH_STEPS_PER_LAYER`: why that many). They come from the learn part only, so the path
-    stays fixed before the test."""
+    the fit at signal quantiles make each step add about 1/`per_layer` of a layer's tokens.
+    They come from the learn part only, so the path stays fixed before the test."""
     extra = []
     for j, model in enumerate(models):
         seen = signals[~np.isnan(signals[:, j]), j]

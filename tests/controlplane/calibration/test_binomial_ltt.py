@@ -187,21 +187,3 @@ def test_a_plateau_in_the_match_curve_is_crossed_in_small_steps():
     coarse = cal.calibrate_thresholds(**options, grid=cal.default_levels())
     assert biggest_step(coarse) > 0.15
     assert coarse.exit_rate == 0.0  # the failure the quantile levels fixed
-
-
-def test_the_path_steps_finely_enough_to_stop_close_to_the_failing_disagreement():
-    """The test's count moves only at a disagreeing token, so the chosen step falls short of
-    the one that fails by up to a step: the path levels at 256 learn-signal quantiles per layer
-    (`stats.PATH_STEPS_PER_LAYER`) keep every step under 1% of the tokens (at 64: 1.2%), and
-    the next step after the chosen one within 0.2% (at 64: 0.56%)."""
-    signals, matched = separable_samples(6000, seed=3, mismatch_below=0.6, noise=0.03)
-    result = cal.calibrate_thresholds(
-        signals=signals, matched=matched, exit_layers=SUPPORT_LAYERS, num_layers=12,
-        delta=DELTA, epsilon=EPSILON, min_samples_per_layer=500,
-        requests=np.repeat(np.arange(200), 30))
-    rates = np.array([point.exit_rate for point in result.curve])
-    inside = (rates[1:] > 0.05) & (rates[1:] < 0.9)
-    assert np.diff(rates)[inside].max() < 0.01
-    chosen = next(i for i, point in enumerate(result.curve) if point.chosen)
-    assert result.exit_rate > 0.5 and rates[chosen + 1] - rates[chosen] < 0.002
-    assert not result.curve[chosen + 1].certified
