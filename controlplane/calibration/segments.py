@@ -308,15 +308,8 @@ def calibrate_segments(
     large = {name: _enough_for_own(signals[labels == name], exit_layers,
                                    min_samples_per_layer) for name in names}
     k, own_count = len(names), sum(large.values())
-    if pooled_check_share > 0:
-        split, own_level = "bonferroni", epsilon / k * (1.0 - pooled_check_share)
-        own_rule = f"{1 - pooled_check_share:g} ε/k = {own_level:.4g}"
-    elif own_count:
-        split, own_level = "sidak", own_test_level(epsilon, own=own_count, segments=k)
-        own_rule = (f"1 - (1 - ε m/k)^(1/m) = {own_level:.4g} (Šidák over the m = {own_count} "
-                    f"own tests of k = {k} segments)")
-    else:  # no segment runs its own test: each small one's pooled check at ε/k
-        split, own_level, own_rule = "bonferroni", epsilon / k, ""
+    split, own_level, own_rule = _split(epsilon, own=own_count, segments=k,
+                                        reserve=pooled_check_share)
     check = np.zeros(len(signals), dtype=bool)
     for index, name in enumerate(names):
         mine = labels == name
@@ -329,7 +322,7 @@ def calibrate_segments(
     except NotEnoughShadowData as error:
         pooled = None
         notes.append(f"pooled set not calibrated: {error}")
-    never = dict.fromkeys((int(k) for k in exit_layers), NEVER_EXIT)
+    never = dict.fromkeys((int(layer) for layer in exit_layers), NEVER_EXIT)
     # Largest first (ties by name): a segment borrows only from those before it (docstring).
     order = sorted(names, key=lambda name: (-int((labels == name).sum()), name))
     decided = {}
@@ -355,6 +348,19 @@ def calibrate_segments(
                                 epsilon_per_segment=own_level if own_count else epsilon / k,
                                 thresholds=default, segments=decided, pooled=pooled,
                                 notes=notes, split=split)
+
+
+def _split(epsilon: float, *, own: int, segments: int, reserve: float
+           ) -> tuple[str, float, str]:
+    """(how ε is split, the level of each own LTT, that level in words for the reasons)."""
+    if reserve > 0:  # the former scheme, for comparison
+        level = epsilon / segments * (1.0 - reserve)
+        return "bonferroni", level, f"{1 - reserve:g} ε/k = {level:.4g}"
+    if own == 0:  # no segment runs its own test: each small one's pooled check at ε/k
+        return "bonferroni", epsilon / segments, ""
+    level = own_test_level(epsilon, own=own, segments=segments)
+    return "sidak", level, (f"1 - (1 - ε m/k)^(1/m) = {level:.4g} (Šidák over the m = {own} "
+                            f"own tests of k = {segments} segments)")
 
 
 def _enough_for_own(signals: np.ndarray, exit_layers: list[int], required: int) -> bool:

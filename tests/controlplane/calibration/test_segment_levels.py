@@ -110,7 +110,7 @@ def _at_the_boundary(n: int, rng: np.random.Generator):
     return signals, matched
 
 
-@pytest.mark.slow  # 1,200 seeded calibrations of one layer: ~15 s
+@pytest.mark.slow  # 400 seeded trials of k + 1 calibrations of one layer: ~25-30 s each k
 @pytest.mark.parametrize("k", [2, 3])
 def test_at_the_null_the_joint_violation_stays_within_epsilon(k):
     """Every segment at the boundary R = δ past threshold 0.5: a segment violates when its
