@@ -54,9 +54,10 @@ Bernoulli's inequality, j ε/k <= 1 - (1-ε)^(j/k); for the mixed split likewise
 k 2: b = 0.0487 (it was ε/k = 0.05).
 
 The pooled set is calibrated (at ε, its own statement about the mix) on every segment's tokens
-except the check tokens, a share of each segment's *requests*
-(tokens of one request are correlated, so they stay on one side), so the pooled check sees
-data the pooled set was not chosen on. If neither test passes the segment keeps the
+except the check tokens, a share (`check_fraction`) of the *requests* of each segment that may
+run a pooled check (tokens of one request are correlated, so they stay on one side), so the
+pooled check sees data the pooled set was not chosen on; a segment that runs its own LTT with
+no reserve gives the pooled set all its tokens. If no test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
 
 A small segment's path borrows the larger segments' tokens (`borrow_path`, issue 18's power on
@@ -312,6 +313,8 @@ def calibrate_segments(
                                         reserve=pooled_check_share)
     check = np.zeros(len(signals), dtype=bool)
     for index, name in enumerate(names):
+        if large[name] and split == "sidak":
+            continue  # no pooled check will run on it: all its tokens may help the pooled set
         mine = labels == name
         check[mine] = split_check_requests(requests[mine], fraction=check_fraction,
                                            seed=seed + 7919 * (index + 1))

@@ -126,14 +126,23 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_whole_requests_go_to_the_check_side_together():
-    signals, matched = _synthetic(3000, 10)
-    requests = np.repeat(np.arange(100), 30)
-    result = calibrate_segments(signals=signals, matched=matched, segments=np.array(["a"] * 3000),
-                                requests=requests, exit_layers=SYN_LAYERS, num_layers=30,
-                                delta=DELTA, epsilon=EPSILON, min_samples_per_layer=500)
-    assert result.segments["a"].requests == 100
-    # 30% of 100 requests, 30 tokens each, held out of the pooled calibration
-    assert result.pooled.samples["total"] == 3000 - 30 * 30
+    """Check requests (held out of the pooled set for a pooled check) are whole, and only a
+    segment that may run a pooled check gives them: a small one always, a large one only under
+    the former scheme with a reserve."""
+    large, small = _synthetic(3000, 10), _synthetic(600, 11)
+    options = dict(signals=np.vstack([large[0], small[0]]),
+                   matched=np.vstack([large[1], small[1]]),
+                   segments=np.array(["a"] * 3000 + ["b"] * 600),
+                   requests=np.repeat(np.arange(120), 30), exit_layers=SYN_LAYERS,
+                   num_layers=30, delta=DELTA, epsilon=EPSILON, min_samples_per_layer=1000)
+    result = calibrate_segments(**options)
+    assert result.segments["a"].requests == 100 and result.segments["b"].requests == 20
+    # 30% of b's 20 requests, 30 tokens each, held out of the pooled calibration; none of a's
+    assert result.segments["b"].pooled_check.tokens == 6 * 30
+    assert result.segments["a"].pooled_check is None
+    assert result.pooled.samples["total"] == 3600 - 6 * 30
+    reserved = calibrate_segments(pooled_check_share=0.1, **options)
+    assert reserved.pooled.samples["total"] == 3600 - 6 * 30 - 30 * 30
 
 
 @pytest.mark.slow  # repeated calibration trials: ~7 s
