@@ -47,6 +47,13 @@ def test_a_one_segment_recalibration_keeps_the_joint_statement_whatever_set_the_
     for j in range(k + 1):
         assert 1 - (1 - a) ** j + (k - j) * b <= EPSILON + 1e-12
         assert j * EPSILON / k <= 1 - (1 - a) ** j + 1e-12  # a Bonferroni past is within it
+    # a mixed split (m own tests by Šidák, k - m pooled checks at ε/k): any x own and y small
+    # segments fail together with probability <= 1 - (1-a)^(x+y) as well
+    for m in range(1, k + 1):
+        own = own_test_level(EPSILON, own=m, segments=k)
+        for x in range(m + 1):
+            for y in range(k - m + 1):
+                assert 1 - (1 - own) ** x + y * EPSILON / k <= 1 - (1 - a) ** (x + y) + 1e-12
     # ε/k (what it ran at before) would overspend beside the Šidák sets: a + ε/k > ε at k = 2
     if k == 2:
         assert 1 - (1 - a) + EPSILON / k > EPSILON
