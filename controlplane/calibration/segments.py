@@ -2,51 +2,79 @@
 thresholds on its own shadow tokens, with ε split across segments so that one statement holds
 for all of them at once.
 
-Why split ε (Bonferroni). Each segment s has its own risk R_s (policy disagreement on its
-traffic). A guarantee per segment at level ε, P(R_s > δ) <= ε, lets the chance that *some*
-segment is over δ grow with the number of segments k (up to k·ε). What operators need when the
-mix moves is "every segment within δ, with probability 1-ε": by the union bound,
-P(∃ s: R_s > δ) <= Σ_s P(R_s > δ), so testing each segment at ε/k makes the joint statement
-hold whatever the dependence between segments. Within a segment the budget ε/k is spent on at
-most two tests whose levels are fixed before any loss is seen, again by the union bound:
+How ε is split (seg-power2: Šidák across the segments' own tests; it was Bonferroni, ε/k each,
+with a tenth of each share reserved for a pooled check). Each segment s has its own risk R_s
+(policy disagreement on its traffic); F_s is the event that the thresholds it gets have
+R_s > δ. What operators need when the mix moves is "every segment within δ, with probability
+1-ε": P(∪_s F_s) <= ε. Before any loss is seen, the token counts per layer (the same minimum
+`calibrate_thresholds` applies, `stats.check_counts`) sort the k segments into the m that run
+their own LTT and the k - m too small for it:
 
-- its own fixed-sequence LTT (`calibrate_thresholds`) on all its shadow tokens, and
-- when that cannot run (fewer than `min_samples_per_layer` tokens on some layer) or certifies
-  nothing, a test of the *pooled* thresholds on the segment's check tokens (the same test as
-  the LTT's, `risk_test`: by default the exact binomial tail, `stats.binomial_p_value`).
+- a segment too small for its own LTT keeps the pooled set only if a test of the pooled
+  thresholds on its check tokens certifies it, at ε/k (the same test as the LTT's, `risk_test`:
+  by default the exact binomial tail, `stats.binomial_p_value`), else never-exit;
+- a segment large enough runs its own fixed-sequence LTT (`calibrate_thresholds`) at the level
+  a = 1 - (1 - ε m/k)^(1/m) (Šidák over the m own tests); if it certifies no exiting step the
+  segment gets never-exit, with no pooled check (it has no level reserved for one: a segment
+  with enough tokens almost never fell back, chat 100/100 and code 99/100 trials on
+  bench/segments.py's real records, so the reserve bought nothing and cost level).
 
-A segment with enough tokens spends (1 - `pooled_check_share`) ε/k on its own LTT and
-`pooled_check_share` ε/k (default 0.1) on the pooled check; a segment too small for its own LTT
-spends all ε/k on the pooled check. Whether the own LTT runs depends on token counts only, so
-the levels are fixed before any loss is seen and the two levels sum to ε/k: the union bound
-holds whatever the dependence between the two tests (the pooled set is chosen partly on the
-segment's own non-check tokens, so a rule that moved level between them according to an
-outcome would need more than the union bound). Why mostly the own LTT (it was ε/2k each):
-measured on bench/segments.py's real records, a segment with enough tokens to run its own LTT
-almost never falls back (chat 100/100 trials, code 99/100 took their own set at ε/2k), so the
-level held for the fallback bought nothing while halving the own test's level cost the served
-code segment exits (served exit rate 0.199 at ε/2k, 0.208 at 0.9 ε/k; binomial test, 100
-trials, `bench/segments.py --requests 480`); the fallback keeps a tenth so that a segment
-whose own path certifies nothing can still keep a pooled set that is clearly fine on it.
+Why Šidák holds for the own tests (a conditional-independence argument, not an assumption about
+the traffic). Order the segments by token count, largest first (ties by name): fixed by sizes
+alone, before any test. Segment s's path may borrow tokens of the segments *before* it in that
+order, never after (`borrow_path`, below); its holdout, learn and test parts are its own requests.
+Let D_s be all of segment s's shadow tokens; the segments' requests are distinct and drawn
+independently, so D_1, ..., D_k are independent. Given D_1..D_{s-1} (everything its path may
+borrow), F_s depends only on D_s, and its LTT is valid conditionally: the path is then fixed
+before its test requests are seen, so P(F_s | D_1..D_{s-1}) <= a for every value of them. The
+events F_1..F_{s-1} are functions of D_1..D_{s-1}, so by the chain rule
+P(no F_s among any set S of own segments) = Π_j P(no F_j | no earlier one) >= (1-a)^|S|, and
+P(∪ F over the own segments) <= 1 - (1-a)^m = ε m/k. Borrowing both ways (two segments each
+drawing its path with the other's test tokens) would break this: then each test is still valid
+given the other's data, but two-way dependence lets the two failures avoid each other and
+P(F_1 ∪ F_2) reach 2a > 1 - (1-a)^2; hence the order. The small segments' pooled checks depend
+on the pooled set, drawn on every segment's tokens, so they join by the union bound: P(∪_s F_s)
+<= ε m/k + (k - m) ε/k = ε, whatever the dependence between the two groups. With every segment
+large (m = k) the own level is 1 - (1-ε)^(1/k) >= ε/k: 0.0513 instead of 0.045 (0.9 ε/k) at
+ε 0.1, k 2. `pooled_check_share` > 0 restores the former scheme (Bonferroni ε/k, that share of
+it reserved for the pooled check of a segment whose own LTT certifies nothing), for comparison.
+Measured on bench/segments.py (`--requests 480`, 100 trials): the per-segment sets' served exit
+rate 0.2149 (0.9 ε/k and the reserve) -> 0.2163 (ε/k, no reserve) -> 0.2165 (Šidák), against
+0.2408 for the recalibrated pool: 0.892x -> 0.899x (bench/segments.py's table).
+
+A later one-segment recalibration (a segment that fell back alone, `calibration.service`)
+replaces one segment's set and must keep the joint statement with the sets the others hold.
+Those came from other data, and its window may overlap theirs (its borrowed tokens, its own
+tokens), so it does not lean on independence: it runs at b = a (1-a)^(k-1), a = 1-(1-ε)^(1/k)
+(`recalibration_level`), which the union bound makes enough. Whatever calibration the others'
+sets came from (this one, Bonferroni at ε/k, or earlier one-segment recalibrations at b), any j
+of them fail together with probability <= 1 - (1-a)^j (for Šidák by the chain rule; for ε/k by
+Bernoulli's inequality, j ε/k <= 1 - (1-ε)^(j/k); for the mixed split likewise), and
+1 - (1-a)^j + (k-j) b <= 1 - (1-a)^k = ε because n a (1-a)^(n-1) <= 1 - (1-a)^n. At ε 0.1,
+k 2: b = 0.0487 (it was ε/k = 0.05).
 
 The pooled set is calibrated (at ε, its own statement about the mix) on every segment's tokens
-except the check tokens, a share of each segment's *requests*
-(tokens of one request are correlated, so they stay on one side), so the pooled check sees
-data the pooled set was not chosen on. If neither test passes the segment keeps the
+except the check tokens, a share (`check_fraction`) of the *requests* of each segment that may
+run a pooled check (tokens of one request are correlated, so they stay on one side), so the
+pooled check sees data the pooled set was not chosen on; a segment that runs its own LTT with
+no reserve gives the pooled set all its tokens. If no test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
 
-A small segment's path borrows the other segments' tokens (`borrow_path`, issue 18's power on
+A small segment's path borrows the larger segments' tokens (`borrow_path`, issue 18's power on
 a small segment). The LTT's guarantee needs only that the path be fixed independently of the
-tokens it is tested on; every other segment's tokens come from other requests, so they may help
-draw it. When the other segments together hold more tokens than this one, its match model per
-layer is its own learn tokens' logistic fit shrunk towards a fit on them plus every other
-segment's tokens (`prior_weight`, a Gaussian prior on the coefficients: `stats._fit_logistic`);
-the test, its requests, its level and the reference reading of the design effect are exactly
-those of the segment's own LTT without borrowing, so its validity is the same by construction.
-A one-segment recalibration (a segment that fell back alone) decides the same way
-(`path_borrowing`) with the other segments' shadow tokens of its window.
-A segment holding at least half of the tokens keeps its own path: its learn part is already
-the largest, and a pool it dominates has little to lend (when chat borrowed too, its served exit
+tokens it is tested on; other segments' tokens come from other requests, so they may help draw
+it. When the segments before it in the size order (above: only those, so that the own tests stay
+independent given what they borrow) together hold more tokens than this one, its match model per
+layer is its own learn tokens' logistic fit shrunk towards a fit on them plus those segments'
+tokens (`prior_weight`, a Gaussian prior on the coefficients: `stats._fit_logistic`); the test,
+its requests, its level and the reference reading of the design effect are exactly those of the
+segment's own LTT without borrowing, so its validity is the same by construction. With two
+segments this is what it was (the smaller borrows all of the larger's tokens); with three or
+more a middle segment no longer borrows the smaller ones' (they hold the least to lend). A
+one-segment recalibration (a segment that fell back alone) decides alike (`path_borrowing`)
+with every other segment's shadow tokens of its window (its level rests on the union bound, not
+on independence). The largest segment keeps its own path: its learn part is already the
+largest, and a pool it dominates has little to lend (when chat borrowed too, its served exit
 rate did not move: 0.199 with, 0.198 without, 100 trials).
 
 What it buys, measured on bench/segments.py's real records (`--requests 480`): little. Over 100
@@ -73,7 +101,7 @@ weakening validity. (2) ε split by 1 / sqrt(tokens) instead of ε/k: +0.002 on 
 of the borrowed path, but it is zero-sum: it takes level from the segments large at
 calibration, and bench/segments.py serves 80% of the segment that was small at calibration,
 which a product default should not assume; and a later one-segment recalibration would have to
-read its recorded share (not ε/k) to keep the joint statement.
+read its recorded share (not a rule of ε and k) to keep the joint statement.
 
 Like the LTT itself (`calibration.stats`, "the request-level test"), both tests work at the
 request level when `requests` are given: a segment's own LTT splits and tests whole requests,
@@ -94,6 +122,7 @@ from controlplane.calibration.stats import (
     CalibrationResult,
     NotEnoughShadowData,
     calibrate_thresholds,
+    check_counts,
     clustered_risk_p_values,
     risk_p_values,
     simulate_policy,
@@ -106,6 +135,25 @@ Source = Literal["segment", "pooled", "conservative"]
 # The shrink of a borrowing segment's match model towards the fit on every segment's tokens
 # (module docstring: 3 / 10 / 30 / 100 measured, 30 kept)
 PRIOR_WEIGHT = 30.0
+
+
+def own_test_level(epsilon: float, *, own: int, segments: int) -> float:
+    """The level of each of the `own` segments' own LTTs when `segments` segments share ε and
+    the rest (too small for their own) spend ε/k each on a pooled check: Šidák over the own
+    tests' share ε own/k, 1 - (1 - ε own/k)^(1/own) (module docstring, "How ε is split")."""
+    if not 0 < own <= segments:
+        raise ValueError(f"need 0 < own <= segments, got own={own}, segments={segments}")
+    return 1.0 - (1.0 - epsilon * own / segments) ** (1.0 / own)
+
+
+def recalibration_level(epsilon: float, segments: int) -> float:
+    """The level of a one-segment recalibration among `segments` segments: a (1-a)^(k-1) with
+    a = 1 - (1-ε)^(1/k), which keeps "every segment within δ with probability 1-ε" by the union
+    bound against whatever calibrations set the others (module docstring)."""
+    if segments < 1:
+        raise ValueError(f"need at least one segment, got {segments}")
+    a = own_test_level(epsilon, own=segments, segments=segments)
+    return a * (1.0 - a) ** (segments - 1)
 
 
 def path_borrowing(own_tokens: int, borrowed: tuple[np.ndarray, np.ndarray] | None, *,
@@ -140,7 +188,7 @@ class SegmentCalibration:
     reason: str
     tokens: int
     requests: int
-    epsilon: float  # this segment's share of ε (ε/k)
+    epsilon: float  # the level this segment's tests spend (module docstring)
     result: CalibrationResult | None = None  # its own LTT, when it ran
     pooled_check: PooledCheck | None = None
 
@@ -159,11 +207,14 @@ class SegmentedCalibration:
 
     delta: float
     epsilon: float
+    # the level of each own LTT (Šidák, or (1 - reserve) ε/k), ε/k when none ran; a small
+    # segment's pooled check is at ε/k (each segment's own level: `segments[...].epsilon`)
     epsilon_per_segment: float
     thresholds: dict[int, float]
     segments: dict[str, SegmentCalibration]
     pooled: CalibrationResult | None
     notes: list[str] = field(default_factory=list)
+    split: str = "sidak"  # how ε was split: "sidak" or "bonferroni" (module docstring)
 
     def segment_thresholds(self) -> dict[str, dict[int, float]]:
         """The `segments` map to publish (every named segment; `default` is `thresholds`)."""
@@ -174,7 +225,7 @@ class SegmentedCalibration:
         """JSON-serialisable report: per segment its source, reason, sizes and exit rate."""
         return {
             "delta": self.delta, "epsilon": self.epsilon,
-            "epsilon_per_segment": self.epsilon_per_segment,
+            "epsilon_per_segment": self.epsilon_per_segment, "split": self.split,
             "default_thresholds": {str(k): v for k, v in self.thresholds.items()},
             "pooled_exit_rate": None if self.pooled is None else self.pooled.exit_rate,
             "segments": {name: {
@@ -214,7 +265,7 @@ def calibrate_segments(
     strategy: str = "calibrated",
     learn_fraction: float = 0.3,
     holdout_fraction: float = 0.2,
-    pooled_check_share: float = 0.1,
+    pooled_check_share: float = 0.0,
     risk_test: str = "binomial",
     match_model: str = "logistic",
     borrow_path: bool = True,
@@ -227,11 +278,13 @@ def calibrate_segments(
     segment name of each token; requests: (n,) request ids (each token its own request when
     None), so that the pooled set's check tokens are whole requests. `risk_test` and
     `match_model` go to every `calibrate_thresholds` run (and the pooled check uses the same
-    test); `pooled_check_share` is the share of a segment's ε/k kept for the pooled-set
-    fallback when its own LTT runs; `borrow_path` lets a segment smaller than the rest draw its
-    path with the other segments' tokens, shrunk by `prior_weight` (module docstring; False:
-    each path from its own learn tokens only, as before). Raises ValueError on
-    malformed input; a segment or pool too small for LTT is not an error, it is reported.
+    test); `pooled_check_share` 0 (the default): a segment large enough for its own LTT runs it
+    at the Šidák level and has no pooled fallback; > 0: the former scheme, every segment at
+    ε/k with that share of it kept for a pooled check (comparison). `borrow_path` lets a
+    segment draw its path with the tokens of the larger segments when they outnumber its own,
+    shrunk by `prior_weight` (module docstring; False: each path from its own learn tokens
+    only). Raises ValueError on malformed input; a segment or pool too small for LTT is not an
+    error, it is reported.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
     labels = np.asarray(segments).astype(str)
@@ -240,20 +293,28 @@ def calibrate_segments(
                          f"({len(signals)},)")
     if not 0 < check_fraction < 1:
         raise ValueError(f"check_fraction must lie in (0, 1), got {check_fraction}")
-    if not 0 < pooled_check_share < 1:
-        raise ValueError(f"pooled_check_share must lie in (0, 1), got {pooled_check_share}")
+    if not 0 <= pooled_check_share < 1:
+        raise ValueError(f"pooled_check_share must lie in [0, 1), got {pooled_check_share}")
     requests = np.arange(len(signals)) if requests is None else np.asarray(requests)
     names = sorted(set(labels.tolist()))
     if not names:
         raise ValueError("no shadow tokens to calibrate on")
-    per_segment = epsilon / len(names)
     options = dict(exit_layers=exit_layers, num_layers=num_layers, delta=delta,
                    strategy=strategy, learn_fraction=learn_fraction,
                    holdout_fraction=holdout_fraction, risk_test=risk_test,
                    match_model=match_model,
                    min_samples_per_layer=min_samples_per_layer, seed=seed)
+    # Which segments run their own LTT, from token counts alone (before any test): the levels
+    # below depend on it, so it must not depend on any outcome.
+    large = {name: _enough_for_own(signals[labels == name], exit_layers,
+                                   min_samples_per_layer) for name in names}
+    k, own_count = len(names), sum(large.values())
+    split, own_level, own_rule = _split(epsilon, own=own_count, segments=k,
+                                        reserve=pooled_check_share)
     check = np.zeros(len(signals), dtype=bool)
     for index, name in enumerate(names):
+        if large[name] and split == "sidak":
+            continue  # no pooled check will run on it: all its tokens may help the pooled set
         mine = labels == name
         check[mine] = split_check_requests(requests[mine], fraction=check_fraction,
                                            seed=seed + 7919 * (index + 1))
@@ -264,58 +325,112 @@ def calibrate_segments(
     except NotEnoughShadowData as error:
         pooled = None
         notes.append(f"pooled set not calibrated: {error}")
-    never = dict.fromkeys((int(k) for k in exit_layers), NEVER_EXIT)
+    never = dict.fromkeys((int(layer) for layer in exit_layers), NEVER_EXIT)
+    # Largest first (ties by name): a segment borrows only from those before it (docstring).
+    order = sorted(names, key=lambda name: (-int((labels == name).sum()), name))
     decided = {}
-    for name in names:
+    for position, name in enumerate(order):
         mine = labels == name
         own_options = dict(options)
-        if borrow_path:
-            # every other segment's tokens: none is among this segment's test requests
-            own_options.update(path_borrowing(int(mine.sum()), (signals[~mine], matched[~mine]),
+        if borrow_path and position > 0:
+            # the larger segments' tokens: none is among this segment's test requests
+            lender = np.isin(labels, order[:position])
+            own_options.update(path_borrowing(int(mine.sum()),
+                                              (signals[lender], matched[lender]),
                                               prior_weight=prior_weight))
         decided[name] = _decide(
             name, signals[mine], matched[mine], check[mine], requests[mine], pooled=pooled,
-            never=never, delta=delta, per_segment=per_segment,
-            check_share=pooled_check_share, options=own_options)
+            never=never, delta=delta, large=large[name], own_level=own_level,
+            own_rule=own_rule, reserve=split == "bonferroni",
+            check_level=epsilon / k * pooled_check_share if large[name] and
+            split == "bonferroni" else epsilon / k, options=own_options)
+    decided = dict(sorted(decided.items()))
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
         dict(pooled.thresholds) if pooled is not None else never)
-    return SegmentedCalibration(delta=delta, epsilon=epsilon, epsilon_per_segment=per_segment,
+    return SegmentedCalibration(delta=delta, epsilon=epsilon,
+                                epsilon_per_segment=own_level if own_count else epsilon / k,
                                 thresholds=default, segments=decided, pooled=pooled,
-                                notes=notes)
+                                notes=notes, split=split)
+
+
+def _split(epsilon: float, *, own: int, segments: int, reserve: float
+           ) -> tuple[str, float, str]:
+    """(how ε is split, the level of each own LTT, that level in words for the reasons)."""
+    if reserve > 0:  # the former scheme, for comparison
+        level = epsilon / segments * (1.0 - reserve)
+        return "bonferroni", level, f"{1 - reserve:g} ε/k = {level:.4g}"
+    if own == 0:  # no segment runs its own test: each small one's pooled check at ε/k
+        return "bonferroni", epsilon / segments, ""
+    level = own_test_level(epsilon, own=own, segments=segments)
+    return "sidak", level, (f"1 - (1 - ε m/k)^(1/m) = {level:.4g} (Šidák over the m = {own} "
+                            f"own tests of k = {segments} segments)")
+
+
+def _enough_for_own(signals: np.ndarray, exit_layers: list[int], required: int) -> bool:
+    """Whether a segment's tokens pass the LTT's size rule (`stats.check_counts`)."""
+    try:
+        check_counts(signals, exit_layers, max(1, required))
+    except NotEnoughShadowData:
+        return False
+    return True
 
 
 def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
             requests: np.ndarray, *, pooled: CalibrationResult | None, never: dict[int, float],
-            delta: float, per_segment: float, check_share: float,
-            options: dict) -> SegmentCalibration:
-    """One segment: its own LTT if it certifies something, else a certified pooled set, else
-    never-exit."""
-    sizes = dict(tokens=len(signals), requests=len(np.unique(requests)), epsilon=per_segment)
-    own, why_not = None, ""
-    own_level = per_segment * (1.0 - check_share)
-    try:
-        own = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
-                                   epsilon=own_level, **options)
-    except NotEnoughShadowData as error:
-        why_not = f"too few shadow tokens for its own calibration ({error})"
-    if own is not None:
-        if any(value < NEVER_EXIT for value in own.thresholds.values()):
-            return SegmentCalibration(
-                segment=name, source="segment", thresholds=dict(own.thresholds), result=own,
-                reason=(f"own Learn-Then-Test at {1 - check_share:g} ε/k = {own_level:.4g}: "
-                        f"risk bound "
-                        f"{own.risk_bound:.4g} <= δ {delta:g}, exit rate {own.exit_rate:.3f}"
-                        + _borrowed_note(own)),
-                **sizes)
-        why_not = "its own calibration certified no exiting step"
-    # The rest of the segment's ε when its own LTT ran; otherwise all of it is here.
-    level = per_segment * check_share if own is not None else per_segment
+            delta: float, large: bool, own_level: float, own_rule: str, check_level: float,
+            reserve: bool, options: dict) -> SegmentCalibration:
+    """One segment: a large one its own LTT if it certifies something, else (only with a
+    reserve, the former scheme) a certified pooled set, else never-exit; a small one a
+    certified pooled set, else never-exit."""
+    sizes = dict(tokens=len(signals), requests=len(np.unique(requests)))
+    own = None
+    if not large:
+        try:
+            check_counts(signals, options["exit_layers"],
+                         max(1, options["min_samples_per_layer"]))
+            why_not = "too few shadow tokens for its own calibration"
+        except NotEnoughShadowData as error:
+            why_not = f"too few shadow tokens for its own calibration ({error})"
+        return _fall_back(name, signals, matched, check, requests, pooled=pooled, never=never,
+                          delta=delta, level=check_level, why_not=why_not, own=None,
+                          risk_test=options["risk_test"], sizes=sizes)
+    own = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
+                               epsilon=own_level, **options)
+    if any(value < NEVER_EXIT for value in own.thresholds.values()):
+        return SegmentCalibration(
+            segment=name, source="segment", thresholds=dict(own.thresholds), result=own,
+            epsilon=own_level,
+            reason=(f"own Learn-Then-Test at {own_rule}: risk bound {own.risk_bound:.4g} <= "
+                    f"δ {delta:g}, exit rate {own.exit_rate:.3f}" + _borrowed_note(own)),
+            **sizes)
+    why_not = f"its own calibration at {own_rule} certified no exiting step"
+    if not reserve:
+        # Its whole share of ε went to its own test (decided by size, before any test): a
+        # pooled check now would spend level the joint statement does not have.
+        return SegmentCalibration(
+            segment=name, source="conservative", thresholds=dict(never), result=own,
+            epsilon=own_level,
+            reason=(f"{why_not}; a segment large enough for its own calibration has no "
+                    "pooled-check reserve: never exit"), **sizes)
+    return _fall_back(name, signals, matched, check, requests, pooled=pooled, never=never,
+                      delta=delta, level=check_level, why_not=why_not, own=own,
+                      risk_test=options["risk_test"], sizes=sizes,
+                      epsilon=own_level + check_level)
+
+
+def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
+               requests: np.ndarray, *, pooled: CalibrationResult | None,
+               never: dict[int, float], delta: float, level: float, why_not: str,
+               own: CalibrationResult | None, risk_test: str, sizes: dict,
+               epsilon: float | None = None) -> SegmentCalibration:
+    """The pooled set if its check at `level` certifies it on the segment, else never-exit."""
+    sizes = sizes | {"epsilon": level if epsilon is None else epsilon}
     if pooled is None or not any(value < NEVER_EXIT for value in pooled.thresholds.values()):
         return SegmentCalibration(
             segment=name, source="conservative", thresholds=dict(never), result=own,
             reason=f"{why_not}; no exiting pooled set to fall back on: never exit", **sizes)
     check_test = _pooled_check(pooled.thresholds, signals, matched, check, requests,
-                               delta=delta, level=level, risk_test=options["risk_test"])
+                               delta=delta, level=level, risk_test=risk_test)
     if check_test.certified:
         return SegmentCalibration(
             segment=name, source="pooled", thresholds=dict(pooled.thresholds), result=own,

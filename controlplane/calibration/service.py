@@ -12,12 +12,14 @@ stays `running` (or `queued`) and a rerun starts again from the samples; a rerun
 commit, or a duplicate run racing it, finds the job finished and does nothing.
 
 Traffic segments (issue 18): a job with a `segment` calibrates that segment alone on its own
-shadow tokens, at its share ε/k of ε (k: 'default' plus the deployment's known segments, the
-split `calibrate_segments` makes), and publishes the active set with only that segment's map
+shadow tokens, at `segments.recalibration_level` (a (1-a)^(k-1), a = 1-(1-ε)^(1/k); k: 'default'
+plus the deployment's known segments), which keeps the joint statement with the maps the other
+segments hold by the union bound, and publishes the active set with only that segment's map
 replaced. A whole-deployment job whose window holds tokens of named segments runs
-`calibrate_segments` (each segment its own LTT at ε/k, else the pooled set when it is
-certified on the segment, else never exit) and publishes one version with every segment's map;
-what each segment got and why is in the job's `summary["segments"]`.
+`calibrate_segments` (each segment large enough its own LTT, ε split by Šidák across them;
+each one too small the pooled set when it is certified on the segment at ε/k; else never exit)
+and publishes one version with every segment's map; what each segment got and why is in the
+job's `summary["segments"]`.
 
 Request-level guarantee: shadow tokens are read with their request ids (a sample stored without
 one stands for its telemetry batch, a larger and so more conservative cluster), so every
@@ -52,6 +54,7 @@ from controlplane.calibration.segments import (
     SegmentedCalibration,
     calibrate_segments,
     path_borrowing,
+    recalibration_level,
 )
 from controlplane.calibration.stats import (
     CalibrationResult,
@@ -220,10 +223,10 @@ def read_window(*, session: Session, job: CalibrationJob,
                                             since=job.since, until=until, segment=name)[1:]
                   for name in [DEFAULT_SEGMENT, *known] if name != job.segment]
         others = [part for part in others if len(part[0])]
-        # Its share of the joint ε, as `calibrate_segments` gives each segment (module doc).
+        # Its share of the joint ε beside the maps the others hold (`calibration.segments`).
         return ShadowWindow(signals=signals, matched=matched, segment=job.segment,
                             requests=np.asarray(requests, dtype=str),
-                            epsilon=deployment.epsilon / (1 + len(known)),
+                            epsilon=recalibration_level(deployment.epsilon, 1 + len(known)),
                             borrowed=(np.concatenate([part[0] for part in others]),
                                       np.concatenate([part[1] for part in others]))
                             if others else None, **shape)
@@ -381,7 +384,8 @@ def _apply_segmented(*, session: Session, deployment: Deployment, job: Calibrati
         return job
     if not exiting and all(value >= 1.0 for value in outcome.thresholds.values()):
         refusal = (f"no segment could be certified at δ={deployment.delta}, "
-                   f"ε={deployment.epsilon} (ε/{len(outcome.segments)} each); the current "
+                   f"ε={deployment.epsilon} (split over {len(outcome.segments)} segments, "
+                   f"{outcome.split}); the current "
                    "active set stays.")
         if (job.trigger != "manual" and job.until is None
                 and now - job.created_at < policy.wait_max):

@@ -548,7 +548,10 @@ def _path_levels(signals: np.ndarray, models: list, per_layer: int = 64) -> np.n
     return levels[::-1]
 
 
-def _check_counts(signals: np.ndarray, exit_layers: Sequence[int], required: int) -> None:
+def check_counts(signals: np.ndarray, exit_layers: Sequence[int], required: int) -> None:
+    """Raise NotEnoughShadowData when some exit layer has fewer than `required` observed
+    signals: the one size rule a Learn-Then-Test run applies (`calibration.segments` reads it
+    before any test to decide which segments run their own)."""
     counts = {
         int(layer): int((~np.isnan(signals[:, j])).sum()) for j, layer in enumerate(exit_layers)
     }
@@ -790,7 +793,7 @@ def calibrate_thresholds(
                          f"{', '.join(MATCH_MODELS)}")
     if risk_test not in TESTS:
         raise ValueError(f"unknown test {risk_test!r}; use one of {', '.join(TESTS)}")
-    _check_counts(signals, layers, max(1, min_samples_per_layer))
+    check_counts(signals, layers, max(1, min_samples_per_layer))
     codes = _request_codes(requests, len(signals))
     if codes is None:
         calib, holdout = split_shadow_samples(

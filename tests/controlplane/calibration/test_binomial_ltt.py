@@ -141,7 +141,7 @@ def test_an_unknown_risk_test_is_a_clear_error():
                                  min_samples_per_layer=100, risk_test="student")
 
 
-def test_a_segment_with_enough_tokens_spends_most_of_its_share_on_its_own_ltt():
+def test_a_segment_with_enough_tokens_spends_its_whole_share_on_its_own_ltt():
     rng = np.random.default_rng(12)
     chat = shadow_samples(4000, rng=rng, domain="A")
     code = shadow_samples(4000, rng=rng, domain="B")
@@ -153,9 +153,12 @@ def test_a_segment_with_enough_tokens_spends_most_of_its_share_on_its_own_ltt():
     for name in ("chat", "code"):
         seg = result.segments[name]
         assert seg.source == "segment"
-        assert seg.result.epsilon == pytest.approx(0.9 * EPSILON / 2)
+        # Šidák over the two own tests (calibration.segments), more than ε/k
+        assert seg.result.epsilon == pytest.approx(1 - (1 - EPSILON) ** 0.5)
+        assert seg.result.epsilon > EPSILON / 2
+        assert seg.epsilon == seg.result.epsilon and seg.pooled_check is None
         assert seg.result.risk_test == "binomial"
-        assert "0.9 ε/k = 0.045" in seg.reason
+        assert "(1/m) = 0.05132 (Šidák over the m = 2 own tests of k = 2" in seg.reason
     with pytest.raises(ValueError, match="pooled_check_share"):
         calibrate_segments(signals=chat[0], matched=chat[1], segments=np.array(["a"] * 4000),
                            exit_layers=layers, num_layers=DEFAULT_NUM_LAYERS, delta=DELTA,

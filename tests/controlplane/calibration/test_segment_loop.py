@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration import service
 from controlplane.calibration.models import CalibrationJob
+from controlplane.calibration.segments import recalibration_level
 from controlplane.calibration.stats import calibrate_thresholds
 from controlplane.db import session_scope, utcnow
 from controlplane.errors import Invalid
@@ -82,15 +83,16 @@ def test_recalibrating_code_reads_code_tokens_only_and_replaces_only_its_map(eng
     # tested per request, with the ids write_traffic gives (64-token requests)
     alone = calibrate_thresholds(signals=code_signals, matched=code_matched,
                                  exit_layers=LAYERS, num_layers=12, delta=0.05,
-                                 epsilon=0.1 / 3, min_samples_per_layer=500,
+                                 epsilon=recalibration_level(0.1, 3), min_samples_per_layer=500,
                                  requests=np.array([f"req-{i // 64}" for i in range(4000)]))
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
         assert job.status == "succeeded", job.status_reason
         assert job.segment == "code"
         assert job.summary["samples"]["total"] == 4000  # code's shadow tokens, no chat token
-        # its share of ε: 'default' plus the two known segments
-        assert job.summary["epsilon"] == pytest.approx(0.1 / 3)
+        # its share of ε among 'default' plus the two known segments: a (1-a)^2, a Šidák's
+        a = 1 - 0.9 ** (1 / 3)
+        assert job.summary["epsilon"] == pytest.approx(a * (1 - a) ** 2)
         deployment = get_deployment(session=session, name="assist")
         published = get_threshold_set(session=session, deployment=deployment,
                                       version=job.result_version)
@@ -128,7 +130,12 @@ def test_a_whole_deployment_job_calibrates_each_segment_and_says_what_each_got(e
         assert job.segment is None
         per_segment = job.summary["segments"]
         assert set(per_segment) == {"default", "chat", "code"}
-        assert job.summary["segmented"]["epsilon_per_segment"] == pytest.approx(0.1 / 3)
+        # chat and code run their own LTT (Šidák over 2 of 3 segments' share 2ε/3); default,
+        # too small, keeps a pooled check at ε/3
+        assert job.summary["segmented"]["epsilon_per_segment"] == pytest.approx(
+            1 - (1 - 0.2 / 3) ** 0.5)
+        assert job.summary["segmented"]["split"] == "sidak"
+        assert per_segment["default"]["epsilon"] == pytest.approx(0.1 / 3)
         assert per_segment["chat"]["source"] == per_segment["code"]["source"] == "segment"
         assert per_segment["chat"]["tokens"] == per_segment["code"]["tokens"] == 4000
         assert per_segment["chat"]["holdout_passed"] is per_segment["code"]["holdout_passed"] \

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.calibration import service
 from controlplane.calibration.models import CalibrationJob
-from controlplane.calibration.segments import calibrate_segments
+from controlplane.calibration.segments import calibrate_segments, recalibration_level
 from controlplane.calibration.stats import (
     LogisticMatchModel,
     calibrate_thresholds,
@@ -203,7 +203,9 @@ def test_a_one_segment_recalibration_borrows_the_other_segments_tokens_of_its_wi
         outcomes[name] = (window, service.calibrate_window(window, policy))
     code_window, code = outcomes["code"]
     assert len(code_window.signals) == 1000 and len(code_window.borrowed[0]) == 4000
-    assert code_window.epsilon == pytest.approx(0.1 / 2)
+    # a (1-a) with a = 1 - sqrt(0.9): the union bound beside the other segment's map
+    assert code_window.epsilon == pytest.approx(recalibration_level(0.1, 2)) == pytest.approx(
+        (1 - 0.9 ** 0.5) * 0.9 ** 0.5)
     assert code.samples["borrowed"] == 4000 and code.samples["total"] == 1000
     assert any(t < 1.0 for t in code.thresholds.values())
     default_window, default = outcomes["default"]

@@ -50,18 +50,27 @@ def test_a_segment_whose_exits_are_all_wrong_never_exits_while_the_others_do():
     rng = np.random.default_rng(3)
     wrong = (0.9 + 0.1 * rng.random((1500, 3)), np.zeros((1500, 3), dtype=bool))
     result = _calibrate({"chat": chat, "code": code, "tools": wrong})
-    assert result.epsilon_per_segment == pytest.approx(EPSILON / 3)
+    # all three are large enough for their own LTT: Šidák over the three
+    assert result.epsilon_per_segment == pytest.approx(1 - (1 - EPSILON) ** (1 / 3))
     tools = result.segments["tools"]
     assert tools.source == "conservative" and not tools.exits
     assert set(tools.thresholds.values()) == {NEVER_EXIT}
     assert "certified no exiting step" in tools.reason and "never exit" in tools.reason
+    # large enough for its own test, it has no pooled-check reserve: no pooled check ran
+    assert tools.pooled_check is None and "no pooled-check reserve" in tools.reason
     # the pooled set does exit (the wrong segment is a small share of the pool), and would be
     # wrong on every token of `tools` it lets exit
     assert result.pooled is not None and result.pooled.exit_rate > 0
-    assert tools.pooled_check.disagreements > 0 and not tools.pooled_check.certified
+    wrong_exits, _ = policy_disagreement(*wrong, [result.pooled.thresholds[k] for k in SYN_LAYERS])
+    assert wrong_exits > 0
     for name in ("chat", "code"):
         assert result.segments[name].source == "segment" and result.segments[name].exits
     assert result.segment_thresholds()["tools"] == dict.fromkeys(SYN_LAYERS, NEVER_EXIT)
+    # the former scheme (a reserve of each share for the pooled check) tests it, and it fails
+    reserved = _calibrate({"chat": chat, "code": code, "tools": wrong},
+                          pooled_check_share=0.1).segments["tools"]
+    assert reserved.pooled_check.disagreements > 0 and not reserved.pooled_check.certified
+    assert reserved.pooled_check.level == pytest.approx(0.1 * EPSILON / 3)
 
 
 def test_a_small_segment_keeps_the_pooled_set_only_if_its_tokens_certify_it():
@@ -70,7 +79,9 @@ def test_a_small_segment_keeps_the_pooled_set_only_if_its_tokens_certify_it():
     easy = (rng.random((600, 3)), np.ones((600, 3), dtype=bool))  # every exit matches
     hard = (rng.random((600, 3)), np.zeros((600, 3), dtype=bool))  # every exit is wrong
     result = _calibrate({"chat": chat, "code": code, "easy": easy, "hard": hard})
-    assert result.epsilon_per_segment == pytest.approx(EPSILON / 4)
+    # two own tests share 2ε/4 by Šidák, the two small ones' checks ε/4 each
+    assert result.epsilon_per_segment == pytest.approx(1 - (1 - EPSILON / 2) ** (1 / 2))
+    assert result.split == "sidak"
     small_easy, small_hard = result.segments["easy"], result.segments["hard"]
     assert small_easy.result is None and small_hard.result is None  # too few for their own LTT
     assert small_easy.source == "pooled"
@@ -115,14 +126,23 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_whole_requests_go_to_the_check_side_together():
-    signals, matched = _synthetic(3000, 10)
-    requests = np.repeat(np.arange(100), 30)
-    result = calibrate_segments(signals=signals, matched=matched, segments=np.array(["a"] * 3000),
-                                requests=requests, exit_layers=SYN_LAYERS, num_layers=30,
-                                delta=DELTA, epsilon=EPSILON, min_samples_per_layer=500)
-    assert result.segments["a"].requests == 100
-    # 30% of 100 requests, 30 tokens each, held out of the pooled calibration
-    assert result.pooled.samples["total"] == 3000 - 30 * 30
+    """Check requests (held out of the pooled set for a pooled check) are whole, and only a
+    segment that may run a pooled check gives them: a small one always, a large one only under
+    the former scheme with a reserve."""
+    large, small = _synthetic(3000, 10), _synthetic(600, 11)
+    options = dict(signals=np.vstack([large[0], small[0]]),
+                   matched=np.vstack([large[1], small[1]]),
+                   segments=np.array(["a"] * 3000 + ["b"] * 600),
+                   requests=np.repeat(np.arange(120), 30), exit_layers=SYN_LAYERS,
+                   num_layers=30, delta=DELTA, epsilon=EPSILON, min_samples_per_layer=1000)
+    result = calibrate_segments(**options)
+    assert result.segments["a"].requests == 100 and result.segments["b"].requests == 20
+    # 30% of b's 20 requests, 30 tokens each, held out of the pooled calibration; none of a's
+    assert result.segments["b"].pooled_check.tokens == 6 * 30
+    assert result.segments["a"].pooled_check is None
+    assert result.pooled.samples["total"] == 3600 - 6 * 30
+    reserved = calibrate_segments(pooled_check_share=0.1, **options)
+    assert reserved.pooled.samples["total"] == 3600 - 6 * 30 - 30 * 30
 
 
 @pytest.mark.slow  # repeated calibration trials: ~7 s
