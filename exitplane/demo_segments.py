@@ -162,7 +162,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     phases.append(warmup)
     version_a = None
     for attempt in range(1, 5):
-        # Each segment's LTT runs at ε/k: on one min_samples' worth it certified nothing
+        # Each segment's LTT runs at its share of ε (Šidák, ~ε/k): on one min_samples' worth it
         # (real run: 384 tokens each, nothing; 672 each, both maps), so start at two.
         need = (attempt + 1) * min_samples + 40
         serve_until(warmup, code, lambda n=need: all(

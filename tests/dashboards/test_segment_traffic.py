@@ -167,7 +167,7 @@ def test_calibration_job_shows_each_segments_outcome(as_role, segmented_job):
     assert "3: never" in rows["code"] and "<td>120</td>" in rows["code"]
     assert "fewer than 400" in rows["code"]
     assert "<td>350</td>" in rows["tools"]  # `tokens` read as the sample count
-    assert "ε/3 = 0.03333" in page
+    assert "at 0.03333 each (ε/3)" in page  # a job stored before the split was recorded
     assert "<li>default had no samples of its own: it applies the pooled set</li>" in page
 
 
@@ -210,7 +210,9 @@ def test_calibration_job_shows_a_real_segmented_calibration(as_role, engine, que
     chat = re.search(r'<tr data-segment="chat">(.*?)</tr>', page, re.S).group(1)
     assert f"<td>{result.segments['chat'].tokens}</td>" in chat
     assert f"3: {result.segments['chat'].thresholds[3]:.4g}" in chat
-    assert "ε/2 = 0.05" in page
+    # The level each segment's own test ran at, and how ε was split to get it (Šidák).
+    assert result.split == "sidak" and result.epsilon_per_segment > 0.1 / 2
+    assert f"at {result.epsilon_per_segment:.4g} each (1−(1−ε)<sup>1/2</sup>, Šidák" in page
 
 
 def test_the_deployment_charts_show_one_segment_on_request(as_role, segment_traffic):
