@@ -992,6 +992,9 @@ async def run(args) -> dict:
                              "start the ramp lower (--steps)")
         steady, moved = best["probe"], best["propagation"]
         if args.ramp_only:
+            # The pollers closed first: an API process stopped under 1,000 held long-polls
+            # waited for each to end before exiting (minutes).
+            await fleet.close()
             return {"fleet_tokens_per_s": best["tokens_per_s"], "runtimes": best["runtimes"],
                     "pull_p99_ms": steady["pull_p99_ms"],
                     "propagation_p99_ms": moved["propagation_p99_ms"], "stages": stages}
