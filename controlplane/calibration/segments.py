@@ -306,8 +306,9 @@ def calibrate_segments(
                    min_samples_per_layer=min_samples_per_layer, seed=seed)
     # Which segments run their own LTT, from token counts alone (before any test): the levels
     # below depend on it, so it must not depend on any outcome.
-    large = {name: _enough_for_own(signals[labels == name], exit_layers,
-                                   min_samples_per_layer) for name in names}
+    too_small = {name: _too_small_for_own(signals[labels == name], exit_layers,
+                                          min_samples_per_layer) for name in names}
+    large = {name: why is None for name, why in too_small.items()}
     k, own_count = len(names), sum(large.values())
     split, own_level, own_rule = _split(epsilon, own=own_count, segments=k,
                                         reserve=pooled_check_share)
@@ -340,10 +341,10 @@ def calibrate_segments(
                                               prior_weight=prior_weight))
         decided[name] = _decide(
             name, signals[mine], matched[mine], check[mine], requests[mine], pooled=pooled,
-            never=never, delta=delta, large=large[name], own_level=own_level,
-            own_rule=own_rule, reserve=split == "bonferroni",
-            check_level=epsilon / k * pooled_check_share if large[name] and
-            split == "bonferroni" else epsilon / k, options=own_options)
+            never=never, delta=delta, too_small=too_small[name], own_level=own_level,
+            own_rule=own_rule, per_segment=epsilon / k,
+            reserve=pooled_check_share if split == "bonferroni" else 0.0,
+            options=own_options)
     decided = dict(sorted(decided.items()))
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
         dict(pooled.thresholds) if pooled is not None else never)
@@ -366,34 +367,30 @@ def _split(epsilon: float, *, own: int, segments: int, reserve: float
                             f"own tests of k = {segments} segments)")
 
 
-def _enough_for_own(signals: np.ndarray, exit_layers: list[int], required: int) -> bool:
-    """Whether a segment's tokens pass the LTT's size rule (`stats.check_counts`)."""
+def _too_small_for_own(signals: np.ndarray, exit_layers: list[int],
+                       required: int) -> str | None:
+    """Why a segment's tokens fail the LTT's size rule (`stats.check_counts`); None if not."""
     try:
         check_counts(signals, exit_layers, max(1, required))
-    except NotEnoughShadowData:
-        return False
-    return True
+    except NotEnoughShadowData as error:
+        return str(error)
+    return None
 
 
 def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
             requests: np.ndarray, *, pooled: CalibrationResult | None, never: dict[int, float],
-            delta: float, large: bool, own_level: float, own_rule: str, check_level: float,
-            reserve: bool, options: dict) -> SegmentCalibration:
+            delta: float, too_small: str | None, own_level: float, own_rule: str,
+            per_segment: float, reserve: float, options: dict) -> SegmentCalibration:
     """One segment: a large one its own LTT if it certifies something, else (only with a
-    reserve, the former scheme) a certified pooled set, else never-exit; a small one a
-    certified pooled set, else never-exit."""
+    `reserve`, the share of ε/k kept by the former scheme) a certified pooled set, else
+    never-exit; one `too_small` for its own LTT a certified pooled set at ε/k, else
+    never-exit."""
     sizes = dict(tokens=len(signals), requests=len(np.unique(requests)))
-    own = None
-    if not large:
-        try:
-            check_counts(signals, options["exit_layers"],
-                         max(1, options["min_samples_per_layer"]))
-            why_not = "too few shadow tokens for its own calibration"
-        except NotEnoughShadowData as error:
-            why_not = f"too few shadow tokens for its own calibration ({error})"
+    if too_small is not None:
         return _fall_back(name, signals, matched, check, requests, pooled=pooled, never=never,
-                          delta=delta, level=check_level, why_not=why_not, own=None,
-                          risk_test=options["risk_test"], sizes=sizes)
+                          delta=delta, level=per_segment,
+                          why_not=f"too few shadow tokens for its own calibration ({too_small})",
+                          own=None, risk_test=options["risk_test"], sizes=sizes)
     own = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
                                epsilon=own_level, **options)
     if any(value < NEVER_EXIT for value in own.thresholds.values()):
@@ -404,7 +401,7 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
                     f"δ {delta:g}, exit rate {own.exit_rate:.3f}" + _borrowed_note(own)),
             **sizes)
     why_not = f"its own calibration at {own_rule} certified no exiting step"
-    if not reserve:
+    if reserve == 0:
         # Its whole share of ε went to its own test (decided by size, before any test): a
         # pooled check now would spend level the joint statement does not have.
         return SegmentCalibration(
@@ -413,9 +410,9 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
             reason=(f"{why_not}; a segment large enough for its own calibration has no "
                     "pooled-check reserve: never exit"), **sizes)
     return _fall_back(name, signals, matched, check, requests, pooled=pooled, never=never,
-                      delta=delta, level=check_level, why_not=why_not, own=own,
+                      delta=delta, level=per_segment * reserve, why_not=why_not, own=own,
                       risk_test=options["risk_test"], sizes=sizes,
-                      epsilon=own_level + check_level)
+                      epsilon=own_level + per_segment * reserve)
 
 
 def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,

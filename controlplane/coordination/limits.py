@@ -105,7 +105,7 @@ class RedisRateLimiter:
                                  if blocking_client is not None else None)
         self._local = LocalRateLimiter(rate)
         interval_us = 1_000_000 / rate if rate > 0 else 0
-        self._args = [f"{interval_us:.0f}", f"{(self.burst - 1) * interval_us:.0f}"]
+        self._args = (f"{interval_us:.0f}", f"{(self.burst - 1) * interval_us:.0f}")
 
     async def retry_after(self, key: str) -> float | None:
         """Take one request from `key`'s shared bucket; the seconds to wait when it is empty."""
@@ -135,8 +135,7 @@ class RedisRateLimiter:
         """`key`'s bucket for a script that takes from it itself; None when unlimited."""
         if self.rate <= 0:
             return None
-        return SharedBucket(client=self._client, key=self._prefix + key,
-                            args=(self._args[0], self._args[1]))
+        return SharedBucket(client=self._client, key=self._prefix + key, args=self._args)
 
     def _unshared(self, key: str, error: Exception) -> float | None:
         log.warning("shared rate limit unavailable (%s); limiting in process",

@@ -99,6 +99,15 @@ def _check(deployment, batch, aggregate: bool, known_versions) -> None:
         service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions)
 
 
+def _decoded(body: bytes, content_type: str):
+    """(the batch, whether it is an aggregate batch, the threshold versions it names)."""
+    aggregate = is_aggregate(content_type)
+    batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
+    versions = ([cell.threshold_version for cell in batch.cells] if aggregate
+                else batch.threshold_version.tolist())
+    return batch, aggregate, versions
+
+
 def _fits_target(target, principal: Principal, batch, aggregate: bool) -> None:
     principal.require_deployment(target.id)
     _check(target, batch, aggregate, target.versions)
@@ -109,10 +118,7 @@ def checked_from_cache(state, principal: Principal, body: bytes, content_type: s
     has cached it, never reading the store (for the event loop): the batch, or None when the
     target or one of its versions is not cached yet (`store_batch` reads it on a thread).
     Raises as `store_batch` does for a bad batch."""
-    aggregate = is_aggregate(content_type)
-    batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
-    versions = ([cell.threshold_version for cell in batch.cells] if aggregate
-                else batch.threshold_version.tolist())
+    batch, aggregate, versions = _decoded(body, content_type)
     target = state.ingest_targets.peek(batch.deployment, versions)
     if target is None:
         return None
@@ -133,10 +139,7 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
     and the fast path (controlplane/telemetry/fast_path.py) both end here."""
     try:
-        aggregate = is_aggregate(content_type)
-        batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
-        versions = ([cell.threshold_version for cell in batch.cells] if aggregate
-                    else batch.threshold_version.tolist())
+        batch, aggregate, versions = _decoded(body, content_type)
         if state.redis is not None:
             # The stream path reads nothing from the store: the checks use the cached target.
             _fits_target(state.ingest_targets.get(batch.deployment, versions), principal,

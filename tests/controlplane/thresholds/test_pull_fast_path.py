@@ -11,7 +11,7 @@ import types
 import httpx
 import pytest
 
-from tests.controlplane.thresholds.test_api import DEPLOYMENT, _runtime_token, tuned_deployment
+from tests.controlplane.thresholds.test_api import tuned_deployment
 
 POLLS = 40
 
@@ -76,12 +76,8 @@ def test_held_long_polls_keep_few_objects_and_all_wake_on_a_move(live_server, to
 
 def test_a_long_poll_that_ends_unchanged_is_304_and_bad_waits_get_the_routes_422(
         live_server, tokens, engine):
-    op = tokens.headers(tokens.operator)
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
-        http.post("/v1/deployments", json=DEPLOYMENT, headers=op)
-        runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
-        etag = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": "r"},
-                        headers=runtime).headers["etag"]
+        _, runtime, etag = tuned_deployment(http, tokens, engine)  # v2 published, not active
         started = time.monotonic()
         unchanged = http.get("/v1/deployments/chat/thresholds",
                              params={"runtime_id": "r", "wait": 0.5},
