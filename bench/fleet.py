@@ -6,8 +6,10 @@ its own on the bench server) and a private redis-server (append-only, as compose
 
 The runtimes are simulated in one asyncio process, but with the real client's parts: each has
 an `exitplane.client.aggregate.Aggregator` fed vectorised synthetic token streams (a realistic
-exit-layer mix, signal histograms per layer, 1% shadow tokens, 1% raw sample), cuts
-`AggregateBatch`es and record batches (`aggregated: true`) encoded by the shipper's codec
+exit-layer mix, signal histograms per layer, 1% shadow tokens, 1% raw sample), cuts one
+`IntervalBatch` per interval, as the shipper does (the counts and the shadow and sampled
+records as columns; `--pair`: an `AggregateBatch` and a record batch with `aggregated: true`,
+as before interval batches) encoded by the shipper's codec
 (`exitplane.client.codec`: msgpack of the wire models), POSTs them with the
 protocol's content types, retries with the same batch id on 429/503/errors (in memory: no
 disk spool), long-polls its threshold set with its ETag, and heartbeats, each over its own
@@ -86,11 +88,13 @@ from controlplane.db import make_engine  # noqa: E402
 from controlplane.telemetry.stream import GROUP, stream_key  # noqa: E402
 from controlplane.thresholds.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
-from exitplane.client.codec import encode, encode_aggregate  # noqa: E402
+from exitplane.client.codec import encode, encode_aggregate, encode_interval  # noqa: E402
 from exitplane.wire import (  # noqa: E402
     HISTOGRAM_BINS,
     MAX_AGGREGATE_CELLS,
     RECORDS_MSGPACK,
+    IntervalBatch,
+    RecordColumns,
     TelemetryBatch,
 )
 
@@ -416,6 +420,10 @@ class LeanConnection:
             self._streams = None
 
 
+def _no_columns() -> dict[str, list]:
+    return {name: [] for name in RecordColumns.model_fields if name != "segment"}
+
+
 @dataclass
 class SimRuntime:
     """One runtime's client state: aggregator, sampled records, outbox, applied version."""
@@ -429,6 +437,7 @@ class SimRuntime:
     aggregator: Aggregator = field(default_factory=lambda: Aggregator(
         exit_layers=EXIT_LAYERS, num_layers=NUM_LAYERS))
     records: list = field(default_factory=list)
+    columns: dict = field(default_factory=lambda: _no_columns())  # interval batches' records
     outbox: deque = field(default_factory=deque)
     seq: int = 0
     shifted: bool = False
@@ -451,9 +460,13 @@ class Fleet:
 
     def __init__(self, topology: Topology, deployment: str, tokens: list[str], *,
                  aggregate: bool, rate: float, ship_interval_s: float, raw_sample_rate: float,
-                 shadow_rate: float, heartbeat_s: float, version: int, etag: str) -> None:
+                 shadow_rate: float, heartbeat_s: float, version: int, etag: str,
+                 bundle: bool = True) -> None:
         self.topology, self.deployment = topology, deployment
         self.aggregate, self.rate = aggregate, rate
+        # Aggregating: one interval batch per runtime per interval (the shipper's default),
+        # or (bundle False) the pair of an aggregate batch and a sampled record batch.
+        self.bundle = aggregate and bundle
         self.ship_interval_s, self.raw_sample_rate = ship_interval_s, raw_sample_rate
         self.shadow_rate, self.heartbeat_s = shadow_rate, heartbeat_s
         self.pool = [SimRuntime(f"{deployment}-rt-{i:04d}", token, i % 2, aggregate, version,
@@ -538,7 +551,9 @@ class Fleet:
                                               histogram=histogram[i].tolist())
             else:
                 runtime.counted_tokens += int(tokens[i])
-            if shadow[i] or sampled[i]:
+            if self.bundle and (shadow[i] or sampled[i]):
+                self._columns(runtime, int(shadow[i]), int(sampled[i]), mix[i], now)
+            elif shadow[i] or sampled[i]:
                 runtime.records.extend(self._records(runtime, int(shadow[i]), int(sampled[i]),
                                                      mix[i], now))
 
@@ -563,8 +578,51 @@ class Fleet:
                                    for layer, s in zip(EXIT_LAYERS, points, strict=True)]})
         return out
 
+    def _columns(self, runtime: SimRuntime, shadow: int, sampled: int, mix: np.ndarray,
+                 now: float) -> None:
+        """`_records`' records (the same draws), added to the runtime's record columns as an
+        interval batch carries them."""
+        layers = self.rng.choice(SLOTS, size=sampled, p=mix).tolist()
+        signals = self.rng.random(sampled + shadow * (1 + len(EXIT_LAYERS))).round(4).tolist()
+        request = f"req-{uuid.uuid4().hex[:12]}"
+        into, count = runtime.columns, sampled + shadow
+        first = len(into["ts"])
+        into["threshold_version"] += [runtime.version] * count
+        into["request_id"] += [request] * count
+        into["position"] += range(count)
+        into["exit_layer"] += layers + [NUM_LAYERS] * shadow
+        into["signal_value"] += signals[:sampled] + signals[sampled::1 + len(EXIT_LAYERS)]
+        into["latency_us"] += [1000] * sampled + [3000] * shadow
+        into["ts"] += [now] * count
+        for k in range(shadow):
+            points = signals[sampled + 1 + k * 4: sampled + 4 + k * 4]
+            into["shadow_record"] += [first + sampled + k] * len(EXIT_LAYERS)
+            into["shadow_layer"] += EXIT_LAYERS
+            into["shadow_signal"] += points
+            # a shifted runtime's traffic: early answers go wrong
+            into["shadow_matched"] += [s > 0.3 and not runtime.shifted for s in points]
+
     # shipping: the shipper's cut, encoding and retry rules
     def _cut(self, runtime: SimRuntime) -> None:
+        if self.bundle:
+            cells, columns = runtime.aggregator.cut(), runtime.columns
+            runtime.columns = _no_columns()
+            # As the shipper's: the records' columns as built (`RecordColumns.of` does not
+            # check validated records again), the records with the first part of the cells.
+            records = RecordColumns.model_construct(**columns) if columns["ts"] else None
+            for start in range(0, max(len(cells), 1), MAX_AGGREGATE_CELLS):
+                part = cells[start:start + MAX_AGGREGATE_CELLS]
+                if not (part or records):
+                    break
+                batch = encode_interval(deployment=self.deployment,
+                                        runtime_id=runtime.runtime_id, seq=runtime.seq,
+                                        num_layers=NUM_LAYERS,
+                                        raw_sample_rate=self.raw_sample_rate, cells=part,
+                                        records=records)
+                records = None
+                runtime.seq += 1
+                runtime.outbox.append((batch.content_type, batch.body))
+            return
         if self.aggregate:
             cells = runtime.aggregator.cut()
             for start in range(0, len(cells), MAX_AGGREGATE_CELLS):
@@ -976,13 +1034,19 @@ async def run(args) -> dict:
                       aggregate=True, rate=args.tokens_per_runtime,
                       ship_interval_s=args.ship_interval_s, raw_sample_rate=0.01,
                       shadow_rate=0.01, heartbeat_s=args.heartbeat_s, version=2,
-                      etag=etags["fleet"])
+                      etag=etags["fleet"], bundle=not args.pair)
         # Sanity: what the harness sends is what the wire schema accepts.
         TelemetryBatch.model_validate({"batch_id": "x" * 16, "deployment": "fleet",
                                        "runtime_id": "r", "seq": 0, "num_layers": NUM_LAYERS,
                                        "records": fleet._records(fleet.pool[0], 2, 3,
                                                                  NORMAL_MIX, time.time()),
                                        "aggregated": True})
+        probe = _no_columns()
+        fleet._columns(fleet.pool[0], 2, 3, NORMAL_MIX, time.time())
+        probe, fleet.pool[0].columns = fleet.pool[0].columns, probe
+        IntervalBatch.model_validate({"batch_id": "x" * 16, "deployment": "fleet",
+                                      "runtime_id": "r", "seq": 0, "num_layers": NUM_LAYERS,
+                                      "raw_sample_rate": 0.01, "records": probe})
         await fleet.start()
         stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, admin=admin)
         held = [stage for stage in stages if stage["held"]]
@@ -1075,6 +1139,10 @@ def main() -> int:
     parser.add_argument("--drain-s", type=float, default=20.0,
                         help="how long the store may take to count a stage's last tokens")
     parser.add_argument("--ship-interval-s", type=float, default=5.0)
+    parser.add_argument("--pair", action="store_true",
+                        help="aggregating runtimes send an aggregate batch and a sampled record "
+                             "batch per interval (before interval batches) instead of one "
+                             "interval batch")
     parser.add_argument("--heartbeat-s", type=float, default=15.0)
     parser.add_argument("--records-steps", default="20,40,80,160")
     parser.add_argument("--records-stage-s", type=float, default=30.0)

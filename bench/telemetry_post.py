@@ -10,10 +10,14 @@ telemetry stream; no ingest worker, so only the API is measured),
 
 API processes: `fast` (this tree), `route` (this tree, `EXITPLANE_TELEMETRY_FAST_PATH=false`)
 and, with `--baseline-tree DIR` (e.g. `git archive main | tar -x -C DIR`), `baseline`: that
-tree's code on PYTHONPATH. Three workloads: `hot` (`--hot-tokens` tokens in turn: the token
+tree's code on PYTHONPATH. Four workloads: `hot` (`--hot-tokens` tokens in turn: the token
 cache hits), `fleet` (`--requests` tokens, each used once per round and rounds more than the
 cache's 2 s apart, as a fleet whose runtimes post every 5 s meets: no hit within the maximum
-age) and `beat` (heartbeats from the fleet's tokens, one runtime id each: an upsert each).
+age), `interval` (as `fleet`, but each request one interval batch carrying what a pair of
+`fleet`'s requests carries: the aggregate cells and the records as columns; not for a
+baseline tree that predates interval batches) and `beat` (heartbeats from the fleet's tokens,
+one runtime id each: an upsert each). `ratio_interval_to_pair`: API CPU per runtime interval,
+one interval batch against an aggregate batch plus a record batch (2 x `fleet`).
 Rounds are interleaved so the load other processes put on this machine falls on every process
 alike; CPU comes from /proc for the API process and its children. Prints the command, a
 table, then one JSON line (microseconds of API CPU per request, medians over rounds, and
@@ -63,8 +67,16 @@ from controlplane.auth.service import create_token  # noqa: E402
 from controlplane.db import make_engine  # noqa: E402
 from controlplane.thresholds.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
-from exitplane.client.codec import encode_aggregate  # noqa: E402
-from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, RECORDS_MSGPACK  # noqa: E402
+from exitplane.client.codec import encode_aggregate, encode_interval  # noqa: E402
+from exitplane.wire import (  # noqa: E402
+    AGGREGATE_MSGPACK,
+    HISTOGRAM_BINS,
+    INTERVAL_MSGPACK,
+    RECORDS_MSGPACK,
+    AggregateBatch,
+    RecordColumns,
+    TokenRecord,
+)
 
 DEPLOYMENT = "tpost"
 TOKEN_CACHE_TTL_S = 2.0  # the settings' default, which the processes keep
@@ -85,6 +97,22 @@ def aggregate_body(seq: int, tokens: int) -> bytes:
 
 def records_body(seq: int, count: int) -> bytes:
     """One runtime's sampled records batch, a tenth of them shadow tokens."""
+    return msgpack.packb({"batch_id": uuid.uuid4().hex, "deployment": DEPLOYMENT,
+                          "runtime_id": f"rt-{seq % 97}", "seq": seq, "num_layers": NUM_LAYERS,
+                          "records": _records(seq, count), "aggregated": True},
+                         use_bin_type=True)
+
+
+def interval_body(seq: int, tokens: int, count: int) -> bytes:
+    """What `aggregate_body` and `records_body` carry, as one interval batch."""
+    cells = AggregateBatch.model_validate(msgpack.unpackb(aggregate_body(seq, tokens))).cells
+    records = [TokenRecord.model_validate(record) for record in _records(seq, count)]
+    return encode_interval(deployment=DEPLOYMENT, runtime_id=f"rt-{seq % 97}", seq=seq,
+                           num_layers=NUM_LAYERS, raw_sample_rate=0.01, cells=cells,
+                           records=RecordColumns.of(records)).body
+
+
+def _records(seq: int, count: int) -> list[dict]:
     now = time.time()
     records = []
     for k in range(count):
@@ -94,9 +122,7 @@ def records_body(seq: int, count: int) -> bytes:
                         "signal_value": 0.5, "latency_us": 1000, "ts": now,
                         "shadow": [{"layer": layer, "signal": 0.4, "matched": True}
                                    for layer in EXIT_LAYERS] if shadow else None})
-    return msgpack.packb({"batch_id": uuid.uuid4().hex, "deployment": DEPLOYMENT,
-                          "runtime_id": f"rt-{seq % 97}", "seq": seq, "num_layers": NUM_LAYERS,
-                          "records": records, "aggregated": True}, use_bin_type=True)
+    return records
 
 
 def tree_cpu(pid: int) -> float:
@@ -229,6 +255,9 @@ def main() -> int:
                                 "application/json", json.dumps({
                                     "runtime_id": f"rt-{i}", "applied_version": 1,
                                     "applied_checksum": "0" * 64}).encode()))
+                elif workload == "interval":
+                    out.append(("/v1/telemetry", token, INTERVAL_MSGPACK, interval_body(
+                        i, args.tokens_per_batch, args.records_per_batch)))
                 elif i % 2 == 0:
                     out.append(("/v1/telemetry", token, AGGREGATE_MSGPACK,
                                 aggregate_body(i, args.tokens_per_batch)))
@@ -242,7 +271,8 @@ def main() -> int:
             if set(statuses) != {202}:
                 raise RuntimeError(f"{name} answered {statuses} (logs in {workdir})")
         per_request: dict[str, list[float]] = {
-            f"{name}_{workload}": [] for workload in ("hot", "fleet", "beat") for name in urls}
+            f"{name}_{workload}": [] for workload in ("hot", "fleet", "interval", "beat")
+            for name in urls if (name, workload) != ("baseline", "interval")}
         fleet_done: dict[str, float] = {}
         for _ in range(args.rounds):
             for key in per_request:
@@ -294,7 +324,9 @@ def main() -> int:
     for key, values in per_request.items():
         print(f"{key:<18}{median[key]:>25.0f}   {' '.join(f'{v:.0f}' for v in values)}")
     ratios = {}
-    for workload in ("hot", "fleet", "beat"):
+    ratios["ratio_interval_to_pair"] = round(
+        median["fast_interval"] / (2 * median["fast_fleet"]), 3)
+    for workload in ("hot", "fleet", "interval", "beat"):
         ratios[f"ratio_fast_to_route_{workload}"] = round(
             median[f"fast_{workload}"] / median[f"route_{workload}"], 3)
         if f"baseline_{workload}" in median:

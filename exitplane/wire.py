@@ -1,6 +1,6 @@
 """The wire schema shared by runtimes and the control plane: threshold sets, token records,
-telemetry batches, aggregate batches and heartbeats. Pydantic only, so the runtime box never
-imports the server.
+telemetry batches, aggregate batches, interval batches and heartbeats. Pydantic only, so the
+runtime box never imports the server.
 
 Signal convention: every signal is a confidence in [0, 1] (entropy is reported as
 1 - H / ln(V)); a token exits at a layer when its signal is strictly greater than that layer's
@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -38,6 +39,9 @@ RECORDS_MSGPACK = "application/msgpack"
 RECORDS_JSON = "application/json"
 AGGREGATE_MSGPACK = "application/vnd.exitplane.aggregate+msgpack"
 AGGREGATE_JSON = "application/vnd.exitplane.aggregate+json"
+# An aggregating runtime's interval in one request: its counts and its records, column by column.
+INTERVAL_MSGPACK = "application/vnd.exitplane.interval+msgpack"
+INTERVAL_JSON = "application/vnd.exitplane.interval+json"
 
 
 class Signal(enum.StrEnum):
@@ -293,6 +297,127 @@ class AggregateBatch(BaseModel):
     def tokens(self) -> int:
         """Tokens this batch accounts for (each token exits at exactly one layer)."""
         return sum(cell.exits for cell in self.cells)
+
+
+def _column(model: type[BaseModel], name: str) -> Any:
+    """A list of `model`'s field `name`, constraints included: a column of that field, so the
+    field stays the one definition of what a value may be."""
+    field = model.model_fields[name]
+    item = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+    return list[item]
+
+
+_VersionColumn = _column(TokenRecord, "threshold_version")
+_RequestColumn = _column(TokenRecord, "request_id")
+_PositionColumn = _column(TokenRecord, "position")
+_ExitLayerColumn = _column(TokenRecord, "exit_layer")
+_SignalValueColumn = _column(TokenRecord, "signal_value")
+_LatencyColumn = _column(TokenRecord, "latency_us")
+_TsColumn = _column(TokenRecord, "ts")
+_PointLayerColumn = _column(ShadowPoint, "layer")
+_PointSignalColumn = _column(ShadowPoint, "signal")
+_PointMatchedColumn = _column(ShadowPoint, "matched")
+RECORD_COLUMNS = ("threshold_version", "request_id", "position", "exit_layer", "signal_value",
+                  "latency_us", "ts")
+SHADOW_COLUMNS = ("layer", "signal", "matched")
+
+
+class RecordColumns(BaseModel):
+    """Token records column by column: entry i of every record column is record i, each entry
+    checked as the `TokenRecord` field of the same name. Shadow points are flat: point j
+    belongs to record `shadow_record[j]`, each checked as the `ShadowPoint` field. Decoding
+    a few lists costs a fraction of decoding one map per record (the fleet's sampled records)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    threshold_version: _VersionColumn
+    request_id: _RequestColumn
+    position: _PositionColumn
+    exit_layer: _ExitLayerColumn
+    signal_value: _SignalValueColumn
+    latency_us: _LatencyColumn
+    ts: _TsColumn
+    # Each record's traffic segment; left off (null) when every record is `default`.
+    segment: list[SegmentName] | None = Field(default=None, exclude_if=lambda value: value is None)
+    shadow_record: list[Annotated[int, Field(ge=0, lt=MAX_BATCH_RECORDS)]] = Field(
+        default_factory=list)
+    shadow_layer: _PointLayerColumn = Field(default_factory=list)
+    shadow_signal: _PointSignalColumn = Field(default_factory=list)
+    shadow_matched: _PointMatchedColumn = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RecordColumns:
+        count = len(self.threshold_version)
+        if not 1 <= count <= MAX_BATCH_RECORDS:
+            raise ValueError(f"records: 1 to {MAX_BATCH_RECORDS} records, not {count}")
+        for name in RECORD_COLUMNS[1:] + (("segment",) if self.segment is not None else ()):
+            if len(getattr(self, name)) != count:
+                raise ValueError(f"column {name} has {len(getattr(self, name))} entries, "
+                                 f"threshold_version {count}")
+        points = len(self.shadow_record)
+        for name in SHADOW_COLUMNS:
+            if len(getattr(self, f"shadow_{name}")) != points:
+                raise ValueError(f"column shadow_{name} has "
+                                 f"{len(getattr(self, f'shadow_{name}'))} entries, "
+                                 f"shadow_record {points}")
+        if points and max(self.shadow_record) >= count:
+            raise ValueError(f"shadow_record {max(self.shadow_record)} names no record (there "
+                             f"are {count})")
+        if len(set(zip(self.shadow_record, self.shadow_layer, strict=True))) != points:
+            raise ValueError("shadow points repeat an exit layer of a record")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.threshold_version)
+
+    @classmethod
+    def of(cls, records: Sequence[TokenRecord]) -> RecordColumns:
+        """The columns of already validated records (nothing is checked again)."""
+        segments = [record.segment for record in records]
+        points = [(index, point) for index, record in enumerate(records)
+                  for point in record.shadow or ()]
+        return cls.model_construct(
+            **{name: [getattr(record, name) for record in records] for name in RECORD_COLUMNS},
+            segment=None if all(name == DEFAULT_SEGMENT for name in segments) else segments,
+            shadow_record=[index for index, _ in points],
+            **{f"shadow_{name}": [getattr(point, name) for _, point in points]
+               for name in SHADOW_COLUMNS})
+
+    def records(self) -> list[TokenRecord]:
+        """The records one by one (a runtime falling back to record batches)."""
+        shadows: dict[int, list[ShadowPoint]] = {}
+        for index, layer, signal, matched in zip(self.shadow_record, self.shadow_layer,
+                                                 self.shadow_signal, self.shadow_matched,
+                                                 strict=True):
+            shadows.setdefault(index, []).append(
+                ShadowPoint(layer=layer, signal=signal, matched=matched))
+        segments = self.segment or [DEFAULT_SEGMENT] * len(self)
+        return [TokenRecord(**dict(zip(RECORD_COLUMNS, values, strict=True)),
+                            shadow=shadows.get(index), segment=segments[index])
+                for index, values in enumerate(zip(*(getattr(self, name)
+                                                     for name in RECORD_COLUMNS), strict=True))]
+
+
+class IntervalBatch(AggregateBatch):
+    """An aggregating runtime's interval in one request: the exact counts of every token it
+    generated (`cells`, as in an aggregate batch) and the records of its shadow and sampled
+    tokens (`records`, column by column; stored as an `aggregated` record batch's would be:
+    rows and shadow labels, no token counts). One batch id covers both, so a replay adds
+    neither twice."""
+
+    cells: list[AggregateCell] = Field(default_factory=list, max_length=MAX_AGGREGATE_CELLS)
+    records: RecordColumns | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @model_validator(mode="after")
+    def _records_fit(self) -> IntervalBatch:
+        if not self.cells and self.records is None:
+            raise ValueError("an interval batch carries cells, records or both")
+        if self.records is not None:
+            for index, layer in enumerate(self.records.exit_layer):
+                if layer > self.num_layers:
+                    raise ValueError(f"record {index}: exit_layer {layer} exceeds num_layers "
+                                     f"{self.num_layers}")
+        return self
 
 
 class Heartbeat(BaseModel):

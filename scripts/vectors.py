@@ -77,12 +77,18 @@ def _records(count: int, seed: int) -> list[dict]:
 
 
 def payloads() -> dict:
-    """A record batch (JSON and msgpack), the aggregate batch its tokens make, a heartbeat, a
-    threshold set as pulled, and payloads the control plane refuses."""
+    """A record batch (JSON and msgpack), the aggregate batch its tokens make, an interval
+    batch, a heartbeat, a threshold set as pulled, and payloads the control plane refuses."""
     import msgpack
 
     from exitplane.client.aggregate import Aggregator
-    from exitplane.wire import AggregateBatch, ThresholdSetWire, TokenRecord
+    from exitplane.wire import (
+        AggregateBatch,
+        IntervalBatch,
+        RecordColumns,
+        ThresholdSetWire,
+        TokenRecord,
+    )
 
     records = _records(24, seed=14)
     batch = {"batch_id": "0f3c2a9e5b7d4e1f8a6c3b2d1e0f9a8b", "deployment": "tiny",
@@ -110,6 +116,15 @@ def payloads() -> dict:
         batch_id="9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b4a", deployment="tiny", runtime_id="rt-1",
         seq=44, num_layers=6, raw_sample_rate=0.01, cells=aggregator.cut()
     ).model_dump(mode="json")
+    # An interval batch: the counts of segmented_record_batch's 18 tokens and, column by
+    # column, the records an aggregating runtime ships of them (its shadow tokens and, here,
+    # every third of the others as the raw sample).
+    carried = [TokenRecord.model_validate(record) for index, record in
+               enumerate(segmented_records) if record["shadow"] or index % 3 == 0]
+    interval = IntervalBatch(
+        batch_id="3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f", deployment="tiny", runtime_id="rt-1",
+        seq=45, num_layers=6, raw_sample_rate=0.33, cells=segmented_aggregate["cells"],
+        records=RecordColumns.of(carried)).model_dump(mode="json")
     threshold_set = ThresholdSetWire.build(deployment="tiny", version=3, signal="maxprob",
                                            thresholds={2: 0.9, 4: 0.75}).model_dump(mode="json")
     refused = [
@@ -131,6 +146,17 @@ def payloads() -> dict:
          "content_type": "application/vnd.exitplane.aggregate+json",
          "payload": {**aggregate, "cells": [{**aggregate["cells"][0], "minute": 1764460801}]},
          "status": 422, "detail_contains": "multiple of 60"},
+        {"note": "interval record columns of different lengths",
+         "content_type": "application/vnd.exitplane.interval+json",
+         "payload": {**interval, "records": {**interval["records"],
+                                             "position": interval["records"]["position"][1:]}},
+         "status": 422, "detail_contains": "column position has"},
+        {"note": "an interval shadow point names no record",
+         "content_type": "application/vnd.exitplane.interval+json",
+         "payload": {**interval, "records": {
+             **interval["records"],
+             "shadow_record": [*interval["records"]["shadow_record"][:-1], 99]}},
+         "status": 422, "detail_contains": "shadow_record 99 names no record"},
     ]
     return {
         "record_batch": {"content_type": "application/json", "payload": batch,
@@ -156,6 +182,14 @@ def payloads() -> dict:
             "payload": segmented_aggregate,
             "msgpack_content_type": "application/vnd.exitplane.aggregate+msgpack",
             "msgpack_hex": msgpack.packb(segmented_aggregate, use_bin_type=True).hex()},
+        "interval_batch": {
+            "note": "one request per interval: the cells of segmented_aggregate_batch and, "
+                    "column by column, the records shipped of its tokens (entry i of each "
+                    "record column is record i; shadow point j belongs to record "
+                    "shadow_record[j]; `segment` left off when every record is default)",
+            "content_type": "application/vnd.exitplane.interval+json", "payload": interval,
+            "msgpack_content_type": "application/vnd.exitplane.interval+msgpack",
+            "msgpack_hex": msgpack.packb(interval, use_bin_type=True).hex()},
         "threshold_set": {"etag": f'"{threshold_set["checksum"]}"', "payload": threshold_set},
         "heartbeat": {"payload": {"runtime_id": "rt-1", "applied_version": 3,
                                   "applied_checksum": threshold_set["checksum"], "ready": True,

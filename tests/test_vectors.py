@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 from controlplane.errors import Invalid
-from controlplane.telemetry.api import decode_aggregate, decode_batch
-from controlplane.telemetry.columns import parse_batch
+from controlplane.telemetry.api import batch_model, decode_aggregate, decode_batch
+from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.tables import aggregate_tables, tables_of
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import (
     AggregateBatch,
     Heartbeat,
+    IntervalBatch,
+    RecordColumns,
     TelemetryBatch,
     ThresholdSetWire,
     TokenRecord,
@@ -102,9 +104,13 @@ def test_threshold_set_and_heartbeat_vectors():
 @pytest.mark.parametrize("case", PAYLOADS["refused"],
                          ids=[case["note"] for case in PAYLOADS["refused"]])
 def test_refused_vectors(case):
-    decode = decode_aggregate if "aggregate" in case["content_type"] else decode_batch
+    model = batch_model(case["content_type"])
     with pytest.raises(Invalid) as refused:
-        decode(json.dumps(case["payload"]).encode(), case["content_type"])
+        body = json.dumps(case["payload"]).encode()
+        if model is None:
+            decode_batch(body, case["content_type"])
+        else:
+            decode_aggregate(body, case["content_type"], model)
     assert refused.value.status_code == case["status"]
     assert case["detail_contains"] in str(refused.value)
 
@@ -142,3 +148,40 @@ def test_segmented_vectors_carry_segments_and_add_up_per_segment():
     assert {row[2] for row in rows(rollups, names)} == {"default", "chat", "code"}
     names = ("version", "minute", "segment", "layer", "bin", "count")
     assert rows(histogram, names) == rows(from_records.histogram, names)
+
+
+def test_interval_vector_carries_the_counts_and_the_records_as_columns():
+    records = PAYLOADS["segmented_record_batch"]["payload"]["records"]
+    cells = PAYLOADS["segmented_aggregate_batch"]["payload"]["cells"]
+    vector = PAYLOADS["interval_batch"]
+    payload = vector["payload"]
+    assert msgpack.unpackb(bytes.fromhex(vector["msgpack_hex"]), raw=False) == payload
+    assert batch_model(vector["content_type"]) is IntervalBatch
+    assert batch_model(vector["msgpack_content_type"]) is IntervalBatch
+    batch = decode_aggregate(json.dumps(payload).encode(), vector["content_type"],
+                             IntervalBatch)
+    assert payload["cells"] == cells and batch.tokens == len(records)
+    carried = [TokenRecord.model_validate(record) for index, record in enumerate(records)
+               if record["shadow"] or index % 3 == 0]
+    assert batch.records.records() == carried
+    assert RecordColumns.of(carried).model_dump(mode="json") == payload["records"]
+    columns = payload["records"]
+    # present, since not every record is `default`: each record's name, `default` included
+    assert columns["segment"] == [r.get("segment", "default") for index, r in enumerate(records)
+                                  if r["shadow"] or index % 3 == 0]
+    assert len(set(columns["segment"])) > 1
+    assert len(columns["shadow_record"]) == 2 * sum(r.shadow is not None for r in carried)
+
+    # Stored as the aggregated record batch it stands for: rows, shadow labels, no counts.
+    stored = BatchColumns.of_interval(batch)
+    as_records = parse_batch({**PAYLOADS["segmented_record_batch"]["payload"],
+                              "batch_id": payload["batch_id"], "seq": payload["seq"],
+                              "records": [r.model_dump(mode="json") for r in carried],
+                              "aggregated": True})
+    for name in ("threshold_version", "position", "exit_layer", "signal_value", "latency_us",
+                 "ts", "shadowed", "shadow_owner", "shadow_layer", "shadow_signal",
+                 "shadow_matched"):
+        assert np.array_equal(getattr(stored, name), getattr(as_records, name),
+                              equal_nan=True), name
+    assert stored.request_id == as_records.request_id and stored.segment == as_records.segment
+    assert stored.aggregated and stored.batch_id == payload["batch_id"]

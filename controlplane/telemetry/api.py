@@ -29,10 +29,13 @@ from controlplane.thresholds.service import get_deployment
 from exitplane.wire import (
     AGGREGATE_JSON,
     AGGREGATE_MSGPACK,
+    INTERVAL_JSON,
+    INTERVAL_MSGPACK,
     NAME_PATTERN,
     RECORDS_JSON,
     RECORDS_MSGPACK,
     AggregateBatch,
+    IntervalBatch,
     TelemetryBatch,
 )
 
@@ -45,15 +48,28 @@ class UnsupportedBatchType(DomainError):
     status_code = 415
 
 
-def is_aggregate(content_type: str) -> bool:
-    """Whether a POST /v1/telemetry body is an aggregate batch (by its content type)."""
+# The exitplane content types and the model each body is (a plain JSON or msgpack body is a
+# record batch, `TelemetryBatch`).
+_BATCH_MODELS = {AGGREGATE_MSGPACK: AggregateBatch, AGGREGATE_JSON: AggregateBatch,
+                 INTERVAL_MSGPACK: IntervalBatch, INTERVAL_JSON: IntervalBatch}
+
+
+def batch_model(content_type: str) -> type[AggregateBatch] | None:
+    """The model of a POST /v1/telemetry body by its content type: AggregateBatch,
+    IntervalBatch, or None for a record batch."""
     media = content_type.split(";")[0].strip().lower()
-    if media.startswith("application/vnd.exitplane.") and media not in (AGGREGATE_MSGPACK,
-                                                                         AGGREGATE_JSON):
+    model = _BATCH_MODELS.get(media)
+    if model is None and media.startswith("application/vnd.exitplane."):
+        takes = ", ".join([RECORDS_MSGPACK, RECORDS_JSON, *_BATCH_MODELS])
         raise UnsupportedBatchType(f"content type {media!r} is not one this control plane "
-                                   f"takes: {RECORDS_MSGPACK}, {RECORDS_JSON}, "
-                                   f"{AGGREGATE_MSGPACK} or {AGGREGATE_JSON}")
-    return media in (AGGREGATE_MSGPACK, AGGREGATE_JSON)
+                                   f"takes: {takes}")
+    return model
+
+
+def is_aggregate(content_type: str) -> bool:
+    """Whether a POST /v1/telemetry body carries token counts (an aggregate or interval
+    batch), by its content type."""
+    return batch_model(content_type) is not None
 
 
 def _decode(body: bytes, content_type: str):
@@ -66,10 +82,11 @@ def _decode(body: bytes, content_type: str):
                       f"{error}") from error
 
 
-def decode_aggregate(body: bytes, content_type: str) -> AggregateBatch:
-    """Parse and validate an aggregate batch; the first bad cell is named."""
+def decode_aggregate(body: bytes, content_type: str,
+                     model: type[AggregateBatch] = AggregateBatch) -> AggregateBatch:
+    """Parse and validate an aggregate (or interval) batch; the first bad cell is named."""
     try:
-        return AggregateBatch.model_validate(_decode(body, content_type))
+        return model.model_validate(_decode(body, content_type))
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "batch"
@@ -93,19 +110,26 @@ def decode_batch(body: bytes, content_type: str) -> BatchColumns:
 
 def _check(deployment, batch, aggregate: bool, known_versions) -> None:
     """Refuse the batch unless it fits the deployment (a Deployment or a cached target)."""
-    if aggregate:
-        service.check_aggregate(deployment=deployment, batch=batch, known_versions=known_versions)
-    else:
+    if not aggregate:
         service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions)
+        return
+    service.check_aggregate(deployment=deployment, batch=batch, known_versions=known_versions)
+    if isinstance(batch, IntervalBatch) and batch.records is not None:
+        service.check_batch(deployment=deployment, batch=BatchColumns.of_interval(batch),
+                            known_versions=known_versions)
 
 
 def _decoded(body: bytes, content_type: str):
-    """(the batch, whether it is an aggregate batch, the threshold versions it names)."""
-    aggregate = is_aggregate(content_type)
-    batch = (decode_aggregate if aggregate else decode_batch)(body, content_type)
-    versions = ([cell.threshold_version for cell in batch.cells] if aggregate
-                else batch.threshold_version.tolist())
-    return batch, aggregate, versions
+    """(the batch, whether it carries token counts, the threshold versions it names)."""
+    model = batch_model(content_type)
+    if model is None:
+        batch = decode_batch(body, content_type)
+        return batch, False, batch.threshold_version.tolist()
+    batch = decode_aggregate(body, content_type, model)
+    versions = [cell.threshold_version for cell in batch.cells]
+    if isinstance(batch, IntervalBatch) and batch.records is not None:
+        versions += batch.records.threshold_version
+    return batch, True, versions
 
 
 def _fits_target(target, principal: Principal, batch, aggregate: bool) -> None:
@@ -161,8 +185,8 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
         raise
     counter = metrics.duplicate_batches if result.duplicate else metrics.ingested_batches
     counter.labels(batch.deployment).inc()
-    if not result.duplicate and not aggregate:
-        metrics.ingested_records.labels(batch.deployment).inc(result.accepted)
+    if not result.duplicate:
+        metrics.ingested_records.labels(batch.deployment).inc(result.records)
     if not result.duplicate:  # the series exists at 0 first: a rate over it sees the first
         metrics.segment_overflow_tokens.labels(batch.deployment).inc(result.overflow)
     return IngestAck(batch_id=result.batch_id, accepted=result.accepted,
@@ -174,11 +198,14 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
                  RECORDS_JSON: {"schema": TelemetryBatch.model_json_schema()},
                  RECORDS_MSGPACK: {"schema": {"type": "string", "format": "binary"}},
                  AGGREGATE_JSON: {"schema": AggregateBatch.model_json_schema()},
-                 AGGREGATE_MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+                 AGGREGATE_MSGPACK: {"schema": {"type": "string", "format": "binary"}},
+                 INTERVAL_JSON: {"schema": IntervalBatch.model_json_schema()},
+                 INTERVAL_MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
                  "required": True}}, dependencies=[rate_limited("ingest")])
 async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:
-    """Store (or queue) one batch of token records, or one aggregate batch (by content type:
-    docs/protocol.md); a replayed batch id is acknowledged with duplicate=true."""
+    """Store (or queue) one batch of token records, one aggregate batch or one interval batch
+    (by content type: docs/protocol.md); a replayed batch id is acknowledged with
+    duplicate=true."""
     body = await request.body()
     content_type = request.headers.get("content-type", "application/json")
     return await to_thread.run_sync(store_batch, request.app.state, principal, body,

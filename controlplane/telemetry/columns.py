@@ -17,7 +17,14 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
-from exitplane.wire import ShadowPoint, TelemetryBatch, TokenRecord
+from exitplane.wire import (
+    DEFAULT_SEGMENT,
+    RECORD_COLUMNS,
+    IntervalBatch,
+    ShadowPoint,
+    TelemetryBatch,
+    TokenRecord,
+)
 
 # The wire models' validators beyond their fields, each guarded in `_parse_columns`.
 MODEL_RULES = {"TelemetryBatch._layers_within_model", "TokenRecord._shadow_layers_unique"}
@@ -104,6 +111,27 @@ class BatchColumns:
         return cls(**header, **arrays, **point_arrays,
                    shadowed=np.array(shadowed, dtype=np.int64),
                    shadow_owner=np.repeat(np.arange(len(shadowed)), points_per_record))
+
+    @classmethod
+    def of_interval(cls, batch: IntervalBatch) -> BatchColumns | None:
+        """The records of an (already validated) interval batch, as the `aggregated` record
+        batch they stand for: same id, counted by the batch's cells. None without records."""
+        columns = batch.records
+        if columns is None:
+            return None
+        owner = np.array(columns.shadow_record, dtype=np.int64)
+        order = np.argsort(owner, kind="stable")  # points grouped by record, in sent order
+        shadowed, owner_index = np.unique(owner[order], return_inverse=True)
+        return cls(batch_id=batch.batch_id, deployment=batch.deployment,
+                   runtime_id=batch.runtime_id, seq=batch.seq, num_layers=batch.num_layers,
+                   **{name: _array(TokenRecord, name, getattr(columns, name))
+                      for name in RECORD_COLUMNS},
+                   shadowed=shadowed.astype(np.int64), shadow_owner=owner_index.astype(np.int64),
+                   shadow_layer=np.array(columns.shadow_layer, dtype=np.int64)[order],
+                   shadow_signal=np.array(columns.shadow_signal, dtype=np.float64)[order],
+                   shadow_matched=np.array(columns.shadow_matched, dtype=np.bool_)[order],
+                   segment=columns.segment or [DEFAULT_SEGMENT] * len(columns),
+                   aggregated=True)
 
     def to_wire(self) -> dict:
         """The batch as `TelemetryBatch.model_dump(mode="json")` gives it."""

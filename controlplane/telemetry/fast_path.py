@@ -46,8 +46,9 @@ from exitplane.wire import Heartbeat
 
 TELEMETRY_PATH = "/v1/telemetry"
 # A telemetry body up to this size is served on the event loop (`_serve_on_loop`): a fleet's
-# aggregate batches (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records) decode in
-# well under a millisecond; larger ones are decoded on a worker thread.
+# interval batches (~4 KiB: the counts and 100 sampled records as columns), aggregate batches
+# (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records) decode in well under a
+# millisecond; larger ones are decoded on a worker thread.
 LOOP_BODY_BYTES = 32 << 10
 HEARTBEATS = ("/v1/deployments/", "/heartbeats")  # around the deployment's name
 
@@ -174,11 +175,12 @@ async def _serve_on_loop(state, authorization: str, content_type: str,
     `stream.append_within_rate`); None sends the request to `_serve` on a worker thread
     (anything that would read the store, an unlimited token, Redis unreachable).
 
-    At fleet scale most telemetry POSTs are small aggregate and sampled-record batches, and
-    the hand-off to a worker thread and back, with two blocking Redis calls there, cost more
-    CPU than the work itself. Decoding a body of at most LOOP_BODY_BYTES holds the loop well
-    under a millisecond. The answers are `_serve`'s, in its order: a request past its rate is
-    429 whatever else is wrong with it, so a bad request takes from the bucket first."""
+    At fleet scale most telemetry POSTs are small interval (or aggregate and sampled-record)
+    batches, and the hand-off to a worker thread and back, with two blocking Redis calls
+    there, cost more CPU than the work itself. Decoding a body of at most LOOP_BODY_BYTES
+    holds the loop well under a millisecond. The answers are `_serve`'s, in its order: a
+    request past its rate is 429 whatever else is wrong with it, so a bad request takes from
+    the bucket first."""
     limiter = state.rate_limiters["ingest"]
     principal = cached_principal(state, authorization)
     shared = getattr(limiter, "shared_bucket", None)

@@ -32,7 +32,8 @@ class TelemetryBatchRow(Base):
     records: Mapped[int]
     received_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     # 'records' (every token a record), 'sampled' (an aggregating runtime's records: shadow
-    # tokens and a sample) or 'aggregate' (exact counts; `records` is then its cell count).
+    # tokens and a sample) or 'aggregate' (exact counts; `records` is then its cell count; an
+    # interval batch is one too, its records stored as rows under the same id).
     kind: Mapped[str] = mapped_column(String(16), default="records", server_default="records")
     tokens: Mapped[int | None] = mapped_column(BigInteger)  # tokens it adds to the rollups
     raw_sample_rate: Mapped[float | None]

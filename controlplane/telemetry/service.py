@@ -39,7 +39,7 @@ from controlplane.telemetry.tables import (
     tables_of,
 )
 from controlplane.thresholds.models import Deployment, ThresholdSet
-from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch, TelemetryBatch
+from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch, IntervalBatch, TelemetryBatch
 
 if TYPE_CHECKING:
     from controlplane.telemetry.targets import IngestTarget
@@ -66,6 +66,7 @@ class IngestResult:
     duplicate: bool
     aggregate: bool = False
     overflow: int = 0  # of its tokens, those stored as `default`, past the segment cap
+    records: int = 0  # records stored as rows (0 for a replay)
 
 
 def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
@@ -136,6 +137,10 @@ def ingest(*, session: Session, deployment: Deployment,
     new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
     fresh = [b for b in batches if b.batch_id in new_ids and isinstance(b, BatchColumns)]
     aggregates = [b for b in batches if b.batch_id in new_ids and isinstance(b, AggregateBatch)]
+    # An interval batch's records are stored as the aggregated record batch they stand for.
+    carried = {b.batch_id: BatchColumns.of_interval(b) for b in aggregates
+               if isinstance(b, IntervalBatch) and b.records is not None}
+    fresh += carried.values()
     rollups, histograms = [], []
     if fresh:
         versions = set(np.unique(np.concatenate([b.threshold_version for b in fresh])).tolist())
@@ -166,7 +171,10 @@ def ingest(*, session: Session, deployment: Deployment,
     return [IngestResult(batch_id=b.batch_id, accepted=accounted(b),
                          duplicate=b.batch_id not in new_ids,
                          aggregate=isinstance(b, AggregateBatch),
-                         overflow=overflow_tokens(b, segment_of) if b.batch_id in new_ids else 0)
+                         overflow=overflow_tokens(b, segment_of) if b.batch_id in new_ids else 0,
+                         records=(len(carried[b.batch_id]) if b.batch_id in carried
+                                  else len(b) if isinstance(b, BatchColumns)
+                                  and b.batch_id in new_ids else 0))
             for b in batches]
 
 
@@ -178,6 +186,8 @@ def _segments_stored(*, session: Session, deployment: Deployment,
     for batch in batches:
         if isinstance(batch, AggregateBatch):
             names.update(cell.segment for cell in batch.cells)
+            if isinstance(batch, IntervalBatch) and batch.records is not None:
+                names.update(batch.records.segment or ())
         else:
             names.update(batch.segment)  # C-level, per batch
     if not names - {DEFAULT_SEGMENT}:

@@ -23,7 +23,7 @@ from controlplane.coordination.limits import GCRA_LUA, SharedBucket
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.service import get_deployment
-from exitplane.wire import AggregateBatch
+from exitplane.wire import AggregateBatch, IntervalBatch
 
 log = logging.getLogger("exitplane.ingest")
 
@@ -42,7 +42,13 @@ if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
 end
 return false
 """
-_FIELD = {False: "batch", True: "aggregate"}
+# The entry field says what the body is: an interval batch has a field of its own, so that an
+# older worker dead-letters it instead of reading it as an aggregate batch without its records.
+_FIELDS = {BatchColumns: "batch", AggregateBatch: "aggregate", IntervalBatch: "interval"}
+
+
+def _field(batch: BatchColumns | AggregateBatch) -> str:
+    return _FIELDS[type(batch)]
 
 # The same append, after taking one request from the sender's rate bucket in the same atomic
 # step (KEYS[4]: the bucket, ARGV[5..6]: its interval and tolerance; `limits.GCRA_LUA`).
@@ -75,7 +81,7 @@ def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
         body = _wire_body(batch)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
-                        body, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)])
+                        body, SEEN_TTL_S, key, _field(batch))
     return bool(added)
 
 
@@ -92,7 +98,7 @@ async def append_within_rate(bucket: SharedBucket, batch: BatchColumns | Aggrega
     key = stream_key(batch.deployment)
     added, wait_us = await script(
         keys=[SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY, bucket.key],
-        args=[body, SEEN_TTL_S, key, _FIELD[isinstance(batch, AggregateBatch)], *bucket.args])
+        args=[body, SEEN_TTL_S, key, _field(batch), *bucket.args])
     if int(wait_us) > 0:
         return False, int(wait_us) / 1_000_000
     return bool(int(added)), None
@@ -105,10 +111,12 @@ def _wire_body(batch: BatchColumns | AggregateBatch) -> bytes:
 
 
 def _parse_entry(fields: dict) -> BatchColumns | AggregateBatch:
-    """A stream entry's batch: field `batch` holds records, `aggregate` an aggregate batch."""
-    payload = fields.get(b"aggregate", fields.get("aggregate"))
-    if payload is not None:
-        return AggregateBatch.model_validate(msgpack.unpackb(payload, raw=False))
+    """A stream entry's batch: field `batch` holds records, `aggregate` an aggregate batch,
+    `interval` an interval batch."""
+    for name, model in (("aggregate", AggregateBatch), ("interval", IntervalBatch)):
+        payload = fields.get(name.encode(), fields.get(name))
+        if payload is not None:
+            return model.model_validate(msgpack.unpackb(payload, raw=False))
     return parse_batch(msgpack.unpackb(fields.get(b"batch", fields.get("batch")), raw=False))
 
 
@@ -219,8 +227,7 @@ class StreamIngestor:
                     metrics.duplicate_batches.labels(deployment_name).inc()
                 else:
                     metrics.ingested_batches.labels(deployment_name).inc()
-                    if not result.aggregate:
-                        metrics.ingested_records.labels(deployment_name).inc(result.accepted)
+                    metrics.ingested_records.labels(deployment_name).inc(result.records)
                     # at 0 from the first batch on: a rate over it sees the first overflow
                     metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
             self.stats.batches += len(batches)

@@ -15,9 +15,15 @@ records counted. What is on disk at start-up is replayed too.
 Edge aggregation (`raw_sample_rate` < 1, or `aggregate=True`): every submitted token is counted
 by an `Aggregator`; only shadow tokens and a random `raw_sample_rate` share of the others are
 queued as records (batches flagged `aggregated`, so they add no token counts to the rollups).
-Every `aggregate_interval_s` the counts are cut into an aggregate batch that takes the same
-road as record batches: own batch id and seq, retries, spool, in-order replay, 413 split (its
-cells in halves); the records then default to the same interval (`batch_interval_s`, else 1 s).
+Every `aggregate_interval_s` the counts are cut and shipped together with the records queued
+so far as one **interval batch** (`IntervalBatch`: the counts as cells, the records column by
+column), so a runtime sends one request per interval; it takes the same road as record
+batches: own batch id and seq, retries, spool, in-order replay, 413 split (its cells and its
+records in halves). A queue that reaches `batch_records` before the cut leaves at once as an
+interval batch of records alone. A control plane that predates interval batches answers 415:
+the shipper then sends that batch as the aggregate batch and the `aggregated` record batch it
+stands for, and keeps to that pair from then on (`bundle=False` asks for the pair from the
+start; the records then leave every `batch_interval_s`, by default the aggregates' interval).
 With the default 1.0 nothing is aggregated: today's behaviour.
 
 Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or another 4xx) the
@@ -43,9 +49,21 @@ from pydantic import ValidationError
 
 from exitplane.client import retry
 from exitplane.client.aggregate import Aggregator
-from exitplane.client.codec import ENCODINGS, EncodedBatch, encode_aggregate, encode_records
+from exitplane.client.codec import (
+    ENCODINGS,
+    EncodedBatch,
+    encode_aggregate,
+    encode_interval,
+    encode_records,
+)
 from exitplane.client.spool import SeqCounter, Spool
-from exitplane.wire import MAX_AGGREGATE_CELLS, RECORDS_JSON, RECORDS_MSGPACK, TokenRecord
+from exitplane.wire import (
+    MAX_AGGREGATE_CELLS,
+    RECORDS_JSON,
+    RECORDS_MSGPACK,
+    RecordColumns,
+    TokenRecord,
+)
 
 log = logging.getLogger("exitplane.client.shipper")
 
@@ -64,7 +82,7 @@ class TelemetryShipper:
                  backoff_max_s: float = 30.0, request_timeout_s: float = 10.0,
                  encoding: str = "msgpack", fsync: bool = True, raw_sample_rate: float = 1.0,
                  aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
-                 aggregate_interval_s: float = 5.0):
+                 aggregate_interval_s: float = 5.0, bundle: bool = True):
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
         if not 0.0 <= raw_sample_rate <= 1.0:
@@ -78,6 +96,8 @@ class TelemetryShipper:
             raise ValueError("aggregating needs the deployment's exit_layers")
         self.raw_sample_rate = raw_sample_rate
         self.aggregate_interval_s = aggregate_interval_s
+        # Records ride in the interval batches (until a control plane answers 415 to them).
+        self.bundle = bool(aggregate and bundle)
         self.aggregator = Aggregator(exit_layers=exit_layers, num_layers=num_layers) \
             if aggregate else None
         self._aggregate_due = time.monotonic() + aggregate_interval_s
@@ -95,7 +115,8 @@ class TelemetryShipper:
         self.max_attempts = max(1, max_attempts)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self.content_type, self.aggregate_content_type = ENCODINGS[encoding]
+        self.content_type, self.aggregate_content_type, self.interval_content_type = \
+            ENCODINGS[encoding]
         self.spool = Spool(spool_dir, max_bytes=spool_max_bytes, segment_bytes=segment_bytes,
                            fsync=fsync)
         self._seq = SeqCounter(Path(spool_dir) / "seq", self.spool.max_seq + 1)
@@ -244,7 +265,7 @@ class TelemetryShipper:
     def _sleep_s(self) -> float:
         now = time.monotonic()
         wait = self.batch_interval_s
-        if self._queue_since is not None:
+        if self._queue_since is not None and not self.bundle:  # bundled: they wait for the cut
             wait = self._queue_since + self.batch_interval_s - now
         if self.spool.pending_batches:
             wait = min(wait, self._probe_at - now)
@@ -258,14 +279,16 @@ class TelemetryShipper:
             now = time.monotonic()
             if self._queue_since is None:
                 self._queue_since = now
-            due = (force or closing or len(self._queue) >= self.batch_records
-                   or now - self._queue_since >= self.batch_interval_s)
+            # Bundled, only a full batch leaves here: the rest rides with the next cut of the
+            # counts (`_ship_aggregates`, which a flush or close forces too).
+            due = len(self._queue) >= self.batch_records or (not self.bundle and (
+                force or closing or now - self._queue_since >= self.batch_interval_s))
             if not due:
                 return
             batch = self._cut()
             self._queue_since = now if self._queue else None
             if batch is not None:
-                self._in_flight = batch.records
+                self._in_flight = batch.records + batch.rows
                 try:
                     self._dispatch(batch, closing=closing)
                 finally:
@@ -276,15 +299,14 @@ class TelemetryShipper:
         records = [self._queue.popleft() for _ in range(take)]
         seq = self._seq.take()
         try:
+            if self.bundle:
+                return self._interval(seq, [], records)
             return encode_records(deployment=self.deployment, runtime_id=self.runtime_id,
                                   seq=seq, num_layers=self.num_layers, records=records,
                                   aggregated=self.aggregator is not None,
                                   content_type=self.content_type)
         except ValidationError as exc:
-            self.counters["rejected_batches"] += 1
-            self.counters["rejected_records"] += len(records)
-            log.error("dropping a batch of %d records that fails the wire schema: %s",
-                      len(records), exc.errors()[0]["msg"])
+            self._refuse_records(records, exc)
             return None
 
     def _ship_aggregates(self, *, force: bool = False, closing: bool = False) -> None:
@@ -297,20 +319,50 @@ class TelemetryShipper:
             return
         self._aggregate_due = now + self.aggregate_interval_s
         cells = aggregator.cut()
-        for start in range(0, len(cells), MAX_AGGREGATE_CELLS):
-            encoded = encode_aggregate(deployment=self.deployment, runtime_id=self.runtime_id,
-                                       seq=self._seq.take(), num_layers=self.num_layers,
-                                       raw_sample_rate=self.raw_sample_rate,
-                                       cells=cells[start:start + MAX_AGGREGATE_CELLS],
-                                       content_type=self.aggregate_content_type)
-            self._in_flight = encoded.records
+        records = []
+        if self.bundle:  # the queued records ride with the counts
+            take = min(len(self._queue), self.batch_records)
+            records = [self._queue.popleft() for _ in range(take)]
+            self._queue_since = now if self._queue else None
+        for start in range(0, max(len(cells), 1), MAX_AGGREGATE_CELLS):
+            part = cells[start:start + MAX_AGGREGATE_CELLS]
+            if not (part or records):
+                return
+            seq = self._seq.take()
+            try:
+                encoded = self._interval(seq, part, records) if self.bundle else \
+                    encode_aggregate(deployment=self.deployment, runtime_id=self.runtime_id,
+                                     seq=seq, num_layers=self.num_layers,
+                                     raw_sample_rate=self.raw_sample_rate, cells=part,
+                                     content_type=self.aggregate_content_type)
+            except ValidationError as exc:  # a bad record: the counts must still leave
+                self._refuse_records(records, exc)
+                records = []
+                encoded = self._interval(seq, part, records)
+            carried, records = records, []  # they ride with the first part only
+            self._in_flight = encoded.records + encoded.rows
             try:
                 self._dispatch(encoded, closing=closing)
             except BaseException:
                 aggregator.restore(cells[start:])  # counted again at the next cut
+                self._queue.extendleft(reversed(carried))  # and sent with it
                 raise
             finally:
                 self._in_flight = 0
+
+    def _interval(self, seq: int, cells: list, records: list[TokenRecord]) -> EncodedBatch:
+        """An interval batch of `cells` and `records` (ValidationError when a record is
+        bad)."""
+        return encode_interval(deployment=self.deployment, runtime_id=self.runtime_id, seq=seq,
+                               num_layers=self.num_layers, raw_sample_rate=self.raw_sample_rate,
+                               cells=cells, records=RecordColumns.of(records) if records
+                               else None, content_type=self.interval_content_type)
+
+    def _refuse_records(self, records: list[TokenRecord], exc: ValidationError) -> None:
+        self.counters["rejected_batches"] += 1
+        self.counters["rejected_records"] += len(records)
+        log.error("dropping a batch of %d records that fails the wire schema: %s",
+                  len(records), exc.errors()[0]["msg"])
 
     def _dispatch(self, batch: EncodedBatch, *, closing: bool) -> None:
         if self.spool.pending_batches or not self.online:
@@ -327,6 +379,7 @@ class TelemetryShipper:
             else:
                 self.counters["dropped_aggregate_tokens" if batch.is_aggregate
                               else "dropped_spool_records"] += batch.records
+                self.counters["dropped_spool_records"] += batch.rows
                 log.error("telemetry spool %s is full (%d bytes): dropped batch %s with %d "
                           "records", self.spool.directory, self.spool.max_bytes, batch.batch_id,
                           batch.records)
@@ -358,6 +411,19 @@ class TelemetryShipper:
             outcome, retry_after = self._post(batch)
             if outcome == "done":
                 self._mark_online()
+                return []
+            if outcome == "unbundle":
+                # An older control plane: this batch as the pair it stands for, and the
+                # pair from now on (the ids are derived, so a replay unbundles the same).
+                if self.bundle:
+                    log.warning("the control plane does not take interval batches (415); "
+                                "shipping aggregate and record batches instead")
+                self.bundle = False
+                left: list[EncodedBatch] = []
+                for index, part in enumerate(parts := batch.unbundled()):
+                    left = self._deliver(part, attempts=attempts)
+                    if left:
+                        return [*left, *parts[index + 1:]]
                 return []
             if outcome == "split":
                 halves = batch.split()
@@ -395,9 +461,12 @@ class TelemetryShipper:
             self.counters["duplicate_batches"] += int(duplicate)
             kind = "aggregate_tokens" if batch.is_aggregate else "records"
             self.counters[f"duplicate_{kind}" if duplicate else f"sent_{kind}"] += batch.records
+            self.counters["duplicate_records" if duplicate else "sent_records"] += batch.rows
             return "done", None
         if status == 413:
             return "split", None
+        if status == 415 and batch.is_interval:
+            return "unbundle", None
         if status in (401, 403):
             self.counters["auth_errors"] += 1
             now = time.monotonic()
@@ -418,6 +487,7 @@ class TelemetryShipper:
         self.counters["rejected_batches"] += 1
         self.counters["rejected_aggregate_tokens" if batch.is_aggregate
                       else "rejected_records"] += batch.records
+        self.counters["rejected_records"] += batch.rows
         log.error("control plane rejected telemetry batch %s (seq %d, %d records): %s; not "
                   "retrying it", batch.batch_id, batch.seq, batch.records, reason)
 

@@ -61,18 +61,22 @@ def _rollups(engine, runtime_id: str) -> tuple[list, list]:
 def _shipper(url: str, token: str, spool, runtime_id: str, **options) -> TelemetryShipper:
     return TelemetryShipper(base_url=url, token=token, deployment=DEPLOYMENT,
                             runtime_id=runtime_id, num_layers=NUM_LAYERS, spool_dir=spool,
-                            batch_records=500, batch_interval_s=0.05, backoff_initial_s=0.05,
-                            backoff_max_s=0.2, fsync=False, **options)
+                            **{"batch_records": 500, "batch_interval_s": 0.05,
+                               "backoff_initial_s": 0.05, "backoff_max_s": 0.2, "fsync": False,
+                               **options})
 
 
+@pytest.mark.parametrize("bundle", [True, False], ids=["interval", "pair"])
 def test_aggregates_give_the_rollups_records_give(control_plane, operator, runtime_token,
-                                                  engine, tmp_path):
+                                                  engine, tmp_path, bundle):
+    """Interval batches (counts and records in one request, the default) and the pair of an
+    aggregate batch and a sampled record batch store the same."""
     versions = [publish(operator, {2: 0.6, 4: 0.3}), publish(operator, {2: 0.9, 4: 0.5})]
     stream = token_stream(4000, versions=[0, *versions])
     plain = _shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
     edge = _shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
                     raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
-                    aggregate_interval_s=0.2).start()
+                    aggregate_interval_s=0.2, bundle=bundle).start()
     for record in stream:
         assert plain.submit(record)
         assert edge.submit(record)
@@ -95,7 +99,12 @@ def test_aggregates_give_the_rollups_records_give(control_plane, operator, runti
     assert stored["rt-records"] == len(stream)
     # Every shadow token and about 10% of the rest travel as records.
     assert shadow_tokens + 200 < stored["rt-edge"] < shadow_tokens + 600
-    assert kinds == {"aggregate": len(stream), "sampled": 0}
+    assert edge.counters["sent_records"] == stored["rt-edge"]
+    if bundle:  # the records rode in the interval batches: no record batch was sent
+        assert kinds == {"aggregate": len(stream)} and edge.counters["sent_batches"] == 0
+    else:
+        assert kinds == {"aggregate": len(stream), "sampled": 0}
+        assert edge.counters["sent_batches"] > 0
     assert edge.counters["sent_aggregate_tokens"] == len(stream)
     counts = operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
     assert counts["records_sampled"] is True and counts["raw_sample_rate"] == 0.1

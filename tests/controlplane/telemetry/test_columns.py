@@ -94,8 +94,8 @@ def mutated_batches(draw):
                 records[0] = [1, 2]
             elif change == "tuple records":
                 payload["records"] = tuple(records)
-            elif change == "repeat" and shadow:
-                shadow.append(dict(shadow[0]))
+            elif change == "repeat" and shadow and isinstance(shadow[0], dict):
+                shadow.append(dict(shadow[0]))  # (an earlier mutation may have made it a tuple)
             elif change == "no points":
                 record["shadow"] = []
             elif change == "points tuple" and shadow:
