@@ -119,7 +119,7 @@ def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBa
                           f"published for {deployment.name!r}")
 
 
-def ingest(*, session: Session, deployment: Deployment,
+def ingest(*, session: Session, deployment: Deployment | IngestTarget,
            batches: Sequence[BatchColumns | TelemetryBatch | AggregateBatch],
            thresholds: dict[int, np.ndarray] | None = None) -> list[IngestResult]:
     """Store checked batches (records and aggregates) of one deployment with their rollups, in
@@ -178,7 +178,7 @@ def ingest(*, session: Session, deployment: Deployment,
             for b in batches]
 
 
-def _segments_stored(*, session: Session, deployment: Deployment,
+def _segments_stored(*, session: Session, deployment: Deployment | IngestTarget,
                      batches: list[BatchColumns | AggregateBatch]) -> dict[str, str]:
     """The names in `batches` that the deployment's cap stores as `default` (-> 'default');
     names stored as themselves are left out (nothing to map)."""
@@ -225,7 +225,7 @@ def _batch_row(batch: BatchColumns | AggregateBatch) -> dict:
             "raw_sample_rate": None}
 
 
-def _claim_batches(*, session: Session, deployment: Deployment,
+def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
                    batches: list[BatchColumns | AggregateBatch]) -> set[str]:
     """Insert batch ids that are new; return those (a replayed id is not returned)."""
     seen: set[str] = set()
@@ -243,7 +243,7 @@ def _claim_batches(*, session: Session, deployment: Deployment,
     return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id), values))
 
 
-def thresholds_by_version(*, session: Session, deployment: Deployment,
+def thresholds_by_version(*, session: Session, deployment: Deployment | IngestTarget,
                           versions: Iterable[int]) -> VersionThresholds:
     """Thresholds in exit-layer order of those `versions` that exist: the published ones, and
     0, the runtime's built-in never-exit set; with each version's per-segment maps."""

@@ -22,7 +22,7 @@ from controlplane import metrics
 from controlplane.coordination.limits import GCRA_LUA, SharedBucket
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds.service import get_deployment
+from controlplane.telemetry.targets import IngestTargets
 from exitplane.wire import AggregateBatch, IntervalBatch
 
 log = logging.getLogger("exitplane.ingest")
@@ -143,6 +143,9 @@ class StreamIngestor:
         self.claim_idle_ms = claim_idle_ms
         self.stats = ConsumeStats()
         self._groups: set[str] = set()
+        # A deployment's id, layers and name never change and it is never deleted: read once
+        # per worker, not once per stream read.
+        self._targets = IngestTargets(session_factory)
 
     def streams(self) -> list[str]:
         keys = sorted(k.decode() if isinstance(k, bytes) else k
@@ -217,8 +220,8 @@ class StreamIngestor:
                           error, DEAD_LETTER)
                 dead.append((entry_id, fields))
         if batches:
+            deployment = self._targets.get(deployment_name, ())
             with self.session_factory() as session:
-                deployment = get_deployment(session=session, name=deployment_name)
                 results = ingest(session=session, deployment=deployment, batches=batches)
                 session.commit()
             for result in results:
