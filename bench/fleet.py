@@ -85,7 +85,7 @@ sys.path.insert(0, str(ROOT))
 
 from controlplane.auth.service import create_token  # noqa: E402
 from controlplane.db import make_engine  # noqa: E402
-from controlplane.telemetry.stream import GROUP, stream_key  # noqa: E402
+from controlplane.telemetry.stream import DEAD_LETTER, GROUP, stream_key  # noqa: E402
 from controlplane.thresholds.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
 from exitplane.client.codec import encode, encode_aggregate, encode_interval  # noqa: E402
@@ -206,6 +206,20 @@ class Topology:
             client.close()
         return sum((group.get("lag") or 0) + (group.get("pending") or 0) for group in groups
                    if group.get("name") in (GROUP, GROUP.encode()))
+
+    def stream_state(self, deployment: str) -> dict:
+        """The stream's length, its group as Redis reports it, and the dead letters: what to
+        read when `lost` is not 0."""
+        client = redis.Redis(port=self.redis_port, decode_responses=True)
+        try:
+            groups = client.xinfo_groups(stream_key(deployment))
+            return {"length": client.xlen(stream_key(deployment)),
+                    "dead_letters": client.xlen(DEAD_LETTER),
+                    "group": next((g for g in groups if g.get("name") == GROUP), None)}
+        except redis.ResponseError as error:
+            return {"error": str(error)}
+        finally:
+            client.close()
 
     async def drained(self, deployment: str, generated: int, timeout: float) -> bool:
         """Wait until the store has counted `generated` tokens, or the stream is empty (what
@@ -480,6 +494,7 @@ class Fleet:
         self.received: dict[str, tuple[int, float]] = {}  # runtime -> (version, when)
         self.pulls_holding = 0
         self.tasks: list[asyncio.Task] = []
+        self.generator: asyncio.Task | None = None
         self.http: list[httpx.AsyncClient] = []  # the probes' and the admin's
         self.stopping = False
 
@@ -487,7 +502,8 @@ class Fleet:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.http = [httpx.AsyncClient(base_url=url, timeout=60, limits=limits)
                      for url in self.topology.urls]
-        self.tasks.append(asyncio.create_task(self._generate()))
+        self.generator = asyncio.create_task(self._generate())
+        self.tasks.append(self.generator)
 
     async def grow(self, count: int) -> None:
         """Bring the fleet to `count` runtimes (new ones start shipping and polling)."""
@@ -538,13 +554,15 @@ class Fleet:
         histogram = self.rng.multinomial(exits, BIN_MIX)  # (n, 4, 20)
         sampled = self.rng.binomial(tokens - shadow, self.raw_sample_rate) if self.aggregate \
             else tokens - shadow
-        self.generated += int(tokens.sum())
         for done, i in enumerate(np.flatnonzero(tokens)):  # an idle runtime has nothing
             if done % TICK_CHUNK == TICK_CHUNK - 1:
                 # Let sends and receipts in between: one pass over 1,000 runtimes held the
                 # loop for hundreds of ms, a delay no real runtime's receipt has.
                 await asyncio.sleep(0)
             runtime = runtimes[i]
+            if runtime.retired:  # retired during this tick: its last cut may be made
+                continue
+            self.generated += int(tokens[i])
             if self.aggregate:
                 runtime.aggregator.add_counts(minute=minute, threshold_version=runtime.version,
                                               exits=exits[i].tolist(),
@@ -735,7 +753,10 @@ class Fleet:
     async def flush(self, timeout: float) -> bool:
         """Stop generating, cut and deliver everything."""
         self.stopping = True
-        await asyncio.sleep(1.2)  # the last tick lands
+        # The last tick lands first: an overloaded harness's tick can outlast any fixed wait,
+        # and counts added after the final cut would be generated but never shipped.
+        if self.generator is not None:
+            await self.generator
         for runtime in self.active:
             self._cut(runtime)
         deadline = time.monotonic() + timeout
@@ -1080,6 +1101,7 @@ async def run(args) -> dict:
         await asyncio.sleep(2.0)
         counted = topology.counted("fleet")
         backlog = topology.backlog("fleet")
+        stream_state = topology.stream_state("fleet")
         rows = topology.rows("fleet")
         await fleet.close()
 
@@ -1110,7 +1132,7 @@ async def run(args) -> dict:
             "drift_alert_s": alert_s, "drift_alert_kind": alert_kind,
             "drift_interval_s": args.drift_interval_s,
             "lost": fleet.generated - counted if flushed and drained else None,
-            "flushed": flushed, "stream_backlog": backlog,
+            "flushed": flushed, "stream_backlog": backlog, "stream": stream_state,
             "generated": fleet.generated, "counted": counted,
             "records_mode_lost": records.generated - records_counted
             if records_flushed and records_drained else None,
