@@ -164,6 +164,35 @@ def request_groups(records: dict) -> list[np.ndarray]:
     return np.split(order, cuts)
 
 
+def split_halves(records: dict, requests: list[np.ndarray], share: float,
+                 rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A random calibration / serving split of one source's requests (`request_groups`),
+    `share` of them for calibration. Records with a `group` array (the module or file a
+    request's prompt came from, files with an identical prompt joined: bench/drift_real.py)
+    are split by group, so that correlated requests never land in both halves; without one,
+    by request."""
+    if "group" not in records:
+        order = rng.permutation(len(requests))
+        cut = round(len(order) * share)
+        return [requests[i] for i in order[:cut]], [requests[i] for i in order[cut:]]
+    of_request = np.array([records["group"][tokens[0]] for tokens in requests])
+    names, unit = np.unique(of_request, return_inverse=True)
+    order = rng.permutation(len(names))
+    cut = round(len(order) * share)
+    members = [np.flatnonzero(unit == u) for u in range(len(names))]
+    return ([requests[i] for u in order[:cut] for i in members[u]],
+            [requests[i] for u in order[cut:] for i in members[u]])
+
+
+def first_requests(records: dict, count: int) -> dict:
+    """The records of requests 0..count-1 (the prompt lists are prefixes of each other, so
+    these are what a `count`-request file holds, with the larger file's groups)."""
+    keep = records["request"] < count
+    per_token = {"signals", "matched", "request", "position", "group"}
+    return {name: values[keep] if name in per_token else values
+            for name, values in records.items()}
+
+
 def _mix(pools: dict[str, list[np.ndarray]], chat_share: float,
          rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
     """Requests of each segment so that `chat_share` of the requests are chat: all of the
@@ -250,10 +279,8 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
     for trial in range(trials):
         calibration, serving = {}, {}
         for name in SEGMENTS:
-            order = rng.permutation(len(groups[name]))
-            cut = round(len(order) * split)
-            calibration[name] = [groups[name][i] for i in order[:cut]]
-            serving[name] = [groups[name][i] for i in order[cut:]]
+            calibration[name], serving[name] = split_halves(records[name], groups[name], split,
+                                                            rng)
         cal = _stack(records, _mix(calibration, calibrate_mix, rng))
         served = _stack(records, _mix(serving, serve_mix, rng))
         after = _stack(records, _mix(calibration, serve_mix, rng))
@@ -318,6 +345,11 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
             "thresholds_from": dict(stats["sources"]),
         } for name, stats in per_segment.items()},
         "requests_per_source": {name: len(groups[name]) for name in SEGMENTS},
+        "split_by": {name: "group" if "group" in records[name] else "request"
+                     for name in SEGMENTS},
+        "groups_per_source": {name: len(np.unique(records[name]["group"]))
+                              if "group" in records[name] else len(groups[name])
+                              for name in SEGMENTS},
         "tokens_per_source": {name: len(records[name]["signals"]) for name in SEGMENTS},
         "calibrate_mix_chat": calibrate_mix,
         "serve_mix_chat": serve_mix,
@@ -336,6 +368,9 @@ def main() -> int:
                         help="default: bench/drift_real.py's RECORDS_DIR (var/drift_real)")
     parser.add_argument("--requests", type=int, default=120, help="requests per source file")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--first-of", type=int, default=None, metavar="M",
+                        help="read the first --requests requests of the M-request files (with "
+                             "their groups): the curve over sizes on one set of records")
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--delta", type=float, default=0.05)
     parser.add_argument("--epsilon", type=float, default=0.1)
@@ -364,14 +399,19 @@ def main() -> int:
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
     folder = args.records_dir or drift_real.RECORDS_DIR
+    if args.first_of is not None and args.first_of < args.requests:
+        print(f"--first-of {args.first_of} is below --requests {args.requests}: give the larger "
+              f"file's size", file=sys.stderr)
+        return 2
     records = {}
     for name in SEGMENTS:
-        path = folder / f"{name}-{args.requests}x{args.new_tokens}.npz"
+        size = args.first_of or args.requests
+        path = folder / f"{name}-{size}x{args.new_tokens}.npz"
         if not path.exists():
             print(f"missing {path}: produce the records with "
                   f"`.venv/bin/python -P bench/drift_real.py --records-only`", file=sys.stderr)
             return 2
-        records[name] = drift_real.load_records(path)
+        records[name] = first_requests(drift_real.load_records(path), args.requests)
     started = time.perf_counter()
     report = run_trials(records, trials=args.trials, delta=args.delta, epsilon=args.epsilon,
                         calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,

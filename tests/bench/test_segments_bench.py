@@ -88,3 +88,49 @@ def test_missing_records_exit_2_with_one_line(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().startswith("missing ") and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_split_halves_keeps_each_group_in_one_half(tmp_path):
+    _records(tmp_path)
+    bench = _bench()
+    records = bench._drift_real().load_records(tmp_path / "code-120x32.npz")
+    # 120 requests on 70 files: the first 70 one per file, the next 50 a second window of
+    # files 0..49 (bench/drift_real.py's code prompts past the files)
+    records["group"] = np.where(records["request"] < 70, records["request"],
+                                records["request"] - 70)
+    requests = bench.request_groups(records)
+    for seed in range(20):
+        calibration, serving = bench.split_halves(records, requests, 0.5,
+                                                  np.random.default_rng(seed))
+        group_of = [{int(records["group"][t[0]]) for t in half}
+                    for half in (calibration, serving)]
+        assert not group_of[0] & group_of[1]
+        assert len(group_of[0]) == len(group_of[1]) == 35
+        ids = sorted(int(records["request"][t[0]]) for t in calibration + serving)
+        assert ids == list(range(120))  # every request once, whole
+        assert all(len(t) == 32 for t in calibration + serving)
+
+
+def test_split_halves_without_groups_splits_requests_as_before(tmp_path):
+    _records(tmp_path)
+    bench = _bench()
+    records = bench._drift_real().load_records(tmp_path / "code-120x32.npz")
+    requests = bench.request_groups(records)
+    calibration, serving = bench.split_halves(records, requests, 0.5,
+                                              np.random.default_rng(3))
+    order = np.random.default_rng(3).permutation(120)  # the split before groups existed
+    assert [t.tolist() for t in calibration] == [requests[i].tolist() for i in order[:60]]
+    assert [t.tolist() for t in serving] == [requests[i].tolist() for i in order[60:]]
+
+
+def test_run_trials_reads_groups_when_the_records_have_them(tmp_path):
+    _records(tmp_path)
+    bench = _bench()
+    records = {name: bench._drift_real().load_records(tmp_path / f"{name}-120x32.npz")
+               for name in ("chat", "code")}
+    records["code"]["group"] = records["code"]["request"] // 2  # two requests per file
+    report = bench.run_trials(records, trials=2, delta=0.05, epsilon=0.1)
+    assert report["split_by"] == {"chat": "request", "code": "group"}
+    assert report["groups_per_source"] == {"chat": 120, "code": 60}
+    # the calibration half holds 30 of code's 60 groups (60 requests), 15 of them in the mix
+    assert report["segments"]["code"]["calibration_tokens_mean"] == 15 * 32
