@@ -206,18 +206,22 @@ def _mix(pools: dict[str, list[np.ndarray]], chat_share: float,
 
 
 def _stack(records: dict[str, dict], mix: dict[str, list[np.ndarray]]):
-    """(signals, matched, segment labels, request ids) of the mix's tokens."""
-    signals, matched, labels, requests = [], [], [], []
-    next_id = 0
+    """(signals, matched, segment labels, request ids, group ids) of the mix's tokens (a
+    request's group: its records' `group`, else the request itself)."""
+    signals, matched, labels, requests, groups = [], [], [], [], []
+    next_id, group_ids = 0, {}
     for name in SEGMENTS:
         for tokens in mix.get(name, []):
             signals.append(records[name]["signals"][tokens])
             matched.append(records[name]["matched"][tokens])
             labels += [name] * len(tokens)
             requests += [next_id] * len(tokens)
+            key = (name, int(records[name]["group"][tokens[0]]) if "group" in records[name]
+                   else -1 - next_id)
+            groups += [group_ids.setdefault(key, len(group_ids))] * len(tokens)
             next_id += 1
     return (np.vstack(signals).astype(float), np.vstack(matched).astype(bool),
-            np.array(labels), np.array(requests))
+            np.array(labels), np.array(requests), np.array(groups))
 
 
 def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
@@ -232,8 +236,11 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     return exits, wrong
 
 
-def _ids(stacked, by_request: bool):
-    """The stacked mix's request ids for the calibrators, or None to hide them."""
+def _ids(stacked, by_request: bool, by_group: bool = False):
+    """The stacked mix's request ids for the calibrators (their group ids with `by_group`),
+    or None to hide them."""
+    if by_group:
+        return stacked[4]
     return stacked[3] if by_request else None
 
 
@@ -255,13 +262,16 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
                min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
                match_model: str = "logistic", pooled_check_share: float = 0.0,
-               by_request: bool = True, borrow_path: bool = True) -> dict:
+               by_request: bool = True, borrow_path: bool = True,
+               by_group: bool = False) -> dict:
     """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
     `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
     product defaults), there to measure what each costs; every set uses the same ones.
     `by_request` False hides the request ids from every calibrator (tokens then count as
     independent draws, the calibrator before request-level tests). `borrow_path` False draws
-    each segment's path from its own learn tokens only (the calibrator before it borrowed)."""
+    each segment's path from its own learn tokens only (the calibrator before it borrowed).
+    `by_group` gives the calibrators group ids as request ids: requests of one module or file
+    then count as one cluster (ablation: the records' correlation beyond a request)."""
     method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
@@ -285,13 +295,15 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         served = _stack(records, _mix(serving, serve_mix, rng))
         after = _stack(records, _mix(calibration, serve_mix, rng))
 
-        pooled = _pooled(cal[0], cal[1], _ids(cal, by_request), seed=trial, **options)
+        ids = _ids(cal, by_request, by_group)
+        pooled = _pooled(cal[0], cal[1], ids, seed=trial, **options)
         segmented = calibrate_segments(
-            signals=cal[0], matched=cal[1], segments=cal[2], requests=_ids(cal, by_request),
+            signals=cal[0], matched=cal[1], segments=cal[2], requests=ids,
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
             min_samples_per_layer=min_samples, seed=trial,
             pooled_check_share=pooled_check_share, borrow_path=borrow_path, **method)
-        recalibrated = _pooled(after[0], after[1], _ids(after, by_request), seed=trial, **options)
+        recalibrated = _pooled(after[0], after[1], _ids(after, by_request, by_group), seed=trial,
+                               **options)
 
         sets = {
             "pooled": dict.fromkeys(SEGMENTS, pooled),
@@ -359,6 +371,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "pooled_check_share": pooled_check_share,
         "risk_unit": "request" if by_request else "token",
         "borrow_path": borrow_path,
+        "cluster_by_group": by_group,
     }
 
 
@@ -395,6 +408,9 @@ def main() -> int:
     parser.add_argument("--own-path-only", action="store_true",
                         help="each segment's path from its own learn tokens only (ablation: "
                              "the calibrator before it borrowed the other segments')")
+    parser.add_argument("--cluster-by-group", action="store_true",
+                        help="give the calibrators each request's group (module or file) as "
+                             "its id, so a group counts as one cluster (ablation)")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
@@ -419,7 +435,8 @@ def main() -> int:
                         risk_test=args.risk_test, match_model=args.match_model,
                         pooled_check_share=args.pooled_check_share,
                         by_request=not args.independent_tokens,
-                        borrow_path=not args.own_path_only)
+                        borrow_path=not args.own_path_only,
+                        by_group=args.cluster_by_group)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0

@@ -134,3 +134,17 @@ def test_run_trials_reads_groups_when_the_records_have_them(tmp_path):
     assert report["groups_per_source"] == {"chat": 120, "code": 60}
     # the calibration half holds 30 of code's 60 groups (60 requests), 15 of them in the mix
     assert report["segments"]["code"]["calibration_tokens_mean"] == 15 * 32
+
+
+def test_stack_gives_group_ids_for_the_calibrators_to_cluster_by(tmp_path):
+    _records(tmp_path)
+    bench = _bench()
+    records = {name: bench._drift_real().load_records(tmp_path / f"{name}-120x32.npz")
+               for name in ("chat", "code")}
+    records["code"]["group"] = records["code"]["request"] // 2  # two requests per file
+    requests = {name: bench.request_groups(records[name]) for name in ("chat", "code")}
+    stacked = bench._stack(records, {"chat": requests["chat"][:3], "code": requests["code"][:4]})
+    assert len(np.unique(stacked[3])) == 7  # requests
+    assert len(np.unique(stacked[4])) == 3 + 2  # chat has no groups: a request each
+    assert bench._ids(stacked, True, by_group=True) is stacked[4]
+    assert bench._ids(stacked, True) is stacked[3] and bench._ids(stacked, False) is None
