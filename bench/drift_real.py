@@ -11,6 +11,17 @@ real detectors (issue 17).
    (continuations of Python standard-library source), `docs` (continuations of the standard
    library's docstrings). Greedy decoding under the never-exit set, i.e. the full model's own
    text; a served token's exit under any threshold set follows from its signals.
+   Prompts (`_prompts`): chat asks about each of the 549 module names, then each name again
+   with the other of the two asks; code (docs) takes 48 tokens at token 200 of each file's
+   source (long docstrings), files from the end of the list, then a second window at token 600
+   of each file long enough, left out when it repeats an earlier prompt (the generated
+   encodings/*.py open alike: the first 480 code prompts hold 420 distinct ones). Files whose
+   text the exit heads were trained on (`trained_files`: the first 13 at the demo heads'
+   60,000 characters) give no window; none of the first 480 came from them. A longer list keeps
+   a shorter one as its prefix, so a larger `--requests` serves only the prompts past the
+   largest cached file of its source and appends them (chat 960 / code 975 at most). Each
+   request's `group` (its module; its file, files sharing an identical prompt joined) is saved
+   with the records: requests of one group are correlated.
 2. Traffic: for each source a threshold set calibrated on half of its requests (the fixed-
    sequence Learn-Then-Test the calibrator uses, δ and ε below); the other half is replayed.
    Requests arrive as a Poisson stream at `--request-rate`, each one a whole request resampled
@@ -73,6 +84,9 @@ Reported:
 
     .venv/bin/python -P bench/drift_real.py                 # records cached after the first run
     .venv/bin/python -P bench/drift_real.py --records-only  # just produce the records
+    # bench/segments.py's records: 480 more requests per source on top of the 480 cached,
+    # about 5 minutes per 240 requests and source (one core each, 2026-12-01)
+    .venv/bin/python -P bench/drift_real.py --records-only --sources chat code --requests 960
 """
 
 from __future__ import annotations

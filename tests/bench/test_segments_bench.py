@@ -148,3 +148,15 @@ def test_stack_gives_group_ids_for_the_calibrators_to_cluster_by(tmp_path):
     assert len(np.unique(stacked[4])) == 3 + 2  # chat has no groups: a request each
     assert bench._ids(stacked, True, by_group=True) is stacked[4]
     assert bench._ids(stacked, True) is stacked[3] and bench._ids(stacked, False) is None
+
+
+def test_first_requests_is_what_a_smaller_file_holds(tmp_path):
+    _records(tmp_path)
+    bench = _bench()
+    records = bench._drift_real().load_records(tmp_path / "code-120x32.npz")
+    records["group"] = records["request"] // 2
+    first = bench.first_requests(records, 50)
+    assert sorted(set(first["request"].tolist())) == list(range(50))
+    assert len(first["signals"]) == len(first["matched"]) == len(first["group"]) == 50 * 32
+    assert (first["group"] == first["request"] // 2).all()
+    assert first["exit_layers"].tolist() == records["exit_layers"].tolist()
