@@ -97,3 +97,18 @@ def test_prompt_lists_are_prefixes_with_groups_away_from_trained_text(tokenizer)
     # a group is named by the first file of its files: at most the prompt's own file
     assert all(groups[first_pass + k] <= index for k, (index, _) in enumerate(expected))
     assert min(groups) >= trained
+
+
+def test_cached_prefix_is_the_largest_smaller_file_of_the_source(tmp_path, monkeypatch):
+    import numpy as np
+
+    bench = _drift_real()
+    monkeypatch.setattr(bench, "RECORDS_DIR", tmp_path)
+    for name in ("chat-120x32", "chat-480x32", "code-720x32", "chat-720x16"):
+        count = int(name.split("-")[1].split("x")[0])
+        np.savez_compressed(tmp_path / f"{name}.npz", request=np.arange(count))
+    count, records = bench._cached_prefix("chat", 960, 32)
+    assert count == 480 and records["request"].tolist() == list(range(480))
+    assert bench._cached_prefix("chat", 480, 32)[0] == 120
+    assert bench._cached_prefix("chat", 120, 32) == (0, None)
+    assert bench._cached_prefix("docs", 960, 32) == (0, None)
