@@ -11,6 +11,17 @@ real detectors (issue 17).
    (continuations of Python standard-library source), `docs` (continuations of the standard
    library's docstrings). Greedy decoding under the never-exit set, i.e. the full model's own
    text; a served token's exit under any threshold set follows from its signals.
+   Prompts (`_prompts`): chat asks about each of the 549 module names, then each name again
+   with the other of the two asks; code (docs) takes 48 tokens at token 200 of each file's
+   source (long docstrings), files from the end of the list, then a second window at token 600
+   of each file long enough, left out when it repeats an earlier prompt (the generated
+   encodings/*.py open alike: the first 480 code prompts hold 420 distinct ones). Files whose
+   text the exit heads were trained on (`trained_files`: the first 13 at the demo heads'
+   60,000 characters) give no window; none of the first 480 came from them. A longer list keeps
+   a shorter one as its prefix, so a larger `--requests` serves only the prompts past the
+   largest cached file of its source and appends them (chat 960 / code 975 at most). Each
+   request's `group` (its module; its file, files sharing an identical prompt joined) is saved
+   with the records: requests of one group are correlated.
 2. Traffic: for each source a threshold set calibrated on half of its requests (the fixed-
    sequence Learn-Then-Test the calibrator uses, δ and ε below); the other half is replayed.
    Requests arrive as a Poisson stream at `--request-rate`, each one a whole request resampled
@@ -73,6 +84,9 @@ Reported:
 
     .venv/bin/python -P bench/drift_real.py                 # records cached after the first run
     .venv/bin/python -P bench/drift_real.py --records-only  # just produce the records
+    # bench/segments.py's records: 480 more requests per source on top of the 480 cached,
+    # about 5 minutes per 240 requests and source (one core each, 2026-12-01)
+    .venv/bin/python -P bench/drift_real.py --records-only --sources chat code --requests 960
 """
 
 from __future__ import annotations
@@ -91,6 +105,11 @@ RECORDS_DIR = Path("var/drift_real")
 
 # -- 1. records ------------------------------------------------------------------------------
 
+CHAT_ASKS = ("What is the Python module `{}` used for? Answer briefly.",
+             "Give a short example that uses Python's `{}` module.")
+SECOND_WINDOW_AT = 600  # tokens into a file (or its docstrings): well past the first window (200)
+
+
 def _module_names(count: int) -> list[str]:
     from runtime import corpus
 
@@ -99,22 +118,63 @@ def _module_names(count: int) -> list[str]:
     return names[::-1][:count]
 
 
-def _prompts(source: str, tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
-    """`count` prompts of one source, from files the exit heads were not trained on."""
+def trained_files(max_chars: int) -> int:
+    """How many files of `corpus.stdlib_files()` the exit heads' training text reads: a prefix,
+    since `corpus.stdlib_texts(max_chars)` walks them in order (a module's docstrings, then its
+    source[:4000]), up to the file of the last text it yields."""
+    import ast
+
+    from runtime import corpus
+
+    texts = list(corpus.stdlib_texts(max_chars))
+    files, read = corpus.stdlib_files(), 0  # texts[:read] are placed in files[:index]
+    for index, path in enumerate(files):
+        try:
+            source = path.read_text(encoding="utf-8")
+            ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        if not source:
+            continue
+        head = source[:4000]
+        if texts[read] == head:  # no docstring excerpt
+            read += 1
+        elif read + 1 < len(texts) and texts[read + 1] == head:  # docstrings, then source
+            read += 2
+        elif read == len(texts) - 1:  # its docstrings: the budget ran out before its source
+            read += 1
+        else:
+            raise RuntimeError(f"corpus.stdlib_texts no longer reads {path.name} as expected")
+        if read >= len(texts):
+            return index + 1
+    return len(files)
+
+
+def _prompts(source: str, tokenizer, count: int, prompt_tokens: int, *,
+             trained_chars: int) -> tuple[list[list[int]], list[int]]:
+    """`count` prompts of one source and the group of each (chat: the module; code and docs:
+    the file), from text the exit heads were not trained on (`trained_chars`: the heads'
+    `stdlib_chars`). Chat asks about each module name, then each name again with the other ask;
+    code and docs take a window at token 200 of each file (its source or its long docstrings),
+    then a second window at `SECOND_WINDOW_AT` of each file long enough. The first N prompts
+    are the same for any count (cached records of a smaller count stay a prefix)."""
     import ast
 
     from runtime import corpus
 
     if source == "chat":
-        asks = ("What is the Python module `{}` used for? Answer briefly.",
-                "Give a short example that uses Python's `{}` module.")
         names = _module_names(count)
-        return [corpus.chat_prompt_ids(tokenizer, asks[i % 2].format(name))
-                for i, name in enumerate(names)][:count]
-    prompts = []
-    for path in reversed(corpus.stdlib_files()):
+        asked = [(i, CHAT_ASKS[i % 2]) for i in range(len(names))]
+        asked += [(i, CHAT_ASKS[(i + 1) % 2]) for i in range(len(names))]
+        asked = asked[:count]
+        return ([corpus.chat_prompt_ids(tokenizer, ask.format(names[i])) for i, ask in asked],
+                [i for i, _ in asked])
+    files = corpus.stdlib_files()
+    skip = trained_files(trained_chars)
+    texts = []  # (file index, token ids), files from the end, away from the trained ones
+    for index in range(len(files) - 1, skip - 1, -1):
         try:
-            text = path.read_text(encoding="utf-8")
+            text = files[index].read_text(encoding="utf-8")
             if source == "docs":
                 tree = ast.parse(text)
                 docs = [ast.get_docstring(node) for node in ast.walk(tree)
@@ -124,23 +184,97 @@ def _prompts(source: str, tokenizer, count: int, prompt_tokens: int) -> list[lis
             continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= prompt_tokens:
-            start = min(len(ids) - prompt_tokens, 200)
-            prompts.append(ids[start:start + prompt_tokens])
-        if len(prompts) >= count:
+            texts.append((index, ids))
+        if len(texts) >= count:
             break
-    return prompts
+    by_file = dict(texts)
+
+    def window(index: int, start: int) -> tuple[int, ...]:
+        return tuple(by_file[index][start:start + prompt_tokens])
+
+    windows = [(index, min(len(ids) - prompt_tokens, 200)) for index, ids in texts]
+    # generated files (encodings/cp*.py ...) open with the same tokens: a second window that
+    # repeats an earlier prompt would be the same request again, so it is left out
+    seen = {window(index, start) for index, start in windows}
+    for index, ids in texts:
+        if len(windows) >= count:
+            break
+        if (len(ids) >= SECOND_WINDOW_AT + prompt_tokens
+                and window(index, SECOND_WINDOW_AT) not in seen):
+            seen.add(window(index, SECOND_WINDOW_AT))
+            windows.append((index, SECOND_WINDOW_AT))
+    windows = windows[:count]
+    return ([list(window(index, start)) for index, start in windows],
+            _groups([(index, window(index, start)) for index, start in windows]))
+
+
+def _groups(windows: list[tuple[int, tuple[int, ...]]]) -> list[int]:
+    """The group of each (file index, prompt) window: its file, files that share an identical
+    prompt joined into one group (named by its first file index)."""
+    parent: dict[int, int] = {}
+
+    def root(index: int) -> int:
+        while parent.get(index, index) != index:
+            index = parent[index]
+        return index
+
+    first: dict[tuple[int, ...], int] = {}
+    for index, prompt in windows:
+        other = first.setdefault(prompt, index)
+        low, high = sorted((root(index), root(other)))
+        if low != high:
+            parent[high] = low
+    return [root(index) for index, _ in windows]
+
+
+def _serve(prompts: list[list[int]], first: int, *, source: str, heads, model, new_tokens: int,
+           prompt_tokens: int, batch: int) -> tuple[list, float]:
+    """Records of prompts[first:] served with every token shadowed (request id = the global
+    prompt index), and the decode seconds."""
+    from runtime.engine import Engine, EngineConfig
+
+    engine = Engine(model, heads=heads, config=EngineConfig(
+        max_batch=batch, max_seq_len=prompt_tokens + new_tokens + 96, shadow_rate=1.0))
+    started = time.perf_counter()
+    for index in range(first, len(prompts)):
+        engine.add_request(prompts[index], request_id=f"{source}-{index}",
+                           max_new_tokens=new_tokens)
+    records, done, total = [], 0, len(prompts) - first
+    while engine.has_work:
+        finished = sum(output.finished for output in engine.step())
+        done += finished
+        records += engine.drain_records()
+        if finished and done % 20 < finished:
+            print(f"{source}: {done}/{total} requests, {len(records)} tokens, "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return records, time.perf_counter() - started
+
+
+def _cached_prefix(source: str, requests: int, new_tokens: int) -> tuple[int, dict | None]:
+    """The largest cached record file of this source with fewer requests: (its count, its
+    arrays), or (0, None)."""
+    found = []
+    for path in RECORDS_DIR.glob(f"{source}-*x{new_tokens}.npz"):
+        count = path.stem.split("-", 1)[1].split("x")[0]
+        if count.isdigit() and int(count) < requests:
+            found.append((int(count), path))
+    if not found:
+        return 0, None
+    count, path = max(found)
+    return count, load_records(path)
 
 
 def produce_records(source: str, *, requests: int, new_tokens: int, prompt_tokens: int,
                     batch: int) -> Path:
-    """Run the engine on one source with every token shadowed; cache the records as .npz."""
+    """Run the engine on one source with every token shadowed; cache the records as .npz.
+    When a file of the same source with fewer requests M is cached, only prompts M.. are
+    served and appended to its records (the prompt lists are prefixes of each other)."""
     path = RECORDS_DIR / f"{source}-{requests}x{new_tokens}.npz"
     if path.exists():
         return path
     import torch
 
     from exitplane.demo import Timeline, _heads
-    from runtime.engine import Engine, EngineConfig
     from runtime.model import load_model
 
     torch.set_num_threads(1)  # the shared box: more threads than cores only thrash
@@ -149,32 +283,37 @@ def produce_records(source: str, *, requests: int, new_tokens: int, prompt_token
     heads, _, _ = _heads(model, tokenizer, True, Timeline())
     torch.set_grad_enabled(False)
     heads.float()
-    engine = Engine(model, heads=heads, config=EngineConfig(
-        max_batch=batch, max_seq_len=prompt_tokens + new_tokens + 96, shadow_rate=1.0))
-    prompts = _prompts(source, tokenizer, requests, prompt_tokens)
-    started = time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        engine.add_request(prompt, request_id=f"{source}-{index}", max_new_tokens=new_tokens)
-    records, done = [], 0
-    while engine.has_work:
-        finished = sum(output.finished for output in engine.step())
-        done += finished
-        records += engine.drain_records()
-        if finished and done % 20 < finished:
-            print(f"{source}: {done}/{len(prompts)} requests, {len(records)} tokens, "
-                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    prompts, groups = _prompts(source, tokenizer, requests, prompt_tokens,
+                               trained_chars=heads.metadata["config"]["stdlib_chars"])
+    if len(prompts) < requests:
+        raise SystemExit(f"{source} has {len(prompts)} prompts of {prompt_tokens} tokens, "
+                         f"fewer than --requests {requests}: ask for at most {len(prompts)}")
+    first, cached = _cached_prefix(source, requests, new_tokens)
     layers = list(heads.exit_layers)
-    signals = np.array([[p.signal for p in sorted(r.shadow, key=lambda p: p.layer)]
-                        for r in records], dtype=np.float32)
-    matched = np.array([[p.matched for p in sorted(r.shadow, key=lambda p: p.layer)]
-                        for r in records], dtype=bool)
-    request = np.array([int(r.request_id.rsplit("-", 1)[1]) for r in records])
-    position = np.array([r.position for r in records])
+    if cached is not None and [int(k) for k in cached["exit_layers"]] != layers:
+        raise SystemExit(f"cached {source} records have exit layers "
+                         f"{cached['exit_layers'].tolist()}, the heads {layers}: remove them")
+    if first:
+        print(f"{source}: reusing {first} cached requests", file=sys.stderr, flush=True)
+    records, decode_s = _serve(prompts, first, source=source, heads=heads, model=model,
+                               new_tokens=new_tokens, prompt_tokens=prompt_tokens, batch=batch)
+    new = {
+        "signals": np.array([[p.signal for p in sorted(r.shadow, key=lambda p: p.layer)]
+                             for r in records], dtype=np.float32),
+        "matched": np.array([[p.matched for p in sorted(r.shadow, key=lambda p: p.layer)]
+                             for r in records], dtype=bool),
+        "request": np.array([int(r.request_id.rsplit("-", 1)[1]) for r in records]),
+        "position": np.array([r.position for r in records]),
+    }
+    if cached is not None:
+        new = {name: np.concatenate([cached[name], values]) for name, values in new.items()}
+        decode_s += float(cached["decode_s"])
     RECORDS_DIR.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, signals=signals, matched=matched, request=request,
-                        position=position, exit_layers=np.array(layers),
-                        num_layers=len(model.model.layers),
-                        decode_s=time.perf_counter() - started)
+    # group: the module (chat) or file (code, docs) of each token's request; requests of one
+    # group are correlated, so a split into halves keeps a group whole
+    np.savez_compressed(path, **new, group=np.asarray(groups)[new["request"]],
+                        exit_layers=np.array(layers), num_layers=len(model.model.layers),
+                        decode_s=decode_s)
     return path
 
 
@@ -458,6 +597,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--records-only", action="store_true")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                        help="with --records-only: produce these sources' records only")
     parser.add_argument("--hours", type=float, default=24.0,
                         help="stationary hours in all, split across the sources")
     parser.add_argument("--switches", type=int, default=2, help="switches per ordered pair")
@@ -481,7 +622,7 @@ def main() -> None:
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     paths = {name: produce_records(name, requests=args.requests, new_tokens=args.new_tokens,
                                    prompt_tokens=args.prompt_tokens, batch=args.batch)
-             for name in SOURCES}
+             for name in (args.sources if args.records_only else SOURCES)}
     if args.records_only:
         print(json.dumps({name: str(path) for name, path in paths.items()}))
         return

@@ -112,6 +112,54 @@ inside a segment's LTT (+0.005 overall, but the service's per-segment holdout ga
 an ε split weighted by 1/sqrt(tokens) (+0.004, but a later one-segment recalibration at ε/k
 could then overspend the joint ε).
 
+More calibration data (seg-data, 2026-12-01): the gap is the finite-sample price of the small
+segment's own test, so the records grew without touching the calibrator or these statistics.
+bench/drift_real.py's prompt lists now run past the module names and files (its docstring), to
+960 requests per source, served incrementally on top of the 480 cached (about 5 minutes per 240
+requests and source; the first 480 requests of the new files equal the 480 files exactly).
+Requests of one module (chat: past 549 names each is asked again) or one file (code: a second
+window), and files whose prompts are identical (the generated encodings/*.py: the first 480 code
+prompts hold 420 distinct ones, so the request split put copies of one request in both halves),
+are correlated: the records carry a `group` (chat 549, code 498 at 960; code 420 of the first
+480) and the halves are split by group (`split_halves`; files without one, the 120 and 480
+ones, by request as before). `--first-of 960` reads the first N requests of the 960 files with
+their groups. Defaults, 100 trials, δ 0.05, ε 0.1; "cl": `--cluster-by-group` (the calibrators
+get group ids as request ids); requests in the 80/20 calibration mix, chat / code, and in the
+recalibrated pool (all of code's calibration half, a quarter as many chat):
+
+requests    split seed  cal. mix  pool  violation: pooled seg.  recal.  exit: seg.  recal.  ratio
+120         req.  0    60 / 15   75                 0.44  0.02   0.13      0.1583  0.2355  0.672
+120 of 960  group 0    60 / 15   75                 0.47  0.01   0.07      0.1582  0.2366  0.668
+480         req.  0    240 / 60  300                0.79  0.02   0.06      0.2165  0.2408  0.899
+480         req.  1                                 0.80  0.01   0.10      0.2203  0.2414  0.913
+480         req.  2                                 0.77  0.05   0.05      0.2209  0.2400  0.920
+480 of 960  group 0    240 / 60  ~300               0.80  0.07   0.21      0.2222  0.2415  0.920
+480 of 960  group 1                                 0.73  0.00   0.10      0.2160  0.2387  0.905
+480 of 960  group 2                                 0.75  0.05   0.06      0.2166  0.2390  0.906
+480 of 960  cl    0                                 0.80  0.03   0.14      0.2197  0.2392  0.918
+720         group 0    360 / 90  ~450               0.90  0.02   0.12      0.2267  0.2448  0.926
+720         group 1                                 0.97  0.02   0.13      0.2263  0.2462  0.919
+960         group 0    480 / 120 ~600               0.95  0.01   0.10      0.2324  0.2505  0.928
+960         group 1                                 0.98  0.05   0.14      0.2369  0.2521  0.940
+960         group 2                                 0.98  0.02   0.10      0.2328  0.2494  0.934
+960         cl    0                                 0.94  0.03   0.06      0.2329  0.2495  0.934
+
+The curve: 0.67x at 120 requests per source, 0.90-0.92x at 480 (the 0.899x above is seed 0's
+draw; three seeds average 0.911x by request, 0.910x by group: the group split changes nothing
+beyond the noise), 0.92-0.93x at 720, 0.93-0.94x at 960 (every seed above 0.9x by 0.028 or
+more): the target is met at 960 requests per source (120 code requests in the calibration mix),
+and at 480 it sits on the target within the seed noise (±0.01). The per-segment sets hold ε at
+every size (0.00-0.07) while the pooled set breaks δ more often as data grows (0.44 ->
+0.95-0.98: its chat-heavy calibration certifies more exits, 0.257 -> 0.282, which code does not
+bear). Per segment at 960 (seed 0): code exits 0.240 (0.221 at 480), chat 0.201 (0.199), served
+alone above δ in 0.02 (code) and 0.11 (chat) of trials, serving half 0.02 / 0.04; chat served
+alone (a quarter of code's served requests) reads 0.08-0.17 across these runs, its serving half
+0.03-0.09. The reference is not safe either: the recalibrated pool exceeds δ in 0.06-0.21 of
+trials with the group split (0.05-0.13 by request), in part since every calibrator tests per
+request while a module's or file's requests are more alike than independent ones: given the
+groups as clusters (cl) it reads 0.06 at 960 (0.10 without) and 0.14 at 480 (0.21), and the
+ratio holds (0.934x, 0.918x). 170-230 s per run at 480, 300-380 s at 960 (loaded 2-core box).
+
     .venv/bin/python -P bench/segments.py
     .venv/bin/python -P bench/segments.py --trials 100 --delta 0.05 --epsilon 0.1
     # 480 requests per source (records: bench/drift_real.py --records-only --requests 480,
@@ -119,6 +167,11 @@ could then overspend the joint ε).
     .venv/bin/python -P bench/segments.py --requests 480
     .venv/bin/python -P bench/segments.py --requests 480 --own-path-only  # before seg-power
     .venv/bin/python -P bench/segments.py --requests 480 --pooled-check-share 0.1  # pre seg-power2
+    # 960 requests per source (bench/drift_real.py --records-only --sources chat code
+    # --requests 960: on top of the 480 files, ~10 minutes per source); the curve on one set
+    .venv/bin/python -P bench/segments.py --requests 960 [--seed 1|2] [--cluster-by-group]
+    .venv/bin/python -P bench/segments.py --requests 720
+    .venv/bin/python -P bench/segments.py --requests 480 --first-of 960  # 120 likewise
 """
 
 from __future__ import annotations
@@ -164,6 +217,35 @@ def request_groups(records: dict) -> list[np.ndarray]:
     return np.split(order, cuts)
 
 
+def split_halves(records: dict, requests: list[np.ndarray], share: float,
+                 rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A random calibration / serving split of one source's requests (`request_groups`),
+    `share` of them for calibration. Records with a `group` array (the module or file a
+    request's prompt came from, files with an identical prompt joined: bench/drift_real.py)
+    are split by group, so that correlated requests never land in both halves; without one,
+    by request."""
+    if "group" not in records:
+        order = rng.permutation(len(requests))
+        cut = round(len(order) * share)
+        return [requests[i] for i in order[:cut]], [requests[i] for i in order[cut:]]
+    of_request = np.array([records["group"][tokens[0]] for tokens in requests])
+    names, unit = np.unique(of_request, return_inverse=True)
+    order = rng.permutation(len(names))
+    cut = round(len(order) * share)
+    members = [np.flatnonzero(unit == u) for u in range(len(names))]
+    return ([requests[i] for u in order[:cut] for i in members[u]],
+            [requests[i] for u in order[cut:] for i in members[u]])
+
+
+def first_requests(records: dict, count: int) -> dict:
+    """The records of requests 0..count-1 (the prompt lists are prefixes of each other, so
+    these are what a `count`-request file holds, with the larger file's groups)."""
+    keep = records["request"] < count
+    per_token = {"signals", "matched", "request", "position", "group"}
+    return {name: values[keep] if name in per_token else values
+            for name, values in records.items()}
+
+
 def _mix(pools: dict[str, list[np.ndarray]], chat_share: float,
          rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
     """Requests of each segment so that `chat_share` of the requests are chat: all of the
@@ -177,18 +259,22 @@ def _mix(pools: dict[str, list[np.ndarray]], chat_share: float,
 
 
 def _stack(records: dict[str, dict], mix: dict[str, list[np.ndarray]]):
-    """(signals, matched, segment labels, request ids) of the mix's tokens."""
-    signals, matched, labels, requests = [], [], [], []
-    next_id = 0
+    """(signals, matched, segment labels, request ids, group ids) of the mix's tokens (a
+    request's group: its records' `group`, else the request itself)."""
+    signals, matched, labels, requests, groups = [], [], [], [], []
+    next_id, group_ids = 0, {}
     for name in SEGMENTS:
         for tokens in mix.get(name, []):
             signals.append(records[name]["signals"][tokens])
             matched.append(records[name]["matched"][tokens])
             labels += [name] * len(tokens)
             requests += [next_id] * len(tokens)
+            key = (name, int(records[name]["group"][tokens[0]]) if "group" in records[name]
+                   else -1 - next_id)
+            groups += [group_ids.setdefault(key, len(group_ids))] * len(tokens)
             next_id += 1
     return (np.vstack(signals).astype(float), np.vstack(matched).astype(bool),
-            np.array(labels), np.array(requests))
+            np.array(labels), np.array(requests), np.array(groups))
 
 
 def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
@@ -203,8 +289,11 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     return exits, wrong
 
 
-def _ids(stacked, by_request: bool):
-    """The stacked mix's request ids for the calibrators, or None to hide them."""
+def _ids(stacked, by_request: bool, by_group: bool = False):
+    """The stacked mix's request ids for the calibrators (their group ids with `by_group`),
+    or None to hide them."""
+    if by_group:
+        return stacked[4]
     return stacked[3] if by_request else None
 
 
@@ -226,13 +315,16 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
                calibrate_mix: float = 0.8, serve_mix: float = 0.2, split: float = 0.5,
                min_samples: int = 200, seed: int = 0, risk_test: str = "binomial",
                match_model: str = "logistic", pooled_check_share: float = 0.0,
-               by_request: bool = True, borrow_path: bool = True) -> dict:
+               by_request: bool = True, borrow_path: bool = True,
+               by_group: bool = False) -> dict:
     """The benchmark on loaded records ({"chat": ..., "code": ...}); see the module docstring.
     `risk_test`, `match_model` and `pooled_check_share` are the calibrators' options (their
     product defaults), there to measure what each costs; every set uses the same ones.
     `by_request` False hides the request ids from every calibrator (tokens then count as
     independent draws, the calibrator before request-level tests). `borrow_path` False draws
-    each segment's path from its own learn tokens only (the calibrator before it borrowed)."""
+    each segment's path from its own learn tokens only (the calibrator before it borrowed).
+    `by_group` gives the calibrators group ids as request ids: requests of one module or file
+    then count as one cluster (ablation: the records' correlation beyond a request)."""
     method = dict(risk_test=risk_test, match_model=match_model)
     layers = [int(k) for k in records["chat"]["exit_layers"]]
     num_layers = int(records["chat"]["num_layers"])
@@ -250,21 +342,21 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
     for trial in range(trials):
         calibration, serving = {}, {}
         for name in SEGMENTS:
-            order = rng.permutation(len(groups[name]))
-            cut = round(len(order) * split)
-            calibration[name] = [groups[name][i] for i in order[:cut]]
-            serving[name] = [groups[name][i] for i in order[cut:]]
+            calibration[name], serving[name] = split_halves(records[name], groups[name], split,
+                                                            rng)
         cal = _stack(records, _mix(calibration, calibrate_mix, rng))
         served = _stack(records, _mix(serving, serve_mix, rng))
         after = _stack(records, _mix(calibration, serve_mix, rng))
 
-        pooled = _pooled(cal[0], cal[1], _ids(cal, by_request), seed=trial, **options)
+        ids = _ids(cal, by_request, by_group)
+        pooled = _pooled(cal[0], cal[1], ids, seed=trial, **options)
         segmented = calibrate_segments(
-            signals=cal[0], matched=cal[1], segments=cal[2], requests=_ids(cal, by_request),
+            signals=cal[0], matched=cal[1], segments=cal[2], requests=ids,
             exit_layers=layers, num_layers=num_layers, delta=delta, epsilon=epsilon,
             min_samples_per_layer=min_samples, seed=trial,
             pooled_check_share=pooled_check_share, borrow_path=borrow_path, **method)
-        recalibrated = _pooled(after[0], after[1], _ids(after, by_request), seed=trial, **options)
+        recalibrated = _pooled(after[0], after[1], _ids(after, by_request, by_group), seed=trial,
+                               **options)
 
         sets = {
             "pooled": dict.fromkeys(SEGMENTS, pooled),
@@ -318,6 +410,11 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
             "thresholds_from": dict(stats["sources"]),
         } for name, stats in per_segment.items()},
         "requests_per_source": {name: len(groups[name]) for name in SEGMENTS},
+        "split_by": {name: "group" if "group" in records[name] else "request"
+                     for name in SEGMENTS},
+        "groups_per_source": {name: len(np.unique(records[name]["group"]))
+                              if "group" in records[name] else len(groups[name])
+                              for name in SEGMENTS},
         "tokens_per_source": {name: len(records[name]["signals"]) for name in SEGMENTS},
         "calibrate_mix_chat": calibrate_mix,
         "serve_mix_chat": serve_mix,
@@ -327,6 +424,7 @@ def run_trials(records: dict[str, dict], *, trials: int, delta: float, epsilon: 
         "pooled_check_share": pooled_check_share,
         "risk_unit": "request" if by_request else "token",
         "borrow_path": borrow_path,
+        "cluster_by_group": by_group,
     }
 
 
@@ -336,6 +434,9 @@ def main() -> int:
                         help="default: bench/drift_real.py's RECORDS_DIR (var/drift_real)")
     parser.add_argument("--requests", type=int, default=120, help="requests per source file")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--first-of", type=int, default=None, metavar="M",
+                        help="read the first --requests requests of the M-request files (with "
+                             "their groups): the curve over sizes on one set of records")
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--delta", type=float, default=0.05)
     parser.add_argument("--epsilon", type=float, default=0.1)
@@ -360,18 +461,26 @@ def main() -> int:
     parser.add_argument("--own-path-only", action="store_true",
                         help="each segment's path from its own learn tokens only (ablation: "
                              "the calibrator before it borrowed the other segments')")
+    parser.add_argument("--cluster-by-group", action="store_true",
+                        help="give the calibrators each request's group (module or file) as "
+                             "its id, so a group counts as one cluster (ablation)")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]), flush=True)
     drift_real = _drift_real()
     folder = args.records_dir or drift_real.RECORDS_DIR
+    if args.first_of is not None and args.first_of < args.requests:
+        print(f"--first-of {args.first_of} is below --requests {args.requests}: give the larger "
+              f"file's size", file=sys.stderr)
+        return 2
     records = {}
     for name in SEGMENTS:
-        path = folder / f"{name}-{args.requests}x{args.new_tokens}.npz"
+        size = args.first_of or args.requests
+        path = folder / f"{name}-{size}x{args.new_tokens}.npz"
         if not path.exists():
             print(f"missing {path}: produce the records with "
                   f"`.venv/bin/python -P bench/drift_real.py --records-only`", file=sys.stderr)
             return 2
-        records[name] = drift_real.load_records(path)
+        records[name] = first_requests(drift_real.load_records(path), args.requests)
     started = time.perf_counter()
     report = run_trials(records, trials=args.trials, delta=args.delta, epsilon=args.epsilon,
                         calibrate_mix=args.calibrate_mix, serve_mix=args.serve_mix,
@@ -379,7 +488,8 @@ def main() -> int:
                         risk_test=args.risk_test, match_model=args.match_model,
                         pooled_check_share=args.pooled_check_share,
                         by_request=not args.independent_tokens,
-                        borrow_path=not args.own_path_only)
+                        borrow_path=not args.own_path_only,
+                        by_group=args.cluster_by_group)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report), flush=True)
     return 0
