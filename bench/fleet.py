@@ -767,6 +767,9 @@ class Fleet:
         return False
 
     async def close(self) -> None:
+        # Loops end on their own too: a cancellation that asyncio.wait_for swallowed (3.11,
+        # when the exchange finished as it was cancelled) left a long-poll loop running.
+        self.stopping = True
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
