@@ -66,12 +66,6 @@ def batch_model(content_type: str) -> type[AggregateBatch] | None:
     return model
 
 
-def is_aggregate(content_type: str) -> bool:
-    """Whether a POST /v1/telemetry body carries token counts (an aggregate or interval
-    batch), by its content type."""
-    return batch_model(content_type) is not None
-
-
 def _decode(body: bytes, content_type: str):
     try:
         if "msgpack" in content_type:

@@ -295,8 +295,7 @@ class TelemetryShipper:
                     self._in_flight = 0
 
     def _cut(self) -> EncodedBatch | None:
-        take = min(len(self._queue), self.batch_records)
-        records = [self._queue.popleft() for _ in range(take)]
+        records = self._take_records()
         seq = self._seq.take()
         try:
             if self.bundle:
@@ -321,8 +320,7 @@ class TelemetryShipper:
         cells = aggregator.cut()
         records = []
         if self.bundle:  # the queued records ride with the counts
-            take = min(len(self._queue), self.batch_records)
-            records = [self._queue.popleft() for _ in range(take)]
+            records = self._take_records()
             self._queue_since = now if self._queue else None
         for start in range(0, max(len(cells), 1), MAX_AGGREGATE_CELLS):
             part = cells[start:start + MAX_AGGREGATE_CELLS]
@@ -349,6 +347,11 @@ class TelemetryShipper:
                 raise
             finally:
                 self._in_flight = 0
+
+    def _take_records(self) -> list[TokenRecord]:
+        """Up to one batch of queued records, oldest first."""
+        take = min(len(self._queue), self.batch_records)
+        return [self._queue.popleft() for _ in range(take)]
 
     def _interval(self, seq: int, cells: list, records: list[TokenRecord]) -> EncodedBatch:
         """An interval batch of `cells` and `records` (ValidationError when a record is
