@@ -120,7 +120,7 @@ class Topology:
     """PostgreSQL database, private Redis, 2 APIs, ingest worker, Celery worker and beat."""
 
     def __init__(self, postgres_url: str, workdir: Path, drift_interval_s: float,
-                 worker_loglevel: str = "warning", ingest_nice: int = 0) -> None:
+                 worker_loglevel: str = "warning", ingest_nice: int | None = None) -> None:
         self.workdir = workdir
         base = make_url(postgres_url)
         self.db_name = f"exitplane_fleet_{os.getpid()}"
@@ -149,11 +149,12 @@ class Topology:
         for index, port in enumerate(self.ports):
             self._start([EXE, "up", "--host", "127.0.0.1", "--port", str(port),
                          "--no-migrate", "--no-workers"], f"api-{index}")
-        # The stream's ingest may run at a lower priority than the API processes whose answers
-        # runtimes wait for (`--ingest-nice`): it is throughput work that the stream buffers.
-        # PostgreSQL (its locks are shared) and Celery (drift checks) stay at the default.
+        # The ingest worker lowers its own priority (EXITPLANE_INGEST_NICE, the product's
+        # default 10 unless `--ingest-nice` says otherwise): it is throughput work that the
+        # stream buffers. PostgreSQL (its locks are shared) and Celery stay at the default.
         self._start([EXE, "ingest", "--name", "ingest-1", "--claim-idle-ms", "10000"], "ingest",
-                    nice=ingest_nice)
+                    env=self.env if ingest_nice is None
+                    else {**self.env, "EXITPLANE_INGEST_NICE": str(ingest_nice)})
         self._start([EXE, "worker", "--loglevel", worker_loglevel], "worker")
         self._start([EXE, "beat", "--loglevel", "warning"], "beat")
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
@@ -168,13 +169,16 @@ class Topology:
                 time.sleep(0.2)
         self.engine = make_engine(self.db_url)
 
-    def _start(self, command: list[str], name: str, nice: int = 0) -> None:
+    def _start(self, command: list[str], name: str, env: dict | None = None) -> None:
         log = (self.workdir / f"{name}.log").open("a")
         self.processes.append(subprocess.Popen(
             command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env=getattr(self, "env", os.environ),
-            preexec_fn=(lambda: os.nice(nice)) if nice else None))
+            env=env or getattr(self, "env", os.environ)))
         self.names.append(name)
+
+    def nice(self, name: str) -> int:
+        """The nice value a started process runs at now."""
+        return os.getpriority(os.PRIO_PROCESS, self.processes[self.names.index(name)].pid)
 
     def backends(self) -> list[int]:
         """PostgreSQL backend pids connected to the bench database."""
@@ -784,7 +788,7 @@ class Fleet:
 # -- phases ------------------------------------------------------------------------------------
 
 async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: float,
-               drain_s: float, admin: dict | None = None) -> list[dict]:
+               drain_s: float, admin: dict | None = None, pulls: int = 2000) -> list[dict]:
     """Grow the fleet stage by stage until the store does not keep up. With `admin`, each
     stage that holds is probed (pull latency, then an alias move's propagation), load on."""
     stages = []
@@ -793,7 +797,8 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
         await fleet.grow(count)
         begin_generated, begin = fleet.generated, time.monotonic()
         cpu_before = await asyncio.to_thread(meter.sample)
-        probing = asyncio.create_task(pull_probe(fleet)) if admin else None
+        probing = asyncio.create_task(pull_probe(fleet, pulls, budget_s=max(10.0, stage_s - 12))
+                                      ) if admin else None
         lag = LoopLag()
         lag.start()
         await asyncio.sleep(stage_s)
@@ -824,7 +829,7 @@ async def ramp(fleet: Fleet, topology: Topology, steps: list[int], stage_s: floa
     return stages
 
 
-async def pull_probe(fleet: Fleet, pulls: int = 500, budget_s: float = 30.0,
+async def pull_probe(fleet: Fleet, pulls: int = 2000, budget_s: float = 48.0,
                      timeout_s: float = 10.0) -> dict:
     """Non-waiting pulls (current ETag) while every runtime holds a long-poll: `pulls` of
     them, or as many as fit in `budget_s` (a stage must not wait on its probe). A pull that
@@ -980,9 +985,13 @@ async def propagation(fleet: Fleet, admin: dict, timeout: float = 30.0) -> dict:
         await asyncio.sleep(0.05)
     delays = [(item[1] - moved_at) * 1000 for r in fleet.active
               if (item := fleet.received.get(r.runtime_id)) and item[0] == version]
+    # A runtime that never had the new version counts at the timeout (its delay's lower
+    # bound), so a move that missed some runtimes cannot read as a fast one.
+    missed = len(fleet.active) - len(delays)
+    delays += [timeout * 1000] * missed
     return {"propagation_p99_ms": round(percentile(delays, 99) or -1, 1),
             "propagation_max_ms": round(max(delays, default=-1), 1),
-            "propagated": f"{len(delays)}/{len(fleet.active)}", "version": version,
+            "propagated": f"{len(delays) - missed}/{len(fleet.active)}", "version": version,
             "first_ms": round(min(delays, default=-1), 1),
             "move_request_ms": round(answered_ms, 1),
             "moved_at": moved_wall}
@@ -1072,20 +1081,23 @@ async def run(args) -> dict:
                                       "runtime_id": "r", "seq": 0, "num_layers": NUM_LAYERS,
                                       "raw_sample_rate": 0.01, "records": probe})
         await fleet.start()
-        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, admin=admin)
+        stages = await ramp(fleet, topology, steps, args.stage_s, args.drain_s, admin=admin,
+                            pulls=args.probe_pulls)
         held = [stage for stage in stages if stage["held"]]
         best = held[-1] if held else None  # the ramp stops at the first stage that fails
         if best is None:
             raise SystemExit(f"the first stage ({steps[0]} runtimes) did not hold: "
                              "start the ramp lower (--steps)")
         steady, moved = best["probe"], best["propagation"]
+        ingest_nice = topology.nice("ingest")
         if args.ramp_only:
             # The pollers closed first: an API process stopped under 1,000 held long-polls
             # waited for each to end before exiting (minutes).
             await fleet.close()
             return {"fleet_tokens_per_s": best["tokens_per_s"], "runtimes": best["runtimes"],
                     "pull_p99_ms": steady["pull_p99_ms"],
-                    "propagation_p99_ms": moved["propagation_p99_ms"], "stages": stages}
+                    "propagation_p99_ms": moved["propagation_p99_ms"],
+                    "ingest_nice": ingest_nice, "stages": stages}
         if not stages[-1]["held"]:
             # Back to the fleet the store holds; the drift shift is measured once the store
             # has caught up with the others' backlog.
@@ -1145,7 +1157,7 @@ async def run(args) -> dict:
             "stages": stages, "records_stages": record_stages, "rows": rows,
             "send_retries": fleet.errors, "refused_batches": fleet.refused + records.refused,
             "cpus": os.cpu_count(), "harness_nice": args.harness_nice,
-            "ingest_nice": args.ingest_nice,
+            "ingest_nice": ingest_nice,
             "loadavg_1m": round(os.getloadavg()[0], 2),
         }
     finally:
@@ -1175,9 +1187,14 @@ def main() -> int:
                         help="EXITPLANE_DRIFT_INTERVAL_S of the workers (production default)")
     parser.add_argument("--drift-timeout-s", type=float, default=300.0)
     parser.add_argument("--keep-logs", action="store_true")
-    parser.add_argument("--ingest-nice", type=int, default=0,
-                        help="nice value of the ingest worker (the API processes, Celery and "
-                             "PostgreSQL stay at the default priority)")
+    parser.add_argument("--probe-pulls", type=int, default=2000,
+                        help="non-waiting pulls per stage's probe (one each ~22 ms, within the "
+                             "stage); p99 is the 1%% slowest (500 before the eleventh session)")
+    parser.add_argument("--ingest-nice", type=int, default=None,
+                        help="the ingest worker's EXITPLANE_INGEST_NICE (default: the "
+                             "product's, 10; 0 keeps the default priority, as runs before the "
+                             "eleventh session had it); the API processes, Celery and "
+                             "PostgreSQL stay at the default priority")
     parser.add_argument("--harness-nice", type=int, default=0,
                         help="nice value of the simulated fleet's process (the control plane "
                              "and the pull probe stay at the default priority)")

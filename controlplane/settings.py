@@ -101,6 +101,10 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] | None = None
     access_log: bool | None = None
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Issue 14 (fleet): the ingest worker lowers its CPU priority to this nice value at start.
+    # Its work is throughput that the Redis stream buffers; on a host it shares with an API
+    # process, the pulls and posts runtimes wait for go first. 0 keeps the inherited priority.
+    ingest_nice: int = Field(default=10, ge=0, le=19)
     # Drift on clustered traffic and a fallback that follows quality evidence (issue 17).
     # Design effect of exit-rate tests when the window's shadow tokens cannot measure it.
     drift_default_design_effect: float = Field(default=1.0, ge=1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -316,6 +317,15 @@ def demo(quick: bool, serve: bool, port: int, story: str) -> None:
     sys.exit(run_demo(quick=quick, serve=serve, port=port, story=told))
 
 
+def _lower_priority(nice: int) -> None:
+    """Run this process at `nice` (EXITPLANE_INGEST_NICE) unless it already runs lower; a
+    process only ever gives priority away here."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        logging.getLogger("exitplane.ingest").info("running at nice %d", nice)
+
+
 @main.command()
 @click.option("--name", default=None, help="consumer name (default: host-pid)")
 @click.option("--claim-idle-ms", default=30_000, show_default=True,
@@ -337,6 +347,7 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     if not settings.redis_url:
         _fail("EXITPLANE_REDIS_URL is not set; the embedded default writes telemetry directly")
     _configure_logging("ingest", settings)
+    _lower_priority(settings.ingest_nice)
     factory = session_factory()
     with factory() as session:
         ensure_partitions(session=session)

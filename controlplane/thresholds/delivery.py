@@ -67,6 +67,9 @@ class ConfigDelivery:
         self._states: dict[str, DeliveryState] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._refreshing: dict[str, asyncio.Future[DeliveryState]] = {}
+        # Bumped by every notice (any deployment): a store read that began before a move
+        # may return the state from before it, and must not be cached as fresh after it.
+        self._generation = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         bus.subscribe("config", self.invalidate)
 
@@ -118,10 +121,19 @@ class ConfigDelivery:
         return await asyncio.shield(refresh)
 
     async def _refresh(self, name: str) -> DeliveryState:
+        """Read the state and cache it; read again while a notice arrived during the read.
+
+        A read that began before a move's commit can finish after the move's notice has
+        dropped the cache and woken the long-polls: cached, that old state would answer them
+        (and every pull, for the cache's TTL) as current, and with Redis a woken long-poll
+        waits for the next notice only, so it would hold the old set until its wait ends."""
         try:
-            state = await to_thread.run_sync(self.load, name)
-            self._states[name] = state
-            return state
+            while True:
+                generation = self._generation
+                state = await to_thread.run_sync(self.load, name)
+                if self._generation == generation:
+                    self._states[name] = state
+                    return state
         finally:
             self._refreshing.pop(name, None)
 
@@ -144,6 +156,7 @@ class ConfigDelivery:
     def invalidate(self, name: str | None) -> None:
         """Drop the cached state of `name` (None: of every deployment) and wake its long-polls
         (safe to call from any thread)."""
+        self._generation += 1  # before the drop: a read finishing now must read again
         if name is None:
             self._states.clear()
         else:

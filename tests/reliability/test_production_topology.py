@@ -103,8 +103,13 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
     try:
         processes.start("api", _command("api", replacements))
         wait_until(lambda: _ready(f"{api_url}/readyz"), 120, "the api to migrate and be ready")
-        for service in ("ingest", "worker", "beat"):
-            processes.start(service, _command(service, replacements))
+        started = {service: processes.start(service, _command(service, replacements))
+                   for service in ("ingest", "worker", "beat")}
+        # The ingest worker gives the API the CPU first (EXITPLANE_INGEST_NICE, default 10).
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        wait_until(lambda: os.getpriority(os.PRIO_PROCESS, started["ingest"].pid) == max(10, own),
+                   60, "the ingest worker to lower its priority")
+        assert os.getpriority(os.PRIO_PROCESS, started["worker"].pid) == own
         # The one-shot steps, twice: the second run of each is a no-op.
         for _ in range(2):
             _run(env, _command("bootstrap", replacements, TINY))
