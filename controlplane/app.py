@@ -32,6 +32,7 @@ from controlplane.deps import PrincipalCache, token_reader
 from controlplane.errors import DomainError, Unauthorized
 from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
+from controlplane.runtimes.beats import HeartbeatBuffer
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.fast_path import TelemetryFastPath
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             yield
         app.state.bus.close()
         app.state.config_delivery.close()
+        await to_thread.run_sync(app.state.heartbeats.close)
 
     app = FastAPI(title="exitplane control plane", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -89,6 +91,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s,
                                                bus=app.state.bus)
     app.state.ingest_targets = IngestTargets(factory)  # the stream path's batch checks
+    app.state.heartbeats = HeartbeatBuffer(factory, interval_s=settings.heartbeat_flush_s)
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
     app.state.redis = (redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                             socket_timeout=5)

@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     # Worker threads the fast path may use per API process, apart from the pool the routes
     # use: a burst of telemetry never queues a pull, an alias move or a UI page behind it.
     telemetry_threads: int = Field(default=16, ge=1, le=256)
+    # A beat from a runtime this API process has recorded is held and written with the others
+    # every this many seconds (controlplane/runtimes/beats.py); 0 writes each beat at once.
+    heartbeat_flush_s: float = Field(default=1.0, ge=0, le=60)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -45,6 +45,7 @@ def create_ui(parent: FastAPI) -> FastAPI:
     ui.state.settings = parent.state.settings
     ui.state.session_factory = parent.state.session_factory
     ui.state.principal_cache = parent.state.principal_cache
+    ui.state.heartbeats = parent.state.heartbeats  # a page lists what this process holds too
     # Shared by every API process through Redis when configured (parent.state.redis).
     ui.state.login_throttle = SignInThrottle(parent.state.redis)
 

@@ -172,6 +172,7 @@ def app(settings, engine):
     app = create_app(settings, engine=engine)
     yield app
     app.state.config_delivery.close()
+    app.state.heartbeats.close()
 
 
 @pytest.fixture

@@ -28,8 +28,9 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
 
 
 @router.get("/{name}/runtimes", response_model=list[RuntimeRead])
-def list_runtimes(name: str, session: SessionDep,
+def list_runtimes(name: str, request: Request, session: SessionDep,
                   principal: OperatorPrincipal) -> list[RuntimeRead]:
+    request.app.state.heartbeats.flush()  # what this process told runtimes it recorded
     deployment = get_deployment(session=session, name=name)
     return [RuntimeRead.model_validate(r)
             for r in service.list_runtimes(session=session, deployment=deployment)]

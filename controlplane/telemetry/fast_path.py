@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from controlplane import metrics
+from controlplane.db import utcnow
 from controlplane.deps import (
     cached_principal,
     check_rate_blocking,
@@ -117,8 +118,15 @@ class TelemetryFastPath:
             return
         scope["route"] = self._heartbeat
         state, pool = scope["app"].state, self._pool()
-        await _answer(scope, receive, send, 200, lambda: to_thread.run_sync(
-            _serve_heartbeat, state, authorization, name, beat, limiter=pool))
+
+        async def serve() -> RuntimeRead:
+            answer = await _beat_on_loop(state, authorization, name, beat)
+            if answer is not None:
+                return answer
+            return await to_thread.run_sync(_serve_heartbeat, state, authorization, name, beat,
+                                            limiter=pool)
+
+        await _answer(scope, receive, send, 200, serve)
 
 
     def _pool(self) -> CapacityLimiter:
@@ -230,7 +238,30 @@ def _serve_heartbeat(state, authorization: str, name: str, beat: Heartbeat) -> R
         except BaseException:
             session.rollback()
             raise
+    state.heartbeats.remember(deployment.id, answer)  # its next beats are held (`_beat_on_loop`)
     return answer
+
+
+async def _beat_on_loop(state, authorization: str, name: str,
+                        beat: Heartbeat) -> RuntimeRead | None:
+    """`_serve_heartbeat` on the event loop for a runtime this process has recorded, whose
+    token and deployment are cached: the same checks in the same order, then the beat is held
+    for the next bulk write (controlplane/runtimes/beats.py). None sends the beat to
+    `_serve_heartbeat` (a first beat, which the deployment's cap on runtimes must see, or
+    anything that would read the store)."""
+    buffer = state.heartbeats
+    principal = cached_principal(state, authorization)
+    target = state.ingest_targets.peek(name, ())
+    if not buffer.enabled or principal is None or target is None:
+        return None
+    first_seen = buffer.first_seen(target.id, beat.runtime_id)
+    if first_seen is None:
+        return None
+    limiter = state.rate_limiters["heartbeat"]
+    refuse_past_rate("heartbeat", await limiter.retry_after(str(principal.token_id)))
+    principal.require("runtime")
+    principal.require_deployment(target.id)
+    return buffer.hold(target.id, beat, utcnow(), first_seen)
 
 
 def _plain_heartbeat(content_type: str | None, body: bytes) -> Heartbeat | None:

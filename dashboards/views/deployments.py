@@ -36,6 +36,7 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     active = thresholds.get_threshold_set(session=session, deployment=deployment,
                                           version=aliases["active"])
+    request.app.state.heartbeats.flush()  # the beats this process holds, written first
     runtimes = list_runtimes(session=session, deployment=deployment)
     markers = charts.markers_for(session=session, deployment=deployment,
                                  since=charts.since_for(minutes))

@@ -61,6 +61,7 @@ def pair(settings, engine):
     for app, client in made:
         client.__exit__(None, None, None)
         app.state.config_delivery.close()
+        app.state.heartbeats.close()
 
 
 def _shape(response) -> tuple:
@@ -235,16 +236,8 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
     assert {row["runtime_id"]: row["ready"] for row in listed} == {"rt-1": False, "rt-2": True}
 
 
-def test_a_known_runtimes_heartbeat_is_one_statement(pair, tokens, engine):
-    """At fleet scale heartbeats were the API's costliest request (a deployment read, a runtime
-    read, then the update): a runtime already known is now one UPDATE ... RETURNING, the
-    deployment coming from the per-process cache the telemetry checks use."""
-    apps = pair()
-    _, fast = apps[True]
-    runtime = _deploy(fast, tokens, engine)
-    path = "/v1/deployments/chat/heartbeats"
-    first = fast.post(path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})
-    assert first.status_code == 200
+def _statements(engine, act) -> list[str]:
+    """The SQL statements `act()` sends to `engine` (SQLite's writer lock left out)."""
     statements: list[str] = []
 
     def seen(conn, cursor, statement, parameters, context, executemany) -> None:
@@ -252,25 +245,62 @@ def test_a_known_runtimes_heartbeat_is_one_statement(pair, tokens, engine):
 
     event.listen(engine, "before_cursor_execute", seen)
     try:
-        again = fast.post(path, headers=runtime, json={
-            "runtime_id": "rt-1", "applied_version": 3, "spooled_batches": 7, "ready": False,
-            "error": "warming up"})
+        act()
     finally:
         event.remove(engine, "before_cursor_execute", seen)
-    assert again.status_code == 200, again.text
-    queries = [text for text in statements if text != "BEGIN IMMEDIATE"]  # SQLite's writer lock
-    assert len(queries) == 1 and queries[0].startswith("UPDATE runtimes SET"), statements
-    body, before = again.json(), first.json()
+    return [text for text in statements if text != "BEGIN IMMEDIATE"]
+
+
+def test_a_known_runtimes_heartbeat_is_held_and_written_in_bulk(pair, tokens, engine):
+    """At fleet scale heartbeats were the API's costliest request. A runtime's first beat goes
+    to the store (under the deployment's cap of runtimes); its next ones are answered on the
+    event loop without a statement and written together, one statement per flush."""
+    apps = pair(heartbeat_flush_s=60.0)  # flushed by hand below
+    fast_app, fast = apps[True]
+    runtime = _deploy(fast, tokens, engine)
+    path = "/v1/deployments/chat/heartbeats"
+    first = fast.post(path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})
+    assert first.status_code == 200
+    fast.post(path, headers=runtime, json={"runtime_id": "rt-2", "applied_version": 2})
+    answers = []
+    queries = _statements(engine, lambda: answers.extend(fast.post(path, headers=runtime, json={
+        "runtime_id": runtime_id, "applied_version": 3, "spooled_batches": 7, "ready": False,
+        "error": "warming up"}) for runtime_id in ("rt-1", "rt-2", "rt-1")))
+    assert [answer.status_code for answer in answers] == [200, 200, 200]
+    assert queries == []  # answered without the store
+    body, before = answers[-1].json(), first.json()
     assert (body["applied_version"], body["spooled_batches"], body["ready"], body["error"]) == (
         3, 7, False, "warming up")
     assert body["first_seen"] == before["first_seen"]
     assert body["last_seen"] > before["last_seen"]
+
+    written = []
+    queries = _statements(engine, lambda: written.append(fast_app.state.heartbeats.flush()))
+    assert written == [2]  # the newest beat of each runtime
+    assert len(queries) == 1 and queries[0].startswith("UPDATE runtimes SET"), queries
+    listed = {row["runtime_id"]: row for row in fast.get(
+        "/v1/deployments/chat/runtimes", headers=tokens.headers(tokens.operator)).json()}
+    assert listed["rt-1"] == body  # what the runtime was told is what is stored
+
     # A new runtime still takes the insert path, under the deployment's cap of runtimes.
-    capped = pair(max_runtimes_per_deployment=1)
+    capped = pair(max_runtimes_per_deployment=2)
     _, full = capped[True]
-    refused = full.post(path, headers=runtime, json={"runtime_id": "rt-2"})
-    assert refused.status_code == 409 and "cap is 1" in refused.json()["detail"]
+    refused = full.post(path, headers=runtime, json={"runtime_id": "rt-3"})
+    assert refused.status_code == 409 and "cap is 2" in refused.json()["detail"]
     assert full.post(path, headers=runtime, json={"runtime_id": "rt-1"}).status_code == 200
+
+
+def test_with_no_flush_interval_a_known_runtimes_beat_is_one_statement(pair, tokens, engine):
+    apps = pair(heartbeat_flush_s=0)
+    _, fast = apps[True]
+    runtime = _deploy(fast, tokens, engine)
+    path = "/v1/deployments/chat/heartbeats"
+    assert fast.post(path, headers=runtime, json={"runtime_id": "rt-1"}).status_code == 200
+    answers = []
+    queries = _statements(engine, lambda: answers.append(fast.post(
+        path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})))
+    assert answers[0].status_code == 200 and answers[0].json()["applied_version"] == 2
+    assert len(queries) == 1 and queries[0].startswith("UPDATE runtimes SET"), queries
 
 
 def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
