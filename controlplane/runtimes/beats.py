@@ -26,19 +26,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.schemas import RuntimeRead
+from controlplane.runtimes.service import BEAT_FIELDS, beat_fields
 from exitplane.wire import Heartbeat
 
 log = logging.getLogger("exitplane.api")
 
-_FIELDS = ("applied_version", "applied_checksum", "ready", "error", "spooled_batches",
-           "dropped_records", "last_seen")
 _TABLE = Runtime.__table__
 # Executed once per held beat (executemany); the last_seen guard keeps a newer stored beat.
 _WRITE = (update(_TABLE)
           .where(_TABLE.c.deployment_id == bindparam("beat_deployment"),
                  _TABLE.c.runtime_id == bindparam("beat_runtime"),
                  _TABLE.c.last_seen < bindparam("beat_seen"))
-          .values({field: bindparam(field) for field in _FIELDS}))
+          .values({field: bindparam(field) for field in BEAT_FIELDS}))
 
 
 class HeartbeatBuffer:
@@ -78,10 +77,7 @@ class HeartbeatBuffer:
     def hold(self, deployment_id: int, beat: Heartbeat, now: datetime,
              first_seen: datetime) -> RuntimeRead:
         """Keep the beat for the next write; the runtime as it will read once written."""
-        fields = dict(applied_version=beat.applied_version,
-                      applied_checksum=beat.applied_checksum, ready=beat.ready,
-                      error=beat.error, spooled_batches=beat.spooled_batches,
-                      dropped_records=beat.dropped_records, last_seen=now)
+        fields = beat_fields(beat, now)
         with self._lock:
             self._held[(deployment_id, beat.runtime_id)] = fields
         self._start()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
@@ -20,15 +20,17 @@ from exitplane.wire import Heartbeat
 FORGET_AFTER = timedelta(days=1)
 
 
+# The runtime's columns a beat sets (`beat_fields`); controlplane/runtimes/beats.py writes
+# the same ones for the beats an API process holds.
+BEAT_FIELDS = ("applied_version", "applied_checksum", "ready", "error", "spooled_batches",
+               "dropped_records", "last_seen")
 # Built once (bound parameters): constructing the statement per beat cost more than running it.
 # The returned row refreshes the runtime in the session (populate_existing); nothing else in it
 # needs the identity map searched (synchronize_session False).
 _BEAT = (update(Runtime)
          .where(Runtime.deployment_id == bindparam("beat_deployment"),
                 Runtime.runtime_id == bindparam("beat_runtime"))
-         .values({column: bindparam(column) for column in (
-             "applied_version", "applied_checksum", "ready", "error", "spooled_batches",
-             "dropped_records", "last_seen")})
+         .values({column: bindparam(column) for column in BEAT_FIELDS})
          .returning(Runtime))
 _BEAT_OPTIONS = {"populate_existing": True, "synchronize_session": False}
 
@@ -38,9 +40,7 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
     """Upsert the runtime's row from a heartbeat; a new runtime beyond `max_runtimes` live
     ones (seen within FORGET_AFTER) is refused with Conflict. `deployment`: its row, or the
     API's cached facts of it (only its id and name are read)."""
-    fields = dict(applied_version=beat.applied_version, applied_checksum=beat.applied_checksum,
-                  ready=beat.ready, error=beat.error, spooled_batches=beat.spooled_batches,
-                  dropped_records=beat.dropped_records, last_seen=utcnow())
+    fields = beat_fields(beat, utcnow())
     # A known runtime (every beat but its first) is one UPDATE ... RETURNING: at fleet scale
     # a select, then the unit of work's update, made heartbeats the API's costliest request.
     runtime = session.scalars(_BEAT, dict(fields, beat_deployment=deployment.id,
@@ -54,6 +54,13 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
     session.add(runtime)
     session.flush()
     return runtime
+
+
+def beat_fields(beat: Heartbeat, seen: datetime) -> dict:
+    """The runtime's columns (`BEAT_FIELDS`) as `beat`, received at `seen`, sets them."""
+    return dict(applied_version=beat.applied_version, applied_checksum=beat.applied_checksum,
+                ready=beat.ready, error=beat.error, spooled_batches=beat.spooled_batches,
+                dropped_records=beat.dropped_records, last_seen=seen)
 
 
 def _check_room(*, session: Session, deployment: Deployment | IngestTarget,

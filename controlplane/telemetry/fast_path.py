@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import redis
 from anyio import CapacityLimiter, to_thread
@@ -97,15 +98,10 @@ class TelemetryFastPath:
         state, pool = scope["app"].state, self._pool()
         content_type = "application/json" if content_type is None else content_type
 
-        async def serve() -> IngestAck:
-            if len(body) <= LOOP_BODY_BYTES and state.redis is not None:
-                answer = await _serve_on_loop(state, authorization, content_type, body)
-                if answer is not None:
-                    return answer
-            return await to_thread.run_sync(_serve, state, authorization, content_type, body,
-                                            limiter=pool)
-
-        await _answer(scope, receive, send, 202, serve)
+        on_loop = _serve_on_loop if len(body) <= LOOP_BODY_BYTES and state.redis is not None \
+            else None
+        await _answer(scope, receive, send, 202, _loop_first(
+            on_loop, _serve, (state, authorization, content_type, body), pool))
 
     async def _heartbeat_post(self, scope, receive, send, name: str) -> None:
         authorization, content_type = _headers(scope)
@@ -118,16 +114,8 @@ class TelemetryFastPath:
             return
         scope["route"] = self._heartbeat
         state, pool = scope["app"].state, self._pool()
-
-        async def serve() -> RuntimeRead:
-            answer = await _beat_on_loop(state, authorization, name, beat)
-            if answer is not None:
-                return answer
-            return await to_thread.run_sync(_serve_heartbeat, state, authorization, name, beat,
-                                            limiter=pool)
-
-        await _answer(scope, receive, send, 200, serve)
-
+        await _answer(scope, receive, send, 200, _loop_first(
+            _beat_on_loop, _serve_heartbeat, (state, authorization, name, beat), pool))
 
     def _pool(self) -> CapacityLimiter:
         """The limiter, made on the running event loop (a test may serve from several)."""
@@ -219,6 +207,21 @@ async def _serve_on_loop(state, authorization: str, content_type: str,
     return queued_ack(batch, added)
 
 
+def _loop_first(on_loop: Callable[..., Awaitable[BaseModel | None]] | None,
+                blocking: Callable[..., BaseModel], args: tuple,
+                pool: CapacityLimiter) -> Callable[[], Awaitable[BaseModel]]:
+    """The answer of `on_loop(*args)` on the event loop (None from it, or no `on_loop`: it
+    could not answer without blocking), else of `blocking(*args)` on a worker thread."""
+    async def serve() -> BaseModel:
+        if on_loop is not None:
+            answer = await on_loop(*args)
+            if answer is not None:
+                return answer
+        return await to_thread.run_sync(blocking, *args, limiter=pool)
+
+    return serve
+
+
 def _serve_heartbeat(state, authorization: str, name: str, beat: Heartbeat) -> RuntimeRead:
     """The heartbeat route's dependencies, work and commit, in their order (blocking)."""
     principal = resolve_principal(state, authorization)
@@ -250,9 +253,11 @@ async def _beat_on_loop(state, authorization: str, name: str,
     `_serve_heartbeat` (a first beat, which the deployment's cap on runtimes must see, or
     anything that would read the store)."""
     buffer = state.heartbeats
+    if not buffer.enabled:
+        return None
     principal = cached_principal(state, authorization)
     target = state.ingest_targets.peek(name, ())
-    if not buffer.enabled or principal is None or target is None:
+    if principal is None or target is None:
         return None
     first_seen = buffer.first_seen(target.id, beat.runtime_id)
     if first_seen is None:
