@@ -30,6 +30,9 @@ CODE_FILES = ("textwrap.py", "fractions.py", "heapq.py", "bisect.py", "statistic
               "colorsys.py", "shlex.py", "glob.py", "fnmatch.py", "calendar.py", "string.py",
               "difflib.py", "csv.py", "getopt.py", "netrc.py", "quopri.py")
 
+# Adapter steps of the --quick demo's exit heads (the full demo trains TrainConfig's default).
+QUICK_ADAPTER_STEPS = 96
+
 
 @dataclass
 class PhaseStats:
@@ -134,24 +137,35 @@ class ControlPlane:
                 process.kill()
 
 
+def heads_config(quick: bool):
+    """How the demo trains its exit heads. --quick trains on less text (the model's 64-token
+    answers to 16 prompts, 60k characters of stdlib source) and fewer adapter steps, so that a
+    fresh clone closes the loop soon. The step count, not the clock, ends training: heads cut
+    short by a deadline on a slow machine exit so rarely that the shift to code no longer hurts
+    quality, and the story (drift -> fallback -> recalibration) has nothing to react to. The
+    budget is a cap for a pathologically slow machine, far above what the steps take."""
+    from runtime.model import DEFAULT_MODEL
+    from runtime.train import TrainConfig
+
+    if quick:
+        return TrainConfig(mode="post-hoc", adapter_steps=QUICK_ADAPTER_STEPS,
+                           time_budget_s=900.0, generation_prompts=16, generation_tokens=64,
+                           stdlib_chars=60_000, model_name=DEFAULT_MODEL)
+    return TrainConfig(mode="post-hoc", time_budget_s=2600.0, model_name=DEFAULT_MODEL)
+
+
 def _heads(model, tokenizer, quick: bool, timeline: Timeline):
     """Cached exit heads for the default model, trained on first use (progress bar)."""
     from runtime.cli import default_heads_path
     from runtime.heads import ExitHeads
-    from runtime.model import DEFAULT_MODEL
-    from runtime.train import TrainConfig, train_heads
+    from runtime.train import train_heads
 
     path = default_heads_path("post-hoc")
     if path.exists():
         timeline.mark(f"exit heads loaded from {path}")
         return ExitHeads.load(path), path, False
     timeline.mark("training exit heads (post-hoc; cached for the next run)")
-    # --quick trains on less text (the model's 64-token answers to 16 prompts, 60k characters
-    # of stdlib source) so that a fresh clone closes the loop within its 10-minute budget.
-    config = (TrainConfig(mode="post-hoc", time_budget_s=100.0, generation_prompts=16,
-                          generation_tokens=64, stdlib_chars=60_000, model_name=DEFAULT_MODEL)
-              if quick else
-              TrainConfig(mode="post-hoc", time_budget_s=300.0, model_name=DEFAULT_MODEL))
+    config = heads_config(quick)
     heads = train_heads(model, tokenizer, config)
     path.parent.mkdir(parents=True, exist_ok=True)
     heads.save(path)
