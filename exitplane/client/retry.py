@@ -1,5 +1,5 @@
 """Retry rules the client's senders share (threshold pulls, telemetry): jittered exponential
-backoff and the server's Retry-After (docs/protocol.md, "Retries")."""
+backoff and the server's Retry-After (docs/protocol.md: "Pull" and "Answers and what to do")."""
 
 from __future__ import annotations
 

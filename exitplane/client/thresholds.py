@@ -8,7 +8,8 @@ local cache file of the last good set and heartbeats what it applies.
 Start-up without a control plane: the cached set if there is one, else the built-in
 conservative set (version 0, never exits) with `degraded` set, a warning logged and the
 `builtin_fallback` metric at 1. An invalid set is refused, the previous one stays, and the
-reason goes into the next heartbeat.
+reason goes into the next heartbeat. A failed pull is retried after the jittered backoff, or
+after the `Retry-After` of a 429 or 503 (capped at the backoff maximum).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import httpx
 from pydantic import ValidationError
 
 from exitplane.client.files import atomic_write
-from exitplane.client.retry import backoff_delay
+from exitplane.client.retry import backoff_delay, retry_after
 from exitplane.wire import RUNTIME_ID_PATTERN, Heartbeat, Signal, ThresholdSetWire
 
 log = logging.getLogger("exitplane.client.thresholds")
@@ -227,13 +228,14 @@ class ThresholdClient:
                 cached.checksum if cached is not None else None)
             wait = 0.0 if first else min(self.long_poll_s, self.heartbeat_interval_s)
             reached, changed, problem, refused = True, False, None, False
+            told: float | None = None  # the wait a 429/503 asked for (Retry-After)
             try:
                 changed = self._pull(etag, wait, cached if first else None)
             except httpx.HTTPError as exc:
                 reached, problem = False, f"control plane unreachable: {exc}"
                 self.counters["pull_errors"] += 1
             except _PullFailed as exc:
-                problem = str(exc)
+                problem, told = str(exc), exc.retry_after
                 self.counters["pull_errors"] += 1
             except RefusedThresholdSet as exc:
                 problem, refused = str(exc), True
@@ -256,8 +258,8 @@ class ThresholdClient:
             if reached and (changed or time.monotonic() >= self._beat_due):
                 self.heartbeat()
             if failures:
-                self._stop.wait(backoff_delay(failures - 1, self.backoff_initial_s,
-                                              self.backoff_max_s))
+                self._stop.wait(told if told is not None else backoff_delay(
+                    failures - 1, self.backoff_initial_s, self.backoff_max_s))
 
     def _pull(self, etag: str | None, wait: float, cached: ThresholdSetWire | None) -> bool:
         """One GET; returns True when something new was applied."""
@@ -286,7 +288,9 @@ class ThresholdClient:
             if response.status_code in (401, 403):
                 log.error("the control plane refused this runtime's token (%s): %s; check "
                           "the runtime token and its deployment", response.status_code, detail)
-            raise _PullFailed(f"pull answered {response.status_code}: {detail}")
+            wait_s = (retry_after(response, self.backoff_max_s)
+                      if response.status_code in (429, 503) else None)
+            raise _PullFailed(f"pull answered {response.status_code}: {detail}", wait_s)
         wire = parse_threshold_set(response.content)
         etag_header = response.headers.get("etag", "").removeprefix("W/").strip('"')
         if etag_header and etag_header != wire.checksum:
@@ -364,4 +368,9 @@ class ThresholdClient:
 
 
 class _PullFailed(Exception):
-    """The control plane answered, but not with a set (auth, not found, server error)."""
+    """The control plane answered, but not with a set (auth, not found, server error);
+    `retry_after`: the seconds a 429 or 503 asked the client to wait (None: back off)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
