@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -29,10 +30,12 @@ DEFAULT_SEGMENT = "default"
 # How many segments besides `default` a deployment knows by default (the control plane's
 # EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT; runtimes track as many): bounds the label's cardinality.
 DEFAULT_MAX_SEGMENTS = 16
-# A runtime's id: what the fleet view, gauges and alerts show, so printable and bounded.
+# A runtime's id: what the fleet view, gauges, logs and alerts show, so printable and bounded.
+# Pulls, heartbeats and telemetry take the same ids (one definition: RuntimeId).
 RUNTIME_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 HISTOGRAM_BINS = 20  # signal-at-exit histograms: 20 bins of width 0.05 over [0, 1]
 MAX_AGGREGATE_CELLS = 50_000
+RuntimeId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)]
 
 # Content types of POST /v1/telemetry: record batches, and aggregate batches (docs/protocol.md).
 RECORDS_MSGPACK = "application/msgpack"
@@ -223,7 +226,7 @@ class TelemetryBatch(BaseModel):
 
     batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     deployment: str = Field(pattern=NAME_PATTERN)
-    runtime_id: str = Field(min_length=1, max_length=128)
+    runtime_id: RuntimeId
     seq: int = Field(ge=0, le=INT63)
     num_layers: int = Field(ge=1, le=1024)
     records: list[TokenRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
@@ -272,7 +275,7 @@ class AggregateBatch(BaseModel):
 
     batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     deployment: str = Field(pattern=NAME_PATTERN)
-    runtime_id: str = Field(min_length=1, max_length=128)
+    runtime_id: RuntimeId
     seq: int = Field(ge=0, le=INT63)
     num_layers: int = Field(ge=1, le=1024)
     raw_sample_rate: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description=(
@@ -423,10 +426,19 @@ class IntervalBatch(AggregateBatch):
 class Heartbeat(BaseModel):
     """A runtime's periodic report of what it applies and how its shipping is doing."""
 
-    runtime_id: str = Field(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)
+    runtime_id: RuntimeId
     applied_version: int | None = Field(default=None, ge=0, le=INT32)
     applied_checksum: str | None = None
     ready: bool = True
     error: str | None = Field(default=None, max_length=2000)
     spooled_batches: int = Field(default=0, ge=0, le=INT32)
     dropped_records: int = Field(default=0, ge=0, le=INT32)
+
+
+def check_runtime_id(runtime_id: str) -> str:
+    """`runtime_id` if the control plane takes it, else ValueError saying why: a client checks
+    at construction, since every pull, heartbeat and batch with it would be refused (422)."""
+    if not re.fullmatch(RUNTIME_ID_PATTERN, runtime_id):
+        raise ValueError(f"runtime id {runtime_id[:140]!r} must match {RUNTIME_ID_PATTERN} "
+                         "(letters, digits, '_.:-'; at most 128)")
+    return runtime_id

@@ -63,6 +63,7 @@ from exitplane.wire import (
     RECORDS_MSGPACK,
     RecordColumns,
     TokenRecord,
+    check_runtime_id,
 )
 
 log = logging.getLogger("exitplane.client.shipper")
@@ -103,7 +104,7 @@ class TelemetryShipper:
         self._aggregate_due = time.monotonic() + aggregate_interval_s
         self._sample = random.Random().random
         self.deployment = deployment
-        self.runtime_id = runtime_id
+        self.runtime_id = check_runtime_id(runtime_id)
         self.num_layers = num_layers
         self.queue_size = queue_size
         self.batch_records = batch_records

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pydantic import ValidationError
 
 from exitplane.client.files import atomic_write
 from exitplane.client.retry import backoff_delay, retry_after
-from exitplane.wire import RUNTIME_ID_PATTERN, Heartbeat, Signal, ThresholdSetWire
+from exitplane.wire import Heartbeat, Signal, ThresholdSetWire, check_runtime_id
 
 log = logging.getLogger("exitplane.client.thresholds")
 
@@ -105,10 +104,7 @@ class ThresholdClient:
         self.engine = engine
         self.deployment = deployment
         self.runtime_id = runtime_id or getattr(engine, "runtime_id", None) or "runtime-0"
-        if not re.fullmatch(RUNTIME_ID_PATTERN, self.runtime_id):
-            # The control plane refuses such an id on every pull and heartbeat: say so now.
-            raise ValueError(f"runtime id {self.runtime_id[:140]!r} must match "
-                             f"{RUNTIME_ID_PATTERN} (letters, digits, '_.:-'; at most 128)")
+        check_runtime_id(self.runtime_id)
         self.exit_layers = sorted(engine.exit_layers)
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.long_poll_s = long_poll_s

@@ -253,6 +253,19 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path):
     assert shipper.dropped_records == 5 and shipper.metrics["queue_depth"] == 10
 
 
+def test_a_runtime_id_the_control_plane_would_refuse_is_refused_at_once(tmp_path):
+    """Every batch with such an id would be a 422 (dropped): say so before the first token."""
+    def shipper(runtime_id: str) -> TelemetryShipper:
+        return TelemetryShipper(base_url=f"http://127.0.0.1:{free_port()}", token="t",
+                                deployment=DEPLOYMENT, runtime_id=runtime_id,
+                                num_layers=NUM_LAYERS, spool_dir=tmp_path / runtime_id[:8])
+
+    for bad in ("pod/3", "<rt>", "x" * 129):
+        with pytest.raises(ValueError, match="must match"):
+            shipper(bad)
+    assert shipper("gpu-7.pod:3").runtime_id == "gpu-7.pod:3"
+
+
 def test_the_spool_keeps_whole_batches_after_a_torn_write(tmp_path):
     spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=1 << 20)
     for seq in range(3):

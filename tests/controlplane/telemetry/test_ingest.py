@@ -109,6 +109,10 @@ def test_malformed_bodies_and_foreign_deployments_are_refused(client, tokens, en
     assert garbage.status_code == 422 and "not valid msgpack" in garbage.json()["detail"]
     empty = client.post("/v1/telemetry", json={**batch, "records": []}, headers=runtime)
     assert empty.status_code == 422 and "records" in empty.json()["detail"]
+    for runtime_id in ("pod/3", "rt 1", "<b>rt</b>", "-leading-dash", "x" * 129):
+        bad_id = client.post("/v1/telemetry", json={**batch, "runtime_id": runtime_id},
+                             headers=runtime)
+        assert bad_id.status_code == 422 and "runtime_id" in bad_id.json()["detail"], runtime_id
     foreign = client.post("/v1/telemetry", json=batch, headers=other)
     assert foreign.status_code == 403
     assert client.post("/v1/telemetry", json=batch).status_code == 401

@@ -161,6 +161,8 @@ def test_a_bad_interval_batch_is_refused_whole(client, tokens, engine):
         1.5, *columns["signal_value"][1:]]}}, "records.signal_value.0")
     refused({key: value for key, value in good.items() if key not in ("cells", "records")},
             "carries cells, records or both")
+    # the id a pull or heartbeat would refuse (and the fleet view would show) is refused here
+    refused({**good, "runtime_id": "pod/3\nFAKE log line"}, "runtime_id")
     refused({**good, "cells": [{**good["cells"][0], "layer": 5}, *good["cells"][1:]]},
             "cell 0: layer 5 is neither")
     assert _stored(engine, "mix") == {"rollups": [], "histograms": [], "rows": [], "shadows": 0}
