@@ -42,3 +42,22 @@ class RateLimited(DomainError):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+def error_answer(description: str) -> dict:
+    """An error answer for OpenAPI: the JSON body every DomainError gets."""
+    return {"description": description, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["detail"],
+        "properties": {"detail": {"type": "string"}}}}}}
+
+
+# What the routes runtimes call may answer besides their success (docs/protocol.md), so that
+# the committed OpenAPI document tells a third-party runtime every status it must handle.
+RUNTIME_ERRORS = {
+    401: error_answer("the token is unknown or revoked: a configuration error, not retried at "
+                      "once"),
+    403: error_answer("the token is not a runtime token of this deployment"),
+    404: error_answer("no such deployment"),
+    429: error_answer("rate limited: wait Retry-After seconds"),
+    503: error_answer("the store (or Redis) is unavailable: wait Retry-After seconds"),
+}

@@ -26,3 +26,35 @@ def test_committed_openapi_matches_the_app():
                          INTERVAL_JSON, INTERVAL_MSGPACK}
     assert body[AGGREGATE_JSON]["schema"]["title"] == "AggregateBatch"
     assert body[INTERVAL_JSON]["schema"]["title"] == "IntervalBatch"
+
+
+def _table_statuses(text: str, heading: str) -> set[int]:
+    """The status codes in the first table after `heading` in docs/protocol.md."""
+    import re
+
+    section = text[text.index(heading):]
+    table = section[section.index("\n|"):]
+    rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| ")]
+    codes: set[int] = set()
+    for row in rows:
+        codes |= {int(code) for code in re.findall(r"\b([1-5]\d\d)\b", row.split("|")[1])}
+    return codes
+
+
+def test_every_status_the_protocol_names_is_in_the_openapi_document():
+    """A third-party runtime reads either document: a status one of them names and the other
+    does not is a client that handles one it never gets, or misses one it does."""
+    protocol = (ROOT / "docs" / "protocol.md").read_text()
+    paths = json.loads((ROOT / "docs" / "openapi.json").read_text())["paths"]
+
+    def answers(path: str, method: str) -> set[int]:
+        return {int(code) for code in paths[path][method]["responses"]}
+
+    pull = _table_statuses(protocol, "## Pull:")
+    assert pull >= {200, 304, 401, 403, 404, 422, 429, 503}
+    assert pull == answers("/v1/deployments/{name}/thresholds", "get")
+    telemetry = _table_statuses(protocol, "### Answers and what to do")
+    proxies_only = {408}  # a proxy in front of the control plane may answer it; we never do
+    assert telemetry - proxies_only == answers("/v1/telemetry", "post")
+    assert {409, 401, 403, 404, 422, 429, 503} <= answers(
+        "/v1/deployments/{name}/heartbeats", "post")

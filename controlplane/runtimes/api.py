@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
+from controlplane.errors import RUNTIME_ERRORS
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.thresholds.service import get_deployment
@@ -15,7 +16,7 @@ router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 @router.post("/{name}/heartbeats", response_model=RuntimeRead,
              responses={409: {"description": "the deployment has its maximum of runtimes"},
-                        429: {"description": "rate limited; see Retry-After"}},
+                        **RUNTIME_ERRORS},
              dependencies=[rate_limited("heartbeat")])
 def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
               principal: RuntimePrincipal) -> RuntimeRead:

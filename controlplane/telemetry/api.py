@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from controlplane import metrics
 from controlplane.auth.service import Principal
 from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited
-from controlplane.errors import DomainError, Invalid
+from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, error_answer
 from controlplane.telemetry import reads, service, stream
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.schemas import (
@@ -195,7 +195,14 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
                  AGGREGATE_MSGPACK: {"schema": {"type": "string", "format": "binary"}},
                  INTERVAL_JSON: {"schema": IntervalBatch.model_json_schema()},
                  INTERVAL_MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
-                 "required": True}}, dependencies=[rate_limited("ingest")])
+                 "required": True}}, dependencies=[rate_limited("ingest")],
+             responses={**RUNTIME_ERRORS,
+                        404: error_answer("the batch names a deployment that does not exist"),
+                        413: error_answer("the body is over the limit: split it (ids <id>a and "
+                                          "<id>b)"),
+                        415: error_answer("a content type this control plane does not take"),
+                        422: error_answer("the batch is invalid: `detail` names the first bad "
+                                          "record or cell, `index` its position; drop it")})
 async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:
     """Store (or queue) one batch of token records, one aggregate batch or one interval batch
     (by content type: docs/protocol.md); a replayed batch id is acknowledged with

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
 from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
+from controlplane.errors import RUNTIME_ERRORS
 from controlplane.thresholds import service
 from controlplane.thresholds.delivery import ConfigDelivery
 from controlplane.thresholds.models import Deployment, ThresholdSet
@@ -153,7 +154,7 @@ def _etag_matches(header: str | None, checksum: str) -> bool:
 
 @router.get("/{name}/thresholds", response_model=ThresholdSetWire,
             responses={304: {"description": "the runtime already applies this set"},
-                       429: {"description": "rate limited; see Retry-After"}},
+                       **RUNTIME_ERRORS},
             dependencies=[rate_limited("pull")])
 async def pull_thresholds(
     name: str, request: Request, principal: RuntimePrincipal,
