@@ -51,36 +51,34 @@ class Refusing(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-@pytest.mark.parametrize("status", [429, 503])
-def test_a_pull_refused_with_retry_after_waits_that_long(make_engine, status):
-    server = Refusing(status, "0.6")
-    client = ThresholdClient(make_engine(runtime_id="rt-busy"), base_url=server.url,
-                             deployment=DEPLOYMENT, token="t", long_poll_s=1.0,
-                             heartbeat_interval_s=60.0, backoff_initial_s=0.02,
-                             backoff_max_s=5.0).start()
+def _pull_gaps(engine, status: int, retry_after: str, *, backoff_max_s: float,
+               pulls: int) -> list[float]:
+    """Seconds between the client's pulls while every pull is refused; checks it kept the
+    built-in conservative set meanwhile."""
+    server = Refusing(status, retry_after)
+    client = ThresholdClient(engine, base_url=server.url, deployment=DEPLOYMENT, token="t",
+                             long_poll_s=1.0, heartbeat_interval_s=60.0,
+                             backoff_initial_s=0.02, backoff_max_s=backoff_max_s).start()
     try:
-        wait_until(lambda: len(server.pulls) >= 4, timeout=30, message="four pulls")
+        wait_until(lambda: len(server.pulls) >= pulls, timeout=30, message=f"{pulls} pulls")
     finally:
         client.stop()
         server.shutdown()
-    gaps = [b - a for a, b in zip(server.pulls, server.pulls[1:], strict=False)]
+    assert client.counters["pull_errors"] >= pulls
+    assert client.applied_version == 0  # it serves the built-in conservative set meanwhile
+    return [b - a for a, b in zip(server.pulls, server.pulls[1:], strict=False)]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_pull_refused_with_retry_after_waits_that_long(make_engine, status):
+    gaps = _pull_gaps(make_engine(runtime_id="rt-busy"), status, "0.6", backoff_max_s=5.0,
+                      pulls=4)
     # Its own backoff would have pulled again after 10-20 ms, then 20-40 ms, ...
     assert min(gaps) >= 0.55, gaps
-    assert client.counters["pull_errors"] >= 4
-    assert client.applied_version == 0  # meanwhile it serves the built-in conservative set
 
 
 def test_a_huge_retry_after_is_capped_at_the_backoff_maximum(make_engine):
-    server = Refusing(503, "86400")
-    client = ThresholdClient(make_engine(runtime_id="rt-capped"), base_url=server.url,
-                             deployment=DEPLOYMENT, token="t", long_poll_s=1.0,
-                             heartbeat_interval_s=60.0, backoff_initial_s=0.02,
-                             backoff_max_s=0.5).start()
-    try:
-        # a day's wait would never bring a second pull; the cap (0.5 s) brings three
-        wait_until(lambda: len(server.pulls) >= 3, timeout=30, message="pulls past the cap")
-    finally:
-        client.stop()
-        server.shutdown()
-    gaps = [b - a for a, b in zip(server.pulls, server.pulls[1:], strict=False)]
+    # a day's wait would never bring a second pull; the cap (0.5 s) brings three
+    gaps = _pull_gaps(make_engine(runtime_id="rt-capped"), 503, "86400", backoff_max_s=0.5,
+                      pulls=3)
     assert min(gaps) >= 0.45, gaps
