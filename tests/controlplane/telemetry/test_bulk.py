@@ -35,7 +35,9 @@ def _payload(rng: random.Random, n: int) -> dict:
                                 for layer in rng.sample(LAYERS, len(LAYERS))]
         records.append(record)
     return {"batch_id": f"batch-{rng.randrange(10**8):08d}", "deployment": "chat",
-            "runtime_id": rng.choice(["rt-1", "runtime-ü"]), "seq": 0, "num_layers": FULL,
+            # runtime ids are ASCII (exitplane.wire.RuntimeId); request ids carry the odd text
+            "runtime_id": rng.choice(["rt-1", "node.7:gpu_0-" + "x" * 115]), "seq": 0,
+            "num_layers": FULL,
             "records": records}
 
 
