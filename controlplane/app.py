@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import redis
@@ -29,7 +30,7 @@ from controlplane.coordination.bus import Bus
 from controlplane.coordination.limits import make_rate_limiters
 from controlplane.db import get_engine, session_factory
 from controlplane.deps import PrincipalCache, token_reader
-from controlplane.errors import DomainError, Unauthorized
+from controlplane.errors import ERROR_SCHEMA, VALIDATION_ERROR, DomainError, Unauthorized
 from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.beats import HeartbeatBuffer
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         await to_thread.run_sync(app.state.heartbeats.close)
 
     app = FastAPI(title="exitplane control plane", version="0.1.0", lifespan=lifespan)
+    app.openapi = _documenting_our_validation_errors(app.openapi)
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = factory
@@ -282,6 +284,25 @@ class BodySizeLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _documenting_our_validation_errors(build: Callable[[], dict]) -> Callable[[], dict]:
+    """FastAPI's OpenAPI document with the `Error` body (`ERROR_SCHEMA`, which `error_answer`
+    refers to) and the 422 that `validation_error` (above) sends wherever FastAPI documented its
+    own list-of-errors body, which this app never answers."""
+    def openapi() -> dict:
+        schema = build()  # FastAPI builds it once and caches it
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        if "Error" not in components:  # not yet rewritten
+            components["Error"] = ERROR_SCHEMA
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            for operation in (op for ops in schema["paths"].values() for op in ops.values()):
+                if "HTTPValidationError" in str(operation["responses"].get("422", "")):
+                    operation["responses"]["422"] = VALIDATION_ERROR
+        return schema
+
+    return openapi
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

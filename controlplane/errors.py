@@ -44,11 +44,23 @@ class RateLimited(DomainError):
         self.retry_after = retry_after
 
 
+# The JSON body of every error answer (a DomainError's; the app's 422 for a request that does
+# not validate adds `errors`, every problem): the OpenAPI component `Error` (controlplane/app.py).
+ERROR_SCHEMA = {"type": "object", "required": ["detail"],
+                "properties": {"detail": {"type": "string"}, "index": {"type": "integer"},
+                               "errors": {"type": "array", "items": {"type": "object"}}}}
+
+
 def error_answer(description: str) -> dict:
-    """An error answer for OpenAPI: the JSON body every DomainError gets."""
+    """An error answer for OpenAPI, with the `Error` body."""
     return {"description": description, "content": {"application/json": {"schema": {
-        "type": "object", "required": ["detail"],
-        "properties": {"detail": {"type": "string"}}}}}}
+        "$ref": "#/components/schemas/Error"}}}}
+
+
+# The app answers a request that does not validate with this body (controlplane/app.py), not
+# FastAPI's default list of errors; the OpenAPI document says so wherever FastAPI put its own.
+VALIDATION_ERROR = error_answer("the request does not validate: `detail` names the first "
+                                "problem, `errors` lists them all")
 
 
 # What the routes runtimes call may answer besides their success (docs/protocol.md), so that

@@ -2,6 +2,7 @@
 (run `python scripts/openapi.py` to regenerate), and it names every telemetry content type."""
 
 import json
+import re
 import runpy
 from pathlib import Path
 
@@ -30,8 +31,6 @@ def test_committed_openapi_matches_the_app():
 
 def _table_statuses(text: str, heading: str) -> set[int]:
     """The status codes in the first table after `heading` in docs/protocol.md."""
-    import re
-
     section = text[text.index(heading):]
     table = section[section.index("\n|"):]
     rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| ")]
@@ -58,3 +57,17 @@ def test_every_status_the_protocol_names_is_in_the_openapi_document():
     assert telemetry - proxies_only == answers("/v1/telemetry", "post")
     assert {409, 401, 403, 404, 422, 429, 503} <= answers(
         "/v1/deployments/{name}/heartbeats", "post")
+
+
+def test_every_422_documents_the_body_the_app_sends():
+    """The app answers a request that does not validate with `{detail, errors}`, not FastAPI's
+    list of errors; a client generated from the document must read what it gets."""
+    document = json.loads((ROOT / "docs" / "openapi.json").read_text())
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    refused = [op["responses"]["422"] for ops in document["paths"].values()
+               for op in ops.values() if "422" in op["responses"]]
+    assert len(refused) > 30
+    assert {answer["content"]["application/json"]["schema"]["$ref"] for answer in refused} == {
+        "#/components/schemas/Error"}
+    error = document["components"]["schemas"]["Error"]
+    assert error["required"] == ["detail"] and error["properties"]["errors"]["type"] == "array"

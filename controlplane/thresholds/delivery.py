@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.coordination.bus import Bus
 from controlplane.thresholds.models import Alias, ThresholdSet
 from controlplane.thresholds.service import get_deployment, in_canary, to_wire
-from exitplane.wire import RUNTIME_ID_PATTERN, ThresholdSetWire
+from exitplane.wire import RUNTIME_ID, ThresholdSetWire
 
 
 @dataclass(frozen=True)
@@ -234,7 +233,7 @@ class NotModifiedFastPath:
                      for part in scope["query_string"].decode("latin-1").split("&") if part)
         runtime_id = query.get("runtime_id", "")
         wait = _wait_seconds(query.get("wait", "0"))
-        if wait is None or not _RUNTIME_ID.fullmatch(runtime_id):
+        if wait is None or not RUNTIME_ID.fullmatch(runtime_id):
             return None  # the route's own 422 says what is wrong
         auth = etag = None
         for key, value in scope["headers"]:
@@ -269,9 +268,6 @@ async def _answer(send, chosen: ThresholdSetWire, body: bytes | None) -> None:
         *headers, (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-_RUNTIME_ID = re.compile(RUNTIME_ID_PATTERN)
 
 
 def _wait_seconds(raw: str) -> float | None:

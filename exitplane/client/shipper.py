@@ -84,6 +84,7 @@ class TelemetryShipper:
                  encoding: str = "msgpack", fsync: bool = True, raw_sample_rate: float = 1.0,
                  aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
                  aggregate_interval_s: float = 5.0, bundle: bool = True):
+        check_runtime_id(runtime_id)
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
         if not 0.0 <= raw_sample_rate <= 1.0:
@@ -104,7 +105,7 @@ class TelemetryShipper:
         self._aggregate_due = time.monotonic() + aggregate_interval_s
         self._sample = random.Random().random
         self.deployment = deployment
-        self.runtime_id = check_runtime_id(runtime_id)
+        self.runtime_id = runtime_id
         self.num_layers = num_layers
         self.queue_size = queue_size
         self.batch_records = batch_records
