@@ -134,9 +134,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     @app.exception_handler(OverflowError)
     @app.exception_handler(DataError)
     async def out_of_range(_request: Request, error: Exception) -> JSONResponse:
-        # A number the schema allows but the store cannot hold (e.g. past 64 bits).
+        # A value the schema allows but the store cannot hold (a number past 64 bits, a sum
+        # past a counter's end, text too long for its column).
         return JSONResponse(status_code=422, content={
-            "detail": "a number in the request is out of range for the store"})
+            "detail": "a value in the request cannot be stored: out of range or too long"})
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)

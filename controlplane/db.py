@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import ClassVar
 
 from sqlalchemy import JSON, DateTime, MetaData, create_engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -22,6 +23,22 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+
+def store_away(error: BaseException) -> bool:
+    """Whether `error` says the store is away or busy, so the same write should be tried again
+    later, rather than something about the data written: a lost connection, a pool timeout, a
+    deadlock or serialization failure, a schema this process does not match (a deploy under
+    way)."""
+    return isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError
+                      | sa_exc.ProgrammingError | sa_exc.InternalError | sa_exc.TimeoutError
+                      | MemoryError) or bool(getattr(error, "connection_invalidated", False))
+
+
+def refused_by_store(error: BaseException) -> bool:
+    """Whether the store refused the data itself (a value out of range or too long, a
+    constraint): writing the same rows again fails the same way."""
+    return isinstance(error, sa_exc.DataError | sa_exc.IntegrityError | OverflowError)
 
 
 def utcnow() -> datetime:

@@ -22,6 +22,14 @@ segment_overflow_tokens = Counter(
     "exitplane_segment_overflow_tokens",
     "Tokens stored as segment default because their segment was past the deployment's cap",
     ["deployment"], registry=registry)
+# Stream entries the ingest worker could not read or store (moved to the dead-letter stream,
+# with the reason in its `error` field), and what that stream holds now (every worker reads
+# the same length from Redis).
+dead_lettered_batches = Counter("exitplane_dead_lettered_batches",
+                                "Telemetry stream entries moved to the dead-letter stream",
+                                ["deployment"], registry=registry)
+dead_letter_entries = Gauge("exitplane_dead_letter_entries",
+                            "Entries in the telemetry dead-letter stream", registry=registry)
 stream_lag = Gauge("exitplane_stream_lag_entries", "Stream entries not yet ingested",
                    ["deployment"], registry=registry)
 # Runtime gauges (applied version, spool, drops) are read from the store at scrape time:

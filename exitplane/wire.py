@@ -34,8 +34,18 @@ DEFAULT_MAX_SEGMENTS = 16
 # Pulls, heartbeats and telemetry take the same ids (one definition: RuntimeId).
 RUNTIME_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 RUNTIME_ID = re.compile(RUNTIME_ID_PATTERN)
+# What a threshold set's checksum (and a heartbeat's applied_checksum) looks like: sha256 hex.
+CHECKSUM_PATTERN = r"^[0-9a-f]{64}$"
+# Free text a runtime sends that the store keeps (request ids, a heartbeat's error): any
+# characters but NUL, which a PostgreSQL text column cannot hold (the store would refuse the
+# whole batch or write, so the API refuses the one request instead).
+NO_NUL_PATTERN = r"^[^\x00]*$"
 HISTOGRAM_BINS = 20  # signal-at-exit histograms: 20 bins of width 0.05 over [0, 1]
 MAX_AGGREGATE_CELLS = 50_000
+# Tokens one aggregate (or interval) batch may account for: 2**40, about 10**12, far past any
+# runtime's interval, and small enough that the store's sums of such batches (per rollup key,
+# per ingest read of many batches) stay within a BIGINT. A batch over it is refused whole.
+MAX_BATCH_TOKENS = 2**40
 RuntimeId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)]
 
 # Content types of POST /v1/telemetry: record batches, and aggregate batches (docs/protocol.md).
@@ -132,7 +142,7 @@ class ThresholdSetWire(BaseModel):
     segments: dict[SegmentName, dict[Layer, Threshold]] | None = Field(
         default=None, exclude_if=lambda value: value is None,
         description="per-segment thresholds; segments not named here apply `thresholds`")
-    checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
+    checksum: str = Field(pattern=CHECKSUM_PATTERN)
 
     @field_validator("segments")
     @classmethod
@@ -194,7 +204,7 @@ class TokenRecord(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     threshold_version: int = Field(ge=0, le=INT32)
-    request_id: str = Field(min_length=1, max_length=128)
+    request_id: str = Field(min_length=1, max_length=128, pattern=NO_NUL_PATTERN)
     position: int = Field(ge=0, le=INT32)
     # The number of decoder layers the token ran; num_layers means full depth.
     exit_layer: int = Field(ge=0, le=1024)
@@ -258,8 +268,8 @@ class AggregateCell(BaseModel):
     # The traffic segment of the tokens counted here; left off the wire when `default`.
     segment: SegmentName = Field(default=DEFAULT_SEGMENT,
                                  exclude_if=lambda value: value == DEFAULT_SEGMENT)
-    exits: int = Field(ge=0, le=INT63)
-    histogram: list[Annotated[int, Field(ge=0, le=INT63)]] = Field(
+    exits: int = Field(ge=0, le=MAX_BATCH_TOKENS)
+    histogram: list[Annotated[int, Field(ge=0, le=MAX_BATCH_TOKENS)]] = Field(
         min_length=HISTOGRAM_BINS, max_length=HISTOGRAM_BINS)
 
     @model_validator(mode="after")
@@ -286,7 +296,12 @@ class AggregateBatch(BaseModel):
     @model_validator(mode="after")
     def _cells_fit(self) -> AggregateBatch:
         seen: set[tuple[int, int, str, int]] = set()
+        total = 0
         for index, cell in enumerate(self.cells):
+            total += cell.exits
+            if total > MAX_BATCH_TOKENS:
+                raise ValueError(f"cells 0-{index} account for {total} tokens, more than a "
+                                 f"batch may ({MAX_BATCH_TOKENS}): ship them in more batches")
             if cell.layer > self.num_layers:
                 raise ValueError(f"cell {index}: layer {cell.layer} exceeds num_layers "
                                  f"{self.num_layers}")
@@ -429,9 +444,9 @@ class Heartbeat(BaseModel):
 
     runtime_id: RuntimeId
     applied_version: int | None = Field(default=None, ge=0, le=INT32)
-    applied_checksum: str | None = None
+    applied_checksum: str | None = Field(default=None, pattern=CHECKSUM_PATTERN)
     ready: bool = True
-    error: str | None = Field(default=None, max_length=2000)
+    error: str | None = Field(default=None, max_length=2000, pattern=NO_NUL_PATTERN)
     spooled_batches: int = Field(default=0, ge=0, le=INT32)
     dropped_records: int = Field(default=0, ge=0, le=INT32)
 

@@ -146,6 +146,11 @@ def payloads() -> dict:
          "content_type": "application/vnd.exitplane.aggregate+json",
          "payload": {**aggregate, "cells": [{**aggregate["cells"][0], "minute": 1764460801}]},
          "status": 422, "detail_contains": "multiple of 60"},
+        {"note": "cells account for more tokens than a batch may (2**40)",
+         "content_type": "application/vnd.exitplane.aggregate+json",
+         "payload": {**aggregate, "cells": [{**cell, "exits": 2**39 + 1}
+                                            for cell in aggregate["cells"][:2]]},
+         "status": 422, "detail_contains": "more than a batch may (1099511627776)"},
         {"note": "interval record columns of different lengths",
          "content_type": "application/vnd.exitplane.interval+json",
          "payload": {**interval, "records": {**interval["records"],

@@ -11,10 +11,21 @@ fires gets the automatic fallback.
 
 from __future__ import annotations
 
+from celery import signals
+
 from controlplane.calibration import fallback
 from controlplane.celery_app import app
 from workers import observability  # noqa: F401  (logging, request ids and metrics signals)
 
 fallback.install()
+
+
+@signals.worker_init.connect
+def load_distribution_tests(**_kwargs) -> None:
+    """Import Evidently, pandas and scipy as the worker starts, before it takes a task (a
+    prefork pool's children inherit them), not inside its first drift check: the import takes
+    5-6 CPU-seconds on a slow core, which delayed that check and took the core from the rest
+    of a busy box at that moment. The API and beat processes never import them."""
+    import controlplane.drift.evidently_drift  # noqa: F401
 
 __all__ = ["app"]

@@ -24,6 +24,7 @@ from datetime import datetime
 from sqlalchemy import bindparam, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane.db import store_away
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.runtimes.service import BEAT_FIELDS, beat_fields
@@ -84,8 +85,10 @@ class HeartbeatBuffer:
         return RuntimeRead(runtime_id=beat.runtime_id, first_seen=first_seen, **fields)
 
     def flush(self) -> int:
-        """Write every held beat (blocking); how many. On an error the beats stay held (a
-        newer one of the same runtime wins) and the error is raised."""
+        """Write every held beat (blocking); how many. When the store is away the beats stay
+        held (a newer one of the same runtime wins) and the error is raised. When the store
+        refuses a beat's data, the beats are written one by one and the refused one dropped,
+        so one runtime's beat cannot keep every other runtime's from the store."""
         with self._write_lock:
             with self._lock:
                 held, self._held = self._held, {}
@@ -95,14 +98,40 @@ class HeartbeatBuffer:
                          beat_seen=fields["last_seen"])
                     for (deployment_id, runtime_id), fields in held.items()]
             try:
-                with self._session_factory() as session:
-                    session.execute(_WRITE, rows)
-                    session.commit()
+                self._write(rows)
+            except Exception as error:
+                if not store_away(error):
+                    return self._write_one_by_one(rows, held)
+                self._hold_again(held)
+                raise
             except BaseException:
-                with self._lock:
-                    self._held = held | self._held
+                self._hold_again(held)
                 raise
             return len(rows)
+
+    def _write(self, rows: list[dict]) -> None:
+        with self._session_factory() as session:
+            session.execute(_WRITE, rows)
+            session.commit()
+
+    def _hold_again(self, held: dict) -> None:
+        with self._lock:
+            self._held = held | self._held
+
+    def _write_one_by_one(self, rows: list[dict], held: dict) -> int:
+        written = 0
+        for index, row in enumerate(rows):
+            try:
+                self._write([row])
+                written += 1
+            except Exception as error:
+                if store_away(error):
+                    keys = list(held)[index:]
+                    self._hold_again({key: held[key] for key in keys})
+                    raise
+                log.warning("heartbeat of runtime %r dropped: the store refused it (%s: %s)",
+                            row["beat_runtime"], type(error).__name__, error)
+        return written
 
     def _start(self) -> None:
         if self._thread is None:

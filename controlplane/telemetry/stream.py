@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
 from controlplane.coordination.limits import GCRA_LUA, SharedBucket
+from controlplane.db import refused_by_store, store_away
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.telemetry.targets import IngestTargets
@@ -204,41 +205,92 @@ class StreamIngestor:
                 if name == GROUP:
                     lag = (group.get("lag") or 0) + (group.get("pending") or 0)
                     metrics.stream_lag.labels(key.removeprefix(STREAM_PREFIX)).set(lag)
+        metrics.dead_letter_entries.set(self.client.xlen(DEAD_LETTER))
 
     def _process(self, key: str, entries: list) -> int:
         deployment_name = key.removeprefix(STREAM_PREFIX)
-        batches, ids, dead = [], [], []
+        parsed, ids, dead = [], [], []
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
                 ids.append(entry_id)
                 continue
             try:
-                batches.append(_parse_entry(fields))
-                ids.append(entry_id)
+                parsed.append((entry_id, fields, _parse_entry(fields)))
             except Exception as error:  # never block the stream on one bad entry
                 log.error("stream %s entry %s unreadable (%s); moved to %s", key, entry_id,
                           error, DEAD_LETTER)
-                dead.append((entry_id, fields))
-        if batches:
-            deployment = self._targets.get(deployment_name, ())
-            with self.session_factory() as session:
-                results = ingest(session=session, deployment=deployment, batches=batches)
-                session.commit()
-            for result in results:
-                if result.duplicate:
-                    self.stats.duplicates += 1
-                    metrics.duplicate_batches.labels(deployment_name).inc()
-                else:
-                    metrics.ingested_batches.labels(deployment_name).inc()
-                    metrics.ingested_records.labels(deployment_name).inc(result.records)
-                    # at 0 from the first batch on: a rate over it sees the first overflow
-                    metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
-            self.stats.batches += len(batches)
-        for entry_id, fields in dead:
-            self.client.xadd(DEAD_LETTER, {**fields, b"stream": key.encode()})
+                dead.append((entry_id, fields, f"unreadable: {error}"))
+        if parsed:
+            try:
+                self._store(deployment_name, [batch for _, _, batch in parsed])
+                ids += [entry_id for entry_id, _, _ in parsed]
+            except Exception as error:
+                if _transient(error):
+                    raise  # the entries stay pending and are read again
+                stored, refused = self._one_by_one(key, parsed, error)
+                ids += stored
+                dead += refused
+        for entry_id, fields, why in dead:
+            self.client.xadd(DEAD_LETTER, {**fields, b"stream": key.encode(),
+                                           b"error": why[:1000].encode()})
+            metrics.dead_lettered_batches.labels(deployment_name).inc()
             ids.append(entry_id)
             self.stats.dead += 1
         if ids:
             self.client.xack(key, GROUP, *ids)
         self.stats.entries += len(ids)
         return len(ids)
+
+    def _store(self, deployment_name: str, batches: list) -> None:
+        """Store `batches` of one deployment in one transaction and count them."""
+        deployment = self._targets.get(deployment_name, ())
+        with self.session_factory() as session:
+            results = ingest(session=session, deployment=deployment, batches=batches)
+            session.commit()
+        for result in results:
+            if result.duplicate:
+                self.stats.duplicates += 1
+                metrics.duplicate_batches.labels(deployment_name).inc()
+            else:
+                metrics.ingested_batches.labels(deployment_name).inc()
+                metrics.ingested_records.labels(deployment_name).inc(result.records)
+                # at 0 from the first batch on: a rate over it sees the first overflow
+                metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
+        self.stats.batches += len(batches)
+
+    def _one_by_one(self, key: str, parsed: list, error: Exception) -> tuple[list, list]:
+        """After a read's transaction failed on something other than the store being away:
+        store each entry alone, so that one batch the store refuses (a sum past its BIGINT, a
+        value it cannot hold) cannot hold back the batches read with it, nor every later read
+        (the failed entries would be reclaimed, and fail, first each time). Returns (entry ids
+        stored, [(entry id, fields, why)] to dead-letter). An entry goes to the dead letters
+        when the store refuses its data, or when it fails alone while others stored; when
+        every entry fails (a fault of the worker, not of a batch) they stay pending, to be
+        reclaimed after `claim_idle_ms`; the other streams and later entries go on."""
+        stored, failed = [], []
+        if len(parsed) == 1:  # it failed alone already
+            failed.append((*parsed[0][:2], error))
+            parsed = []
+        for entry_id, fields, batch in parsed:
+            try:
+                self._store(key.removeprefix(STREAM_PREFIX), [batch])
+                stored.append(entry_id)
+            except Exception as failure:
+                if _transient(failure):
+                    raise  # those stored are acknowledged when read again, as replays
+                failed.append((entry_id, fields, failure))
+        refused = [(entry_id, fields, f"refused by the store: {type(why).__name__}: {why}")
+                   for entry_id, fields, why in failed if stored or refused_by_store(why)]
+        for entry_id, _, why in refused:
+            log.error("stream %s entry %s cannot be stored (%s); moved to %s", key, entry_id,
+                      why, DEAD_LETTER)
+        if len(refused) < len(failed):
+            log.error("stream %s: %d entries failed alone and stay pending (%s)", key,
+                      len(failed) - len(refused), failed[0][2])
+        return stored, refused
+
+
+
+def _transient(error: Exception) -> bool:
+    """Whether `error` says the store or Redis is away or busy: retry the same entries later."""
+    return isinstance(error, redis.RedisError) or store_away(error)

@@ -195,7 +195,8 @@ class ThresholdClient:
                          applied_version=None if applied is None else applied.version,
                          applied_checksum=None if applied is None else applied.checksum,
                          ready=self.in_sync,
-                         error=None if self.error is None else self.error[:2000],
+                         error=None if self.error is None
+                         else self.error.replace("\x00", "")[:2000],
                          spooled_batches=spooled, dropped_records=dropped)
         try:
             response = self._http.post(f"/v1/deployments/{self.deployment}/heartbeats",

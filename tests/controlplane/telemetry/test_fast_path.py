@@ -198,13 +198,15 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
     runtime = _deploy(fast, tokens, engine)
     other = _deploy(fast, tokens, engine, name="code")
     operator = tokens.headers(tokens.operator)
-    beat = {"runtime_id": "rt-1", "applied_version": 2, "applied_checksum": "abc",
+    beat = {"runtime_id": "rt-1", "applied_version": 2, "applied_checksum": "ab" * 32,
             "spooled_batches": 3}
     cases = [
         ("chat", runtime, {"json": beat}),
         ("chat", runtime, {"json": {**beat, "ready": False, "error": "warming up"}}),
         ("chat", operator, {"json": {**beat, "runtime_id": "rt-2"}}),
         ("chat", runtime, {"json": {**beat, "runtime_id": "bad id!"}}),  # the route's 422
+        ("chat", runtime, {"json": {**beat, "applied_checksum": "abc"}}),  # not a checksum
+        ("chat", runtime, {"json": {**beat, "error": "a\x00b"}}),  # NUL: the store refuses it
         ("chat", runtime, {"content": b"{not json", "headers": {
             "Content-Type": "application/json"}}),
         ("chat", runtime, {"content": b"", "headers": {"Content-Type": "application/json"}}),
@@ -226,11 +228,11 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
             answers[fast_on].append(_beat_shape(response))
     assert answers[True] == answers[False]
     assert [answer[0] for answer in answers[True]] == [
-        200, 200, 200, 422, 422, 422, 404, 403, 403, 401, 401, 401]
+        200, 200, 200, 422, 422, 422, 422, 422, 404, 403, 403, 401, 401, 401]
     assert answers[True][1][1]["error"] == "warming up"
     # Valid heartbeats never reached the router; the bodies the route must judge did.
     beats = [path for path in fast_app.router.paths if path.endswith("/heartbeats")]
-    assert len(beats) == 4  # the three 422s, and the bad body with no token
+    assert len(beats) == 6  # the five 422s, and the bad body with no token
     assert sum(path.endswith("/heartbeats") for path in route_app.router.paths) == len(cases)
     listed = fast.get("/v1/deployments/chat/runtimes", headers=operator).json()
     assert {row["runtime_id"]: row["ready"] for row in listed} == {"rt-1": False, "rt-2": True}
