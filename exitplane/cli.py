@@ -368,6 +368,38 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     consumer.run_forever(stop)
 
 
+@main.command("dead-letters")
+@click.option("--replay", is_flag=True,
+              help="move them back to their streams for the ingest workers to read again")
+@click.option("--id", "entry_ids", multiple=True, help="only this entry (repeatable)")
+def dead_letters(replay: bool, entry_ids: tuple[str, ...]) -> None:
+    """Telemetry batches the ingest workers could not store (needs EXITPLANE_REDIS_URL): one
+    line each (entry, deployment, kind, batch id, why); --replay after fixing the cause."""
+    import redis
+
+    from controlplane.settings import get_settings
+    from controlplane.telemetry import stream
+
+    settings = get_settings()
+    if not settings.redis_url:
+        _fail("EXITPLANE_REDIS_URL is not set; without Redis batches are stored or refused "
+              "by the API and never dead-lettered")
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        if replay:
+            moved = stream.replay_dead_letters(client, list(entry_ids) or None)
+            click.echo(f"moved {moved} entries back to their streams")
+            return
+        for letter in stream.dead_letters(client):
+            if not entry_ids or letter.entry_id in entry_ids:
+                click.echo("\t".join((letter.entry_id, letter.deployment, letter.kind,
+                                      letter.batch_id, letter.error)))
+    except redis.RedisError as error:
+        _fail(f"Redis at {_redact(settings.redis_url)}: {error}")
+    finally:
+        client.close()
+
+
 @main.command()
 @click.option("--deployment", required=True, help="the deployment to recalibrate")
 @click.option("--since", default=None,

@@ -294,3 +294,59 @@ class StreamIngestor:
 def _transient(error: Exception) -> bool:
     """Whether `error` says the store or Redis is away or busy: retry the same entries later."""
     return isinstance(error, redis.RedisError) or store_away(error)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """An entry of the dead-letter stream: where it came from, why, and its batch id."""
+
+    entry_id: str
+    deployment: str
+    kind: str  # batch, aggregate or interval (the entry field), or '?' when unreadable
+    batch_id: str
+    error: str
+
+
+def dead_letters(client: redis.Redis, count: int = 10_000) -> list[DeadLetter]:
+    """The oldest `count` entries of the dead-letter stream."""
+    found = []
+    for entry_id, fields in client.xrange(DEAD_LETTER, count=count):
+        fields = {_text(name): value for name, value in fields.items()}
+        kind = next((name for name in _FIELDS.values() if name in fields), "?")
+        try:
+            batch_id = str(msgpack.unpackb(fields[kind], raw=False).get("batch_id", "?"))
+        except Exception:  # an unreadable entry is listed as such
+            batch_id = "?"
+        found.append(DeadLetter(
+            entry_id=_text(entry_id), kind=kind, batch_id=batch_id,
+            deployment=_text(fields.get("stream", b"")).removeprefix(STREAM_PREFIX),
+            error=_text(fields.get("error", b"")) or "(no reason recorded)"))
+    return found
+
+
+def replay_dead_letters(client: redis.Redis, entry_ids: list[str] | None = None) -> int:
+    """Move dead letters (all, or `entry_ids`) back to the streams they came from, for the
+    ingest workers to read again (after a fix: a batch that fails again comes back here). Each
+    move is one transaction (appended and removed together); a batch the store already holds
+    is skipped by its id. Returns how many were moved."""
+    wanted = None if entry_ids is None else set(entry_ids)
+    moved = 0
+    for entry_id, fields in client.xrange(DEAD_LETTER):
+        if wanted is not None and _text(entry_id) not in wanted:
+            continue
+        fields = dict(fields)
+        key = fields.pop(b"stream", None)
+        fields.pop(b"error", None)
+        if key is None or not _text(key).startswith(STREAM_PREFIX):
+            continue  # nowhere to return it to
+        with client.pipeline(transaction=True) as pipe:
+            pipe.sadd(STREAMS_KEY, key)
+            pipe.xadd(key, fields)
+            pipe.xdel(DEAD_LETTER, entry_id)
+            pipe.execute()
+        moved += 1
+    return moved
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -7,10 +7,14 @@ dead-letter stream with the reason. When the store is away, nothing is dead-lett
 entries stay pending and are read again. And the API refuses an aggregate batch that accounts
 for more tokens than a batch may, so no single batch can overflow a sum."""
 
+import os
 import random
+import subprocess
+import sys
 import time
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -150,6 +154,28 @@ def test_a_batch_that_fails_alone_is_dead_lettered_when_others_store(queue, engi
     [dead] = _dead_letters(client)
     assert msgpack.unpackb(dead[b"aggregate"])["batch_id"] == bad["batch_id"]
     assert b"KeyError" in dead[b"error"]
+
+    # An operator lists the dead letters, fixes the cause and replays them.
+    env = {**os.environ, "EXITPLANE_REDIS_URL": OWN_REDIS_URL}
+    listed = _cli(env, "dead-letters")
+    assert listed.returncode == 0, listed.stderr
+    [line] = listed.stdout.splitlines()
+    assert line.split("\t")[1:4] == ["mix", "aggregate", bad["batch_id"]]
+    assert "KeyError: 'a bug only this batch triggers'" in line
+    monkeypatch.undo()
+    replayed = _cli(env, "dead-letters", "--replay")
+    assert replayed.returncode == 0 and "moved 1 entries" in replayed.stdout
+    while worker.run_once():
+        pass
+    assert _tokens(engine, QUIET) == 10 and _dead_letters(client) == []
+    assert _cli(env, "dead-letters", "--replay").stdout.startswith("moved 0 entries")
+    away = _cli({**env, "EXITPLANE_REDIS_URL": "redis://127.0.0.1:9/0"}, "dead-letters")
+    assert away.returncode == 2 and away.stderr.count("\n") == 1  # one line, no trace
+
+
+def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "exitplane"), *args], env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.redis
