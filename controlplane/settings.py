@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     # A beat from a runtime this API process has recorded is held and written with the others
     # every this many seconds (controlplane/runtimes/beats.py); 0 writes each beat at once.
     heartbeat_flush_s: float = Field(default=1.0, ge=0, le=60)
+    # A telemetry batch whose tokens are timed more than this many seconds past the API's
+    # clock is refused (422): a runtime with a clock gone wrong. 0 turns the check off.
+    telemetry_max_future_s: float = Field(default=600.0, ge=0)
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -102,15 +103,20 @@ def decode_batch(body: bytes, content_type: str) -> BatchColumns:
         raise Invalid(f"{where}: {first['msg']}") from error
 
 
-def _check(deployment, batch, aggregate: bool, known_versions) -> None:
-    """Refuse the batch unless it fits the deployment (a Deployment or a cached target)."""
+def _check(state, deployment, batch, aggregate: bool, known_versions) -> None:
+    """Refuse the batch unless it fits the deployment (a Deployment or a cached target) and
+    the API's clock (EXITPLANE_TELEMETRY_MAX_FUTURE_S)."""
+    ahead = state.settings.telemetry_max_future_s
+    latest = time.time() + ahead if ahead > 0 else None
     if not aggregate:
-        service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions)
+        service.check_batch(deployment=deployment, batch=batch, known_versions=known_versions,
+                            latest=latest)
         return
-    service.check_aggregate(deployment=deployment, batch=batch, known_versions=known_versions)
+    service.check_aggregate(deployment=deployment, batch=batch, known_versions=known_versions,
+                            latest=latest)
     if isinstance(batch, IntervalBatch) and batch.records is not None:
         service.check_batch(deployment=deployment, batch=BatchColumns.of_interval(batch),
-                            known_versions=known_versions)
+                            known_versions=known_versions, latest=latest)
 
 
 def _decoded(body: bytes, content_type: str):
@@ -126,9 +132,9 @@ def _decoded(body: bytes, content_type: str):
     return batch, True, versions
 
 
-def _fits_target(target, principal: Principal, batch, aggregate: bool) -> None:
+def _fits_target(state, target, principal: Principal, batch, aggregate: bool) -> None:
     principal.require_deployment(target.id)
-    _check(target, batch, aggregate, target.versions)
+    _check(state, target, batch, aggregate, target.versions)
 
 
 def checked_from_cache(state, principal: Principal, body: bytes, content_type: str):
@@ -140,7 +146,7 @@ def checked_from_cache(state, principal: Principal, body: bytes, content_type: s
     target = state.ingest_targets.peek(batch.deployment, versions)
     if target is None:
         return None
-    _fits_target(target, principal, batch, aggregate)
+    _fits_target(state, target, principal, batch, aggregate)
     return batch
 
 
@@ -160,8 +166,8 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
         batch, aggregate, versions = _decoded(body, content_type)
         if state.redis is not None:
             # The stream path reads nothing from the store: the checks use the cached target.
-            _fits_target(state.ingest_targets.get(batch.deployment, versions), principal,
-                         batch, aggregate)
+            _fits_target(state, state.ingest_targets.get(batch.deployment, versions),
+                         principal, batch, aggregate)
             added = stream.append(state.redis, batch,
                                   body if "msgpack" in content_type else None)
             return queued_ack(batch, added)
@@ -170,7 +176,7 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
             principal.require_deployment(deployment.id)
             thresholds = service.thresholds_by_version(
                 session=session, deployment=deployment, versions=versions)
-            _check(deployment, batch, aggregate, set(thresholds))
+            _check(state, deployment, batch, aggregate, set(thresholds))
             [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
                                       thresholds=thresholds)
             session.commit()

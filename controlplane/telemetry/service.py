@@ -70,8 +70,12 @@ class IngestResult:
 
 
 def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
-                known_versions: set[int]) -> None:
-    """Refuse the whole batch (BadRecord / Invalid) unless every record fits the deployment."""
+                known_versions: set[int], latest: float | None = None) -> None:
+    """Refuse the whole batch (BadRecord / Invalid) unless every record fits the deployment
+    and, with `latest` (unix seconds), none is timed after it."""
+    if latest is not None and len(batch.ts) and batch.ts.max() > latest:
+        index = int(np.argmax(batch.ts > latest))
+        raise BadRecord(index, _ahead(f"ts {float(batch.ts[index])}", batch.ts[index], latest))
     if batch.deployment != deployment.name:
         raise Invalid(f"batch is for deployment {batch.deployment!r}, not {deployment.name!r}")
     if batch.num_layers != deployment.num_layers:
@@ -99,10 +103,22 @@ def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
                            f"{sorted(exit_layers)}")
 
 
+def _ahead(what: str, when: float, latest: float) -> str:
+    return (f"{what} is {float(when) - latest:.0f} s past the latest time the control plane "
+            f"takes now ({latest:.0f}: its clock + EXITPLANE_TELEMETRY_MAX_FUTURE_S); check "
+            f"the runtime's clock")
+
+
 def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBatch,
-                    known_versions: set[int]) -> None:
+                    known_versions: set[int], latest: float | None = None) -> None:
     """Refuse the whole aggregate batch (Invalid, naming the first bad cell) unless every cell
-    is at an exit layer or full depth and under a published version."""
+    is at an exit layer or full depth and under a published version, and, with `latest`
+    (unix seconds), none counts a minute that starts after it."""
+    if latest is not None:
+        for index, cell in enumerate(batch.cells):
+            if cell.minute > latest:
+                raise Invalid(f"cell {index}: " + _ahead(f"minute {cell.minute}", cell.minute,
+                                                         latest))
     if batch.deployment != deployment.name:
         raise Invalid(f"batch is for deployment {batch.deployment!r}, not {deployment.name!r}")
     if batch.num_layers != deployment.num_layers:
