@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,16 +30,22 @@ def store_away(error: BaseException) -> bool:
     """Whether `error` says the store is away or busy, so the same write should be tried again
     later, rather than something about the data written: a lost connection, a pool timeout, a
     deadlock or serialization failure, a schema this process does not match (a deploy under
-    way)."""
-    return isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError
-                      | sa_exc.ProgrammingError | sa_exc.InternalError | sa_exc.TimeoutError
-                      | MemoryError) or bool(getattr(error, "connection_invalidated", False))
+    way). Raw driver errors (a COPY runs on the driver's connection) count as SQLAlchemy's."""
+    away = _dbapi("OperationalError", "InterfaceError", "ProgrammingError", "InternalError")
+    return isinstance(error, (*away, sa_exc.TimeoutError, MemoryError)) \
+        or bool(getattr(error, "connection_invalidated", False))
 
 
 def refused_by_store(error: BaseException) -> bool:
     """Whether the store refused the data itself (a value out of range or too long, a
     constraint): writing the same rows again fails the same way."""
-    return isinstance(error, sa_exc.DataError | sa_exc.IntegrityError | OverflowError)
+    return isinstance(error, (*_dbapi("DataError", "IntegrityError"), OverflowError))
+
+
+def _dbapi(*names: str) -> tuple[type[BaseException], ...]:
+    """SQLAlchemy's exception classes of these DB-API names, and the loaded drivers' own."""
+    drivers = [sys.modules[name] for name in ("psycopg", "sqlite3") if name in sys.modules]
+    return tuple(getattr(module, name) for name in names for module in (sa_exc, *drivers))
 
 
 def utcnow() -> datetime:

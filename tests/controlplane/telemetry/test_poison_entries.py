@@ -280,3 +280,27 @@ def test_a_request_id_with_nul_is_refused_by_the_api(client, tokens, engine):
         "num_layers": FULL, "records": records})
     assert answer.status_code == 422 and "request_id" in answer.json()["detail"]
     assert answer.json()["index"] == 1
+
+
+def test_store_errors_are_told_apart_whichever_layer_raises_them():
+    """A COPY runs on the driver's own connection, so its errors come unwrapped: a lost
+    connection there must still read as the store away, not as a batch to dead-letter."""
+    import sqlite3
+
+    import psycopg
+    from sqlalchemy import exc
+
+    from controlplane.db import refused_by_store, store_away
+
+    wrapped = exc.DBAPIError.instance("COPY", {}, psycopg.errors.NumericValueOutOfRange("x"),
+                                      psycopg.Error)
+    away = [psycopg.OperationalError("server closed the connection"),
+            psycopg.errors.DeadlockDetected("deadlock"), sqlite3.OperationalError("locked"),
+            exc.OperationalError("SELECT 1", {}, Exception("refused")),
+            exc.TimeoutError("pool"), exc.ProgrammingError("SELECT", {}, Exception("no column"))]
+    refused = [psycopg.errors.NumericValueOutOfRange("bigint out of range"),
+               psycopg.errors.StringDataRightTruncation("too long"), wrapped,
+               exc.IntegrityError("INSERT", {}, Exception("fk")), OverflowError("int")]
+    assert all(store_away(error) and not refused_by_store(error) for error in away)
+    assert all(refused_by_store(error) and not store_away(error) for error in refused)
+    assert not store_away(KeyError("bug")) and not refused_by_store(KeyError("bug"))
