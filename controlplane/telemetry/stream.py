@@ -253,6 +253,7 @@ class StreamIngestor:
                 metrics.duplicate_batches.labels(deployment_name).inc()
             else:
                 metrics.ingested_batches.labels(deployment_name).inc()
+                metrics.dead_lettered_batches.labels(deployment_name)  # a series at 0 first
                 metrics.ingested_records.labels(deployment_name).inc(result.records)
                 # at 0 from the first batch on: a rate over it sees the first overflow
                 metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
