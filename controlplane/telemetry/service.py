@@ -114,11 +114,6 @@ def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBa
     """Refuse the whole aggregate batch (Invalid, naming the first bad cell) unless every cell
     is at an exit layer or full depth and under a published version, and, with `latest`
     (unix seconds), none counts a minute that starts after it."""
-    if latest is not None:
-        for index, cell in enumerate(batch.cells):
-            if cell.minute > latest:
-                raise Invalid(f"cell {index}: " + _ahead(f"minute {cell.minute}", cell.minute,
-                                                         latest))
     if batch.deployment != deployment.name:
         raise Invalid(f"batch is for deployment {batch.deployment!r}, not {deployment.name!r}")
     if batch.num_layers != deployment.num_layers:
@@ -126,6 +121,9 @@ def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBa
                       f"{deployment.name!r} has {deployment.num_layers}")
     layers = {*deployment.exit_layers, deployment.num_layers}
     for index, cell in enumerate(batch.cells):
+        if latest is not None and cell.minute > latest:
+            raise Invalid(f"cell {index}: " + _ahead(f"minute {cell.minute}", cell.minute,
+                                                     latest))
         if cell.layer not in layers:
             raise Invalid(f"cell {index}: layer {cell.layer} is neither an exit layer "
                           f"{sorted(deployment.exit_layers)} nor full depth "

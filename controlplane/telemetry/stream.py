@@ -149,8 +149,7 @@ class StreamIngestor:
         self._targets = IngestTargets(session_factory)
 
     def streams(self) -> list[str]:
-        keys = sorted(k.decode() if isinstance(k, bytes) else k
-                      for k in self.client.smembers(STREAMS_KEY))
+        keys = sorted(map(_text, self.client.smembers(STREAMS_KEY)))
         for key in keys:
             if key not in self._groups:
                 try:
@@ -180,8 +179,7 @@ class StreamIngestor:
         response = self.client.xreadgroup(GROUP, self.name, dict.fromkeys(keys, ">"),
                                           count=self.count, block=self.block_ms)
         for key, entries in response or []:
-            key = key.decode() if isinstance(key, bytes) else key
-            processed += self._process(key, entries)
+            processed += self._process(_text(key), entries)
         return processed
 
     def run_forever(self, stop: threading.Event) -> None:
@@ -200,9 +198,7 @@ class StreamIngestor:
     def report_lag(self) -> None:
         for key in self.streams():
             for group in self.client.xinfo_groups(key):
-                name = group.get("name")
-                name = name.decode() if isinstance(name, bytes) else name
-                if name == GROUP:
+                if _text(group.get("name")) == GROUP:
                     lag = (group.get("lag") or 0) + (group.get("pending") or 0)
                     metrics.stream_lag.labels(key.removeprefix(STREAM_PREFIX)).set(lag)
         metrics.dead_letter_entries.set(self.client.xlen(DEAD_LETTER))
@@ -227,7 +223,7 @@ class StreamIngestor:
             except Exception as error:
                 if _transient(error):
                     raise  # the entries stay pending and are read again
-                stored, refused = self._one_by_one(key, parsed, error)
+                stored, refused = self._one_by_one(key, deployment_name, parsed, error)
                 ids += stored
                 dead += refused
         for entry_id, fields, why in dead:
@@ -259,7 +255,8 @@ class StreamIngestor:
                 metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
         self.stats.batches += len(batches)
 
-    def _one_by_one(self, key: str, parsed: list, error: Exception) -> tuple[list, list]:
+    def _one_by_one(self, key: str, deployment_name: str, parsed: list,
+                    error: Exception) -> tuple[list, list]:
         """After a read's transaction failed on something other than the store being away:
         store each entry alone, so that one batch the store refuses (a sum past its BIGINT, a
         value it cannot hold) cannot hold back the batches read with it, nor every later read
@@ -274,7 +271,7 @@ class StreamIngestor:
             parsed = []
         for entry_id, fields, batch in parsed:
             try:
-                self._store(key.removeprefix(STREAM_PREFIX), [batch])
+                self._store(deployment_name, [batch])
                 stored.append(entry_id)
             except Exception as failure:
                 if _transient(failure):
@@ -289,7 +286,6 @@ class StreamIngestor:
             log.error("stream %s: %d entries failed alone and stay pending (%s)", key,
                       len(failed) - len(refused), failed[0][2])
         return stored, refused
-
 
 
 def _transient(error: Exception) -> bool:
