@@ -90,8 +90,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.rate_limiters = make_rate_limiters(redis_url=settings.redis_url, rates={
         "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
         "heartbeat": settings.rate_limit_heartbeat_per_s})
-    app.state.config_delivery = ConfigDelivery(factory, settings.config_cache_ttl_s,
-                                               bus=app.state.bus)
+    app.state.config_delivery = ConfigDelivery(
+        factory, settings.config_cache_ttl_s, bus=app.state.bus,
+        long_polls_per_token=settings.long_polls_per_token)
     app.state.ingest_targets = IngestTargets(factory)  # the stream path's batch checks
     app.state.heartbeats = HeartbeatBuffer(factory, interval_s=settings.heartbeat_flush_s)
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.

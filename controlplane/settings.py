@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     port: int = 8000
     public_url: str = ""
     long_poll_max_s: float = Field(default=60.0, gt=0)
+    # Long-polls one token may hold open at once on one API process (a runtime holds one);
+    # past it a waiting pull is answered 429. 0: no cap.
+    long_polls_per_token: int = Field(default=10_000, ge=0)
     # Issue 14: an API process runs a full garbage collection every this many seconds instead
     # of Python's automatic ones (controlplane/collector.py); 0 keeps Python's policy.
     api_gc_full_interval_s: float = Field(default=60.0, ge=0)

@@ -226,14 +226,20 @@ class StreamIngestor:
                 stored, refused = self._one_by_one(key, deployment_name, parsed, error)
                 ids += stored
                 dead += refused
-        for entry_id, fields, why in dead:
-            self.client.xadd(DEAD_LETTER, {**fields, b"stream": key.encode(),
-                                           b"error": why[:1000].encode()})
-            metrics.dead_lettered_batches.labels(deployment_name).inc()
-            ids.append(entry_id)
-            self.stats.dead += 1
+        # One MULTI: a dead letter is written together with its acknowledgement, so a worker
+        # that dies between the two can neither leave it pending (to be dead-lettered again
+        # when reclaimed) nor acknowledge it unwritten.
+        ids += [entry_id for entry_id, _, _ in dead]
         if ids:
-            self.client.xack(key, GROUP, *ids)
+            with self.client.pipeline(transaction=True) as pipe:
+                for _, fields, why in dead:
+                    pipe.xadd(DEAD_LETTER, {**fields, b"stream": key.encode(),
+                                            b"error": why[:1000].encode()})
+                pipe.xack(key, GROUP, *ids)
+                pipe.execute()
+        if dead:
+            metrics.dead_lettered_batches.labels(deployment_name).inc(len(dead))
+            self.stats.dead += len(dead)
         self.stats.entries += len(ids)
         return len(ids)
 

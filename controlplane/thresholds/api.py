@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
 from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
-from controlplane.errors import RUNTIME_ERRORS
+from controlplane.errors import RUNTIME_ERRORS, RateLimited
 from controlplane.thresholds import service
 from controlplane.thresholds.delivery import ConfigDelivery
 from controlplane.thresholds.models import Deployment, ThresholdSet
@@ -169,7 +169,13 @@ async def pull_thresholds(
     chosen = state.for_runtime(runtime_id)
     if wait > 0 and _etag_matches(if_none_match, chosen.checksum):
         timeout = min(wait, request.app.state.settings.long_poll_max_s)
-        state = await delivery.wait_for_change(name, runtime_id, chosen.checksum, timeout)
+        with delivery.holding(principal.token_id) as held:
+            if not held:
+                raise RateLimited(
+                    f"this token already holds {delivery.long_polls_per_token} long-polls on "
+                    "this API process (EXITPLANE_LONG_POLLS_PER_TOKEN); poll again later",
+                    retry_after=min(timeout, 10.0))
+            state = await delivery.wait_for_change(name, runtime_id, chosen.checksum, timeout)
         chosen = state.for_runtime(runtime_id)
     headers = {"ETag": f'"{chosen.checksum}"', "Cache-Control": "no-cache",
                "X-Exitplane-Version": str(chosen.version)}

@@ -12,8 +12,10 @@ long-poll also re-reads the state every `ttl`, which is how moves made elsewhere
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from anyio import to_thread
@@ -59,10 +61,15 @@ class DeliveryState:
 class ConfigDelivery:
     """Per-process cache of DeliveryState plus wake-ups for long-polling runtimes."""
 
-    def __init__(self, session_factory: sessionmaker[Session], ttl: float, *, bus: Bus) -> None:
+    def __init__(self, session_factory: sessionmaker[Session], ttl: float, *, bus: Bus,
+                 long_polls_per_token: int = 0) -> None:
         self._session_factory = session_factory
         self._ttl = ttl
         self._bus = bus
+        # Long-polls held per token id in this process, capped (0: no cap) so that one token
+        # cannot hold every socket and file descriptor the process has.
+        self.long_polls_per_token = long_polls_per_token
+        self._held: collections.Counter[int] = collections.Counter()
         self._states: dict[str, DeliveryState] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._refreshing: dict[str, asyncio.Future[DeliveryState]] = {}
@@ -136,6 +143,21 @@ class ConfigDelivery:
         finally:
             self._refreshing.pop(name, None)
 
+    @contextlib.contextmanager
+    def holding(self, token_id: int) -> Iterator[bool]:
+        """Count a long-poll held for `token_id` while inside; yields False (and counts
+        nothing) when the token already holds its cap."""
+        if self.long_polls_per_token and self._held[token_id] >= self.long_polls_per_token:
+            yield False
+            return
+        self._held[token_id] += 1
+        try:
+            yield True
+        finally:
+            self._held[token_id] -= 1
+            if not self._held[token_id]:
+                del self._held[token_id]
+
     async def wait_for_change(self, name: str, runtime_id: str, etag: str,
                               timeout: float) -> DeliveryState:
         """Return as soon as this runtime's set differs from `etag`, or after `timeout`."""
@@ -204,16 +226,20 @@ class NotModifiedFastPath:
             if path.startswith("/v1/deployments/") and path.endswith("/thresholds"):
                 pull = await self._pull(scope)
                 if pull is not None:
-                    name, runtime_id, chosen, wait = pull
+                    name, runtime_id, chosen, wait, token_id = pull
                     body = None
                     if wait > 0:
-                        try:
-                            state = await self.delivery.wait_for_change(
-                                name, runtime_id, chosen.checksum,
-                                min(wait, self.long_poll_max_s))
-                        except Exception:  # the store went away meanwhile: the route answers
-                            await self.app(scope, receive, send)
-                            return
+                        with self.delivery.holding(token_id) as held:
+                            if not held:  # past the token's cap: the route answers 429
+                                await self.app(scope, receive, send)
+                                return
+                            try:
+                                state = await self.delivery.wait_for_change(
+                                    name, runtime_id, chosen.checksum,
+                                    min(wait, self.long_poll_max_s))
+                            except Exception:  # the store went away: the route answers
+                                await self.app(scope, receive, send)
+                                return
                         latest = state.for_runtime(runtime_id)
                         if latest.checksum != chosen.checksum:
                             chosen, body = latest, state.body(latest).encode()
@@ -222,9 +248,9 @@ class NotModifiedFastPath:
                     return
         await self.app(scope, receive, send)
 
-    async def _pull(self, scope) -> tuple[str, str, ThresholdSetWire, float] | None:
-        """(deployment, runtime id, its current set, wait seconds) for a pull this path may
-        answer, after the token's rate limit; None for the route."""
+    async def _pull(self, scope) -> tuple[str, str, ThresholdSetWire, float, int] | None:
+        """(deployment, runtime id, its current set, wait seconds, token id) for a pull this
+        path may answer, after the token's rate limit; None for the route."""
         name = scope["path"][len("/v1/deployments/"):-len("/thresholds")]
         state = self.delivery.cached(name)
         if state is None:
@@ -253,7 +279,7 @@ class NotModifiedFastPath:
             return None
         if await self.limiter.retry_after(str(principal.token_id)) is not None:
             return None  # the full route answers 429
-        return name, runtime_id, chosen, wait
+        return name, runtime_id, chosen, wait, principal.token_id
 
 
 async def _answer(send, chosen: ThresholdSetWire, body: bytes | None) -> None:

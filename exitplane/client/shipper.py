@@ -30,6 +30,9 @@ Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or ano
 batch is bad, logged and counted as rejected, never retried; 413 split in halves (ids derived
 from the parent's, so a replay re-splits to the same ids); 401/403 a configuration error,
 logged loudly, batches stay spooled; 429/503 honour Retry-After; 5xx and network errors retry.
+A spooled batch answered with a server error (500; not 502/503/504, which are outages) on
+`set_aside_after` replays in a row is set aside (`Spool.set_aside`) so the batches behind it go
+on; set-aside batches are retried every `aside_retry_s` once the spool has caught up.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class TelemetryShipper:
                  backoff_max_s: float = 30.0, request_timeout_s: float = 10.0,
                  encoding: str = "msgpack", fsync: bool = True, raw_sample_rate: float = 1.0,
                  aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
-                 aggregate_interval_s: float = 5.0, bundle: bool = True):
+                 aggregate_interval_s: float = 5.0, bundle: bool = True,
+                 set_aside_after: int = 5, aside_retry_s: float = 600.0):
         check_runtime_id(runtime_id)
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
@@ -136,6 +140,15 @@ class TelemetryShipper:
         self._probe_at = 0.0
         self._probe_failures = 0
         self._head_parts: list[EncodedBatch] | None = None  # a spooled batch split by a 413
+        # A server error (500) on the spool's head, replay after replay, while the control
+        # plane answers: after `set_aside_after` of them the head is set aside (kept on disk,
+        # retried every `aside_retry_s` once caught up) so one batch that trips a server bug
+        # cannot hold back every later one.
+        self.set_aside_after = max(1, set_aside_after)
+        self.aside_retry_s = aside_retry_s
+        self._aside_due = time.monotonic() + aside_retry_s
+        self._faulted = False  # the last answer was a server error
+        self._head_faults = 0
         self._auth_logged_at = -1e9
         self.dropped_queue_records = 0  # written only by submit (the decode thread)
         self.counters = {"sent_batches": 0, "sent_records": 0, "duplicate_batches": 0,
@@ -146,7 +159,8 @@ class TelemetryShipper:
                          "dropped_aggregate_tokens": 0, "rejected_aggregate_tokens": 0,
                          # delivered before, its answer lost (a crash, a timeout): acknowledged
                          # now as a replay, so sent_* + duplicate_* is what the server holds
-                         "duplicate_records": 0, "duplicate_aggregate_tokens": 0}
+                         "duplicate_records": 0, "duplicate_aggregate_tokens": 0,
+                         "set_aside_batches": 0, "recovered_aside_batches": 0}
         self.unaggregated_records = 0  # submitted at a layer the deployment lacks (refused)
         if self.spool.pending_batches:
             log.info("found %d spooled telemetry batches in %s; replaying them first",
@@ -176,8 +190,9 @@ class TelemetryShipper:
 
     @property
     def spooled_batches(self) -> int:
-        """Batches on disk waiting for the control plane (what a heartbeat reports)."""
-        return self.spool.pending_batches
+        """Batches on disk waiting for the control plane, set-aside ones included (what a
+        heartbeat reports)."""
+        return self.spool.pending_batches + len(self.spool.aside)
 
     @property
     def dropped_records(self) -> int:
@@ -192,6 +207,7 @@ class TelemetryShipper:
         return {**self.counters, "dropped_queue_records": self.dropped_queue_records,
                 "dropped_records": self.dropped_records, "queue_depth": len(self._queue),
                 "spool_pending_batches": self.spool.pending_batches,
+                "spool_aside_batches": len(self.spool.aside),
                 "spool_bytes": self.spool.total_bytes, "online": int(self.online)}
 
     def start(self) -> TelemetryShipper:
@@ -248,6 +264,7 @@ class TelemetryShipper:
                 self._drain(force=bool(flushes))
                 self._ship_aggregates(force=bool(flushes))
                 self._replay()
+                self._retry_aside()
             except Exception:  # a disk or encoding fault must not stop shipping for good
                 log.exception("telemetry shipper error; retrying")
                 self._mark_offline(None)
@@ -404,11 +421,55 @@ class TelemetryShipper:
                     break
             if left:
                 self._head_parts = None if left == [head] else left
-                return
+                self._head_faults = self._head_faults + 1 if self._faulted else 0
+                if self._head_faults < self.set_aside_after:
+                    return
+                self._set_aside_head()
+                continue
             self._head_parts = None
+            self._head_faults = 0
             self.spool.pop()
             self.counters["replayed_batches"] += 1
             self._drain()  # records that came in meanwhile queue behind the spool
+
+    def _set_aside_head(self) -> None:
+        """The control plane answers, but with a server error for the head batch each time:
+        move it aside and go on with the next one at once."""
+        head = self.spool.peek()
+        path = self.spool.set_aside()
+        self._head_parts, self._head_faults = None, 0
+        self.counters["set_aside_batches"] += 1
+        self._probe_at = 0.0
+        log.error("the control plane fails on telemetry batch %s (seq %d, %d records) with a "
+                  "server error, %d replays in a row; set aside in %s and retried every %.0f s, "
+                  "so the batches after it go on", head.batch_id, head.seq, head.records,
+                  self.set_aside_after, path, self.aside_retry_s)
+
+    def _retry_aside(self) -> None:
+        """Once the spool has caught up, every `aside_retry_s`: try each set-aside batch once.
+        Delivered or refused for good (4xx), it is forgotten; a 413 or 415 sends it back to
+        the spool (whose replay splits or unbundles it); anything else keeps it for later."""
+        if not self.spool.aside or self.spool.pending_batches or not self.online \
+                or time.monotonic() < self._aside_due:
+            return
+        self._aside_due = time.monotonic() + self.aside_retry_s
+        for path in self.spool.aside:
+            if self._closing.is_set():
+                return
+            try:
+                batch = self.spool.read_aside(path)
+            except (OSError, ValueError) as error:
+                log.error("set-aside telemetry batch %s is unreadable (%s); leaving it", path,
+                          error)
+                continue
+            outcome, _ = self._post(batch)
+            if outcome in ("split", "unbundle"):
+                if not self.spool.append(batch):
+                    return  # the spool is full: it stays aside
+            elif outcome != "done":
+                return  # still failing, or the control plane away: next round
+            self.spool.drop_aside(path)
+            self.counters["recovered_aside_batches"] += 1
 
     def _deliver(self, batch: EncodedBatch, *, attempts: int) -> list[EncodedBatch]:
         """Send `batch` (splitting it on 413); returns what is still undelivered, in order."""
@@ -452,6 +513,7 @@ class TelemetryShipper:
 
     def _post(self, batch: EncodedBatch) -> tuple[str, float | None]:
         """One POST: 'done', 'split', 'auth' or 'retry' (with Retry-After seconds if given)."""
+        self._faulted = False
         try:
             response = self._http.post("/v1/telemetry", content=batch.body,
                                        headers={"Content-Type": batch.content_type})
@@ -483,6 +545,9 @@ class TelemetryShipper:
             return "auth", None
         if status in (408, 429) or status >= 500:
             self.counters["send_errors"] += 1
+            # 502/503/504: away or busy (a proxy's answers too); another 5xx: the control
+            # plane failed on this batch
+            self._faulted = status >= 500 and status not in (502, 503, 504)
             return "retry", retry.retry_after(response, self.backoff_max_s)
         detail = _json(response).get("detail") or response.text[:300]
         self._reject(batch, f"{status}: {detail}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -52,6 +53,19 @@ class Spool:
         self.max_seq = -1
         for path in sorted(self.directory.glob("*.seg")):
             self._recover(path)
+        # Batches set aside (a control plane that keeps failing on them while it takes the
+        # others): one file each, out of the replay order, retried now and then.
+        self.aside_directory = self.directory / "aside"
+        self._aside: dict[Path, int] = {}  # path: bytes
+        for path in sorted(self.aside_directory.glob("*.batch")):
+            try:
+                self.max_seq = max(self.max_seq, self.read_aside(path).seq)
+            except (OSError, ValueError) as error:
+                log.warning("set-aside telemetry batch %s is unreadable (%s); leaving it",
+                            path, error)
+                continue
+            self._aside[path] = path.stat().st_size
+            self.total_bytes += self._aside[path]
 
     def _recover(self, path: Path) -> None:
         """Index a segment left by an earlier process; cut it at the first torn record."""
@@ -87,8 +101,11 @@ class Spool:
             self._close_writer()
             # seq first (later processes only use higher seqs), then a per-process counter:
             # the halves of a split batch share its seq and may straddle two segments.
-            name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
-            self._segments_made += 1
+            while True:  # a batch put back from aside may carry an old seq: never reuse a file
+                name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
+                self._segments_made += 1
+                if not (self.directory / name).exists():
+                    break
             tail = _Segment(self.directory / name, 0, 0)
             self._writer = open(tail.path, "ab")  # noqa: SIM115 - held open across appends
             self._segments.append(tail)
@@ -129,6 +146,41 @@ class Spool:
             self._segments.popleft()
             head.path.unlink(missing_ok=True)
             self.total_bytes -= head.size
+
+    def set_aside(self) -> Path | None:
+        """Move the head batch out of the replay order into a file of its own (written and
+        synced before it leaves the segment: a crash in between leaves it in both, and its
+        batch id makes the second delivery a replay). Returns the file."""
+        head = self.peek()
+        if head is None:
+            return None
+        payload = head.pack()
+        safe_id = re.sub(r"[^A-Za-z0-9_-]", "_", head.batch_id)[:80]
+        path = self.aside_directory / f"{head.seq:020d}-{safe_id}.batch"
+        atomic_write(path, _HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        self.pop()
+        self._aside[path] = path.stat().st_size
+        self.total_bytes += self._aside[path]
+        return path
+
+    @property
+    def aside(self) -> list[Path]:
+        """The set-aside batches' files, oldest seq first."""
+        return sorted(self._aside)
+
+    @staticmethod
+    def read_aside(path: Path) -> EncodedBatch:
+        data = path.read_bytes()
+        length, crc = _HEADER.unpack_from(data)
+        payload = data[_HEADER.size:_HEADER.size + length]
+        if len(payload) != length or zlib.crc32(payload) != crc:
+            raise ValueError("torn or corrupt")
+        return EncodedBatch.unpack(payload)
+
+    def drop_aside(self, path: Path) -> None:
+        """Forget a set-aside batch (delivered, rejected or back in the spool)."""
+        path.unlink(missing_ok=True)
+        self.total_bytes -= self._aside.pop(path, 0)
 
     def _close_writer(self) -> None:
         if self._writer is not None:

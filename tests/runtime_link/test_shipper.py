@@ -283,3 +283,83 @@ def test_the_spool_keeps_whole_batches_after_a_torn_write(tmp_path):
         reopened.pop()
     assert seen == ["batch0000", "batch0001", "batch0002"]
     assert list(tmp_path.glob("*.seg")) == []
+
+
+def _poison_first_batch(monkeypatch, error: Exception) -> list[str]:
+    """Make the control plane fail with `error` on the first batch it is sent, every time it
+    is sent again (a bug one batch trips); returns that batch's id once seen."""
+    from controlplane.telemetry import service
+
+    real, poisoned = service.ingest, []
+
+    def ingest(*, session, deployment, batches, **kwargs):
+        poisoned[:] = poisoned or [batches[0].batch_id]
+        if any(batch.batch_id in poisoned for batch in batches):
+            raise error
+        return real(session=session, deployment=deployment, batches=batches, **kwargs)
+
+    monkeypatch.setattr(service, "ingest", ingest)
+    return poisoned
+
+
+@sqlite_only
+def test_a_batch_the_server_keeps_failing_on_is_set_aside_and_retried_later(
+        control_plane, operator, runtime_token, tmp_path, monkeypatch, caplog):
+    """A 500 on the spool's head, replay after replay, while the control plane takes other
+    batches: the head goes aside (on disk, counted as spooled) and the batches behind it
+    are delivered; once the control plane is fixed the set-aside batch is delivered too,
+    after a restart of the runtime as well."""
+    spool_dir = tmp_path / "spool"
+    poisoned = _poison_first_batch(monkeypatch, KeyError("a bug this batch trips"))
+    shipper = _shipper(control_plane.url, runtime_token, spool_dir, set_aside_after=3,
+                       aside_retry_s=0.5).start()
+    with caplog.at_level(logging.ERROR, logger="exitplane.client.shipper"):
+        for record in _records(150):  # three batches of 50; the first trips the bug
+            shipper.submit(record)
+        assert shipper.flush(20)
+        wait_until(lambda: shipper.counters["sent_records"] == 100, timeout=30,
+                   message="the two batches behind the poisoned one")
+    assert shipper.counters["set_aside_batches"] == 1
+    [aside] = (spool_dir / "aside").glob("*.batch")
+    assert poisoned[0] in aside.name
+    assert shipper.spooled_batches == 1 and shipper.spool.pending_batches == 0
+    assert shipper.dropped_records == 0 and shipper.counters["rejected_batches"] == 0
+    assert "set aside" in caplog.text
+    wait_until(lambda: shipper.counters["send_errors"] >= 2 + 3 + 1, timeout=10,
+               message="a retry of the set-aside batch while the bug is there")
+    assert aside.exists() and _counts(operator)["records"] == 100
+    assert shipper.close(10)
+
+    # Restarted, the runtime still holds it; fixed, the control plane takes it.
+    monkeypatch.undo()
+    again = _shipper(control_plane.url, runtime_token, spool_dir, aside_retry_s=0.2)
+    assert again.spooled_batches == 1
+    again.start()
+    wait_until(lambda: again.spooled_batches == 0, timeout=20, message="the set-aside batch")
+    assert again.counters["recovered_aside_batches"] == 1
+    assert _counts(operator) == {"records": 150, "batches": 3, "shadow_samples": 0}
+    assert list((spool_dir / "aside").glob("*.batch")) == []
+    assert again.spool.total_bytes == 0
+    assert again.close(10)
+
+
+@sqlite_only
+def test_a_control_plane_that_is_away_never_sets_a_batch_aside(
+        control_plane, operator, runtime_token, tmp_path, monkeypatch):
+    """503 (the store away) on every replay is an outage, not a bad batch: the spool keeps
+    its order and nothing goes aside."""
+    from sqlalchemy.exc import OperationalError
+
+    _poison_first_batch(monkeypatch, OperationalError("INSERT", {}, Exception("server closed")))
+    shipper = _shipper(control_plane.url, runtime_token, tmp_path / "spool",
+                       set_aside_after=2).start()
+    for record in _records(100):
+        shipper.submit(record)
+    assert shipper.flush(20)
+    wait_until(lambda: shipper.counters["send_errors"] >= 2 + 4, timeout=20,
+               message="replays answered 503")
+    assert shipper.counters["set_aside_batches"] == 0 and shipper.spool.pending_batches == 2
+    assert _counts(operator)["records"] == 0  # the second batch stays behind the first
+    monkeypatch.undo()
+    assert shipper.wait_replayed(30)
+    assert _counts(operator)["records"] == 100 and shipper.close(10)

@@ -173,6 +173,44 @@ def test_a_batch_that_fails_alone_is_dead_lettered_when_others_store(queue, engi
     assert away.returncode == 2 and away.stderr.count("\n") == 1  # one line, no trace
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_dead_letter_is_written_once_when_redis_drops_while_it_is_written(
+        queue, engine, monkeypatch):
+    """The dead letter and the acknowledgement are one MULTI: Redis lost at that moment
+    leaves the entry pending with no dead letter; read again, it is dead-lettered once."""
+    post, client, worker = queue
+    bad = _aggregate(QUIET, 6, 0)
+    _failing(monkeypatch, KeyError("a bug only this batch triggers"),
+             lambda batches: any(batch.batch_id == bad["batch_id"] for batch in batches))
+    for payload in (_aggregate(QUIET, 1, 1), bad):
+        post(payload)
+    real_execute = redis.client.Pipeline.execute
+    calls = []
+
+    def execute(pipe, *args, **kwargs):
+        names = [command[0][0] for command in pipe.command_stack]
+        if "XACK" in names and not calls:  # the first acknowledging write is lost
+            calls.append(names)
+            pipe.reset()
+            raise redis.ConnectionError("Connection closed by server.")
+        return real_execute(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    with pytest.raises(redis.ConnectionError):
+        worker.run_once()
+    assert calls == [["XADD", "XACK"]]  # the dead letter and its acknowledgement, together
+    assert _dead_letters(client) == []
+    assert client.xpending(stream.stream_key("mix"), stream.GROUP)["pending"] == 2
+
+    while worker.run_once():
+        pass
+    [dead] = _dead_letters(client)
+    assert msgpack.unpackb(dead[b"aggregate"])["batch_id"] == bad["batch_id"]
+    assert _tokens(engine, QUIET) == 2  # the good batch is stored once (its replay a duplicate)
+    assert client.xpending(stream.stream_key("mix"), stream.GROUP)["pending"] == 0
+
+
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(Path(sys.executable).parent / "exitplane"), *args], env=env,
                           capture_output=True, text=True, timeout=120)
