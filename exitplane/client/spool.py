@@ -121,14 +121,17 @@ class Spool:
         return True
 
     def peek(self) -> EncodedBatch | None:
-        """The oldest batch not yet replayed."""
-        if self._head is None and self._segments:
+        """The oldest batch not yet replayed (one already set aside is skipped: a restart
+        reads a segment from its start again)."""
+        while self._head is None and self._segments:
             head = self._segments[0]
             with open(head.path, "rb") as handle:
                 handle.seek(head.read_offset)
                 length, _crc = _HEADER.unpack(handle.read(_HEADER.size))
                 self._head = EncodedBatch.unpack(handle.read(length))
             self._head_size = _HEADER.size + length
+            if self._aside and self._aside_path(self._head) in self._aside:
+                self.pop()
         return self._head
 
     def pop(self) -> None:
@@ -155,13 +158,17 @@ class Spool:
         if head is None:
             return None
         payload = head.pack()
-        safe_id = re.sub(r"[^A-Za-z0-9_-]", "_", head.batch_id)[:80]
-        path = self.aside_directory / f"{head.seq:020d}-{safe_id}.batch"
+        path = self._aside_path(head)
         atomic_write(path, _HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
         self.pop()
-        self._aside[path] = path.stat().st_size
-        self.total_bytes += self._aside[path]
+        size = path.stat().st_size  # the same file again after a crash: counted once
+        self.total_bytes += size - self._aside.get(path, 0)
+        self._aside[path] = size
         return path
+
+    def _aside_path(self, batch: EncodedBatch) -> Path:
+        safe_id = re.sub(r"[^A-Za-z0-9_-]", "_", batch.batch_id)[:80]
+        return self.aside_directory / f"{batch.seq:020d}-{safe_id}.batch"
 
     @property
     def aside(self) -> list[Path]:
@@ -171,6 +178,8 @@ class Spool:
     @staticmethod
     def read_aside(path: Path) -> EncodedBatch:
         data = path.read_bytes()
+        if len(data) < _HEADER.size:
+            raise ValueError("torn or corrupt")
         length, crc = _HEADER.unpack_from(data)
         payload = data[_HEADER.size:_HEADER.size + length]
         if len(payload) != length or zlib.crc32(payload) != crc:

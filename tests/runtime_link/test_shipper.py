@@ -363,3 +363,40 @@ def test_a_control_plane_that_is_away_never_sets_a_batch_aside(
     monkeypatch.undo()
     assert shipper.wait_replayed(30)
     assert _counts(operator)["records"] == 100 and shipper.close(10)
+
+
+def test_a_set_aside_batch_leaves_the_replay_order_and_survives_a_restart(tmp_path):
+    def batch(seq: int) -> EncodedBatch:
+        return EncodedBatch(f"batch{seq:04d}", seq, 1, "application/msgpack", b"x" * 100)
+
+    spool = Spool(tmp_path / "a", max_bytes=1 << 20, segment_bytes=1 << 20)
+    for seq in range(3):
+        assert spool.append(batch(seq))
+    shutil.copytree(tmp_path / "a", tmp_path / "crashed")  # before the head was set aside
+    path = spool.set_aside()
+    assert path.parent == tmp_path / "a" / "aside" and "batch0000" in path.name
+    assert spool.peek().batch_id == "batch0001" and spool.pending_batches == 2
+    spool.close()
+    # The crashed copy: the file was written, the batch had not left its segment yet.
+    (tmp_path / "crashed" / "aside").mkdir()
+    shutil.copy(path, tmp_path / "crashed" / "aside" / path.name)
+    (tmp_path / "crashed" / "aside" / "torn.batch").write_bytes(b"\x00\x00")
+
+    reopened = Spool(tmp_path / "a", max_bytes=1 << 20, segment_bytes=1 << 20)
+    assert reopened.aside == [path] and reopened.max_seq == 2
+    # A restart reads the segment from its start: the set-aside batch is skipped there.
+    assert reopened.peek().batch_id == "batch0001" and reopened.pending_batches == 2
+    assert Spool.read_aside(path).batch_id == "batch0000"
+    reopened.drop_aside(path)
+    while reopened.peek() is not None:
+        reopened.pop()
+    assert reopened.total_bytes == 0 and not path.exists()
+    assert reopened.append(batch(0))  # a batch put back from aside: a segment file of its own
+    assert reopened.peek().batch_id == "batch0000"
+    assert len(list((tmp_path / "a").glob("*.seg"))) == 1
+
+    crashed = Spool(tmp_path / "crashed", max_bytes=1 << 20, segment_bytes=1 << 20)
+    [aside] = crashed.aside  # the torn file is left alone, not indexed
+    assert crashed.peek().batch_id == "batch0001" and crashed.pending_batches == 2
+    segment_bytes = sum(p.stat().st_size for p in (tmp_path / "crashed").glob("*.seg"))
+    assert crashed.total_bytes == segment_bytes + aside.stat().st_size
