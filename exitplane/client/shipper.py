@@ -192,7 +192,7 @@ class TelemetryShipper:
     def spooled_batches(self) -> int:
         """Batches on disk waiting for the control plane, set-aside ones included (what a
         heartbeat reports)."""
-        return self.spool.pending_batches + len(self.spool.aside)
+        return self.spool.pending_batches + self.spool.aside_count
 
     @property
     def dropped_records(self) -> int:
@@ -207,7 +207,7 @@ class TelemetryShipper:
         return {**self.counters, "dropped_queue_records": self.dropped_queue_records,
                 "dropped_records": self.dropped_records, "queue_depth": len(self._queue),
                 "spool_pending_batches": self.spool.pending_batches,
-                "spool_aside_batches": len(self.spool.aside),
+                "spool_aside_batches": self.spool.aside_count,
                 "spool_bytes": self.spool.total_bytes, "online": int(self.online)}
 
     def start(self) -> TelemetryShipper:
@@ -449,7 +449,7 @@ class TelemetryShipper:
         """Once the spool has caught up, every `aside_retry_s`: try each set-aside batch once.
         Delivered or refused for good (4xx), it is forgotten; a 413 or 415 sends it back to
         the spool (whose replay splits or unbundles it); anything else keeps it for later."""
-        if not self.spool.aside or self.spool.pending_batches or not self.online \
+        if not self.spool.aside_count or self.spool.pending_batches or not self.online \
                 or time.monotonic() < self._aside_due:
             return
         self._aside_due = time.monotonic() + self.aside_retry_s

@@ -172,8 +172,13 @@ class Spool:
 
     @property
     def aside(self) -> list[Path]:
-        """The set-aside batches' files, oldest seq first."""
+        """The set-aside batches' files, oldest seq first (the sender thread's view)."""
         return sorted(self._aside)
+
+    @property
+    def aside_count(self) -> int:
+        """How many batches are set aside (safe to read from any thread)."""
+        return len(self._aside)
 
     @staticmethod
     def read_aside(path: Path) -> EncodedBatch:
