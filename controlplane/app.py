@@ -16,8 +16,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DataError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from controlplane import collector, metrics, observability
 from controlplane.alerts.api import router as alerts_router
@@ -28,7 +26,13 @@ from controlplane.calibration import fallback
 from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
 from controlplane.coordination.limits import make_rate_limiters
-from controlplane.db import get_engine, session_factory
+from controlplane.db import (
+    get_engine,
+    out_of_range_errors,
+    session_factory,
+    store_away,
+    store_errors,
+)
 from controlplane.deps import PrincipalCache, token_reader
 from controlplane.errors import ERROR_SCHEMA, VALIDATION_ERROR, DomainError, Unauthorized
 from controlplane.keys import weak_secret_problem
@@ -132,23 +136,31 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         return JSONResponse(status_code=422, content={
             "detail": message, "errors": _jsonable(error.errors())})
 
-    @app.exception_handler(OverflowError)
-    @app.exception_handler(DataError)
     async def out_of_range(_request: Request, error: Exception) -> JSONResponse:
         # A value the schema allows but the store cannot hold (a number past 64 bits, a sum
         # past a counter's end, text too long for its column).
         return JSONResponse(status_code=422, content={
             "detail": "a value in the request cannot be stored: out of range or too long"})
 
-    @app.exception_handler(OperationalError)
-    @app.exception_handler(PoolTimeout)
-    async def store_unavailable(_request: Request, error: Exception) -> JSONResponse:
-        log.warning("store unavailable: %s", type(error).__name__)
-        return JSONResponse(status_code=503, headers={"Retry-After": "2"},
-                            content={"detail": "the store is unavailable; retry shortly"})
+    async def store_error(_request: Request, error: Exception) -> JSONResponse:
+        # The store away or busy (whichever layer raised it: a COPY runs on the driver's own
+        # connection) is 503, so runtimes retry and keep their order; anything else about
+        # the store is a fault of ours, 500.
+        if store_away(error):
+            log.warning("store unavailable: %s", type(error).__name__)
+            return JSONResponse(status_code=503, headers={"Retry-After": "2"},
+                                content={"detail": "the store is unavailable; retry shortly"})
+        log.error("store error", exc_info=error)
+        return JSONResponse(status_code=500, content={"detail": "internal error"})
 
-    @app.exception_handler(redis.ConnectionError)
-    @app.exception_handler(redis.TimeoutError)
+    for kind in store_errors():  # the most specific handler applies: DataError's is 422
+        app.add_exception_handler(kind, store_error)
+    for kind in out_of_range_errors():
+        app.add_exception_handler(kind, out_of_range)
+
+    # Redis refusing or away (a restart, a failover's READONLY, maxmemory): the queue is
+    # unavailable, never the batch's fault.
+    @app.exception_handler(redis.RedisError)
     async def queue_unavailable(_request: Request, error: Exception) -> JSONResponse:
         log.warning("telemetry queue unavailable: %s", type(error).__name__)
         return JSONResponse(status_code=503, headers={"Retry-After": "2"},

@@ -39,13 +39,29 @@ def store_away(error: BaseException) -> bool:
 def refused_by_store(error: BaseException) -> bool:
     """Whether the store refused the data itself (a value out of range or too long, a
     constraint): writing the same rows again fails the same way."""
-    return isinstance(error, (*_dbapi("DataError", "IntegrityError"), OverflowError))
+    return isinstance(error, (*out_of_range_errors(), *_dbapi("IntegrityError")))
+
+
+def out_of_range_errors() -> tuple[type[BaseException], ...]:
+    """The store refusing a value it cannot hold (a number past 64 bits, text too long for
+    its column): SQLAlchemy's DataError, the loaded drivers' own, and OverflowError."""
+    return (*_dbapi("DataError"), OverflowError)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """Every error class the store raises: SQLAlchemy's and the loaded drivers' own (call it
+    once the engine exists, so its driver is loaded). What `store_away` and
+    `refused_by_store` sort."""
+    return (sa_exc.DBAPIError, sa_exc.TimeoutError, *(driver.Error for driver in _drivers()))
 
 
 def _dbapi(*names: str) -> tuple[type[BaseException], ...]:
     """SQLAlchemy's exception classes of these DB-API names, and the loaded drivers' own."""
-    drivers = [sys.modules[name] for name in ("psycopg", "sqlite3") if name in sys.modules]
-    return tuple(getattr(module, name) for name in names for module in (sa_exc, *drivers))
+    return tuple(getattr(module, name) for name in names for module in (sa_exc, *_drivers()))
+
+
+def _drivers() -> list:
+    return [sys.modules[name] for name in ("psycopg", "sqlite3") if name in sys.modules]
 
 
 def utcnow() -> datetime:

@@ -9,6 +9,7 @@ for more tokens than a batch may, so no single batch can overflow a sum."""
 
 import os
 import random
+import sqlite3
 import subprocess
 import sys
 import time
@@ -17,10 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import msgpack
+import psycopg
 import pytest
 import redis
 from sqlalchemy import func, select
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
@@ -342,3 +345,38 @@ def test_store_errors_are_told_apart_whichever_layer_raises_them():
     assert all(store_away(error) and not refused_by_store(error) for error in away)
     assert all(refused_by_store(error) and not store_away(error) for error in refused)
     assert not store_away(KeyError("bug")) and not refused_by_store(KeyError("bug"))
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize(("error", "status"), [
+    # the store away, whichever layer raised it (a COPY runs on the driver's connection)
+    (psycopg.OperationalError("server closed the connection unexpectedly"), 503),
+    (sqlite3.OperationalError("database is locked"), 503),
+    (PoolTimeout("QueuePool limit reached"), 503),
+    # Redis refusing writes (a failover's replica, maxmemory): the queue, not the batch
+    (redis.ResponseError("READONLY You can't write against a read only replica."), 503),
+    # a value the store cannot hold, from the driver itself
+    (psycopg.errors.NumericValueOutOfRange("integer out of range"), 422),
+    # a fault of ours: 500, which a runtime's shipper sets aside if it persists
+    (IntegrityError("INSERT", {}, Exception("violates a constraint")), 500),
+], ids=["psycopg-away", "sqlite-locked", "pool-timeout", "redis-readonly", "psycopg-range",
+        "integrity"])
+def test_the_api_tells_an_outage_from_a_bad_batch_and_from_a_fault(client, tokens, engine,
+                                                                    monkeypatch, error, status):
+    """A runtime retries a 503 in order, drops a 422 and sets aside a 500 that persists: the
+    answer must say which it is, whichever layer raised the store's or Redis's error."""
+    from controlplane.telemetry import service
+
+    headers = _deploy(client, tokens, engine)
+
+    def ingest(**_kwargs):
+        raise error
+
+    monkeypatch.setattr(service, "ingest", ingest)
+    answer = _post(client, headers, _aggregate(QUIET, 1, 1), AGGREGATE_MSGPACK)
+    assert answer.status_code == status, answer.text
+    if status == 503:
+        assert answer.headers["retry-after"] == "2"
+        assert "unavailable" in answer.json()["detail"]
+    elif status == 500:
+        assert answer.json() == {"detail": "internal error"}
