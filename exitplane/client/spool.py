@@ -53,6 +53,9 @@ class Spool:
         self.max_seq = -1
         for path in sorted(self.directory.glob("*.seg")):
             self._recover(path)
+        for mark in self.directory.glob("*.read"):  # its segment gone: it must not outlive it
+            if not mark.with_suffix(".seg").exists():
+                mark.unlink()
         # Batches set aside (a control plane that keeps failing on them while it takes the
         # others): one file each, out of the replay order, retried now and then.
         self.aside_directory = self.directory / "aside"
@@ -68,9 +71,12 @@ class Spool:
             self.total_bytes += self._aside[path]
 
     def _recover(self, path: Path) -> None:
-        """Index a segment left by an earlier process; cut it at the first torn record."""
+        """Index a segment left by an earlier process; cut it at the first torn record, and
+        start where a clean shutdown left off (its `.read` file; after a crash, from the
+        start: the batches delivered since come again, as replays)."""
         data = path.read_bytes()
         offset = count = 0
+        boundaries = {0: 0}  # record start: records before it
         while offset + _HEADER.size <= len(data):
             length, crc = _HEADER.unpack_from(data, offset)
             payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
@@ -79,14 +85,18 @@ class Spool:
             self.max_seq = max(self.max_seq, EncodedBatch.unpack(payload).seq)
             offset += _HEADER.size + length
             count += 1
+            boundaries[offset] = count
         if offset != len(data):
             log.warning("spool segment %s has a torn record at byte %d (a crash while "
                         "writing); keeping the %d whole batches before it", path, offset, count)
             os.truncate(path, offset)
+        read_offset = _read_mark(_mark(path), boundaries)
+        count -= boundaries[read_offset]
         if count == 0:
+            _mark(path).unlink(missing_ok=True)
             path.unlink()
             return
-        self._segments.append(_Segment(path, offset, count))
+        self._segments.append(_Segment(path, offset, count, read_offset))
         self.pending_batches += count
         self.total_bytes += offset
 
@@ -104,7 +114,8 @@ class Spool:
             while True:  # a batch put back from aside may carry an old seq: never reuse a file
                 name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
                 self._segments_made += 1
-                if not (self.directory / name).exists():
+                if not (self.directory / name).exists() \
+                        and not _mark(self.directory / name).exists():
                     break
             tail = _Segment(self.directory / name, 0, 0)
             self._writer = open(tail.path, "ab")  # noqa: SIM115 - held open across appends
@@ -147,6 +158,7 @@ class Spool:
             if len(self._segments) == 1:
                 self._close_writer()
             self._segments.popleft()
+            _mark(head.path).unlink(missing_ok=True)  # first: never a note without its file
             head.path.unlink(missing_ok=True)
             self.total_bytes -= head.size
 
@@ -202,8 +214,27 @@ class Spool:
             self._writer = None
 
     def close(self) -> None:
-        """Close the open segment; what was appended is already on disk."""
+        """Close the open segment (what was appended is already on disk) and note how far
+        the oldest segment was replayed, so a restart does not send those batches again."""
         self._close_writer()
+        if self._segments and self._segments[0].read_offset:
+            head = self._segments[0]
+            atomic_write(_mark(head.path), str(head.read_offset).encode())
+
+
+def _mark(segment: Path) -> Path:
+    """The file that says how far `segment` was replayed when its process stopped."""
+    return segment.with_suffix(".read")
+
+
+def _read_mark(mark: Path, boundaries: dict[int, int]) -> int:
+    """The offset `mark` holds if it is the start of a whole record of the segment, else 0
+    (missing, unreadable or torn: replay from the start, as replays are harmless)."""
+    try:
+        offset = int(mark.read_text())
+    except (OSError, ValueError):
+        return 0
+    return offset if offset in boundaries else 0
 
 
 class SeqCounter:

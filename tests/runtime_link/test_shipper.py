@@ -384,7 +384,8 @@ def test_a_set_aside_batch_leaves_the_replay_order_and_survives_a_restart(tmp_pa
 
     reopened = Spool(tmp_path / "a", max_bytes=1 << 20, segment_bytes=1 << 20)
     assert reopened.aside == [path] and reopened.max_seq == 2
-    # A restart reads the segment from its start: the set-aside batch is skipped there.
+    # The clean close noted how far the segment was replayed (the crashed copy below, read
+    # from the segment's start, skips the set-aside batch instead).
     assert reopened.peek().batch_id == "batch0001" and reopened.pending_batches == 2
     assert Spool.read_aside(path).batch_id == "batch0000"
     reopened.drop_aside(path)
@@ -400,3 +401,43 @@ def test_a_set_aside_batch_leaves_the_replay_order_and_survives_a_restart(tmp_pa
     assert crashed.peek().batch_id == "batch0001" and crashed.pending_batches == 2
     segment_bytes = sum(p.stat().st_size for p in (tmp_path / "crashed").glob("*.seg"))
     assert crashed.total_bytes == segment_bytes + aside.stat().st_size
+
+
+def test_a_restart_after_a_clean_close_does_not_send_replayed_batches_again(tmp_path):
+    def batch(seq: int) -> EncodedBatch:
+        return EncodedBatch(f"batch{seq:04d}", seq, 1, "application/msgpack", b"x" * 100)
+
+    def reopen() -> Spool:
+        return Spool(tmp_path / "s", max_bytes=1 << 20, segment_bytes=1 << 20)
+
+    spool = reopen()
+    for seq in range(4):
+        assert spool.append(batch(seq))
+    spool.pop()
+    spool.pop()
+    shutil.copytree(tmp_path / "s", tmp_path / "crashed")  # a crash: no note of the offset
+    spool.close()
+    again = reopen()
+    assert again.peek().batch_id == "batch0002" and again.pending_batches == 2
+    crashed = Spool(tmp_path / "crashed", max_bytes=1 << 20, segment_bytes=1 << 20)
+    assert crashed.peek().batch_id == "batch0000" and crashed.pending_batches == 4
+
+    # A note that is not the start of a record (damaged) is ignored: from the start.
+    [mark] = (tmp_path / "s").glob("*.read")
+    mark.write_text("17")
+    assert reopen().pending_batches == 4
+    mark.write_text("not a number")
+    assert reopen().pending_batches == 4
+
+    # A note whose segment is gone (a crash between the two deletions) is removed, so a
+    # later segment of the same name cannot inherit it.
+    (tmp_path / "s" / "00000000000000000009-00000000.read").write_text("0")
+    reopen()
+    assert not (tmp_path / "s" / "00000000000000000009-00000000.read").exists()
+
+    # Replayed to the end, the segment and its note go.
+    again = reopen()
+    while again.peek() is not None:
+        again.pop()
+    again.close()
+    assert list((tmp_path / "s").iterdir()) == []
