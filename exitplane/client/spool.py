@@ -77,13 +77,9 @@ class Spool:
         data = path.read_bytes()
         offset = count = 0
         boundaries = {0: 0}  # record start: records before it
-        while offset + _HEADER.size <= len(data):
-            length, crc = _HEADER.unpack_from(data, offset)
-            payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
-            if len(payload) != length or zlib.crc32(payload) != crc:
-                break
-            self.max_seq = max(self.max_seq, EncodedBatch.unpack(payload).seq)
-            offset += _HEADER.size + length
+        while (record := _unframe(data, offset)) is not None:
+            batch, offset = record
+            self.max_seq = max(self.max_seq, batch.seq)
             count += 1
             boundaries[offset] = count
         if offset != len(data):
@@ -102,8 +98,7 @@ class Spool:
 
     def append(self, batch: EncodedBatch) -> bool:
         """Persist `batch` at the tail; False (nothing written) when the cap would be passed."""
-        payload = batch.pack()
-        record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        record = _frame(batch)
         if self.total_bytes + len(record) > self.max_bytes:
             return False
         tail = self._segments[-1] if self._segments else None
@@ -114,8 +109,7 @@ class Spool:
             while True:  # a batch put back from aside may carry an old seq: never reuse a file
                 name = f"{batch.seq:020d}-{self._segments_made:08d}.seg"
                 self._segments_made += 1
-                if not (self.directory / name).exists() \
-                        and not _mark(self.directory / name).exists():
+                if not (self.directory / name).exists():
                     break
             tail = _Segment(self.directory / name, 0, 0)
             self._writer = open(tail.path, "ab")  # noqa: SIM115 - held open across appends
@@ -169,13 +163,11 @@ class Spool:
         head = self.peek()
         if head is None:
             return None
-        payload = head.pack()
-        path = self._aside_path(head)
-        atomic_write(path, _HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        path = self._aside_path(head)  # never one already aside: `peek` skips those
+        atomic_write(path, _frame(head))
         self.pop()
-        size = path.stat().st_size  # the same file again after a crash: counted once
-        self.total_bytes += size - self._aside.get(path, 0)
-        self._aside[path] = size
+        self._aside[path] = path.stat().st_size
+        self.total_bytes += self._aside[path]
         return path
 
     def _aside_path(self, batch: EncodedBatch) -> Path:
@@ -194,14 +186,10 @@ class Spool:
 
     @staticmethod
     def read_aside(path: Path) -> EncodedBatch:
-        data = path.read_bytes()
-        if len(data) < _HEADER.size:
+        record = _unframe(path.read_bytes(), 0)
+        if record is None:
             raise ValueError("torn or corrupt")
-        length, crc = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size:_HEADER.size + length]
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            raise ValueError("torn or corrupt")
-        return EncodedBatch.unpack(payload)
+        return record[0]
 
     def drop_aside(self, path: Path) -> None:
         """Forget a set-aside batch (delivered, rejected or back in the spool)."""
@@ -220,6 +208,25 @@ class Spool:
         if self._segments and self._segments[0].read_offset:
             head = self._segments[0]
             atomic_write(_mark(head.path), str(head.read_offset).encode())
+
+
+def _frame(batch: EncodedBatch) -> bytes:
+    """A batch as it sits on disk: length, crc32, then the packed batch."""
+    payload = batch.pack()
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _unframe(data: bytes, offset: int) -> tuple[EncodedBatch, int] | None:
+    """The whole record at `offset` and where the next one starts; None when none is there
+    or it is torn (short, or its checksum does not match)."""
+    if offset + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, offset)
+    start = offset + _HEADER.size
+    payload = data[start:start + length]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        return None
+    return EncodedBatch.unpack(payload), start + length
 
 
 def _mark(segment: Path) -> Path:
