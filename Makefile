@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast lint services services-stop bench clean
+.PHONY: demo test test-fast test-matrix docs lint services services-stop bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +27,19 @@ services-stop:
 test: $(STAMP) services
 	$(VENV)/bin/ruff check .
 	$(PY) -m scripts.import_graph
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir var/site
 	. var/services/env && $(VENV)/bin/pytest $(PYTEST_ARGS)
+	. var/services/env && scripts/test_matrix.sh $(MATRIX_PYTHONS)
+
+# The torch-free tests (wire, vectors, client, OpenAPI, control-plane units) on Python 3.12 and
+# 3.13, each in a virtual environment of its own under var/matrix/ (scripts/test_matrix.sh).
+MATRIX_PYTHONS ?= 3.12 3.13
+test-matrix: services
+	. var/services/env && scripts/test_matrix.sh $(MATRIX_PYTHONS)
+
+# The documentation site (mkdocs.yml, docs/) into var/site; `.venv/bin/mkdocs serve` serves it live.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir var/site
 
 # Everything but the tests marked slow (processes, the real model, seconds of work): the
 # quick loop, spread over the cores by pytest-xdist (FAST_WORKERS=0 runs it in one process).

@@ -1,5 +1,5 @@
 """Which drift can the segments story (`exitplane demo --story segments`) close on? Offline, on
-the real model's shadow records (issue 18 point 5).
+the real model's shadow records.
 
 (`-P`: bench/runtime.py must not shadow the `runtime` package.)
 

@@ -1,5 +1,5 @@
 """Drift alerts on real telemetry: real per-token records of the real model, replayed through the
-real detectors (issue 17).
+real detectors.
 
 (`-P`: bench/runtime.py must not shadow the `runtime` package.)
 
@@ -45,14 +45,14 @@ end of production traffic, with 90 shadow tokens/s at the default shadow rate 0.
 tokens/s gives 15 shadow tokens/s: run `--shadow-rate 0.05` for the thin end). The 6 tokens/s
 of the issue's first try was one person's test on a CPU box, not a deployment. Detection time
 depends on it: the detectors need a given number of requests' worth of evidence, so run
-`--token-rate 30 / 100 / 1000` for the curve (README, issue 17 figures).
+`--token-rate 30 / 100 / 1000` for the curve (docs/benchmarks.md).
 
-What limits detection (measured, issue 17): (1) the token rate: a switch that moves
+What limits detection (measured): (1) the token rate: a switch that moves
 disagreement a little above δ (chat -> code: 6.5% vs 5%) needs a few thousand effective shadow
 tokens at the per-look level, about a minute of traffic at 300 tokens/s and more than twenty
 at 30; (2) the window: a single 10-minute quality window dilutes a new shift with the old
-traffic (after t seconds only t/600 of it is new), which made the first session's median
-735 s, so the quality test now also looks at the last 1 and 3 minutes (their looks share one
+traffic (after t seconds only t/600 of it is new: a median of 735 s with that window
+alone), so the quality test also looks at the last 1 and 3 minutes (their looks share one
 hourly false-alarm budget: `controlplane.drift.window_checks`); (3) the cadence: detection is
 quantised to the 30 s check; exit-rate moves above the minimum effect are found at the first
 check from 300 tokens/s; (4) the design effect costs little here (1.6-1.7 for disagreement,

@@ -1,4 +1,4 @@
-"""Fleet benchmark (issue 14.5): N simulated runtimes against the production topology.
+"""Fleet benchmark: N simulated runtimes against the production topology.
 
 Topology, all real processes: two API processes (`exitplane up --no-workers`, ports A and B),
 the ingest worker (`exitplane ingest`), a Celery worker and beat, PostgreSQL (a database of
@@ -1194,11 +1194,11 @@ def main() -> int:
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--probe-pulls", type=int, default=2000,
                         help="non-waiting pulls per stage's probe (one each ~22 ms, within the "
-                             "stage); p99 is the 1%% slowest (500 before the eleventh session)")
+                             "stage); p99 is the 1%% slowest")
     parser.add_argument("--ingest-nice", type=int, default=None,
                         help="the ingest worker's EXITPLANE_INGEST_NICE (default: the "
-                             "product's, 10; 0 keeps the default priority, as runs before the "
-                             "eleventh session had it); the API processes, Celery and "
+                             "product's, 10; 0 keeps the default priority); the API processes, "
+                             "Celery and "
                              "PostgreSQL stay at the default priority")
     parser.add_argument("--harness-nice", type=int, default=0,
                         help="nice value of the simulated fleet's process (the control plane "

@@ -1,13 +1,13 @@
 """Ingestion's column path on its own: `parse_batch` + `tables_of` (rows, rollup and histogram
 increments) over a 10k-record batch shaped like bench/ingest.py's, unsegmented and with four
 segments, and `aggregate_tables` over the aggregate batch of the same tokens. No store, no
-HTTP: the CPU cost ingestion adds per record, which issue 18 must not raise.
+HTTP: the CPU cost ingestion adds per record, which per-segment keys must not raise.
 
 With `--against REF` the same batches also go through tables.py and bulk.py as they are at git
 ref REF, interleaved call by call with today's (a shared machine's load hits both alike), and
 the ratios today / REF are printed.
 
-    .venv/bin/python bench/ingest_tables.py --records 10000 --repeats 100 --against cb0af04
+    .venv/bin/python bench/ingest_tables.py --records 10000 --repeats 100 --against main
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Propagation benchmark (issue 14.4/14.5): how long an alias move takes to reach N runtimes
+"""Propagation benchmark: how long an alias move takes to reach N runtimes
 that each hold a long-poll, split over two API processes sharing Redis (the move is made
 through API A; B hears it through Redis pub/sub).
 

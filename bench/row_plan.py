@@ -1,4 +1,4 @@
-"""Per-step cost of a decode step's row plan (issue 18): the per-segment threshold rows a
+"""Per-step cost of a decode step's row plan: the per-segment threshold rows a
 policy derives once (`RowPlan.build` gathers them) against deriving them at every step, as
 the engine did before (a map look-up, a served-layer set and two arrays per distinct segment,
 then np.stack over rows). Host-side only; the model is not loaded.

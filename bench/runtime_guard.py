@@ -1,4 +1,4 @@
-"""Runtime server hardening (issue #13 point 3), measured on the tiny model: how long a huge
+"""Runtime server hardening, measured on the tiny model: how long a huge
 prompt stalls the server's event loop, and what a long stop string costs per token.
 
     .venv/bin/python bench/runtime_guard.py                                  # this checkout

@@ -1,4 +1,4 @@
-"""Per-segment thresholds against one pooled set when the traffic mix moves (issue 18).
+"""Per-segment thresholds against one pooled set when the traffic mix moves.
 
 Real shadow samples of SmolLM2-135M-Instruct served by the runtime engine with every token
 shadowed at every exit layer, `chat` and `code`, produced once by bench/drift_real.py
@@ -29,103 +29,20 @@ served alone: its share of trials above δ), `serving_half_violation_rate` (its 
 request of its serving half, a closer reading of its true risk), which set each segment got,
 sample sizes. Every calibrator gets the mix's request ids (`--independent-tokens` hides them).
 
-Figures (2026-11-30, loaded 2-core box, 480 requests x 32 tokens per source, 100 trials,
-δ 0.05, ε 0.1; `--requests 480` plus the flags shown; the flags only name the calibrators'
-options, every set in a run uses the same ones; the rows before seg-power2's, where no share is
-shown, kept 0.1 of each ε/k for the pooled check: today's `--pooled-check-share 0.1`):
+How the calibrator spends a small segment's data: its own Learn-Then-Test runs per request at
+its share of ε (Šidák across the segments' own tests); a segment large enough for its own test
+keeps no pooled-check reserve (`--pooled-check-share` adds one) and gets never-exit when that
+test certifies nothing; a small segment's threshold path borrows the larger segments' tokens
+(`--own-path-only` draws it from its own). What limits the per-segment exit rate is the small
+segment's own test on few requests, so the ratio grows with calibration data.
 
-calibration (flags)                      violation: pooled  segment   exit: segment  recal.  ratio
-main at 129d16a (HB, isotonic, ε/2k each)             0.39     0.01            0.188   0.222  0.85x
-A --risk-test hoeffding-bentkus
-  --match-model isotonic --pooled-check-share 0.5     0.47     0.02            0.192   0.227  0.85x
-B --match-model isotonic --pooled-check-share 0.5     0.53     0.03            0.194   0.232  0.84x
-  (binomial test)
-C --match-model isotonic (+ own LTT at 0.9 ε/k)       0.53     0.04            0.201   0.232  0.87x
-D --risk-test hoeffding-bentkus
-  --pooled-check-share 0.5 (logistic path only)       0.75     0.05            0.216   0.240  0.90x
-E --independent-tokens (binomial, logistic path,
-  0.9 ε/k; main at 9de5f49, tokens as independent)    0.81     0.08            0.227   0.244  0.93x
-E tested per request (ltt-cluster)                    0.79     0.02            0.214   0.241  0.89x
-+ a small segment's path borrows the others'
-  tokens (seg-power; main before seg-power2)         0.79     0.01            0.215   0.241  0.89x
-defaults (seg-power2): no pooled-check reserve for
-  a segment large enough for its own LTT, ε split
-  by Šidák over the own LTTs (0.0513 each at k 2)    0.79     0.02           0.2165  0.2408  0.899x
-F as the defaults, own LTTs at ε/k (no Šidák;
-  `segments.own_test_level` patched, no flag)        0.79     0.02           0.2163  0.2408  0.898x
-G as the defaults + 256 path levels per layer
-  (`stats._path_levels`; 7e923fa, 64 kept)           0.84     0.02           0.2179  0.2423  0.899x
-
-(row A differs from main only by the path levels read off the fit, which every row but
-main's has). In row E the served code segment exits 0.233 (chat 0.203) and, per segment,
-served disagreement exceeds δ in 0.11 (code, 7,680 served tokens) and 0.13 (chat, 1,916 served
-tokens) of trials, above ε: the tests counted the tokens of a request as independent draws.
-With the request-level test (the defaults; `calibration.stats`, "the request-level test") code
-exits 0.218 and chat 0.198, and served alone each segment exceeds δ in 0.03 (code) and 0.09
-(chat) of trials; on every serving-half request of the segment (~7,680 tokens,
-`serving_half_violation_rate`) 0.03 and 0.06. The price is code's: its own LTT tests 34
-requests (1,088 tokens), whose design effect reads 1.1-1.6 at the chosen step, while the
-recalibrated pool tests 168; the exit ratio fell 0.93x -> 0.89x, under the 0.9x target by
-0.011 (0.91x on the first 30 trials alone: the ratio is noisy at this margin). At `--requests
-120` (row E): 0.45 / 0.06 / 0.203 vs 0.246 (0.83x).
-
-The borrowed path (2026-12-01, `calibration.segments`, "A small segment's path borrows"): code's
-path drawn from its own learn tokens shrunk towards a fit on every chat token (the test, its
-requests and level unchanged): code 0.218 -> 0.219, chat keeps its own path (0.198), segment
-0.2141 -> 0.2149 vs 0.2408 (0.889x -> 0.892x), served alone each segment exceeds δ in 0.02
-(code) and 0.09 (chat) of trials (serving half: 0.02 / 0.06); 168 s. Still under 0.9x: the path
-is not what limits code (on its serving half, at true risk 0.035 its own path's best step exits
-0.2166, a path fitted on its 240 serving requests themselves 0.2195, 15 trials); its test on 34
-requests at 0.9 ε/k is. Moving its learn requests into the test (learn share 0.15, 41 test
-requests) gave +0.005 on 30 trials but shrinks the reference on which the design effect is read
-(26 -> 19 requests), and the test then rejects a true null more often than its level (figures
-in `calibration.segments`); an ε split by 1 / sqrt(tokens) gave +0.002 more, zero-sum in
-favour of the bench's served segment. Neither adopted.
-
-seg-power2 (2026-12-01, `calibration.segments`, "How ε is split"): what was left of the gap was
-the level of code's own test. Dropping the pooled-check reserve of a segment large enough for its
-own LTT (decided by its token counts before any test; such a segment whose own LTT certifies
-nothing now gets never-exit: it had fallen back in 1 of 200 segment-trials) gives that test ε/k
-= 0.05 instead of 0.045 (row F: 0.2149 -> 0.2163); Šidák over the own tests, valid because the
-segments' requests are independent and a path borrows only from larger segments (the chain
-argument in the module docstring), gives 0.0513 (0.2163 -> 0.2165; code 0.219 -> 0.221, chat
-0.198 -> 0.199). 0.892x -> 0.899x: the 0.9x target is still missed, by 0.0002 of exit rate.
-Served alone each segment exceeds δ in 0.02 (code) and 0.09 (chat) of trials (serving half:
-0.02 / 0.09, it was 0.02 / 0.06: chat's test runs at a higher level now; row F reads the same
-0.09, so that is the reserve's level, not Šidák's); 173 s. Row G: finer path steps (the test's
-count moves only at a disagreeing token, so the chosen step falls short of the failing one by
-up to a step) raise every calibrator's exits, the recalibrated pool's as much as the segments',
-at 2.3x the calibration time (496 s for the bench): not adopted. Not tried, and why: the
-holdout share (20% of a segment's requests) is half of the reference the design effect is read
-on apart from the test (learn + holdout: 26 of code's 60 requests; the test is everything
-else), and it feeds the service's holdout gate; any request it gives the test leaves that
-reference, which is the learn-share idea above that failed at the null (26 -> 19 requests).
-
-Where the per-segment sets lost exits (measured): in the 80/20 mix code has 60 requests (1,920
-tokens) against the recalibrated pool's 300 (9,600); on main its own LTT held out 384 tokens,
-learnt its path on 461 and tested 1,075 at ε/2k = 0.025, the pool 1,920 / 2,304 / 5,376 at ε.
-The isotonic path drawn from 461 tokens was the largest cost (the logistic path: code 0.205 ->
-0.233 served exit rate), then the halved level (0.199 -> 0.208), then Bentkus' factor e. The
-check split does not shrink a segment's own LTT (it runs on all the segment's tokens; the
-check tokens are kept out of the pooled fallback set only). Tried and not adopted: no holdout
-inside a segment's LTT (+0.005 overall, but the service's per-segment holdout gate would go),
-an ε split weighted by 1/sqrt(tokens) (+0.004, but a later one-segment recalibration at ε/k
-could then overspend the joint ε).
-
-More calibration data (seg-data, 2026-12-01): the gap is the finite-sample price of the small
-segment's own test, so the records grew without touching the calibrator or these statistics.
-bench/drift_real.py's prompt lists now run past the module names and files (its docstring), to
-960 requests per source, served incrementally on top of the 480 cached (about 5 minutes per 240
-requests and source; the first 480 requests of the new files equal the 480 files exactly).
-Requests of one module (chat: past 549 names each is asked again) or one file (code: a second
-window), and files whose prompts are identical (the generated encodings/*.py: the first 480 code
-prompts hold 420 distinct ones, so the request split put copies of one request in both halves),
-are correlated: the records carry a `group` (chat 549, code 498 at 960; code 420 of the first
-480) and the halves are split by group (`split_halves`; files without one, the 120 and 480
-ones, by request as before). `--first-of 960` reads the first N requests of the 960 files with
-their groups. Defaults, 100 trials, δ 0.05, ε 0.1; "cl": `--cluster-by-group` (the calibrators
-get group ids as request ids); requests in the 80/20 calibration mix, chat / code, and in the
-recalibrated pool (all of code's calibration half, a quarter as many chat):
+The records carry a `group` (a module asked about again, a second window of one file, files
+whose prompts are identical) and the halves are split by group (`split_halves`; files without
+one, the 120 and 480 ones, by request). `--first-of 960` reads the first N requests of the 960
+files with their groups. Figures (2026-12-01, loaded 2-core box): defaults, 100 trials, δ 0.05,
+ε 0.1; "cl": `--cluster-by-group` (the calibrators get group ids as request ids); requests in
+the 80/20 calibration mix, chat / code, and in the recalibrated pool (all of code's calibration
+half, a quarter as many chat):
 
 requests    split seed  cal. mix  pool  violation: pooled seg.  recal.  exit: seg.  recal.  ratio
 120         req.  0    60 / 15   75                 0.44  0.02   0.13      0.1583  0.2355  0.672
@@ -165,8 +82,8 @@ ratio holds (0.934x, 0.918x). 170-230 s per run at 480, 300-380 s at 960 (loaded
     # 480 requests per source (records: bench/drift_real.py --records-only --requests 480,
     # about 20 minutes per source on a loaded 2-core box)
     .venv/bin/python -P bench/segments.py --requests 480
-    .venv/bin/python -P bench/segments.py --requests 480 --own-path-only  # before seg-power
-    .venv/bin/python -P bench/segments.py --requests 480 --pooled-check-share 0.1  # pre seg-power2
+    .venv/bin/python -P bench/segments.py --requests 480 --own-path-only  # no borrowed path
+    .venv/bin/python -P bench/segments.py --requests 480 --pooled-check-share 0.1  # a reserve
     # 960 requests per source (bench/drift_real.py --records-only --sources chat code
     # --requests 960: on top of the 480 files, ~10 minutes per source); the curve on one set
     .venv/bin/python -P bench/segments.py --requests 960 [--seed 1|2] [--cluster-by-group]

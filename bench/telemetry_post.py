@@ -1,4 +1,4 @@
-"""API CPU per telemetry POST (issue 14): the pure-ASGI fast path against the FastAPI route.
+"""API CPU per telemetry POST: the pure-ASGI fast path against the FastAPI route.
 
 At fleet scale the API's cost is per request, so this measures CPU-seconds of one API process
 per `POST /v1/telemetry`, as a fleet sends them: msgpack aggregate batches (4 cells, one

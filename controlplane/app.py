@@ -9,10 +9,12 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import redis
+import redis.asyncio
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -33,20 +35,22 @@ from controlplane.db import (
     store_away,
     store_errors,
 )
-from controlplane.deps import PrincipalCache, token_reader
+from controlplane.deps import PrincipalCache, ReadLimited, token_reader
 from controlplane.errors import ERROR_SCHEMA, VALIDATION_ERROR, DomainError, Unauthorized
 from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
+from controlplane.runtimes.outlier_api import router as outliers_router
 from controlplane.runtimes.beats import HeartbeatBuffer
 from controlplane.settings import Settings, get_settings
+from controlplane.telemetry.api import DecodeSlots
 from controlplane.telemetry.api import router as telemetry_router
-from controlplane.telemetry.fast_path import TelemetryFastPath
+from controlplane.telemetry.fast_path import TelemetryFastPath, reads_after_auth
 from controlplane.telemetry.service import ensure_partitions
 from controlplane.telemetry.targets import IngestTargets
 from controlplane.thresholds.api import router as thresholds_router
 from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
 from dashboards.app import mount_ui
-from exitplane import tracing
+from exitplane import __version__, tracing
 from exitplane.logs import access_log_enabled
 
 log = logging.getLogger("exitplane.api")
@@ -74,7 +78,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         app.state.config_delivery.close()
         await to_thread.run_sync(app.state.heartbeats.close)
 
-    app = FastAPI(title="exitplane control plane", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="exitplane control plane", version=__version__, lifespan=lifespan)
     app.openapi = _documenting_our_validation_errors(app.openapi)
     app.state.settings = settings
     app.state.engine = engine
@@ -93,7 +97,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.bus.subscribe("revocation", app.state.principal_cache.on_revocation)
     app.state.rate_limiters = make_rate_limiters(redis_url=settings.redis_url, rates={
         "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
-        "heartbeat": settings.rate_limit_heartbeat_per_s})
+        "heartbeat": settings.rate_limit_heartbeat_per_s, "read": settings.rate_limit_read_per_s})
     app.state.config_delivery = ConfigDelivery(
         factory, settings.config_cache_ttl_s, bus=app.state.bus,
         long_polls_per_token=settings.long_polls_per_token)
@@ -104,17 +108,24 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                                             socket_timeout=5)
                        if settings.redis_url else None)
 
-    if settings.telemetry_fast_path:  # inside the body gate: 413 and the body read stay its
+    # An asyncio client for what the event loop sends itself (the telemetry fast path).
+    app.state.redis_async = (redis.asyncio.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        if settings.redis_url else None)
+    app.state.telemetry_decodes = DecodeSlots(settings.telemetry_max_decodes)
+
+    if settings.telemetry_fast_path:  # inside the body gate: its limits stay the gate's
         app.add_middleware(TelemetryFastPath, threads=settings.telemetry_threads)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_control_body_bytes,
-                       routes={TELEMETRY_PATH: settings.max_body_bytes})
+                       routes={TELEMETRY_PATH: settings.max_body_bytes},
+                       read_after_auth=reads_after_auth)
     app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
                        principals=app.state.principal_cache, digest=digest,
                        limiter=app.state.rate_limiters["pull"],
                        long_poll_max_s=settings.long_poll_max_s,
                        route=next(route for route in thresholds_router.routes
                                   if route.path == "/v1/deployments/{name}/thresholds"))
-    # Outermost: request id, access log and duration cover every layer below (issue 15).
+    # Outermost: request id, access log and duration cover every layer below.
     observability.install(app, access_log=settings.access_log if settings.access_log is not None
                           else access_log_enabled(settings.environment))
 
@@ -179,7 +190,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "version": __version__}
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
@@ -196,13 +207,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                                 content={"status": "unavailable", "detail": type(error).__name__})
         return JSONResponse({"status": "ready"})
 
-    tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it (issue 15)
-    app.include_router(thresholds_router)
-    app.include_router(runtimes_router)
-    app.include_router(auth_router)
-    app.include_router(telemetry_router)
-    app.include_router(alerts_router)
-    app.include_router(calibration_router)
+    tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it
+    # Every GET of the API takes its cost from the caller's read bucket (controlplane/deps.py).
+    for router in (thresholds_router, runtimes_router, auth_router, telemetry_router,
+                   alerts_router, calibration_router, outliers_router):
+        app.include_router(router, dependencies=[ReadLimited])
     mount_ui(app)
     return app
 
@@ -228,6 +237,15 @@ def _prepare_store(factory) -> None:
 TELEMETRY_PATH = "/v1/telemetry"
 
 
+class BodyTooLarge(HTTPException):
+    """A body that passed its route's limit while the route read it (413; the rest is never
+    read, so the connection closes)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes for this route",
+                         headers={"Connection": "close"})
+
+
 class BodySizeLimit:
     """Refuse a request body over its route's limit with 413 before anything parses it (pure
     ASGI: no cost on the hot GET paths). Control routes get `max_bytes` (kilobytes: nothing
@@ -236,12 +254,18 @@ class BodySizeLimit:
 
     A declared Content-Length is refused at once. Otherwise the body is read here, counted
     chunk by chunk (chunked uploads declare no length), and handed to the app only once it is
-    complete and within the limit: no route, form parser or middleware sees a byte before."""
+    complete and within the limit: no route, form parser or middleware sees a byte before.
+    A path for which `read_after_auth(path)` holds (telemetry, heartbeats) is the exception:
+    its route checks the caller from the headers and only then reads the body, through a
+    channel that counts it and raises BodyTooLarge past the limit, so a caller without a valid
+    token, or past its rate, never has its body read."""
 
-    def __init__(self, app, max_bytes: int, routes: dict[str, int] | None = None) -> None:
+    def __init__(self, app, max_bytes: int, routes: dict[str, int] | None = None,
+                 read_after_auth: Callable[[str], bool] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.routes = routes or {}
+        self.read_after_auth = read_after_auth or (lambda _path: False)
 
     def limit_for(self, scope) -> int:
         path = scope["path"]
@@ -263,6 +287,9 @@ class BodySizeLimit:
                 await self._refuse(send, f"request body of {int(value)} bytes exceeds the "
                                          f"limit of {limit} bytes for this route")
                 return
+        if self.read_after_auth(scope["path"].removeprefix(scope.get("root_path", ""))):
+            await self.app(scope, _counted(receive, limit), send)
+            return
         chunks, received = [], 0
         while True:
             message = await receive()
@@ -298,6 +325,22 @@ class BodySizeLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _counted(receive, limit: int):
+    """`receive`, raising BodyTooLarge once the body it has handed on passes `limit` bytes."""
+    received = 0
+
+    async def counted():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return counted
 
 
 def _documenting_our_validation_errors(build: Callable[[], dict]) -> Callable[[], dict]:

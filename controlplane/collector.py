@@ -1,4 +1,4 @@
-"""The API process's garbage-collection policy (issue 14: the pull tail).
+"""The API process's garbage-collection policy (the pull tail at fleet load).
 
 CPython's collector stops every thread while it runs, and a full (generation 2) pass costs in
 proportion to everything the process holds. Measured at fleet load (bench/fleet.py, 1,000

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.service import Principal, active_principals, authenticate, digest
 from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter
-from controlplane.errors import RateLimited, Unauthorized
+from controlplane.errors import NotFound, RateLimited, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class PrincipalCache:
     the old principal back.
 
     A fleet's runtime sends a request every few seconds, further apart than `ttl`, so a cache
-    of single lookups missed on nearly every request (issue 14). A miss therefore first loads
+    of single lookups missed on nearly every request. A miss therefore first loads
     every active token in one read (`refresh`, at most once per `ttl`, one thread at a time);
     those entries follow the same rules: they expire `ttl` after that read began, and a
     revocation during it discards them.
@@ -162,14 +162,74 @@ class PrincipalCache:
 RateLimiter = LocalRateLimiter | RedisRateLimiter
 
 
+# Scope key: the kind of rate an ASGI layer below the router already took for this request
+# (the telemetry fast path hands a heartbeat it cannot parse on to the route).
+RATE_TAKEN = "exitplane.rate_taken"
+
+
 def rate_limited(kind: str):
     """A dependency that refuses a token's request with 429 + Retry-After past its rate."""
 
     async def dependency(request: Request, principal: Annotated[Principal, Depends(
             get_principal)]) -> None:
+        if request.scope.get(RATE_TAKEN) == kind:
+            return
         await check_rate(request.app.state, kind, principal)
 
     return Depends(dependency)
+
+
+# Reads take from the token's "read" bucket (EXITPLANE_RATE_LIMIT_READ_PER_S units a second)
+# by what they cost the store: a lookup by key takes one unit; a read that scans telemetry,
+# rollups, logs or history, or renders a report, takes HEAVY_READ_COST. Route paths as
+# FastAPI names them; every GET route of the API not listed here is a light read.
+HEAVY_READ_COST = 5
+HEAVY_READS = frozenset({
+    "/v1/deployments/{name}/telemetry/exit-rates",
+    "/v1/deployments/{name}/telemetry/disagreement",
+    "/v1/deployments/{name}/telemetry/signal-histogram",
+    "/v1/deployments/{name}/telemetry/count",
+    "/v1/deployments/{name}/segments",
+    "/v1/deployments/{name}/audit",
+    "/v1/deployments/{name}/threshold-sets",
+    "/v1/deployments/{name}/runtimes",
+    "/v1/deployments/{name}/calibrations",
+    "/v1/deployments/{name}/calibrations/{job_id}",
+    "/v1/deployments/{name}/canary",
+    "/v1/alerts",
+    "/v1/alerts/{alert_id}/report",
+    "/v1/alerts/{alert_id}/deliveries",
+    "/v1/hooks/{hook_id}/deliveries",
+})
+# Reads with a bucket of their own: a runtime's threshold pull ("pull").
+OWN_BUCKET_READS = frozenset({"/v1/deployments/{name}/thresholds"})
+
+
+def read_cost(method: str, route_path: str) -> int:
+    """Units a request takes from its token's read bucket (0: not a read, or one with a
+    bucket of its own)."""
+    if method != "GET" or route_path in OWN_BUCKET_READS:
+        return 0
+    return HEAVY_READ_COST if route_path in HEAVY_READS else 1
+
+
+async def _read_limit(request: Request) -> None:
+    cost = read_cost(request.method, getattr(request.scope.get("route"), "path", ""))
+    if not cost:
+        return
+    state = request.app.state
+    principal = await principal_for(state, request.headers.get("authorization", ""))
+    limiter: RateLimiter = state.rate_limiters["read"]
+    wait = await limiter.retry_after(str(principal.token_id), cost)
+    if wait is not None:
+        raise RateLimited(f"too many reads for this token (this one costs {cost} of "
+                          f"EXITPLANE_RATE_LIMIT_READ_PER_S); retry in {wait:.1f} s",
+                          retry_after=wait)
+
+
+# For the API's routers (`include_router(..., dependencies=[ReadLimited])`): every GET route
+# takes its cost from the caller's read bucket, shared by every API process like the others.
+ReadLimited = Depends(_read_limit)
 
 
 async def check_rate(state, kind: str, principal: Principal) -> None:
@@ -266,9 +326,38 @@ async def get_principal(request: Request) -> Principal:
     return await principal_for(request.app.state, request.headers.get("authorization", ""))
 
 
+def visible_deployment(state, principal: Principal, name: str, versions=()):
+    """The deployment `name` as the process caches it (`IngestTarget`), if `principal` may
+    see it (blocking: may read the store). A runtime token is refused alike (403) for
+    another deployment and for one that does not exist, so it cannot learn which exist;
+    others get NotFound for a missing one."""
+    try:
+        target = state.ingest_targets.get(name, versions)
+    except NotFound:
+        if principal.scope == "runtime":
+            principal.require_deployment(None)  # no deployment: not the token's own
+        raise
+    principal.require_deployment(target.id)
+    return target
+
+
+async def _require_visible(state, principal: Principal, name: str) -> None:
+    target = state.ingest_targets.peek(name, ())
+    if target is None:
+        await to_thread.run_sync(visible_deployment, state, principal, name)
+    else:
+        principal.require_deployment(target.id)
+
+
 def require(scope: str):
-    async def dependency(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    async def dependency(request: Request,
+                         principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
         principal.require(scope)
+        # A runtime token sees only its own deployment: refused before any route looks the
+        # name up, so a missing deployment answers as another one does (403, not 404).
+        name = request.path_params.get("name")
+        if principal.scope == "runtime" and name is not None:
+            await _require_visible(request.app.state, principal, name)
         return principal
 
     return dependency

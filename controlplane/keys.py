@@ -1,4 +1,4 @@
-"""The control plane's secret key and what is derived from it (issue 13).
+"""The control plane's secret key and what is derived from it.
 
 No constant in the code signs anything: `EXITPLANE_SECRET_KEY` when it is set, otherwise a
 random key generated on first start and kept in `<var_dir>/secret_key` (mode 0600), which every
@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import ipaddress
+import math
 import os
 import secrets
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,6 +24,10 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 KEY_FILE = "secret_key"
 MIN_SECRET_CHARS = 32
+# What `estimated_bits` must find in a configured key. Every key the generators one would use
+# make scores far above it (48 random base64url characters: about 300; 32 hex digits: 75 or
+# more), while a repeated character, a repeated word or a run like "abcd..." scores under 45.
+MIN_SECRET_BITS = 64
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(48))'"
 ENCRYPTED_PREFIX = "enc:v1:"
 
@@ -70,13 +76,53 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def estimated_bits(secret: str) -> float:
+    """A conservative estimate of the entropy of `secret`, in bits: the Shannon entropy of
+    its characters times the number of characters that add something. A character adds
+    nothing when it extends a run of one character or a step-by-one sequence ("aaa", "abc",
+    "321") or when its three-character window was seen earlier (a repeated word)."""
+    if not secret:
+        return 0.0
+    size = len(secret)
+    per_char = max(0.0, -sum(n / size * math.log2(n / size) for n in Counter(secret).values()))
+    seen: set[str] = set()
+    adding = 0
+    for index, char in enumerate(secret):
+        if index >= 2:
+            step = ord(char) - ord(secret[index - 1])
+            if abs(step) <= 1 and step == ord(secret[index - 1]) - ord(secret[index - 2]):
+                continue
+        window = secret[max(0, index - 2):index + 1]
+        if len(window) == 3 and window in seen:
+            continue
+        seen.add(window)
+        adding += 1
+    return per_char * adding
+
+
+def randomness_problem(secret: str) -> str | None:
+    """Why `secret`, long enough, is still no secret (a repeated character or pattern), or
+    None. Says so without the secret."""
+    bits = estimated_bits(secret)
+    if bits >= MIN_SECRET_BITS:
+        return None
+    return (f"EXITPLANE_SECRET_KEY is not random: it repeats characters or a pattern (about "
+            f"{bits:.0f} bits of entropy where at least {MIN_SECRET_BITS} are needed)")
+
+
 def weak_secret_problem(settings, host: str) -> str | None:
     """The one line that refuses to listen on `host`, or None when the secret is fit for it."""
-    if is_loopback(host) or len(secret_key(settings)) >= MIN_SECRET_CHARS:
+    if is_loopback(host):
         return None
-    return (f"EXITPLANE_SECRET_KEY is shorter than {MIN_SECRET_CHARS} characters, which is not "
-            f"enough to listen on {host}: set it to a random value, e.g. "
-            f"export EXITPLANE_SECRET_KEY=\"$({MAKE_ONE})\"")
+    secret = secret_key(settings)
+    if len(secret) < MIN_SECRET_CHARS:
+        problem = f"EXITPLANE_SECRET_KEY is shorter than {MIN_SECRET_CHARS} characters"
+    else:
+        problem = randomness_problem(secret)
+        if problem is None:
+            return None
+    return (f"{problem}, which is not enough to listen on {host}: set it to a random value, "
+            f"e.g. export EXITPLANE_SECRET_KEY=\"$({MAKE_ONE})\"")
 
 
 class SecretUnreadable(Exception):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from exitplane.build import register_build_info
+
 registry = CollectorRegistry()
+register_build_info(registry)  # the API's and the ingest worker's /metrics
 
 ingested_records = Counter("exitplane_ingested_records", "Token records stored",
                            ["deployment"], registry=registry)
@@ -16,7 +19,7 @@ rejected_batches = Counter("exitplane_rejected_batches", "Telemetry batches refu
                            ["reason"], registry=registry)
 queued_batches = Counter("exitplane_queued_batches", "Batches appended to the Redis stream",
                          ["deployment"], registry=registry)
-# Traffic segments (issue 18): tokens whose segment was past the deployment's cap, stored as
+# Traffic segments: tokens whose segment was past the deployment's cap, stored as
 # `default` (a name kept out is logged once per process; this counts every token of it).
 segment_overflow_tokens = Counter(
     "exitplane_segment_overflow_tokens",

@@ -1,11 +1,11 @@
 """Every ORM model, imported in one place so Alembic and tests see the whole schema."""
 
 from controlplane.alerts.models import Alert, AlertDelivery, AlertHook
-from controlplane.auth.models import ApiToken, User
+from controlplane.auth.models import ApiToken, SignInFailures, User
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.coordination.models import Epoch
 from controlplane.db import Base
-from controlplane.runtimes.models import Runtime
+from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.telemetry.models import (
     Rollup,
     RollupHistogram,
@@ -18,5 +18,6 @@ from controlplane.thresholds.models import Alias, AuditEvent, Deployment, Thresh
 __all__ = [
     "Alert", "AlertDelivery", "AlertHook", "Alias", "ApiToken", "AuditEvent", "Base",
     "CalibrationJob", "CanaryRun", "Deployment", "Epoch", "Rollup", "RollupHistogram", "Runtime",
-    "ShadowSampleRow", "TelemetryBatchRow", "ThresholdSet", "TokenRecordRow", "User",
+    "RuntimeOutlier", "ShadowSampleRow", "SignInFailures", "TelemetryBatchRow", "ThresholdSet",
+    "TokenRecordRow", "User",
 ]

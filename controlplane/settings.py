@@ -23,68 +23,222 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXITPLANE_", extra="ignore",
                                       hide_input_in_errors=True)
 
-    environment: Literal["embedded", "production"] = "embedded"
-    var_dir: Path = Path("var")
-    database_url: str = Field(default="", repr=False)
-    redis_url: str = Field(default="", repr=False)
-    # Empty: a random key generated once under var_dir (controlplane/keys.py, issue 13).
-    secret_key: str = Field(default="", repr=False)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    public_url: str = ""
-    long_poll_max_s: float = Field(default=60.0, gt=0)
+    environment: Literal["embedded", "production"] = Field(
+        default="embedded",
+        description="`production` requires `EXITPLANE_SECRET_KEY`")
+    var_dir: Path = Field(
+        default=Path("var"),
+        description="where the embedded SQLite file and local state live")
+    database_url: str = Field(
+        default="", repr=False,
+        description="e.g. `postgresql+psycopg://user:pw@host/db`")
+    redis_url: str = Field(
+        default="", repr=False,
+        description="Celery broker and telemetry stream in production")
+    # Empty: a random key generated once under var_dir (controlplane/keys.py).
+    secret_key: str = Field(
+        default="", repr=False,
+        description="signs UI sessions, encrypts hook credentials; in production and off loopback "
+        "at least 32 characters and random (a repeated character, word or run like "
+        "`abcd...` is refused)")
+    host: str = Field(
+        default="127.0.0.1",
+        description="the address `exitplane up` listens on")
+    port: int = Field(
+        default=8000,
+        description="the port `exitplane up` listens on")
+    public_url: str = Field(
+        default="",
+        description="links in alerts")
+    long_poll_max_s: float = Field(
+        default=60.0, gt=0,
+        description="cap on `?wait=`")
     # Long-polls one token may hold open at once on one API process (a runtime holds one);
     # past it a waiting pull is answered 429. 0: no cap.
-    long_polls_per_token: int = Field(default=10_000, ge=0)
-    # Issue 14: an API process runs a full garbage collection every this many seconds instead
+    long_polls_per_token: int = Field(
+        default=10_000, ge=0,
+        description="long-polls one token may hold open at once on one API process (each runtime "
+        "holds one); past it a waiting pull is answered 429 + `Retry-After`, so a "
+        "leaked token cannot hold every socket the process has. Raise it when more "
+        "runtimes than this share one token and one API process; 0: no cap")
+    # An API process runs a full garbage collection every this many seconds instead
     # of Python's automatic ones (controlplane/collector.py); 0 keeps Python's policy.
-    api_gc_full_interval_s: float = Field(default=60.0, ge=0)
-    config_cache_ttl_s: float = Field(default=0.5, ge=0)
+    api_gc_full_interval_s: float = Field(
+        default=60.0, ge=0,
+        description="an API process runs a full garbage collection this often instead of Python's "
+        "automatic ones, whose pauses otherwise show in the pull tail at fleet load "
+        "(`controlplane/collector.py`); `0` keeps Python's policy")
+    config_cache_ttl_s: float = Field(
+        default=0.5, ge=0,
+        description="how long an API process trusts its cached config; with Redis every alias move "
+        "(any API process or worker) wakes long-polls at once, without it moves made by"
+        " other processes are seen within this")
     # Hard maximum age of a cached token lookup: a revoked token stops working within it even
     # when the revocation notice is lost.
-    token_cache_ttl_s: float = Field(default=2.0, ge=0)
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
-    log_level: str = "info"
+    token_cache_ttl_s: float = Field(
+        default=2.0, ge=0,
+        description="hard maximum age of a cached token check: a revoked token stops working within"
+        " this even if the revocation notice is lost (with Redis every API process "
+        "drops it at once; without, within `EXITPLANE_REVOCATION_POLL_S`); a busy "
+        "process reads every active token again past half this age on a thread of its "
+        "own, so requests do not wait for the read")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, gt=0,
+        description="larger telemetry batches (`/v1/telemetry`) get 413")
+    log_level: str = Field(
+        default="info",
+        description="every process: API, ingest, worker, beat, runtime")
     # Per-token rate limits (shared through Redis when configured); 0 turns a limit off.
-    rate_limit_pull_per_s: float = Field(default=50.0, ge=0)
-    rate_limit_ingest_per_s: float = Field(default=100.0, ge=0)
-    # Workers, drift detection and alerts (issue 5).
-    drift_interval_s: float = Field(default=30.0, gt=0)
-    drift_lookback_s: float = Field(default=1800.0, gt=0)
-    drift_recent_s: float = Field(default=600.0, gt=0)
-    alert_clear_after_s: float = Field(default=300.0, ge=0)
-    runtime_stale_after_s: float = Field(default=120.0, gt=0)
-    delivery_max_retries: int = Field(default=6, ge=0)
-    delivery_backoff_s: float = Field(default=2.0, ge=0)
-    delivery_timeout_s: float = Field(default=10.0, gt=0)
-    telemetry_retention_days: int = Field(default=14, ge=1)
-    # Recalibration, fallback and canary (issue 6).
-    calibration_min_samples: int = Field(default=1000, ge=1)
+    rate_limit_pull_per_s: float = Field(
+        default=50.0, ge=0,
+        description="threshold pulls per second per token, bursts of twice that (0 = no limit); "
+        "past it, 429 with `Retry-After`. With Redis one bucket per token is shared by "
+        "every API process")
+    rate_limit_ingest_per_s: float = Field(
+        default=100.0, ge=0,
+        description="telemetry posts per second per token, bursts of twice that (0 = no limit); "
+        "past it, 429 with `Retry-After`. With Redis one bucket per token is shared by "
+        "every API process")
+    # Workers, drift detection and alerts.
+    drift_interval_s: float = Field(
+        default=30.0, gt=0,
+        description="how often beat runs drift detection per deployment")
+    drift_lookback_s: float = Field(
+        default=1800.0, gt=0,
+        description="seconds of rollups replayed for exit-rate drift")
+    drift_recent_s: float = Field(
+        default=600.0, gt=0,
+        description="the window (seconds) for disagreement and distribution tests")
+    alert_clear_after_s: float = Field(
+        default=300.0, ge=0,
+        description="an alert resolves once its condition stayed clear this long")
+    runtime_stale_after_s: float = Field(
+        default=120.0, gt=0,
+        description="a runtime silent this long (or on an old version this long after a move) is "
+        "stale")
+    delivery_max_retries: int = Field(
+        default=6, ge=0,
+        description="how many times a failed hook delivery is retried")
+    delivery_backoff_s: float = Field(
+        default=2.0, ge=0,
+        description="base of a hook delivery's jittered exponential backoff (seconds)")
+    delivery_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="HTTP timeout of one hook delivery (seconds)")
+    telemetry_retention_days: int = Field(
+        default=14, ge=1,
+        description="raw telemetry and rollups older than this are purged daily")
+    # Recalibration, fallback and canary.
+    calibration_min_samples: int = Field(
+        default=1000, ge=1,
+        description="shadow samples per exit layer a recalibration needs")
     # Share of the calibration split that fits the threshold path (the rest tests it).
-    calibration_learn_fraction: float = Field(default=0.3, gt=0, lt=1)
-    calibration_lookback_s: float = Field(default=86400.0, gt=0)
-    calibration_retry_s: float = Field(default=60.0, gt=0)
-    calibration_wait_max_s: float = Field(default=3600.0, gt=0)
-    canary_interval_s: float = Field(default=60.0, gt=0)
-    canary_clean_windows: int = Field(default=3, ge=1)
-    canary_failure_limit: int = Field(default=1, ge=1)
-    canary_max_inconclusive: int = Field(default=10, ge=1)
-    canary_min_shadow_tokens: int = Field(default=200, ge=1)
-    # issue 17: the canary's quality test counts requests; fewer cannot show clustering
-    canary_min_shadow_requests: int = Field(default=10, ge=2)
-    # State shared across API processes (issues 13.4/13.6/13.7/13.8, 14.4): limits, revocation,
+    calibration_learn_fraction: float = Field(
+        default=0.3, gt=0, lt=1,
+        description="share of the calibration split that fits the threshold path; the rest tests it"
+        " (raise it when samples are few)")
+    calibration_lookback_s: float = Field(
+        default=86400.0, gt=0,
+        description="default window of a manual recalibration")
+    calibration_retry_s: float = Field(
+        default=60.0, gt=0,
+        description="how often a calibration job short of data (or, when automatic, of certifiable "
+        "data) retries")
+    calibration_wait_max_s: float = Field(
+        default=3600.0, gt=0,
+        description="how long a calibration job short of data (or, when automatic, of certifiable "
+        "data) keeps retrying before it fails")
+    canary_interval_s: float = Field(
+        default=60.0, gt=0,
+        description="canary window length")
+    canary_clean_windows: int = Field(
+        default=3, ge=1,
+        description="clean canary windows in a row that promote the canary")
+    canary_failure_limit: int = Field(
+        default=1, ge=1,
+        description="failed canary windows that revert the canary")
+    canary_max_inconclusive: int = Field(
+        default=10, ge=1,
+        description="inconclusive canary windows after which the canary pauses for a human")
+    canary_min_shadow_tokens: int = Field(
+        default=200, ge=1,
+        description="fewer canary shadow tokens in a window is inconclusive")
+    # The canary's quality test counts requests; fewer cannot show clustering
+    canary_min_shadow_requests: int = Field(
+        default=10, ge=2,
+        description="fewer requests among a window's canary shadow tokens is inconclusive (the "
+        "quality test counts requests)")
+    # State shared across API processes: limits, revocation,
     # wake-ups and gauges go through Redis when configured, else the database / this process.
-    revocation_poll_s: float = Field(default=0.5, gt=0)
+    revocation_poll_s: float = Field(
+        default=0.5, gt=0,
+        description="without Redis (on PostgreSQL), how often each API process reads the revocation"
+        " epoch in the database")
     # Per token: a fleet sharing one token beats every 15 s, so 100/s serves ~1,500 runtimes.
-    rate_limit_heartbeat_per_s: float = Field(default=100.0, ge=0)
-    max_runtimes_per_deployment: int = Field(default=5000, ge=1)
-    metrics_cache_ttl_s: float = Field(default=2.0, ge=0)
-    metrics_token: str = Field(default="", repr=False)
-    # Security (issue 13): hooks may reach non-public addresses only when listed here
+    rate_limit_heartbeat_per_s: float = Field(
+        default=100.0, ge=0,
+        description="heartbeats per second per token, bursts of twice that (0 = no limit); past it,"
+        " 429 with `Retry-After`. With Redis one bucket per token is shared by every "
+        "API process")
+    # Units per second per token on API reads (GET): a lookup takes 1, a read that scans
+    # telemetry, logs or history takes 5 (controlplane/deps.py: HEAVY_READS); bursts of twice.
+    rate_limit_read_per_s: float = Field(
+        default=100.0, ge=0,
+        description="units per second per token on API reads (`GET`), bursts of twice that (0 = no "
+        "limit): a lookup takes 1, a read that scans telemetry, logs or history (or "
+        "renders a report) takes 5 (so 20 such reads a second); past it, 429 with "
+        "`Retry-After`. Shared through Redis like the others; threshold pulls have "
+        "their own limit")
+    max_runtimes_per_deployment: int = Field(
+        default=5000, ge=1,
+        description="runtimes (heard from within a day) a deployment accepts; a new one beyond gets"
+        " 409")
+    # Runtimes one token may have registered on a deployment (live ones): a token cannot take
+    # the deployment's whole cap from the others.
+    max_runtimes_per_token: int = Field(
+        default=2000, ge=1,
+        description="live runtimes one token may have registered on a deployment, so one token (a "
+        "leaked one) cannot take the deployment's whole cap; a new one beyond gets 409."
+        " Operators remove runtimes with `DELETE "
+        "/v1/deployments/{name}/runtimes/{runtime_id}`")
+    # A runtime never heard from again after its first beat stops counting against the caps
+    # after this many seconds (instead of a day), and its row is removed then.
+    runtime_single_beat_forget_s: float = Field(
+        default=600.0, gt=0,
+        description="a runtime not heard from again after its first heartbeat stops counting "
+        "against the caps after this many seconds (not a day) and its row is removed")
+    metrics_cache_ttl_s: float = Field(
+        default=2.0, ge=0,
+        description="how long the store-backed gauges on `/metrics` are reused between scrapes")
+    metrics_token: str = Field(
+        default="", repr=False,
+        description="when set, `/metrics` needs `Authorization: Bearer <token>`")
+    # Security: hooks may reach non-public addresses only when listed here
     # (comma-separated host names, IP addresses or CIDR networks, e.g. a local Alertmanager).
-    hook_allowed_hosts: str = ""
+    hook_allowed_hosts: str = Field(
+        default="",
+        description="comma-separated host names, addresses or CIDR networks hooks may reach "
+        "although not public (e.g. a local Alertmanager)")
     # Request bodies of every route but /v1/telemetry (which keeps max_body_bytes).
-    max_control_body_bytes: int = Field(default=64 * 1024, gt=0)
+    max_control_body_bytes: int = Field(
+        default=64 * 1024, gt=0,
+        description="larger bodies on every other route get 413, before parsing")
+    # Reverse proxies (comma-separated IP addresses or CIDR networks) whose X-Forwarded-For
+    # names the client; from any other peer the header is ignored (controlplane/auth/clients.py).
+    trusted_proxies: str = Field(
+        default="",
+        description="comma-separated addresses or CIDR networks of the reverse proxies in front of "
+        "the API: only from them is `X-Forwarded-For` read (rightmost address that is "
+        "not a trusted proxy) to find the client a sign-in is throttled by; from any "
+        "other peer the header is ignored")
+    # Password checks (argon2id, 64 MiB each) one API process runs at once; past it a sign-in
+    # or password change is answered 429.
+    password_checks_max_concurrent: int = Field(
+        default=2, ge=1, le=64,
+        description="password checks (argon2id, 64 MiB each) one API process runs at once; a "
+        "sign-in or password change beyond them gets 429 with `Retry-After: 1`. Failed "
+        "checks are also throttled per client address (IPv6: per /64), per username and"
+        " per both, shared through Redis or the database")
 
     @field_validator("hook_allowed_hosts")
     @classmethod
@@ -99,51 +253,182 @@ class Settings(BaseSettings):
                     raise ValueError(f"EXITPLANE_HOOK_ALLOWED_HOSTS: {entry!r} is neither a host "
                                      "name, an IP address nor a CIDR network") from None
         return value
-    # Operability (issue 15): one log shape for every process (exitplane/logs.py reads the
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _trusted_proxies_are_networks(cls, value: str) -> str:
+        from controlplane.auth.clients import parse_networks
+
+        try:
+            parse_networks(value)
+        except ValueError as error:
+            raise ValueError(f"EXITPLANE_TRUSTED_PROXIES: {error}") from None
+        return value
+    # Operability: one log shape for every process (exitplane/logs.py reads the
     # same variables in processes without these settings), the access log, worker metrics.
-    log_format: Literal["json", "text"] | None = None
-    access_log: bool | None = None
-    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
-    # Issue 14 (fleet): the ingest worker lowers its CPU priority to this nice value at start.
+    log_format: Literal["json", "text"] | None = Field(
+        default=None,
+        description="one line a record; JSON carries `request_id`, `process_name`, `logger`, "
+        "`level`")
+    access_log: bool | None = Field(
+        default=None,
+        description="one `exitplane.access` line per HTTP request (method, route, status, duration,"
+        " request id)")
+    worker_metrics_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="a Celery worker (task durations and failures) or an ingest worker (ingested "
+        "and duplicate batches, stream lag) serves its metrics on this port")
+    # The ingest worker lowers its CPU priority to this nice value at start.
     # Its work is throughput that the Redis stream buffers; on a host it shares with an API
     # process, the pulls and posts runtimes wait for go first. 0 keeps the inherited priority.
-    ingest_nice: int = Field(default=10, ge=0, le=19)
-    # Drift on clustered traffic and a fallback that follows quality evidence (issue 17).
+    ingest_nice: int = Field(
+        default=10, ge=0, le=19,
+        description="the nice value an ingest worker lowers itself to at start (0: keep the "
+        "inherited one): its work is throughput the Redis stream buffers, so on a host "
+        "it shares with an API process the pulls and posts runtimes wait for go first")
+    # Drift on clustered traffic and a fallback that follows quality evidence.
     # Design effect of exit-rate tests when the window's shadow tokens cannot measure it.
-    drift_default_design_effect: float = Field(default=1.0, ge=1.0)
+    drift_default_design_effect: float = Field(
+        default=1.0, ge=1.0,
+        description="exit-rate tests' design effect when the window's shadow requests cannot "
+        "measure it")
     # Distribution drift alone is info; it pages once it held this many consecutive windows.
-    drift_distribution_persist_windows: int = Field(default=3, ge=1)
-    drift_distribution_p_value: float = Field(default=1e-3, gt=0, lt=1)
-    # issue 17 detection speed: the quality test's sliding windows (seconds, each at most
+    drift_distribution_persist_windows: int = Field(
+        default=3, ge=1,
+        description="distribution drift alone pages after this many consecutive windows")
+    drift_distribution_p_value: float = Field(
+        default=1e-3, gt=0, lt=1,
+        description="the level of the distribution two-sample tests")
+    # The quality test's sliding windows (seconds, each at most
     # drift_recent_s) and the false-alarm budget per hour that all their looks share.
-    drift_quality_windows_s: list[float] = Field(default=[60.0, 180.0, 600.0], min_length=1)
-    drift_quality_alpha_per_hour: float = Field(default=1e-2, gt=0, lt=1)
-    # issue 14 (fleet): a check reads at most this many of a segment's newest shadow tokens (a
+    drift_quality_windows_s: list[float] = Field(
+        default=[60.0, 180.0, 600.0], min_length=1,
+        description="sliding windows (seconds, each at most the recent window) on which every check"
+        " tests shadow disagreement against δ")
+    drift_quality_alpha_per_hour: float = Field(
+        default=1e-2, gt=0, lt=1,
+        description="false-alarm budget per hour shared by all quality looks (each window of each "
+        "check is tested at this × interval / 3600 / windows)")
+    # A check reads at most this many of a segment's newest shadow tokens (a
     # fleet ships ~10,000 a second; past the cap the windows hold their newest tokens).
-    drift_max_shadow_tokens: int = Field(default=100_000, ge=1000)
+    drift_max_shadow_tokens: int = Field(
+        default=100_000, ge=1000,
+        description="newest shadow tokens a check reads per segment; at fleet rates (~10,000/s) the"
+        " windows then hold their newest tokens, and the alert's evidence says where a "
+        "capped window begins")
     # An exit-rate spike falls back unless the (1 - alpha) upper bound of the window's
     # request-clustered shadow disagreement is within δ on enough shadow tokens and requests.
-    fallback_gate_alpha: float = Field(default=0.05, gt=0, lt=1)
-    fallback_min_shadow_tokens: int = Field(default=200, ge=1)
-    fallback_min_shadow_requests: int = Field(default=20, ge=1)
-    # issue 18 point 5: an exit-rate tumbling window closes after this many minutes of rollups
+    fallback_gate_alpha: float = Field(
+        default=0.05, gt=0, lt=1,
+        description="an exit-rate spike keeps the set only when the (1-alpha) upper bound of shadow"
+        " disagreement is within δ: this alpha")
+    fallback_min_shadow_tokens: int = Field(
+        default=200, ge=1,
+        description="shadow tokens an exit-rate spike's window needs before its disagreement bound "
+        "can keep the set")
+    fallback_min_shadow_requests: int = Field(
+        default=20, ge=1,
+        description="shadow requests an exit-rate spike's window needs before its disagreement "
+        "bound can keep the set")
+    # An exit-rate tumbling window closes after this many minutes of rollups
     # (once it holds enough tokens for its test) when its 5,000 tokens take longer.
-    drift_exit_rate_window_min: int = Field(default=5, ge=1)
-    # Traffic segments (issue 18): how many segments (besides `default`) one threshold set may
-    # give thresholds of their own; bounds the segment label's cardinality.
-    max_segments_per_deployment: int = Field(default=DEFAULT_MAX_SEGMENTS, ge=1, le=1000)
-    # Issue 14 (fleet cost per request): telemetry POSTs and heartbeats answered below the
+    drift_exit_rate_window_min: int = Field(
+        default=5, ge=1,
+        description="an exit-rate tumbling window (5,000 tokens) is also tested after this many "
+        "minutes of rollups, once it holds the tokens its test needs: thin traffic gets"
+        " a timely exit-rate alert")
+    # Robust evidence (controlplane/calibration/evidence.py): the largest share of a verdict's
+    # shadow tokens one runtime may hold (past it its requests are subsampled), and from how
+    # many reporting runtimes on every verdict (calibration step, quality regression, canary)
+    # must hold with any single runtime's evidence left out.
+    evidence_max_runtime_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="the largest share of a calibration's shadow tokens one runtime may hold; a "
+        "runtime over it keeps a random subset of its requests up to it")
+    evidence_robust_min_runtimes: int = Field(
+        default=3, ge=2,
+        description="in a window with at least this many reporting runtimes, every calibration "
+        "step, quality regression and canary verdict must hold with any single "
+        "runtime's shadow tokens left out: no runtime decides alone")
+    # A runtime is tested against the rest of its fleet each drift cycle once it and the rest
+    # have at least this many shadow requests in the window (controlplane/drift/outliers.py).
+    outlier_min_requests: int = Field(
+        default=5, ge=2,
+        description="shadow requests a runtime (and the rest of its fleet) needs in the drift "
+        "window before it is tested as a possible outlier (`runtime_outlier`: set aside"
+        " until an operator clears it)")
+    # Bounds on automatic promotion (controlplane/calibration/promotion.py): a candidate that
+    # lowers a threshold by more than this step, or raises the expected exit rate by more than
+    # this, waits for approval whatever the policy.
+    promotion_max_threshold_step: float = Field(
+        default=0.75, gt=0, le=1,
+        description="a recalibrated set that lowers any threshold by more than this step waits for "
+        "approval whatever the policy; with a single reporting runtime, a set more "
+        "aggressive than the last good one always waits")
+    promotion_max_exit_rate_rise: float = Field(
+        default=0.9, gt=0, le=1,
+        description="a recalibrated set that raises the expected exit rate by more than this waits "
+        "for approval whatever the policy; with a single reporting runtime, a set more "
+        "aggressive than the last good one always waits")
+    # Traffic segments: how many segments (besides `default`) a deployment has in use
+    # and one threshold set may map; bounds the segment label's cardinality. A telemetry batch
+    # may carry at most twice as many distinct names, and `default` (more: 422).
+    max_segments_per_deployment: int = Field(
+        default=DEFAULT_MAX_SEGMENTS, ge=1, le=1000,
+        description="traffic segments (besides `default`) a deployment has in use: operators "
+        "declare and remove them (`exitplane segment`, the API, the UI; publishing a "
+        "set that maps one declares it), and telemetry registers names only where the "
+        "deployment opted in (`auto_segments`); traffic of any other name is stored as "
+        "`default` (counted in `exitplane_segment_overflow_tokens_total{deployment}` "
+        "and on the UI's segments page); a declaration or set past the cap gets 422, "
+        "and so does a telemetry batch carrying more than twice as many distinct names "
+        "(and `default`); runtimes read it to cap the names they track")
+    # Telemetry POSTs and heartbeats answered below the
     # router by a pure-ASGI layer with the routes' checks; false serves them through FastAPI.
-    telemetry_fast_path: bool = True
+    telemetry_fast_path: bool = Field(
+        default=True,
+        description="telemetry POSTs and heartbeats are answered below the router with the routes' "
+        "own checks (auth, rate limit, scope, errors); `false` serves them through "
+        "FastAPI")
     # Worker threads the fast path may use per API process, apart from the pool the routes
     # use: a burst of telemetry never queues a pull, an alias move or a UI page behind it.
-    telemetry_threads: int = Field(default=16, ge=1, le=256)
+    telemetry_threads: int = Field(
+        default=16, ge=1, le=256,
+        description="worker threads per API process for telemetry POSTs and heartbeats, apart from "
+        "the routes' pool, so a burst of telemetry never queues a pull's token lookup, "
+        "an alias move or a UI page")
     # A beat from a runtime this API process has recorded is held and written with the others
     # every this many seconds (controlplane/runtimes/beats.py); 0 writes each beat at once.
-    heartbeat_flush_s: float = Field(default=1.0, ge=0, le=60)
+    heartbeat_flush_s: float = Field(
+        default=1.0, ge=0, le=60,
+        description="a heartbeat from a runtime this API process has already recorded is answered "
+        "at once and written with the others in one statement this often (never over a "
+        "newer stored beat; the process's runtime listing writes them first); 0 writes "
+        "each beat in its own transaction")
     # A telemetry batch whose tokens are timed more than this many seconds past the API's
     # clock is refused (422): a runtime with a clock gone wrong. 0 turns the check off.
-    telemetry_max_future_s: float = Field(default=600.0, ge=0)
+    telemetry_max_future_s: float = Field(
+        default=600.0, ge=0,
+        description="a telemetry batch with a token timed (`ts`, or a cell's `minute`) more than "
+        "this many seconds after the API's clock is refused with 422 naming it: a "
+        "runtime whose clock runs ahead would put its tokens where no drift window, "
+        "gauge or canary looks; 0 turns the check off. Timestamps in the past are taken"
+        " (spooled batches arrive late)")
+    # Values one telemetry batch may decode to (every number, string, list and map counts
+    # one), counted while decoding, so a small body cannot expand past it: over it is 413,
+    # and the runtime splits the batch. Bounds a decode's memory (about 100 bytes a value).
+    telemetry_max_batch_items: int = Field(
+        default=1_000_000, ge=10_000,
+        description="values (numbers, strings, lists, maps) one telemetry batch may decode to, "
+        "counted while it is decoded: a batch over it gets 413 and the runtime splits "
+        "it, so no body expands past about 100 MiB")
+    # Telemetry bodies over 32 KiB (or of unknown length) one API process reads and decodes
+    # at once; past it such a batch is answered 503 with Retry-After, before its body is read.
+    telemetry_max_decodes: int = Field(
+        default=2, ge=1, le=64,
+        description="telemetry bodies over 32 KiB (or of unknown length) one API process reads and "
+        "decodes at once; another gets 503 with `Retry-After: 1` before its body is "
+        "read (the token and its rate limit are checked first, from the headers alone)")
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:
@@ -152,6 +437,14 @@ class Settings(BaseSettings):
             raise ValueError("EXITPLANE_SECRET_KEY must be at least 32 characters (random) in "
                              "production, e.g. export EXITPLANE_SECRET_KEY=\"$(python -c "
                              "'import secrets; print(secrets.token_urlsafe(48))')\"")
+        if self.environment == "production":
+            from controlplane.keys import MAKE_ONE, randomness_problem
+
+            problem = randomness_problem(self.secret_key)
+            if problem:
+                raise ValueError(f"{problem}, which is not enough in production: set it to a "
+                                 "random value, e.g. export "
+                                 f"EXITPLANE_SECRET_KEY=\"$({MAKE_ONE})\"")
         return self
 
     @property

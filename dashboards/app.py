@@ -16,6 +16,8 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from controlplane.auth.clients import parse_networks
+from controlplane.auth.passwords import PasswordChecks
 from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import DomainError
 from dashboards.security import LoginRequired, save_session
@@ -25,7 +27,9 @@ from dashboards.views import (
     alerts,
     calibration,
     deployments,
+    outliers,
     overview,
+    segments,
     sessions,
     versions,
 )
@@ -46,8 +50,12 @@ def create_ui(parent: FastAPI) -> FastAPI:
     ui.state.session_factory = parent.state.session_factory
     ui.state.principal_cache = parent.state.principal_cache
     ui.state.heartbeats = parent.state.heartbeats  # a page lists what this process holds too
-    # Shared by every API process through Redis when configured (parent.state.redis).
-    ui.state.login_throttle = SignInThrottle(parent.state.redis)
+    # Throttled through Redis when configured (parent.state.redis), else the store.
+    ui.state.password_checks = PasswordChecks(
+        factory=parent.state.session_factory,
+        throttle=SignInThrottle(parent.state.redis, factory=parent.state.session_factory),
+        max_concurrent=parent.state.settings.password_checks_max_concurrent)
+    ui.state.trusted_proxies = parse_networks(parent.state.settings.trusted_proxies)
 
     @ui.middleware("http")
     async def security_headers(request: Request, call_next) -> Response:
@@ -92,7 +100,8 @@ def create_ui(parent: FastAPI) -> FastAPI:
                             headers={"Cache-Control": "public, max-age=86400"})
 
     ui.mount("/static", StaticFiles(directory=STATIC), name="static")
-    for module in (sessions, overview, deployments, versions, calibration, alerts, admin):
+    for module in (sessions, overview, deployments, versions, calibration, alerts, admin,
+                   outliers, segments):
         ui.include_router(module.router)
     return ui
 

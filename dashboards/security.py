@@ -6,6 +6,10 @@ issued; it is HttpOnly, SameSite=Lax, and Secure unless the UI is served over pl
 loopback address. Anonymous visitors get a session without a user so the login form has a
 CSRF token too. Every POST must echo the session's CSRF token in the `csrf_token` field and,
 when the browser sends an Origin header, come from this origin.
+
+A browser that signed in gets a device cookie naming the user (signed, long-lived): password
+checks from it are not held back by failures for that user elsewhere (controlplane/auth/
+passwords.py), so nobody can lock a user out by guessing from other addresses.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from urllib.parse import urlsplit
 from fastapi import Depends, Request
 from starlette.responses import Response
 
+from controlplane.auth import clients
 from controlplane.auth.models import User
 from controlplane.auth.users import has_role
 from controlplane.deps import SessionDep
@@ -32,6 +37,8 @@ from controlplane.keys import secret_key
 SESSION_COOKIE = "exitplane_session"
 FLASH_COOKIE = "exitplane_flash"
 SESSION_MAX_AGE_S = 12 * 3600
+DEVICE_COOKIE = "exitplane_device"
+DEVICE_MAX_AGE_S = 180 * 86400
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
@@ -63,7 +70,7 @@ class SignedIn:
 
 
 def _key(request: Request, purpose: str) -> bytes:
-    # Never a constant: the configured key or the one generated under var_dir (issue 13).
+    # Never a constant: the configured key or the one generated under var_dir.
     secret = secret_key(request.app.state.settings).encode()
     return hmac.new(secret, f"exitplane-ui:{purpose}".encode(), hashlib.sha256).digest()
 
@@ -178,6 +185,30 @@ def clear_flash(request: Request, response: Response) -> None:
                                samesite="lax", secure=cookie_secure(request))
 
 
+def client_address(request: Request) -> str:
+    """The client's address: the connection's peer, or what trusted proxies say it is."""
+    return clients.client_address(request.client.host if request.client else "",
+                                  request.headers.getlist("x-forwarded-for"),
+                                  request.app.state.trusted_proxies)
+
+
+def known_device(request: Request, username: str) -> bool:
+    """Whether this browser signed in as `username` within DEVICE_MAX_AGE_S."""
+    payload = unsign(request, "device", request.cookies.get(DEVICE_COOKIE))
+    if payload is None or payload.get("n") != username.strip().lower():
+        return False
+    issued = payload.get("t")
+    return isinstance(issued, int | float) and time.time() - issued < DEVICE_MAX_AGE_S
+
+
+def remember_device(request: Request, response: Response, user: User) -> None:
+    """Mark this browser as one `user` signed in from (see `known_device`)."""
+    response.set_cookie(DEVICE_COOKIE, sign(request, "device", {"n": user.username,
+                                                                "t": time.time()}),
+                        max_age=DEVICE_MAX_AGE_S, path=cookie_path(request), httponly=True,
+                        samesite="lax", secure=cookie_secure(request))
+
+
 def optional_user(request: Request, session: SessionDep) -> User | None:
     ui_session = current_session(request)
     if ui_session.user_id is None:
@@ -209,7 +240,7 @@ def role(name: str):
 
 
 async def check_csrf(request: Request) -> None:
-    """Refuse a POST without this session's CSRF token or from another origin."""
+    """Refuse a POST without the session's CSRF token or from another origin."""
     origin = request.headers.get("origin")
     if origin and origin != "null":
         parts = urlsplit(origin)

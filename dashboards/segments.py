@@ -1,6 +1,6 @@
-"""Traffic segments in the admin UI (issue 18): a version's segment maps as a layer x segment
-table, their per-segment diff, the new-version form's segment rows, and the deployment page's
-per-segment traffic table.
+"""Traffic segments in the admin UI: a version's segment maps as a layer x segment
+table, their per-segment diff, the new-version form's segment rows, the deployment page's
+per-segment traffic table, and the segments page's registry rows.
 
 Plain functions over `ThresholdSet`; names, the cap and the per-layer ranges are checked by the
 thresholds service, so the form shows the same messages as the API.
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
 from controlplane.errors import Invalid
-from controlplane.thresholds.models import ThresholdSet
+from controlplane.thresholds.models import Deployment, ThresholdSet
+from controlplane.thresholds.segments import segment_registry
 from exitplane.wire import DEFAULT_SEGMENT
 
 # Row indices are bounded so a crafted form cannot make the parser walk huge numbers.
@@ -154,3 +158,38 @@ def segment_outcome(result: dict) -> str:
     """'calibrated', 'pooled' or 'conservative' for one segment of a job's result."""
     raw = result.get("outcome", result.get("source"))
     return OUTCOMES.get(raw, str(raw or "unknown"))
+
+
+# Where a segment in use came from, as the segments page says it.
+ORIGINS = {"operator": "declared by an operator", "threshold_set": "mapped by a published set",
+           "telemetry": "registered from runtime telemetry"}
+
+
+@dataclass(frozen=True)
+class RegistryRow:
+    """One segment of the segments page: in use or removed, and what holds it."""
+
+    name: str
+    origin: str
+    since: datetime  # declared (in use) or removed
+    in_use: bool
+    mapped_by: list[str]  # aliases whose set has a map of its own for it ('active (v3)')
+
+    @property
+    def origin_text(self) -> str:
+        return ORIGINS.get(self.origin, self.origin)
+
+
+def registry_rows(*, session: Session, deployment: Deployment,
+                  aliases: dict[str, int]) -> list[RegistryRow]:
+    """The deployment's segments, in use first, each with the aliased sets that map it."""
+    maps = dict(session.execute(select(ThresholdSet.version, ThresholdSet.segments).where(
+        ThresholdSet.deployment_id == deployment.id,
+        ThresholdSet.version.in_(set(aliases.values())))).all())
+    rows = [RegistryRow(name=row.name, origin=row.origin,
+                        since=row.removed_at or row.created_at, in_use=row.removed_at is None,
+                        mapped_by=[f"{alias} (v{version})"
+                                   for alias, version in sorted(aliases.items())
+                                   if row.name in (maps.get(version) or {})])
+            for row in segment_registry(session=session, deployment_id=deployment.id)]
+    return sorted(rows, key=lambda row: (not row.in_use, row.name))

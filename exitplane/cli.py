@@ -189,6 +189,82 @@ def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: s
 
 
 @main.group()
+def segment() -> None:
+    """A deployment's traffic segments: only declared ones are stored under their name."""
+
+
+def _segment_change(deployment: str, action):
+    """Run `action(session, deployment)` in one transaction; a refusal ends the command."""
+    from controlplane.db import session_scope
+    from controlplane.errors import DomainError
+    from controlplane.thresholds.service import get_deployment
+
+    try:
+        with session_scope() as session:
+            return action(session, get_deployment(session=session, name=deployment))
+    except DomainError as error:
+        _fail(str(error))
+
+
+@segment.command("declare")
+@click.option("--deployment", required=True, help="the deployment whose traffic it is")
+@click.option("--reason", default="declared from the command line", show_default=True,
+              help="why (written to the audit log)")
+@click.argument("name")
+def segment_declare(deployment: str, reason: str, name: str) -> None:
+    """Put segment NAME in use: its traffic is stored (and judged) under its name."""
+    from controlplane.thresholds.segments import declare_segment
+
+    _segment_change(deployment, lambda session, found: declare_segment(
+        session=session, deployment=found, name=name, actor="cli:segment-declare",
+        reason=reason))
+    click.echo(f"segment {name!r} of {deployment!r} is in use", err=True)
+
+
+@segment.command("remove")
+@click.option("--deployment", required=True, help="the deployment whose traffic it is")
+@click.option("--reason", default="removed from the command line", show_default=True,
+              help="why (written to the audit log)")
+@click.argument("name")
+def segment_remove(deployment: str, reason: str, name: str) -> None:
+    """Take segment NAME out of use: its traffic is stored as `default` from now on; what was
+    stored stays readable under its name."""
+    from controlplane.thresholds.segments import remove_segment
+
+    _segment_change(deployment, lambda session, found: remove_segment(
+        session=session, deployment=found, name=name, actor="cli:segment-remove",
+        reason=reason))
+    click.echo(f"segment {name!r} of {deployment!r} removed", err=True)
+
+
+@segment.command("list")
+@click.option("--deployment", required=True, help="the deployment to list")
+def segment_list(deployment: str) -> None:
+    """One line per segment (name, in use or removed, origin, since), then the tokens of the
+    last 24 hours stored as `default` because their segment was not in use, per runtime."""
+    from datetime import UTC, datetime, timedelta
+
+    from controlplane.telemetry.service import undeclared_tokens
+    from controlplane.thresholds.segments import segment_registry
+
+    def read(session, found):
+        rows = [(row.name, "removed" if row.removed_at else "in use", row.origin,
+                 (row.removed_at or row.created_at).isoformat(timespec="seconds"))
+                for row in segment_registry(session=session, deployment_id=found.id)]
+        return found.auto_segments, rows, undeclared_tokens(
+            session=session, deployment=found, since=datetime.now(UTC) - timedelta(days=1))
+
+    auto, rows, undeclared = _segment_change(deployment, read)
+    for row in rows:
+        click.echo("\t".join(row))
+    click.echo(f"telemetry registers new names: {'yes' if auto else 'no'} (auto_segments)",
+               err=True)
+    for item in undeclared:
+        click.echo(f"undeclared: {item['tokens']} tokens in {item['batches']} batches from "
+                   f"runtime {item['runtime_id']} (last 24 h)", err=True)
+
+
+@main.group()
 def user() -> None:
     """People who sign in to the admin UI (/ui)."""
 
@@ -307,7 +383,7 @@ def background_workers(*, enabled: bool):
               help="port of the control plane and its UI")
 @click.option("--story", type=click.Choice(["default", "segments"]), default="default",
               show_default=True, help="segments: chat and code as two traffic segments; a drift "
-              "within code falls back and recalibrates code alone (issue 18)")
+              "within code falls back and recalibrates code alone")
 def demo(quick: bool, serve: bool, port: int, story: str) -> None:
     """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
     from exitplane.demo import run_demo
@@ -469,7 +545,7 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
                            "thresholds": job.summary.get("thresholds"),
                            "exit_rate": job.summary.get("exit_rate"),
                            "risk_bound": job.summary.get("risk_bound")}
-                if job.segment is not None or "segments" in job.summary:  # issue 18
+                if job.segment is not None or "segments" in job.summary:
                     outcome |= {"segment": job.segment,
                                 "segments": job.summary.get("segments")}
     except (DomainError, ValueError) as error:
@@ -521,8 +597,10 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     gc.freeze()
     # Our handler and the request-context middleware log access lines (with request ids);
     # uvicorn's own config would install a second, differently shaped handler.
+    # proxy_headers=False: uvicorn would take X-Forwarded-For from any loopback peer; the app
+    # reads it from EXITPLANE_TRUSTED_PROXIES only (controlplane/auth/clients.py).
     uvicorn.run(app, host=host, port=port, log_level=settings.log_level, log_config=None,
-                access_log=False)
+                access_log=False, proxy_headers=False)
 
 
 def _configure_logging(process_name: str, settings) -> None:

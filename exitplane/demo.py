@@ -200,14 +200,17 @@ class Runtime:
         from exitplane.client.shipper import TelemetryShipper
         from exitplane.client.thresholds import ThresholdClient
         from runtime.engine import Engine, EngineConfig
+        from runtime.model import model_revision
 
         self.engine = Engine(model, heads=heads, runtime_id="demo-runtime-1",
-                             config=EngineConfig(max_batch=4, shadow_rate=shadow_rate))
+                             config=EngineConfig(max_batch=4, shadow_rate=shadow_rate),
+                             model_revision=model_revision(None))
         self.shipper = TelemetryShipper(base_url=cp_url, token=token, deployment=deployment,
                                         runtime_id=self.engine.runtime_id,
                                         num_layers=self.engine.parts.num_layers,
                                         spool_dir=state_dir / "spool", batch_interval_s=0.5,
-                                        batch_records=200).start()
+                                        batch_records=200, head_digest=self.engine.head_digest,
+                                        model_revision=self.engine.model_revision).start()
         self.records: list = []
 
         def on_record(record) -> None:
@@ -255,12 +258,12 @@ def _wait(predicate, timeout: float, step) -> bool:
 def run_demo(*, quick: bool, serve: bool, port: int, story=None) -> int:
     """Run the story end to end; returns 0 when every step of the loop was seen. `story`: the
     function that tells it on the set-up control plane and runtime (`_story`'s arguments),
-    this module's story by default (`exitplane.demo_segments.segments_story`: issue 18)."""
+    this module's story by default (`exitplane.demo_segments.segments_story`)."""
     import torch
 
     from runtime import corpus
     from runtime.heads import file_sha256
-    from runtime.model import DEFAULT_MODEL, load_model
+    from runtime.model import DEFAULT_MODEL, load_model, model_revision
 
     with socket.socket() as probe:  # a control plane left running would answer instead
         if probe.connect_ex(("127.0.0.1", port)) == 0:
@@ -300,6 +303,7 @@ def run_demo(*, quick: bool, serve: bool, port: int, story=None) -> int:
         api = _api(cp, admin)
         api.post("/v1/deployments", json={
             "name": "demo", "model_ref": DEFAULT_MODEL, "head_digest": file_sha256(heads_path),
+            "model_revision": model_revision(None),
             "num_layers": len(model.model.layers), "exit_layers": list(heads.exit_layers),
             "signal": "learned", "delta": delta, "epsilon": epsilon,
             "policy": "auto"}).raise_for_status()

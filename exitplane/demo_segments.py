@@ -1,7 +1,7 @@
-"""`exitplane demo --story segments`: one deployment, two traffic segments (issue 18 point 5).
+"""`exitplane demo --story segments`: one deployment, two traffic segments.
 
-The same control plane and in-process runtime as the default story (`exitplane.demo`); every
-request carries its segment (`Engine.add_request(..., segment=)`), chat and code rows share
+The same control plane and in-process runtime as the default story (`exitplane.demo`); the
+operator declares both segments first, and every request carries its segment (`Engine.add_request(..., segment=)`), chat and code rows share
 batches and each row applies its own segment's thresholds. The story:
 
 1. chat traffic (questions in the chat template) and code traffic (a code assistant's
@@ -113,7 +113,7 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     phase_tokens = 300 if quick else 600
     # The mix phases are the drift detectors' baseline, by tokens and by time: ADWIN cuts a
     # change only after it saw the version's rollups (one per minute) before it. Replayed at the
-    # demo's rates (issue 18 point 5), a drift after one minute of rollups waited for a
+    # demo's rates, a drift after one minute of rollups waited for a
     # tumbling window to close (4 minutes), one after two or three was confirmed within 2.
     baseline_tokens, baseline_s = 2 * phase_tokens, BASELINE_S
     phases: list[SegmentPhase] = []
@@ -156,6 +156,14 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
         if serve:
             hold_ui(cp)
         return 0 if ok else 1
+
+    # The operator declares the two segments: the control plane stores a segment's traffic
+    # under its name only when it is declared (any other goes to `default`).
+    for name in SEGMENTS:
+        declared = api.put(f"/v1/deployments/demo/declared-segments/{name}",
+                           json={"reason": "the demo's traffic segments"})
+        declared.raise_for_status()
+    timeline.mark(f"segments {', '.join(SEGMENTS)} declared")
 
     # 1. Chat and code, all shadow, until one calibration certifies a map per segment.
     warmup = SegmentPhase("1 chat+code: shadow samples (never exit)", code_share=0.5)

@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import sys
-import uuid
 from contextvars import ContextVar
 
 request_id_var: ContextVar[str | None] = ContextVar("exitplane_request_id", default=None)
@@ -28,7 +27,7 @@ def new_request_id(offered: str | None = None) -> str:
     """The caller's id when it is a sane token, else a fresh one."""
     if offered and _VALID_REQUEST_ID.match(offered):
         return offered
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 128 random bits as 32 hex digits, a sixth of uuid4's cost
 
 
 class ContextFilter(logging.Filter):

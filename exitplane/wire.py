@@ -24,7 +24,7 @@ INT32 = 2**31 - 1  # what an INTEGER column holds on every backend
 INT63 = 2**63 - 1
 MAX_TS = 1e10  # unix seconds (year 2286): anything later is a clock bug
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
-# Traffic segments (issue 18) are named like deployments; `default` is the set's own
+# Traffic segments are named like deployments; `default` is the set's own
 # `thresholds`, which every segment without a map of its own (or an unknown one) applies.
 DEFAULT_SEGMENT = "default"
 # How many segments besides `default` a deployment knows by default (the control plane's
@@ -47,6 +47,14 @@ MAX_AGGREGATE_CELLS = 50_000
 # per ingest read of many batches) stay within a BIGINT. A batch over it is refused whole.
 MAX_BATCH_TOKENS = 2**40
 RuntimeId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)]
+# Lineage (docs/protocol.md, "Lineage"): the exit-heads digest and the model revision a runtime
+# serves, and a deployment names; compared as exact strings. A digest fits the deployment's
+# column (71: "sha256:" and 64 hex digits); a revision is a commit, a tag or a file's digest.
+HEAD_DIGEST_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,70}$"
+MODEL_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}$"
+HeadDigest = Annotated[str, Field(min_length=1, max_length=71, pattern=HEAD_DIGEST_PATTERN)]
+ModelRevision = Annotated[str, Field(min_length=1, max_length=128,
+                                     pattern=MODEL_REVISION_PATTERN)]
 
 # Content types of POST /v1/telemetry: record batches, and aggregate batches (docs/protocol.md).
 RECORDS_MSGPACK = "application/msgpack"
@@ -88,11 +96,13 @@ def canonical_json(payload: Any) -> bytes:
 
 def threshold_checksum(*, deployment: str, version: int, signal: str,
                        thresholds: dict[int, float],
-                       segments: dict[str, dict[int, float]] | None = None) -> str:
+                       segments: dict[str, dict[int, float]] | None = None,
+                       head_digest: str | None = None) -> str:
     """sha256 over the canonical JSON of what a runtime applies; also the HTTP ETag.
 
-    The segment map enters the canonical JSON only when it names a segment, so a set without
-    segments keeps the checksum it had before segments existed (old runtimes, ETags, vectors).
+    The segment map enters the canonical JSON only when it names a segment, and the heads
+    digest only when the set names one, so a set without them keeps the checksum it had
+    before they existed (old runtimes, ETags, vectors).
     """
     body: dict[str, Any] = {
         "deployment": deployment,
@@ -102,6 +112,8 @@ def threshold_checksum(*, deployment: str, version: int, signal: str,
     }
     if segments:
         body["segments"] = {name: _layer_map(by_layer) for name, by_layer in segments.items()}
+    if head_digest:
+        body["head_digest"] = head_digest
     return hashlib.sha256(canonical_json(body)).hexdigest()
 
 
@@ -142,6 +154,12 @@ class ThresholdSetWire(BaseModel):
     segments: dict[SegmentName, dict[Layer, Threshold]] | None = Field(
         default=None, exclude_if=lambda value: value is None,
         description="per-segment thresholds; segments not named here apply `thresholds`")
+    # The exit heads the set was made for (a set that can exit names its deployment's heads);
+    # absent when it fits any heads (a never-exit set, a deployment naming no digest). A
+    # runtime serving other heads refuses the set.
+    head_digest: HeadDigest | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="digest of the exit heads the set was made for; absent: any heads")
     checksum: str = Field(pattern=CHECKSUM_PATTERN)
 
     @field_validator("segments")
@@ -157,7 +175,7 @@ class ThresholdSetWire(BaseModel):
     def expected_checksum(self) -> str:
         return threshold_checksum(deployment=self.deployment, version=self.version,
                                   signal=self.signal, thresholds=self.thresholds,
-                                  segments=self.segments)
+                                  segments=self.segments, head_digest=self.head_digest)
 
     def verify(self) -> None:
         """Raise ValueError when the checksum does not match the content (tampered or torn)."""
@@ -171,14 +189,23 @@ class ThresholdSetWire(BaseModel):
             return self.segments[segment]
         return self.thresholds
 
+    def fits_heads(self, head_digest: str | None) -> bool:
+        """Whether a runtime serving the exit heads `head_digest` may apply this set: always
+        when the set names no heads or the runtime does not know its own (None)."""
+        return self.head_digest is None or head_digest is None or \
+            self.head_digest == head_digest
+
     @classmethod
     def build(cls, *, deployment: str, version: int, signal: Signal | str,
               thresholds: dict[int, float],
-              segments: dict[str, dict[int, float]] | None = None) -> ThresholdSetWire:
+              segments: dict[str, dict[int, float]] | None = None,
+              head_digest: str | None = None) -> ThresholdSetWire:
         checksum = threshold_checksum(deployment=deployment, version=version, signal=signal,
-                                      thresholds=thresholds, segments=segments)
+                                      thresholds=thresholds, segments=segments,
+                                      head_digest=head_digest or None)
         return cls(deployment=deployment, version=version, signal=Signal(signal),
-                   thresholds=thresholds, segments=segments or None, checksum=checksum)
+                   thresholds=thresholds, segments=segments or None,
+                   head_digest=head_digest or None, checksum=checksum)
 
     @classmethod
     def never_exit(cls, *, deployment: str, signal: Signal | str,
@@ -214,7 +241,7 @@ class TokenRecord(BaseModel):
     latency_us: int = Field(ge=0, le=INT32)
     ts: float = Field(gt=0, le=MAX_TS, description="unix seconds when the token was produced")
     shadow: list[ShadowPoint] | None = None
-    # The traffic segment the token's request belongs to (issue 18); left off the wire when it
+    # The traffic segment the token's request belongs to; left off the wire when it
     # is `default`, so unsegmented traffic encodes exactly as before segments existed.
     segment: SegmentName = Field(default=DEFAULT_SEGMENT,
                                  exclude_if=lambda value: value == DEFAULT_SEGMENT)
@@ -227,12 +254,25 @@ class TokenRecord(BaseModel):
         return points
 
 
+class Lineage(BaseModel):
+    """What a runtime serves, as it reports it in heartbeats and telemetry batches: its model
+    revision and exit-heads digest. Either left out (never null on the wire) is unknown: the
+    runtime keeps working, and only what it does report is compared with its deployment's."""
+
+    model_revision: ModelRevision | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="the model revision the runtime serves; absent: unknown")
+    head_digest: HeadDigest | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="digest of the exit heads the runtime serves; absent: unknown")
+
+
 def signal_bin(signal: float) -> int:
     """The histogram bin of a signal in [0, 1] (1.0 falls in the last bin)."""
     return min(int(signal * HISTOGRAM_BINS), HISTOGRAM_BINS - 1)
 
 
-class TelemetryBatch(BaseModel):
+class TelemetryBatch(Lineage):
     """A runtime's unit of shipping: idempotent by batch_id, ordered by seq."""
 
     batch_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
@@ -280,7 +320,7 @@ class AggregateCell(BaseModel):
         return self
 
 
-class AggregateBatch(BaseModel):
+class AggregateBatch(Lineage):
     """Exact counts of every token a runtime generated since its last aggregate batch, merged
     additively into the rollups; idempotent by batch_id like a record batch."""
 
@@ -318,21 +358,24 @@ class AggregateBatch(BaseModel):
         return sum(cell.exits for cell in self.cells)
 
 
-def _column(model: type[BaseModel], name: str) -> Any:
+def _column(model: type[BaseModel], name: str, max_length: int | None = None) -> Any:
     """A list of `model`'s field `name`, constraints included: a column of that field, so the
     field stays the one definition of what a value may be."""
     field = model.model_fields[name]
     item = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
-    return list[item]
+    return list[item] if max_length is None else Annotated[list[item],
+                                                           Field(max_length=max_length)]
 
 
-_VersionColumn = _column(TokenRecord, "threshold_version")
-_RequestColumn = _column(TokenRecord, "request_id")
-_PositionColumn = _column(TokenRecord, "position")
-_ExitLayerColumn = _column(TokenRecord, "exit_layer")
-_SignalValueColumn = _column(TokenRecord, "signal_value")
-_LatencyColumn = _column(TokenRecord, "latency_us")
-_TsColumn = _column(TokenRecord, "ts")
+# A record column holds one entry per record; the shadow columns (one entry per shadow point)
+# are bounded by the control plane's EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS (413: split).
+_VersionColumn = _column(TokenRecord, "threshold_version", MAX_BATCH_RECORDS)
+_RequestColumn = _column(TokenRecord, "request_id", MAX_BATCH_RECORDS)
+_PositionColumn = _column(TokenRecord, "position", MAX_BATCH_RECORDS)
+_ExitLayerColumn = _column(TokenRecord, "exit_layer", MAX_BATCH_RECORDS)
+_SignalValueColumn = _column(TokenRecord, "signal_value", MAX_BATCH_RECORDS)
+_LatencyColumn = _column(TokenRecord, "latency_us", MAX_BATCH_RECORDS)
+_TsColumn = _column(TokenRecord, "ts", MAX_BATCH_RECORDS)
 _PointLayerColumn = _column(ShadowPoint, "layer")
 _PointSignalColumn = _column(ShadowPoint, "signal")
 _PointMatchedColumn = _column(ShadowPoint, "matched")
@@ -357,7 +400,8 @@ class RecordColumns(BaseModel):
     latency_us: _LatencyColumn
     ts: _TsColumn
     # Each record's traffic segment; left off (null) when every record is `default`.
-    segment: list[SegmentName] | None = Field(default=None, exclude_if=lambda value: value is None)
+    segment: list[SegmentName] | None = Field(default=None, max_length=MAX_BATCH_RECORDS,
+                                              exclude_if=lambda value: value is None)
     shadow_record: list[Annotated[int, Field(ge=0, lt=MAX_BATCH_RECORDS)]] = Field(
         default_factory=list)
     shadow_layer: _PointLayerColumn = Field(default_factory=list)
@@ -439,8 +483,9 @@ class IntervalBatch(AggregateBatch):
         return self
 
 
-class Heartbeat(BaseModel):
-    """A runtime's periodic report of what it applies and how its shipping is doing."""
+class Heartbeat(Lineage):
+    """A runtime's periodic report of what it serves and applies and how its shipping is
+    doing."""
 
     runtime_id: RuntimeId
     applied_version: int | None = Field(default=None, ge=0, le=INT32)

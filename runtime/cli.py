@@ -268,6 +268,10 @@ def bench(args) -> None:
               help="HF checkpoint dir or .gguf (default SmolLM2-135M-Instruct); 'tiny' serves "
                    "the tiny random test model with a character tokenizer.")
 @click.option("--heads", "heads_path", default=None, help="Exit heads artifact.")
+@click.option("--model-revision", default=None,
+              help="The model revision this runtime reports (as the deployment names it); "
+                   "default: the sha256 of a .gguf model file, the commit of a Hugging Face "
+                   "snapshot directory, else unknown.")
 @click.option("--thresholds", "thresholds_path", default=None,
               help="Serve offline with this threshold set instead of a control plane.")
 @click.option("--device", default="cpu", show_default=True,
@@ -318,7 +322,8 @@ def bench(args) -> None:
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
           port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s,
-          engine_death_exit_s, raw_sample_rate, segment_rules_path, max_segments) -> None:
+          engine_death_exit_s, raw_sample_rate, segment_rules_path, max_segments,
+          model_revision) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine.
 
     Each request runs in a traffic segment: the X-Exitplane-Segment header, else the
@@ -350,13 +355,16 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
         heads = ExitHeads.load(heads_path) if heads_path else None
     else:
         from runtime.model import load_served, model_name
+        from runtime.model import model_revision as revision_of
 
         model, tokenizer, heads = load_served(model_source, heads_path=heads_path, device=device)
         name = model_name(model_source)
+        model_revision = model_revision or revision_of(model_source)
     engine = Engine(model, heads=heads,
                     config=EngineConfig(max_batch=max_batch, shadow_rate=shadow_rate,
                                         kv_policy=kv_policy),
-                    runtime_id=runtime_id or f"{socket.gethostname()}-{os.getpid()}")
+                    runtime_id=runtime_id or f"{socket.gethostname()}-{os.getpid()}",
+                    model_revision=model_revision)
     static = read_threshold_file(thresholds_path) if thresholds_path else None
     try:
         state = build_state(engine=engine, tokenizer=tokenizer, model_name=name,

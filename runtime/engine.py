@@ -112,7 +112,8 @@ class Engine:
     def __init__(self, model, *, heads: ExitHeads | None = None,
                  exit_layers: list[int] | None = None, config: EngineConfig | None = None,
                  threshold_set: ThresholdSetWire | None = None, runtime_id: str = "runtime-0",
-                 on_record: Callable[[TokenRecord], None] | None = None):
+                 on_record: Callable[[TokenRecord], None] | None = None,
+                 model_revision: str | None = None):
         self.parts: DecoderParts = decoder_parts(model)
         self.config = config or EngineConfig()
         if self.config.batching not in ("compact", "mask"):
@@ -133,6 +134,8 @@ class Engine:
         if threshold_set is not None:
             self.set_thresholds(threshold_set)
         self.runtime_id = runtime_id
+        # Lineage the runtime reports (runtime.model.model_revision; None: unknown).
+        self.model_revision = model_revision
         self.on_record = on_record
         self.records: queue.SimpleQueue[TokenRecord] = queue.SimpleQueue()
         self._rng = random.Random(self.config.seed)
@@ -140,6 +143,11 @@ class Engine:
         self._running: OrderedDict[str, Request] = OrderedDict()
         self._ids = itertools.count()
         self.decoder = Decoder(self.parts, self.cache, self.config.max_seq_len)
+
+    @property
+    def head_digest(self) -> str | None:
+        """sha256 of the exit heads artifact served (None: no heads, or heads never saved)."""
+        return None if self.heads is None else self.heads.digest
 
     # -- control ---------------------------------------------------------------------------
     def set_thresholds(self, threshold_set: ThresholdSetWire | ExitPolicy) -> None:

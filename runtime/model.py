@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +120,23 @@ def model_name(source: str | os.PathLike | None) -> str:
     if source is None or str(source) == DEFAULT_MODEL:
         return DEFAULT_MODEL
     return Path(source).name
+
+
+def model_revision(source: str | os.PathLike | None) -> str | None:
+    """The model revision a runtime serving `source` reports (docs/protocol.md, "Lineage"):
+    the sha256 of a single-file model (.gguf, the default model's included), the commit of a
+    Hugging Face cache snapshot directory (.../snapshots/<commit>), else None (unknown: give
+    the deployment's revision with --model-revision)."""
+    from runtime.heads import file_sha256
+
+    if source is None or str(source) == DEFAULT_MODEL:
+        source = smollm2_gguf_path()
+    path = Path(source)
+    if path.is_file():
+        return file_sha256(path)
+    if path.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", path.name):
+        return path.name
+    return None
 
 
 def tiny_llama(*, seed: int = 0, num_layers: int = 6, hidden_size: int = 64,

@@ -1,7 +1,7 @@
 """What one decode step applies: a threshold version as an `ExitPolicy`, and the per-row plan
 (`RowPlan`) that gives each row of a batch its own segment's thresholds.
 
-A threshold set may hold per-segment maps (issue 18); a row applies `for_segment(its
+A threshold set may hold per-segment maps; a row applies `for_segment(its
 segment)`: its segment's own map, else the set's `thresholds` (`default`). The engine turns
 that into a (rows, exit layers) table once per step, on the host, so the exit check stays one
 comparison of a (B,) signal against a (B,) column, whatever mix of segments shares the batch.

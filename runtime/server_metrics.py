@@ -9,6 +9,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from exitplane.build import register_build_info
+
 # vLLM's buckets (vllm/engine/metrics.py), seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -86,7 +88,8 @@ class ServeMetrics:
     def __init__(self, num_layers: int, model_name: str = "model") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.request = RequestMetrics(r, model_name)  # vLLM-style request latencies (issue 15)
+        register_build_info(r)
+        self.request = RequestMetrics(r, model_name)  # vLLM-style request latencies
         self.tokens = Counter("exitplane_runtime_tokens", "Generated tokens", registry=r)
         self.requests = Counter("exitplane_runtime_requests", "Requests by outcome", ["outcome"],
                                 registry=r)
@@ -106,13 +109,17 @@ class ServeMetrics:
                              registry=r)
         self.dropped = Gauge("exitplane_runtime_dropped_records", "Telemetry records dropped",
                              registry=r)
-        # Traffic segments (issue 18): names accepted besides `default`, and requests whose
+        # Traffic segments: names accepted besides `default`, and requests whose
         # new name found the cap reached and ran as `default`.
         self.segments_tracked = Gauge("exitplane_runtime_segments_tracked",
                                       "Segment names tracked besides default", registry=r)
         self.segment_overflow = Gauge("exitplane_runtime_segment_overflow_requests",
                                       "Requests run as default: their segment was past the cap",
                                       registry=r)
+        self.segment_unkeyed = Gauge(
+            "exitplane_runtime_segment_unkeyed_requests",
+            "Requests run as default: a server without API keys takes no new segment name "
+            "from a request", registry=r)
         self.num_layers = num_layers
 
     def observe_step(self, outputs: list, seconds: float) -> None:

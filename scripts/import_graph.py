@@ -5,8 +5,8 @@
 
 Prints each import cycle between modules and each import from `controlplane` into `workers`,
 then one summary line; exits 1 if there is any. Every import counts, function-level ones
-included: an import hidden in a function is still an arrow between the two modules (issue 16:
-the automatic fallback was reached through two of them).
+included: an import hidden in a function is still an arrow between the two modules (the automatic
+fallback is reached through such imports).
 """
 
 from __future__ import annotations

@@ -30,14 +30,18 @@ def checksums() -> list[dict]:
         ("chat", 2, "saturation", {5: 0.3333333333333333, 10: 0.7000000000000001},
          "shortest round-trip float repr"),
     ]
-    # Per-segment thresholds (issue 18): the map enters the canonical JSON, sorted at every
+    # Per-segment thresholds: the map enters the canonical JSON, sorted at every
     # level; the sets above have none and keep the checksum they always had.
     segmented = ("mixed", 4, "learned", {12: 0.9, 6: 0.95},
                  "segments: sorted names and layers; 'default' is `thresholds`",
                  {"code": {6: 1, 12: 0.99}, "chat": {12: 0.8, 6: 0.875}})
+    # A set made for named exit heads (lineage): the digest enters the canonical JSON.
+    made_for = ("chat", 9, "learned", {16: 0.9, 8: 0.95},
+                "head_digest: the exit heads the set was made for", None, HEAD_DIGEST)
     out = []
-    for deployment, version, signal, thresholds, note, *rest in [*cases, segmented]:
+    for deployment, version, signal, thresholds, note, *rest in [*cases, segmented, made_for]:
         segments = rest[0] if rest else None
+        head_digest = rest[1] if len(rest) > 1 else None
         body = {"deployment": deployment, "version": version, "signal": signal,
                 "thresholds": _layer_map(thresholds)}
         case = {"note": note, "deployment": deployment, "version": version, "signal": signal,
@@ -46,11 +50,19 @@ def checksums() -> list[dict]:
             body["segments"] = {name: _layer_map(m) for name, m in segments.items()}
             case["segments"] = {name: {str(k): v for k, v in m.items()}
                                 for name, m in segments.items()}
+        if head_digest:
+            body["head_digest"] = case["head_digest"] = head_digest
         out.append({**case, "canonical_json": canonical_json(body).decode(),
                     "checksum": threshold_checksum(deployment=deployment, version=version,
                                                    signal=signal, thresholds=thresholds,
-                                                   segments=segments)})
+                                                   segments=segments,
+                                                   head_digest=head_digest)})
     return out
+
+
+# The lineage the vectors name: an exit-heads artifact's sha256 and a model revision.
+HEAD_DIGEST = "3f1a9c0e5b7d2468ace13579bdf02468ace13579bdf02468ace13579bdf0246a"
+MODEL_REVISION = "smollm2-135m-instruct@5d5b8d1"
 
 
 def _layer_map(thresholds: dict[int, float]) -> dict[str, float]:
@@ -100,7 +112,7 @@ def payloads() -> dict:
     aggregate = AggregateBatch(batch_id="7e1d0c9b8a7f6e5d4c3b2a1908f7e6d5", deployment="tiny",
                                runtime_id="rt-1", seq=42, num_layers=6, raw_sample_rate=0.01,
                                cells=aggregator.cut()).model_dump(mode="json")
-    # Traffic segments (issue 18): the same shapes with a `segment` on records and cells,
+    # Traffic segments: the same shapes with a `segment` on records and cells,
     # left off where it is `default` (so record_batch above is byte-for-byte unsegmented).
     segmented_records = _records(18, seed=15)
     for index, record in enumerate(segmented_records):
@@ -127,6 +139,9 @@ def payloads() -> dict:
         records=RecordColumns.of(carried)).model_dump(mode="json")
     threshold_set = ThresholdSetWire.build(deployment="tiny", version=3, signal="maxprob",
                                            thresholds={2: 0.9, 4: 0.75}).model_dump(mode="json")
+    for_heads = ThresholdSetWire.build(deployment="tiny", version=4, signal="learned",
+                                       thresholds={2: 0.9, 4: 0.75},
+                                       head_digest=HEAD_DIGEST).model_dump(mode="json")
     refused = [
         {"note": "exit_layer beyond num_layers", "content_type": "application/json",
          "payload": {**batch, "records": [{**records[0], "exit_layer": 7}]},
@@ -162,6 +177,10 @@ def payloads() -> dict:
              **interval["records"],
              "shadow_record": [*interval["records"]["shadow_record"][:-1], 99]}},
          "status": 422, "detail_contains": "shadow_record 99 names no record"},
+        {"note": "a head digest with a character outside [A-Za-z0-9_.:+-]",
+         "content_type": "application/json",
+         "payload": {**batch, "records": batch["records"][:1], "head_digest": "sha256 3f1a"},
+         "status": 422, "detail_contains": "head_digest"},
     ]
     return {
         "record_batch": {"content_type": "application/json", "payload": batch,
@@ -196,9 +215,19 @@ def payloads() -> dict:
             "msgpack_content_type": "application/vnd.exitplane.interval+msgpack",
             "msgpack_hex": msgpack.packb(interval, use_bin_type=True).hex()},
         "threshold_set": {"etag": f'"{threshold_set["checksum"]}"', "payload": threshold_set},
-        "heartbeat": {"payload": {"runtime_id": "rt-1", "applied_version": 3,
-                                  "applied_checksum": threshold_set["checksum"], "ready": True,
-                                  "error": None, "spooled_batches": 0, "dropped_records": 0}},
+        "threshold_set_for_heads": {
+            "note": "a set made for the exit heads `head_digest` (part of the checksum): a "
+                    "runtime serving other heads refuses it; one that does not know its heads "
+                    "applies it",
+            "etag": f'"{for_heads["checksum"]}"', "payload": for_heads},
+        "heartbeat": {
+            "note": "model_revision and head_digest: what the runtime serves (lineage); left "
+                    "out when unknown. Record, aggregate and interval batches carry the same "
+                    "two fields",
+            "payload": {"runtime_id": "rt-1", "model_revision": MODEL_REVISION,
+                        "head_digest": HEAD_DIGEST, "applied_version": 3,
+                        "applied_checksum": threshold_set["checksum"], "ready": True,
+                        "error": None, "spooled_batches": 0, "dropped_records": 0}},
         "refused": refused,
     }
 

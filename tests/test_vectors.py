@@ -42,12 +42,16 @@ def test_checksum_vectors(case):
     if segments:
         body["segments"] = {name: {str(k): float(v) for k, v in sorted(m.items())}
                             for name, m in segments.items()}
+    head_digest = case.get("head_digest")
+    if head_digest:
+        body["head_digest"] = head_digest
     assert canonical_json(body).decode() == case["canonical_json"]
     assert threshold_checksum(deployment=case["deployment"], version=case["version"],
                               signal=case["signal"], thresholds=thresholds,
-                              segments=segments) == case["checksum"]
+                              segments=segments, head_digest=head_digest) == case["checksum"]
     wire = ThresholdSetWire.build(deployment=case["deployment"], version=case["version"],
-                                  signal=case["signal"], thresholds=thresholds, segments=segments)
+                                  signal=case["signal"], thresholds=thresholds, segments=segments,
+                                  head_digest=head_digest)
     assert wire.checksum == case["checksum"]
     assert ThresholdSetWire.model_validate({**wire.model_dump(mode="json")}).checksum == \
         case["checksum"]
@@ -93,12 +97,34 @@ def test_aggregate_vector_is_what_the_records_make():
     assert rows(histogram, names) == rows(from_records.histogram, names)
 
 
+def test_the_checksum_vectors_include_a_set_made_for_named_heads():
+    [case] = [case for case in CHECKSUMS if case.get("head_digest")]
+    assert f'"head_digest":"{case["head_digest"]}"' in case["canonical_json"]
+
+
 def test_threshold_set_and_heartbeat_vectors():
     vector = PAYLOADS["threshold_set"]
     wire = ThresholdSetWire.model_validate(vector["payload"])
     wire.verify()
     assert vector["etag"] == f'"{wire.checksum}"'
-    Heartbeat.model_validate(PAYLOADS["heartbeat"]["payload"])
+    assert wire.head_digest is None and "head_digest" not in vector["payload"]
+    beat = Heartbeat.model_validate(PAYLOADS["heartbeat"]["payload"])
+    assert beat.model_dump(mode="json") == PAYLOADS["heartbeat"]["payload"]
+    assert beat.head_digest and beat.model_revision
+
+
+def test_a_set_for_named_heads_fits_only_those_heads():
+    vector = PAYLOADS["threshold_set_for_heads"]
+    wire = ThresholdSetWire.model_validate(vector["payload"])
+    wire.verify()
+    assert vector["etag"] == f'"{wire.checksum}"'
+    heads = PAYLOADS["heartbeat"]["payload"]["head_digest"]
+    assert wire.head_digest == heads
+    assert wire.fits_heads(heads) and wire.fits_heads(None) and not wire.fits_heads("0" * 64)
+    # The digest is covered by the checksum: a set re-labelled for other heads fails it.
+    relabelled = ThresholdSetWire.model_validate({**vector["payload"], "head_digest": "0" * 64})
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        relabelled.verify()
 
 
 @pytest.mark.parametrize("case", PAYLOADS["refused"],
@@ -185,3 +211,17 @@ def test_interval_vector_carries_the_counts_and_the_records_as_columns():
                               equal_nan=True), name
     assert stored.request_id == as_records.request_id and stored.segment == as_records.segment
     assert stored.aggregated and stored.batch_id == payload["batch_id"]
+
+
+def test_batches_carry_the_heartbeats_lineage_through_every_path():
+    lineage = {name: PAYLOADS["heartbeat"]["payload"][name]
+               for name in ("model_revision", "head_digest")}
+    records = {**PAYLOADS["record_batch"]["payload"], **lineage}
+    assert TelemetryBatch.model_validate(records).model_dump(mode="json") == records
+    assert parse_batch(records).to_wire() == records  # the control plane's column path
+    interval = {**PAYLOADS["interval_batch"]["payload"], **lineage}
+    batch = decode_aggregate(json.dumps(interval).encode(),
+                             PAYLOADS["interval_batch"]["content_type"], IntervalBatch)
+    assert (batch.model_revision, batch.head_digest) == tuple(lineage.values())
+    carried = BatchColumns.of_interval(batch)
+    assert (carried.model_revision, carried.head_digest) == tuple(lineage.values())

@@ -1,4 +1,4 @@
-"""Logs and metrics of the Celery processes (issue 15), wired through Celery's signals.
+"""Logs and metrics of the Celery processes, wired through Celery's signals.
 
 - Logging: Celery's own setup is replaced by `exitplane.logs.configure_logging`, so worker and
   beat lines have the API's shape.
@@ -22,11 +22,13 @@ from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.celery_app import REQUEST_ID_HEADER as HEADER
+from exitplane.build import register_build_info
 from exitplane.logs import configure_logging, request_id_var
 
 log = logging.getLogger("exitplane.worker")
 
 registry = CollectorRegistry()
+register_build_info(registry)
 task_duration = Histogram(
     "exitplane_worker_task_duration_seconds", "Celery task run time by task name and outcome",
     ["task", "state"], registry=registry,

@@ -20,7 +20,7 @@ process ingested the telemetry (the rules aggregate with max by deployment / lay
   mean depth, the estimate calibration reports)
 
 The exit-behaviour gauges (exit_rate, tokens_checked, shadow_disagreement, shadow_tokens,
-mean_exit_depth, estimated_speedup) carry a `segment` label (issue 18): segment="" is the whole
+mean_exit_depth, estimated_speedup) carry a `segment` label: segment="" is the whole
 deployment (Prometheus drops empty labels, so it is the series these gauges always exported),
 and a deployment that knows traffic segments also gets one series per registered segment and
 `default`, at most EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT + 1 of them. The rules select
@@ -192,7 +192,8 @@ def _fill_exit_behaviour(session, families: dict[str, GaugeMetricFamily],
     name count only in the whole-deployment series, so the cardinality is bounded by the
     registry cap."""
     segmented: dict[int, set[str]] = defaultdict(set)
-    for row in session.execute(select(DeploymentSegment.deployment_id, DeploymentSegment.name)):
+    for row in session.execute(select(DeploymentSegment.deployment_id, DeploymentSegment.name)
+                               .where(DeploymentSegment.removed_at.is_(None))):
         segmented[row.deployment_id].add(row.name)
     rollups = session.execute(
         select(Rollup.deployment_id, Rollup.version, Rollup.segment, Rollup.layer,

@@ -18,6 +18,10 @@ class AlertKind(StrEnum):
     DISTRIBUTION_DRIFT = "distribution_drift"
     RUNTIME_STALE = "runtime_stale"
     CANARY_FAILED = "canary_failed"
+    # A runtime serves other exit heads or another model revision than its deployment names
+    # (controlplane.runtimes.lineage): its evidence is set aside.
+    RUNTIME_MISMATCH = "runtime_mismatch"
+    RUNTIME_OUTLIER = "runtime_outlier"
 
 
 # Kinds that put answer quality at risk: the automatic fallback to a conservative set reacts to

@@ -37,7 +37,7 @@ class Alert(Base):
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(32))
     layer: Mapped[int | None]
-    # The traffic segment the condition was observed on (issue 18); 'default' also for alerts
+    # The traffic segment the condition was observed on; 'default' also for alerts
     # about the whole deployment (stale runtimes, canaries).
     segment: Mapped[str] = mapped_column(String(64), default=DEFAULT_SEGMENT,
                                          server_default=DEFAULT_SEGMENT)
@@ -72,7 +72,7 @@ class AlertHook(Base):
     name: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(20))
     # URL, HMAC key (webhooks) and routing key (PagerDuty) are credentials: stored encrypted
-    # with a key derived from the secret key (controlplane/keys.py, issue 13), decrypted only
+    # with a key derived from the secret key (controlplane/keys.py), decrypted only
     # to deliver; every delivery signs with the HMAC key, so it cannot be a one-way hash.
     url: Mapped[str] = mapped_column(SEALED_URL)
     secret: Mapped[str | None] = mapped_column(SEALED)

@@ -39,8 +39,7 @@ SYSTEM_ACTOR = "system"
 @dataclass(frozen=True)
 class Condition:
     """What a detector observed on a deployment; `subject` tells one instance from another
-    (the exit layer, a runtime id, or "all"), `segment` the traffic segment it was seen on
-    (issue 18)."""
+    (the exit layer, a runtime id, or "all"), `segment` the traffic segment it was seen on."""
 
     kind: str
     severity: str

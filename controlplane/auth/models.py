@@ -1,4 +1,5 @@
-"""ORM for API tokens (stored as sha256 digests, never in clear)."""
+"""ORM for API tokens (stored as sha256 digests, never in clear), UI users and the counts of
+failed password checks."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ class User(Base):
     session_epoch: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_login_at: Mapped[datetime | None]
+
+
+class SignInFailures(Base):
+    """Failed password checks counted under one throttle key (a hash of a username, a client
+    address or both: controlplane/coordination/throttle.py), where no Redis is configured."""
+
+    __tablename__ = "signin_failures"
+
+    key: Mapped[str] = mapped_column(String(40), primary_key=True)
+    failures: Mapped[int] = mapped_column(default=0)
+    locked_until: Mapped[datetime | None]
+    last_failure_at: Mapped[datetime] = mapped_column(index=True)

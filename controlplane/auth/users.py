@@ -7,6 +7,7 @@ disabled flag bumps `session_epoch`, which invalidates every session cookie issu
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
@@ -58,31 +59,79 @@ def create_user(*, session: Session, username: str, password: str, role: str) ->
     _check_password(password)
     if session.scalar(select(User.id).where(User.username == username)) is not None:
         raise Conflict(f"user {username!r} already exists")
-    user = User(username=username, password_hash=_hasher.hash(password), role=role)
+    user = User(username=username, password_hash=hash_password(password), role=role)
     session.add(user)
+    session.flush()
+    return user
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What checking a user's password needs, read in a transaction that ends before the check
+    (controlplane/auth/passwords.py: on SQLite a transaction holds the store's write lock)."""
+
+    user_id: int
+    username: str
+    password_hash: str
+    disabled: bool
+
+
+def find_credentials(*, session: Session, username: str | None = None,
+                     user_id: int | None = None) -> Credentials | None:
+    """The credentials of the user with this username (any case) or id, or None."""
+    query = select(User.id, User.username, User.password_hash, User.disabled)
+    query = (query.where(User.id == user_id) if user_id is not None
+             else query.where(User.username == (username or "").strip().lower()))
+    row = session.execute(query).one_or_none()
+    return Credentials(user_id=row.id, username=row.username, password_hash=row.password_hash,
+                       disabled=row.disabled) if row else None
+
+
+def password_matches(password_hash: str | None, password: str) -> bool:
+    """Whether `password` matches `password_hash` (an argon2id verify: 64 MiB and tens of ms,
+    so never inside a transaction). Without a hash (no such user) a dummy one is checked, so a
+    miss costs as much as a wrong password."""
+    try:
+        return _hasher.verify(password_hash or _DUMMY_HASH, password) and bool(password_hash)
+    except (VerifyMismatchError, VerificationError, InvalidHashError):
+        return False
+
+
+def hash_password(password: str) -> str:
+    """A new argon2id hash of `password` (as costly as a check)."""
+    return _hasher.hash(password)
+
+
+def rehashed(password_hash: str, password: str) -> str | None:
+    """A new hash of the (right) `password` when `password_hash` was made with older
+    parameters, else None."""
+    return _hasher.hash(password) if _hasher.check_needs_rehash(password_hash) else None
+
+
+def record_sign_in(*, session: Session, credentials: Credentials,
+                   new_hash: str | None = None) -> User:
+    """Record the sign-in of the user whose password `credentials` matched: Unauthorized if
+    that user was disabled, or changed password, since they were read."""
+    user = session.get(User, credentials.user_id)
+    if user is None or user.disabled or user.password_hash != credentials.password_hash:
+        raise Unauthorized("wrong username or password")
+    if new_hash is not None:
+        user.password_hash = new_hash
+    user.last_login_at = utcnow()
     session.flush()
     return user
 
 
 def authenticate_user(*, session: Session, username: str, password: str) -> User:
     """The enabled user with this username and password, or Unauthorized (same message for all
-    failures, so the form does not reveal which usernames exist)."""
-    user = session.scalars(select(User).where(
-        User.username == username.strip().lower())).one_or_none()
-    try:
-        _hasher.verify(user.password_hash if user else _DUMMY_HASH, password)
-    except (VerifyMismatchError, VerificationError, InvalidHashError):
-        user = None
-    else:
-        if user is not None and user.disabled:
-            user = None
-    if user is None:
+    failures, so the form does not reveal which usernames exist). In one transaction: the
+    admin UI runs the same steps with the check outside any (controlplane/auth/passwords.py)."""
+    credentials = find_credentials(session=session, username=username)
+    if not password_matches(credentials.password_hash if credentials else None, password) \
+            or credentials is None or credentials.disabled:
         raise Unauthorized("wrong username or password")
-    if _hasher.check_needs_rehash(user.password_hash):
-        user.password_hash = _hasher.hash(password)
-    user.last_login_at = utcnow()
-    session.flush()
-    return user
+    return record_sign_in(session=session, credentials=credentials,
+                          new_hash=rehashed(credentials.password_hash, password))
 
 
 def get_user(*, session: Session, user_id: int) -> User:
@@ -128,21 +177,40 @@ def set_disabled(*, session: Session, user: User, disabled: bool) -> User:
 def set_password(*, session: Session, user: User, password: str) -> User:
     """Replace the password; sessions signed in with the old one end."""
     _check_password(password)
-    user.password_hash = _hasher.hash(password)
+    return _replace_hash(session=session, user=user, new_hash=hash_password(password))
+
+
+def _replace_hash(*, session: Session, user: User, new_hash: str) -> User:
+    user.password_hash = new_hash
     user.session_epoch += 1
     session.flush()
     return user
 
 
-def change_own_password(*, session: Session, user: User, current: str, new: str) -> User:
-    """A user replacing their own password: the current one must be right."""
-    try:
-        _hasher.verify(user.password_hash, current)
-    except (VerifyMismatchError, VerificationError, InvalidHashError):
-        raise Unauthorized("the current password is wrong") from None
+def check_new_password(*, current: str, new: str) -> None:
+    """Invalid when `new` may not replace `current` (too short or long, or the same)."""
+    _check_password(new)
     if new == current:
         raise Invalid("the new password is the same as the current one")
-    return set_password(session=session, user=user, password=new)
+
+
+def replace_checked_password(*, session: Session, credentials: Credentials,
+                             new_hash: str) -> User:
+    """Store `new_hash` for the user whose current password `credentials` matched; Conflict if
+    the password changed since it was read. Sessions signed in with the old one end."""
+    user = session.get(User, credentials.user_id)
+    if user is None or user.password_hash != credentials.password_hash:
+        raise Conflict("the password was changed meanwhile; sign in again")
+    return _replace_hash(session=session, user=user, new_hash=new_hash)
+
+
+def change_own_password(*, session: Session, user: User, current: str, new: str) -> User:
+    """A user replacing their own password: the current one must be right. In one
+    transaction: the admin UI runs the same steps with the check outside any."""
+    if not password_matches(user.password_hash, current):
+        raise Unauthorized("the current password is wrong")
+    check_new_password(current=current, new=new)
+    return _replace_hash(session=session, user=user, new_hash=hash_password(new))
 
 
 def end_sessions(*, session: Session, user: User) -> User:

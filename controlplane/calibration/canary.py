@@ -10,7 +10,7 @@ carry the canary version, so rollups with `version == canary` are the canary gro
   disagreement above δ (the window cannot show that quality holds);
 - clean otherwise: the window shows disagreement within δ at confidence 1 - alpha.
 
-The quality test counts requests, not tokens (issue 17): a request's tokens share a prompt and
+The quality test counts requests, not tokens: a request's tokens share a prompt and
 a topic, so disagreements cluster in requests, and a binomial test over tokens overstates its
 evidence by the design effect. The canary's shadow tokens are read with their request ids and
 tested as the drift detector tests them (`controlplane.stats.clustered`: ratio estimator with a
@@ -21,7 +21,7 @@ disagreements sit in a few requests is therefore neither promoted nor reverted o
 revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows pause
 the canary for a human (approve / reject the job, or promote / revert the canary).
 
-Traffic segments (issue 18): a candidate is judged on each segment whose thresholds it changes
+Traffic segments: a candidate is judged on each segment whose thresholds it changes
 (`judged_segments`), each on that segment's rows with the map it applies there and against its
 own expected exit rate; a window fails if any judged segment fails, is inconclusive if any is,
 and the tests are run at alpha / k for k judged segments. A deployment without segments is
@@ -31,14 +31,17 @@ judged on all its traffic exactly as before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
+import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, fire
+from controlplane.calibration.evidence import leave_one_out
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
@@ -46,7 +49,8 @@ from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_t
 from controlplane.errors import Conflict, NotFound
 from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
 from controlplane.telemetry.models import Rollup
-from controlplane.telemetry.service import shadow_samples_by_request
+from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
@@ -64,9 +68,10 @@ class CanaryPolicy:
     failure_limit: int = 1
     max_inconclusive: int = 10
     min_shadow_tokens: int = 200
-    min_shadow_requests: int = 10  # fewer: clustering cannot be measured (issue 17)
+    min_shadow_requests: int = 10  # fewer: clustering cannot be measured
     alpha: float = 0.01
     exit_rate_tolerance: float = 0.10  # absolute excess over the expected exit rate that fails
+    min_runtimes: int = 3  # from this many canary runtimes on, none decides a verdict alone
 
     @classmethod
     def from_settings(cls, settings) -> CanaryPolicy:
@@ -75,7 +80,8 @@ class CanaryPolicy:
                    failure_limit=settings.canary_failure_limit,
                    max_inconclusive=settings.canary_max_inconclusive,
                    min_shadow_tokens=settings.canary_min_shadow_tokens,
-                   min_shadow_requests=settings.canary_min_shadow_requests)
+                   min_shadow_requests=settings.canary_min_shadow_requests,
+                   min_runtimes=settings.evidence_robust_min_runtimes)
 
 
 def floor_minute(moment: datetime) -> datetime:
@@ -116,14 +122,16 @@ def running_canary(*, session: Session, deployment: Deployment,
 
 
 def group_figures(*, session: Session, deployment: Deployment, version: int,
-                  since: datetime, until: datetime, segment: str | None = None) -> dict:
+                  since: datetime, until: datetime, segment: str | None = None,
+                  exclude: Collection[str] = ()) -> dict:
     """Tokens, exit rate, shadow tokens and policy disagreement of one version's runtimes (on
-    one traffic segment's rows when given)."""
+    one traffic segment's rows when given; without the runtimes in `exclude`)."""
     first = deployment.exit_layers[0]
     exit_layers = deployment.exit_layers
     base = (Rollup.deployment_id == deployment.id, Rollup.version == version,
             Rollup.minute >= since, Rollup.minute < until,
-            *([Rollup.segment == segment] if segment is not None else []))
+            *([Rollup.segment == segment] if segment is not None else []),
+            *([Rollup.runtime_id.not_in(sorted(exclude))] if exclude else []))
     tokens, shadow = session.execute(
         select(func.coalesce(func.sum(Rollup.tokens), 0),
                func.coalesce(func.sum(Rollup.shadow_total), 0))
@@ -141,26 +149,38 @@ def group_figures(*, session: Session, deployment: Deployment, version: int,
 
 def window_quality(*, session: Session, deployment: Deployment, version: int,
                    thresholds: dict[int, float], since: datetime, until: datetime,
-                   segment: str | None = None) -> ClusteredProportion:
+                   segment: str | None = None, exclude: Collection[str] | None = None,
+                   min_runtimes: int = 3) -> tuple[ClusteredProportion, list[ClusteredProportion]]:
     """The policy's disagreement on one version's shadow tokens of a window (of one traffic
-    segment when given), clustered by request (the unit the quality test counts)."""
-    requests, signals, matched = shadow_samples_by_request(
-        session=session, deployment=deployment, since=since, until=until, version=version,
-        segment=segment)
+    segment when given), clustered by request (the unit the quality test counts); then the
+    same without each one runtime's tokens when `min_runtimes` or more report
+    (`calibration.evidence`). Excluded runtimes (`exclude`, None: the deployment's) count
+    for nothing."""
+    found = shadow_evidence(session=session, deployment=deployment, since=since, until=until,
+                            version=version, segment=segment, exclude=exclude)
     layers = sorted(deployment.exit_layers)
-    _, disagree = policy_outcomes(signals, matched, [thresholds[k] for k in layers])
-    return clustered_rate(requests, disagree)
+    _, disagree = policy_outcomes(found.signals, found.matched, [thresholds[k] for k in layers])
+    requests = found.keyed_requests()
+    without_one = [clustered_rate(requests[mask], disagree[mask]) for mask in
+                   leave_one_out(np.asarray(found.runtimes, dtype=str), min_runtimes)]
+    return clustered_rate(requests, disagree), without_one
 
 
 def _verdict(*, canary: dict, quality: ClusteredProportion, expected_exit_rate: float | None,
-             delta: float, policy: CanaryPolicy) -> tuple[str, str, dict]:
-    """(clean | failed | inconclusive, why, test figures) for one window of the canary."""
+             delta: float, policy: CanaryPolicy,
+             without_one: Sequence[ClusteredProportion] = ()) -> tuple[str, str, dict]:
+    """(clean | failed | inconclusive, why, test figures) for one window of the canary. With
+    `without_one` (the window without each one runtime's tokens), a failure must show, and a
+    clean window's bound hold, without any one runtime too: no runtime decides alone."""
     n, k, requests = quality.tokens, quality.events, quality.clusters
     tests: dict = {"quality": quality.to_dict()}
+    if without_one:
+        tests["runtimes"] = len(without_one)
     over = (f"{k}/{n} shadow tokens over {requests} requests (design effect "
             f"{quality.design_effect:.1f}, effective {quality.effective_tokens:.0f})")
     if n:
-        p_quality = quality.p_value_above(delta)
+        p_quality = max([quality.p_value_above(delta),
+                         *(rest.p_value_above(delta) for rest in without_one)])
         tests["disagreement_p_value"] = float(p_quality)
         if p_quality <= policy.alpha:
             return "failed", (f"canary disagreement {k / n:.4f} on {over} is significantly "
@@ -179,7 +199,8 @@ def _verdict(*, canary: dict, quality: ClusteredProportion, expected_exit_rate: 
         return "inconclusive", (f"only {n} canary shadow tokens from {requests} requests in the "
                                 f"window; need {policy.min_shadow_tokens} from "
                                 f"{policy.min_shadow_requests}"), tests
-    bound = quality.upper_bound(policy.alpha)
+    bound = max([quality.upper_bound(policy.alpha),
+                 *(rest.upper_bound(policy.alpha) for rest in without_one)])
     tests["disagreement_upper_bound"] = bound
     if bound > delta:
         return "inconclusive", (f"canary disagreement {k / n:.4f} on {over}: its "
@@ -217,6 +238,7 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
     # Several segments judged: each failing test at alpha / k, so a good candidate is not
     # reverted more often because it changes more segments (as the drift checks split alpha).
     split = replace(policy, alpha=policy.alpha / len(judged))
+    exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
     while run.status == "running":
         start = run.next_window_start
         end = start + policy.interval
@@ -226,16 +248,18 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
         for segment in judged:
             figures = group_figures(session=session, deployment=deployment,
                                     version=run.version, since=start, until=end,
-                                    segment=segment)
-            quality = window_quality(
+                                    segment=segment, exclude=exclude)
+            quality, without_one = window_quality(
                 session=session, deployment=deployment, version=run.version,
                 thresholds=thresholds_for(candidate, segment or DEFAULT_SEGMENT), since=start,
-                until=end, segment=segment)
+                until=end, segment=segment, exclude=exclude, min_runtimes=policy.min_runtimes)
             verdicts[segment] = (*_verdict(
                 canary=figures, quality=quality, delta=deployment.delta, policy=split,
-                expected_exit_rate=_expected_exit_rate(candidate, segment)), figures)
+                expected_exit_rate=_expected_exit_rate(candidate, segment),
+                without_one=without_one), figures)
         stable = group_figures(session=session, deployment=deployment,
-                               version=aliases["active"], since=start, until=end)
+                               version=aliases["active"], since=start, until=end,
+                               exclude=exclude)
         verdict, why, tests, figures = _combine(verdicts)
         check = {"window": [start.isoformat(), end.isoformat()], "verdict": verdict,
                  "reason": why, "canary": figures, "stable": stable, "tests": tests,
@@ -253,7 +277,7 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
 
 def judged_segments(*, candidate: ThresholdSet, baseline: ThresholdSet, known: list[str]
                     ) -> list[str | None]:
-    """The traffic segments a canary judges (issue 18): those whose thresholds the candidate
+    """The traffic segments a canary judges: those whose thresholds the candidate
     changes ('default' first), each on its own rows; [None] (all traffic, as before segments
     existed) when neither set has segment maps and the deployment knows no segment, or when
     the candidate changes nothing."""

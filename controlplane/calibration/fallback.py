@@ -10,7 +10,7 @@ alert, and writes on the alert what it did. How conservative is the deployment's
   enough of it), republished with every threshold raised by `fallback_margin` (origin
   `fallback`); the `conservative` alias when no version qualifies.
 
-Which alerts fall back (issue 17), and the rule that decided is written on the alert:
+Which alerts fall back, and the rule that decided is written on the alert:
 
 - `quality_regression`: at once (rule `quality_regression`);
 - `exit_rate_spike`: only when the window's shadow tokens cannot show that disagreement stays
@@ -20,7 +20,7 @@ Which alerts fall back (issue 17), and the rule that decided is written on the a
   no such evidence (`no_quality_evidence`). Otherwise the current set stays and a
   recalibration is queued (rule `shadow_upper_bound_within_delta`).
 
-Per traffic segment (issue 18): an alert on segment S (`alert.segment`) falls back S alone.
+Per traffic segment: an alert on segment S (`alert.segment`) falls back S alone.
 A version is published (origin `fallback`) equal to the active one except S's map: never exit
 (`never_exit`), or the last good version's thresholds for S raised by the margin
 (`last_good`, judged on S's traffic only); S gets a map of its own if it had none, and

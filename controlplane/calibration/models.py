@@ -35,7 +35,7 @@ class CalibrationJob(Base):
     since: Mapped[datetime]
     until: Mapped[datetime | None]
     # The one traffic segment this job recalibrates (its shadow tokens only, replacing only its
-    # map; issue 18); None: the whole deployment.
+    # map); None: the whole deployment.
     segment: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(20), default="queued")
     status_reason: Mapped[str] = mapped_column(Text, default="")

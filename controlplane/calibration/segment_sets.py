@@ -1,4 +1,4 @@
-"""A threshold set seen per traffic segment (issue 18): the map a segment applies, and the maps
+"""A threshold set seen per traffic segment: the map a segment applies, and the maps
 of a new version in which one segment's map changes and every other segment keeps its own.
 
 The fallback (one segment falls back) and a segment's recalibration (one segment's map is

@@ -1,4 +1,4 @@
-"""Per-segment calibration (issue 18): each traffic segment gets its own Learn-Then-Test
+"""Per-segment calibration: each traffic segment gets its own Learn-Then-Test
 thresholds on its own shadow tokens, with ε split across segments so that one statement holds
 for all of them at once.
 
@@ -60,7 +60,7 @@ pooled check sees data the pooled set was not chosen on; a segment that runs its
 no reserve gives the pooled set all its tokens. If no test passes the segment keeps the
 conservative never-exit thresholds. The result says, per segment, which set it got and why.
 
-A small segment's path borrows the larger segments' tokens (`borrow_path`, issue 18's power on
+A small segment's path borrows the larger segments' tokens (`borrow_path`: power on
 a small segment). The LTT's guarantee needs only that the path be fixed independently of the
 tokens it is tested on; other segments' tokens come from other requests, so they may help draw
 it. When the segments before it in the size order (above: only those, so that the own tests stay
@@ -271,6 +271,8 @@ def calibrate_segments(
     borrow_path: bool = True,
     prior_weight: float = PRIOR_WEIGHT,
     seed: int = 0,
+    runtimes: np.ndarray | None = None,
+    robust_min_runtimes: int = 3,
 ) -> SegmentedCalibration:
     """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
 
@@ -283,8 +285,9 @@ def calibrate_segments(
     ε/k with that share of it kept for a pooled check (comparison). `borrow_path` lets a
     segment draw its path with the tokens of the larger segments when they outnumber its own,
     shrunk by `prior_weight` (module docstring; False: each path from its own learn tokens
-    only). Raises ValueError on malformed input; a segment or pool too small for LTT is not an
-    error, it is reported.
+    only). `runtimes` (n,): each token's runtime, for the cross-runtime holdout and the
+    leave-one-runtime-out test of every LTT run (`calibrate_thresholds`). Raises ValueError on
+    malformed input; a segment or pool too small for LTT is not an error, it is reported.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
     labels = np.asarray(segments).astype(str)
@@ -303,7 +306,9 @@ def calibrate_segments(
                    strategy=strategy, learn_fraction=learn_fraction,
                    holdout_fraction=holdout_fraction, risk_test=risk_test,
                    match_model=match_model,
-                   min_samples_per_layer=min_samples_per_layer, seed=seed)
+                   min_samples_per_layer=min_samples_per_layer, seed=seed,
+                   robust_min_runtimes=robust_min_runtimes)
+    runtimes = None if runtimes is None else np.asarray(runtimes).astype(str)
     # Which segments run their own LTT, from token counts alone (before any test): the levels
     # below depend on it, so it must not depend on any outcome.
     too_small = {name: _too_small_for_own(signals[labels == name], exit_layers,
@@ -322,7 +327,9 @@ def calibrate_segments(
     notes: list[str] = []
     try:
         pooled = calibrate_thresholds(signals=signals[~check], matched=matched[~check],
-                                      requests=requests[~check], epsilon=epsilon, **options)
+                                      requests=requests[~check], epsilon=epsilon,
+                                      runtimes=None if runtimes is None else runtimes[~check],
+                                      **options)
     except NotEnoughShadowData as error:
         pooled = None
         notes.append(f"pooled set not calibrated: {error}")
@@ -344,7 +351,7 @@ def calibrate_segments(
             never=never, delta=delta, too_small=too_small[name], own_level=own_level,
             own_rule=own_rule, per_segment=epsilon / k,
             reserve=pooled_check_share if split == "bonferroni" else 0.0,
-            options=own_options)
+            options=own_options | {"runtimes": None if runtimes is None else runtimes[mine]})
     decided = dict(sorted(decided.items()))
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
         dict(pooled.thresholds) if pooled is not None else never)

@@ -11,7 +11,7 @@ Crash safety: a worker killed before `apply_outcome` commits leaves no version b
 stays `running` (or `queued`) and a rerun starts again from the samples; a rerun after the
 commit, or a duplicate run racing it, finds the job finished and does nothing.
 
-Traffic segments (issue 18): a job with a `segment` calibrates that segment alone on its own
+Traffic segments: a job with a `segment` calibrates that segment alone on its own
 shadow tokens, at `segments.recalibration_level` (a (1-a)^(k-1), a = 1-(1-ε)^(1/k); k: 'default'
 plus the deployment's known segments), which keeps the joint statement with the maps the other
 segments hold by the union bound, and publishes the active set with only that segment's map
@@ -33,7 +33,7 @@ The automatic fallback lives in `controlplane.calibration.fallback` and the cana
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -48,7 +48,9 @@ from controlplane.calibration.canary import (
     running_canary,
     start_canary,
 )
+from controlplane.calibration.evidence import EvidencePolicy, cap_runtime_share
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
+from controlplane.calibration.promotion import PromotionBounds, promotion_hold
 from controlplane.calibration.segment_sets import replace_segment_map
 from controlplane.calibration.segments import (
     SegmentedCalibration,
@@ -64,7 +66,8 @@ from controlplane.calibration.stats import (
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.outbox import enqueue_task
-from controlplane.telemetry.service import shadow_samples_by_request
+from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import (
@@ -98,13 +101,17 @@ class CalibrationPolicy:
     strategy: str = "calibrated"
     learn_fraction: float = 0.3  # of the non-holdout samples, spent on fitting the path
     seed: int = 0
+    evidence: EvidencePolicy = EvidencePolicy()
+    bounds: PromotionBounds = PromotionBounds()
 
     @classmethod
     def from_settings(cls, settings) -> CalibrationPolicy:
         return cls(min_samples_per_layer=settings.calibration_min_samples,
                    lookback=timedelta(seconds=settings.calibration_lookback_s),
                    wait_max=timedelta(seconds=settings.calibration_wait_max_s),
-                   learn_fraction=settings.calibration_learn_fraction)
+                   learn_fraction=settings.calibration_learn_fraction,
+                   evidence=EvidencePolicy.from_settings(settings),
+                   bounds=PromotionBounds.from_settings(settings))
 
 
 # -- jobs --------------------------------------------------------------------------------------
@@ -192,15 +199,18 @@ class ShadowWindow:
     num_layers: int
     delta: float
     epsilon: float
-    # issue 18: the one segment a segment job calibrates (its tokens only), or, for a whole
+    # The one segment a segment job calibrates (its tokens only), or, for a whole
     # deployment with segmented traffic, each token's segment; each token's request id (the
     # request-level test's clusters; None: tokens count as independent draws)
     segment: str | None = None
     segments: np.ndarray | None = None
     requests: np.ndarray | None = None
-    # issue 18 (seg-power): for a segment job, the other segments' shadow tokens of the same
+    # For a segment job, the other segments' shadow tokens of the same
     # window (signals, matched), which its path may borrow (`segments.path_borrowing`)
     borrowed: tuple[np.ndarray, np.ndarray] | None = None
+    # each token's runtime: no runtime holds more than its share, and the set must hold on
+    # runtimes it did not learn from (`calibration.evidence`)
+    runtimes: np.ndarray | None = None
 
 
 def read_window(*, session: Session, job: CalibrationJob,
@@ -215,51 +225,57 @@ def read_window(*, session: Session, job: CalibrationJob,
     shape = dict(job_id=job.id, exit_layers=list(deployment.exit_layers),
                  num_layers=deployment.num_layers, delta=deployment.delta)
     known = known_segments(session=session, deployment_id=deployment.id)
+    exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
     if job.segment is not None:
-        requests, signals, matched = shadow_samples_by_request(
-            session=session, deployment=deployment, since=job.since, until=until,
-            segment=job.segment)
-        others = [shadow_samples_by_request(session=session, deployment=deployment,
-                                            since=job.since, until=until, segment=name)[1:]
+        own = shadow_evidence(session=session, deployment=deployment, since=job.since,
+                              until=until, segment=job.segment, exclude=exclude)
+        others = [shadow_evidence(session=session, deployment=deployment, since=job.since,
+                                  until=until, segment=name, exclude=exclude)
                   for name in [DEFAULT_SEGMENT, *known] if name != job.segment]
-        others = [part for part in others if len(part[0])]
+        others = [(part.signals, part.matched) for part in others if len(part.requests)]
         # Its share of the joint ε beside the maps the others hold (`calibration.segments`).
-        return ShadowWindow(signals=signals, matched=matched, segment=job.segment,
-                            requests=np.asarray(requests, dtype=str),
+        return ShadowWindow(signals=own.signals, matched=own.matched, segment=job.segment,
+                            requests=own.keyed_requests(),
+                            runtimes=np.asarray(own.runtimes, dtype=str),
                             epsilon=recalibration_level(deployment.epsilon, 1 + len(known)),
                             borrowed=(np.concatenate([part[0] for part in others]),
                                       np.concatenate([part[1] for part in others]))
                             if others else None, **shape)
     if known:
         window = _segmented_window(session=session, deployment=deployment, since=job.since,
-                                   until=until, names=[DEFAULT_SEGMENT, *known], shape=shape)
+                                   until=until, names=[DEFAULT_SEGMENT, *known], shape=shape,
+                                   exclude=exclude)
         if window is not None:
             return window
-    requests, signals, matched = shadow_samples_by_request(
-        session=session, deployment=deployment, since=job.since, until=until)
-    return ShadowWindow(signals=signals, matched=matched, epsilon=deployment.epsilon,
-                        requests=np.asarray(requests, dtype=str), **shape)
+    found = shadow_evidence(session=session, deployment=deployment, since=job.since,
+                            until=until, exclude=exclude)
+    return ShadowWindow(signals=found.signals, matched=found.matched,
+                        epsilon=deployment.epsilon, requests=found.keyed_requests(),
+                        runtimes=np.asarray(found.runtimes, dtype=str), **shape)
 
 
 def _segmented_window(*, session: Session, deployment: Deployment, since: datetime,
-                      until: datetime, names: list[str], shape: dict) -> ShadowWindow | None:
-    """Every segment's shadow tokens with their segment and request ids; None when only
-    'default' has any (the window is then calibrated as before segments existed)."""
-    parts = {name: shadow_samples_by_request(session=session, deployment=deployment,
-                                             since=since, until=until, segment=name)
+                      until: datetime, names: list[str], shape: dict,
+                      exclude: set[str]) -> ShadowWindow | None:
+    """Every segment's shadow tokens with their segment, request and runtime ids; None when
+    only 'default' has any (the window is then calibrated as before segments existed)."""
+    parts = {name: shadow_evidence(session=session, deployment=deployment, since=since,
+                                   until=until, segment=name, exclude=exclude)
              for name in names}
-    parts = {name: part for name, part in parts.items() if len(part[0])}
+    parts = {name: part for name, part in parts.items() if len(part.requests)}
     if set(parts) <= {DEFAULT_SEGMENT}:
         return None
     # Request ids are unique per segment only as far as the runtime made them so: keep them
     # apart, so that the pooled set's check tokens never split a request across segments.
     return ShadowWindow(
-        signals=np.concatenate([part[1] for part in parts.values()]),
-        matched=np.concatenate([part[2] for part in parts.values()]),
-        segments=np.concatenate([np.full(len(part[0]), name, dtype=object)
+        signals=np.concatenate([part.signals for part in parts.values()]),
+        matched=np.concatenate([part.matched for part in parts.values()]),
+        segments=np.concatenate([np.full(len(part.requests), name, dtype=object)
                                  for name, part in parts.items()]).astype(str),
-        requests=np.array([f"{name}/{request}" for name, part in parts.items()
-                           for request in part[0]]),
+        requests=np.concatenate([np.char.add(f"{name}/", part.keyed_requests())
+                                 for name, part in parts.items()]),
+        runtimes=np.concatenate([np.asarray(part.runtimes, dtype=str)
+                                 for part in parts.values()]),
         epsilon=deployment.epsilon, **shape)
 
 
@@ -270,11 +286,15 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
                      ) -> Outcome:
     """Threshold selection on the window, outside any transaction (it takes seconds): each
     segment its own Learn-Then-Test at its share of ε when the window is segmented
-    (`calibrate_segments`), else one set."""
+    (`calibrate_segments`), else one set. No runtime holds more than its share of the tokens,
+    and the set must hold on runtimes it did not learn from (`calibration.evidence`)."""
+    window = _capped(window, policy)
+    robust = dict(runtimes=window.runtimes,
+                  robust_min_runtimes=policy.evidence.robust_min_runtimes)
     if window.segments is not None:
         return calibrate_segments(
             signals=window.signals, matched=window.matched, segments=window.segments,
-            requests=window.requests, exit_layers=window.exit_layers,
+            requests=window.requests, exit_layers=window.exit_layers, **robust,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
             learn_fraction=policy.learn_fraction, seed=policy.seed)
@@ -284,10 +304,23 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
             requests=window.requests,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
-            learn_fraction=policy.learn_fraction, seed=policy.seed,
+            learn_fraction=policy.learn_fraction, seed=policy.seed, **robust,
             **path_borrowing(len(window.signals), window.borrowed))
     except NotEnoughShadowData as shortage:
         return shortage
+
+
+def _capped(window: ShadowWindow, policy: CalibrationPolicy) -> ShadowWindow:
+    """The window with each runtime's tokens cut to its share (`evidence.cap_runtime_share`)."""
+    if window.runtimes is None or window.requests is None or not len(window.runtimes):
+        return window
+    keep = cap_runtime_share(window.runtimes, window.requests,
+                             max_share=policy.evidence.max_runtime_share, seed=policy.seed)
+    if keep.all():
+        return window
+    return replace(window, signals=window.signals[keep], matched=window.matched[keep],
+                   requests=window.requests[keep], runtimes=window.runtimes[keep],
+                   segments=None if window.segments is None else window.segments[keep])
 
 
 def apply_outcome(*, session: Session, job: CalibrationJob, outcome: Outcome,
@@ -338,8 +371,10 @@ def apply_outcome(*, session: Session, job: CalibrationJob, outcome: Outcome,
                f"shadow samples{_requests_note(outcome)}, disagreement <= {outcome.delta} "
                f"with probability >= {1 - outcome.epsilon:g}")
     job.result_version = candidate.version
-    _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
-    _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion})", now)
+    _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate,
+                  policy=policy, now=now)
+    _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion})"
+                              f"{_held(job)}", now)
     session.flush()
     log.info("%s: calibration job %d published version %d (%s): exit rate %.3f, risk bound "
              "%.4f", deployment.name, job.id, candidate.version, job.promotion,
@@ -417,9 +452,10 @@ def _apply_segmented(*, session: Session, deployment: Deployment, job: Calibrati
                f"segment's disagreement <= {outcome.delta} jointly with probability >= "
                f"{1 - outcome.epsilon:g}")
     job.result_version = candidate.version
-    _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate)
+    _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate,
+                  policy=policy, now=now)
     _finish(job, "succeeded", f"published version {candidate.version} ({job.promotion}) with "
-                              f"thresholds per segment ({sources})", now)
+                              f"thresholds per segment ({sources}){_held(job)}", now)
     session.flush()
     log.info("%s: calibration job %d published version %d per segment (%s)", deployment.name,
              job.id, candidate.version, sources)
@@ -548,10 +584,25 @@ def _finish(job: CalibrationJob, status: str, reason: str, now: datetime) -> Non
 
 
 def _apply_policy(*, session: Session, deployment: Deployment, job: CalibrationJob,
-                  candidate: ThresholdSet) -> None:
+                  candidate: ThresholdSet, policy: CalibrationPolicy, now: datetime) -> None:
     _supersede_pending(session=session, deployment=deployment, keep=job.id)
     actor = f"calibration-job-{job.id}"
-    if deployment.policy == "auto":
+    aliases = aliases_of(session=session, deployment=deployment)
+    hold = "" if deployment.policy == "approval" else promotion_hold(
+        session=session, deployment=deployment, candidate=candidate,
+        active=get_threshold_set(session=session, deployment=deployment,
+                                 version=aliases["active"]),
+        conservative=aliases.get("conservative"), since=job.since, until=job.until or now,
+        bounds=policy.bounds)
+    if hold:
+        job.promotion = "awaiting_approval"
+        job.summary = {**(job.summary or {}), "promotion_hold": hold}
+        record_audit(session=session, deployment=deployment, actor=actor,
+                     action="candidate.hold", reason=hold, to_version=candidate.version,
+                     details={"calibration_job_id": job.id})
+        log.warning("%s: calibration job %d waits for approval: %s", deployment.name, job.id,
+                    hold)
+    elif deployment.policy == "auto":
         move_alias(session=session, deployment=deployment, alias="active",
                    version=candidate.version, actor=actor, action="alias.promote",
                    reason=f"calibration job {job.id}: policy auto promotes the candidate",
@@ -563,6 +614,12 @@ def _apply_policy(*, session: Session, deployment: Deployment, job: CalibrationJ
         job.promotion = "canary"
     else:
         job.promotion = "awaiting_approval"
+
+
+def _held(job: CalibrationJob) -> str:
+    """'; <why it waits>' when the promotion bounds held the candidate back."""
+    hold = (job.summary or {}).get("promotion_hold")
+    return f"; {hold}" if hold else ""
 
 
 def _supersede_pending(*, session: Session, deployment: Deployment, keep: int) -> None:

@@ -109,6 +109,7 @@ from scipy.special import expit, rel_entr
 from scipy.stats import beta, binom, binomtest
 from sklearn.isotonic import IsotonicRegression
 
+from controlplane.calibration.evidence import holdout_runtimes, robust_p_values, runtime_count
 from controlplane.stats.clustered import (
     binomial_lower_tail,
     binomial_upper_tail,
@@ -683,14 +684,17 @@ def _threshold_path(
 
 
 def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test, codes=None,
-               reference=None):
+               reference=None, runtimes=None, robust_min_runtimes=3):
     """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen,
     per-request losses (steps, m) or None, design effects, reference (losses, tokens) or None).
     `codes`: the test tokens' dense request codes, for the request-level p-values (None: tokens
     are independent draws); `reference`: (signals, matched, codes) of the requests outside the
-    test, where each step's design effect is read as well."""
+    test, where each step's design effect is read as well; `runtimes`: the test tokens'
+    runtimes: each step's p-value is then the largest over the test without each one runtime
+    (`evidence.robust_p_values`)."""
     n, n_layers = signals.shape
     firsts, losses, predicted, by_request, by_reference = [], [], [], [], []
+    disagreements = []
     for thresholds in path:
         if codes is not None and reference is not None:
             ref_disagree = simulate_policy(reference[0], reference[1], thresholds)[1]
@@ -699,6 +703,8 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
         first, disagree = simulate_policy(signals, matched, thresholds)
         rows = np.flatnonzero(first < n_layers)
         firsts.append(first)
+        if runtimes is not None and codes is None:
+            disagreements.append(disagree)
         losses.append(int(disagree.sum()))
         predicted.append(float((1.0 - match_prob[rows, first[rows]]).sum() / n))
         if codes is not None:
@@ -712,10 +718,34 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
         p_values, design = clustered_risk_p_values(request_losses, np.bincount(codes), delta,
                                                    alpha=epsilon, test=risk_test, reference=ref)
         p_values = p_values.copy()
+    if runtimes is not None:
+        p_values = _without_each_runtime(
+            p_values, runtimes, robust_min_runtimes, codes=codes, request_losses=request_losses,
+            disagreements=disagreements, delta=delta, epsilon=epsilon, risk_test=risk_test,
+            reference=ref)
     p_values[0] = 0.0  # never-exit is certain, not tested
     failed = np.flatnonzero(p_values > epsilon)
     chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
     return firsts, np.array(losses), predicted, p_values, chosen, request_losses, design, ref
+
+
+def _without_each_runtime(p_values, runtimes, min_runtimes, *, codes, request_losses,
+                          disagreements, delta, epsilon, risk_test, reference):
+    """Each step's p-value made the largest over the test tokens without each one runtime
+    (`evidence.robust_p_values`; requests never span runtimes: the service keys them by
+    runtime)."""
+    def p_of(mask):
+        if mask is None:
+            return p_values
+        if codes is None:
+            kept = np.array([int(d[mask].sum()) for d in disagreements])
+            return risk_p_values(kept, int(mask.sum()), delta, risk_test)
+        columns = np.unique(codes[mask])
+        return clustered_risk_p_values(request_losses[:, columns],
+                                       np.bincount(codes)[columns], delta, alpha=epsilon,
+                                       test=risk_test, reference=reference)[0]
+
+    return robust_p_values(p_of, runtimes, min_runtimes).copy()
 
 
 def _layer_results(first, disagree, path_step, signals, models, layers, epsilon, p_value,
@@ -767,6 +797,8 @@ def calibrate_thresholds(
     requests: Sequence | np.ndarray | None = None,
     borrowed: tuple[np.ndarray, np.ndarray] | None = None,
     prior_weight: float = 0.0,
+    runtimes: Sequence | np.ndarray | None = None,
+    robust_min_runtimes: int = 3,
 ) -> CalibrationResult:
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
 
@@ -781,8 +813,11 @@ def calibrate_thresholds(
     (module docstring); None, or every request one token: tokens are independent draws, as
     before. `borrowed`: (signals, matched) of tokens from *other* requests (never these
     samples'), which help draw the path only (module docstring, step 2; `prior_weight` the
-    shrink towards them); the split, the test and its level are unchanged. Raises
-    NotEnoughShadowData below
+    shrink towards them); the split, the test and its level are unchanged. `runtimes`: each
+    sample's runtime; with two or more, the holdout part is whole runtimes (the cross-runtime
+    check: the set must hold δ on runtimes it did not learn from), and with at least
+    `robust_min_runtimes` in the test part each step must be certified without any one
+    runtime's tokens (`calibration.evidence`). Raises NotEnoughShadowData below
     `min_samples_per_layer` samples on any layer, ValueError on malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -802,6 +837,15 @@ def calibrate_thresholds(
         calib = np.random.default_rng(seed + 1).permutation(calib)
     else:
         calib, holdout = split_by_request(codes, fraction=holdout_fraction, seed=seed)
+    runtimes = None if runtimes is None else np.asarray(runtimes).astype(str)
+    if runtimes is not None and runtimes.shape != (len(signals),):
+        raise ValueError(f"runtimes has shape {runtimes.shape}; need one per sample "
+                         f"({len(signals)},)")
+    held = None if runtimes is None else holdout_runtimes(runtimes, fraction=holdout_fraction,
+                                                          seed=seed)
+    if held is not None:
+        holdout = np.flatnonzero(held)
+        calib = np.random.default_rng(seed + 1).permutation(np.flatnonzero(~held))
     path, levels, models, learn, test = _threshold_path(
         strategy, signals, matched, calib, grid=grid, learn_fraction=learn_fraction,
         match_model=match_model, codes=codes, seed=seed, borrowed=borrowed,
@@ -823,6 +867,8 @@ def calibrate_thresholds(
     firsts, losses, predicted, p_values, chosen, request_losses, design, ref = _test_path(
         path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon, risk_test=risk_test,
         codes=test_codes, reference=reference,
+        runtimes=None if runtimes is None else runtimes[test],
+        robust_min_runtimes=robust_min_runtimes,
     )
     adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
     if test_codes is None:
@@ -879,7 +925,12 @@ def calibrate_thresholds(
         speedup=best.speedup,
         curve=curve,
         samples=_sample_counts(codes, learn=learn, test=test, holdout=holdout) | (
-            {} if borrowed is None else {"borrowed": len(borrowed[0])}),
+            {} if borrowed is None else {"borrowed": len(borrowed[0])}) | (
+            {} if runtimes is None else {
+                "runtimes": runtime_count(runtimes),
+                "test_runtimes": runtime_count(runtimes[test]),
+                "holdout_runtimes": runtime_count(runtimes[holdout]) if held is not None
+                else 0}),
         holdout=holdout_check,
         notes=[] if chosen > 0 else ["no exit step was certified: never-exit thresholds chosen"],
         risk_test=risk_test,

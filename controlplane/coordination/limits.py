@@ -1,4 +1,5 @@
-"""Per-key rate limits: `rate` requests per second with bursts of 2 x rate.
+"""Per-key rate limits: `rate` units per second with bursts of 2 x rate; a request takes one unit
+unless it says it costs more (reads weighted by cost: controlplane/deps.py).
 
 With Redis configured, one GCRA bucket per key lives in Redis (a Lua script, atomic, timed by the
 Redis server's clock), so every API process draws from the same bucket whichever one answers.
@@ -24,25 +25,29 @@ log = logging.getLogger("exitplane.coordination")
 KEY_PREFIX = "exitplane:ratelimit:"
 
 # GCRA: the key holds the theoretical arrival time (TAT, microseconds of the Redis clock).
-# A request is allowed when TAT - now <= tolerance; it then advances TAT by one interval.
+# A request of `cost` units is allowed when TAT + (cost - 1) x interval - now <= tolerance; it
+# then advances TAT by `cost` intervals (one unit: TAT - now <= tolerance, one interval).
 # A Lua function, so that a script of another module can take from a bucket and act in the
 # same atomic step (the telemetry stream's append: `SharedBucket`). Returns the microseconds
 # to wait (0: taken).
 GCRA_LUA = """
-local function gcra_take(key, interval, tolerance)
+local function gcra_take(key, interval, tolerance, cost)
+  cost = cost or 1
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local tat = tonumber(redis.call('GET', key) or now)
   if tat < now then tat = now end
-  if tat - now > tolerance then
-    return math.max(1, math.ceil(tat - now - tolerance))
+  local wait = tat + (cost - 1) * interval - now - tolerance
+  if wait > 0 then
+    return math.max(1, math.ceil(wait))
   end
-  tat = tat + interval
+  tat = tat + cost * interval
   redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
   return 0
 end
 """
-_GCRA = GCRA_LUA + "return gcra_take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))\n"
+_GCRA = (GCRA_LUA
+         + "return gcra_take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))\n")
 
 
 @dataclass(frozen=True)
@@ -65,18 +70,19 @@ class LocalRateLimiter:
         self._buckets: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
 
-    def take(self, key: str) -> float | None:
-        """Take one request from `key`'s bucket; the seconds to wait when it is empty."""
+    def take(self, key: str, cost: float = 1.0) -> float | None:
+        """Take `cost` units from `key`'s bucket; the seconds to wait when it holds fewer."""
         if self.rate <= 0:
             return None
+        cost = min(cost, self.burst)
         now = time.monotonic()
         with self._lock:
             level, last = self._buckets.get(key, (self.burst, now))
             level = min(self.burst, level + (now - last) * self.rate)
-            if level < 1.0:
+            if level < cost:
                 self._buckets[key] = (level, now)
-                return (1.0 - level) / self.rate
-            self._buckets[key] = (level - 1.0, now)
+                return (cost - level) / self.rate
+            self._buckets[key] = (level - cost, now)
             if len(self._buckets) > 100_000:
                 # Only full buckets are forgotten: dropping one loses nothing.
                 full = [k for k, (lvl, t) in self._buckets.items()
@@ -85,8 +91,8 @@ class LocalRateLimiter:
                     del self._buckets[stale]
             return None
 
-    async def retry_after(self, key: str) -> float | None:
-        return self.take(key)
+    async def retry_after(self, key: str, cost: float = 1.0) -> float | None:
+        return self.take(key, cost)
 
 
 class RedisRateLimiter:
@@ -107,27 +113,28 @@ class RedisRateLimiter:
         interval_us = 1_000_000 / rate if rate > 0 else 0
         self._args = (f"{interval_us:.0f}", f"{(self.burst - 1) * interval_us:.0f}")
 
-    async def retry_after(self, key: str) -> float | None:
-        """Take one request from `key`'s shared bucket; the seconds to wait when it is empty."""
+    async def retry_after(self, key: str, cost: float = 1.0) -> float | None:
+        """Take `cost` units from `key`'s shared bucket; the seconds to wait when it holds
+        fewer."""
         if self.rate <= 0:
             return None
         try:
-            wait_us = await self._script(keys=[self._prefix + key], args=self._args)
+            wait_us = await self._script(keys=[self._prefix + key], args=self._cost(cost))
         except (redis.RedisError, OSError) as error:
-            return self._unshared(key, error)
+            return self._unshared(key, error, cost)
         wait = float(wait_us) / 1_000_000
         return wait if wait > 0 else None
 
-    def take(self, key: str) -> float | None:
+    def take(self, key: str, cost: float = 1.0) -> float | None:
         """`retry_after` for a worker thread (blocking; the same shared bucket)."""
         if self.rate <= 0:
             return None
         if self._blocking_script is None:
             raise RuntimeError("this limiter was made without a blocking client")
         try:
-            wait_us = self._blocking_script(keys=[self._prefix + key], args=self._args)
+            wait_us = self._blocking_script(keys=[self._prefix + key], args=self._cost(cost))
         except (redis.RedisError, OSError) as error:
-            return self._unshared(key, error)
+            return self._unshared(key, error, cost)
         wait = float(wait_us) / 1_000_000
         return wait if wait > 0 else None
 
@@ -137,10 +144,14 @@ class RedisRateLimiter:
             return None
         return SharedBucket(client=self._client, key=self._prefix + key, args=self._args)
 
-    def _unshared(self, key: str, error: Exception) -> float | None:
+    def _cost(self, cost: float) -> tuple[str, str, str]:
+        # More than a burst could never be taken: such a request costs a full burst.
+        return (*self._args, f"{min(cost, self.burst):g}")
+
+    def _unshared(self, key: str, error: Exception, cost: float = 1.0) -> float | None:
         log.warning("shared rate limit unavailable (%s); limiting in process",
                     type(error).__name__)
-        return self._local.take(key)
+        return self._local.take(key, cost)
 
 
 def make_rate_limiters(*, rates: dict[str, float], redis_url: str

@@ -13,7 +13,7 @@ layer saw `reference_tokens` tokens:
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
 - runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
 
-Tokens are clustered by request (issue 17; the statistics are in `controlplane.stats.clustered`):
+Tokens are clustered by request (the statistics are in `controlplane.stats.clustered`):
 the quality test runs on the window's shadow tokens grouped by their request id; each exit
 layer's design effect is measured on the same shadow tokens under the active policy and widens
 that layer's exit-rate test (rollups carry no per-request counts, so the design effect travels
@@ -29,7 +29,7 @@ consecutive recent windows. Each exit-rate spike carries the window's clustered 
 disagreement (`quality_gate`), from which the fallback decides (`controlplane.calibration.
 fallback`).
 
-Traffic segments (issue 18): every check covers 'default' and each segment the deployment
+Traffic segments: every check covers 'default' and each segment the deployment
 knows that has traffic of the active version in the window (`segments_to_check`); each segment
 is tested on its own rows with the thresholds it applies (its own map, else the set's), against
 its own reference (the calibration's expected metrics under `segments`, else its first window),
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -53,6 +54,7 @@ from controlplane.alerts.service import Condition, Reconciled, jsonable, open_al
 from controlplane.calibration.fallback import recheck_spike
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
+from controlplane.drift.outliers import detect_outliers
 from controlplane.drift.stats import (
     DISTRIBUTION_DRIFT,
     LayerCounts,
@@ -69,11 +71,8 @@ from controlplane.drift.window_checks import (
 )
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import Rollup, ShadowSampleRow
-from controlplane.telemetry.service import (
-    exit_rates,
-    signal_histogram,
-    timed_shadow_samples_by_request,
-)
+from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.telemetry.service import exit_rates, shadow_evidence, signal_histogram
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import aliases_of, get_threshold_set
@@ -165,7 +164,7 @@ def _minute_windows(points: list[dict], exit_layers: list[int]
 def segments_to_check(*, session: Session, deployment: Deployment, version: int,
                       since: datetime) -> list[str]:
     """'default' and, sorted, each segment the deployment knows that has traffic of `version`
-    (rollups or shadow tokens) since `since`: what one drift check covers (issue 18)."""
+    (rollups or shadow tokens) since `since`: what one drift check covers."""
     known = set(known_segments(session=session, deployment_id=deployment.id))
     if not known:
         return [DEFAULT_SEGMENT]
@@ -200,8 +199,10 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
     threshold_set = get_threshold_set(session=session, deployment=deployment, version=version)
     by_layer = thresholds_for(threshold_set, segment)
     thresholds = [by_layer[k] for k in layers]
+    # Runtimes set aside as outliers or serving other heads are stored and shown, never judged.
+    exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
     rows = {"session": session, "deployment": deployment, "version": version,
-            "segment": segment}
+            "segment": segment, "exclude": exclude}
 
     reference = expected_reference(segment_reference_metrics(active.expected_metrics, segment),
                                    layers)
@@ -217,8 +218,10 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
                            reference_until=reference_until, now=now, options=options)
     minutes = _minute_windows(exit_rates(since=since, **rows), layers)
     recent_since = max(now - timedelta(seconds=options.recent_s), start)
-    requests, signals, matched, times = timed_shadow_samples_by_request(
-        since=recent_since, limit=options.max_shadow_tokens, **rows)
+    shadow = shadow_evidence(since=recent_since, limit=options.max_shadow_tokens,
+                             with_times=True, **rows)
+    requests, signals, matched, times = (shadow.keyed_requests(), shadow.signals,
+                                         shadow.matched, shadow.times)
     histograms = info_open = None
     if found is not None:
         histograms = (
@@ -237,7 +240,7 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
         since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
         shadow_signals=signals, shadow_matched=matched, shadow_times=times,
         shadow_capped=len(requests) >= options.max_shadow_tokens, histograms=histograms,
-        info_open=info_open)
+        info_open=info_open, shadow_runtimes=np.asarray(shadow.runtimes, dtype=str))
 
 
 def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
@@ -272,8 +275,10 @@ def conditions_by_segment(*, session: Session, deployment: Deployment, now: date
 def check_deployment(*, session: Session, deployment: Deployment, options: DriftOptions,
                      reports_dir: Path | None, now: datetime | None = None) -> Reconciled:
     """One drift-detection cycle for a deployment: observe each traffic segment, then fire /
-    refresh / resolve that segment's alerts."""
+    refresh / resolve that segment's alerts. Outlier runtimes are looked for first, so that a
+    runtime set aside now no longer weighs on this cycle's verdicts."""
     now = now or utcnow()
+    find_outliers(session=session, deployment=deployment, now=now, options=options)
     # Evidently's HTML is costly: render it only while an open distribution alert lacks one.
     reported = [a for a in open_alerts(session=session, deployment=deployment,
                                        kinds=[DISTRIBUTION_DRIFT]) if a.report_path]
@@ -296,6 +301,26 @@ def check_deployment(*, session: Session, deployment: Deployment, options: Drift
             if alert.dedup_key in gates:
                 recheck_spike(session=session, alert=alert, quality_gate=gates[alert.dedup_key])
     return result
+
+
+def find_outliers(*, session: Session, deployment: Deployment, now: datetime,
+                  options: DriftOptions) -> list:
+    """Test each runtime against the rest of the fleet on every checked segment's recent shadow
+    tokens of the active version; set aside the outliers (`controlplane.drift.outliers`)."""
+    active = active_version(session=session, deployment=deployment)
+    since = max(now - timedelta(seconds=options.recent_s), active.activated_at)
+    threshold_set = get_threshold_set(session=session, deployment=deployment,
+                                      version=active.version)
+    layers = sorted(deployment.exit_layers)
+    thresholds_of = {}
+    for segment in segments_to_check(session=session, deployment=deployment,
+                                     version=active.version, since=since):
+        by_layer = thresholds_for(threshold_set, segment)
+        thresholds_of[segment] = [by_layer[k] for k in layers]
+    return detect_outliers(session=session, deployment=deployment, version=active.version,
+                           thresholds_of=thresholds_of, activated_at=active.activated_at,
+                           now=now, options=options, min_requests=options.outlier_min_requests,
+                           robust_min_runtimes=options.robust_min_runtimes)
 
 
 STALE_NAMED = 20  # runtimes named in a runtime_stale summary; the evidence lists up to 200

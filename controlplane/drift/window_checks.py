@@ -23,7 +23,7 @@ threshold (z about 4 instead of 3), which the short windows more than pay back a
 token rates. At the δ boundary the chance of any quality page in an hour is at most
 `quality_alpha_per_hour`, whatever the cadence.
 
-Traffic segments (issue 18) share the same budget. A deployment whose check covers k segments
+Traffic segments share the same budget. A deployment whose check covers k segments
 ('default' plus each known segment with traffic in the window) runs k families of tests per
 check; testing each at the one-segment levels would let the chance of a false page grow up to
 k-fold with the number of segments. `evaluate_segments` therefore tests every segment at 1/k
@@ -44,6 +44,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 
 from controlplane.alerts.service import Condition
+from controlplane.calibration.evidence import leave_one_out
 from controlplane.drift.stats import (
     DISTRIBUTION_DRIFT,
     DISTRIBUTION_DRIFT_ESCALATED,
@@ -87,7 +88,7 @@ class DriftOptions:
     min_shadow_tokens: int = 100
     min_distribution_rows: int = 500
     clear_after_s: float = 300.0
-    # issue 17: clustered statistics, distribution drift that informs, the fallback's gate
+    # Clustered statistics, distribution drift that informs, the fallback's gate
     min_shadow_requests: int = 10  # fewer requests: the design effect is not measured
     default_design_effect: float = 1.0
     max_design_effect: float = 200.0
@@ -100,13 +101,18 @@ class DriftOptions:
     quality_alpha_per_hour: float = 1e-2
     check_interval_s: float = 30.0
     exit_rate_alpha: float = 1e-4  # family-wise over the exit layers (Holm)
-    # issue 18 point 5: a tumbling exit-rate window also closes after this many minutes of
+    # A tumbling exit-rate window also closes after this many minutes of
     # rollups (`ExitRateMonitor.window_rollups`), so thin traffic gets its window test in time
     exit_rate_window_min: int = 5
-    # issue 18: how many traffic segments this check covers; every level below is split by it
+    # How many traffic segments this check covers; every level below is split by it
     segments_checked: int = 1
-    # issue 14: the newest shadow tokens a check reads per segment (fleet rates pass it)
+    # The newest shadow tokens a check reads per segment (fleet rates pass it)
     max_shadow_tokens: int = 100_000
+    # robust evidence: from this many runtimes on, a quality regression (and a spike's
+    # fallback) must hold without any one runtime's shadow tokens; outliers are tested once a
+    # runtime and the rest have this many requests (`controlplane.drift.outliers`)
+    robust_min_runtimes: int = 3
+    outlier_min_requests: int = 5
 
     @property
     def quality_look_alpha(self) -> float:
@@ -141,7 +147,9 @@ class DriftOptions:
                    quality_alpha_per_hour=settings.drift_quality_alpha_per_hour,
                    check_interval_s=settings.drift_interval_s,
                    max_shadow_tokens=settings.drift_max_shadow_tokens,
-                   exit_rate_window_min=settings.drift_exit_rate_window_min)
+                   exit_rate_window_min=settings.drift_exit_rate_window_min,
+                   robust_min_runtimes=settings.evidence_robust_min_runtimes,
+                   outlier_min_requests=settings.outlier_min_requests)
 
 
 @dataclass
@@ -168,6 +176,7 @@ class WindowInputs:
     histograms: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None  # ref, recent
     info_open: tuple[datetime, datetime | None] | None = None  # open info alert: fired, clear
     extra: dict = field(default_factory=dict)
+    shadow_runtimes: np.ndarray | None = None  # (n,) the runtime of each shadow token
 
 
 @dataclass(frozen=True)
@@ -288,8 +297,9 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
             condition.evidence["window"] = window
             condition.evidence["design_effect_measured"] = shadow.measured
             if finding.kind == EXIT_RATE_SPIKE:
-                condition.evidence["quality_gate"] = shadow.gate(
-                    delta=inputs.delta, alpha=options.gate_alpha, window=recent_window)
+                condition.evidence["quality_gate"] = _robust_gate(
+                    inputs, options, shadow.gate(delta=inputs.delta, alpha=options.gate_alpha,
+                                                 window=recent_window))
             conditions.append(condition)
 
     if shadow.disagreement.tokens >= options.min_shadow_tokens:
@@ -313,6 +323,25 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
     return conditions, checked
 
 
+def _robust_gate(inputs: WindowInputs, options: DriftOptions, gate: dict) -> dict:
+    """A spike's quality gate whose upper bound is the smallest over the window without each
+    one runtime's tokens: a fallback needs every such subset to leave δ in doubt, so one
+    runtime's forged disagreement cannot set it off."""
+    if inputs.shadow_runtimes is None:
+        return gate
+    masks = leave_one_out(inputs.shadow_runtimes, options.robust_min_runtimes)
+    if not masks:
+        return gate
+    requests = cluster_codes(inputs.shadow_requests)
+    _, disagree = policy_outcomes(inputs.shadow_signals, inputs.shadow_matched,
+                                  inputs.thresholds)
+    bounds = [clustered_rate(requests[mask], disagree[mask]).upper_bound(options.gate_alpha)
+              for mask in masks]
+    return gate | {"upper_bound": min(gate["upper_bound"], *bounds),
+                   "upper_bound_all_runtimes": gate["upper_bound"],
+                   "runtimes": len(masks)}
+
+
 def evaluate_segments(inputs: Mapping[str, WindowInputs], options: DriftOptions, *,
                       want_report: bool = False
                       ) -> dict[str, tuple[list[Condition], set[str]]]:
@@ -333,16 +362,32 @@ def quality_windows(inputs: WindowInputs, options: DriftOptions
                     ) -> list[tuple[float, ClusteredProportion]]:
     """(seconds, clustered disagreement) of each sliding quality window, shortest first; only
     the whole recent window when the shadow tokens carry no times."""
+    return [(seconds, rates[0]) for seconds, rates in _window_rates(inputs, options)]
+
+
+def _window_rates(inputs: WindowInputs, options: DriftOptions
+                  ) -> list[tuple[float, list[ClusteredProportion]]]:
+    """Per sliding quality window: its clustered disagreement, then the same without each one
+    runtime's tokens when the window holds `robust_min_runtimes` runtimes or more
+    (`calibration.evidence.leave_one_out`)."""
     requests = cluster_codes(inputs.shadow_requests)
     _, disagree = policy_outcomes(inputs.shadow_signals, inputs.shadow_matched,
                                   inputs.thresholds)
+    everything = np.ones(len(disagree), dtype=bool)
     if inputs.shadow_times is None:
-        return [(options.recent_s, clustered_rate(requests, disagree))]
-    now = inputs.now.timestamp()
+        picks = [(options.recent_s, everything)]
+    else:
+        now = inputs.now.timestamp()
+        picks = [(seconds, inputs.shadow_times >= now - seconds) for seconds in
+                 sorted(min(w, options.recent_s) for w in set(options.quality_windows_s))]
     out = []
-    for seconds in sorted(min(w, options.recent_s) for w in set(options.quality_windows_s)):
-        pick = inputs.shadow_times >= now - seconds
-        out.append((seconds, clustered_rate(requests[pick], disagree[pick])))
+    for seconds, pick in picks:
+        rates = [clustered_rate(requests[pick], disagree[pick])]
+        if inputs.shadow_runtimes is not None:
+            for mask in leave_one_out(inputs.shadow_runtimes[pick],
+                                      options.robust_min_runtimes):
+                rates.append(clustered_rate(requests[pick][mask], disagree[pick][mask]))
+        out.append((seconds, rates))
     return out
 
 
@@ -351,8 +396,12 @@ def quality_condition(inputs: WindowInputs, options: DriftOptions) -> Condition 
     significantly above δ at the per-look level (module docstring); the most significant one."""
     alpha = options.quality_look_alpha
     best = None
-    for seconds, quality in quality_windows(inputs, options):
+    for seconds, (quality, *without_one) in _window_rates(inputs, options):
         if quality.tokens < options.min_shadow_tokens:
+            continue
+        # No single runtime decides: the regression must show without each one's tokens too.
+        if any(check_shadow_disagreement(disagreement=rest, delta=inputs.delta, alpha=alpha,
+                                         window={}) is None for rest in without_one):
             continue
         since = max(inputs.recent_since, inputs.now - timedelta(seconds=seconds))
         window = {"since": since.isoformat(), "until": inputs.now.isoformat(),

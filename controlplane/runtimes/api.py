@@ -1,21 +1,27 @@
-"""Thin routes for runtime heartbeats and the fleet listing."""
+"""Thin routes for runtime heartbeats, the fleet listing and removing runtimes."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 
 from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
 from controlplane.errors import RUNTIME_ERRORS
 from controlplane.runtimes import service
-from controlplane.runtimes.schemas import RuntimeRead
+from controlplane.runtimes.schemas import RuntimeRead, RuntimesRemoved
 from controlplane.thresholds.service import get_deployment
 from exitplane.wire import Heartbeat
+
+log = logging.getLogger("exitplane.api")
 
 router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 
 @router.post("/{name}/heartbeats", response_model=RuntimeRead,
-             responses={409: {"description": "the deployment has its maximum of runtimes"},
+             responses={409: {"description": "the deployment, or this token on it, has its "
+                                     "maximum of runtimes"},
                         **RUNTIME_ERRORS},
              dependencies=[rate_limited("heartbeat")])
 def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
@@ -23,8 +29,8 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
     runtime = service.record_heartbeat(
-        session=session, deployment=deployment, beat=beat,
-        max_runtimes=request.app.state.settings.max_runtimes_per_deployment)
+        session=session, deployment=deployment, beat=beat, token_id=principal.token_id,
+        caps=service.RuntimeCaps.from_settings(request.app.state.settings))
     return RuntimeRead.model_validate(runtime)
 
 
@@ -35,3 +41,33 @@ def list_runtimes(name: str, request: Request, session: SessionDep,
     deployment = get_deployment(session=session, name=name)
     return [RuntimeRead.model_validate(r)
             for r in service.list_runtimes(session=session, deployment=deployment)]
+
+
+@router.delete("/{name}/runtimes/{runtime_id}", response_model=RuntimesRemoved)
+def remove_runtime(name: str, runtime_id: str, request: Request, session: SessionDep,
+                   principal: OperatorPrincipal) -> RuntimesRemoved:
+    """Remove a runtime from the fleet view and the caps; it registers anew if it beats
+    again."""
+    deployment = get_deployment(session=session, name=name)
+    removed = service.remove_runtimes(session=session, deployment=deployment,
+                                      runtime_id=runtime_id)
+    return _removed(request, deployment, removed, principal)
+
+
+@router.delete("/{name}/runtimes", response_model=RuntimesRemoved)
+def remove_runtimes_of_token(
+    name: str, request: Request, session: SessionDep, principal: OperatorPrincipal,
+    token_id: Annotated[int, Query(description="remove every runtime this token registered")],
+) -> RuntimesRemoved:
+    """Remove every runtime a token registered (a leaked token's, say, once revoked)."""
+    deployment = get_deployment(session=session, name=name)
+    removed = service.remove_runtimes(session=session, deployment=deployment,
+                                      token_id=token_id)
+    return _removed(request, deployment, removed, principal)
+
+
+def _removed(request: Request, deployment, removed: list[str], principal) -> RuntimesRemoved:
+    request.app.state.heartbeats.forget(deployment.id, removed)
+    log.info("%s removed %d runtime(s) of deployment %r", principal.actor, len(removed),
+             deployment.name)
+    return RuntimesRemoved(removed=removed)

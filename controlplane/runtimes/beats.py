@@ -1,4 +1,4 @@
-"""Heartbeats of runtimes already on record, written in bulk (issue 14: fleet cost per request).
+"""Heartbeats of runtimes already on record, written in bulk (fleet cost per request).
 
 A fleet beats every ~15 s per runtime, and each beat was a transaction of its own on a worker
 thread: at 2,000 runtimes that is ~130 commits a second and a third of the API's CPU, for rows
@@ -21,10 +21,11 @@ import logging
 import threading
 from datetime import datetime
 
-from sqlalchemy import bindparam, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db import store_away
+from controlplane.runtimes.lineage import beat_mismatch_values
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.runtimes.service import BEAT_FIELDS, beat_fields
@@ -38,7 +39,8 @@ _WRITE = (update(_TABLE)
           .where(_TABLE.c.deployment_id == bindparam("beat_deployment"),
                  _TABLE.c.runtime_id == bindparam("beat_runtime"),
                  _TABLE.c.last_seen < bindparam("beat_seen"))
-          .values({field: bindparam(field) for field in BEAT_FIELDS}))
+          .values({**{field: bindparam(field) for field in BEAT_FIELDS},
+                   **beat_mismatch_values()}))
 
 
 class HeartbeatBuffer:
@@ -74,6 +76,14 @@ class HeartbeatBuffer:
             if len(self._known) >= self._max_known:
                 self._known.clear()  # forgotten ones take the store path once, then return
             self._known[(deployment_id, runtime.runtime_id)] = runtime.first_seen
+
+    def forget(self, deployment_id: int, runtime_ids: list[str]) -> None:
+        """Take removed runtimes off this process's record: their next beats go to the store,
+        which registers them anew (under the caps)."""
+        with self._lock:
+            for runtime_id in runtime_ids:
+                self._known.pop((deployment_id, runtime_id), None)
+                self._held.pop((deployment_id, runtime_id), None)
 
     def hold(self, deployment_id: int, beat: Heartbeat, now: datetime,
              first_seen: datetime) -> RuntimeRead:
@@ -111,8 +121,22 @@ class HeartbeatBuffer:
 
     def _write(self, rows: list[dict]) -> None:
         with self._session_factory() as session:
-            session.execute(_WRITE, rows)
+            written = session.execute(_WRITE, rows).rowcount
             session.commit()
+            if written != len(rows):  # a newer stored beat, or a runtime removed meanwhile
+                self._forget_removed(session, rows)
+
+    def _forget_removed(self, session: Session, rows: list[dict]) -> None:
+        """Forget the runtimes among `rows` the store no longer has (an operator removed them,
+        or they were forgotten after a single beat), so their next beats register them."""
+        keys = {(row["beat_deployment"], row["beat_runtime"]) for row in rows}
+        stored = {tuple(row) for row in session.execute(
+            select(_TABLE.c.deployment_id, _TABLE.c.runtime_id)
+            .where(_TABLE.c.deployment_id.in_({d for d, _ in keys}),
+                   _TABLE.c.runtime_id.in_({r for _, r in keys})))}
+        with self._lock:
+            for key in keys - stored:
+                self._known.pop(key, None)
 
     def _hold_again(self, held: dict) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class RuntimeRead(BaseModel):
@@ -19,3 +19,39 @@ class RuntimeRead(BaseModel):
     dropped_records: int
     first_seen: datetime
     last_seen: datetime
+    # Lineage as the last heartbeat reported it (None: unknown), and the last report (heartbeat
+    # or telemetry) that differed from the deployment's: when and what it named.
+    model_revision: str | None = None
+    head_digest: str | None = None
+    lineage_mismatch_at: datetime | None = None
+    mismatch_model_revision: str | None = None
+    mismatch_head_digest: str | None = None
+
+
+class RuntimesRemoved(BaseModel):
+    removed: list[str] = Field(description="the runtime ids removed")
+
+
+class RuntimeOutlierRead(BaseModel):
+    """A runtime set aside because its shadow evidence differed from the rest of its fleet."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    runtime_id: str
+    status: str = Field(description="set_aside (its samples count for nothing) or cleared")
+    version: int
+    segment: str
+    summary: str
+    evidence: dict = Field(description="the test that set it aside: statistic, layer, its rate "
+                                       "and the fleet's, z, p-value and level, sample sizes")
+    alert_id: int | None
+    detected_at: datetime
+    cleared_at: datetime | None
+    cleared_by: str | None
+    clear_reason: str
+
+
+class OutlierClear(BaseModel):
+    reason: str = Field(min_length=1, max_length=2000,
+                        description="why the runtime's evidence may count again (audited)")

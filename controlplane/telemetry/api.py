@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -15,8 +18,8 @@ from pydantic import ValidationError
 
 from controlplane import metrics
 from controlplane.auth.service import Principal
-from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited
-from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, error_answer
+from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited, visible_deployment
+from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, Unavailable, error_answer
 from controlplane.telemetry import reads, service, stream
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.schemas import (
@@ -67,30 +70,129 @@ def batch_model(content_type: str) -> type[AggregateBatch] | None:
     return model
 
 
-def _decode(body: bytes, content_type: str):
+# A telemetry body up to this size is read and decoded without a decode slot (`DecodeSlots`): a
+# fleet's interval batches (~4 KiB: the counts and 100 sampled records as columns), aggregate
+# batches (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records) decode in well under
+# a millisecond into well under a megabyte. The fast path serves them on the event loop.
+SMALL_BODY_BYTES = 32 << 10
+
+
+class DecodersBusy(Unavailable):
+    """Every decode slot of this API process is taken: retry shortly (503, Retry-After)."""
+
+    retry_after = 1.0
+
+
+class DecodeSlots:
+    """The telemetry bodies over SMALL_BODY_BYTES (or of unknown length) this process reads
+    and decodes at once (EXITPLANE_TELEMETRY_MAX_DECODES), so that their memory is bounded
+    per process: a request past them is refused at once, before its body is read, rather than
+    queued (a queue would hold its connection and buffers)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def held(self, content_length: str | None) -> Iterator[None]:
+        """A slot for the request with this Content-Length header for as long as the block
+        runs (none needed for a small body); DecodersBusy when none is free."""
+        if content_length is not None and content_length.isdigit() \
+                and int(content_length) <= SMALL_BODY_BYTES:
+            yield
+            return
+        with self._lock:
+            if self._taken >= self.size:
+                raise DecodersBusy(f"this API process is decoding {self.size} large telemetry "
+                                   "batches (EXITPLANE_TELEMETRY_MAX_DECODES); retry in 1 s")
+            self._taken += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._taken -= 1
+
+
+class BatchTooLarge(DomainError):
+    """A body that decodes to more values than EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS: the runtime
+    splits it, as for a body over the byte limit."""
+
+    status_code = 413
+
+
+class _Budget:
+    """Counts the values a msgpack decode has built (each list or map and its entries) and
+    stops it past `limit`: the decoder calls `list` and `map` for every
+    container it completes, so it never holds more than `limit` values and one container."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.left = limit, limit
+
+    def _take(self, count: int) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise _too_many(self.limit)
+
+    def list(self, values: list) -> list:
+        self._take(len(values) + 1)
+        return values
+
+    def map(self, entries: dict) -> dict:
+        self._take(len(entries) + 1)
+        return entries
+
+
+def _too_many(limit: int) -> BatchTooLarge:
+    return BatchTooLarge(f"the batch holds more than {limit} values "
+                         "(EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS): split it (ids <id>a and <id>b)")
+
+
+def _decode(body: bytes, content_type: str, max_items: int | None):
+    """The decoded body, never more than `max_items` values (None: no bound): msgpack counts
+    as it decodes; a JSON body is refused first when it could hold more (each value but a
+    container's first follows a ',', so ',', '[' and '{' bound them), and nested too deep to
+    decode is 422, not a server error."""
+    msgpacked = "msgpack" in content_type
     try:
-        if "msgpack" in content_type:
-            return msgpack.unpackb(body, raw=False)
+        if msgpacked:
+            if max_items is None:
+                return msgpack.unpackb(body, raw=False)
+            budget = _Budget(max_items)
+            # One container holds at most the budget: refused on its header, before it is built.
+            return msgpack.unpackb(body, raw=False, max_array_len=max_items,
+                                   max_map_len=max_items, list_hook=budget.list,
+                                   object_hook=budget.map)
+        if max_items is not None and \
+                body.count(b",") + body.count(b"[") + body.count(b"{") >= max_items:
+            raise _too_many(max_items)
         return json.loads(body)
+    except RecursionError as error:
+        raise Invalid("body nests too deeply: a telemetry batch is at most 4 levels deep") \
+            from error
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
-        raise Invalid(f"body is not valid {'msgpack' if 'msgpack' in content_type else 'JSON'}: "
+        if max_items is not None and "exceeds max_" in str(error):  # one list or map past it
+            raise _too_many(max_items) from error
+        raise Invalid(f"body is not valid {'msgpack' if msgpacked else 'JSON'}: "
                       f"{error}") from error
 
 
 def decode_aggregate(body: bytes, content_type: str,
-                     model: type[AggregateBatch] = AggregateBatch) -> AggregateBatch:
+                     model: type[AggregateBatch] = AggregateBatch, *,
+                     max_items: int | None = None) -> AggregateBatch:
     """Parse and validate an aggregate (or interval) batch; the first bad cell is named."""
     try:
-        return model.model_validate(_decode(body, content_type))
+        return model.model_validate(_decode(body, content_type, max_items))
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "batch"
         raise Invalid(f"{where}: {first['msg']}") from error
 
 
-def decode_batch(body: bytes, content_type: str) -> BatchColumns:
+def decode_batch(body: bytes, content_type: str, *,
+                 max_items: int | None = None) -> BatchColumns:
     """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
-    payload = _decode(body, content_type)
+    payload = _decode(body, content_type, max_items)
     try:
         return parse_batch(payload)
     except ValidationError as error:
@@ -119,13 +221,14 @@ def _check(state, deployment, batch, aggregate: bool, known_versions) -> None:
                             known_versions=known_versions, latest=latest)
 
 
-def _decoded(body: bytes, content_type: str):
+def _decoded(state, body: bytes, content_type: str):
     """(the batch, whether it carries token counts, the threshold versions it names)."""
     model = batch_model(content_type)
+    max_items = state.settings.telemetry_max_batch_items
     if model is None:
-        batch = decode_batch(body, content_type)
+        batch = decode_batch(body, content_type, max_items=max_items)
         return batch, False, batch.threshold_version.tolist()
-    batch = decode_aggregate(body, content_type, model)
+    batch = decode_aggregate(body, content_type, model, max_items=max_items)
     versions = [cell.threshold_version for cell in batch.cells]
     if isinstance(batch, IntervalBatch) and batch.records is not None:
         versions += batch.records.threshold_version
@@ -142,7 +245,7 @@ def checked_from_cache(state, principal: Principal, body: bytes, content_type: s
     has cached it, never reading the store (for the event loop): the batch, or None when the
     target or one of its versions is not cached yet (`store_batch` reads it on a thread).
     Raises as `store_batch` does for a bad batch."""
-    batch, aggregate, versions = _decoded(body, content_type)
+    batch, aggregate, versions = _decoded(state, body, content_type)
     target = state.ingest_targets.peek(batch.deployment, versions)
     if target is None:
         return None
@@ -163,14 +266,15 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
     and the fast path (controlplane/telemetry/fast_path.py) both end here."""
     try:
-        batch, aggregate, versions = _decoded(body, content_type)
+        batch, aggregate, versions = _decoded(state, body, content_type)
         if state.redis is not None:
             # The stream path reads nothing from the store: the checks use the cached target.
-            _fits_target(state, state.ingest_targets.get(batch.deployment, versions),
+            _fits_target(state, visible_deployment(state, principal, batch.deployment, versions),
                          principal, batch, aggregate)
             added = stream.append(state.redis, batch,
                                   body if "msgpack" in content_type else None)
             return queued_ack(batch, added)
+        visible_deployment(state, principal, batch.deployment)  # a runtime token's 403 first
         with state.session_factory() as session:
             deployment = get_deployment(session=session, name=batch.deployment)
             principal.require_deployment(deployment.id)
@@ -204,19 +308,24 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
                  "required": True}}, dependencies=[rate_limited("ingest")],
              responses={**RUNTIME_ERRORS,
                         404: error_answer("the batch names a deployment that does not exist"),
-                        413: error_answer("the body is over the limit: split it (ids <id>a and "
-                                          "<id>b)"),
+                        413: error_answer("the body is over the limit (bytes, or values "
+                                          "decoded): split it (ids <id>a and <id>b)"),
                         415: error_answer("a content type this control plane does not take"),
+                        503: error_answer("the store (or Redis) is unavailable, or this API "
+                                          "process is decoding as many large batches as it "
+                                          "may: wait Retry-After seconds"),
                         422: error_answer("the batch is invalid: `detail` names the first bad "
                                           "record or cell, `index` its position; drop it")})
 async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:
     """Store (or queue) one batch of token records, one aggregate batch or one interval batch
     (by content type: docs/protocol.md); a replayed batch id is acknowledged with
     duplicate=true."""
-    body = await request.body()
-    content_type = request.headers.get("content-type", "application/json")
-    return await to_thread.run_sync(store_batch, request.app.state, principal, body,
-                                    content_type)
+    state = request.app.state
+    # The dependencies checked the token and its rate from the headers; only now the body.
+    with state.telemetry_decodes.held(request.headers.get("content-length")):
+        body = await request.body()
+        content_type = request.headers.get("content-type", "application/json")
+        return await to_thread.run_sync(store_batch, state, principal, body, content_type)
 
 
 @dataclass(frozen=True)

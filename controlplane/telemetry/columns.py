@@ -86,6 +86,9 @@ class BatchColumns:
     shadow_matched: np.ndarray  # bool (k,)
     segment: list[str]  # each record's traffic segment ('default' when the record names none)
     aggregated: bool = False  # counted by the runtime's aggregate batches: no rollup counts
+    # The runtime's lineage as the batch reports it (None: unknown; controlplane.runtimes.lineage)
+    model_revision: str | None = None
+    head_digest: str | None = None
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -131,7 +134,8 @@ class BatchColumns:
                    shadow_signal=np.array(columns.shadow_signal, dtype=np.float64)[order],
                    shadow_matched=np.array(columns.shadow_matched, dtype=np.bool_)[order],
                    segment=columns.segment or [DEFAULT_SEGMENT] * len(columns),
-                   aggregated=True)
+                   aggregated=True, model_revision=batch.model_revision,
+                   head_digest=batch.head_digest)
 
     def to_wire(self) -> dict:
         """The batch as `TelemetryBatch.model_dump(mode="json")` gives it."""
@@ -149,9 +153,11 @@ class BatchColumns:
         for owner, values in zip(self.shadowed[self.shadow_owner].tolist(),
                                  zip(*point_columns, strict=True), strict=True):
             records[owner]["shadow"].append(dict(zip(point_names, values, strict=True)))
+        lineage = {name: getattr(self, name) for name in ("model_revision", "head_digest")
+                   if getattr(self, name) is not None}  # left off when unknown, as dumped
         return {"batch_id": self.batch_id, "deployment": self.deployment,
                 "runtime_id": self.runtime_id, "seq": self.seq, "num_layers": self.num_layers,
-                "records": records, "aggregated": self.aggregated}
+                "records": records, "aggregated": self.aggregated, **lineage}
 
 
 def parse_batch(payload: Any) -> BatchColumns:

@@ -1,21 +1,27 @@
-"""Pure-ASGI answers for the requests a fleet sends most (issue 14): `POST /v1/telemetry` and
+"""Pure-ASGI answers for the requests a fleet sends most: `POST /v1/telemetry` and
 `POST /v1/deployments/{name}/heartbeats`.
 
 At fleet scale the API's cost is per request, and much of it was FastAPI's routing, dependency
 solving and response serialisation around work the services do anyway. This layer sits inside
-the body-size gate (so 413 and the body read are unchanged) and inside the request-id/metrics
-middleware, and does what the routes' dependencies do, in the same order and with the same
-functions: the bearer token (`resolve_principal`, the same cache), the token's rate limit (the
-same shared bucket), the runtime scope, then the route's own work, all on one worker thread.
-With Redis, a small telemetry batch whose token and deployment this process has cached is
-answered on the event loop instead, with one Redis script for the rate take and the append
-(`_serve_on_loop`): the same answers in the same order, without the thread hand-off and the
-second round trip, which cost more CPU than the batch's own checks. An error is answered by the
-app's own exception handler for it, so status codes, messages and headers (WWW-Authenticate,
-Retry-After) are the routes'. A heartbeat whose body is not a plain valid JSON heartbeat passes
-on untouched to the route, whose 422 says what is wrong. The routes stay registered: they
-describe the operations in the OpenAPI document and serve when the fast path is turned off
-(`EXITPLANE_TELEMETRY_FAST_PATH=false`)."""
+the body-size gate and inside the request-id/metrics middleware, and does what the routes'
+dependencies do, in the same order and with the same functions: the bearer token
+(`resolve_principal`, the same cache), the token's rate limit (the same shared bucket), the
+runtime scope. These come from the headers alone, before a byte of the body is read: a caller
+without a valid token, past its rate or without the runtime scope is answered 401, 429 or 403
+and never has its body read (the gate counts it against the route's limit as it is read). A
+telemetry body over SMALL_BODY_BYTES, or of unknown length, then needs one of the process's
+decode slots (`DecodeSlots`: 503 with Retry-After when none is free).
+
+The route's own work follows on a worker thread of the layer's own, except that with Redis a
+small telemetry batch whose deployment this process has cached is decoded, checked and
+appended to the stream on the event loop (`_serve_on_loop`), and a heartbeat of a runtime this
+process has recorded is held for the next bulk write (`_beat_on_loop`): the same answers
+without the thread hand-off, which cost more CPU than the work itself. An error is answered by
+the app's own exception handler for it, so status codes, messages and headers
+(WWW-Authenticate, Retry-After) are the routes'. A heartbeat whose body is not a plain valid
+JSON heartbeat passes on to the route, whose 422 says what is wrong (its rate already taken
+here: `RATE_TAKEN`). The routes stay registered: they describe the operations in the OpenAPI
+document and serve when the fast path is turned off (`EXITPLANE_TELEMETRY_FAST_PATH=false`)."""
 
 from __future__ import annotations
 
@@ -29,30 +35,52 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from controlplane import metrics
+from controlplane.auth.service import Principal
 from controlplane.db import utcnow
 from controlplane.deps import (
+    RATE_TAKEN,
     cached_principal,
+    check_rate,
     check_rate_blocking,
-    refuse_past_rate,
     resolve_principal,
+    visible_deployment,
 )
 from controlplane.errors import DomainError
 from controlplane.runtimes import service as runtimes
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.telemetry import stream
-from controlplane.telemetry.api import checked_from_cache, queued_ack, store_batch
+from controlplane.telemetry.api import (
+    SMALL_BODY_BYTES,
+    checked_from_cache,
+    queued_ack,
+    store_batch,
+)
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.schemas import IngestAck
 from exitplane.wire import Heartbeat
 
 TELEMETRY_PATH = "/v1/telemetry"
-# A telemetry body up to this size is served on the event loop (`_serve_on_loop`): a fleet's
-# interval batches (~4 KiB: the counts and 100 sampled records as columns), aggregate batches
-# (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records) decode in well under a
-# millisecond; larger ones are decoded on a worker thread.
-LOOP_BODY_BYTES = 32 << 10
 HEARTBEATS = ("/v1/deployments/", "/heartbeats")  # around the deployment's name
+
+
+def _heartbeat_name(path: str) -> str | None:
+    """The deployment's name in a heartbeat path, else None."""
+    if path.startswith(HEARTBEATS[0]) and path.endswith(HEARTBEATS[1]):
+        name = path[len(HEARTBEATS[0]):-len(HEARTBEATS[1])]
+        if name and "/" not in name:
+            return name
+    return None
+
+
+def reads_after_auth(path: str) -> bool:
+    """Whether the route at `path` (telemetry, heartbeats) checks its caller from the headers
+    before it reads the body (the body gate then counts the body as it is read)."""
+    return path == TELEMETRY_PATH or _heartbeat_name(path) is not None
+
+
+class _ClientLeft(Exception):
+    """The client disconnected before its body was complete: nobody to answer."""
 
 
 class TelemetryFastPath:
@@ -81,41 +109,50 @@ class TelemetryFastPath:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path == TELEMETRY_PATH:
             await self._telemetry_post(scope, receive, send)
-        elif path.startswith(HEARTBEATS[0]) and path.endswith(HEARTBEATS[1]) and "/" not in (
-                name := path[len(HEARTBEATS[0]):-len(HEARTBEATS[1])]) and name:
+        elif (name := _heartbeat_name(path)) is not None:
             await self._heartbeat_post(scope, receive, send, name)
         else:
             await self.app(scope, receive, send)
 
     async def _telemetry_post(self, scope, receive, send) -> None:
         scope["route"] = self._telemetry
-        authorization, content_type = _headers(scope)
-        # The body first: the size gate outside has already read and buffered all of it, so
-        # nothing is spent on a refused request that the route would not have spent.
-        body = await _read_body(receive)
-        if body is None:
-            return  # the client left before its body was complete: nobody to answer
+        authorization, content_type, length = _headers(scope)
         state, pool = scope["app"].state, self._pool()
         content_type = "application/json" if content_type is None else content_type
 
-        on_loop = _serve_on_loop if len(body) <= LOOP_BODY_BYTES and state.redis is not None \
-            else None
-        await _answer(scope, receive, send, 202, _loop_first(
-            on_loop, _serve, (state, authorization, content_type, body), pool))
+        async def serve() -> IngestAck:
+            principal = await _caller(state, authorization, "ingest", pool)
+            with state.telemetry_decodes.held(length):
+                body = await _read_body(receive)
+                if len(body) <= SMALL_BODY_BYTES and state.redis_async is not None:
+                    answer = await _serve_on_loop(state, principal, content_type, body)
+                    if answer is not None:
+                        return answer
+                return await to_thread.run_sync(store_batch, state, principal, body,
+                                                content_type, limiter=pool)
+
+        await _answer(scope, receive, send, 202, serve)
 
     async def _heartbeat_post(self, scope, receive, send, name: str) -> None:
-        authorization, content_type = _headers(scope)
-        body = await _read_body(receive)
-        if body is None:
-            return
-        beat = _plain_heartbeat(content_type, body)
-        if beat is None:  # the route parses and refuses it, with FastAPI's own 422
-            await self.app(scope, _replay(body, receive), send)
-            return
-        scope["route"] = self._heartbeat
+        authorization, content_type, _ = _headers(scope)
         state, pool = scope["app"].state, self._pool()
-        await _answer(scope, receive, send, 200, _loop_first(
-            _beat_on_loop, _serve_heartbeat, (state, authorization, name, beat), pool))
+        refused: list[bytes] = []  # the body of a beat the route must judge
+
+        async def serve() -> RuntimeRead | None:
+            principal = await _caller(state, authorization, "heartbeat", pool)
+            body = await _read_body(receive)
+            beat = _plain_heartbeat(content_type, body)
+            if beat is None:
+                refused.append(body)
+                return None
+            scope["route"] = self._heartbeat
+            return await _loop_first(_beat_on_loop, _serve_heartbeat,
+                                     (state, principal, name, beat), pool)()
+
+        if not await _answer(scope, receive, send, 200, serve) and refused:
+            # The route parses and refuses it, with FastAPI's own 422; its rate is taken.
+            scope[RATE_TAKEN] = "heartbeat"
+            await self.app(scope, _replay(refused[0], receive), send)
 
     def _pool(self) -> CapacityLimiter:
         """The limiter, made on the running event loop (a test may serve from several)."""
@@ -125,117 +162,110 @@ class TelemetryFastPath:
         return self._limiter[1]
 
 
-def _headers(scope) -> tuple[str, str | None]:
-    """The first Authorization ('' without one) and Content-Type headers."""
-    authorization = content_type = None
+def _headers(scope) -> tuple[str, str | None, str | None]:
+    """The first Authorization ('' without one), Content-Type and Content-Length headers."""
+    authorization = content_type = length = None
     for key, value in scope["headers"]:
         if key == b"authorization" and authorization is None:
             authorization = value.decode("latin-1")
         elif key == b"content-type" and content_type is None:
             content_type = value.decode("latin-1")
-    return authorization or "", content_type
+        elif key == b"content-length" and length is None:
+            length = value.decode("latin-1")
+    return authorization or "", content_type, length
 
 
-async def _answer(scope, receive, send, status: int, serve) -> None:
+async def _caller(state, authorization: str, kind: str, pool: CapacityLimiter) -> Principal:
+    """The caller from the headers alone, as the routes' dependencies check it and in their
+    order: its token (401), its `kind` rate (429), the runtime scope (403). On the event loop
+    when the token cache holds the token, else on a worker thread (the lookup blocks)."""
+    principal = cached_principal(state, authorization)
+    if principal is None:
+        return await to_thread.run_sync(_caller_blocking, state, authorization, kind,
+                                        limiter=pool)
+    await check_rate(state, kind, principal)
+    principal.require("runtime")
+    return principal
+
+
+def _caller_blocking(state, authorization: str, kind: str) -> Principal:
+    principal = resolve_principal(state, authorization)
+    check_rate_blocking(state, kind, principal)
+    principal.require("runtime")
+    return principal
+
+
+async def _answer(scope, receive, send, status: int, serve) -> bool:
     """Await `serve()`; send its model as JSON, or its error as the app's exception handler
-    answers it."""
+    answers it. False when `serve()` answered None (nothing was sent)."""
     api = scope["app"]
     try:
-        answer: BaseModel = await serve()
+        answer: BaseModel | None = await serve()
+    except _ClientLeft:
+        return True
     except Exception as error:
         handler = _handler_for(api.exception_handlers, error)
         if handler is None:
             raise  # as in the route: the server-error middleware answers 500
         response = await handler(Request(scope, receive), error)
         await response(scope, receive, send)
-        return
+        return True
+    if answer is None:
+        return False
     payload = answer.model_dump_json().encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-length", str(len(payload)).encode()),
                             (b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": payload})
+    return True
 
 
-def _serve(state, authorization: str, content_type: str, body: bytes) -> IngestAck:
-    """The telemetry route's dependencies and body, in their order (blocking)."""
-    principal = resolve_principal(state, authorization)
-    check_rate_blocking(state, "ingest", principal)
-    principal.require("runtime")
-    return store_batch(state, principal, body, content_type)
-
-
-async def _serve_on_loop(state, authorization: str, content_type: str,
+async def _serve_on_loop(state, principal: Principal, content_type: str,
                          body: bytes) -> IngestAck | None:
-    """`_serve` on the event loop for a small batch whose token and deployment this process
-    has cached, with one Redis round trip (the rate take and the append in one script,
-    `stream.append_within_rate`); None sends the request to `_serve` on a worker thread
-    (anything that would read the store, an unlimited token, Redis unreachable).
-
-    At fleet scale most telemetry POSTs are small interval (or aggregate and sampled-record)
-    batches, and the hand-off to a worker thread and back, with two blocking Redis calls
-    there, cost more CPU than the work itself. Decoding a body of at most LOOP_BODY_BYTES
-    holds the loop well under a millisecond. The answers are `_serve`'s, in its order: a
-    request past its rate is 429 whatever else is wrong with it, so a bad request takes from
-    the bucket first."""
-    limiter = state.rate_limiters["ingest"]
-    principal = cached_principal(state, authorization)
-    shared = getattr(limiter, "shared_bucket", None)
-    bucket = shared(str(principal.token_id)) if principal and shared else None
-    if bucket is None:
-        return None
-    try:
-        principal.require("runtime")
-    except DomainError:
-        refuse_past_rate("ingest", await limiter.retry_after(str(principal.token_id)))
-        raise
+    """`store_batch` on the event loop for a small batch whose deployment this process has
+    cached; None sends it to `store_batch` on a worker thread (anything that would read the
+    store, Redis unreachable). Decoding a body of at most SMALL_BODY_BYTES holds the loop
+    well under a millisecond."""
     try:
         batch = checked_from_cache(state, principal, body, content_type)
-    except Exception as error:
-        refuse_past_rate("ingest", await limiter.retry_after(str(principal.token_id)))
-        if isinstance(error, DomainError):
-            metrics.rejected_batches.labels(type(error).__name__).inc()
+    except DomainError as error:
+        metrics.rejected_batches.labels(type(error).__name__).inc()
         raise
     if batch is None:
         return None
     try:
-        added, wait = await stream.append_within_rate(
-            bucket, batch, body if "msgpack" in content_type else None)
+        added = await stream.append_async(state.redis_async, batch,
+                                          body if "msgpack" in content_type else None)
     except (redis.RedisError, OSError):
-        # `_serve` answers it: the limiter's in-process fallback, then the queue's 503.
-        return None
-    refuse_past_rate("ingest", wait)
+        return None  # `store_batch` answers it: the queue's 503
     return queued_ack(batch, added)
 
 
-def _loop_first(on_loop: Callable[..., Awaitable[BaseModel | None]] | None,
+def _loop_first(on_loop: Callable[..., Awaitable[BaseModel | None]],
                 blocking: Callable[..., BaseModel], args: tuple,
                 pool: CapacityLimiter) -> Callable[[], Awaitable[BaseModel]]:
-    """The answer of `on_loop(*args)` on the event loop (None from it, or no `on_loop`: it
-    could not answer without blocking), else of `blocking(*args)` on a worker thread."""
+    """The answer of `on_loop(*args)` on the event loop (None from it: it could not answer
+    without blocking), else of `blocking(*args)` on a worker thread."""
     async def serve() -> BaseModel:
-        if on_loop is not None:
-            answer = await on_loop(*args)
-            if answer is not None:
-                return answer
+        answer = await on_loop(*args)
+        if answer is not None:
+            return answer
         return await to_thread.run_sync(blocking, *args, limiter=pool)
 
     return serve
 
 
-def _serve_heartbeat(state, authorization: str, name: str, beat: Heartbeat) -> RuntimeRead:
-    """The heartbeat route's dependencies, work and commit, in their order (blocking)."""
-    principal = resolve_principal(state, authorization)
-    check_rate_blocking(state, "heartbeat", principal)
-    principal.require("runtime")
+def _serve_heartbeat(state, principal: Principal, name: str, beat: Heartbeat) -> RuntimeRead:
+    """The heartbeat route's work and commit once its caller is known (blocking)."""
     # The deployment's id and name never change: the per-process cache the telemetry checks
-    # use answers them, so a beat costs one statement (NotFound as the route's lookup).
-    deployment = state.ingest_targets.get(name, ())
-    principal.require_deployment(deployment.id)
+    # use answers them, so a beat costs one statement (NotFound, or for a runtime token 403,
+    # as the route's checks).
+    deployment = visible_deployment(state, principal, name)
     with state.session_factory() as session:
         try:
             runtime = runtimes.record_heartbeat(
-                session=session, deployment=deployment, beat=beat,
-                max_runtimes=state.settings.max_runtimes_per_deployment)
+                session=session, deployment=deployment, beat=beat, token_id=principal.token_id,
+                caps=runtimes.RuntimeCaps.from_settings(state.settings))
             answer = RuntimeRead.model_validate(runtime)
             session.commit()  # before the answer, as the route's session dependency does
         except BaseException:
@@ -245,26 +275,21 @@ def _serve_heartbeat(state, authorization: str, name: str, beat: Heartbeat) -> R
     return answer
 
 
-async def _beat_on_loop(state, authorization: str, name: str,
+async def _beat_on_loop(state, principal: Principal, name: str,
                         beat: Heartbeat) -> RuntimeRead | None:
     """`_serve_heartbeat` on the event loop for a runtime this process has recorded, whose
-    token and deployment are cached: the same checks in the same order, then the beat is held
-    for the next bulk write (controlplane/runtimes/beats.py). None sends the beat to
-    `_serve_heartbeat` (a first beat, which the deployment's cap on runtimes must see, or
-    anything that would read the store)."""
+    deployment is cached: the beat is held for the next bulk write
+    (controlplane/runtimes/beats.py). None sends the beat to `_serve_heartbeat` (a first beat,
+    which the deployment's cap on runtimes must see, or anything that would read the store)."""
     buffer = state.heartbeats
     if not buffer.enabled:
         return None
-    principal = cached_principal(state, authorization)
     target = state.ingest_targets.peek(name, ())
-    if principal is None or target is None:
+    if target is None:
         return None
     first_seen = buffer.first_seen(target.id, beat.runtime_id)
     if first_seen is None:
         return None
-    limiter = state.rate_limiters["heartbeat"]
-    refuse_past_rate("heartbeat", await limiter.retry_after(str(principal.token_id)))
-    principal.require("runtime")
     principal.require_deployment(target.id)
     return buffer.hold(target.id, beat, utcnow(), first_seen)
 
@@ -277,7 +302,7 @@ def _plain_heartbeat(content_type: str | None, body: bytes) -> Heartbeat | None:
     try:
         payload = json.loads(body)
         return Heartbeat.model_validate(payload) if isinstance(payload, dict) else None
-    except (ValueError, ValidationError):
+    except (ValueError, ValidationError, RecursionError):  # nested too deep to decode
         return None
 
 
@@ -295,14 +320,14 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _read_body(receive) -> bytes | None:
-    """The whole body (the size gate outside has already bounded and buffered it), or None
-    when the client disconnected."""
+async def _read_body(receive) -> bytes:
+    """The whole body (the gate outside counts it against the route's limit); _ClientLeft
+    when the client disconnected first."""
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return None
+            raise _ClientLeft
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break

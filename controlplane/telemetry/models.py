@@ -21,12 +21,14 @@ def is_partition(table_name: str) -> bool:
 
 
 class TelemetryBatchRow(Base):
-    """One accepted batch; its id makes a replay a no-op."""
+    """One accepted batch; its id, within its deployment, makes a replay a no-op (another
+    deployment's batch with the same id is its own)."""
 
     __tablename__ = "telemetry_batches"
 
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"),
+                                               primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
     runtime_id: Mapped[str] = mapped_column(String(128))
     seq: Mapped[int] = mapped_column(BigInteger)
     records: Mapped[int]
@@ -47,10 +49,10 @@ class TokenRecordRow(Base):
     __table_args__ = (Index("ix_token_records_deployment_id_ts", "deployment_id", "ts"),
                       {"postgresql_partition_by": "RANGE (ts)"})
 
+    deployment_id: Mapped[int] = mapped_column(primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     idx: Mapped[int] = mapped_column(primary_key=True)
     ts: Mapped[datetime] = mapped_column(primary_key=True)
-    deployment_id: Mapped[int]
     runtime_id: Mapped[str] = mapped_column(String(128))
     threshold_version: Mapped[int]
     request_id: Mapped[str] = mapped_column(String(128))
@@ -59,7 +61,7 @@ class TokenRecordRow(Base):
     signal_value: Mapped[float | None]  # NULL: the token's exits were not checked
     latency_us: Mapped[int]
     shadow: Mapped[bool]
-    # The request's traffic segment (issue 18); 'default' for unsegmented traffic.
+    # The request's traffic segment; 'default' for unsegmented traffic.
     segment: Mapped[str] = mapped_column(String(64), default=DEFAULT_SEGMENT,
                                          server_default=DEFAULT_SEGMENT)
 
@@ -73,17 +75,17 @@ class ShadowSampleRow(Base):
     __table_args__ = (Index("ix_shadow_samples_deployment_id_ts", "deployment_id", "ts"),
                       {"postgresql_partition_by": "RANGE (ts)"})
 
+    deployment_id: Mapped[int] = mapped_column(primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     idx: Mapped[int] = mapped_column(primary_key=True)
     ts: Mapped[datetime] = mapped_column(primary_key=True)
-    deployment_id: Mapped[int]
     threshold_version: Mapped[int]
     runtime_id: Mapped[str] = mapped_column(String(128))
     # Shadow tokens of one request are correlated: quality tests cluster them by request.
     request_id: Mapped[str | None] = mapped_column(String(128))
     signals: Mapped[bytes] = mapped_column(LargeBinary)
     matched: Mapped[bytes] = mapped_column(LargeBinary)
-    # The request's traffic segment (issue 18); 'default' for unsegmented traffic.
+    # The request's traffic segment; 'default' for unsegmented traffic.
     segment: Mapped[str] = mapped_column(String(64), default=DEFAULT_SEGMENT,
                                          server_default=DEFAULT_SEGMENT)
 
@@ -105,7 +107,7 @@ class Rollup(Base):
     version: Mapped[int] = mapped_column(primary_key=True)
     runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     minute: Mapped[datetime] = mapped_column(primary_key=True)
-    # The traffic segment (issue 18); 'default' for unsegmented traffic.
+    # The traffic segment; 'default' for unsegmented traffic.
     segment: Mapped[str] = mapped_column(String(64), primary_key=True, default=DEFAULT_SEGMENT,
                                          server_default=DEFAULT_SEGMENT)
     layer: Mapped[int] = mapped_column(primary_key=True)
@@ -126,9 +128,24 @@ class RollupHistogram(Base):
     version: Mapped[int] = mapped_column(primary_key=True)
     runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     minute: Mapped[datetime] = mapped_column(primary_key=True)
-    # The traffic segment (issue 18); 'default' for unsegmented traffic.
+    # The traffic segment; 'default' for unsegmented traffic.
     segment: Mapped[str] = mapped_column(String(64), primary_key=True, default=DEFAULT_SEGMENT,
                                          server_default=DEFAULT_SEGMENT)
     layer: Mapped[int] = mapped_column(primary_key=True)
     bin: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     count: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UndeclaredSegmentTokens(Base):
+    """Per minute, deployment and runtime: tokens whose segment the deployment has not
+    declared, stored as `default` (see controlplane/thresholds/segments.py), and the batches
+    that carried them. Tells an operator which runtimes send which share of such traffic
+    without keeping the names (their cardinality is the sender's choice)."""
+
+    __tablename__ = "undeclared_segment_tokens"
+
+    deployment_id: Mapped[int] = mapped_column(primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    batches: Mapped[int] = mapped_column(BigInteger, default=0)

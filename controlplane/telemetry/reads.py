@@ -1,4 +1,4 @@
-"""Telemetry reads per traffic segment (issue 18): what each segment's tokens did in a window.
+"""Telemetry reads per traffic segment: what each segment's tokens did in a window.
 
 Everything comes from the per-minute rollups, which count every token whether runtimes ship
 records or aggregates. The segments read are the deployment's registered ones plus `default`
@@ -19,7 +19,7 @@ from controlplane.errors import NotFound
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
 from controlplane.telemetry.tables import ROLLUP_COUNTERS
 from controlplane.thresholds.models import Deployment
-from controlplane.thresholds.segments import known_segments
+from controlplane.thresholds.segments import known_segments, readable_segments
 from exitplane.wire import DEFAULT_SEGMENT
 
 
@@ -29,11 +29,12 @@ def segment_names(*, session: Session, deployment: Deployment) -> list[str]:
 
 
 def check_segment(*, session: Session, deployment: Deployment, segment: str | None) -> None:
-    """NotFound unless `segment` is None (every segment), `default` or a registered name."""
+    """NotFound unless `segment` is None (every segment), `default` or a registered name (in
+    use or removed: a removed segment's stored traffic stays readable)."""
     if segment is None or segment == DEFAULT_SEGMENT:
         return
-    names = segment_names(session=session, deployment=deployment)
-    if segment not in names:
+    if segment not in readable_segments(session=session, deployment_id=deployment.id):
+        names = segment_names(session=session, deployment=deployment)
         raise NotFound(f"deployment {deployment.name!r} knows no segment {segment!r}; its "
                        f"segments are {', '.join(names)}")
 

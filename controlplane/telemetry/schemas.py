@@ -48,7 +48,7 @@ class TelemetryCounts(BaseModel):
         "of the last hour"))
 
 
-# -- per traffic segment (issue 18) --------------------------------------------------------------
+# -- per traffic segment --------------------------------------------------------------
 
 class SegmentLayerRate(BaseModel):
     layer: int

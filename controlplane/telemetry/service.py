@@ -9,7 +9,7 @@ segments go through the deployment's cap where the batch is written (admission.p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
@@ -19,8 +19,10 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.errors import Invalid
+from controlplane.runtimes.lineage import note_batches
+from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry import bulk
-from controlplane.telemetry.admission import stored_segments
+from controlplane.telemetry.admission import check_segment_names, note_undeclared, stored_segments
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import (
     HISTOGRAM_BINS,
@@ -30,6 +32,7 @@ from controlplane.telemetry.models import (
     ShadowSampleRow,
     TelemetryBatchRow,
     TokenRecordRow,
+    UndeclaredSegmentTokens,
 )
 from controlplane.telemetry.tables import (
     ROLLUP_COUNTERS,
@@ -81,6 +84,7 @@ def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
     if batch.num_layers != deployment.num_layers:
         raise Invalid(f"batch says num_layers {batch.num_layers}; deployment "
                       f"{deployment.name!r} has {deployment.num_layers}")
+    check_segment_names(set(batch.segment))
     exit_layers = set(deployment.exit_layers)
     bad = ~np.isin(batch.exit_layer, [*exit_layers, deployment.num_layers])
     bad |= ~np.isin(batch.threshold_version, list(known_versions))
@@ -119,6 +123,7 @@ def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBa
     if batch.num_layers != deployment.num_layers:
         raise Invalid(f"batch says num_layers {batch.num_layers}; deployment "
                       f"{deployment.name!r} has {deployment.num_layers}")
+    check_segment_names(segment_names(batch))
     layers = {*deployment.exit_layers, deployment.num_layers}
     for index, cell in enumerate(batch.cells):
         if latest is not None and cell.minute > latest:
@@ -146,9 +151,12 @@ def ingest(*, session: Session, deployment: Deployment | IngestTarget,
                else BatchColumns.from_model(batch) for batch in batches]
     # Segment admission comes first: registering a name locks the deployment row, which must
     # not wait on (and be waited on by) the key-share locks the batch rows' foreign keys take.
-    # Admitting a replay's names again changes nothing: the registry only grows.
+    # A replay's names may be decided again: its rows are not written twice.
     segment_of = _segments_stored(session=session, deployment=deployment, batches=batches)
     new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
+    # Stored and shown whatever lineage they report; one that differs marks its runtime.
+    note_batches(session=session, deployment_id=deployment.id,
+                 batches=[b for b in batches if b.batch_id in new_ids])
     fresh = [b for b in batches if b.batch_id in new_ids and isinstance(b, BatchColumns)]
     aggregates = [b for b in batches if b.batch_id in new_ids and isinstance(b, AggregateBatch)]
     # An interval batch's records are stored as the aggregated record batch they stand for.
@@ -181,33 +189,89 @@ def ingest(*, session: Session, deployment: Deployment | IngestTarget,
                         ROLLUP_COUNTERS)
         bulk.add_counts(session, RollupHistogram, merge_counts(histograms, ("count",)),
                         ("count",))
+    overflow = {b.batch_id: overflow_tokens(b, segment_of) for b in batches
+                if b.batch_id in new_ids}
+    if segment_of:
+        _count_undeclared(session=session, deployment=deployment, segment_of=segment_of,
+                          batches=[b for b in batches if b.batch_id in new_ids],
+                          overflow=overflow)
     session.flush()
     return [IngestResult(batch_id=b.batch_id, accepted=accounted(b),
                          duplicate=b.batch_id not in new_ids,
                          aggregate=isinstance(b, AggregateBatch),
-                         overflow=overflow_tokens(b, segment_of) if b.batch_id in new_ids else 0,
+                         overflow=overflow.get(b.batch_id, 0),
                          records=(len(carried[b.batch_id]) if b.batch_id in carried
                                   else len(b) if isinstance(b, BatchColumns)
                                   and b.batch_id in new_ids else 0))
             for b in batches]
 
 
+def segment_names(batch: BatchColumns | AggregateBatch) -> set[str]:
+    """The distinct segment names `batch` carries (its cells' and records')."""
+    if not isinstance(batch, AggregateBatch):
+        return set(batch.segment)  # C-level
+    names = {cell.segment for cell in batch.cells}
+    if isinstance(batch, IntervalBatch) and batch.records is not None:
+        names.update(batch.records.segment or ())
+    return names
+
+
 def _segments_stored(*, session: Session, deployment: Deployment | IngestTarget,
                      batches: list[BatchColumns | AggregateBatch]) -> dict[str, str]:
-    """The names in `batches` that the deployment's cap stores as `default` (-> 'default');
-    names stored as themselves are left out (nothing to map)."""
+    """The names in `batches` that the deployment does not have in use, stored as `default`
+    (-> 'default'); names stored as themselves are left out (nothing to map)."""
     names: set[str] = set()
     for batch in batches:
-        if isinstance(batch, AggregateBatch):
-            names.update(cell.segment for cell in batch.cells)
-            if isinstance(batch, IntervalBatch) and batch.records is not None:
-                names.update(batch.records.segment or ())
-        else:
-            names.update(batch.segment)  # C-level, per batch
+        carried = segment_names(batch)
+        check_segment_names(carried)  # checked before queueing too; a worker checks again
+        names |= carried
     if not names - {DEFAULT_SEGMENT}:
         return {}
     decided = stored_segments(session=session, deployment_id=deployment.id, names=names)
     return {name: stored for name, stored in decided.items() if stored != name}
+
+
+def _count_undeclared(*, session: Session, deployment: Deployment | IngestTarget,
+                      segment_of: dict[str, str], batches: list[BatchColumns | AggregateBatch],
+                      overflow: dict[str, int]) -> None:
+    """Count, per runtime in this minute, the new batches' tokens stored as `default` because
+    their segment is not in use (and the batches), and have them logged after the commit."""
+    by_runtime: dict[str, list[int]] = {}
+    for batch in batches:
+        folded = segment_names(batch) & segment_of.keys()
+        if folded:
+            counts = by_runtime.setdefault(batch.runtime_id, [0, 0])
+            counts[0] += overflow[batch.batch_id]
+            counts[1] += 1
+            note_undeclared(session=session, deployment_id=deployment.id, names=folded,
+                            tokens=overflow[batch.batch_id])
+    if not by_runtime:
+        return
+    runtimes = sorted(by_runtime)
+    minute = np.datetime64(int(datetime.now(UTC).timestamp()) // 60 * 60, "s")
+    bulk.add_counts(session, UndeclaredSegmentTokens, {
+        "deployment_id": np.full(len(runtimes), deployment.id), "runtime_id": runtimes,
+        "minute": np.full(len(runtimes), minute),
+        "tokens": np.array([by_runtime[r][0] for r in runtimes], dtype=np.int64),
+        "batches": np.array([by_runtime[r][1] for r in runtimes], dtype=np.int64)},
+        ("tokens", "batches"))
+
+
+def undeclared_tokens(*, session: Session, deployment: Deployment, since: datetime
+                      ) -> list[dict]:
+    """Per runtime since `since`: tokens stored as `default` because their segment was not in
+    use, and the batches that carried them; most tokens first."""
+    rows = session.execute(
+        select(UndeclaredSegmentTokens.runtime_id,
+               func.sum(UndeclaredSegmentTokens.tokens).label("tokens"),
+               func.sum(UndeclaredSegmentTokens.batches).label("batches"),
+               func.max(UndeclaredSegmentTokens.minute).label("last"))
+        .where(UndeclaredSegmentTokens.deployment_id == deployment.id,
+               UndeclaredSegmentTokens.minute >= since)
+        .group_by(UndeclaredSegmentTokens.runtime_id))
+    found = [{"runtime_id": row.runtime_id, "tokens": int(row.tokens or 0),
+              "batches": int(row.batches or 0), "last_minute": row.last} for row in rows]
+    return sorted(found, key=lambda item: (-item["tokens"], item["runtime_id"]))
 
 
 def overflow_tokens(batch: BatchColumns | AggregateBatch, segment_of: dict[str, str]) -> int:
@@ -241,7 +305,8 @@ def _batch_row(batch: BatchColumns | AggregateBatch) -> dict:
 
 def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
                    batches: list[BatchColumns | AggregateBatch]) -> set[str]:
-    """Insert batch ids that are new; return those (a replayed id is not returned)."""
+    """Insert batch ids that are new to the deployment; return those (a replayed id is not
+    returned; another deployment's batch with the same id is no replay)."""
     seen: set[str] = set()
     unique = []
     for batch in batches:
@@ -252,7 +317,7 @@ def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
                "runtime_id": b.runtime_id, "seq": b.seq, **_batch_row(b),
                "received_at": datetime.now(UTC)} for b in unique]
     statement = _dialect_insert(session, TelemetryBatchRow)
-    statement = statement.on_conflict_do_nothing(index_elements=["batch_id"])
+    statement = statement.on_conflict_do_nothing(index_elements=["deployment_id", "batch_id"])
     # executemany: one compiled (cached) statement whatever the number of batches.
     return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id), values))
 
@@ -292,14 +357,16 @@ def _dialect_insert(session: Session, model):
 
 def exit_rates(*, session: Session, deployment: Deployment, since: datetime,
                until: datetime | None = None, version: int | None = None,
-               runtime_id: str | None = None, segment: str | None = None) -> list[dict]:
+               runtime_id: str | None = None, segment: str | None = None,
+               exclude: Collection[str] = ()) -> list[dict]:
     """Per minute and layer: tokens checked, exits, exit rate, shadow labels, disagreement
-    (of one traffic segment when `segment` is given, else summed over all)."""
+    (of one traffic segment when `segment` is given, else summed over all; without the
+    runtimes in `exclude`)."""
     query = (select(Rollup.minute, Rollup.layer, *[func.sum(getattr(Rollup, c)).label(c)
                                                     for c in ROLLUP_COUNTERS])
              .where(Rollup.deployment_id == deployment.id, Rollup.minute >= since)
              .group_by(Rollup.minute, Rollup.layer).order_by(Rollup.minute, Rollup.layer))
-    query = _filters(query, Rollup, until, version, runtime_id, segment)
+    query = _filters(query, Rollup, until, version, runtime_id, segment, exclude)
     out = []
     for row in session.execute(query):
         item = {"minute": row.minute, "layer": row.layer,
@@ -337,22 +404,25 @@ def disagreement(*, session: Session, deployment: Deployment, since: datetime,
 
 def signal_histogram(*, session: Session, deployment: Deployment, since: datetime,
                      until: datetime | None = None, version: int | None = None,
-                     runtime_id: str | None = None, segment: str | None = None
-                     ) -> dict[int, list[int]]:
-    """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1]."""
+                     runtime_id: str | None = None, segment: str | None = None,
+                     exclude: Collection[str] = ()) -> dict[int, list[int]]:
+    """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1]
+    (without the runtimes in `exclude`)."""
     query = (select(RollupHistogram.layer, RollupHistogram.bin,
                     func.sum(RollupHistogram.count).label("n"))
              .where(RollupHistogram.deployment_id == deployment.id,
                     RollupHistogram.minute >= since)
              .group_by(RollupHistogram.layer, RollupHistogram.bin))
-    query = _filters(query, RollupHistogram, until, version, runtime_id, segment)
+    query = _filters(query, RollupHistogram, until, version, runtime_id, segment, exclude)
     out: dict[int, list[int]] = {}
     for row in session.execute(query):
         out.setdefault(row.layer, [0] * HISTOGRAM_BINS)[row.bin] = int(row.n)
     return dict(sorted(out.items()))
 
 
-def _filters(query, model, until, version, runtime_id, segment=None):
+def _filters(query, model, until, version, runtime_id, segment=None, exclude=()):
+    if exclude:
+        query = query.where(model.runtime_id.not_in(sorted(exclude)))
     if segment is not None:
         query = query.where(model.segment == segment)
     if until is not None:
@@ -364,16 +434,46 @@ def _filters(query, model, until, version, runtime_id, segment=None):
     return query
 
 
+@dataclass(frozen=True)
+class ShadowEvidence:
+    """A window's shadow tokens in exit-layer order, oldest first, with where each came from."""
+
+    requests: list[str]  # request id (a sample stored without one: its batch id)
+    runtimes: list[str]  # the runtime that reported it
+    signals: np.ndarray  # (n, L) float32
+    matched: np.ndarray  # (n, L) bool
+    times: np.ndarray  # (n,) epoch seconds (empty unless asked for)
+
+    def keyed_requests(self) -> np.ndarray:
+        """Request ids keyed by their runtime: one runtime's ids never join another's
+        request (the statistics cluster by request, the robust checks split by runtime)."""
+        return np.array([f"{runtime}/{request}" for runtime, request
+                         in zip(self.runtimes, self.requests, strict=True)], dtype=str)
+
+
+def shadow_evidence(*, session: Session, deployment: Deployment, since: datetime,
+                    until: datetime | None = None, version: int | None = None,
+                    limit: int = 1_000_000, segment: str | None = None,
+                    exclude: Collection[str] | None = None, with_times: bool = False
+                    ) -> ShadowEvidence:
+    """The one read of shadow samples every decision uses: with request and runtime ids, and
+    without the runtimes in `exclude` (None: the deployment's excluded runtimes, set aside as
+    outliers or serving other heads or another model: `runtimes.outliers.
+    excluded_runtime_ids`; () reads every runtime)."""
+    return _read_shadow(session=session, deployment=deployment, since=since, until=until,
+                        version=version, limit=limit, with_times=with_times, segment=segment,
+                        exclude=exclude)
+
+
 def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
                    until: datetime | None = None, version: int | None = None,
-                   limit: int = 1_000_000, segment: str | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   limit: int = 1_000_000, segment: str | None = None,
+                   exclude: Collection[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(signals float32 (n, L), matched bool (n, L)) in exit-layer order, oldest first (of one
-    traffic segment when `segment` is given)."""
-    _, signals, matched, _ = _read_shadow(session=session, deployment=deployment, since=since,
-                                          until=until, version=version, limit=limit,
-                                          with_requests=False, segment=segment)
-    return signals, matched
+    traffic segment when `segment` is given; `exclude` as for `shadow_evidence`)."""
+    found = _read_shadow(session=session, deployment=deployment, since=since, until=until,
+                         version=version, limit=limit, segment=segment, exclude=exclude)
+    return found.signals, found.matched
 
 
 def raw_sample_rate(*, session: Session, deployment: Deployment,
@@ -390,44 +490,50 @@ def raw_sample_rate(*, session: Session, deployment: Deployment,
 
 def shadow_samples_by_request(*, session: Session, deployment: Deployment, since: datetime,
                               until: datetime | None = None, version: int | None = None,
-                              limit: int = 1_000_000, segment: str | None = None
+                              limit: int = 1_000_000, segment: str | None = None,
+                              exclude: Collection[str] | None = None
                               ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """`shadow_samples` with each sample's request id (tests cluster tokens by request).
 
     Samples stored before request ids were kept stand for their batch (a conservative cluster)."""
-    return _read_shadow(session=session, deployment=deployment, since=since, until=until,
-                        version=version, limit=limit, with_requests=True, segment=segment)[:3]
+    found = _read_shadow(session=session, deployment=deployment, since=since, until=until,
+                         version=version, limit=limit, segment=segment, exclude=exclude)
+    return found.requests, found.signals, found.matched
 
 
 def timed_shadow_samples_by_request(*, session: Session, deployment: Deployment,
                                     since: datetime, version: int | None = None,
-                                    limit: int = 1_000_000, segment: str | None = None
+                                    limit: int = 1_000_000, segment: str | None = None,
+                                    exclude: Collection[str] | None = None
                                     ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """`shadow_samples_by_request` plus each sample's time (epoch seconds, float64): the drift
-    check tests sub-windows of the samples it read (issue 17)."""
-    return _read_shadow(session=session, deployment=deployment, since=since, until=None,
-                        version=version, limit=limit, with_requests=True, with_times=True,
-                        segment=segment)
+    check tests sub-windows of the samples it read."""
+    found = _read_shadow(session=session, deployment=deployment, since=since, until=None,
+                         version=version, limit=limit, with_times=True, segment=segment,
+                         exclude=exclude)
+    return found.requests, found.signals, found.matched, found.times
 
 
 def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
                  until: datetime | None, version: int | None, limit: int,
-                 with_requests: bool, with_times: bool = False, segment: str | None = None
-                 ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """One read of the shadow samples, oldest first; request ids and times only when asked for
-    (the columns cost).
+                 with_times: bool = False, segment: str | None = None,
+                 exclude: Collection[str] | None = None) -> ShadowEvidence:
+    """One read of the shadow samples, oldest first, with request and runtime ids; times only
+    when asked for (the column costs); the runtimes in `exclude` left out (None: the
+    deployment's excluded runtimes).
 
     A window holding more than `limit` samples gives its newest `limit`: a fleet ships ~10,000
     shadow tokens a second, and the consumers (the drift check's sliding windows, recalibration
     after a shift, the fallback's recheck) need the latest evidence, never the window's first
     seconds. Truncating by time is independent of the outcomes, so the tests stay valid on what
     was read."""
-    columns = [ShadowSampleRow.signals, ShadowSampleRow.matched]
+    if exclude is None:
+        exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
+    columns = [ShadowSampleRow.signals, ShadowSampleRow.matched, ShadowSampleRow.runtime_id]
     if with_times:
         columns.append(ShadowSampleRow.ts)
-    if with_requests:
-        columns.append(func.coalesce(ShadowSampleRow.request_id,
-                                     ShadowSampleRow.batch_id).label("request_id"))
+    columns.append(func.coalesce(ShadowSampleRow.request_id,
+                                 ShadowSampleRow.batch_id).label("request_id"))
     query = (select(*columns)
              .where(ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
              .order_by(ShadowSampleRow.ts.desc()).limit(limit))
@@ -437,22 +543,24 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
         query = query.where(ShadowSampleRow.threshold_version == version)
     if segment is not None:
         query = query.where(ShadowSampleRow.segment == segment)
+    if exclude:
+        query = query.where(ShadowSampleRow.runtime_id.not_in(sorted(exclude)))
     # Core rows, columns transposed once: the ORM's per-row loading cost more than the read
     # itself at 200,000 rows (a drift check at fleet rates).
     rows = session.connection().execute(query).all()
     width = len(deployment.exit_layers)
     if not rows:
-        return ([], np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool),
-                np.zeros(0))
+        return ShadowEvidence([], [], np.zeros((0, width), dtype=np.float32),
+                              np.zeros((0, width), dtype=bool), np.zeros(0))
     columns = list(zip(*reversed(rows), strict=True))
     signals = np.frombuffer(b"".join(map(bytes, columns[0])), dtype="<f4")
     matched = np.frombuffer(b"".join(map(bytes, columns[1])), dtype=np.uint8)
-    requests = list(columns[-1]) if with_requests else []
     # naive datetimes (SQLite) are UTC, as everything this store writes
     times = np.array([(ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp()
-                      for ts in columns[2]]) if with_times else np.zeros(0)
-    return (requests, signals.reshape(-1, width).copy(),
-            matched.reshape(-1, width).astype(bool), times)
+                      for ts in columns[3]]) if with_times else np.zeros(0)
+    return ShadowEvidence(list(columns[-1]), list(columns[2]),
+                          signals.reshape(-1, width).copy(),
+                          matched.reshape(-1, width).astype(bool), times)
 
 
 def counts(*, session: Session, deployment: Deployment) -> dict:
@@ -525,7 +633,7 @@ def purge(*, session: Session, older_than: datetime) -> dict[str, int]:
     for model in (TokenRecordRow, ShadowSampleRow):
         deleted[model.__tablename__] = session.execute(
             delete(model).where(model.ts < older_than)).rowcount
-    for model in (Rollup, RollupHistogram):
+    for model in (Rollup, RollupHistogram, UndeclaredSegmentTokens):
         deleted[model.__tablename__] = session.execute(
             delete(model).where(model.minute < older_than)).rowcount
     session.execute(delete(TelemetryBatchRow).where(TelemetryBatchRow.received_at < older_than))

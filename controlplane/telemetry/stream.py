@@ -3,8 +3,9 @@ per deployment; ingest workers read them with a consumer group, write them to th
 bulk, acknowledge after the commit, and reclaim entries a crashed worker left pending.
 
 No loss: an entry is acknowledged only after its rows are committed. No duplicates: the API
-appends a batch id once (a Lua script sets the id key and appends atomically) and the store
-refuses a batch id it already has, so a reclaimed entry that was committed is a no-op.
+appends a batch id once per deployment (a Lua script sets the deployment's id key and appends
+atomically) and the store refuses a batch id the deployment already has, so a reclaimed entry
+that was committed is a no-op. Another deployment's batch with the same id is its own.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 
 import msgpack
 import redis
+import redis.asyncio
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
-from controlplane.coordination.limits import GCRA_LUA, SharedBucket
 from controlplane.db import refused_by_store, store_away
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
@@ -51,26 +52,18 @@ _FIELDS = {BatchColumns: "batch", AggregateBatch: "aggregate", IntervalBatch: "i
 def _field(batch: BatchColumns | AggregateBatch) -> str:
     return _FIELDS[type(batch)]
 
-# The same append, after taking one request from the sender's rate bucket in the same atomic
-# step (KEYS[4]: the bucket, ARGV[5..6]: its interval and tolerance; `limits.GCRA_LUA`).
-# Returns {added (0/1), microseconds to wait (0: within the rate)}; past the rate nothing is
-# appended. One round trip where the API made two.
-_APPEND_WITHIN_RATE = GCRA_LUA + """
-local wait = gcra_take(KEYS[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
-if wait > 0 then return {0, wait} end
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
-  redis.call('SADD', KEYS[3], ARGV[3])
-  redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[1])
-  return {1, 0}
-end
-return {0, 0}
-"""
 # client -> the script registered with it (called by its SHA: EVALSHA, not the text each time)
 _scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def stream_key(deployment: str) -> str:
     return STREAM_PREFIX + deployment
+
+
+def seen_key(batch: BatchColumns | AggregateBatch) -> str:
+    """The key that marks `batch`'s id as appended for its deployment (a deployment name holds
+    no ':', so no two (deployment, id) pairs share a key)."""
+    return f"{SEEN_PREFIX}{batch.deployment}:{batch.batch_id}"
 
 
 def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
@@ -81,28 +74,24 @@ def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
     if body is None:
         body = _wire_body(batch)
     key = stream_key(batch.deployment)
-    added = client.eval(_APPEND_ONCE, 3, SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY,
+    added = client.eval(_APPEND_ONCE, 3, seen_key(batch), key, STREAMS_KEY,
                         body, SEEN_TTL_S, key, _field(batch))
     return bool(added)
 
 
-async def append_within_rate(bucket: SharedBucket, batch: BatchColumns | AggregateBatch,
-                             body: bytes | None = None) -> tuple[bool, float | None]:
-    """`append`, on the event loop, after taking one request from `bucket` (the sender's rate
-    limit) in the same script: (appended, None), or (False, seconds to wait) past the rate.
-    Raises what the client raises when Redis cannot be reached."""
+async def append_async(client: redis.asyncio.Redis, batch: BatchColumns | AggregateBatch,
+                       body: bytes | None = None) -> bool:
+    """`append` on the event loop, through an asyncio client. Raises what the client raises
+    when Redis cannot be reached."""
     if body is None:
         body = _wire_body(batch)
-    script = _scripts.get(bucket.client)
+    script = _scripts.get(client)
     if script is None:
-        script = _scripts[bucket.client] = bucket.client.register_script(_APPEND_WITHIN_RATE)
+        script = _scripts[client] = client.register_script(_APPEND_ONCE)
     key = stream_key(batch.deployment)
-    added, wait_us = await script(
-        keys=[SEEN_PREFIX + batch.batch_id, key, STREAMS_KEY, bucket.key],
-        args=[body, SEEN_TTL_S, key, _field(batch), *bucket.args])
-    if int(wait_us) > 0:
-        return False, int(wait_us) / 1_000_000
-    return bool(int(added)), None
+    added = await script(keys=[seen_key(batch), key, STREAMS_KEY],
+                         args=[body, SEEN_TTL_S, key, _field(batch)])
+    return bool(added)
 
 
 def _wire_body(batch: BatchColumns | AggregateBatch) -> bytes:

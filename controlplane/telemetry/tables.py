@@ -7,7 +7,7 @@ because its runtime counts every token in aggregate batches, which add tokens, e
 histograms and never shadow labels (every shadow token is always shipped as a record). So each
 counter has exactly one source whatever the raw sample rate.
 
-Traffic segments (issue 18): every rollup and histogram group is keyed by (version, runtime,
+Traffic segments: every rollup and histogram group is keyed by (version, runtime,
 minute, segment), token and shadow rows carry their segment, and a shadow token's policy
 columns (would the policy have exited, and wrongly) use its version's thresholds for its
 segment: the segment's own map, else the version's default (`ThresholdSetWire.for_segment`).

@@ -1,28 +1,41 @@
-"""Thin routes for deployments, threshold sets, aliases, audit and the runtime config pull."""
+"""Thin routes for deployments, threshold sets, aliases, audit, declared segments and the
+runtime config pull."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 
-from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
+from controlplane.deps import (
+    OperatorPrincipal,
+    RuntimePrincipal,
+    SessionDep,
+    get_principal,
+    rate_limited,
+)
 from controlplane.errors import RUNTIME_ERRORS, RateLimited
-from controlplane.thresholds import service
+from controlplane.telemetry.service import undeclared_tokens
+from controlplane.thresholds import segments, service
 from controlplane.thresholds.delivery import ConfigDelivery
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.schemas import (
     AliasMove,
     AliasName,
     AuditEventRead,
+    DeclaredSegmentRead,
     DeploymentCreate,
     DeploymentRead,
     DeploymentUpdate,
     Rollback,
+    SegmentChange,
+    SegmentRegistryRead,
     ThresholdSetCreate,
     ThresholdSetRead,
+    UndeclaredTraffic,
 )
-from exitplane.wire import RUNTIME_ID_PATTERN, ThresholdSetWire
+from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdSetWire
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 
@@ -145,6 +158,61 @@ def audit_log(name: str, session: SessionDep, principal: OperatorPrincipal,
     return [AuditEventRead.model_validate(e) for e in events]
 
 
+SegmentPath = Annotated[str, Path(pattern=NAME_PATTERN, description=(
+    "the segment: lowercase letters, digits, _ . - (as deployment names)"))]
+
+
+@router.get("/{name}/declared-segments", response_model=SegmentRegistryRead)
+def declared_segments(name: str, request: Request, session: SessionDep,
+                      principal: OperatorPrincipal,
+                      window_s: Annotated[int, Query(ge=60, le=31 * 86400, description=(
+                          "the window of undeclared traffic, ending now, in seconds"))] = 86400
+                      ) -> SegmentRegistryRead:
+    """The deployment's segments (in use and removed) and, per runtime over the window, the
+    tokens stored as `default` because their segment was not in use."""
+    deployment = service.get_deployment(session=session, name=name)
+    return segment_registry_read(session=session, deployment=deployment, window_s=window_s,
+                                 limit=request.app.state.settings.max_segments_per_deployment)
+
+
+def segment_registry_read(*, session, deployment: Deployment, window_s: int,
+                          limit: int) -> SegmentRegistryRead:
+    """The registry and its undeclared traffic as the API, the CLI and the UI show it."""
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
+    by_runtime = undeclared_tokens(session=session, deployment=deployment, since=since)
+    return SegmentRegistryRead(
+        deployment=deployment.name, auto_segments=deployment.auto_segments, max_segments=limit,
+        segments=[DeclaredSegmentRead.model_validate(row) for row in segments.segment_registry(
+            session=session, deployment_id=deployment.id)],
+        undeclared_since=since, undeclared_tokens=sum(item["tokens"] for item in by_runtime),
+        undeclared_by_runtime=[UndeclaredTraffic(**item) for item in by_runtime])
+
+
+@router.put("/{name}/declared-segments/{segment}", response_model=DeclaredSegmentRead)
+def declare_segment(name: str, segment: SegmentPath, request: Request, session: SessionDep,
+                    principal: OperatorPrincipal,
+                    change: SegmentChange | None = None) -> DeclaredSegmentRead:
+    """Put `segment` in use: its traffic is stored under its name (422 past the cap)."""
+    deployment = service.get_deployment(session=session, name=name)
+    row = segments.declare_segment(
+        session=session, deployment=deployment, name=segment, actor=principal.actor,
+        reason=(change.reason if change else "") or "declared",
+        limit=request.app.state.settings.max_segments_per_deployment)
+    return DeclaredSegmentRead.model_validate(row)
+
+
+@router.delete("/{name}/declared-segments/{segment}", response_model=DeclaredSegmentRead)
+def remove_segment(name: str, segment: SegmentPath, session: SessionDep,
+                   principal: OperatorPrincipal,
+                   reason: Annotated[str, Query(max_length=500)] = "") -> DeclaredSegmentRead:
+    """Take `segment` out of use: its traffic is stored as `default` from now on; what was
+    stored stays readable under its name (409 while an aliased set maps it)."""
+    deployment = service.get_deployment(session=session, name=name)
+    row = segments.remove_segment(session=session, deployment=deployment, name=segment,
+                                  actor=principal.actor, reason=reason or "removed")
+    return DeclaredSegmentRead.model_validate(row)
+
+
 def _etag_matches(header: str | None, checksum: str) -> bool:
     if not header:
         return False
@@ -176,6 +244,10 @@ async def pull_thresholds(
                     "this API process (EXITPLANE_LONG_POLLS_PER_TOKEN); poll again later",
                     retry_after=min(timeout, 10.0))
             state = await delivery.wait_for_change(name, runtime_id, chosen.checksum, timeout)
+        # The token may have been revoked while the poll was held: it is checked again (the
+        # token cache, within its maximum age) before anything goes out.
+        principal = await get_principal(request)
+        principal.require_deployment(state.deployment_id)
         chosen = state.for_runtime(runtime_id)
     headers = {"ETag": f'"{chosen.checksum}"', "Cache-Control": "no-cache",
                "X-Exitplane-Version": str(chosen.version)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
@@ -20,7 +20,10 @@ class Deployment(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(63), unique=True)
     model_ref: Mapped[str] = mapped_column(String(500))
+    # Lineage the runtimes must serve ('' names none): a runtime reporting another is
+    # mismatched (controlplane/runtimes/lineage.py); sets that can exit name these heads.
     head_digest: Mapped[str] = mapped_column(String(71), default="")
+    model_revision: Mapped[str] = mapped_column(String(128), default="", server_default="")
     num_layers: Mapped[int]
     exit_layers: Mapped[list] = mapped_column()
     signal: Mapped[str] = mapped_column(String(20))
@@ -32,14 +35,18 @@ class Deployment(Base):
     fallback_margin: Mapped[float] = mapped_column(default=0.05)
     # Bumped on every alias move: config caches and long-polls compare it.
     revision: Mapped[int] = mapped_column(default=0)
+    # Whether runtime telemetry may register segment names the operator did not declare
+    # (controlplane/thresholds/segments.py); off: such traffic is stored as `default`.
+    auto_segments: Mapped[bool] = mapped_column(default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class DeploymentSegment(Base):
-    """A traffic segment a deployment knows (issue 18): registered the first time its traffic
-    is stored or a threshold set names it, while the deployment holds fewer than
-    EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT; traffic of any other name is stored as `default`.
-    This bounds the segment label's cardinality in the store, the gauges and the UI."""
+    """A traffic segment of a deployment: declared by an operator (or by publishing a threshold
+    set that maps it), or registered from runtime telemetry where the deployment opted in
+    (`auto_segments`). At most EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT are in use at once;
+    traffic of any other name is stored as `default`. A removed segment keeps its row
+    (`removed_at`), so its stored traffic stays readable under its name."""
 
     __tablename__ = "deployment_segments"
 
@@ -47,6 +54,11 @@ class DeploymentSegment(Base):
         ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(63), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # 'operator' (declared), 'threshold_set' (a published set maps it) or 'telemetry'
+    # (registered from runtime traffic, `auto_segments` on)
+    origin: Mapped[str] = mapped_column(String(16), default="operator",
+                                        server_default="operator")
+    removed_at: Mapped[datetime | None]
 
 
 class ThresholdSet(Base):
@@ -69,6 +81,9 @@ class ThresholdSet(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
     author: Mapped[str] = mapped_column(String(200))
     expected_metrics: Mapped[dict] = mapped_column(default=dict)
+    # The exit heads the set was made for (its deployment's when published); NULL: any heads
+    # (a set that never exits, or a deployment naming no heads). Part of the checksum.
+    head_digest: Mapped[str | None] = mapped_column(String(71))
     checksum: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -3,15 +3,33 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from exitplane.wire import NAME_PATTERN, Layer, Origin, Signal
+from exitplane.wire import (
+    HEAD_DIGEST_PATTERN,
+    MODEL_REVISION_PATTERN,
+    NAME_PATTERN,
+    Layer,
+    Origin,
+    Signal,
+)
 
 Policy = Literal["auto", "canary", "approval"]
 FallbackMode = Literal["never_exit", "last_good"]
 AliasName = Literal["active", "conservative", "canary"]
+
+
+# A deployment's lineage: '' names none (nothing is compared), else what runtimes report.
+NamedHeadDigest = Annotated[str, Field(max_length=71, pattern=f"^$|{HEAD_DIGEST_PATTERN}",
+                                       description=(
+    "digest of the exit heads the runtimes must serve (e.g. the artifact's sha256); '' names "
+    "none"))]
+NamedModelRevision = Annotated[str, Field(max_length=128, pattern=f"^$|{MODEL_REVISION_PATTERN}",
+                                          description=(
+    "the model revision the runtimes must serve (a commit, a tag or the model file's sha256); "
+    "'' names none"))]
 
 
 def default_exit_layers(num_layers: int) -> list[int]:
@@ -24,7 +42,8 @@ class DeploymentCreate(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits, _ . -")
     model_ref: str = Field(min_length=1, max_length=500)
-    head_digest: str = Field(default="", max_length=71)
+    head_digest: NamedHeadDigest = ""
+    model_revision: NamedModelRevision = ""
     num_layers: int = Field(ge=2, le=1024)
     exit_layers: list[Layer] | None = None
     signal: Signal = Signal.learned
@@ -34,6 +53,9 @@ class DeploymentCreate(BaseModel):
     canary_fraction: float = Field(default=0.1, gt=0, le=1)
     fallback_mode: FallbackMode = "never_exit"
     fallback_margin: float = Field(default=0.05, ge=0, le=1)
+    auto_segments: bool = Field(default=False, description=(
+        "register segment names that runtime telemetry carries (up to the cap); off: only "
+        "declared segments are stored as themselves, any other as 'default'"))
 
     @model_validator(mode="after")
     def _exit_layers_within_model(self) -> DeploymentCreate:
@@ -58,7 +80,9 @@ class DeploymentUpdate(BaseModel):
     canary_fraction: float | None = Field(default=None, gt=0, le=1)
     fallback_mode: FallbackMode | None = None
     fallback_margin: float | None = Field(default=None, ge=0, le=1)
-    head_digest: str | None = Field(default=None, max_length=71)
+    auto_segments: bool | None = None
+    head_digest: NamedHeadDigest | None = None
+    model_revision: NamedModelRevision | None = None
 
 
 class DeploymentRead(BaseModel):
@@ -67,6 +91,7 @@ class DeploymentRead(BaseModel):
     name: str
     model_ref: str
     head_digest: str
+    model_revision: str
     num_layers: int
     exit_layers: list[int]
     signal: Signal
@@ -76,6 +101,7 @@ class DeploymentRead(BaseModel):
     canary_fraction: float
     fallback_mode: FallbackMode
     fallback_margin: float
+    auto_segments: bool
     revision: int
     created_at: datetime
     aliases: dict[str, int] = {}
@@ -102,6 +128,7 @@ class ThresholdSetRead(BaseModel):
     signal: Signal
     thresholds: dict[int, float]
     segments: dict[str, dict[int, float]] | None = None
+    head_digest: str | None = None
     origin: Origin
     parent_version: int | None
     calibration_job_id: int | None
@@ -140,3 +167,42 @@ class AuditEventRead(BaseModel):
     reason: str
     details: dict
     created_at: datetime
+
+
+class SegmentChange(BaseModel):
+    """Why a segment is declared or removed (for the audit log)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(default="", max_length=500)
+
+
+class DeclaredSegmentRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    origin: Literal["operator", "threshold_set", "telemetry"]
+    created_at: datetime
+    removed_at: datetime | None
+
+
+class UndeclaredTraffic(BaseModel):
+    """One runtime's tokens stored as `default` because their segment was not in use."""
+
+    runtime_id: str
+    tokens: int
+    batches: int
+    last_minute: datetime
+
+
+class SegmentRegistryRead(BaseModel):
+    """A deployment's segments (in use and removed), its opt-in, and the traffic of names it
+    does not have in use over the window."""
+
+    deployment: str
+    auto_segments: bool
+    max_segments: int
+    segments: list[DeclaredSegmentRead]
+    undeclared_since: datetime
+    undeclared_tokens: int
+    undeclared_by_runtime: list[UndeclaredTraffic]

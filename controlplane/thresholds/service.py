@@ -20,7 +20,7 @@ from controlplane.settings import get_settings
 from controlplane.thresholds.locks import DEPLOYMENT_LOCK, lock_deployment
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
-from controlplane.thresholds.segments import register_set_segments
+from controlplane.thresholds.segments import register_set_segments, registry_changed
 from exitplane import tracing
 from exitplane.wire import (
     DEFAULT_SEGMENT,
@@ -81,6 +81,8 @@ def update_deployment(*, session: Session, deployment: Deployment, spec: Deploym
     before = {key: getattr(deployment, key) for key in changes}
     for key, value in changes.items():
         setattr(deployment, key, value)
+    if "auto_segments" in changes:
+        registry_changed(session=session, deployment_id=deployment.id)
     record_audit(session=session, deployment=deployment, actor=actor,
                  action="deployment.update", reason="settings changed",
                  details={"before": before, "after": changes})
@@ -134,7 +136,10 @@ def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, f
     version = (session.scalar(select(func.max(ThresholdSet.version))
                               .where(ThresholdSet.deployment_id == deployment.id)) or 0) + 1
     wire = ThresholdSetWire.build(deployment=deployment.name, version=version, signal=signal,
-                                  thresholds=thresholds, segments=segments)
+                                  thresholds=thresholds, segments=segments,
+                                  head_digest=made_for_heads(deployment=deployment,
+                                                             thresholds=thresholds,
+                                                             segments=segments))
     if parent_version is None:
         parent_version = aliases_of(session=session, deployment=deployment).get("active")
     threshold_set = ThresholdSet(
@@ -144,7 +149,8 @@ def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, f
         if segments else None,
         origin=str(origin), parent_version=parent_version,
         calibration_job_id=calibration_job_id, reason=reason, author=actor,
-        expected_metrics=expected_metrics or {}, checksum=wire.checksum)
+        expected_metrics=expected_metrics or {}, head_digest=wire.head_digest,
+        checksum=wire.checksum)
     session.add(threshold_set)
     record_audit(session=session, deployment=deployment, actor=actor,
                  action="threshold_set.publish", reason=reason, to_version=version,
@@ -152,6 +158,16 @@ def publish(*, session: Session, deployment: Deployment, thresholds: dict[int, f
                           **({"segments": sorted(segments)} if segments else {})})
     session.flush()
     return threshold_set
+
+
+def made_for_heads(*, deployment: Deployment, thresholds: dict[int, float],
+                   segments: dict[str, dict[int, float]] | None) -> str | None:
+    """The heads digest a new set names: its deployment's, when the deployment names one and
+    the set can exit somewhere; a set that never exits fits any heads (None), so a runtime on
+    other heads still takes the conservative set."""
+    maps = [thresholds, *(segments or {}).values()]
+    can_exit = any(float(value) < NEVER_EXIT for by_layer in maps for value in by_layer.values())
+    return (deployment.head_digest or None) if can_exit else None
 
 
 def validate_segments(*, segments: dict[str, dict[int, float]] | None, exit_layers: list[int],
@@ -265,6 +281,7 @@ def to_wire(*, deployment: Deployment, threshold_set: ThresholdSet) -> Threshold
                             signal=Signal(threshold_set.signal),
                             thresholds=threshold_set.thresholds_by_layer(),
                             segments=threshold_set.segments_by_layer(),
+                            head_digest=threshold_set.head_digest,
                             checksum=threshold_set.checksum)
 
 

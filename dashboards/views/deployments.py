@@ -7,6 +7,8 @@ from fastapi.responses import JSONResponse, Response
 
 from controlplane.alerts import service as alerts
 from controlplane.deps import SessionDep
+from controlplane.runtimes.lineage import mismatched_runtime_ids
+from controlplane.runtimes.outliers import list_outliers
 from controlplane.runtimes.service import list_runtimes
 from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
@@ -45,6 +47,8 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
     return render(
         request, "deployment.html", deployment=deployment, aliases=aliases, active=active,
         runtimes=runtimes, counts=runtime_counts(runtimes, aliases.get("active")),
+        mismatched=mismatched_runtime_ids(session=session, deployment_id=deployment.id),
+        outliers=list_outliers(session=session, deployment=deployment, limit=20),
         reporting_within=REPORTING_WITHIN, window=window, windows=charts.WINDOWS,
         initial=initial, totals=initial["totals"], alerts_enabled=True,
         segments=segment_table(initial["segments"], active), never_exit=NEVER_EXIT,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Form, Request
@@ -9,14 +10,28 @@ from fastapi.responses import Response
 
 from controlplane.auth import users
 from controlplane.auth.models import User
-from controlplane.auth.users import authenticate_user
-from controlplane.coordination.throttle import SignInThrottle
+from controlplane.auth.passwords import PasswordChecks
 from controlplane.deps import SessionDep
-from controlplane.errors import DomainError, Invalid, Unauthorized
-from dashboards.security import Csrf, current_user, end_session, optional_user, start_session
+from controlplane.errors import DomainError, Invalid, RateLimited, Unauthorized
+from dashboards.security import (
+    Csrf,
+    client_address,
+    current_user,
+    end_session,
+    known_device,
+    optional_user,
+    remember_device,
+    start_session,
+)
 from dashboards.templating import redirect, render, ui_root
 
 router = APIRouter()
+
+
+def _sentence(error: Exception) -> str:
+    text = str(error)
+    return f"{text[:1].upper()}{text[1:]}."
+
 
 def _safe_next(request: Request, wanted: str | None) -> str:
     """Only paths inside the UI: never another site (open redirect)."""
@@ -36,24 +51,27 @@ def login_page(request: Request, user: Annotated[User | None, Depends(optional_u
 
 
 @router.post("/login", dependencies=[Csrf])
-def login(request: Request, session: SessionDep, username: Annotated[str, Form()],
-          password: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
-    # Keyed by name and address: guessing from one address slows that address only.
-    address = request.client.host if request.client else ""
-    throttle: SignInThrottle = request.app.state.login_throttle
-    wait = throttle.blocked_for(username, address)
-    if wait > 0:
-        return render(request, "login.html", status_code=429, next=next, username=username,
-                      error=f"Too many failed attempts; try again in {int(wait) + 1} s.")
+def login(request: Request, username: Annotated[str, Form(max_length=200)],
+          password: Annotated[str, Form(max_length=1024)],
+          next: Annotated[str, Form()] = "") -> Response:
+    # No request-long store session: the password check runs outside any transaction.
+    checks: PasswordChecks = request.app.state.password_checks
     try:
-        user = authenticate_user(session=session, username=username, password=password)
+        user = checks.sign_in(username=username, password=password,
+                              address=client_address(request),
+                              per_user=not known_device(request, username))
+    except RateLimited as error:
+        page = render(request, "login.html", status_code=429, next=next, username=username,
+                      error=_sentence(error))
+        page.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+        return page
     except Unauthorized:
-        throttle.failed(username, address)
         return render(request, "login.html", status_code=401, next=next, username=username,
                       error="Wrong username or password.")
-    throttle.succeeded(username, address)
     start_session(request, user)
-    return redirect(request, _safe_next(request, next))
+    response = redirect(request, _safe_next(request, next))
+    remember_device(request, response, user)
+    return response
 
 
 @router.post("/logout", dependencies=[Csrf])
@@ -74,15 +92,25 @@ def account_page(request: Request, user: Annotated[User, Depends(current_user)])
 @router.post("/account/password", dependencies=[Csrf])
 def change_password(request: Request, session: SessionDep,
                     user: Annotated[User, Depends(current_user)],
-                    current: Annotated[str, Form()] = "", new: Annotated[str, Form()] = "",
-                    confirm: Annotated[str, Form()] = "") -> Response:
+                    current: Annotated[str, Form(max_length=1024)] = "",
+                    new: Annotated[str, Form(max_length=1024)] = "",
+                    confirm: Annotated[str, Form(max_length=1024)] = "") -> Response:
     """Change your own password; your other sessions end, this one continues."""
+    session.commit()  # ends the transaction that found `user`: none spans the check
+    checks: PasswordChecks = request.app.state.password_checks
     try:
         if new != confirm:
             raise Invalid("the two new passwords differ")
-        users.change_own_password(session=session, user=user, current=current, new=new)
+        changed = checks.change_password(user_id=user.id, current=current, new=new,
+                                         address=client_address(request),
+                                         per_user=not known_device(request, user.username))
+    except RateLimited as error:
+        page = render(request, "account.html", status_code=429, account=user,
+                      min_password=users.MIN_PASSWORD_LENGTH,
+                      error=_sentence(error))
+        page.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+        return page
     except DomainError as error:
-        session.rollback()
         return redirect(request, "/account", str(error), "error")
-    start_session(request, user)
+    start_session(request, changed)
     return redirect(request, "/account", "Password changed; your other sessions are signed out.")

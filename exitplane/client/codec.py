@@ -25,6 +25,7 @@ from exitplane.wire import (
     AggregateBatch,
     AggregateCell,
     IntervalBatch,
+    Lineage,
     RecordColumns,
     TelemetryBatch,
     TokenRecord,
@@ -137,7 +138,7 @@ class EncodedBatch:
                 deployment=payload["deployment"], runtime_id=payload["runtime_id"],
                 seq=self.seq, num_layers=payload["num_layers"], records=records,
                 aggregated=True, content_type=_RECORDS_OF[self.content_type],
-                batch_id=self.batch_id + "r"))
+                batch_id=self.batch_id + "r", lineage=Lineage.model_validate(payload)))
         return out
 
 
@@ -162,6 +163,11 @@ _RECORD_FIELDS = (*RECORD_COLUMNS, "segment")
 _SHADOW_FIELDS = tuple(f"shadow_{name}" for name in ("record", *SHADOW_COLUMNS))
 
 
+def _lineage(lineage: Lineage | None) -> dict[str, str]:
+    """The lineage fields a batch carries (none when unknown)."""
+    return {} if lineage is None else lineage.model_dump()
+
+
 def encode(payload: dict[str, Any], content_type: str) -> bytes:
     """A batch's dict as the body of `content_type` (msgpack or compact JSON)."""
     if "msgpack" in content_type:
@@ -172,23 +178,24 @@ def encode(payload: dict[str, Any], content_type: str) -> bytes:
 def encode_records(*, deployment: str, runtime_id: str, seq: int, num_layers: int,
                    records: Sequence[TokenRecord | dict], aggregated: bool,
                    content_type: str = RECORDS_MSGPACK,
-                   batch_id: str | None = None) -> EncodedBatch:
+                   batch_id: str | None = None, lineage: Lineage | None = None) -> EncodedBatch:
     """A record batch (validated by the wire schema: ValidationError when a record is bad)
-    with a fresh batch id (or `batch_id`)."""
+    with a fresh batch id (or `batch_id`), carrying the runtime's `lineage` if given."""
     batch = TelemetryBatch(batch_id=batch_id or uuid.uuid4().hex, deployment=deployment,
                            runtime_id=runtime_id, seq=seq, num_layers=num_layers,
-                           records=records, aggregated=aggregated)
+                           records=records, aggregated=aggregated, **_lineage(lineage))
     return EncodedBatch(batch.batch_id, seq, len(records), content_type,
                         encode(batch.model_dump(mode="json"), content_type))
 
 
 def encode_aggregate(*, deployment: str, runtime_id: str, seq: int, num_layers: int,
                      raw_sample_rate: float, cells: Sequence[AggregateCell],
-                     content_type: str = AGGREGATE_MSGPACK) -> EncodedBatch:
+                     content_type: str = AGGREGATE_MSGPACK,
+                     lineage: Lineage | None = None) -> EncodedBatch:
     """An aggregate batch (at most MAX_AGGREGATE_CELLS cells) with a fresh batch id."""
     batch = AggregateBatch(batch_id=uuid.uuid4().hex, deployment=deployment,
                            runtime_id=runtime_id, seq=seq, num_layers=num_layers,
-                           raw_sample_rate=raw_sample_rate, cells=cells)
+                           raw_sample_rate=raw_sample_rate, cells=cells, **_lineage(lineage))
     return EncodedBatch(batch.batch_id, seq, batch.tokens, content_type,
                         encode(batch.model_dump(mode="json"), content_type))
 
@@ -196,13 +203,15 @@ def encode_aggregate(*, deployment: str, runtime_id: str, seq: int, num_layers: 
 def encode_interval(*, deployment: str, runtime_id: str, seq: int, num_layers: int,
                     raw_sample_rate: float, cells: Sequence[AggregateCell],
                     records: RecordColumns | None,
-                    content_type: str = INTERVAL_MSGPACK) -> EncodedBatch:
+                    content_type: str = INTERVAL_MSGPACK,
+                    lineage: Lineage | None = None) -> EncodedBatch:
     """An interval batch (counts and records, at least one of them) with a fresh batch id;
     `records` as `RecordColumns.of(token_records)` gives them (checked when the records
     were)."""
     batch = IntervalBatch(batch_id=uuid.uuid4().hex, deployment=deployment,
                           runtime_id=runtime_id, seq=seq, num_layers=num_layers,
-                          raw_sample_rate=raw_sample_rate, cells=cells, records=records)
+                          raw_sample_rate=raw_sample_rate, cells=cells, records=records,
+                          **_lineage(lineage))
     return EncodedBatch(batch.batch_id, seq, batch.tokens, content_type,
                         encode(batch.model_dump(mode="json"), content_type),
                         len(records) if records is not None else 0)

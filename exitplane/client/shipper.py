@@ -64,6 +64,7 @@ from exitplane.wire import (
     MAX_AGGREGATE_CELLS,
     RECORDS_JSON,
     RECORDS_MSGPACK,
+    Lineage,
     RecordColumns,
     TokenRecord,
     check_runtime_id,
@@ -87,8 +88,14 @@ class TelemetryShipper:
                  encoding: str = "msgpack", fsync: bool = True, raw_sample_rate: float = 1.0,
                  aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
                  aggregate_interval_s: float = 5.0, bundle: bool = True,
-                 set_aside_after: int = 5, aside_retry_s: float = 600.0):
+                 set_aside_after: int = 5, aside_retry_s: float = 600.0,
+                 head_digest: str | None = None, model_revision: str | None = None):
+        """`head_digest`, `model_revision`: what this runtime serves, carried by every batch
+        (None: unknown; docs/protocol.md, "Lineage")."""
         check_runtime_id(runtime_id)
+        # Checked here as the wire checks them: a bad value would get every batch refused.
+        self.lineage = Lineage(head_digest=head_digest or None,
+                               model_revision=model_revision or None)
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be 'msgpack' or 'json', not {encoding!r}")
         if not 0.0 <= raw_sample_rate <= 1.0:
@@ -322,7 +329,7 @@ class TelemetryShipper:
             return encode_records(deployment=self.deployment, runtime_id=self.runtime_id,
                                   seq=seq, num_layers=self.num_layers, records=records,
                                   aggregated=self.aggregator is not None,
-                                  content_type=self.content_type)
+                                  content_type=self.content_type, lineage=self.lineage)
         except ValidationError as exc:
             self._refuse_records(records, exc)
             return None
@@ -351,7 +358,8 @@ class TelemetryShipper:
                     encode_aggregate(deployment=self.deployment, runtime_id=self.runtime_id,
                                      seq=seq, num_layers=self.num_layers,
                                      raw_sample_rate=self.raw_sample_rate, cells=part,
-                                     content_type=self.aggregate_content_type)
+                                     content_type=self.aggregate_content_type,
+                                     lineage=self.lineage)
             except ValidationError as exc:  # a bad record: the counts must still leave
                 self._refuse_records(records, exc)
                 records = []
@@ -378,7 +386,8 @@ class TelemetryShipper:
         return encode_interval(deployment=self.deployment, runtime_id=self.runtime_id, seq=seq,
                                num_layers=self.num_layers, raw_sample_rate=self.raw_sample_rate,
                                cells=cells, records=RecordColumns.of(records) if records
-                               else None, content_type=self.interval_content_type)
+                               else None, content_type=self.interval_content_type,
+                               lineage=self.lineage)
 
     def _refuse_records(self, records: list[TokenRecord], exc: ValidationError) -> None:
         self.counters["rejected_batches"] += 1

@@ -1,9 +1,11 @@
 """Pull the deployment's threshold set from the control plane and keep the engine on it.
 
 A background thread long-polls `GET /v1/deployments/{name}/thresholds` with the applied
-checksum as ETag, verifies what comes back (schema, checksum, deployment, exit layers), swaps
+checksum as ETag, verifies what comes back (schema, checksum, deployment, exit layers, the exit
+heads it was made for), swaps
 it into the running engine (`engine.set_thresholds`: a small object, nothing rebuilt), keeps a
-local cache file of the last good set and heartbeats what it applies.
+local cache file of the last good set and heartbeats what it applies and serves (its model
+revision and exit-heads digest: docs/protocol.md, "Lineage").
 
 Start-up without a control plane: the cached set if there is one, else the built-in
 conservative set (version 0, never exits) with `degraded` set, a warning logged and the
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 
 from exitplane.client.files import atomic_write
 from exitplane.client.retry import backoff_delay, retry_after
-from exitplane.wire import Heartbeat, Signal, ThresholdSetWire, check_runtime_id
+from exitplane.wire import Heartbeat, Lineage, Signal, ThresholdSetWire, check_runtime_id
 
 log = logging.getLogger("exitplane.client.thresholds")
 
@@ -63,8 +65,9 @@ class RefusedThresholdSet(ValueError):
 
 
 def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
-                        exit_layers: list[int]) -> None:
-    """Raise RefusedThresholdSet unless `wire` is intact and fits this runtime exactly."""
+                        exit_layers: list[int], head_digest: str | None = None) -> None:
+    """Raise RefusedThresholdSet unless `wire` is intact and fits this runtime exactly: its
+    deployment, its exit layers and, when both name them, its exit heads (`head_digest`)."""
     try:
         wire.verify()
     except ValueError as exc:
@@ -72,6 +75,11 @@ def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
     if wire.deployment != deployment:
         raise RefusedThresholdSet(f"set v{wire.version} is for deployment {wire.deployment!r}, "
                                   f"this runtime serves {deployment!r}")
+    if not wire.fits_heads(head_digest):
+        raise RefusedThresholdSet(
+            f"set v{wire.version} was made for exit heads {wire.head_digest}; this runtime "
+            f"serves heads {head_digest}: load the deployment's heads (or correct the "
+            "deployment's head_digest)")
     got, want = sorted(wire.thresholds), sorted(exit_layers)
     if got != want:
         raise RefusedThresholdSet(f"set v{wire.version} has exit layers {got}; this runtime "
@@ -100,11 +108,18 @@ class ThresholdClient:
                  long_poll_s: float = 30.0, heartbeat_interval_s: float = 15.0,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
                  request_timeout_s: float = 10.0, conservative_signal: Signal | str | None = None,
-                 telemetry: TelemetryStats | None = None):
+                 telemetry: TelemetryStats | None = None, head_digest: str | None = None,
+                 model_revision: str | None = None):
+        """`head_digest`, `model_revision`: what this runtime serves (default: the engine's
+        `head_digest` and `model_revision` attributes; None: unknown, nothing is checked)."""
         self.engine = engine
         self.deployment = deployment
         self.runtime_id = runtime_id or getattr(engine, "runtime_id", None) or "runtime-0"
         check_runtime_id(self.runtime_id)
+        # Checked here as the wire checks them: a bad value would get every heartbeat refused.
+        self.lineage = Lineage(
+            head_digest=head_digest or getattr(engine, "head_digest", None) or None,
+            model_revision=model_revision or getattr(engine, "model_revision", None) or None)
         self.exit_layers = sorted(engine.exit_layers)
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.long_poll_s = long_poll_s
@@ -192,6 +207,8 @@ class ThresholdClient:
             spooled, dropped = self.telemetry.spooled_batches, self.telemetry.dropped_records
         applied = self.applied
         beat = Heartbeat(runtime_id=self.runtime_id,
+                         model_revision=self.lineage.model_revision,
+                         head_digest=self.lineage.head_digest,
                          applied_version=None if applied is None else applied.version,
                          applied_checksum=None if applied is None else applied.checksum,
                          ready=self.in_sync,
@@ -297,7 +314,8 @@ class ThresholdClient:
         return True
 
     def _apply(self, wire: ThresholdSetWire, source: str, *, write_cache: bool) -> None:
-        check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers)
+        check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers,
+                            head_digest=self.lineage.head_digest)
         if wire.segments and not getattr(self.engine, "applies_segments", False):
             names = ", ".join(sorted(wire.segments))
             raise RefusedThresholdSet(
@@ -357,7 +375,8 @@ class ThresholdClient:
             return None
         try:
             wire = parse_threshold_set(self.cache_path.read_bytes())
-            check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers)
+            check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers,
+                                head_digest=self.lineage.head_digest)
         except (OSError, RefusedThresholdSet) as exc:
             log.warning("ignoring the threshold cache %s: %s", self.cache_path, exc)
             return None

@@ -1,8 +1,8 @@
 """unchecked tokens keep no signal (token_records.signal_value nullable); shadow samples carry
 their request id (quality tests cluster shadow tokens by request)
 
-Issue 17: a token whose exits were not checked used to be stored with signal 0, which moved the
-signal histogram with batch composition. Rows stored before this migration keep their values.
+A token whose exits were not checked has no signal: stored as 0 it would move the signal
+histogram with batch composition. Rows stored before this migration keep their values.
 
 Revision ID: 0006_drift
 Revises: 0006_fleet

@@ -1,4 +1,4 @@
-"""hook URLs, HMAC secrets and routing keys are stored encrypted (issue 13)
+"""hook URLs, HMAC secrets and routing keys are stored encrypted
 
 Existing rows are encrypted with the Fernet key derived from the secret key
 (`controlplane.keys.vault`: EXITPLANE_SECRET_KEY, or `<var_dir>/secret_key`). On PostgreSQL

@@ -1,4 +1,4 @@
-"""threshold sets carry per-segment thresholds (issue 18)
+"""threshold sets carry per-segment thresholds
 
 `segments` is {"<segment>": {"<exit layer>": threshold}} for the traffic segments that have
 thresholds of their own; NULL (every existing row) means the set has none and every segment

@@ -1,4 +1,4 @@
-"""traffic carries its segment: records, shadow samples and rollups keyed by segment (issue 18)
+"""traffic carries its segment: records, shadow samples and rollups keyed by segment
 
 Every existing row is 'default' traffic. The rollup keys gain `segment` (before `layer`), so
 per-segment counts add up independently and every existing read that sums over rows still

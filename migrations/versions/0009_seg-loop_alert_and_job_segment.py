@@ -1,4 +1,4 @@
-"""alerts and calibration jobs name their traffic segment (issue 18, per-segment loop)
+"""alerts and calibration jobs name their traffic segment (the per-segment loop)
 
 `alerts.segment`: the segment whose traffic the condition was observed on; 'default' for every
 existing alert (and for alerts about the whole deployment: stale runtimes, canaries).

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from exitplane import __version__
 from runtime.serve_guard import RequestGuard
 from runtime.serving.respond import (
     check_prompt_chars,
@@ -36,7 +37,7 @@ def create_serve_app(state: ServeState) -> FastAPI:
         yield
         await _shutdown(state)
 
-    app = FastAPI(title="exitplane runtime", lifespan=lifespan)
+    app = FastAPI(title="exitplane runtime", version=__version__, lifespan=lifespan)
     app.state.serve = state
     app.add_middleware(RequestGuard, api_keys=state.api_keys,
                        max_body_bytes=state.max_body_bytes)
@@ -71,7 +72,7 @@ def create_serve_app(state: ServeState) -> FastAPI:
         if (stuck := worker.stuck_for) is not None:
             return JSONResponse({"status": "unhealthy", "engine": "stuck",
                                  "reason": f"one step has run {stuck:.0f} s"}, status_code=503)
-        return JSONResponse({"status": "ok", "engine": "running"})
+        return JSONResponse({"status": "ok", "engine": "running", "version": __version__})
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -118,6 +119,7 @@ def _refresh_gauges(state: ServeState) -> None:
     m.applied_version.set(state.engine.policy.version)
     m.segments_tracked.set(len(state.segments.tracked))
     m.segment_overflow.set(state.segments.overflow)
+    m.segment_unkeyed.set(state.segments.unkeyed)
     if state.shipper is not None:
         m.spooled.set(state.shipper.spooled_batches)
         m.dropped.set(state.shipper.dropped_records)

@@ -33,7 +33,7 @@ class GenerationRequest(BaseModel):
     # A malformed name is a 400 from serving/segments.py (which also reads the header and the
     # rules), not a 422 here: every source of a segment name is checked in one place.
     exitplane_segment: str | None = Field(default=None, description=(
-        "extension: the request's traffic segment (issue 18); see runtime/README.md"))
+        "extension: the request's traffic segment; see runtime/README.md"))
 
     @field_validator("stop")
     @classmethod

@@ -1,4 +1,4 @@
-"""Which traffic segment (issue 18) a request of the runtime server belongs to.
+"""Which traffic segment a request of the runtime server belongs to.
 
 In order, the first that applies:
 1. the `X-Exitplane-Segment` header (a gateway that classifies traffic sets it, and it wins
@@ -9,12 +9,13 @@ In order, the first that applies:
 4. `default`.
 
 A name must look like a deployment name (NAME_PATTERN: lowercase letters, digits, `_.-`, at
-most 63 characters); anything else is a 400 naming the rule. "Unknown" is decided here by
-count, not by a list: any well-formed name is accepted while the runtime tracks fewer than
-`max_segments` names besides `default` (those of the rules count from the start); later new
-names run as `default`. A name the applied threshold set has a map for is always accepted: its
-thresholds are what the control plane published for that traffic. What is stored is the control
-plane's call (its segment registry has the same cap and maps its own overflow to `default`).
+most 63 characters); anything else is a 400 naming the rule. A name the applied threshold set
+has a map for, or a rule names, is always accepted: the operator chose it. Any other name in the
+header or the body is a request's own claim: a server without API keys (anyone may send it)
+runs such a request as `default`, so an anonymous caller can never name a segment that reaches
+the control plane; with keys, it is accepted while the runtime tracks fewer than `max_segments`
+names besides `default` (those of the rules count from the start), and later new names run as
+`default`. What is stored is the control plane's call: names its operator declared.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class SegmentRouter:
 
     def __init__(self, *, rules: SegmentRules | None = None,
                  max_segments: int = DEFAULT_MAX_SEGMENTS,
-                 set_segments: Callable[[], Iterable[str]] = tuple) -> None:
+                 set_segments: Callable[[], Iterable[str]] = tuple,
+                 keyed: bool = False) -> None:
         self.rules = rules or SegmentRules()
         if max_segments < 1:
             raise ValueError("the segment cap must be at least 1")
@@ -127,9 +129,11 @@ class SegmentRouter:
                              f"runtime tracks at most {max_segments} ({MAX_SEGMENTS_ENV})")
         self.max_segments = max_segments
         self._set_segments = set_segments  # the applied threshold set's own maps
+        self.keyed = keyed  # whether every request authenticated with one of the server's keys
         self._tracked: set[str] = set(self.rules.segments)
         self._lock = threading.Lock()
         self.overflow = 0  # requests whose new name found the cap reached
+        self.unkeyed = 0  # requests of a server without keys whose own name ran as default
 
     @property
     def tracked(self) -> frozenset[str]:
@@ -155,7 +159,14 @@ class SegmentRouter:
         return DEFAULT_SEGMENT
 
     def _admit(self, name: str) -> str:
-        if name == DEFAULT_SEGMENT or name in self._tracked or name in self._set_segments():
+        if name == DEFAULT_SEGMENT or name in self.rules.segments or \
+                name in self._set_segments():
+            return name
+        if not self.keyed:
+            with self._lock:
+                self.unkeyed += 1
+            return DEFAULT_SEGMENT
+        if name in self._tracked:
             return name
         with self._lock:
             if len(self._tracked) < self.max_segments:

@@ -64,11 +64,12 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
     than any real tokenizer packs, so only prompts that could never fit are refused unread.
     A step running longer than stuck_after_s turns /healthz to 503. Each request's segment
     comes from its header or body, else `segment_rules`; at most `max_segments` names besides
-    `default` and the applied set's own (serving/segments.py)."""
+    `default` and the applied set's own, and without `api_keys` only those the set or the
+    rules name (serving/segments.py)."""
     if segment_rules is not None:
         segment_rules.check_keys(api_keys)
     segments = SegmentRouter(rules=segment_rules, max_segments=max_segments,
-                             set_segments=lambda: engine.policy.segments)
+                             set_segments=lambda: engine.policy.segments, keyed=bool(api_keys))
     metrics = ServeMetrics(engine.parts.num_layers, model_name)
     thresholds = shipper = None
     if control_plane:
@@ -83,7 +84,9 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                                    num_layers=engine.parts.num_layers,
                                    spool_dir=state_dir / "spool",
                                    exit_layers=engine.exit_layers,
-                                   raw_sample_rate=raw_sample_rate).start()
+                                   raw_sample_rate=raw_sample_rate,
+                                   head_digest=engine.head_digest,
+                                   model_revision=engine.model_revision).start()
         engine.on_record = shipper.submit
         thresholds = ThresholdClient(engine, base_url=control_plane, deployment=deployment,
                                      token=token, runtime_id=engine.runtime_id,

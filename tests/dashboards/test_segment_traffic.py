@@ -45,7 +45,8 @@ def add_segment_traffic(engine, *, minutes: int = 2) -> datetime:
     applies the default one)."""
     with Session(engine) as session:
         deployment = thresholds.get_deployment(session=session, name="chat")
-        admit_segments(session=session, deployment_id=deployment.id, names=["chat", "code"])
+        admit_segments(session=session, deployment_id=deployment.id, names=["chat", "code"],
+                       auto=True)
         now = utcnow().replace(second=0, microsecond=0)
         for back in range(1, minutes + 1):
             write_rollups(session, deployment.id, "code", now - timedelta(minutes=back), CODE)

@@ -205,7 +205,7 @@ def _code_segment_traffic(url: str) -> None:
     engine = make_engine(url)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
-        admit_segments(session=session, deployment_id=deployment.id, names=["code"])
+        admit_segments(session=session, deployment_id=deployment.id, names=["code"], auto=True)
         minute = utcnow().replace(second=0, microsecond=0)
         active = aliases_of(session=session, deployment=deployment)["active"]
         for layer, tokens, exits in ((2, 50, 5), (4, 45, 5), (6, 40, 40)):

@@ -1,7 +1,8 @@
 """Traffic segments through the real runtime server (issue 18): a request's segment comes from
 the X-Exitplane-Segment header, the exitplane_segment body field or a rule (API key, model
 name); its tokens apply that segment's thresholds and its records carry the segment; a
-malformed name is a 400 with a message; names past the cap run as 'default'."""
+malformed name is a 400 with a message; names past the cap run as 'default', and so does a
+name of the request's own on a server without API keys (unless the set maps it)."""
 
 from __future__ import annotations
 
@@ -109,20 +110,34 @@ def test_a_malformed_segment_name_is_a_400_with_a_message(served, where, name):
     assert served.state.worker.in_flight == 0
 
 
-def test_names_past_the_cap_run_as_default_but_the_set_s_own_always_apply(served):
+def test_names_past_the_cap_run_as_default_but_the_set_s_own_always_apply():
     # max_segments=3: the set's own names (code, chat) take no slot; three new names do
-    for name in ("ops", "tools", "search"):
-        assert answered_in(served, complete(served, headers={"X-Exitplane-Segment": name}))[0] \
-            == name
-    late = complete(served, headers={"X-Exitplane-Segment": "retrieval"})
-    assert answered_in(served, late) == ("default", {6}, {"default"})
-    again = complete(served, headers={"X-Exitplane-Segment": "ops"})  # already tracked
-    assert answered_in(served, again)[0] == "ops"
-    assert answered_in(served, complete(served, exitplane_segment="code"))[0] == "code"
-    assert served.state.segments.tracked == {"ops", "tools", "search"}
+    with served_on_a_port(segmented_state(api_keys=(KEY,), max_segments=3)) as served:
+        for name in ("ops", "tools", "search"):
+            named = complete(served, key=KEY, headers={"X-Exitplane-Segment": name})
+            assert answered_in(served, named)[0] == name
+        late = complete(served, key=KEY, headers={"X-Exitplane-Segment": "retrieval"})
+        assert answered_in(served, late) == ("default", {6}, {"default"})
+        again = complete(served, key=KEY, headers={"X-Exitplane-Segment": "ops"})  # tracked
+        assert answered_in(served, again)[0] == "ops"
+        assert answered_in(served, complete(served, key=KEY, exitplane_segment="code"))[0] == \
+            "code"
+        assert served.state.segments.tracked == {"ops", "tools", "search"}
+        metrics = httpx.get(f"{served.url}/metrics").text
+        assert "exitplane_runtime_segment_overflow_requests 1.0" in metrics
+        assert "exitplane_runtime_segments_tracked 3.0" in metrics
+
+
+def test_a_server_without_keys_takes_only_the_operator_s_names_from_a_request(served):
+    """Anyone who reaches a server without API keys could name segments: a name neither the
+    applied set nor a rule gives runs as default, and the runtime tracks none."""
+    for where in ({"headers": {"X-Exitplane-Segment": "squat"}}, {"exitplane_segment": "squat"}):
+        assert answered_in(served, complete(served, **where)) == ("default", {6}, {"default"})
+    assert answered_in(served, complete(served, headers={"X-Exitplane-Segment": "code"}))[0] == \
+        "code"  # the set maps it: the operator published it
+    assert served.state.segments.tracked == frozenset()
     metrics = httpx.get(f"{served.url}/metrics").text
-    assert "exitplane_runtime_segment_overflow_requests 1.0" in metrics
-    assert "exitplane_runtime_segments_tracked 3.0" in metrics
+    assert "exitplane_runtime_segment_unkeyed_requests 2.0" in metrics
 
 
 def test_rules_by_api_key_and_by_model_name(tmp_path):

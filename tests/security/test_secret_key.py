@@ -170,3 +170,57 @@ def test_processes_starting_together_share_one_generated_key(tmp_path):
     assert keys == {(var_dir / "secret_key").read_text().strip()}
     assert stat.S_IMODE((var_dir / "secret_key").stat().st_mode) == 0o600
     assert [path.name for path in var_dir.iterdir()] == ["secret_key"]  # no temporary left
+
+
+# -- entropy, not only length ---------------------------------------------------------------
+
+PATTERNED = ["a" * 32, "a" * 64, "password" * 4, "abcdefghijklmnopqrstuvwxyz012345",
+             "0123456789" * 4, "abcd1234" * 4, "ab" * 24, "Password123!" * 3,
+             "a" * 31 + "b", "changeme" * 5]
+
+
+@pytest.mark.parametrize("secret", PATTERNED)
+def test_a_long_key_without_entropy_is_refused_in_production(secret):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as refused:
+        Settings(environment="production", secret_key=secret)
+    message = str(refused.value)
+    assert "EXITPLANE_SECRET_KEY is not random" in message and "secrets.token_urlsafe" in message
+    assert secret not in message
+
+
+@pytest.mark.parametrize("secret", PATTERNED[:3])
+def test_a_long_key_without_entropy_may_not_listen_off_loopback(tmp_path, secret):
+    settings = Settings(var_dir=tmp_path / "var", secret_key=secret)
+    problem = weak_secret_problem(settings, "0.0.0.0")
+    assert problem and "is not random" in problem and "0.0.0.0" in problem
+    assert secret not in problem
+    assert weak_secret_problem(settings, "127.0.0.1") is None
+
+
+def test_generated_and_test_keys_have_entropy_enough(tmp_path):
+    from controlplane.keys import MIN_SECRET_BITS, estimated_bits, secret_key
+
+    # What the docs, the compose file and the test suites generate, many times over.
+    for _ in range(2000):
+        for made in (secrets.token_urlsafe(48), secrets.token_urlsafe(24), secrets.token_hex(16),
+                     secrets.token_hex(32), f"sk{secrets.token_hex(12)}" * 2):
+            assert estimated_bits(made) >= MIN_SECRET_BITS, made
+    for index in range(20):
+        generated = Settings(var_dir=tmp_path / f"var{index}", secret_key="")
+        assert weak_secret_problem(generated, "0.0.0.0") is None
+        assert estimated_bits(secret_key(generated)) > 200
+    # The test session's key (tests/conftest.py), as every process it starts reads it.
+    assert Settings(environment="production").secret_key == os.environ["EXITPLANE_SECRET_KEY"]
+
+
+@pytest.mark.slow  # runs the CLI's process
+def test_exitplane_up_refuses_a_patterned_key_off_loopback_in_one_line(tmp_path):
+    refused = _cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
+                   _env(tmp_path / "var", EXITPLANE_SECRET_KEY="a" * 32))
+    assert refused.returncode != 0
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1, refused.stderr
+    assert "EXITPLANE_SECRET_KEY is not random" in lines[0] and "a" * 32 not in lines[0]
+    assert not (tmp_path / "var" / "exitplane.db").exists()

@@ -4,7 +4,7 @@
 transaction, then publishes and promotes in one last transaction; a worker killed before that
 commit leaves the job `running` with no version, and the redelivered task (acks_late) or the
 sweep runs it again from the start. A job with a `segment` reads and replaces that segment
-alone; a whole-deployment job over segmented traffic calibrates every segment (issue 18; both
+alone; a whole-deployment job over segmented traffic calibrates every segment (both
 in `controlplane.calibration.service`).
 """
 

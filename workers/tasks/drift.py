@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from controlplane.db import get_engine, session_scope
 from controlplane.drift.service import DriftOptions, check_deployment, check_runtimes
+from controlplane.runtimes.lineage import check_lineage
 from controlplane.settings import get_settings
 from controlplane.thresholds.models import Deployment
 from workers.tasks import RETRY_ON_STORE_ERRORS
@@ -44,8 +45,9 @@ def detect_all() -> list[int]:
 
 @shared_task(name="runtimes.check_stale", **RETRY_ON_STORE_ERRORS)
 def check_stale(deployment_id: int | None = None) -> dict:
-    """Alert on runtimes that stopped heartbeating or apply an old version (all deployments
-    unless one id is given)."""
+    """Alert on runtimes that stopped heartbeating or apply an old version (`runtime_stale`)
+    and on runtimes serving other heads or another model (`runtime_mismatch`), for all
+    deployments unless one id is given."""
     settings = get_settings()
     out = {}
     with session_scope(get_engine(settings.effective_database_url)) as session:
@@ -56,5 +58,8 @@ def check_stale(deployment_id: int | None = None) -> dict:
             result = check_runtimes(session=session, deployment=deployment,
                                     stale_after_s=settings.runtime_stale_after_s,
                                     clear_after_s=settings.alert_clear_after_s)
-            out[deployment.name] = _summary(result)
+            mismatch = check_lineage(session=session, deployment=deployment,
+                                     clear_after_s=settings.alert_clear_after_s)
+            out[deployment.name] = {key: value + _summary(mismatch)[key]
+                                    for key, value in _summary(result).items()}
     return out

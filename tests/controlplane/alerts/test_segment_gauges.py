@@ -67,7 +67,7 @@ def mixed(engine) -> None:
     minute = (now - timedelta(minutes=2)).replace(second=0, microsecond=0)
     with Session(engine) as session:
         mix = make_deployment(session, "mix", delta=0.02)
-        assert admit_segments(session=session, deployment_id=mix.id, limit=CAP,
+        assert admit_segments(session=session, deployment_id=mix.id, limit=CAP, auto=True,
                               names=["chat", "code", "spam"])["spam"] == "default"
         write(session, mix.id, "code", minute, CODE)
         write(session, mix.id, "chat", minute, CHAT)

@@ -210,7 +210,7 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
         ("chat", runtime, {"content": b"{not json", "headers": {
             "Content-Type": "application/json"}}),
         ("chat", runtime, {"content": b"", "headers": {"Content-Type": "application/json"}}),
-        ("nope", runtime, {"json": beat}),  # no such deployment
+        ("nope", runtime, {"json": beat}),  # no such deployment: 403 too, for a runtime token
         ("code", runtime, {"json": beat}),  # another deployment's
         ("chat", other, {"json": beat}),
         ("chat", {}, {"json": beat}),
@@ -228,7 +228,7 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
             answers[fast_on].append(_beat_shape(response))
     assert answers[True] == answers[False]
     assert [answer[0] for answer in answers[True]] == [
-        200, 200, 200, 422, 422, 422, 422, 422, 404, 403, 403, 401, 401, 401]
+        200, 200, 200, 422, 422, 422, 422, 422, 403, 403, 403, 401, 401, 401]
     assert answers[True][1][1]["error"] == "warming up"
     # Valid heartbeats never reached the router; the bodies the route must judge did.
     beats = [path for path in fast_app.router.paths if path.endswith("/heartbeats")]

@@ -1,7 +1,7 @@
 """A small telemetry batch from a token and deployment the API has cached is served on the event
-loop with one Redis script (the rate take and the stream append together, issue 14): the
-answers, the stream and the shared rate bucket are those of the worker-thread path and of the
-FastAPI route, and anything that would read the store still goes to a worker thread."""
+loop (issue 14): the rate take from the headers, then the stream append; the answers, the stream
+and the shared rate bucket are those of the worker-thread path and of the FastAPI route, and
+anything that would read the store still goes to a worker thread."""
 
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ OWN_REDIS_URLS = [REDIS_URL.rsplit("/", 1)[0] + f"/{number}" for number in (5, 6
 
 @pytest.fixture
 def threads(monkeypatch) -> list[bytes]:
-    """The bodies of the telemetry requests that `_serve` took on a worker thread."""
+    """The bodies of the telemetry requests that `store_batch` took on a worker thread."""
     taken: list[bytes] = []
-    serve = fast_path._serve
+    serve = fast_path.store_batch
 
-    def counted(state, authorization, content_type, body):
+    def counted(state, principal, body, content_type):
         taken.append(body)
-        return serve(state, authorization, content_type, body)
+        return serve(state, principal, body, content_type)
 
-    monkeypatch.setattr(fast_path, "_serve", counted)
+    monkeypatch.setattr(fast_path, "store_batch", counted)
     return taken
 
 
@@ -113,11 +113,11 @@ def test_the_loop_path_answers_as_the_route_does(apps, tokens, engine, threads):
     assert [status for status, _, _ in answers["loop"]] == [
         202, 202, 202, 422, 422, 403, 202, 202, 415]
     assert [body["duplicate"] for _, body, _ in answers["loop"][:3]] == [False, True, False]
-    # On a worker thread: only what needed the store, version 99 (it may have been published
-    # since), the `code` deployment (not cached yet) and `other`'s token (first seen here;
-    # the operator's was cached by _deploy's requests). Every other answer, the bad bodies'
-    # too, came from the loop.
-    assert threads == [cases[4][2], cases[5][2], cases[6][2]], answers
+    # Stored on a worker thread: only what needed the store, version 99 (it may have been
+    # published since) and the `code` deployment (not cached yet). `other`'s token (first seen
+    # here) was looked up on a thread, from the headers, and its batch then served on the loop.
+    # Every other answer, the bad bodies' too, came from the loop.
+    assert threads == [cases[4][2], cases[5][2]], answers
     # The stream holds each accepted batch once, the msgpack body as it came.
     entries = own[0].xrange(stream.stream_key("chat"))
     assert len(entries) == 4  # the warm-up, ids[0] once, the records batch, the operator's
@@ -132,7 +132,7 @@ def test_a_large_body_or_a_cold_cache_goes_to_a_worker_thread(apps, tokens, engi
     headers = {**runtime, "Content-Type": RECORDS_MSGPACK}
     small = msgpack.packb(make_batch(random.Random(1), n=20), use_bin_type=True)
     large = msgpack.packb(make_batch(random.Random(2), n=600, seq=1), use_bin_type=True)
-    assert len(small) < fast_path.LOOP_BODY_BYTES < len(large)
+    assert len(small) < fast_path.SMALL_BODY_BYTES < len(large)
     for body in (small, large, msgpack.packb(make_batch(random.Random(3), n=20, seq=2),
                                              use_bin_type=True)):
         assert loop.post("/v1/telemetry", content=body, headers=headers).status_code == 202

@@ -1,7 +1,8 @@
 """Traffic segments on the write path (issue 18): every stored token keeps its segment, the
 rollups add up per segment exactly (record and aggregate batches, HTTP and Redis stream),
-replays add nothing, names past the deployment's cap land in `default`, and a shadow token's
-policy columns use its segment's own thresholds."""
+replays add nothing, names not in use (undeclared, or past the cap where the deployment
+registers names from telemetry) land in `default`, and a shadow token's policy columns use its
+segment's own thresholds."""
 
 import logging
 import random
@@ -16,14 +17,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
 from controlplane.auth.service import create_token
-from controlplane.telemetry import service, stream
+from controlplane.telemetry import admission, service, stream
 from controlplane.telemetry.models import (
     Rollup,
     RollupHistogram,
     ShadowSampleRow,
     TokenRecordRow,
 )
-from controlplane.thresholds.segments import admit_segments, known_segments
+from controlplane.thresholds.segments import admit_segments, declare_segment, known_segments
 from controlplane.thresholds.service import get_deployment
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import AGGREGATE_MSGPACK, AggregateBatch, TelemetryBatch, TokenRecord
@@ -36,12 +37,16 @@ CODE_MAP = {"3": 0.1, "6": 0.1, "9": 0.1}  # code exits early: its own, far lowe
 SEGMENTS = ("default", "chat", "code")
 
 
-def _deploy(client, tokens, engine, name="mix"):
-    """A deployment whose version 2 gives `code` a map of its own (registering `code`)."""
+def _deploy(client, tokens, engine, name="mix", declare=("chat",), auto=False):
+    """A deployment whose version 2 gives `code` a map of its own (declaring `code`), with the
+    segments `declare` declared; `auto`: it registers names from telemetry."""
     op = tokens.headers(tokens.operator)
     assert client.post("/v1/deployments", headers=op, json={
-        "name": name, "model_ref": "tiny", "num_layers": FULL,
+        "name": name, "model_ref": "tiny", "num_layers": FULL, "auto_segments": auto,
         "exit_layers": LAYERS}).status_code == 201
+    for segment in declare:
+        declared = client.put(f"/v1/deployments/{name}/declared-segments/{segment}", headers=op)
+        assert declared.status_code == 200, declared.text
     published = client.post(f"/v1/deployments/{name}/threshold-sets", headers=op, json={
         "thresholds": DEFAULT_MAP, "segments": {"code": CODE_MAP}, "reason": "per segment",
         "activate": True})
@@ -205,12 +210,14 @@ def test_policy_counts_use_the_shadow_tokens_segment_map(session, engine, client
     assert rollups[("chat", 3)][2:] == (2, 2, 2)
 
 
-def test_names_past_the_cap_are_stored_as_default_and_logged_once(
-        session, engine, client, tokens, caplog):
-    _deploy(client, tokens, engine)  # registers `code`
+def test_names_not_in_use_are_stored_as_default_and_logged_once_per_interval(
+        session, engine, client, tokens, caplog, monkeypatch):
+    monkeypatch.setattr(admission, "_undeclared", {})  # no line of an earlier test counts
+    _deploy(client, tokens, engine, declare=())  # declares `code`
     deployment = get_deployment(session=session, name="mix")
-    filler = [f"s{index:02d}" for index in range(15)]  # 16 with `code`: the default cap
-    admit_segments(session=session, deployment_id=deployment.id, names=filler)
+    for index in range(15):  # 16 with `code`: the default cap
+        declare_segment(session=session, deployment=deployment, name=f"s{index:02d}",
+                        actor="test")
     session.commit()
     records = _records(random.Random(5), 60, segments=("default", "late", "code", "s07"))
     first, second = _batch(records[:30]), _batch(records[30:], seq=1)
@@ -219,9 +226,12 @@ def test_names_past_the_cap_are_stored_as_default_and_logged_once(
             service.ingest(session=session, deployment=deployment,
                            batches=[TelemetryBatch.model_validate(batch)])
             session.commit()
-    assert [r.getMessage() for r in caplog.records if "'late'" in r.getMessage()] == [
-        f"segment 'late' of deployment {deployment.id} is stored as 'default': the deployment "
-        "already knows EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT segments"]
+    lines = [r.getMessage() for r in caplog.records if "'default'" in r.getMessage()]
+    late = sum(_segment_of(record) == "late" for record in records[:30])
+    assert lines == [f"deployment {deployment.id}: {late} tokens in 1 batches were stored as "
+                     "segment 'default' since the last such line: their segments are not in use "
+                     "(up to 1 such names in one batch, e.g. 'late'); declare the ones you want "
+                     "(exitplane segment declare)"]
     sent = Counter(_segment_of(record) for record in records)
     stored = {"default": sent["default"] + sent["late"], "code": sent["code"], "s07": sent["s07"]}
     assert _stored_segments(engine, TokenRecordRow) == stored
@@ -248,7 +258,7 @@ def test_names_past_the_cap_are_stored_as_default_and_logged_once(
 
 def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
         session, engine, client, tokens):
-    _deploy(client, tokens, engine)
+    _deploy(client, tokens, engine, declare=(), auto=True)
     deployment = get_deployment(session=session, name="mix")
     rng = random.Random(6)
     batch = TelemetryBatch.model_validate(_batch(_records(rng, 20, segments=("chat",))))
@@ -275,9 +285,9 @@ def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
         assert statements
         return [sql for sql in statements if "deployment_segments" in sql]
 
-    # `code` was registered by the published set, never decided here yet: one read.
+    # `chat` was registered by the last commit, so this process reads the registry again
     assert store(("chat", "code")) != []
-    assert store(("code", "chat", "default")) == []  # every name decided: no registry read
+    assert store(("code", "chat", "default")) == []  # read within FRESH_S: no registry read
     assert _stored_segments(engine, TokenRecordRow) == {"chat": 20 + 10 + 7, "code": 10 + 7,
                                                         "default": 6}
 
@@ -289,11 +299,12 @@ def _overflow_counted(deployment: str = "mix") -> float:
 
 
 def _fill_the_cap(engine, name: str = "mix") -> None:
-    """Register 15 names besides `code`: the deployment is at the default cap of 16."""
+    """Declare 15 names besides `code`: the deployment is at the default cap of 16."""
     with Session(engine) as session:
         deployment = get_deployment(session=session, name=name)
-        admit_segments(session=session, deployment_id=deployment.id,
-                       names=[f"s{index:02d}" for index in range(15)])
+        for index in range(15):
+            declare_segment(session=session, deployment=deployment, name=f"s{index:02d}",
+                            actor="test")
         session.commit()
 
 
@@ -306,7 +317,7 @@ def _aggregate_of(records: list[dict], seq: int, runtime_id: str = "rt-1") -> Ag
 
 
 def test_tokens_past_the_cap_are_counted_in_prometheus_once_each(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = _deploy(client, tokens, engine, declare=(), auto=True)
     _fill_the_cap(engine)
     before = _overflow_counted()
     records = _records(random.Random(8), 60, segments=("default", "late", "code", "later"))
@@ -376,7 +387,7 @@ def test_the_stream_path_stores_segments_in_the_ingest_worker(
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine)
+        runtime = _deploy(client, tokens, engine, declare=(), auto=True)
         rng = random.Random(7)
         records = _records(rng, 90, segments=("default", "chat", "code", "tools"))
         batches = [_batch(records[:45]), _batch(records[45:], seq=1)]
@@ -427,10 +438,10 @@ def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, to
     every name's traffic is stored as itself exactly when it was registered."""
     import threading
 
-    _deploy(client, tokens, engine)  # registers `code`
+    _deploy(client, tokens, engine, declare=(), auto=True)  # declares `code`
     with Session(engine) as session:
         deployment_id = get_deployment(session=session, name="mix").id
-        admit_segments(session=session, deployment_id=deployment_id,
+        admit_segments(session=session, deployment_id=deployment_id, auto=True,
                        names=[f"s{index:02d}" for index in range(12)])  # 13 of 16 taken
         session.commit()
     names = {writer: (f"w{writer}a", f"w{writer}b", "code") for writer in range(4)}
@@ -479,7 +490,7 @@ def test_the_ingest_worker_counts_tokens_past_the_cap(settings, engine, tokens, 
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine)
+        runtime = _deploy(client, tokens, engine, declare=(), auto=True)
         _fill_the_cap(engine)
         records = _records(random.Random(10), 40, segments=("late", "code", "default", "late"))
         counted = _records(random.Random(11), 30, segments=("later", "s01"), shadow_rate=0.0)

@@ -53,7 +53,7 @@ def segmented(client, tokens, engine) -> dict[str, str]:
     other = _deploy(client, tokens, engine, name="code")
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
-        admitted = admit_segments(session=session, deployment_id=deployment.id,
+        admitted = admit_segments(session=session, deployment_id=deployment.id, auto=True,
                                   names=["chat", "code", "spam"], limit=CAP)
         assert admitted == {"chat": "chat", "code": "code", "spam": "default"}
         recent = _minute(timedelta(minutes=5))

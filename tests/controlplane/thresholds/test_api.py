@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
+from exitplane import __version__
 from exitplane.wire import ThresholdSetWire
 
 DEPLOYMENT = {"name": "chat", "model_ref": "smollm2-135m", "num_layers": 12,
@@ -227,7 +228,7 @@ def test_canary_alias_serves_a_sticky_fraction(client, tokens, engine):
 
 
 def test_health_and_readiness(client):
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": __version__}
     assert client.get("/readyz").json() == {"status": "ready"}
     assert client.get("/openapi.json").status_code == 200
 

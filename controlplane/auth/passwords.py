@@ -1,0 +1,97 @@
+"""Password checks with a bounded cost: the only way the admin UI checks a password.
+
+An argon2id check takes 64 MiB and tens of milliseconds of a core, so a check is admitted
+only when
+
+1. one of this process's `max_concurrent` slots is free (else 429 at once: memory per
+   process stays bounded whatever arrives), and
+2. the throttle counts it (controlplane/coordination/throttle.py: per address, per username
+   and per both, atomically, shared by every API process; else 429 with the wait).
+
+The check itself runs outside any transaction: the user's credentials are read in one short
+transaction and the outcome written in another (on SQLite every transaction holds the store's
+write lock, which heartbeats and token lookups wait for).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.auth import users
+from controlplane.auth.models import User
+from controlplane.coordination.throttle import SignInThrottle
+from controlplane.errors import RateLimited, Unauthorized
+
+
+class PasswordChecks:
+    """Sign-ins and password changes, bounded and throttled."""
+
+    def __init__(self, *, factory: sessionmaker[Session], throttle: SignInThrottle,
+                 max_concurrent: int) -> None:
+        self.throttle = throttle
+        self._factory = factory
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+
+    @contextmanager
+    def _slot(self) -> Iterator[None]:
+        if not self._slots.acquire(blocking=False):
+            raise RateLimited("the server is checking other passwords right now; try again in "
+                              "a second", retry_after=1)
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def _admit(self, username: str, address: str, per_user: bool) -> None:
+        wait = self.throttle.attempt(username, address, per_user=per_user)
+        if wait > 0:
+            raise RateLimited(f"too many failed attempts; try again in {math.ceil(wait)} s",
+                              retry_after=wait)
+
+    def sign_in(self, *, username: str, password: str, address: str,
+                per_user: bool = True) -> User:
+        """The enabled user with this username and password; Unauthorized (the same for an
+        unknown user, a wrong password and a disabled user) or RateLimited. `per_user`
+        False: the browser signed in as this user before, so failures elsewhere do not
+        hold it back."""
+        with self._slot():
+            self._admit(username, address, per_user)
+            with self._factory() as session:
+                credentials = users.find_credentials(session=session, username=username)
+            right = users.password_matches(credentials.password_hash if credentials else None,
+                                           password)
+            if not right or credentials is None or credentials.disabled:
+                raise Unauthorized("wrong username or password")
+            new_hash = users.rehashed(credentials.password_hash, password)
+        with self._factory() as session:
+            user = users.record_sign_in(session=session, credentials=credentials,
+                                        new_hash=new_hash)
+            session.commit()
+        self.throttle.succeeded(username, address, per_user=per_user)
+        return user
+
+    def change_password(self, *, user_id: int, current: str, new: str, address: str,
+                        per_user: bool = True) -> User:
+        """Replace a user's password once their current one is checked (counted against the
+        throttle as a sign-in is); returns the user with the new session epoch."""
+        users.check_new_password(current=current, new=new)
+        with self._slot():
+            with self._factory() as session:
+                credentials = users.find_credentials(session=session, user_id=user_id)
+            if credentials is None:
+                raise Unauthorized("sign in again")
+            self._admit(credentials.username, address, per_user)
+            if not users.password_matches(credentials.password_hash, current):
+                raise Unauthorized("the current password is wrong")
+            new_hash = users.hash_password(new)
+        with self._factory() as session:
+            user = users.replace_checked_password(session=session, credentials=credentials,
+                                                  new_hash=new_hash)
+            session.commit()
+        self.throttle.succeeded(credentials.username, address, per_user=per_user)
+        return user

@@ -1,0 +1,135 @@
+"""Bounds on automatic promotion: how far a recalibrated set may move without an operator.
+
+Robust evidence (`calibration.evidence`) keeps one runtime from deciding a verdict in a fleet;
+these bounds hold whatever the evidence says, and are what is left with a single runtime:
+
+- a candidate that lowers any threshold (of any segment's map) by more than `max_threshold_step`
+  below the active set's, or whose expected exit rate is more than `max_exit_rate_rise` above
+  the active set's, waits for approval whatever the deployment's policy (auto or canary);
+- a deployment whose window had a single reporting runtime never auto-promotes a set more
+  aggressive (some threshold lower) than its last good one: the newest earlier active,
+  non-fallback set whose own shadow disagreement stayed within δ (`fallback.last_good_version`).
+  With no such set yet (a first calibration from the conservative set), the two bounds above
+  apply alone.
+
+The defaults let a first calibration from never-exit through (the demo certifies 20-50% exits
+on chat, thresholds well above 0.25) and stop a set that would exit everywhere (a liar's
+thresholds 0.0: a step of 1.0 and an exit rate rising to 1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controlplane.calibration.segment_sets import thresholds_for
+from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.telemetry.models import ShadowSampleRow
+from controlplane.thresholds.models import Deployment, ThresholdSet
+from exitplane.wire import DEFAULT_SEGMENT, NEVER_EXIT
+
+
+@dataclass(frozen=True)
+class PromotionBounds:
+    """How far an automatic promotion may move the active set."""
+
+    max_threshold_step: float = 0.75
+    max_exit_rate_rise: float = 0.9
+    min_shadow_tokens: int = 200  # for a set to count as the last good one
+
+    @classmethod
+    def from_settings(cls, settings) -> PromotionBounds:
+        return cls(max_threshold_step=settings.promotion_max_threshold_step,
+                   max_exit_rate_rise=settings.promotion_max_exit_rate_rise,
+                   min_shadow_tokens=settings.fallback_min_shadow_tokens)
+
+
+def _segments(*sets: ThresholdSet) -> list[str]:
+    names = {DEFAULT_SEGMENT}
+    for threshold_set in sets:
+        names.update(threshold_set.segments or {})
+    return sorted(names)
+
+
+def _expected_exit_rate(threshold_set: ThresholdSet, segment: str) -> float | None:
+    """The set's expected exit rate on `segment`; 0 where it never exits; None if unknown."""
+    if all(value >= NEVER_EXIT for value in thresholds_for(threshold_set, segment).values()):
+        return 0.0
+    metrics = threshold_set.expected_metrics or {}
+    if segment != DEFAULT_SEGMENT:
+        metrics = (metrics.get("segments") or {}).get(segment) or {}
+    rate = metrics.get("total_exit_rate")
+    return float(rate) if isinstance(rate, int | float) else None
+
+
+def step_reasons(*, candidate: ThresholdSet, active: ThresholdSet,
+                 bounds: PromotionBounds) -> list[str]:
+    """Why `candidate` moves too far from `active` to be promoted without an operator."""
+    reasons = []
+    for segment in _segments(candidate, active):
+        new, old = thresholds_for(candidate, segment), thresholds_for(active, segment)
+        where = "" if segment == DEFAULT_SEGMENT else f" of segment {segment}"
+        for layer in sorted(new):
+            drop = old.get(layer, NEVER_EXIT) - new[layer]
+            if drop > bounds.max_threshold_step + 1e-12:
+                reasons.append(f"layer {layer}{where} threshold {old.get(layer, NEVER_EXIT):g} "
+                               f"-> {new[layer]:g} (lowered by {drop:.3f} > "
+                               f"{bounds.max_threshold_step:g})")
+        after, before = (_expected_exit_rate(candidate, segment),
+                         _expected_exit_rate(active, segment))
+        if after is not None and before is not None \
+                and after - before > bounds.max_exit_rate_rise + 1e-12:
+            reasons.append(f"expected exit rate{where} {before:.3f} -> {after:.3f} (rises by "
+                           f"{after - before:.3f} > {bounds.max_exit_rate_rise:g})")
+    return reasons
+
+
+def more_aggressive(candidate: ThresholdSet, good: ThresholdSet) -> list[str]:
+    """The thresholds where `candidate` exits more readily than `good`."""
+    found = []
+    for segment in _segments(candidate, good):
+        new, old = thresholds_for(candidate, segment), thresholds_for(good, segment)
+        where = "" if segment == DEFAULT_SEGMENT else f" of segment {segment}"
+        found += [f"layer {layer}{where} {new[layer]:g} < {old[layer]:g}"
+                  for layer in sorted(new) if layer in old and new[layer] < old[layer] - 1e-12]
+    return found
+
+
+def reporting_runtimes(*, session: Session, deployment: Deployment, since: datetime,
+                       until: datetime | None = None) -> int:
+    """Runtimes whose shadow tokens the window holds, leaving out the excluded ones."""
+    query = select(func.count(func.distinct(ShadowSampleRow.runtime_id))).where(
+        ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
+    if until is not None:
+        query = query.where(ShadowSampleRow.ts < until)
+    excluded = excluded_runtime_ids(session=session, deployment_id=deployment.id)
+    if excluded:
+        query = query.where(ShadowSampleRow.runtime_id.not_in(sorted(excluded)))
+    return int(session.scalar(query) or 0)
+
+
+def promotion_hold(*, session: Session, deployment: Deployment, candidate: ThresholdSet,
+                   active: ThresholdSet, conservative: int | None, since: datetime,
+                   until: datetime | None, bounds: PromotionBounds) -> str:
+    """Why `candidate` must wait for an operator whatever the policy ("" when it may be
+    promoted automatically; module docstring)."""
+    from controlplane.calibration.fallback import last_good_version
+
+    reasons = step_reasons(candidate=candidate, active=active, bounds=bounds)
+    if reporting_runtimes(session=session, deployment=deployment, since=since,
+                          until=until) <= 1:
+        good = last_good_version(session=session, deployment=deployment,
+                                 exclude={candidate.version} | (
+                                     set() if conservative is None else {conservative}),
+                                 min_shadow_tokens=bounds.min_shadow_tokens)
+        lower = [] if good is None else more_aggressive(candidate, good)
+        if lower:
+            reasons.append(f"a single runtime reported the samples, and the set is more "
+                           f"aggressive than the last good version {good.version} ("
+                           f"{'; '.join(lower[:4])})")
+    if not reasons:
+        return ""
+    return "automatic promotion bounds: " + "; ".join(reasons[:6])

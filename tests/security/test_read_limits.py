@@ -1,0 +1,126 @@
+"""Reads are rate-limited per token and weighted by cost: one token firing heavy reads (telemetry
+scans, audit pages, reports) gets 429 with Retry-After, as pulls do, while other tokens are
+served; with Redis every API process draws from the one bucket of the token. Unlimited heavy
+reads let a single token keep the store busy for everyone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from controlplane.app import create_app
+from controlplane.auth.service import create_token
+from controlplane.deps import HEAVY_READ_COST, HEAVY_READS, OWN_BUCKET_READS
+from controlplane.thresholds.schemas import DeploymentCreate
+from controlplane.thresholds.service import create_deployment, get_deployment
+from tests.reliability.conftest import PrivateRedis
+
+HEAVY = "/v1/deployments/chat/telemetry/count"
+LIGHT = "/v1/deployments/chat"
+
+
+@pytest.fixture
+def private_redis():
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def serve(settings, engine, tokens):
+    opened = []
+
+    def start(**overrides) -> TestClient:
+        app = create_app(settings.model_copy(update=overrides), engine=engine)
+        client = TestClient(app)
+        client.__enter__()
+        opened.append((app, client))
+        return client
+
+    yield start
+    for app, client in opened:
+        client.__exit__(None, None, None)
+        app.state.config_delivery.close()
+        app.state.heartbeats.close()
+
+
+@pytest.fixture
+def chat(engine, tokens):
+    with Session(engine) as session:
+        create_deployment(session=session, actor="test", spec=DeploymentCreate(
+            name="chat", model_ref="m", num_layers=12, exit_layers=[3, 6, 9]))
+        session.commit()
+
+
+def _token(engine, scope: str = "operator") -> dict[str, str]:
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat") if scope == "runtime" else None
+        _, secret = create_token(session=session, name=f"reader-{time.monotonic_ns()}",
+                                 scope=scope, deployment=deployment)
+        session.commit()
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _until_refused(client, path: str, auth: dict, limit: int = 300) -> tuple[int, object]:
+    """How many reads of `path` were served before the first 429, and that 429."""
+    for served in range(limit):
+        answer = client.get(path, headers=auth)
+        if answer.status_code == 429:
+            return served, answer
+        assert answer.status_code == 200, answer.text
+    return limit, None
+
+
+def test_300_heavy_reads_from_one_token_get_429_with_retry_after(serve, chat, engine):
+    client = serve()
+    auth, other = _token(engine), _token(engine)
+    started = time.monotonic()
+    answers = [client.get(HEAVY, headers=auth) for _ in range(300)]
+    elapsed = time.monotonic() - started
+    served = sum(a.status_code == 200 for a in answers)
+    refused = [a for a in answers if a.status_code == 429]
+    assert served + len(refused) == 300
+    assert refused, "300 heavy reads from one token were all served"
+    # A burst of 2 x 100 units at 5 units a read, then 20 reads a second.
+    assert served <= 40 + 20 * elapsed + 1, (served, elapsed)
+    assert int(refused[0].headers["Retry-After"]) >= 1
+    assert "too many reads for this token" in refused[0].json()["detail"]
+    # Another token has a bucket of its own, and a runtime token reading is limited too.
+    assert client.get(HEAVY, headers=other).status_code == 200
+    runtime = _token(engine, "runtime")
+    assert 429 in {client.get(HEAVY, headers=runtime).status_code for _ in range(60)}
+
+
+def test_reads_are_weighted_by_cost(serve, chat, engine):
+    client = serve(rate_limit_read_per_s=10.0)  # a burst of 20 units
+    heavy, _ = _until_refused(client, HEAVY, _token(engine))
+    light, refusal = _until_refused(client, LIGHT, _token(engine))
+    assert 20 // HEAVY_READ_COST <= heavy <= 20 // HEAVY_READ_COST + 1
+    assert 20 <= light <= 22
+    assert float(refusal.headers["Retry-After"]) >= 1
+    # A drained read bucket leaves the runtime's pulls alone: they have their own.
+    runtime = _token(engine, "runtime")
+    _until_refused(client, HEAVY, runtime)
+    pull = client.get("/v1/deployments/chat/thresholds", headers=runtime,
+                      params={"runtime_id": "rt-1"})
+    assert pull.status_code != 429
+
+
+def test_a_token_read_bucket_is_shared_by_every_api_process(serve, chat, engine, private_redis):
+    first = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0)
+    second = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0)
+    auth = _token(engine)
+    answers = [(first, second)[i % 2].get(HEAVY, headers=auth).status_code for i in range(12)]
+    # One burst of 20 units (4 heavy reads) for both processes, not one each.
+    assert answers.count(200) <= 5, answers
+
+
+def test_the_cost_table_names_real_read_routes(serve):
+    reads = {path for path, operations in serve().app.openapi()["paths"].items()
+             if "get" in operations}
+    assert reads >= HEAVY_READS, HEAVY_READS - reads
+    assert reads >= OWN_BUCKET_READS

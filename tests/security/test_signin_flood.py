@@ -1,0 +1,368 @@
+"""Password checks cannot be used to exhaust the control plane: an anonymous flood of random
+usernames is throttled per address, concurrent wrong passwords for one user stop at the limit
+(atomically, through the store or Redis, on real servers), a process checks only a few
+passwords at once, no check runs inside a transaction (on SQLite that held the write lock
+heartbeats wait for), X-Forwarded-For counts only from trusted proxies, IPv6 clients are
+keyed by their /64, and password changes are throttled as sign-ins are."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from argon2 import PasswordHasher
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from controlplane.app import create_app
+from controlplane.auth import users
+from controlplane.auth.clients import client_address, parse_networks, throttle_key
+from controlplane.auth.users import create_user
+from controlplane.coordination import throttle
+from tests.conftest import free_port
+from tests.dashboards.conftest import CSRF_FIELD, PASSWORD, csrf_of, sign_in
+from tests.reliability.conftest import PrivateRedis
+
+ATTACKER = ("203.0.113.9", 40000)
+ADMIN = ("198.51.100.7", 40001)
+PROXY = ("10.1.2.3", 40002)
+
+
+@pytest.fixture
+def admin_user(engine, quick_hashing) -> str:
+    with Session(engine) as session:
+        create_user(session=session, username="admin", password=PASSWORD, role="admin")
+        session.commit()
+    return "admin"
+
+
+def _browser(app, client=ATTACKER) -> TestClient:
+    return TestClient(app, base_url="https://testserver", client=client)
+
+
+def _post_login(browser, username: str, password: str, **headers: str) -> httpx.Response:
+    token = csrf_of(browser.get("/ui/login").text)
+    return browser.post("/ui/login", headers=headers, follow_redirects=False, data={
+        "username": username, "password": password, "csrf_token": token})
+
+
+# -- per address, whatever the username ------------------------------------------------------
+
+def test_random_usernames_from_one_address_are_throttled(app, admin_user):
+    """Each try with a new name used to be a fresh (name, address) pair: never throttled,
+    each one an argon2id check. Now the address runs out after its free failures, whatever
+    names it tries or X-Forwarded-For it writes (no proxy is trusted)."""
+    statuses = []
+    with _browser(app) as attacker:
+        for _ in range(25):
+            answer = _post_login(attacker, f"user-{secrets.token_hex(4)}", "guess guess guess",
+                                 **{"X-Forwarded-For": f"192.0.2.{secrets.randbelow(250)}"})
+            statuses.append(answer.status_code)
+    free = throttle.FREE_FAILURES_PER_ADDRESS
+    assert statuses[:free] == [401] * free
+    assert set(statuses[free:]) == {429}
+    with _browser(app, client=ADMIN) as admin:  # another address is not held back
+        assert sign_in(admin, "admin").status_code == 200
+
+
+# -- X-Forwarded-For and IPv6 ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("peer", "forwarded", "trusted", "client"), [
+    ("203.0.113.9", ["198.51.100.1"], "", "203.0.113.9"),  # not a proxy: header ignored
+    ("10.1.2.3", ["198.51.100.1"], "10.0.0.0/8", "198.51.100.1"),
+    ("10.1.2.3", ["6.6.6.6, 198.51.100.1"], "10.0.0.0/8", "198.51.100.1"),  # 6.6.6.6: forged
+    ("10.1.2.3", ["198.51.100.1, 10.9.9.9"], "10.0.0.0/8", "198.51.100.1"),  # two proxies
+    ("10.1.2.3", ["198.51.100.1", "10.9.9.9"], "10.0.0.0/8", "198.51.100.1"),  # two headers
+    ("10.1.2.3", ["not-an-ip"], "10.0.0.0/8", "10.1.2.3"),
+    ("10.1.2.3", [], "10.0.0.0/8", "10.1.2.3"),
+    ("::ffff:10.1.2.3", ["[2001:db8::7]"], "10.1.2.3", "2001:db8::7"),
+    ("fd00::1", ["198.51.100.1"], "fd00::/8", "198.51.100.1"),
+])
+def test_forwarded_for_counts_only_from_trusted_proxies(peer, forwarded, trusted, client):
+    assert client_address(peer, forwarded, parse_networks(trusted)) == client
+
+
+def test_ipv6_clients_are_keyed_by_their_64():
+    assert throttle_key("2001:db8:1:2:aaaa:bbbb:cccc:dddd") == "2001:db8:1:2::/64"
+    assert throttle_key("2001:db8:1:2::1") == throttle_key("2001:db8:1:2:ffff::9")
+    assert throttle_key("2001:db8:1:3::1") != throttle_key("2001:db8:1:2::1")
+    assert throttle_key("::ffff:198.51.100.7") == "198.51.100.7"
+    assert throttle_key("198.51.100.7") == "198.51.100.7"
+    assert throttle_key("testclient") == "testclient"
+
+
+def test_forwarded_for_from_an_untrusted_peer_does_not_pick_the_key(app, admin_user):
+    with _browser(app) as attacker:
+        for index in range(5):
+            _post_login(attacker, "admin", "guess guess guess",
+                        **{"X-Forwarded-For": f"198.51.100.{index}"})
+        assert _post_login(attacker, "admin", PASSWORD,
+                           **{"X-Forwarded-For": "198.51.100.99"}).status_code == 429
+
+
+def test_forwarded_for_from_a_trusted_proxy_names_the_client(settings, engine, admin_user):
+    """Behind a proxy every client used to share the proxy's key: five failures by one
+    client locked everyone out. With the proxy trusted, each client counts for itself."""
+    app = create_app(settings.model_copy(update={"trusted_proxies": "10.0.0.0/8"}),
+                     engine=engine)
+    try:
+        with _browser(app, client=PROXY) as proxy:
+            for _ in range(5):
+                answer = _post_login(proxy, "admin", "guess guess guess",
+                                     **{"X-Forwarded-For": "203.0.113.9"})
+                assert answer.status_code == 401
+            assert _post_login(proxy, "admin", PASSWORD,
+                               **{"X-Forwarded-For": "203.0.113.9"}).status_code == 429
+            # A forged hop in front of the client's address changes nothing.
+            assert _post_login(proxy, "admin", PASSWORD, **{
+                "X-Forwarded-For": "1.2.3.4, 203.0.113.9"}).status_code == 429
+            assert _post_login(proxy, "admin", PASSWORD,
+                               **{"X-Forwarded-For": "198.51.100.7"}).status_code == 303
+    finally:
+        app.state.config_delivery.close()
+        app.state.heartbeats.close()
+
+
+def test_rotating_through_one_ipv6_64_does_not_escape_the_lock(app, admin_user):
+    for index in range(1, 6):
+        with _browser(app, client=(f"2001:db8:1:2::{index:x}", 40000)) as attacker:
+            assert _post_login(attacker, "admin", "guess guess guess").status_code == 401
+    with _browser(app, client=("2001:db8:1:2:dead:beef:0:1", 40000)) as attacker:
+        assert _post_login(attacker, "admin", PASSWORD).status_code == 429
+    with _browser(app, client=("2001:db8:1:3::1", 40000)) as elsewhere:
+        assert _post_login(elsewhere, "admin", PASSWORD).status_code == 303
+
+
+# -- per username, whatever the address ------------------------------------------------------
+
+def test_guesses_spread_over_addresses_lock_the_name_but_not_its_known_browsers(
+        settings, engine, admin_user):
+    app = create_app(settings.model_copy(update={"trusted_proxies": "10.0.0.0/8"}),
+                     engine=engine)
+    try:
+        with _browser(app, client=ADMIN) as known:
+            assert sign_in(known, "admin").status_code == 200  # this browser is remembered
+            known.cookies.delete("exitplane_session")
+            with _browser(app, client=PROXY) as proxy:
+                for index in range(throttle.FREE_FAILURES_PER_USER):
+                    answer = _post_login(proxy, "admin", "guess guess guess",
+                                         **{"X-Forwarded-For": f"192.0.2.{index}"})
+                    assert answer.status_code == 401
+                locked = _post_login(proxy, "admin", PASSWORD,
+                                     **{"X-Forwarded-For": "192.0.2.200"})
+                assert locked.status_code == 429 and "try again in" in locked.text
+                assert int(locked.headers["retry-after"]) >= 1
+            assert _post_login(known, "admin", PASSWORD).status_code == 303
+    finally:
+        app.state.config_delivery.close()
+        app.state.heartbeats.close()
+
+
+# -- password change --------------------------------------------------------------------------
+
+def _change_password(browser, current: str, new: str) -> httpx.Response:
+    page = browser.get("/ui/account")
+    return browser.post("/ui/account/password", follow_redirects=False, data={
+        "current": current, "new": new, "confirm": new, "csrf_token": csrf_of(page.text)})
+
+
+def test_password_change_is_throttled(app, engine, admin_user):
+    with _browser(app) as browser:
+        assert sign_in(browser, "admin").status_code == 200
+        browser.cookies.delete("exitplane_device")  # a stolen session, on another browser
+        for _ in range(throttle.FREE_FAILURES):
+            wrong = _change_password(browser, "guess guess guess", PASSWORD + "!")
+            assert wrong.status_code == 303
+            assert "the current password is wrong" in browser.get("/ui/account").text
+        locked = _change_password(browser, PASSWORD, PASSWORD + "!")
+        assert locked.status_code == 429 and "Too many failed attempts" in locked.text
+        assert int(locked.headers["retry-after"]) >= 1
+    with Session(engine) as session:  # still the old password
+        assert users.authenticate_user(session=session, username="admin", password=PASSWORD)
+
+
+# -- a bounded number of checks per process, none inside a transaction ----------------------
+
+class HeldHasher:
+    """Argon2 whose checks wait until released, so a test can look at the server while
+    checks are under way."""
+
+    def __init__(self) -> None:
+        self._inner = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
+        self.checking = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def verify(self, password_hash: str, password: str) -> bool:
+        self.checking.release()
+        assert self.release.wait(30), "never released"
+        return self._inner.verify(password_hash, password)
+
+    def hash(self, password: str) -> str:
+        return self._inner.hash(password)
+
+    def check_needs_rehash(self, password_hash: str) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` on a real uvicorn in a thread; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _login_form(client: httpx.Client) -> str:
+    match = CSRF_FIELD.search(client.get("/ui/login").text)
+    assert match
+    return match.group(1)
+
+
+@pytest.mark.slow  # a real server
+def test_checks_past_the_per_process_limit_are_answered_429_at_once(settings, engine,
+                                                                     admin_user, monkeypatch):
+    held = HeldHasher()
+    monkeypatch.setattr(users, "_hasher", held)
+    app = create_app(settings.model_copy(update={"password_checks_max_concurrent": 2}),
+                     engine=engine)
+    answers: list[httpx.Response] = []
+
+    def attempt(url: str, username: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            token = _login_form(client)
+            answers.append(client.post("/ui/login", data={
+                "username": username, "password": "guess guess guess", "csrf_token": token}))
+
+    try:
+        with serving(app) as url:
+            checking = [threading.Thread(target=attempt, args=(url, f"someone{i}"))
+                        for i in range(2)]
+            for thread in checking:
+                thread.start()
+            for _ in checking:
+                assert held.checking.acquire(timeout=10), "the checks did not start"
+            with httpx.Client(base_url=url, timeout=5) as third:
+                token = _login_form(third)
+                busy = third.post("/ui/login", data={"username": "admin", "password": PASSWORD,
+                                                     "csrf_token": token})
+            assert busy.status_code == 429 and "checking other passwords" in busy.text
+            assert busy.headers["retry-after"] == "1"
+            held.release.set()
+            for thread in checking:
+                thread.join(timeout=30)
+            assert [answer.status_code for answer in answers] == [401, 401]
+            with httpx.Client(base_url=url, timeout=30) as later:  # a busy answer cost nothing
+                token = _login_form(later)
+                signed_in = later.post("/ui/login", data={
+                    "username": "admin", "password": PASSWORD, "csrf_token": token})
+                assert signed_in.status_code == 303
+    finally:
+        held.release.set()
+        app.state.config_delivery.close()
+        app.state.heartbeats.close()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("action", ["sign in", "change password"])
+def test_no_transaction_is_open_while_a_password_is_checked(app, db_url, admin_user,
+                                                            monkeypatch, action):
+    """On SQLite every transaction holds the store's write lock. A sign-in used to check the
+    password inside the request's transaction: heartbeats and token lookups waited for every
+    check under way (23 s under a flood), and past the busy timeout failed."""
+    held = HeldHasher()
+    with _browser(app) as browser:
+        if action == "change password":
+            assert sign_in(browser, "admin").status_code == 200
+        monkeypatch.setattr(users, "_hasher", held)
+        answer: list[httpx.Response] = []
+        request = (lambda: _post_login(browser, "admin", PASSWORD)) if action == "sign in" \
+            else (lambda: _change_password(browser, PASSWORD, PASSWORD + "!"))
+        thread = threading.Thread(target=lambda: answer.append(request()))
+        thread.start()
+        try:
+            assert held.checking.acquire(timeout=10), "the check did not start"
+            writer = sqlite3.connect(db_url.removeprefix("sqlite:///"), timeout=0.5,
+                                     isolation_level=None)
+            try:
+                writer.execute("BEGIN IMMEDIATE")  # "database is locked" while one is open
+                writer.execute("ROLLBACK")
+            finally:
+                writer.close()
+        finally:
+            held.release.set()
+            thread.join(timeout=30)
+        assert answer[0].status_code == 303
+
+
+# -- concurrent wrong passwords, real servers ------------------------------------------------
+
+@pytest.fixture
+def private_redis():
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.mark.slow  # two real servers, 30 clients
+@pytest.mark.parametrize("shared", ["store", "redis"])
+@pytest.mark.parametrize("spread", ["one address", "thirty addresses"])
+def test_concurrent_wrong_passwords_stop_at_the_limit(request, settings, engine, monkeypatch,
+                                                      shared, spread):
+    """30 wrong passwords for one user at once, over two API instances sharing the store (or
+    Redis): the lock stops the sixth from one address, the eleventh from thirty. Checking
+    first and counting after let all 30 through."""
+    hasher = PasswordHasher(time_cost=2, memory_cost=8192, parallelism=1)  # ~10 ms a check
+    monkeypatch.setattr(users, "_hasher", hasher)
+    with Session(engine) as session:
+        create_user(session=session, username="admin", password=PASSWORD, role="admin")
+        session.commit()
+    update = {"password_checks_max_concurrent": 64, "trusted_proxies": "127.0.0.1"}
+    if shared == "redis":
+        update["redis_url"] = request.getfixturevalue("private_redis").url
+    apps = [create_app(settings.model_copy(update=update), engine=engine) for _ in range(2)]
+    start = threading.Barrier(30)
+    statuses: list[int] = []
+
+    def guess(url: str, index: int) -> None:
+        address = "198.51.100.7" if spread == "one address" else f"198.51.100.{index}"
+        with httpx.Client(base_url=url, timeout=60) as client:
+            token = _login_form(client)
+            start.wait(timeout=60)
+            statuses.append(client.post("/ui/login", headers={"X-Forwarded-For": address},
+                                        data={"username": "admin", "password": f"guess{index}",
+                                              "csrf_token": token}).status_code)
+
+    try:
+        with serving(apps[0]) as one, serving(apps[1]) as two:
+            threads = [threading.Thread(target=guess, args=((one, two)[i % 2], i))
+                       for i in range(30)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+    finally:
+        for app in apps:
+            app.state.config_delivery.close()
+            app.state.heartbeats.close()
+    limit = throttle.FREE_FAILURES if spread == "one address" else throttle.FREE_FAILURES_PER_USER
+    assert Counter(statuses) == {401: limit, 429: 30 - limit}

@@ -1,0 +1,268 @@
+"""No single client can make the API buffer or decode without bound (telemetry and heartbeats):
+
+- the token and its rate limit are checked from the headers before a byte of the body is read
+  (a caller without a valid token, or past its rate, is answered while its body is still
+  arriving, so the body is never buffered);
+- a body decodes to at most EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS values, counted while it is
+  decoded (413: the runtime splits it), so a small body cannot expand in memory;
+- at most EXITPLANE_TELEMETRY_MAX_DECODES large bodies are read and decoded at once per process
+  (past it: 503 with Retry-After, before the body is read);
+- deeply nested JSON is a 4xx on every route, never a 500.
+
+Memory figures against a real API process: bench/telemetry_bounds.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import socket
+import threading
+import time
+import tracemalloc
+import uuid
+
+import httpx
+import msgpack
+import pytest
+from fastapi.testclient import TestClient
+
+from controlplane.app import create_app
+from exitplane.wire import INTERVAL_JSON, RECORDS_JSON, RECORDS_MSGPACK
+from tests.conftest import free_port
+from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+MIB = 1024 * 1024
+
+
+@contextlib.contextmanager
+def serving(settings, engine, **update):
+    """The app for `settings` (with `update`) on a real uvicorn, on a loopback port; yields
+    (port, an httpx client to it)."""
+    import uvicorn
+
+    app = create_app(settings.model_copy(update=update), engine=engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            yield port, client
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        app.state.config_delivery.close()
+        app.state.heartbeats.close()
+
+
+def _head(path: str, port: int, length: int, headers: dict[str, str],
+          content_type: str = "application/json") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Type: {content_type}",
+             f"Content-Length: {length}", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _response(connection: socket.socket) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of the answer on `connection`; socket.timeout if none
+    comes."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = connection.recv(65536)
+        assert chunk, "the server closed the connection without an answer"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    headers = {line.split(b":", 1)[0].decode().lower(): line.split(b":", 1)[1].strip().decode()
+               for line in head.split(b"\r\n")[1:]}
+    while len(body) < int(headers["content-length"]):
+        body += connection.recv(65536)
+    return int(head.split()[1]), json.loads(body), headers
+
+
+@contextlib.contextmanager
+def partial_post(port: int, path: str, *, length: int, sent: bytes, headers: dict[str, str],
+                 content_type: str = "application/json"):
+    """A connection that declared a `length`-byte body and sent only `sent` of it."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        connection.sendall(_head(path, port, length, headers, content_type) + sent)
+        yield connection
+    finally:
+        connection.close()
+
+
+def _records_msgpack(rng: random.Random, n: int, **kwargs) -> bytes:
+    # Timed in the past: a batch's tokens are 0.7 s apart, and the API refuses the future.
+    return msgpack.packb(make_batch(rng, n=n, ts=time.time() - n, **kwargs), use_bin_type=True)
+
+
+def test_telemetry_refuses_by_the_headers_before_reading_the_body(settings, engine, tokens):
+    # A burst of one, then one batch every 20 s: the second batch is past the rate.
+    with serving(settings, engine, rate_limit_ingest_per_s=0.05) as (port, client):
+        runtime = _deploy(client, tokens, engine)
+        # 15 MiB declared (within EXITPLANE_MAX_BODY_BYTES), 64 KiB sent, then silence: only
+        # a server that answers before reading the body answers at all.
+        for headers, status in (({}, 401), ({"Authorization": "Bearer ept_unknown"}, 401)):
+            with partial_post(port, "/v1/telemetry", length=15 * MIB, sent=b"{" * 65536,
+                              headers=headers) as connection:
+                answer = _response(connection)
+            assert answer[0] == status and "token" in answer[1]["detail"], answer
+        first = client.post("/v1/telemetry", headers={**runtime, "Content-Type": RECORDS_MSGPACK},
+                            content=_records_msgpack(random.Random(1), 20))
+        assert first.status_code == 202, first.text
+        with partial_post(port, "/v1/telemetry", length=15 * MIB, sent=b"\x80" * 65536,
+                          headers=runtime, content_type=RECORDS_MSGPACK) as connection:
+            status, body, headers = _response(connection)
+        assert status == 429 and "too many ingest requests" in body["detail"]
+        assert headers["retry-after"] == "20"
+
+
+def test_heartbeats_refuse_by_the_headers_before_reading_the_body(settings, engine, tokens):
+    with serving(settings, engine) as (port, client):
+        _deploy(client, tokens, engine)
+        with partial_post(port, "/v1/deployments/chat/heartbeats", length=60_000,
+                          sent=b"[" * 1000, headers={}) as connection:
+            status, body, headers = _response(connection)
+    assert status == 401 and headers["www-authenticate"] == "Bearer", body
+
+
+@pytest.mark.parametrize("content_type", [RECORDS_MSGPACK, RECORDS_JSON])
+def test_a_batch_past_the_value_budget_is_413_and_its_halves_pass(tokens, engine, content_type,
+                                                                  settings):
+    app = create_app(settings.model_copy(update={"telemetry_max_batch_items": 10_000}),
+                     engine=engine)
+    with TestClient(app) as client:
+        runtime = _deploy(client, tokens, engine)
+        batch = make_batch(random.Random(2), n=2000, shadow_rate=0,  # ~16,000 values
+                           ts=time.time() - 1500)
+        encode = (lambda b: msgpack.packb(b, use_bin_type=True)) if "msgpack" in content_type \
+            else (lambda b: json.dumps(b).encode())
+        headers = {**runtime, "Content-Type": content_type}
+        whole = client.post("/v1/telemetry", headers=headers, content=encode(batch))
+        assert whole.status_code == 413, whole.text
+        assert "more than 10000 values" in whole.json()["detail"]
+        assert "split it" in whole.json()["detail"]
+        for index, half in enumerate((batch["records"][:1000], batch["records"][1000:])):
+            part = {**batch, "batch_id": batch["batch_id"] + "ab"[index], "records": half}
+            answer = client.post("/v1/telemetry", headers=headers, content=encode(part))
+            assert answer.status_code == 202, answer.text
+    app.state.config_delivery.close()
+    app.state.heartbeats.close()
+
+
+def _peak_mib(act) -> float:
+    tracemalloc.start()
+    try:
+        act()
+        return tracemalloc.get_traced_memory()[1] / MIB
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content_type", [RECORDS_MSGPACK, INTERVAL_JSON])
+def test_an_expanding_body_costs_no_more_than_its_bytes(client, tokens, engine, content_type):
+    """A 6 MiB body of tiny values (what decodes to the most objects per byte) costs about
+    what a 6 MiB body refused at its first byte costs: the decode stops at the value budget."""
+    runtime = _deploy(client, tokens, engine)
+    headers = {**runtime, "Content-Type": content_type}
+    size = 6 * MIB
+    if "msgpack" in content_type:  # 6,000 lists of 1,000 zeros (1 byte each): 6M values
+        packer = msgpack.Packer(use_bin_type=True)
+        header = {"batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-1",
+                  "seq": 0, "num_layers": 12}
+        inner = packer.pack_array_header(1000) + b"\x00" * 1000
+        count = size // len(inner)
+        expanding = packer.pack_map_header(len(header) + 1) + b"".join(
+            packer.pack(key) + packer.pack(value) for key, value in header.items()) + \
+            packer.pack("records") + packer.pack_array_header(count) + inner * count
+        refused = b"\xc1" + b"\x00" * (len(expanding) - 1)
+    else:  # record columns of 0s: 2 bytes ("0,") a value
+        values = ",".join(["0"] * (size // 2))
+        expanding = (f'{{"batch_id": "{uuid.uuid4().hex}", "deployment": "chat", '
+                     f'"runtime_id": "rt-1", "seq": 0, "num_layers": 12, '
+                     f'"raw_sample_rate": 0, "records": {{"position": [{values}]}}}}').encode()
+        refused = b"}" + b" " * (len(expanding) - 1)
+    answers = []
+    cheap = _peak_mib(lambda: answers.append(client.post(
+        "/v1/telemetry", headers=headers, content=refused)))
+    costly = _peak_mib(lambda: answers.append(client.post(
+        "/v1/telemetry", headers=headers, content=expanding)))
+    # Unbounded, the 6M values cost ~50 MiB of pointers alone, and more to validate.
+    assert costly - cheap < 16, (cheap, costly)
+    assert [answer.status_code for answer in answers] == [422, 413], [a.text for a in answers]
+
+
+def test_large_bodies_past_the_decode_slots_get_503_before_they_are_read(settings, engine,
+                                                                          tokens):
+    with serving(settings, engine, telemetry_max_decodes=1) as (port, client):
+        runtime = _deploy(client, tokens, engine)
+        large = _records_msgpack(random.Random(3), 2000, shadow_rate=0)
+        assert len(large) > 64 * 1024
+        with partial_post(port, "/v1/telemetry", length=len(large), sent=large[:4096],
+                          headers=runtime, content_type=RECORDS_MSGPACK) as holding:
+            time.sleep(0.3)  # its slot is taken while its body arrives
+            with partial_post(port, "/v1/telemetry", length=len(large), sent=large[:4096],
+                              headers=runtime, content_type=RECORDS_MSGPACK) as second:
+                status, body, headers = _response(second)
+            assert status == 503 and headers["retry-after"] == "1", body
+            assert "EXITPLANE_TELEMETRY_MAX_DECODES" in body["detail"]
+            # A small batch needs no slot.
+            small = client.post("/v1/telemetry", content=_records_msgpack(
+                random.Random(4), 20, seq=1), headers={**runtime, "Content-Type": RECORDS_MSGPACK})
+            assert small.status_code == 202, small.text
+            holding.sendall(large[4096:])
+            assert _response(holding)[0] == 202
+        # The slot is free again.
+        again = client.post("/v1/telemetry", content=_records_msgpack(
+            random.Random(5), 2000, shadow_rate=0, seq=2),
+            headers={**runtime, "Content-Type": RECORDS_MSGPACK})
+        assert again.status_code == 202, again.text
+
+
+def _nested(depth: int, kind: str) -> bytes:
+    if kind == "list":
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_deeply_nested_json_is_4xx_on_every_route(settings, engine, tokens, fast_path):
+    app = create_app(settings.model_copy(update={"telemetry_fast_path": fast_path}),
+                     engine=engine)
+    failures = []
+    with TestClient(app, raise_server_exceptions=False) as client:
+        runtime = _deploy(client, tokens, engine)
+        spec = client.get("/openapi.json").json()
+        targets = []
+        for path, operations in spec["paths"].items():
+            for method in operations:
+                if method in ("post", "put", "patch"):
+                    concrete = re.sub(r"\{[^}]+\}", "1", path.replace("{name}", "chat"))
+                    targets.append((method.upper(), concrete, "application/json"))
+        targets += [("POST", "/v1/telemetry", media) for media in (
+            INTERVAL_JSON, "application/vnd.exitplane.aggregate+json")]
+        assert len(targets) >= 15
+        scopes = [runtime, tokens.headers(tokens.operator), tokens.headers(tokens.admin), {}]
+        for method, path, media in targets:
+            for depth in (200, 990, 3000, 12_000):
+                for kind in ("list", "dict"):
+                    for headers in scopes:
+                        answer = client.request(method, path, content=_nested(depth, kind),
+                                                headers={**headers, "Content-Type": media})
+                        if answer.status_code >= 500 or not (
+                                400 <= answer.status_code < 500
+                                and answer.json().get("detail")):
+                            failures.append(f"{method} {path} {media} {depth} {kind} "
+                                            f"{sorted(headers)}: {answer.status_code}")
+    app.state.config_delivery.close()
+    app.state.heartbeats.close()
+    assert failures == [], "\n".join(failures[:20])
