@@ -47,20 +47,20 @@ from sqlalchemy import select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controlplane.alerts.kinds import AlertKind  # noqa: E402
-from controlplane.alerts.models import Alert  # noqa: E402
-from controlplane.calibration import service as calibration  # noqa: E402
-from controlplane.calibration.fallback import install  # noqa: E402
-from controlplane.calibration.models import CalibrationJob  # noqa: E402
-from controlplane.calibration.stats import simulate_policy  # noqa: E402
-from controlplane.db import make_engine, session_scope, utcnow  # noqa: E402
-from controlplane.drift.service import DriftOptions, check_deployment  # noqa: E402
-from controlplane.migrate import upgrade  # noqa: E402
-from controlplane.runtimes.models import RuntimeOutlier  # noqa: E402
-from controlplane.telemetry.service import ingest  # noqa: E402
-from controlplane.thresholds.models import Alias  # noqa: E402
-from controlplane.thresholds.schemas import DeploymentCreate  # noqa: E402
-from controlplane.thresholds.service import (  # noqa: E402
+from controlplane.alerts.kinds import AlertKind
+from controlplane.alerts.models import Alert
+from controlplane.calibration import service as calibration
+from controlplane.calibration.fallback import install
+from controlplane.calibration.models import CalibrationJob
+from controlplane.calibration.stats import simulate_policy
+from controlplane.db import make_engine, session_scope, utcnow
+from controlplane.drift.service import DriftOptions, check_deployment
+from controlplane.migrate import upgrade
+from controlplane.runtimes.models import RuntimeOutlier
+from controlplane.telemetry.service import ingest
+from controlplane.thresholds.models import Alias
+from controlplane.thresholds.schemas import DeploymentCreate
+from controlplane.thresholds.service import (
     aliases_of,
     create_deployment,
     get_deployment,
@@ -68,7 +68,7 @@ from controlplane.thresholds.service import (  # noqa: E402
     move_alias,
     publish,
 )
-from exitplane.wire import TelemetryBatch  # noqa: E402
+from exitplane.wire import TelemetryBatch
 
 LAYERS, FULL, DELTA, EPSILON = [3, 6, 9], 12, 0.05, 0.1
 CENTRES = np.array([0.75, 0.65, 0.55])  # honest P(match) = 1/2 at these signals

@@ -72,7 +72,7 @@ def _free_port() -> int:
 class Api:
     """One API process of `tree`'s code on a fresh SQLite store, with a deployment `chat`."""
 
-    def __init__(self, tree: Path, workdir: Path) -> None:
+    def __init__(self, tree: Path, workdir: Path, output=None) -> None:
         self.env = {**os.environ, "PYTHONPATH": str(tree), "EXITPLANE_VAR_DIR": str(workdir),
                     "EXITPLANE_DATABASE_URL": f"sqlite:///{workdir / 'exitplane.db'}",
                     "EXITPLANE_LOG_LEVEL": "warning"}
@@ -83,7 +83,7 @@ class Api:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "controlplane.app:create_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-            cwd=tree, env=self.env)
+            cwd=tree, env=self.env, stdout=output, stderr=output)  # output: a file, or inherit
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:

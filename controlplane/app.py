@@ -14,10 +14,10 @@ from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from starlette.exceptions import HTTPException
 
 from controlplane import collector, metrics, observability
 from controlplane.alerts.api import router as alerts_router
@@ -39,8 +39,8 @@ from controlplane.deps import PrincipalCache, ReadLimited, token_reader
 from controlplane.errors import ERROR_SCHEMA, VALIDATION_ERROR, DomainError, Unauthorized
 from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
-from controlplane.runtimes.outlier_api import router as outliers_router
 from controlplane.runtimes.beats import HeartbeatBuffer
+from controlplane.runtimes.outlier_api import router as outliers_router
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import DecodeSlots
 from controlplane.telemetry.api import router as telemetry_router
@@ -78,7 +78,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         app.state.config_delivery.close()
         await to_thread.run_sync(app.state.heartbeats.close)
 
-    app = FastAPI(title="exitplane control plane", version=__version__, lifespan=lifespan)
+    app = ControlPlaneAPI(title="exitplane control plane", version=__version__,
+                          lifespan=lifespan)
     app.openapi = _documenting_our_validation_errors(app.openapi)
     app.state.settings = settings
     app.state.engine = engine
@@ -119,15 +120,20 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_control_body_bytes,
                        routes={TELEMETRY_PATH: settings.max_body_bytes},
                        read_after_auth=reads_after_auth)
-    app.add_middleware(NotModifiedFastPath, delivery=app.state.config_delivery,
-                       principals=app.state.principal_cache, digest=digest,
-                       limiter=app.state.rate_limiters["pull"],
-                       long_poll_max_s=settings.long_poll_max_s,
-                       route=next(route for route in thresholds_router.routes
-                                  if route.path == "/v1/deployments/{name}/thresholds"))
+    fast_pull = {"delivery": app.state.config_delivery, "principals": app.state.principal_cache,
+                 "digest": digest, "limiter": app.state.rate_limiters["pull"],
+                 "long_poll_max_s": settings.long_poll_max_s,
+                 "route": next(route for route in thresholds_router.routes
+                               if route.path == "/v1/deployments/{name}/thresholds")}
+    if tracing.enabled():  # every request a span: the pull's fast path inside the tracing layer
+        app.add_middleware(NotModifiedFastPath, **fast_pull)
+        behind_context = app.behind_front
+    else:
+        behind_context = NotModifiedFastPath(app.behind_front, **fast_pull)
     # Outermost: request id, access log and duration cover every layer below.
-    observability.install(app, access_log=settings.access_log if settings.access_log is not None
-                          else access_log_enabled(settings.environment))
+    app.front = observability.RequestContext(
+        behind_context, access_log=settings.access_log if settings.access_log is not None
+        else access_log_enabled(settings.environment))
 
     @app.exception_handler(DomainError)
     async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
@@ -214,6 +220,26 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         app.include_router(router, dependencies=[ReadLimited])
     mount_ui(app)
     return app
+
+
+class ControlPlaneAPI(FastAPI):
+    """The FastAPI app behind a front door: `front` (set by `create_app`) sees each HTTP request
+    before FastAPI's and Starlette's own layers do: the request context (id, access line,
+    duration), then the config pull's fast path, then `behind_front` (FastAPI as usual). A 304
+    answered at the door skips those layers, about a tenth of what the pull costs the
+    process."""
+
+    front = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.front is None or scope["type"] == "lifespan":
+            await super().__call__(scope, receive, send)
+        else:
+            await self.front(scope, receive, send)
+
+    async def behind_front(self, scope, receive, send) -> None:
+        """The app without its front door."""
+        await super().__call__(scope, receive, send)
 
 
 def _require_metrics_token(request: Request, token: str) -> None:

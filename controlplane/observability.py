@@ -147,8 +147,3 @@ class RequestContext:
                                     "duration_ms": round(elapsed * 1000, 2),
                                     "client": (scope.get("client") or ("", 0))[0]})
             request_id_var.reset(token)
-
-
-def install(app, *, access_log: bool | None = None) -> None:
-    """Add the middleware as the outermost layer, so its timing and id cover everything."""
-    app.add_middleware(RequestContext, access_log=access_log)

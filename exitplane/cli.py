@@ -384,13 +384,17 @@ def background_workers(*, enabled: bool):
 @click.option("--story", type=click.Choice(["default", "segments"]), default="default",
               show_default=True, help="segments: chat and code as two traffic segments; a drift "
               "within code falls back and recalibrates code alone")
-def demo(quick: bool, serve: bool, port: int, story: str) -> None:
+@click.option("--throttle", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+              help="run the runtime at 1/F of its speed (it sleeps F-1 times each step's time), "
+              "as on a machine that gives it a fraction of its CPU; phases wait for the "
+              "evidence they need, however long it takes")
+def demo(quick: bool, serve: bool, port: int, story: str, throttle: float) -> None:
     """The whole loop on the real model: calibrate, shift, fall back, recalibrate, recover."""
     from exitplane.demo import run_demo
     from exitplane.demo_segments import segments_story
 
     told = segments_story if story == "segments" else None
-    sys.exit(run_demo(quick=quick, serve=serve, port=port, story=told))
+    sys.exit(run_demo(quick=quick, serve=serve, port=port, story=told, throttle=throttle))
 
 
 def _lower_priority(nice: int) -> None:

@@ -1,8 +1,9 @@
 """`exitplane demo --story segments`: one deployment, two traffic segments.
 
 The same control plane and in-process runtime as the default story (`exitplane.demo`); the
-operator declares both segments first, and every request carries its segment (`Engine.add_request(..., segment=)`), chat and code rows share
-batches and each row applies its own segment's thresholds. The story:
+operator declares both segments first, and every request carries its segment
+(`Engine.add_request(..., segment=)`), chat and code rows share batches and each row applies its
+own segment's thresholds. The story:
 
 1. chat traffic (questions in the chat template) and code traffic (a code assistant's
    requests, "Write a Python function `name(args)`: ...", answered in code by the model), all

@@ -141,10 +141,16 @@ def exit_summary(records, num_layers: int, version: int) -> str:
 @click.option("--prompts", "generation_prompts", default=None, type=int,
               help="How many built-in training prompts the model answers (default all).")
 @click.option("--steps", default=None, type=int, help="Adapter steps (post-hoc) or joint steps.")
+@click.option("--dtype", "store_dtype", type=click.Choice(["float32", "float16"]),
+              default="float32", show_default=True,
+              help="How the artifact stores its tensors (float16: half the size; they load as "
+              "float32).")
 def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_chars,
-                    generation_prompts, steps) -> None:
+                    generation_prompts, steps, store_dtype) -> None:
     """Train exit adapters + learned confidence heads and write a safetensors artifact."""
     _threads()
+    import torch
+
     from runtime.model import load_model, model_name
     from runtime.train import train_heads
 
@@ -154,7 +160,7 @@ def train_heads_cmd(model_source, mode, out_path, exit_layers, budget_s, stdlib_
     model, tokenizer = load_model(model_source)
     heads = train_heads(model, tokenizer, config)
     path = Path(out_path) if out_path else default_heads_path(mode)
-    digest = heads.save(path)
+    digest = heads.save(path, dtype=getattr(torch, store_dtype))
     click.echo(f"wrote {path} sha256={digest}")
     _heldout_report(heads)
 

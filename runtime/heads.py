@@ -87,15 +87,16 @@ class ExitHeads(nn.Module):
         """The learned confidence in [0, 1] at exit `layer`, shape (B,)."""
         return torch.sigmoid(self.confidence[str(layer)](hidden))
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {name: t.detach().float().contiguous().cpu()
+    def state_tensors(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        tensors = {name: t.detach().to(dtype).contiguous().cpu()
                    for name, t in self.state_dict().items()}
-        tensors.update({f"lora.{name}": t.float().contiguous().cpu()
+        tensors.update({f"lora.{name}": t.to(dtype).contiguous().cpu()
                         for name, t in self.lora.items()})
         return tensors
 
-    def save(self, path: str | Path) -> str:
-        """Write the safetensors file and its `.sha256` sidecar; return the digest."""
+    def save(self, path: str | Path, *, dtype: torch.dtype = torch.float32) -> str:
+        """Write the safetensors file and its `.sha256` sidecar; return the digest. The tensors
+        are stored as `dtype` (float16 halves the file) and loaded back as float32."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -104,7 +105,7 @@ class ExitHeads(nn.Module):
                   "hidden_size": str(self.hidden_size), "eps": repr(self.eps),
                   "confidence_width": str(self.confidence_width),
                   "metadata": json.dumps(self.metadata, sort_keys=True)}
-        save_file(self.state_tensors(), str(path), metadata=header)
+        save_file(self.state_tensors(dtype), str(path), metadata=header)
         digest = file_sha256(path)
         path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
         self.digest = digest

@@ -17,7 +17,7 @@ VERSIONS=("$@")
 TESTS=(
   tests/test_wire.py tests/test_wire_segments.py tests/test_vectors.py tests/test_openapi.py
   tests/test_client_aggregate.py tests/test_version.py tests/test_no_history.py
-  tests/test_configuration_reference.py
+  tests/test_configuration_reference.py tests/test_runbooks.py
   tests/runtime_link/test_aggregation.py tests/runtime_link/test_shipper.py
   tests/runtime_link/test_interval_shipping.py tests/runtime_link/test_segment_aggregation.py
   tests/controlplane/thresholds tests/controlplane/stats

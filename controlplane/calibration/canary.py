@@ -47,9 +47,9 @@ from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
 from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.errors import Conflict, NotFound
+from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
 from controlplane.telemetry.models import Rollup
-from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.segments import known_segments

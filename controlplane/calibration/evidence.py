@@ -85,7 +85,7 @@ def cap_runtime_share(runtimes: np.ndarray, requests: np.ndarray, *, max_share: 
     if not np.isfinite(limit):
         return keep
     rng = np.random.default_rng(seed)
-    for index, name in enumerate(names):
+    for index in range(len(names)):
         if counts[index] <= limit:
             continue
         mine = np.flatnonzero(codes == index)

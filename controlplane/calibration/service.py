@@ -33,7 +33,7 @@ The automatic fallback lives in `controlplane.calibration.fallback` and the cana
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -101,8 +101,8 @@ class CalibrationPolicy:
     strategy: str = "calibrated"
     learn_fraction: float = 0.3  # of the non-holdout samples, spent on fitting the path
     seed: int = 0
-    evidence: EvidencePolicy = EvidencePolicy()
-    bounds: PromotionBounds = PromotionBounds()
+    evidence: EvidencePolicy = field(default_factory=EvidencePolicy)
+    bounds: PromotionBounds = field(default_factory=PromotionBounds)
 
     @classmethod
     def from_settings(cls, settings) -> CalibrationPolicy:

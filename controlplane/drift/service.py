@@ -70,8 +70,8 @@ from controlplane.drift.window_checks import (
     reference_window,
 )
 from controlplane.runtimes.models import Runtime
-from controlplane.telemetry.models import Rollup, ShadowSampleRow
 from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.telemetry.models import Rollup, ShadowSampleRow
 from controlplane.telemetry.service import exit_rates, shadow_evidence, signal_histogram
 from controlplane.thresholds.models import Alias, Deployment
 from controlplane.thresholds.segments import known_segments

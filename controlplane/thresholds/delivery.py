@@ -111,10 +111,12 @@ class ConfigDelivery:
         """The cached state if it is fresh, without touching the store (on the event loop).
 
         Past half its age a read of the next state starts in the background, so a busy
-        process swaps states before one expires: had it expired, every request until the
-        read came back would take the full route (about six times the cost of this path, and
-        the read then competes with them for the interpreter: at 10,000 pulls/s an eighth of
-        them went that way)."""
+        process swaps states before one expires; should the read take longer (it waits for
+        the interpreter behind a busy event loop), the state is answered until it is back,
+        as `current` answers the route meanwhile. Expired, every request until the read came
+        back took the full route (about six times the cost of this path, and the read then
+        competes with them for the interpreter: at 10,000 pulls/s an eighth of them went that
+        way). A notice (an alias move) drops the state at once either way."""
         state = self._states.get(name)
         if state is None:
             return None
@@ -123,7 +125,9 @@ class ConfigDelivery:
         if self._ttl > 0 and age > self._ttl / 2 and name not in self._refreshing \
                 and now >= self._ahead_after.get(name, 0.0):
             self._read_ahead(name, now)
-        return state if age <= self._ttl else None
+        if age <= self._ttl or (self._ttl > 0 and name in self._refreshing):
+            return state  # while the read runs, as `current` answers the route meanwhile
+        return None
 
     def _read_ahead(self, name: str, now: float) -> None:
         """Start reading `name`'s state in the background (at most once per half age, so a

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
+from controlplane.thresholds.audit import record_audit
 from controlplane.thresholds.locks import lock_deployment
 from controlplane.thresholds.models import Alias, Deployment, DeploymentSegment, ThresholdSet
 from exitplane.wire import DEFAULT_SEGMENT, NAME_PATTERN
@@ -88,8 +89,6 @@ def declare_segment(*, session: Session, deployment: Deployment, name: str, acto
                     reason: str = "declared", limit: int | None = None) -> DeploymentSegment:
     """Put `name` in use for `deployment` (again, if it was removed); a name in use is left as
     it is. Invalid for a bad name or a full registry."""
-    from controlplane.thresholds.service import record_audit  # service imports this module
-
     check_segment_name(name)
     lock_deployment(session=session, deployment_id=deployment.id)
     registry = _registry(session, deployment.id)
@@ -115,8 +114,6 @@ def remove_segment(*, session: Session, deployment: Deployment, name: str, actor
                    reason: str = "removed") -> DeploymentSegment:
     """Take `name` out of use: its traffic is stored as `default` from now on, what was stored
     stays readable. NotFound when it is not in use; Conflict while an aliased set maps it."""
-    from controlplane.thresholds.service import record_audit  # service imports this module
-
     check_segment_name(name)
     lock_deployment(session=session, deployment_id=deployment.id)
     row = _registry(session, deployment.id).get(name)

@@ -17,6 +17,7 @@ from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
+from controlplane.thresholds.audit import record_audit
 from controlplane.thresholds.locks import DEPLOYMENT_LOCK, lock_deployment
 from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
@@ -291,15 +292,3 @@ def _locked_alias(*, session: Session, deployment: Deployment, alias: str) -> Al
     return session.scalars(
         select(Alias).where(Alias.deployment_id == deployment.id, Alias.name == alias)
         .with_for_update().execution_options(populate_existing=True)).one_or_none()
-
-
-def record_audit(*, session: Session, deployment: Deployment, actor: str, action: str,
-                 reason: str, alias: str | None = None, from_version: int | None = None,
-                 to_version: int | None = None, details: dict | None = None) -> AuditEvent:
-    """One line of the deployment's audit log (who did what, from and to which version, why),
-    added to the session: it is stored with the caller's transaction."""
-    event = AuditEvent(deployment_id=deployment.id, actor=actor, action=action, alias=alias,
-                       from_version=from_version, to_version=to_version, reason=reason,
-                       details=details or {})
-    session.add(event)
-    return event

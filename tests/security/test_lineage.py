@@ -338,3 +338,42 @@ def test_lineage_is_checked_where_it_enters(control_plane, operator,  # noqa: F8
     with pytest.raises(ValueError, match="model_revision"):
         ThresholdClient(HeadsRuntime("rt-y", None), base_url=control_plane.url,
                         deployment=DEPLOYMENT, token=runtime_token, model_revision="a b")
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("options", [{}, {"raw_sample_rate": 0.5, "exit_layers": EXIT_LAYERS,
+                                          "aggregate_interval_s": 0.1}],
+                         ids=["records", "interval"])
+def test_the_shipper_carries_the_lineage_it_is_given(control_plane, operator,  # noqa: F811
+                                                     runtime_token, engine, tmp_path,  # noqa: F811
+                                                     options):
+    from exitplane.client.shipper import TelemetryShipper
+    from exitplane.wire import TokenRecord
+    from tests.runtime_link.conftest import NUM_LAYERS
+
+    patched = operator.patch(f"/v1/deployments/{DEPLOYMENT}", json={"head_digest": HEADS})
+    assert patched.status_code == 200, patched.text
+    # Its heartbeats say nothing; its telemetry names other heads.
+    beat = operator.post(f"/v1/deployments/{DEPLOYMENT}/heartbeats", json={"runtime_id": "rt-s"},
+                         headers={"Authorization": f"Bearer {runtime_token}"})
+    assert beat.status_code == 200, beat.text
+    shipper = TelemetryShipper(base_url=control_plane.url, token=runtime_token,
+                               deployment=DEPLOYMENT, runtime_id="rt-s", num_layers=NUM_LAYERS,
+                               spool_dir=tmp_path / "spool", batch_interval_s=0.05, fsync=False,
+                               head_digest=OTHER_HEADS, model_revision=MODEL, **options).start()
+    try:
+        for position in range(20):
+            assert shipper.submit(TokenRecord(
+                threshold_version=0, request_id="r1", position=position, exit_layer=NUM_LAYERS,
+                signal_value=None, latency_us=5, ts=utcnow().timestamp()))
+        assert shipper.flush(30)
+    finally:
+        shipper.close()
+    sent = shipper.counters["sent_batches"] + shipper.counters["sent_aggregate_batches"]
+    assert sent >= 1 and shipper.counters["rejected_batches"] == 0
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name=DEPLOYMENT)
+        assert mismatched_runtime_ids(session=session, deployment_id=deployment.id) == {"rt-s"}
+        row = session.scalars(select(Runtime).where(Runtime.runtime_id == "rt-s")).one()
+        assert (row.mismatch_head_digest, row.mismatch_model_revision) == (OTHER_HEADS, MODEL)
+        assert row.head_digest is None  # what its heartbeats say: unknown

@@ -98,7 +98,8 @@ def test_an_operator_removes_a_squatter_and_publishes_the_real_segment(client, t
     report = client.get("/v1/deployments/chat/segments", headers=op).json()
     assert [s["segment"] for s in report["segments"]] == ["default", *SQUATTERS]
     full = client.post("/v1/deployments/chat/threshold-sets", headers=op, json=CODE_SET)
-    assert full.status_code == 422 and "remove one first" in full.json()["detail"]
+    assert full.status_code == 422
+    assert "EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT" in full.json()["detail"]
 
     removed = client.delete("/v1/deployments/chat/declared-segments/squat00", headers=op,
                             params={"reason": "not a segment of ours"})
@@ -146,11 +147,12 @@ def test_operators_declare_and_remove_from_the_cli_and_the_ui(client, tokens, en
     page = operator.get("/ui/deployments/chat/segments")
     assert page.status_code == 200 and 'data-segment="code" class="in-use"' in page.text
     token = csrf_of(page.text)
-    assert operator.post("/ui/deployments/chat/segments", data={
-        "csrf_token": token, "segment": "chat", "reason": "the chat product"}).status_code == 303
-    assert operator.post("/ui/deployments/chat/segments/code/remove", data={
-        "csrf_token": token}).status_code == 303
-    page = operator.get("/ui/deployments/chat/segments").text
+    declared = operator.post("/ui/deployments/chat/segments", data={
+        "csrf_token": token, "segment": "chat", "reason": "the chat product"})
+    assert declared.status_code == 200 and "Segment chat is in use" in declared.text
+    page = operator.post("/ui/deployments/chat/segments/code/remove", data={
+        "csrf_token": token}).text
+    assert "Segment code removed" in page
     assert 'data-segment="chat" class="in-use"' in page
     assert 'data-segment="code" class="removed"' in page
     viewer = sign_in_as("viewer").get("/ui/deployments/chat/segments").text

@@ -8,12 +8,14 @@ keyed by their /64, and password changes are throttled as sign-ins are."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import secrets
 import sqlite3
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -366,3 +368,63 @@ def test_concurrent_wrong_passwords_stop_at_the_limit(request, settings, engine,
             app.state.heartbeats.close()
     limit = throttle.FREE_FAILURES if spread == "one address" else throttle.FREE_FAILURES_PER_USER
     assert Counter(statuses) == {401: limit, 429: 30 - limit}
+
+
+# -- a real `exitplane up` ----------------------------------------------------------------------
+
+@pytest.mark.slow  # a real `exitplane up`, argon2id at its shipped cost
+def test_exitplane_up_throttles_a_flood_by_its_peer_and_keeps_answering_runtimes(tmp_path):
+    """uvicorn reads X-Forwarded-For from any loopback peer unless told not to: a flood
+    writing a new address in each request escaped every throttle. Here the flood comes from
+    one untrusted peer: after the address's free failures it is answered 429 whatever it
+    writes, and runtimes' heartbeats are answered all along (no 5xx to anyone)."""
+    from tests.security.test_secret_key import Up, _cli, _env
+
+    env = _env(tmp_path / "var")
+    password_file = tmp_path / "password"
+    password_file.write_text(secrets.token_urlsafe(16) + "\n")
+    for args in (["db", "upgrade"],
+                 ["user", "create", "--username", "admin", "--role", "admin",
+                  "--password-file", str(password_file)],
+                 ["deployment", "ensure", "--name", "chat", "--model-ref", "m",
+                  "--num-layers", "12", "--exit-layers", "3,6,9"]):
+        assert _cli(args, env).returncode == 0
+    made = _cli(["token", "create", "--name", "rt", "--scope", "runtime", "--deployment",
+                 "chat"], env)
+    assert made.returncode == 0, made.stderr
+    runtime = {"Authorization": f"Bearer {made.stdout.strip()}"}
+    up = Up(env, tmp_path / "up.log")
+    beats: Counter = Counter()
+    stop = threading.Event()
+
+    def beat() -> None:
+        with httpx.Client(base_url=up.url, timeout=60, headers=runtime) as client:
+            for index in itertools.count():
+                if stop.wait(0.1):
+                    return
+                beats[client.post("/v1/deployments/chat/heartbeats",
+                                  json={"runtime_id": f"rt-{index}"}).status_code] += 1
+
+    def flood(tries: int) -> list[int]:
+        with httpx.Client(base_url=up.url, timeout=120) as client:
+            token = _login_form(client)
+            return [client.post("/ui/login", headers={
+                "X-Forwarded-For": f"192.0.2.{secrets.randbelow(250)}"}, data={
+                "username": f"nobody-{secrets.token_hex(4)}", "password": "guess guess guess",
+                "csrf_token": token}).status_code for _ in range(tries)]
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        one_by_one = flood(25)
+        free = throttle.FREE_FAILURES_PER_ADDRESS
+        assert one_by_one == [401] * free + [429] * (25 - free)
+        with ThreadPoolExecutor(20) as pool:
+            at_once = [status for statuses in pool.map(flood, [3] * 20) for status in statuses]
+        # Each expiry of the doubling lock (2, 4, 8, 16, 32 s) lets one more through.
+        assert set(at_once) <= {401, 429} and at_once.count(401) <= 5, Counter(at_once)
+    finally:
+        stop.set()
+        beating.join(timeout=60)
+        up.stop()
+    assert set(beats) == {200} and beats[200] >= 5, beats

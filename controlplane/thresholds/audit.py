@@ -1,0 +1,19 @@
+"""The deployment audit log's one writer (thresholds, segments and runtimes services use it)."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from controlplane.thresholds.models import AuditEvent, Deployment
+
+
+def record_audit(*, session: Session, deployment: Deployment, actor: str, action: str,
+                 reason: str, alias: str | None = None, from_version: int | None = None,
+                 to_version: int | None = None, details: dict | None = None) -> AuditEvent:
+    """One line of the deployment's audit log (who did what, from and to which version, why),
+    added to the session: it is stored with the caller's transaction."""
+    event = AuditEvent(deployment_id=deployment.id, actor=actor, action=action, alias=alias,
+                       from_version=from_version, to_version=to_version, reason=reason,
+                       details=details or {})
+    session.add(event)
+    return event
