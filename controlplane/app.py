@@ -35,8 +35,21 @@ from controlplane.db import (
     store_away,
     store_errors,
 )
-from controlplane.deps import PrincipalCache, ReadLimited, token_reader
-from controlplane.errors import ERROR_SCHEMA, VALIDATION_ERROR, DomainError, Unauthorized
+from controlplane.deps import (
+    PrincipalCache,
+    ReadLimited,
+    is_json_media,
+    takes_json_body,
+    token_reader,
+)
+from controlplane.errors import (
+    ERROR_SCHEMA,
+    NOT_JSON,
+    VALIDATION_ERROR,
+    DomainError,
+    Unauthorized,
+    error_answer,
+)
 from controlplane.keys import weak_secret_problem
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.beats import HeartbeatBuffer
@@ -80,7 +93,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     app = ControlPlaneAPI(title="exitplane control plane", version=__version__,
                           lifespan=lifespan)
-    app.openapi = _documenting_our_validation_errors(app.openapi)
+    app.openapi = _documenting_our_validation_errors(app.openapi, app)
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = factory
@@ -142,11 +155,20 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             headers["WWW-Authenticate"] = "Bearer"
         if hasattr(error, "retry_after"):
             headers["Retry-After"] = str(max(1, round(error.retry_after)))
+        # Answered: its frames (a request's body among them) would otherwise wait for a full
+        # garbage collection, held in reference cycles through the thread hand-off.
+        error.__traceback__ = None
         return JSONResponse(status_code=error.status_code,
                             content={"detail": str(error), **error.extra}, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        media = request.headers.get("content-type", "")
+        if takes_json_body(request.scope.get("route")) and not is_json_media(media):
+            # FastAPI reads such a body as bytes and fails on its type: say what is wrong.
+            return JSONResponse(status_code=415, content={"detail": (
+                f"this route takes a JSON body: send Content-Type: application/json, not "
+                f"{media[:100] or 'none'}")})
         first = error.errors()[0] if error.errors() else {}
         where = ".".join(str(part) for part in first.get("loc", ()))
         message = f"{where}: {first.get('msg', 'invalid input')}" if where else "invalid input"
@@ -196,10 +218,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
+        """The process is up (liveness); no token, no store read."""
         return {"status": "ok", "version": __version__}
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
+        """The store answers (readiness): 503 with Retry-After while it does not."""
         def ping() -> None:
             with engine.connect() as connection:
                 connection.execute(text("SELECT 1"))
@@ -369,25 +393,102 @@ def _counted(receive, limit: int):
     return counted
 
 
-def _documenting_our_validation_errors(build: Callable[[], dict]) -> Callable[[], dict]:
-    """FastAPI's OpenAPI document with the `Error` body (`ERROR_SCHEMA`, which `error_answer`
-    refers to) and the 422 that `validation_error` (above) sends wherever FastAPI documented its
-    own list-of-errors body, which this app never answers."""
+def _documenting_our_validation_errors(build: Callable[[], dict],
+                                       app: FastAPI) -> Callable[[], dict]:
+    """FastAPI's OpenAPI document, completed for client generators: the `Error` body
+    (`ERROR_SCHEMA`, which `error_answer` refers to) on every error answer, the 422 that
+    `validation_error` (above) sends wherever FastAPI documented its own list-of-errors body
+    (which this app never answers), the bearer scheme on every operation that needs a token
+    with its 401 and 403, 415 on JSON bodies, 429 on rate-limited operations, 503 (the store
+    away), a description on every operation and the route's name as its operationId."""
     def openapi() -> dict:
         schema = build()  # FastAPI builds it once and caches it
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        if "Error" not in components:  # not yet rewritten
-            components["Error"] = ERROR_SCHEMA
-            components.pop("HTTPValidationError", None)
-            components.pop("ValidationError", None)
-            for operation in (op for ops in schema["paths"].values() for op in ops.values()):
-                if "HTTPValidationError" in str(operation["responses"].get("422", "")):
-                    operation["responses"]["422"] = VALIDATION_ERROR
+        components = schema.setdefault("components", {})
+        if "Error" not in components.setdefault("schemas", {}):  # not yet rewritten
+            components["schemas"]["Error"] = ERROR_SCHEMA
+            components["schemas"].pop("HTTPValidationError", None)
+            components["schemas"].pop("ValidationError", None)
+            components["securitySchemes"] = {BEARER: {
+                "type": "http", "scheme": "bearer",
+                "description": "an API token (`exitplane token create`): runtime tokens for "
+                               "pulls, heartbeats and telemetry, operator or admin tokens for "
+                               "the rest"}}
+            for route, method, operation in _operations(app, schema):
+                _complete(route, method, operation)
         return schema
 
     return openapi
 
 
+BEARER = "bearerAuth"
+_SCOPE_SENTENCE = {"runtime": "Needs a token: any scope, a runtime token only on its own "
+                              "deployment.",
+                   "operator": "Needs an operator (or admin) token.",
+                   "admin": "Needs an admin token."}
+
+
+def _operations(app: FastAPI, schema: dict):
+    """(route, method, operation) of every operation in the document."""
+    from fastapi import routing
+    from fastapi.openapi.utils import _get_api_route_for_openapi
+
+    for context in routing.iter_route_contexts(app.routes):
+        route = _get_api_route_for_openapi(context)
+        if route is None or not route.include_in_schema:
+            continue
+        for method in sorted(route.methods):
+            operation = schema["paths"].get(route.path_format, {}).get(method.lower())
+            if operation is not None:
+                yield route, method, operation
+
+
+def _dependency_calls(dependant) -> list:
+    calls = [dependant.call]
+    for sub in dependant.dependencies:
+        calls += _dependency_calls(sub)
+    return calls
+
+
+def _complete(route, method: str, operation: dict) -> None:
+    from controlplane.deps import get_principal, read_cost
+
+    calls = _dependency_calls(route.dependant)
+    scopes = [call.required_scope for call in calls if hasattr(call, "required_scope")]
+    read_limited = any(getattr(call, "rate_kind", None) == "read" for call in calls)
+    needs_token = get_principal in calls or bool(scopes) or \
+        (read_limited and read_cost(method, route.path) > 0)
+    responses = operation["responses"]
+    operation["operationId"] = route.name
+    if needs_token:
+        operation["security"] = [{BEARER: []}]
+        responses.setdefault("401", error_answer("no token, or one that is unknown or "
+                                                 "revoked"))
+        responses.setdefault("403", error_answer("the token's scope (or deployment) does "
+                                                 "not allow this"))
+    if "HTTPValidationError" in str(responses.get("422", "")) or \
+            ("422" not in responses and ("parameters" in operation or "requestBody" in operation)):
+        responses["422"] = VALIDATION_ERROR
+    if takes_json_body(route):
+        responses.setdefault("415", NOT_JSON)
+    if any(getattr(call, "rate_kind", None) not in (None, "read") for call in calls) or \
+            (read_limited and read_cost(method, route.path) > 0):
+        responses.setdefault("429", error_answer("rate limited: wait Retry-After seconds"))
+    responses.setdefault("503", error_answer("the store (or Redis) is unavailable: wait "
+                                             "Retry-After seconds"))
+    for status, answer in responses.items():
+        if status.isdigit() and int(status) >= 400 and "content" not in answer:
+            answer["content"] = error_answer("")["content"]
+    description = (operation.get("description") or operation.get("summary", "")).strip()
+    sentence = next((_SCOPE_SENTENCE[scope] for scope in scopes if scope in _SCOPE_SENTENCE),
+                    "Needs a token." if needs_token else "")
+    if sentence and sentence not in description:
+        description = f"{description.rstrip('.')}. {sentence}"
+    operation["description"] = description
+
+
 def _jsonable(errors: list[dict]) -> list[dict]:
-    return [{key: (value if isinstance(value, str | int | float | list | None) else str(value))
-             for key, value in err.items() if key != "ctx"} for err in errors]
+    """Pydantic's errors as JSON: `loc` a list of keys and indexes, `msg`, `type` (the
+    offending `input` is not echoed back)."""
+    return [{"loc": [part if isinstance(part, int) else str(part) for part in err.get("loc", ())],
+             "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))}
+            for err in errors]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from anyio import to_thread
-from fastapi import Depends, Request
+from fastapi import Depends, Request, params
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import Principal, active_principals, authenticate, digest
@@ -176,6 +176,7 @@ def rate_limited(kind: str):
             return
         await check_rate(request.app.state, kind, principal)
 
+    dependency.rate_kind = kind  # the OpenAPI document lists its 429 (controlplane/app.py)
     return Depends(dependency)
 
 
@@ -229,6 +230,7 @@ async def _read_limit(request: Request) -> None:
 
 # For the API's routers (`include_router(..., dependencies=[ReadLimited])`): every GET route
 # takes its cost from the caller's read bucket, shared by every API process like the others.
+_read_limit.rate_kind = "read"  # the OpenAPI document lists its 429 (controlplane/app.py)
 ReadLimited = Depends(_read_limit)
 
 
@@ -360,9 +362,25 @@ def require(scope: str):
             await _require_visible(request.app.state, principal, name)
         return principal
 
+    dependency.required_scope = scope  # the OpenAPI document says so (controlplane/app.py)
     return dependency
 
 
 RuntimePrincipal = Annotated[Principal, Depends(require("runtime"))]
 OperatorPrincipal = Annotated[Principal, Depends(require("operator"))]
 AdminPrincipal = Annotated[Principal, Depends(require("admin"))]
+
+
+def is_json_media(content_type: str) -> bool:
+    """Whether a Content-Type names JSON: application/json or application/*+json (any
+    parameters, such as a charset)."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                            and media.endswith("+json"))
+
+
+def takes_json_body(route) -> bool:
+    """Whether a route reads a JSON body (a body model, not a form; the telemetry route reads
+    its content types itself)."""
+    body = getattr(route, "body_field", None)
+    return body is not None and not isinstance(body.field_info, params.Form)

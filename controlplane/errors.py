@@ -47,8 +47,16 @@ class RateLimited(DomainError):
 # The JSON body of every error answer (a DomainError's; the app's 422 for a request that does
 # not validate adds `errors`, every problem): the OpenAPI component `Error` (controlplane/app.py).
 ERROR_SCHEMA = {"type": "object", "required": ["detail"],
-                "properties": {"detail": {"type": "string"}, "index": {"type": "integer"},
-                               "errors": {"type": "array", "items": {"type": "object"}}}}
+                "properties": {
+                    "detail": {"type": "string", "description": "what was wrong and what to do"},
+                    "index": {"type": "integer", "description": (
+                        "the first bad record or cell of a telemetry batch")},
+                    "errors": {"type": "array", "description": (
+                        "every problem of a request that does not validate"), "items": {
+                        "type": "object", "required": ["loc", "msg", "type"], "properties": {
+                            "loc": {"type": "array", "items": {
+                                "anyOf": [{"type": "string"}, {"type": "integer"}]}},
+                            "msg": {"type": "string"}, "type": {"type": "string"}}}}}}
 
 
 def error_answer(description: str) -> dict:
@@ -73,3 +81,7 @@ RUNTIME_ERRORS = {
     429: error_answer("rate limited: wait Retry-After seconds"),
     503: error_answer("the store (or Redis) is unavailable: wait Retry-After seconds"),
 }
+
+
+# A JSON route answers a body of another content type (or none) so.
+NOT_JSON = error_answer("the body is not JSON: send Content-Type: application/json")

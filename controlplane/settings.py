@@ -423,11 +423,11 @@ class Settings(BaseSettings):
         "counted while it is decoded: a batch over it gets 413 and the runtime splits "
         "it, so no body expands past about 100 MiB")
     # Telemetry bodies over 32 KiB (or of unknown length) one API process reads and decodes
-    # at once; past it such a batch is answered 503 with Retry-After, before its body is read.
+    # at once; past it such a batch is answered 429 with Retry-After, before its body is read.
     telemetry_max_decodes: int = Field(
         default=2, ge=1, le=64,
         description="telemetry bodies over 32 KiB (or of unknown length) one API process reads and "
-        "decodes at once; another gets 503 with `Retry-After: 1` before its body is "
+        "decodes at once; another gets 429 with `Retry-After: 1` before its body is "
         "read (the token and its rate limit are checked first, from the headers alone)")
 
     @model_validator(mode="after")

@@ -4,6 +4,11 @@
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from pkgutil import extend_path
+
+# `exitplane.wire` and `exitplane.client` come from the exitplane-client distribution
+# (clients/python/): this package spans every `exitplane` directory on sys.path.
+__path__ = extend_path(__path__, __name__)
 
 try:
     __version__ = version("exitplane")

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import click
 
+from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE
+
 
 class LazyGroup(click.Group):
     """A group whose commands live in a module imported only when used (torch is heavy)."""
@@ -143,8 +145,8 @@ def deployment() -> None:
 @click.option("--model-ref", required=True, help="the model the runtimes serve")
 @click.option("--num-layers", type=int, required=True, help="decoder layers of that model")
 @click.option("--exit-layers", default=None,
-              help="comma-separated exit layers (default: every 3rd from 6; tiny models every "
-                   "2nd from 2), as the runtime's heads were trained")
+              help=f"comma-separated exit layers, as the runtime's heads were trained "
+                   f"(default: {DEFAULT_EXIT_LAYERS_RULE})")
 @click.option("--signal", default="learned", show_default=True,
               type=click.Choice(["learned", "maxprob", "margin", "entropy", "saturation"]),
               help="the exit signal thresholds apply to")

@@ -47,8 +47,8 @@ CODE_FILES = ("textwrap.py", "fractions.py", "heapq.py", "bisect.py", "statistic
 
 # The exit heads the demo serves, shipped with the package and pinned by digest. They were made
 # by the project's own training command, on the default model (docs/getting-started/demo.md),
-# from the model's answers to chat prompts alone: Python source is a new domain to them, which
-# is the shift the story shows (the demo's chat traffic is the prompts they were not trained on).
+# from the model's answers to the chat prompts the demo serves: Python source is a new domain to
+# them, which is the shift the story shows.
 DEMO_HEADS = Path(__file__).with_name("data") / "demo-heads.safetensors"
 DEMO_HEADS_SHA256 = "5569647bdf590c0f771a5fbb184aaadf08fde28a47d5509c53f010c2c2b81ce2"
 DEMO_HEADS_COMMAND = (

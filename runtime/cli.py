@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from exitplane.logs import configure_logging
-from exitplane.wire import Signal, ThresholdSetWire
+from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE, Signal, ThresholdSetWire
 from runtime.serving.segments import DEFAULT_MAX_SEGMENTS, SegmentRules
 
 
@@ -48,10 +48,18 @@ def _logging(process_name: str) -> None:
         raise click.ClickException(str(error)) from error
 
 
-def _threads() -> None:
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this platform (macOS)
+        return os.cpu_count() or 1
+
+
+def _threads(count: int | None = None) -> None:
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(count or usable_cores())
 
 
 @click.group(name="runtime")
@@ -132,8 +140,8 @@ def exit_summary(records, num_layers: int, version: int) -> str:
               "with the exits.")
 @click.option("--out", "out_path", default=None,
               help="Artifact path (default var/runtime/heads-<mode>.safetensors).")
-@click.option("--exit-layers", default=None, help="Comma-separated, e.g. 6,9,12 (default: "
-              "every 3rd layer from 6).")
+@click.option("--exit-layers", default=None, help=f"Comma-separated, e.g. 6,9,12 (default: "
+              f"{DEFAULT_EXIT_LAYERS_RULE}).")
 @click.option("--budget-s", default=900.0, show_default=True,
               help="Wall-clock budget; training phases stop early to fit.")
 @click.option("--stdlib-chars", default=120_000, show_default=True,
@@ -214,8 +222,8 @@ def _load_for_serving(model_source: str | None, device: str = "cpu"):
               show_default=True, help="Training mode when the heads are trained.")
 @click.option("--budget-s", default=900.0, show_default=True,
               help="Wall-clock budget of the training.")
-@click.option("--exit-layers", default=None, help="Comma-separated exit layers (default: "
-              "every 3rd layer from 6; tiny models every 2nd from 2).")
+@click.option("--exit-layers", default=None, help=f"Comma-separated exit layers (default: "
+              f"{DEFAULT_EXIT_LAYERS_RULE}).")
 @click.option("--stdlib-chars", default=120_000, show_default=True,
               help="Characters of standard-library text in the training corpus.")
 @click.option("--prompts", "generation_prompts", default=None, type=int,
@@ -322,6 +330,9 @@ def bench(args) -> None:
               envvar="EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT",
               help="Segment names tracked besides 'default' (the control plane's cap of the "
                    "same variable); requests naming a new one past it run as 'default'.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Torch CPU threads (default: the cores this process may use, its CPU "
+                   "affinity).")
 @click.option("--engine-death-exit-s", default=15.0, show_default=True,
               help="After the engine thread dies, answer 503 this long, then exit with status "
                    "3 so that a restart policy brings the runtime back (negative: never exit).")
@@ -329,7 +340,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
           device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
           port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s,
           engine_death_exit_s, raw_sample_rate, segment_rules_path, max_segments,
-          model_revision) -> None:
+          model_revision, threads) -> None:
     """Serve the OpenAI-compatible API on the early-exit engine.
 
     Each request runs in a traffic segment: the X-Exitplane-Segment header, else the
@@ -343,7 +354,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     from runtime.serve_guard import load_api_keys
     from runtime.server import build_state, create_serve_app, exit_when_engine_dies
 
-    _threads()
+    _threads(threads)
     _logging("runtime")
     if not control_plane and not thresholds_path:
         raise click.UsageError("give --control-plane (with --deployment and --token-file) or "

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from exitplane.wire import DEFAULT_SEGMENT, NAME_PATTERN, Signal, ThresholdSetWire, TokenRecord
+from exitplane.wire import (
+    DEFAULT_SEGMENT,
+    NAME_PATTERN,
+    Signal,
+    ThresholdSetWire,
+    TokenRecord,
+    default_exit_layers,
+)
 from runtime import signals
 from runtime.decoder import Decoder
 from runtime.heads import ExitHeads
@@ -49,12 +56,6 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: list[str]) -> None:
         super().__init__(f"step failed for {len(request_ids)} request(s)")
         self.request_ids = request_ids
-
-
-def default_exit_layers(num_layers: int) -> list[int]:
-    """Every 3rd layer from 6 (SmolLM2: 6, 9, ..., 27); tiny models: every 2nd from 2."""
-    start, step = (6, 3) if num_layers >= 12 else (2, 2)
-    return list(range(start, num_layers, step))
 
 
 @dataclass

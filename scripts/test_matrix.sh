@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The torch-free tests on other Python versions: for each version given (default 3.12 3.13), a
 # virtual environment of its own under var/matrix/ with the client and the control plane
-# installed (`.[client,controlplane]`, no torch), then the wire schema, test vectors, client,
-# OpenAPI, version and control-plane tests in it. The full suite runs on the main .venv.
+# installed (`clients/python` and `.[controlplane]`, no torch), then the wire schema, test
+# vectors, client, OpenAPI, version and control-plane tests in it. The full suite runs on the main .venv.
 #
 #   scripts/test_matrix.sh              # 3.12 and 3.13
 #   scripts/test_matrix.sh 3.13         # one version
@@ -39,10 +39,12 @@ for version in "${VERSIONS[@]}"; do
   }
   venv=var/matrix/py$version
   started=$(date +%s)
-  if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ]; then
+  if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] \
+      || [ clients/python/pyproject.toml -nt "$venv/.installed" ]; then
     "$python" -m venv --clear "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q -e '.[client,controlplane]' \
+    "$venv/bin/python" -m pip install -q -e clients/python
+    "$venv/bin/python" -m pip install -q -e '.[controlplane]' --config-settings editable_mode=compat \
       'pytest>=8.3' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
     touch "$venv/.installed"
   fi

@@ -84,6 +84,8 @@ def _records(count: int, seed: int) -> list[dict]:
                   "shadow": [{"layer": k, "signal": round(rng.random(), 6),
                               "matched": rng.random() < 0.8} for k in (2, 4)]
                   if shadow else None}
+        if shadow:  # a shadow token's signal at exit is its deepest exit layer's (protocol)
+            record["signal_value"] = record["shadow"][-1]["signal"]
         records.append(record)
     return records
 

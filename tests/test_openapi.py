@@ -71,3 +71,57 @@ def test_every_422_documents_the_body_the_app_sends():
         "#/components/schemas/Error"}
     error = document["components"]["schemas"]["Error"]
     assert error["required"] == ["detail"] and error["properties"]["errors"]["type"] == "array"
+
+
+# -- what client generators need ---------------------------------------------------------------
+
+DOCUMENT = json.loads((ROOT / "docs" / "openapi.json").read_text())
+OPERATIONS = [(path, method, operation) for path, methods in DOCUMENT["paths"].items()
+              for method, operation in methods.items()]
+OPEN = {("/healthz", "get"), ("/readyz", "get")}
+
+
+def test_every_operation_has_a_description_and_a_stable_unique_operation_id():
+    ids = [operation["operationId"] for _, _, operation in OPERATIONS]
+    assert len(ids) == len(set(ids))
+    for path, method, operation in OPERATIONS:
+        assert re.fullmatch(r"[a-z][a-z_]*", operation["operationId"]), (path, method)
+        assert len(operation["description"]) > 10, (path, method)
+
+
+def test_every_route_that_needs_a_token_names_the_bearer_scheme():
+    assert DOCUMENT["components"]["securitySchemes"]["bearerAuth"] == {
+        **DOCUMENT["components"]["securitySchemes"]["bearerAuth"], "type": "http",
+        "scheme": "bearer"}
+    for path, method, operation in OPERATIONS:
+        if (path, method) in OPEN:
+            assert "security" not in operation
+            continue
+        assert operation["security"] == [{"bearerAuth": []}], (path, method)
+        assert {"401", "403"} <= set(operation["responses"]), (path, method)
+
+
+def test_every_error_status_is_documented_with_the_one_error_schema():
+    for path, method, operation in OPERATIONS:
+        for status, answer in operation["responses"].items():
+            if int(status) >= 400:
+                assert answer["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/Error"}, (path, method, status)
+        if "requestBody" in operation and path != "/v1/telemetry":
+            assert "415" in operation["responses"], (path, method)
+    error = DOCUMENT["components"]["schemas"]["Error"]
+    assert error["required"] == ["detail"]
+    assert error["properties"]["errors"]["items"]["properties"]["loc"]["type"] == "array"
+    assert "HTTPValidationError" not in json.dumps(DOCUMENT)
+
+
+def test_kinds_and_states_are_enums():
+    schemas = DOCUMENT["components"]["schemas"]
+    enums = {(name, field): set(schemas[name]["properties"][field]["enum"]) for name, field in [
+        ("AlertRead", "kind"), ("AlertRead", "status"), ("AlertRead", "severity"),
+        ("CalibrationJobRead", "status"), ("TokenRead", "scope"), ("TokenCreate", "scope"),
+        ("HookRead", "kind")]}
+    assert {"exit_rate_collapse", "runtime_stale"} <= enums[("AlertRead", "kind")]
+    assert enums[("AlertRead", "status")] == {"firing", "acknowledged", "resolved"}
+    assert "waiting_for_data" in enums[("CalibrationJobRead", "status")]
+    assert enums[("TokenRead", "scope")] == {"runtime", "operator", "admin"}

@@ -3,6 +3,7 @@ code: checksums and canonical JSON, payloads in JSON and msgpack, the aggregate 
 record batch's tokens make (client side and in the control plane's rollups), and refusals."""
 
 import json
+import re
 from pathlib import Path
 
 import msgpack
@@ -16,9 +17,11 @@ from controlplane.telemetry.tables import aggregate_tables, tables_of
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import (
     AggregateBatch,
+    AggregateCell,
     Heartbeat,
     IntervalBatch,
     RecordColumns,
+    ShadowPoint,
     TelemetryBatch,
     ThresholdSetWire,
     TokenRecord,
@@ -225,3 +228,102 @@ def test_batches_carry_the_heartbeats_lineage_through_every_path():
     assert (batch.model_revision, batch.head_digest) == tuple(lineage.values())
     carried = BatchColumns.of_interval(batch)
     assert (carried.model_revision, carried.head_digest) == tuple(lineage.values())
+
+
+# -- the protocol's field names against the vectors --------------------------------------------
+
+PROTOCOL = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+
+
+def _section(title: str) -> str:
+    """The text of docs/protocol.md under the heading `title`, up to the next heading."""
+    start = PROTOCOL.index(title)
+    end = PROTOCOL.find("\n#", start + len(title))
+    return PROTOCOL[start:end if end > 0 else None]
+
+
+def _braced(text: str, opening: str) -> set[str]:
+    """The quoted names in the first {...} of `text` that starts with `opening`."""
+    start = text.index("{", text.index(opening))
+    body, depth = [], 0
+    for char in text[start:]:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        body.append(char)
+        if depth == 0:
+            break
+    return set(re.findall(r'"([a-z_]+)"', "".join(body)))
+
+
+def _ticked(text: str) -> set[str]:
+    return set(re.findall(r"`([a-z_]+)`", text))
+
+
+MESSAGES = [  # (wire model, vector payloads, the fields the protocol writes out for it)
+    (TelemetryBatch, ["record_batch", "segmented_record_batch"],
+     _braced(_section("### Record batches"), '{"batch_id"')
+     | {"model_revision", "head_digest"}),
+    (AggregateBatch, ["aggregate_batch", "segmented_aggregate_batch"],
+     _braced(_section("### Aggregates"), '{"batch_id"') | {"model_revision", "head_digest"}),
+    (IntervalBatch, ["interval_batch"],
+     (_braced(_section("### Interval batches"), '{"batch_id"')  # columns: a test below
+      - set(RecordColumns.model_fields)) | {"model_revision", "head_digest"}),
+    (ThresholdSetWire, ["threshold_set", "threshold_set_for_heads"],
+     _braced(_section("## Pull"), '{"deployment"') | {"segments", "head_digest"}),
+]
+
+
+@pytest.mark.parametrize(("model", "vectors", "named"), MESSAGES,
+                         ids=[model.__name__ for model, _, _ in MESSAGES])
+def test_the_protocol_names_every_field_of_each_message_and_the_vectors_use_them(
+        model, vectors, named):
+    assert named == set(model.model_fields), \
+        f"docs/protocol.md names {sorted(named)}; {model.__name__} has " \
+        f"{sorted(model.model_fields)}"
+    required = {name for name, field in model.model_fields.items() if field.is_required()}
+    seen: set[str] = set()
+    for vector in vectors:
+        payload = PAYLOADS[vector]["payload"]
+        assert required <= set(payload) <= named, vector
+        seen |= set(payload)
+    # Every field the protocol names appears in a vector: the lineage fields in the heartbeat
+    # vector's (the batches carry them alike), a set's segments in checksums.json.
+    elsewhere = set(PAYLOADS["heartbeat"]["payload"]) | {
+        "segments" for case in CHECKSUMS if case.get("segments")}
+    assert named <= seen | elsewhere
+
+
+def test_the_protocol_names_every_field_of_a_record_a_cell_a_point_and_a_heartbeat():
+    records = _section("### Record batches")
+    assert set(TokenRecord.model_fields) <= _ticked(records)
+    assert set(ShadowPoint.model_fields) == _braced(records, '{"layer"')
+    cell = _braced(_section("### Aggregates"), '{"minute"')
+    assert cell == set(AggregateCell.model_fields)
+    columns = _braced(_section("### Interval batches"), '"records": {')
+    assert columns == set(RecordColumns.model_fields)
+    assert set(Heartbeat.model_fields) <= _ticked(_section("## Heartbeat"))
+    assert set(PAYLOADS["heartbeat"]["payload"]) == set(Heartbeat.model_fields)
+
+
+def _vector_records():
+    for name in ("record_batch", "segmented_record_batch"):
+        payload = PAYLOADS[name]["payload"]
+        for record in payload["records"]:
+            yield payload["num_layers"], record
+    interval = PAYLOADS["interval_batch"]["payload"]
+    for record in RecordColumns.model_validate(interval["records"]).records():
+        yield interval["num_layers"], record.model_dump(mode="json")
+
+
+def test_vector_records_follow_the_protocol_on_shadow_tokens():
+    shadows = 0
+    for num_layers, record in _vector_records():
+        assert set(TokenRecord.model_fields) - {"segment"} <= set(record)  # signal_value too
+        if not record.get("shadow"):
+            continue
+        shadows += 1
+        # a shadow token runs to full depth; its signal at exit is its deepest point's
+        assert record["exit_layer"] == num_layers
+        deepest = max(record["shadow"], key=lambda point: point["layer"])
+        assert record["signal_value"] == deepest["signal"]
+        assert all(type(point["matched"]) is bool for point in record["shadow"])
+    assert shadows >= 3

@@ -7,9 +7,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl
 
-HookKind = Literal["webhook", "alertmanager", "pagerduty", "slack"]
-Severity = Literal["info", "warning", "critical"]
-AlertStatus = Literal["firing", "acknowledged", "resolved"]
+from controlplane.alerts.models import HOOK_KINDS, KINDS, SEVERITIES, STATUSES
+
+HookKind = Literal[HOOK_KINDS]
+Severity = Literal[SEVERITIES]
+AlertStatus = Literal[STATUSES]
+AlertKindName = Literal[KINDS]
 
 
 class AlertRead(BaseModel):
@@ -17,12 +20,12 @@ class AlertRead(BaseModel):
 
     id: int
     deployment: str = ""
-    kind: str
+    kind: AlertKindName
     layer: int | None
     segment: str = "default"
-    severity: str
+    severity: Severity
     dedup_key: str
-    status: str
+    status: AlertStatus
     summary: str
     evidence: dict
     action_taken: str
@@ -72,10 +75,10 @@ class HookRead(BaseModel):
 
     id: int
     name: str
-    kind: str
+    kind: HookKind
     url: str
     deployment: str | None = None
-    min_severity: str
+    min_severity: Severity
     enabled: bool
     has_secret: bool = False
     has_routing_key: bool = False

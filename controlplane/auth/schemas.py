@@ -7,12 +7,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controlplane.auth.models import SCOPES
+
+Scope = Literal[SCOPES]
+
 
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    scope: Literal["runtime", "operator", "admin"]
+    scope: Scope
     deployment: str | None = None
 
 
@@ -21,7 +25,7 @@ class TokenRead(BaseModel):
 
     id: int
     name: str
-    scope: str
+    scope: Scope
     deployment_id: int | None
     prefix: str
     created_at: datetime

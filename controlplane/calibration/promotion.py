@@ -8,7 +8,7 @@ these bounds hold whatever the evidence says, and are what is left with a single
   the active set's, waits for approval whatever the deployment's policy (auto or canary);
 - a deployment whose window had a single reporting runtime never auto-promotes a set more
   aggressive (some threshold lower) than its last good one: the newest earlier active,
-  non-fallback set whose own shadow disagreement stayed within δ (`fallback.last_good_version`).
+  non-fallback set whose own shadow disagreement stayed within δ (`calibration.last_good`).
   With no such set yet (a first calibration from the conservative set), the two bounds above
   apply alone.
 
@@ -25,6 +25,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry.models import ShadowSampleRow
@@ -116,8 +117,6 @@ def promotion_hold(*, session: Session, deployment: Deployment, candidate: Thres
                    until: datetime | None, bounds: PromotionBounds) -> str:
     """Why `candidate` must wait for an operator whatever the policy ("" when it may be
     promoted automatically; module docstring)."""
-    from controlplane.calibration.fallback import last_good_version
-
     reasons = step_reasons(candidate=candidate, active=active, bounds=bounds)
     if reporting_runtimes(session=session, deployment=deployment, since=since,
                           until=until) <= 1:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from controlplane.calibration.models import CANARY_STATUSES, JOB_STATUSES
 from exitplane.wire import SegmentName
+
+JobStatus = Literal[JOB_STATUSES]
+CanaryStatus = Literal[CANARY_STATUSES]
 
 
 class CalibrationCreate(BaseModel):
@@ -41,7 +46,7 @@ class CalibrationJobRead(BaseModel):
     since: datetime
     until: datetime | None
     segment: str | None = None
-    status: str
+    status: JobStatus
     status_reason: str
     attempts: int
     summary: dict
@@ -73,7 +78,7 @@ class CanaryRead(BaseModel):
     version: int
     baseline_version: int
     job_id: int | None
-    status: str
+    status: CanaryStatus
     status_reason: str
     clean_windows: int
     failed_checks: int

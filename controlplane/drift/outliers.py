@@ -13,25 +13,32 @@ others pooled) on what a lying, buggy or mismatched runtime cannot hide:
   that exits nowhere still shows it): shifted signals, other heads;
 - the active policy's disagreement on its shadow tokens.
 
-Each comparison is a request-clustered two-proportion z-test: under H0 both sides share the
-pooled rate p, and each side's variance is p(1-p) n d / n^2 with d its design effect read at p
-(`stats.clustered.null_design_effect`: a request counts as the evidence its clustering is worth,
-and a runtime that shows no variation at all is not thereby certain). The tests share the drift
-false-alarm budget: each check spends `quality_alpha_per_hour x check_interval_s / 3600`, split
-(Bonferroni) over the segments, runtimes and statistics tested. A runtime is tested once it and
-the rest have `outlier_min_requests` requests each, and only in a fleet of at least
-`robust_min_runtimes` (with two there is no majority to tell which one is off). At most a
-minority of the fleet is set aside per check, the most significant first.
+Each comparison is a request-clustered test of the runtime's rates against the rest's, all
+exit layers of a family at once (a chi-square on the per-layer z's: a liar that moves every
+layer a little is seen as soon as one that moves one layer a lot). Each layer's z puts the
+pooled rate p on both sides, with variance p(1-p) n d / n^2 and d each side's design effect
+(`stats.clustered.null_design_effect`, centred at that side's own rate so that the difference
+under test does not inflate it; a runtime's own d is at least the rest's, so a few requests
+that happen to look unclustered do not make it certain). The layers' correlation is the
+request-level (sandwich) one of the difference, and the test takes the weaker of that and the
+rest's own correlation, so an honest runtime is not flagged for a correlation its few requests
+misstate. The tests share the drift false-alarm budget: each check spends
+`quality_alpha_per_hour x check_interval_s / 3600`, split (Bonferroni) over the segments,
+runtimes and the three families tested. Each check reads the segment's shadow tokens of the
+active version since it was activated (at most `recent_s` back), so evidence accumulates over
+checks. A runtime is tested once it and the rest have `outlier_min_requests` requests each, and
+only in a fleet of at least `robust_min_runtimes` (with two there is no majority to tell which
+one is off). At most a minority of the fleet is set aside per check, the most significant
+first.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import numpy as np
-from scipy.stats import norm
+from scipy.stats import chi2
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
@@ -43,6 +50,11 @@ from controlplane.stats.clustered import cluster_codes, null_design_effect, poli
 from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Deployment
 from exitplane.wire import DEFAULT_SEGMENT
+
+STATISTICS = ("policy_disagreement", "matched", "signal_above_median")
+# a floor on the eigenvalues of a correlation between exit layers: a direction the fleet's
+# evidence says never varies is still given this much room (conservative)
+MIN_EIGENVALUE = 0.05
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,8 @@ class OutlierFinding:
         what = {"matched": "shadow agreement with full depth",
                 "signal_above_median": "share of signals above the fleet's median",
                 "policy_disagreement": "disagreement under the active set"}[self.statistic]
-        at = f" at layer {self.layer}" if self.layer is not None else ""
+        at = (f" at layer {self.layer} (most off of the exit layers tested together)"
+              if self.layer is not None else "")
         return (f"runtime {self.runtime_id}: {what}{at} {self.runtime_rate:.1%} on "
                 f"{self.tokens} shadow tokens ({self.requests} requests) vs {self.fleet_rate:.1%} "
                 f"on the other {self.fleet_runtimes} runtimes' {self.fleet_tokens} (z "
@@ -75,26 +88,58 @@ class OutlierFinding:
                 f"aside until an operator clears it")
 
 
-def clustered_two_proportion(codes: np.ndarray, events: np.ndarray, inside: np.ndarray
-                             ) -> tuple[float, float, float, float]:
-    """(rate inside, rate outside, z, two-sided p) of 0/1 `events` over tokens clustered by
-    request `codes`, testing inside vs outside (module docstring)."""
-    events = np.asarray(events, dtype=float)
-    sides = []
-    for mask in (inside, ~inside):
-        dense = np.unique(codes[mask], return_inverse=True)[1]
-        sides.append((np.bincount(dense).astype(float),
-                      np.bincount(dense, weights=events[mask])))
-    (n_in, x_in), (n_out, x_out) = sides
+def _side_totals(codes: np.ndarray, events: np.ndarray, mask: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per request of one side: (tokens (m,), event counts (m, k))."""
+    dense = np.unique(codes[mask], return_inverse=True)[1]
+    tokens = np.bincount(dense).astype(float)
+    counts = np.stack([np.bincount(dense, weights=column, minlength=len(tokens))
+                       for column in events[mask].T], axis=1)
+    return tokens, counts
+
+
+def _correlation(covariance: np.ndarray) -> np.ndarray:
+    scale = np.sqrt(np.clip(np.diag(covariance), 1e-300, None))
+    return covariance / np.outer(scale, scale)
+
+
+def clustered_difference(codes: np.ndarray, events: np.ndarray, inside: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int]:
+    """Inside vs outside on k 0/1 `events` columns over tokens clustered by request `codes`:
+    (rates inside (k,), rates outside (k,), z (k,), chi-square p of all k together, the
+    degrees of freedom tested); see the module docstring."""
+    events = np.asarray(events, dtype=float).reshape(len(codes), -1)
+    (n_in, x_in), (n_out, x_out) = (_side_totals(codes, events, mask)
+                                    for mask in (inside, ~inside))
     total_in, total_out = n_in.sum(), n_out.sum()
-    rate_in, rate_out = x_in.sum() / total_in, x_out.sum() / total_out
-    pooled = (x_in.sum() + x_out.sum()) / (total_in + total_out)
-    if pooled <= 0.0 or pooled >= 1.0:
-        return rate_in, rate_out, 0.0, 1.0
-    variance = pooled * (1.0 - pooled) * sum(
-        float(null_design_effect(n, x, pooled)[0]) / n.sum() for n, x in sides)
-    z = (rate_in - rate_out) / math.sqrt(variance)
-    return float(rate_in), float(rate_out), float(z), float(2.0 * norm.sf(abs(z)))
+    rate_in, rate_out = x_in.sum(axis=0) / total_in, x_out.sum(axis=0) / total_out
+    pooled = (x_in.sum(axis=0) + x_out.sum(axis=0)) / (total_in + total_out)
+    varies = (pooled > 0.0) & (pooled < 1.0)
+    z = np.zeros(len(pooled))
+    if not varies.any():
+        return rate_in, rate_out, z, 1.0, 0
+    # each side's request-level spread, centred at its own rates (so a difference in rate does
+    # not inflate it); a runtime's few requests borrow the fleet's clustering as a floor
+    residual_in = x_in - n_in[:, None] * rate_in[None, :]
+    residual_out = x_out - n_out[:, None] * rate_out[None, :]
+    design_out = np.array([float(null_design_effect(n_out, x_out[:, j], rate_out[j])[0])
+                           for j in range(len(pooled))])
+    design_in = np.maximum(design_out, [float(null_design_effect(n_in, x_in[:, j],
+                                                                 rate_in[j])[0])
+                                        for j in range(len(pooled))])
+    variance = pooled * (1.0 - pooled) * (design_in / total_in + design_out / total_out)
+    z[varies] = (rate_in - rate_out)[varies] / np.sqrt(variance[varies])
+    kept = z[varies]
+    statistics = []
+    for covariance in (residual_in.T @ residual_in / total_in ** 2
+                       + residual_out.T @ residual_out / total_out ** 2,
+                       residual_out.T @ residual_out):
+        correlation = _correlation(covariance[np.ix_(varies, varies)])
+        values, vectors = np.linalg.eigh(correlation)
+        floored = np.clip(values, MIN_EIGENVALUE, None)
+        statistics.append(float(((vectors.T @ kept) ** 2 / floored).sum()))
+    return (rate_in, rate_out, z, float(chi2.sf(min(statistics), df=len(kept))),
+            len(kept))
 
 
 def runtime_outliers(*, requests, runtimes, signals: np.ndarray, matched: np.ndarray,
@@ -113,26 +158,28 @@ def runtime_outliers(*, requests, runtimes, signals: np.ndarray, matched: np.nda
     if len(tested) < max(3, robust_min_runtimes):
         return []
     _, disagree = policy_outcomes(signals, matched, thresholds)
-    statistics = 2 * len(layers) + 1
-    level = alpha / (len(tested) * statistics)
+    level = alpha / (len(tested) * len(STATISTICS))
     found = []
     for index in tested:
         inside = by_runtime == index
         rest = ~inside & np.isin(by_runtime, tested)
         scope = inside | rest
-        checks = [("policy_disagreement", None, disagree)]
-        for j, layer in enumerate(layers):
-            median = float(np.nanmedian(signals[rest, j]))
-            checks += [("matched", layer, matched[:, j]),
-                       ("signal_above_median", layer, np.nan_to_num(signals[:, j]) > median)]
+        medians = np.nanmedian(signals[rest], axis=0)
+        families = [("policy_disagreement", None, disagree[:, None]),
+                    ("matched", layers, matched),
+                    ("signal_above_median", layers,
+                     np.nan_to_num(signals) > medians[None, :])]
         best = None
-        for statistic, layer, events in checks:
-            rate, fleet, z, p = clustered_two_proportion(codes[scope], events[scope],
+        for statistic, family_layers, events in families:
+            rates, fleet, z, p, _ = clustered_difference(codes[scope], events[scope],
                                                          inside[scope])
             if p < level and (best is None or p < best.p_value):
+                j = int(np.argmax(np.abs(z)))
                 best = OutlierFinding(
-                    runtime_id=str(names[index]), statistic=statistic, layer=layer,
-                    runtime_rate=rate, fleet_rate=fleet, z=z, p_value=p, level=level,
+                    runtime_id=str(names[index]), statistic=statistic,
+                    layer=None if family_layers is None else int(family_layers[j]),
+                    runtime_rate=float(rates[j]), fleet_rate=float(fleet[j]), z=float(z[j]),
+                    p_value=p, level=level,
                     tokens=int(inside.sum()), requests=int(request_counts[index]),
                     fleet_tokens=int(rest.sum()),
                     fleet_requests=int(request_counts[tested].sum() - request_counts[index]),

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
-from controlplane.errors import RUNTIME_ERRORS
+from controlplane.errors import RUNTIME_ERRORS, error_answer
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead, RuntimesRemoved
 from controlplane.thresholds.service import get_deployment
@@ -20,18 +20,37 @@ router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 
 @router.post("/{name}/heartbeats", response_model=RuntimeRead,
-             responses={409: {"description": "the deployment, or this token on it, has its "
-                                     "maximum of runtimes"},
+             responses={409: error_answer("the deployment, or this token on it, has its "
+                                          "maximum of runtimes"),
                         **RUNTIME_ERRORS},
              dependencies=[rate_limited("heartbeat")])
 def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
               principal: RuntimePrincipal) -> RuntimeRead:
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
+    target = request.app.state.ingest_targets.get(name, service.applied_versions(beat))
+    service.check_applied_version(target=target, beat=beat)
     runtime = service.record_heartbeat(
         session=session, deployment=deployment, beat=beat, token_id=principal.token_id,
         caps=service.RuntimeCaps.from_settings(request.app.state.settings))
     return RuntimeRead.model_validate(runtime)
+
+
+@router.post("/{name}/runtimes/{runtime_id}/leave", response_model=RuntimesRemoved,
+             responses=RUNTIME_ERRORS, dependencies=[rate_limited("heartbeat")])
+def leave(name: str, runtime_id: str, request: Request, session: SessionDep,
+          principal: RuntimePrincipal) -> RuntimesRemoved:
+    """A runtime that stops cleanly leaves the fleet: it is dropped from the fleet view and
+    the caps at once, so no `runtime_stale` alert fires for it. Only the token that
+    registered the runtime may take it out (404 otherwise); it registers anew if it beats
+    again."""
+    deployment = get_deployment(session=session, name=name)
+    principal.require_deployment(deployment.id)
+    removed = service.remove_runtimes(session=session, deployment=deployment,
+                                      runtime_id=runtime_id, token_id=principal.token_id)
+    request.app.state.heartbeats.forget(deployment.id, removed)
+    log.info("runtime %r left deployment %r", runtime_id, deployment.name)
+    return RuntimesRemoved(removed=removed)
 
 
 @router.get("/{name}/runtimes", response_model=list[RuntimeRead])

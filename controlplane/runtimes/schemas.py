@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,7 +40,8 @@ class RuntimeOutlierRead(BaseModel):
 
     id: int
     runtime_id: str
-    status: str = Field(description="set_aside (its samples count for nothing) or cleared")
+    status: Literal["set_aside", "cleared"] = Field(
+        description="set_aside (its samples count for nothing) or cleared")
     version: int
     segment: str
     summary: str

@@ -91,6 +91,20 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
     return runtime
 
 
+def applied_versions(beat: Heartbeat) -> list[int]:
+    """The threshold versions a heartbeat names (for `IngestTargets.get` / `peek`)."""
+    return [] if beat.applied_version is None else [beat.applied_version]
+
+
+def check_applied_version(*, target: IngestTarget, beat: Heartbeat) -> None:
+    """Invalid unless the beat's applied_version is one the deployment published, or 0 (the
+    runtime's built-in never-exit set): a runtime cannot apply a set that never existed."""
+    if beat.applied_version is not None and beat.applied_version not in target.versions:
+        raise Invalid(f"applied_version {beat.applied_version} was never published for "
+                      f"{target.name!r} (0 is the built-in never-exit set): report the version "
+                      "of the set the runtime pulled and applied")
+
+
 def _beat(session: Session, params: dict) -> Runtime | None:
     return session.scalars(_BEAT, params, execution_options=_BEAT_OPTIONS).one_or_none()
 
@@ -134,18 +148,22 @@ def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps
 
 def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str | None = None,
                     token_id: int | None = None) -> list[str]:
-    """Remove one runtime (`runtime_id`) or every runtime `token_id` registered from the
-    deployment; the ids removed (NotFound for a `runtime_id` it does not have). A removed
-    runtime that beats again registers anew, under the caps."""
-    if (runtime_id is None) == (token_id is None):
+    """Remove one runtime (`runtime_id`), every runtime `token_id` registered, or, both named,
+    that runtime only if `token_id` registered it (a runtime leaving), from the deployment; the
+    ids removed (NotFound for a `runtime_id` it does not have). A removed runtime that beats
+    again registers anew, under the caps."""
+    if runtime_id is None and token_id is None:
         raise Invalid("name a runtime_id or a token_id")
     query = delete(Runtime).where(Runtime.deployment_id == deployment.id)
-    query = query.where(Runtime.runtime_id == runtime_id if runtime_id is not None
-                        else Runtime.token_id == token_id)
+    if runtime_id is not None:
+        query = query.where(Runtime.runtime_id == runtime_id)
+    if token_id is not None:
+        query = query.where(Runtime.token_id == token_id)
     removed = list(session.scalars(query.returning(Runtime.runtime_id),
                                    execution_options={"synchronize_session": False}))
     if runtime_id is not None and not removed:
-        raise NotFound(f"deployment {deployment.name!r} has no runtime {runtime_id!r}")
+        whose = "" if token_id is None else " registered with this token"
+        raise NotFound(f"deployment {deployment.name!r} has no runtime {runtime_id!r}{whose}")
     return sorted(removed)
 
 

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from controlplane import metrics
 from controlplane.auth.service import Principal
 from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited, visible_deployment
-from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, Unavailable, error_answer
+from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, RateLimited, error_answer
 from controlplane.telemetry import reads, service, stream
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.schemas import (
@@ -77,10 +77,12 @@ def batch_model(content_type: str) -> type[AggregateBatch] | None:
 SMALL_BODY_BYTES = 32 << 10
 
 
-class DecodersBusy(Unavailable):
-    """Every decode slot of this API process is taken: retry shortly (503, Retry-After)."""
+class DecodersBusy(RateLimited):
+    """Every decode slot of this API process is taken: retry shortly (429, Retry-After). One
+    client can fill the slots, so the answer is the caller's to wait out, never a 5xx."""
 
-    retry_after = 1.0
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=1.0)
 
 
 class DecodeSlots:
@@ -262,31 +264,44 @@ def queued_ack(batch, added: bool) -> IngestAck:
                      duplicate=not added, queued=True)
 
 
+def refused(error: DomainError) -> DomainError:
+    """`error` counted as a refused batch and cut from its traceback and cause, to be raised
+    again outside the `except` block that caught it: their frames hold the decoded batch (up
+    to EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS values) and, through the thread hand-off, sit in
+    reference cycles, so it would stay in memory until a full garbage collection."""
+    metrics.rejected_batches.labels(type(error).__name__).inc()
+    error.__cause__ = error.__context__ = None
+    return error.with_traceback(None)
+
+
 def store_batch(state, principal: Principal, body: bytes, content_type: str) -> IngestAck:
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
     and the fast path (controlplane/telemetry/fast_path.py) both end here."""
     try:
-        batch, aggregate, versions = _decoded(state, body, content_type)
-        if state.redis is not None:
-            # The stream path reads nothing from the store: the checks use the cached target.
-            _fits_target(state, visible_deployment(state, principal, batch.deployment, versions),
-                         principal, batch, aggregate)
-            added = stream.append(state.redis, batch,
-                                  body if "msgpack" in content_type else None)
-            return queued_ack(batch, added)
-        visible_deployment(state, principal, batch.deployment)  # a runtime token's 403 first
-        with state.session_factory() as session:
-            deployment = get_deployment(session=session, name=batch.deployment)
-            principal.require_deployment(deployment.id)
-            thresholds = service.thresholds_by_version(
-                session=session, deployment=deployment, versions=versions)
-            _check(state, deployment, batch, aggregate, set(thresholds))
-            [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
-                                      thresholds=thresholds)
-            session.commit()
+        return _store_batch(state, principal, body, content_type)
     except DomainError as error:
-        metrics.rejected_batches.labels(type(error).__name__).inc()
-        raise
+        refusal = refused(error)
+    raise refusal from None  # here, the frames that held the batch are gone (`refused`)
+
+
+def _store_batch(state, principal: Principal, body: bytes, content_type: str) -> IngestAck:
+    batch, aggregate, versions = _decoded(state, body, content_type)
+    if state.redis is not None:
+        # The stream path reads nothing from the store: the checks use the cached target.
+        _fits_target(state, visible_deployment(state, principal, batch.deployment, versions),
+                     principal, batch, aggregate)
+        added = stream.append(state.redis, batch, body if "msgpack" in content_type else None)
+        return queued_ack(batch, added)
+    visible_deployment(state, principal, batch.deployment)  # a runtime token's 403 first
+    with state.session_factory() as session:
+        deployment = get_deployment(session=session, name=batch.deployment)
+        principal.require_deployment(deployment.id)
+        thresholds = service.thresholds_by_version(
+            session=session, deployment=deployment, versions=versions)
+        _check(state, deployment, batch, aggregate, set(thresholds))
+        [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
+                                  thresholds=thresholds)
+        session.commit()
     counter = metrics.duplicate_batches if result.duplicate else metrics.ingested_batches
     counter.labels(batch.deployment).inc()
     if not result.duplicate:
@@ -311,9 +326,9 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str) -> 
                         413: error_answer("the body is over the limit (bytes, or values "
                                           "decoded): split it (ids <id>a and <id>b)"),
                         415: error_answer("a content type this control plane does not take"),
-                        503: error_answer("the store (or Redis) is unavailable, or this API "
-                                          "process is decoding as many large batches as it "
-                                          "may: wait Retry-After seconds"),
+                        429: error_answer("rate limited, or this API process is decoding "
+                                          "as many large batches as it may: wait "
+                                          "Retry-After seconds"),
                         422: error_answer("the batch is invalid: `detail` names the first bad "
                                           "record or cell, `index` its position; drop it")})
 async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> IngestAck:

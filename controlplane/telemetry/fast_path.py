@@ -10,7 +10,7 @@ runtime scope. These come from the headers alone, before a byte of the body is r
 without a valid token, past its rate or without the runtime scope is answered 401, 429 or 403
 and never has its body read (the gate counts it against the route's limit as it is read). A
 telemetry body over SMALL_BODY_BYTES, or of unknown length, then needs one of the process's
-decode slots (`DecodeSlots`: 503 with Retry-After when none is free).
+decode slots (`DecodeSlots`: 429 with Retry-After when none is free).
 
 The route's own work follows on a worker thread of the layer's own, except that with Redis a
 small telemetry batch whose deployment this process has cached is decoded, checked and
@@ -34,7 +34,6 @@ from anyio import CapacityLimiter, to_thread
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from controlplane import metrics
 from controlplane.auth.service import Principal
 from controlplane.db import utcnow
 from controlplane.deps import (
@@ -54,6 +53,7 @@ from controlplane.telemetry.api import (
     SMALL_BODY_BYTES,
     checked_from_cache,
     queued_ack,
+    refused,
     store_batch,
 )
 from controlplane.telemetry.api import router as telemetry_router
@@ -229,8 +229,11 @@ async def _serve_on_loop(state, principal: Principal, content_type: str,
     try:
         batch = checked_from_cache(state, principal, body, content_type)
     except DomainError as error:
-        metrics.rejected_batches.labels(type(error).__name__).inc()
-        raise
+        refusal = refused(error)
+    else:
+        refusal = None
+    if refusal is not None:
+        raise refusal from None  # outside the `except`: nothing holds the decoded batch
     if batch is None:
         return None
     try:
@@ -260,7 +263,8 @@ def _serve_heartbeat(state, principal: Principal, name: str, beat: Heartbeat) ->
     # The deployment's id and name never change: the per-process cache the telemetry checks
     # use answers them, so a beat costs one statement (NotFound, or for a runtime token 403,
     # as the route's checks).
-    deployment = visible_deployment(state, principal, name)
+    deployment = visible_deployment(state, principal, name, runtimes.applied_versions(beat))
+    runtimes.check_applied_version(target=deployment, beat=beat)
     with state.session_factory() as session:
         try:
             runtime = runtimes.record_heartbeat(
@@ -284,8 +288,8 @@ async def _beat_on_loop(state, principal: Principal, name: str,
     buffer = state.heartbeats
     if not buffer.enabled:
         return None
-    target = state.ingest_targets.peek(name, ())
-    if target is None:
+    target = state.ingest_targets.peek(name, runtimes.applied_versions(beat))
+    if target is None:  # not cached, or the version is not known here yet: the store says
         return None
     first_seen = buffer.first_seen(target.id, beat.runtime_id)
     if first_seen is None:

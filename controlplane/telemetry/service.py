@@ -93,6 +93,9 @@ def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
     stray = np.bincount(batch.shadow_owner, minlength=len(batch.shadowed),
                         weights=~np.isin(batch.shadow_layer, list(exit_layers)))
     bad[batch.shadowed] |= (points != len(exit_layers)) | (stray > 0)
+    # A shadow token runs to full depth (its points label every exit layer against it).
+    deep = batch.exit_layer[batch.shadowed] == deployment.num_layers
+    bad[batch.shadowed] |= ~deep
     if not bad.any():
         return
     index = int(np.argmax(bad))
@@ -103,6 +106,11 @@ def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
     if version not in known_versions:
         raise BadRecord(index, f"threshold_version {version} was never published for "
                                f"{deployment.name!r}")
+    covered = (points == len(exit_layers)) & (stray == 0)
+    if index in set(batch.shadowed[covered & ~deep].tolist()):
+        raise BadRecord(index, f"a shadow token runs to full depth: its exit_layer must be "
+                               f"{deployment.num_layers}, not {exit_layer} (a token that "
+                               f"exited early carries no shadow)")
     raise BadRecord(index, f"shadow points must cover exactly the exit layers "
                            f"{sorted(exit_layers)}")
 

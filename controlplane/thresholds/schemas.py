@@ -8,12 +8,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exitplane.wire import (
+    DEFAULT_EXIT_LAYERS_RULE,
     HEAD_DIGEST_PATTERN,
     MODEL_REVISION_PATTERN,
     NAME_PATTERN,
     Layer,
     Origin,
     Signal,
+    default_exit_layers,
 )
 
 Policy = Literal["auto", "canary", "approval"]
@@ -32,11 +34,6 @@ NamedModelRevision = Annotated[str, Field(max_length=128, pattern=f"^$|{MODEL_RE
     "'' names none"))]
 
 
-def default_exit_layers(num_layers: int) -> list[int]:
-    """Every 3rd layer from 6, below full depth (SmolLM2-135M: 6, 9, ..., 27)."""
-    return list(range(6, num_layers, 3)) or list(range(1, num_layers))
-
-
 class DeploymentCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -45,7 +42,8 @@ class DeploymentCreate(BaseModel):
     head_digest: NamedHeadDigest = ""
     model_revision: NamedModelRevision = ""
     num_layers: int = Field(ge=2, le=1024)
-    exit_layers: list[Layer] | None = None
+    exit_layers: list[Layer] | None = Field(default=None, description=(
+        f"strictly increasing, in [1, num_layers - 1]; default: {DEFAULT_EXIT_LAYERS_RULE}"))
     signal: Signal = Signal.learned
     delta: float = Field(default=0.01, gt=0, lt=1)
     epsilon: float = Field(default=0.05, gt=0, lt=1)

@@ -46,6 +46,14 @@ ACTIONS = [
      {"layer_3": "0.9", "layer_6": "0.9", "layer_9": "0.9", "reason": "manual"}, "operator"),
     ("/deployments/{name}/settings", "/ui/deployments/chat/settings",
      {"policy": "approval", "delta": "0.02"}, "operator"),
+    ("/deployments/{name}/segments", "/ui/deployments/chat/segments",
+     {"segment": "support", "reason": "declare"}, "operator"),
+    ("/deployments/{name}/segments/{segment}/remove",
+     "/ui/deployments/chat/segments/support/remove", {"reason": "retire"}, "operator"),
+    ("/deployments/{name}/segments/auto", "/ui/deployments/chat/segments/auto",
+     {"auto_segments": "on"}, "operator"),
+    ("/deployments/{name}/outliers/{outlier_id}/clear",
+     "/ui/deployments/chat/outliers/1/clear", {"reason": "checked"}, "operator"),
     ("/tokens", "/ui/tokens", {"name": "ci", "scope": "operator"}, "admin"),
     ("/tokens/{token_id}/revoke", "/ui/tokens/1/revoke", {}, "admin"),
     ("/users", "/ui/users", {"username": "eve", "password": PASSWORD, "role": "viewer"},
@@ -229,6 +237,7 @@ def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form
     ("/ui/deployments/chat/calibrations/1", "viewer"), ("/ui/account", "viewer"),
     ("/ui/alerts", "viewer"), ("/ui/alerts?status=all", "viewer"), ("/ui/alerts/1", "viewer"),
     ("/ui/alerts/1/report", "viewer"), ("/ui/hooks", "admin"), ("/ui/hooks/1", "admin"),
+    ("/ui/deployments/chat/segments", "viewer"),
 ])
 @pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
 def test_pages_need_their_role(as_role, seeded, path, needed, role):

@@ -12,6 +12,7 @@ import pytest
 from controlplane.db import utcnow
 from controlplane.telemetry import reads
 from controlplane.telemetry import service as telemetry
+from controlplane.thresholds.segments import declare_segment
 from dashboards import charts
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
 
@@ -23,6 +24,8 @@ def traffic(session):
     """Deployment 'mix': 20 minutes of three segments' traffic through the real ingestion,
     exit rates and disagreement changing halfway."""
     deployment = make_deployment(session, name="mix")
+    for segment in SEGMENTS[1:]:  # telemetry stores undeclared segment names as `default`
+        declare_segment(session=session, deployment=deployment, name=segment, actor="test")
     start = utcnow().replace(second=0, microsecond=0) - timedelta(minutes=25)
     for seed, segment in enumerate(SEGMENTS):
         send_traffic(session, deployment, start=start, seed=seed, runtime_id=f"rt-{segment}",

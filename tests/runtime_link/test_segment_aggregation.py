@@ -28,6 +28,11 @@ def _by_segment(engine, runtime_id: str) -> tuple[list, list]:
 
 def test_segmented_aggregates_give_the_rollups_segmented_records_give(
         control_plane, operator, runtime_token, engine, tmp_path):
+    # `code` is put in use by the set that maps it; `chat` is declared (telemetry stores an
+    # undeclared segment name as `default`).
+    declared = operator.put(f"/v1/deployments/{DEPLOYMENT}/declared-segments/chat",
+                            json={"reason": "chat traffic"})
+    assert declared.status_code == 200, declared.text
     published = operator.post(f"/v1/deployments/{DEPLOYMENT}/threshold-sets", json={
         "thresholds": {"2": 0.9, "4": 0.6}, "segments": {"code": {"2": 0.2, "4": 0.1}},
         "reason": "code exits earlier", "activate": True})

@@ -9,8 +9,8 @@ For each API route: no token, an unknown token, the right secret under another s
 revoked token and a UI session cookie all get 401; every weaker scope gets 403 (runtime tokens
 on operator and admin routes, operator tokens on admin routes); on the routes runtime tokens
 may call, deployment beta's runtime token cannot read or write deployment alpha, nor alpha's
-beta (403), and a deployment that does not exist is 404; none of those refused calls changes
-anything in the store. Then the weakest rightful token gets the route's success status and
+beta, nor a deployment that does not exist (403 alike, so a runtime token cannot learn which
+deployments exist); none of those refused calls changes anything in the store. Then the weakest rightful token gets the route's success status and
 the stronger ones are let in too.
 
 For each UI route: an anonymous visitor is sent to the login page (a form without the
@@ -40,8 +40,12 @@ from controlplane.auth.users import create_user
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.service import request_calibration
 from controlplane.models import Base
+from controlplane.runtimes.outliers import set_aside
+from controlplane.runtimes.service import record_heartbeat
+from controlplane.thresholds import segments
 from controlplane.thresholds import service as thresholds
 from controlplane.thresholds.schemas import DeploymentCreate
+from exitplane.wire import Heartbeat
 
 pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
@@ -105,6 +109,12 @@ API: dict[str, tuple[str, Call]] = {
     "POST /v1/deployments/{name}/rollback": ("operator", Call(
         "/v1/deployments/alpha/rollback", REASON)),
     "GET /v1/deployments/{name}/audit": ("operator", Call("/v1/deployments/alpha/audit")),
+    "GET /v1/deployments/{name}/declared-segments": ("operator", Call(
+        "/v1/deployments/alpha/declared-segments")),
+    "PUT /v1/deployments/{name}/declared-segments/{segment}": ("operator", Call(
+        "/v1/deployments/alpha/declared-segments/chat", REASON)),
+    "DELETE /v1/deployments/{name}/declared-segments/{segment}": ("operator", Call(
+        "/v1/deployments/alpha/declared-segments/support?reason=matrix")),
     "GET /v1/deployments/{name}/thresholds": ("runtime", Call(
         "/v1/deployments/alpha/thresholds?runtime_id=rt-1")),
     # runtimes and telemetry
@@ -112,6 +122,17 @@ API: dict[str, tuple[str, Call]] = {
         "/v1/deployments/alpha/heartbeats", {"runtime_id": "rt-1", "applied_version": 2})),
     "GET /v1/deployments/{name}/runtimes": ("operator", Call(
         "/v1/deployments/alpha/runtimes")),
+    "POST /v1/deployments/{name}/runtimes/{runtime_id}/leave": ("runtime", Call(
+        "/v1/deployments/alpha/runtimes/rt-1/leave",
+        why="only the token that registered the runtime may take it out")),
+    "DELETE /v1/deployments/{name}/runtimes/{runtime_id}": ("operator", Call(
+        "/v1/deployments/alpha/runtimes/rt-1")),
+    "DELETE /v1/deployments/{name}/runtimes": ("operator", Call(
+        "/v1/deployments/alpha/runtimes?token_id={runtime_token}")),
+    "GET /v1/deployments/{name}/runtime-outliers": ("operator", Call(
+        "/v1/deployments/alpha/runtime-outliers")),
+    "POST /v1/deployments/{name}/runtime-outliers/{outlier_id}/clear": ("operator", Call(
+        "/v1/deployments/alpha/runtime-outliers/{outlier}/clear", REASON)),
     "POST /v1/telemetry": ("runtime", Call("/v1/telemetry", _batch())),
     "GET /v1/deployments/{name}/telemetry/exit-rates": ("runtime", Call(
         "/v1/deployments/alpha/telemetry/exit-rates")),
@@ -193,6 +214,15 @@ UI: dict[str, tuple[str, Call]] = {
         {"layer_3": "0.9", "layer_6": "0.9", "layer_9": "0.9", "reason": "matrix"})),
     "POST /ui/deployments/{name}/settings": ("operator", Call(
         "/ui/deployments/alpha/settings", {"policy": "approval", "delta": "0.02"})),
+    "GET /ui/deployments/{name}/segments": ("viewer", Call("/ui/deployments/alpha/segments")),
+    "POST /ui/deployments/{name}/segments": ("operator", Call(
+        "/ui/deployments/alpha/segments", {"segment": "chat", "reason": "matrix"})),
+    "POST /ui/deployments/{name}/segments/{segment}/remove": ("operator", Call(
+        "/ui/deployments/alpha/segments/support/remove", REASON)),
+    "POST /ui/deployments/{name}/segments/auto": ("operator", Call(
+        "/ui/deployments/alpha/segments/auto", {"auto_segments": "on"})),
+    "POST /ui/deployments/{name}/outliers/{outlier_id}/clear": ("operator", Call(
+        "/ui/deployments/alpha/outliers/{outlier}/clear", REASON)),
     "GET /ui/deployments/{name}/calibrations": ("viewer", Call(
         "/ui/deployments/alpha/calibrations")),
     "POST /ui/deployments/{name}/calibrations": ("operator", Call(
@@ -307,7 +337,9 @@ def sign_in(client: TestClient, username: str, password: str = PASSWORD):
 def world(app, engine, tokens, settings):
     """Deployments alpha and beta (alpha: v1 conservative, v2 active, v3 on canary), a runtime
     token for each, a revoked admin token and a spare one, a person per role and a spare, and
-    on alpha a firing alert with a report, a webhook and a queued recalibration."""
+    on alpha a firing alert with a report, a webhook, a queued recalibration, runtime rt-1
+    (registered by alpha's runtime token) set aside as an outlier, and segment support in
+    use."""
     with Session(engine) as session:
         made = {}
         for name in ("alpha", "beta"):
@@ -324,9 +356,18 @@ def world(app, engine, tokens, settings):
                               actor="user:seed", reason="seed")
         start_canary(session=session, deployment=alpha, version=3, actor="user:seed")
         secrets = {"admin": tokens.admin, "operator": tokens.operator}
+        runtime_tokens = {}
         for key, name in (("runtime", "alpha"), ("runtime_beta", "beta")):
-            _, secrets[key] = create_token(session=session, name=f"rt-{name}", scope="runtime",
-                                           deployment=made[name])
+            runtime_tokens[key], secrets[key] = create_token(
+                session=session, name=f"rt-{name}", scope="runtime", deployment=made[name])
+        record_heartbeat(session=session, deployment=alpha,
+                         beat=Heartbeat(runtime_id="rt-1", applied_version=2),
+                         token_id=runtime_tokens["runtime"].id)
+        outlier, _ = set_aside(session=session, deployment=alpha, runtime_id="rt-1", version=2,
+                               segment="default", summary="rt-1 differs from its fleet",
+                               evidence={})
+        segments.declare_segment(session=session, deployment=alpha, name="support",
+                                 actor="user:seed")
         revoked, secrets["revoked"] = create_token(session=session, name="gone", scope="admin")
         revoke_token(session=session, token_id=revoked.id)
         spare_token, _ = create_token(session=session, name="spare", scope="operator")
@@ -346,7 +387,8 @@ def world(app, engine, tokens, settings):
                                      enqueue=False)
         session.commit()
         ids = {"alert": alert.id, "hook": hook.id, "job": job.id,
-               "spare_token": spare_token.id, "spare_user": spare_user.id}
+               "spare_token": spare_token.id, "spare_user": spare_user.id,
+               "outlier": outlier.id, "runtime_token": runtime_tokens["runtime"].id}
     world = World(app=app, ids=ids, secrets=secrets, ui_cookie="")
     with world.stack:
         world.ui_cookie = world.ui("admin").cookies["exitplane_session"]
@@ -439,7 +481,7 @@ def test_api_route(route, world, client, engine):
             ("alpha's runtime token on beta", beta_path, _swap(call.body, "alpha", "beta"),
              world.bearer("runtime"), 403),
             ("alpha's runtime token on a deployment that does not exist", nobody_path,
-             _swap(call.body, "alpha", "nobody"), world.bearer("runtime"), 404),
+             _swap(call.body, "alpha", "nobody"), world.bearer("runtime"), 403),
         ]
     for why, target, body, headers, status in refusals:
         for attempt in range(2):  # the second call meets what the first one cached

@@ -6,7 +6,8 @@
 - a body decodes to at most EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS values, counted while it is
   decoded (413: the runtime splits it), so a small body cannot expand in memory;
 - at most EXITPLANE_TELEMETRY_MAX_DECODES large bodies are read and decoded at once per process
-  (past it: 503 with Retry-After, before the body is read);
+  (past it: 429 with Retry-After, before the body is read: one client can fill them, so never
+  a 5xx);
 - deeply nested JSON is a 4xx on every route, never a 500.
 
 Memory figures against a real API process: bench/telemetry_bounds.py."""
@@ -201,7 +202,7 @@ def test_an_expanding_body_costs_no_more_than_its_bytes(client, tokens, engine, 
     assert [answer.status_code for answer in answers] == [422, 413], [a.text for a in answers]
 
 
-def test_large_bodies_past_the_decode_slots_get_503_before_they_are_read(settings, engine,
+def test_large_bodies_past_the_decode_slots_get_429_before_they_are_read(settings, engine,
                                                                           tokens):
     with serving(settings, engine, telemetry_max_decodes=1) as (port, client):
         runtime = _deploy(client, tokens, engine)
@@ -213,7 +214,7 @@ def test_large_bodies_past_the_decode_slots_get_503_before_they_are_read(setting
             with partial_post(port, "/v1/telemetry", length=len(large), sent=large[:4096],
                               headers=runtime, content_type=RECORDS_MSGPACK) as second:
                 status, body, headers = _response(second)
-            assert status == 503 and headers["retry-after"] == "1", body
+            assert status == 429 and headers["retry-after"] == "1", body
             assert "EXITPLANE_TELEMETRY_MAX_DECODES" in body["detail"]
             # A small batch needs no slot.
             small = client.post("/v1/telemetry", content=_records_msgpack(

@@ -17,6 +17,7 @@ from controlplane.calibration.segments import recalibration_level
 from controlplane.calibration.stats import calibrate_thresholds
 from controlplane.db import session_scope, utcnow
 from controlplane.errors import Invalid
+from controlplane.thresholds.segments import declare_segment
 from controlplane.thresholds.service import (
     aliases_of,
     get_deployment,
@@ -118,7 +119,9 @@ def test_a_job_for_an_unknown_segment_is_refused(session: Session, outbox):
 def test_a_whole_deployment_job_calibrates_each_segment_and_says_what_each_got(engine, outbox):
     start = utcnow() - timedelta(minutes=30)
     with session_scope(engine) as session:
-        make_deployment(session, name="assist")
+        deployment = make_deployment(session, name="assist")
+        for name in ("chat", "code"):  # an operator declares them; undeclared -> 'default'
+            declare_segment(session=session, deployment=deployment, name=name, actor="test")
         _traffic(session, {"chat": (4000, 0.5), "code": (4000, 0.8), "default": (300, 0.5)},
                  start=start)
 
@@ -185,6 +188,8 @@ def test_an_automatic_segmented_job_with_too_few_samples_waits_a_manual_one_fail
     start = utcnow() - timedelta(minutes=30)
     with session_scope(engine) as session:
         deployment = make_deployment(session, name="assist")
+        for name in ("chat", "code"):
+            declare_segment(session=session, deployment=deployment, name=name, actor="test")
         _traffic(session, {"chat": (200, 0.5), "code": (200, 0.5)}, start=start)
         automatic, _ = service.request_calibration(
             session=session, deployment=deployment, actor="test", since=start,

@@ -21,6 +21,7 @@ from controlplane.calibration.stats import (
     simulate_policy,
 )
 from controlplane.db import session_scope, utcnow
+from controlplane.thresholds.segments import declare_segment
 from controlplane.thresholds.service import get_deployment
 from tests.controlplane.calibration.support import make_deployment, separable_samples, write_traffic
 
@@ -189,7 +190,8 @@ def test_a_one_segment_recalibration_borrows_the_other_segments_tokens_of_its_wi
     tokens, at its share of ε, is what it was."""
     start = utcnow() - timedelta(minutes=30)
     with session_scope(engine) as session:
-        make_deployment(session, name="assist")
+        deployment = make_deployment(session, name="assist")
+        declare_segment(session=session, deployment=deployment, name="code", actor="test")
         write_traffic(session, "assist", *separable_samples(4000, seed=1, noise=0.02),
                       start=start, request_tokens=32)
         write_traffic(session, "assist", *separable_samples(1000, seed=2, noise=0.02),

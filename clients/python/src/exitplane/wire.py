@@ -13,10 +13,18 @@ import enum
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 NEVER_EXIT = 1.0
 MAX_BATCH_RECORDS = 50_000
@@ -66,7 +74,15 @@ INTERVAL_MSGPACK = "application/vnd.exitplane.interval+msgpack"
 INTERVAL_JSON = "application/vnd.exitplane.interval+json"
 
 
-class Signal(enum.StrEnum):
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # the client supports 3.10: what 3.11's StrEnum does for these enums
+    class StrEnum(str, enum.Enum):
+        __str__ = str.__str__
+        __format__ = str.__format__
+
+
+class Signal(StrEnum):
     """How an exit point measures confidence."""
 
     learned = "learned"
@@ -76,7 +92,7 @@ class Signal(enum.StrEnum):
     saturation = "saturation"
 
 
-class Origin(enum.StrEnum):
+class Origin(StrEnum):
     """Where a threshold set came from."""
 
     manual = "manual"
@@ -119,6 +135,20 @@ def threshold_checksum(*, deployment: str, version: int, signal: str,
 
 def _layer_map(thresholds: dict[int, float]) -> dict[str, float]:
     return {str(layer): float(value) for layer, value in sorted(thresholds.items())}
+
+
+# The exit layers a deployment (and a runtime serving without exit heads) uses when none are
+# named: a function of the model's depth alone, so the control plane, the runtime and the CLI
+# help agree (SmolLM2-135M, 30 layers: 6, 9, ..., 27; the tiny test model, 6 layers: 2, 4).
+DEFAULT_EXIT_LAYERS_RULE = ("every 3rd layer from 6 below full depth; models under 12 layers "
+                            "every 2nd from 2; a 2-layer model layer 1")
+
+
+def default_exit_layers(num_layers: int) -> list[int]:
+    """The default exit layers of a model with `num_layers` decoder layers
+    (DEFAULT_EXIT_LAYERS_RULE); empty for a model too shallow to exit (one layer)."""
+    start, step = (6, 3) if num_layers >= 12 else (2, 2)
+    return list(range(start, num_layers, step)) or list(range(1, num_layers))
 
 
 def validate_thresholds(thresholds: dict[int, float], exit_layers: list[int]) -> None:
@@ -222,7 +252,8 @@ class ShadowPoint(BaseModel):
 
     layer: Layer
     signal: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
-    matched: bool
+    # JSON true/false (msgpack booleans) only: "yes", 1 or "true" are refused, not guessed.
+    matched: StrictBool
 
 
 class TokenRecord(BaseModel):
@@ -283,7 +314,7 @@ class TelemetryBatch(Lineage):
     records: list[TokenRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
     # True: the runtime counts every token in its aggregate batches, so these records are kept
     # as rows (shadow labels, samples) but add only their shadow labels to the rollups.
-    aggregated: bool = False
+    aggregated: StrictBool = False
 
     @model_validator(mode="after")
     def _layers_within_model(self) -> TelemetryBatch:
@@ -362,7 +393,8 @@ def _column(model: type[BaseModel], name: str, max_length: int | None = None) ->
     """A list of `model`'s field `name`, constraints included: a column of that field, so the
     field stays the one definition of what a value may be."""
     field = model.model_fields[name]
-    item = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+    item = Annotated[(field.annotation, *field.metadata)] if field.metadata \
+        else field.annotation
     return list[item] if max_length is None else Annotated[list[item],
                                                            Field(max_length=max_length)]
 
@@ -490,7 +522,7 @@ class Heartbeat(Lineage):
     runtime_id: RuntimeId
     applied_version: int | None = Field(default=None, ge=0, le=INT32)
     applied_checksum: str | None = Field(default=None, pattern=CHECKSUM_PATTERN)
-    ready: bool = True
+    ready: StrictBool = True
     error: str | None = Field(default=None, max_length=2000, pattern=NO_NUL_PATTERN)
     spooled_batches: int = Field(default=0, ge=0, le=INT32)
     dropped_records: int = Field(default=0, ge=0, le=INT32)

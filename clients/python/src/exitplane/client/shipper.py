@@ -195,6 +195,10 @@ class TelemetryShipper:
             self._wake.set()
         return True
 
+    def set_token(self, token: str) -> None:
+        """Use `token` from the next request on (a rotated runtime token)."""
+        self._http.headers["Authorization"] = f"Bearer {token}"
+
     @property
     def spooled_batches(self) -> int:
         """Batches on disk waiting for the control plane, set-aside ones included (what a

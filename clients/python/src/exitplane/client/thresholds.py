@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,9 +110,13 @@ class ThresholdClient:
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
                  request_timeout_s: float = 10.0, conservative_signal: Signal | str | None = None,
                  telemetry: TelemetryStats | None = None, head_digest: str | None = None,
-                 model_revision: str | None = None):
+                 model_revision: str | None = None,
+                 on_refused: Callable[[str], None] | None = None,
+                 on_error: Callable[[str], None] | None = None):
         """`head_digest`, `model_revision`: what this runtime serves (default: the engine's
-        `head_digest` and `model_revision` attributes; None: unknown, nothing is checked)."""
+        `head_digest` and `model_revision` attributes; None: unknown, nothing is checked).
+        `on_refused(reason)`: called on the pull thread for each set refused; `on_error(problem)`
+        for each failed pull (control plane unreachable or answering an error)."""
         self.engine = engine
         self.deployment = deployment
         self.runtime_id = runtime_id or getattr(engine, "runtime_id", None) or "runtime-0"
@@ -131,6 +136,7 @@ class ThresholdClient:
         self.conservative_signal = Signal(conservative_signal or getattr(policy, "signal", None)
                                           or Signal.learned)
         self.telemetry = telemetry
+        self.on_refused, self.on_error = on_refused, on_error
         self._http = httpx.Client(base_url=base_url.rstrip("/"),
                                   headers={"Authorization": f"Bearer {token}"},
                                   timeout=request_timeout_s)
@@ -200,6 +206,10 @@ class ThresholdClient:
         if self._thread is None or not self._thread.is_alive():
             self._http.close()
 
+    def set_token(self, token: str) -> None:
+        """Use `token` from the next request on (a rotated runtime token)."""
+        self._http.headers["Authorization"] = f"Bearer {token}"
+
     def heartbeat(self) -> bool:
         """Send one heartbeat now; False when the control plane did not take it."""
         spooled = dropped = 0
@@ -261,6 +271,8 @@ class ThresholdClient:
             if problem is None:
                 failures = 0
             else:
+                if not refused:
+                    _notify(self.on_error, problem)
                 if first:
                     self._fall_back(cached, problem)
                 elif failures == 0 and not refused:
@@ -349,6 +361,7 @@ class ThresholdClient:
         self.error = f"refused threshold set: {exc}"
         log.error("%s; %s", self.error, kept)
         self._beat_due = 0.0  # report it with the next heartbeat
+        _notify(self.on_refused, str(exc))
 
     def _fall_back(self, cached: ThresholdSetWire | None, reason: str) -> None:
         """Start-up without a usable pull: the cached set, else the never-exit set."""
@@ -381,6 +394,16 @@ class ThresholdClient:
             log.warning("ignoring the threshold cache %s: %s", self.cache_path, exc)
             return None
         return wire
+
+
+def _notify(listener: Callable[[str], None] | None, message: str) -> None:
+    """Call a listener; what it raises is logged, never let into the pull loop."""
+    if listener is None:
+        return
+    try:
+        listener(message)
+    except Exception:
+        log.exception("threshold client listener failed")
 
 
 class _PullFailed(Exception):
