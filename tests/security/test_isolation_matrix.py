@@ -10,8 +10,8 @@ revoked token and a UI session cookie all get 401; every weaker scope gets 403 (
 on operator and admin routes, operator tokens on admin routes); on the routes runtime tokens
 may call, deployment beta's runtime token cannot read or write deployment alpha, nor alpha's
 beta, nor a deployment that does not exist (403 alike, so a runtime token cannot learn which
-deployments exist); none of those refused calls changes anything in the store. Then the weakest rightful token gets the route's success status and
-the stronger ones are let in too.
+deployments exist); none of those refused calls changes anything in the store. Then the
+weakest rightful token gets the route's success status and the stronger ones are let in too.
 
 For each UI route: an anonymous visitor is sent to the login page (a form without the
 session's CSRF token is refused before that), an API token opens nothing, a weaker role gets
