@@ -362,9 +362,9 @@ class Settings(BaseSettings):
     # this, waits for approval whatever the policy.
     promotion_max_threshold_step: float = Field(
         default=0.75, gt=0, le=1,
-        description="a recalibrated set that lowers any threshold by more than this step waits for "
-        "approval whatever the policy; with a single reporting runtime, a set more "
-        "aggressive than the last good one always waits")
+        description="a recalibrated set that lowers any threshold the active set exits on by more "
+        "than this step waits for approval whatever the policy; with a single reporting "
+        "runtime, a set more aggressive than the last good one always waits")
     promotion_max_exit_rate_rise: float = Field(
         default=0.9, gt=0, le=1,
         description="a recalibrated set that raises the expected exit rate by more than this waits "

@@ -3,8 +3,8 @@
 Robust evidence (`calibration.evidence`) keeps one runtime from deciding a verdict in a fleet;
 these bounds hold whatever the evidence says, and are what is left with a single runtime:
 
-- a candidate that lowers any threshold (of any segment's map) by more than `max_threshold_step`
-  below the active set's, or whose expected exit rate is more than `max_exit_rate_rise` above
+- a candidate that lowers any threshold the active set exits on (of any segment's map) by more
+  than `max_threshold_step`, or whose expected exit rate is more than `max_exit_rate_rise` above
   the active set's, waits for approval whatever the deployment's policy (auto or canary);
 - a deployment whose window had a single reporting runtime never auto-promotes a set more
   aggressive (some threshold lower) than its last good one: the newest earlier active,
@@ -12,9 +12,10 @@ these bounds hold whatever the evidence says, and are what is left with a single
   With no such set yet (a first calibration from the conservative set), the two bounds above
   apply alone.
 
-The defaults let a first calibration from never-exit through (the demo certifies 20-50% exits
-on chat, thresholds well above 0.25) and stop a set that would exit everywhere (a liar's
-thresholds 0.0: a step of 1.0 and an exit rate rising to 1.0).
+A layer the active set never exits on has no threshold to step from: opening it is bounded by
+the exit-rate rise. So the defaults let a first calibration from never-exit through (the demo
+certifies 20-50% exits on chat) and stop a set that would exit everywhere (a liar's thresholds
+0.0: an exit rate rising to 1.0), and a recalibration may not drop a working threshold far.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def step_reasons(*, candidate: ThresholdSet, active: ThresholdSet,
         new, old = thresholds_for(candidate, segment), thresholds_for(active, segment)
         where = "" if segment == DEFAULT_SEGMENT else f" of segment {segment}"
         for layer in sorted(new):
-            drop = old.get(layer, NEVER_EXIT) - new[layer]
+            if old.get(layer, NEVER_EXIT) >= NEVER_EXIT:
+                continue  # the active set never exits here: the exit-rate rise bounds it
+            drop = old[layer] - new[layer]
             if drop > bounds.max_threshold_step + 1e-12:
-                reasons.append(f"layer {layer}{where} threshold {old.get(layer, NEVER_EXIT):g} "
+                reasons.append(f"layer {layer}{where} threshold {old[layer]:g} "
                                f"-> {new[layer]:g} (lowered by {drop:.3f} > "
                                f"{bounds.max_threshold_step:g})")
         after, before = (_expected_exit_rate(candidate, segment),
