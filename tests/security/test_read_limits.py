@@ -8,10 +8,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.deps import HEAVY_READ_COST, HEAVY_READS, OWN_BUCKET_READS
 from controlplane.thresholds.schemas import DeploymentCreate
@@ -28,24 +26,6 @@ def private_redis():
     server.start()
     yield server
     server.cleanup()
-
-
-@pytest.fixture
-def serve(settings, engine, tokens):
-    opened = []
-
-    def start(**overrides) -> TestClient:
-        app = create_app(settings.model_copy(update=overrides), engine=engine)
-        client = TestClient(app)
-        client.__enter__()
-        opened.append((app, client))
-        return client
-
-    yield start
-    for app, client in opened:
-        client.__exit__(None, None, None)
-        app.state.config_delivery.close()
-        app.state.heartbeats.close()
 
 
 @pytest.fixture

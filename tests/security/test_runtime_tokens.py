@@ -17,7 +17,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import RuntimeCaps, record_heartbeat
@@ -26,24 +25,6 @@ from exitplane.wire import Heartbeat
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
 
 BEATS = "/v1/deployments/{}/heartbeats"
-
-
-@pytest.fixture
-def serve(settings, engine):
-    opened = []
-
-    def start(**overrides) -> TestClient:
-        app = create_app(settings.model_copy(update=overrides), engine=engine)
-        client = TestClient(app)
-        client.__enter__()
-        opened.append((app, client))
-        return client
-
-    yield start
-    for app, client in opened:
-        client.__exit__(None, None, None)
-        app.state.config_delivery.close()
-        app.state.heartbeats.close()
 
 
 def _runtime_token(engine, deployment: str = "chat") -> dict[str, str]:
