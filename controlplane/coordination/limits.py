@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
 import redis.asyncio
@@ -27,9 +26,7 @@ KEY_PREFIX = "exitplane:ratelimit:"
 # GCRA: the key holds the theoretical arrival time (TAT, microseconds of the Redis clock).
 # A request of `cost` units is allowed when TAT + (cost - 1) x interval - now <= tolerance; it
 # then advances TAT by `cost` intervals (one unit: TAT - now <= tolerance, one interval).
-# A Lua function, so that a script of another module can take from a bucket and act in the
-# same atomic step (the telemetry stream's append: `SharedBucket`). Returns the microseconds
-# to wait (0: taken).
+# Returns the microseconds to wait (0: taken).
 GCRA_LUA = """
 local function gcra_take(key, interval, tolerance, cost)
   cost = cost or 1
@@ -48,17 +45,6 @@ end
 """
 _GCRA = (GCRA_LUA
          + "return gcra_take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))\n")
-
-
-@dataclass(frozen=True)
-class SharedBucket:
-    """One key's GCRA bucket in Redis, for a script that takes from it itself (`GCRA_LUA`):
-    `key` and `args` (interval and tolerance in microseconds) go to `gcra_take`. `client` is
-    the asyncio client the limiter uses."""
-
-    client: redis.asyncio.Redis
-    key: str
-    args: tuple[str, str]
 
 
 class LocalRateLimiter:
@@ -137,12 +123,6 @@ class RedisRateLimiter:
             return self._unshared(key, error, cost)
         wait = float(wait_us) / 1_000_000
         return wait if wait > 0 else None
-
-    def shared_bucket(self, key: str) -> SharedBucket | None:
-        """`key`'s bucket for a script that takes from it itself; None when unlimited."""
-        if self.rate <= 0:
-            return None
-        return SharedBucket(client=self._client, key=self._prefix + key, args=self._args)
 
     def _cost(self, cost: float) -> tuple[str, str, str]:
         # More than a burst could never be taken: such a request costs a full burst.
