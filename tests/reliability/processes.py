@@ -125,7 +125,9 @@ class ServedDeployment:
                                              "ts": time.time()}]})
 
     def ready(self) -> bool:
-        return httpx.get(f"{self.base}/readyz", timeout=30).status_code == 200
+        """The store and Redis answer the API now (the deep check, not the probe's)."""
+        return httpx.get(f"{self.base}/readyz", params={"deep": "true"},
+                         timeout=30).status_code == 200
 
     def close(self) -> None:
         self.server.should_exit = True

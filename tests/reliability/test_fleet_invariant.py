@@ -89,7 +89,7 @@ def test_token_counts_are_exact_through_kills(private_redis, db_url, engine, tmp
 
     def ready() -> bool:
         try:
-            return httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+            return httpx.get(f"{base}/readyz?deep=true", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
 
