@@ -39,6 +39,17 @@ def _run(connection) -> None:
         context.run_migrations()
 
 
+def run_migrations_offline() -> None:
+    """Write the migrations' SQL instead of running it (`exitplane db upgrade --sql`)."""
+    url = config.get_main_option("sqlalchemy.url") or get_settings().effective_database_url
+    context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
+                      render_as_batch=url.startswith("sqlite"), include_name=include_name,
+                      dialect_opts={"paramstyle": "named"})
+    with context.begin_transaction():
+        context.run_migrations()
+
+
 if context.is_offline_mode():
-    raise SystemExit("offline migrations are not supported; run `exitplane db upgrade`")
-run_migrations()
+    run_migrations_offline()
+else:
+    run_migrations()

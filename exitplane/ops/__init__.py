@@ -1,0 +1,16 @@
+"""The operator commands: the control plane driven over its HTTP API (no database access), so
+they run from any machine that can reach the API with a token."""
+
+from __future__ import annotations
+
+import click
+
+
+def register(main: click.Group) -> None:
+    """Add the operator groups and commands to the `exitplane` command."""
+    from exitplane.ops.deployments import canary, deployments, rollback, segments, versions
+    from exitplane.ops.operations import alerts, calibrations, runtimes, tokens
+
+    for command in (deployments, versions, rollback, canary, segments, calibrations, alerts,
+                    runtimes, tokens):
+        main.add_command(command)

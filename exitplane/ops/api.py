@@ -1,0 +1,175 @@
+"""How an operator command reaches the control plane: its URL and token, one request, the
+exit codes (0 done, 1 the control plane refused, 2 bad input or nothing answered), and the
+values commands take (path segments, moments)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import quote
+
+import click
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+REFUSED = 1  # the control plane answered with an error
+UNUSABLE = 2  # bad input, an unreadable file, or no control plane answered
+
+
+def fail(message: str, code: int = UNUSABLE) -> NoReturn:
+    """End the command with one line on stderr."""
+    click.echo(f"exitplane: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
+
+
+class ControlPlane:
+    """One control plane as the operator commands see it: a base URL, a bearer token and how
+    answers are printed."""
+
+    def __init__(self, *, url: str, token: str | None, output: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.output = output
+        self.timeout_s = timeout_s
+
+    def request(self, method: str, path: str, *, json: Any = None,
+                params: dict | None = None) -> Any:
+        """Send one request; return the answer's JSON (None when it has no body)."""
+        if not self.token:
+            fail("no API token: set EXITPLANE_TOKEN or EXITPLANE_TOKEN_FILE, or pass "
+                 "--token-file FILE")
+        query = {key: value for key, value in (params or {}).items() if value is not None}
+        try:
+            answer = httpx.request(method, self.url + path, json=json, params=query,
+                                   headers={"Authorization": f"Bearer {self.token}",
+                                            "User-Agent": "exitplane-cli"},
+                                   timeout=self.timeout_s)
+        except httpx.TimeoutException:
+            fail(f"{self.url} did not answer within {self.timeout_s:g} s")
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as error:
+            fail(f"invalid control plane URL {self.url!r} ({error}); give one like "
+                 f"{DEFAULT_URL}")
+        except httpx.HTTPError as error:
+            fail(f"cannot reach {self.url}: {_reason(error)}")
+        if answer.is_error:
+            fail(_refusal(answer), REFUSED)
+        if not answer.content:
+            return None
+        try:
+            return answer.json()
+        except ValueError:
+            fail(f"{self.url}{path} answered {answer.status_code} without JSON; is {self.url} "
+                 "an exitplane control plane?")
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params=params)
+
+
+def part(value: str | int) -> str:
+    """A path segment: a name or id, percent-encoded."""
+    return quote(str(value), safe="")
+
+
+def moment(value: str) -> datetime:
+    """An ISO time (UTC when it has no offset) or an age like 30m, 6h, 2d before now."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if value[-1:] in units and value[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(UTC) - timedelta(seconds=float(value[:-1]) * units[value[-1]])
+    try:
+        found = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is neither an ISO time nor an age like 30m, 6h, 2d") from None
+    return found if found.tzinfo else found.replace(tzinfo=UTC)
+
+
+def _reason(error: httpx.HTTPError) -> str:
+    """`[Errno 111] Connection refused` -> `connection refused`."""
+    text = str(error) or type(error).__name__
+    if text.startswith("[Errno") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:1].lower() + text[1:]
+
+
+def _refusal(answer: httpx.Response) -> str:
+    """The control plane's own message for an error answer, with its status."""
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if not isinstance(detail, str) or not detail:
+        return (f"{answer.request.url.copy_with(query=None)} answered "
+                f"{answer.status_code} {answer.reason_phrase}")
+    if answer.status_code == 401:
+        detail += " (check EXITPLANE_TOKEN / --token-file)"
+    return f"{detail} (HTTP {answer.status_code})"
+
+
+def _token(token_file: str | None) -> str | None:
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as error:
+            fail(f"cannot read the token file {token_file}: {error.strerror or error}")
+        if not token:
+            fail(f"the token file {token_file} is empty")
+        return token
+    return os.environ.get("EXITPLANE_TOKEN") or None
+
+
+def _connection_options() -> list[click.Option]:
+    """Fresh --url, --token-file, --output and --timeout options (click lists a command's
+    options in reverse order of this list)."""
+    return [
+        click.Option(["--timeout", "timeout_s"], type=click.FloatRange(min=0.1), default=30.0,
+                     show_default=True, help="seconds to wait for the control plane"),
+        click.Option(["--output", "-o"], envvar="EXITPLANE_OUTPUT", default="table",
+                     show_default=True, type=click.Choice(["table", "json"]),
+                     help="table for people; json (the API's own objects) for scripts "
+                          "(env: EXITPLANE_OUTPUT)"),
+        click.Option(["--token-file"], envvar="EXITPLANE_TOKEN_FILE", default=None,
+                     type=click.Path(dir_okay=False),
+                     help="read the API token from this file (env: EXITPLANE_TOKEN_FILE; "
+                          "default: the EXITPLANE_TOKEN variable)"),
+        click.Option(["--url"], envvar="EXITPLANE_URL", default=DEFAULT_URL, show_default=True,
+                     help="the control plane's base URL (env: EXITPLANE_URL)"),
+    ]
+
+
+def operator_command(group: click.Group | None, name: str, **attrs: Any):
+    """A command of `group` (None: a command of its own) that talks to the control plane:
+    after its own options it gets --url, --token-file, --output and --timeout, and its
+    function receives the ControlPlane as `api`."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def command(url: str, token_file: str | None, output: str, timeout_s: float,
+                    **kwargs: Any):
+            api = ControlPlane(url=url, token=_token(token_file), output=output,
+                               timeout_s=timeout_s)
+            return function(api=api, **kwargs)
+
+        command.__click_params__ = [*_connection_options(),
+                                    *getattr(function, "__click_params__", [])]
+        return (group.command if group else click.command)(name, **attrs)(command)
+
+    return decorate
+
+
+def write_token_file(out_file: str, secret: str) -> None:
+    """Write a token's secret to `out_file`, mode 600, whole or not at all."""
+    path = Path(out_file)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secret + "\n")
+        partial.replace(path)  # never a half-written token for a runtime to read
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        fail(f"cannot write the token file {out_file}: {error.strerror or error}")

@@ -1,0 +1,384 @@
+"""Operator commands for deployments, their threshold set versions, rollback, the canary and
+declared traffic segments, over the HTTP API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from exitplane.ops.api import ControlPlane, fail, operator_command, part
+from exitplane.ops.render import emit, record, table
+from exitplane.wire import Signal
+
+ALIASES = ("active", "conservative", "canary")
+REASON = click.option("--reason", required=True, help="why (written to the audit log)")
+
+
+def _path(deployment: str, *rest: str | int) -> str:
+    return "/".join(["/v1/deployments", part(deployment), *(part(item) for item in rest)])
+
+
+# -- deployments -----------------------------------------------------------------------------
+
+@click.group()
+def deployments() -> None:
+    """Deployments (a named runtime fleet, its quality target and its aliases) over the API."""
+
+
+DEPLOYMENT_COLUMNS = [
+    ("NAME", "name"), ("MODEL", "model_ref"), ("EXIT LAYERS", "exit_layers"),
+    ("SIGNAL", "signal"), ("DELTA", "delta"), ("POLICY", "policy"),
+    ("ACTIVE", lambda d: d["aliases"].get("active")),
+    ("CONSERVATIVE", lambda d: d["aliases"].get("conservative")),
+    ("CANARY", lambda d: d["aliases"].get("canary")),
+]
+
+
+@operator_command(deployments, "list")
+def deployments_list(api: ControlPlane) -> None:
+    """One line per deployment: model, exit layers, signal, target and alias versions."""
+    found = api.get("/v1/deployments")
+    emit(api.output, found, lambda: table(found, DEPLOYMENT_COLUMNS))
+
+
+@operator_command(deployments, "show")
+@click.argument("name")
+def deployments_show(api: ControlPlane, name: str) -> None:
+    """Every setting of deployment NAME and where its aliases point."""
+    found = api.get(_path(name))
+    fields = [(key, key) for key in found if key != "aliases"]
+    fields += [(f"alias {alias}", lambda d, a=alias: d["aliases"].get(a)) for alias in ALIASES]
+    emit(api.output, found, lambda: record(found, fields))
+
+
+AUDIT_COLUMNS = [("ID", "id"), ("WHEN", "created_at"), ("ACTOR", "actor"), ("ACTION", "action"),
+                 ("ALIAS", "alias"), ("FROM", "from_version"), ("TO", "to_version"),
+                 ("REASON", "reason")]
+
+
+@operator_command(deployments, "audit")
+@click.argument("name")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True,
+              help="newest events to show")
+def deployments_audit(api: ControlPlane, name: str, limit: int) -> None:
+    """Who moved which alias of NAME, when, from which version to which, and why."""
+    events = api.get(_path(name, "audit"), limit=limit)
+    emit(api.output, events, lambda: table(events, AUDIT_COLUMNS))
+
+
+def _moved(event: dict, deployment: str) -> str:
+    """An alias move in words."""
+    alias = event.get("alias") or "alias"
+    was = event.get("from_version")
+    to = event.get("to_version")
+    moved = f"{was} -> {to}" if was is not None else f"-> {to}" if to is not None else "cleared"
+    return (f"{deployment}: {alias} {moved} (audit event {event['id']}, "
+            f"by {event['actor']})")
+
+
+# -- versions --------------------------------------------------------------------------------
+
+@click.group()
+def versions() -> None:
+    """A deployment's threshold set versions: list, show, diff, publish, activate."""
+
+
+VERSION_COLUMNS = [("VERSION", "version"), ("ALIASES", "aliases"), ("ORIGIN", "origin"),
+                   ("SIGNAL", "signal"), ("THRESHOLDS", "thresholds"), ("AUTHOR", "author"),
+                   ("CREATED", "created_at"), ("REASON", "reason")]
+
+
+@operator_command(versions, "list")
+@click.argument("deployment")
+@click.option("--limit", type=click.IntRange(1, 500), default=20, show_default=True,
+              help="newest versions to show")
+def versions_list(api: ControlPlane, deployment: str, limit: int) -> None:
+    """One line per threshold set of DEPLOYMENT, newest first, with the aliases on it."""
+    found = api.get(_path(deployment, "threshold-sets"), limit=limit)
+    emit(api.output, found, lambda: table(found, VERSION_COLUMNS))
+
+
+def resolve_version(api: ControlPlane, deployment: str, ref: str) -> int:
+    """A version number, or the one an alias (active, conservative, canary) points at."""
+    if ref.isdigit():
+        return int(ref)
+    if ref not in ALIASES:
+        fail(f"version {ref!r} is neither a number nor one of {', '.join(ALIASES)}")
+    aliases = api.get(_path(deployment))["aliases"]
+    if ref not in aliases:
+        fail(f"deployment {deployment!r} has no {ref} alias", 1)
+    return aliases[ref]
+
+
+def _show_set(threshold_set: dict) -> None:
+    fields = [(key, key) for key in ("version", "aliases", "signal", "thresholds", "origin",
+                                     "parent_version", "calibration_job_id", "author",
+                                     "reason", "created_at", "checksum", "head_digest",
+                                     "expected_metrics")]
+    record(threshold_set, fields)
+    for segment, by_layer in (threshold_set.get("segments") or {}).items():
+        record({"map": by_layer}, [(f"segment {segment}", "map")])
+
+
+@operator_command(versions, "show")
+@click.argument("deployment")
+@click.argument("version")
+def versions_show(api: ControlPlane, deployment: str, version: str) -> None:
+    """Threshold set VERSION of DEPLOYMENT (a number, or active / conservative / canary)."""
+    number = resolve_version(api, deployment, version)
+    found = api.get(_path(deployment, "threshold-sets", number))
+    emit(api.output, found, lambda: _show_set(found))
+
+
+def _layer_changes(old: dict, new: dict) -> list[dict]:
+    layers = sorted({int(layer) for layer in [*old, *new]})
+    changes = []
+    for layer in layers:
+        was, now = old.get(str(layer)), new.get(str(layer))
+        change = round(now - was, 6) if was is not None and now is not None else None
+        changes.append({"layer": layer, "from": was, "to": now, "change": change})
+    return changes
+
+
+def threshold_diff(deployment: str, old: dict, new: dict) -> dict:
+    """Per exit layer (and per segment), the thresholds of two sets and the change."""
+    old_segments, new_segments = old.get("segments") or {}, new.get("segments") or {}
+    return {
+        "deployment": deployment,
+        "from": {key: old.get(key) for key in ("version", "signal", "checksum", "aliases")},
+        "to": {key: new.get(key) for key in ("version", "signal", "checksum", "aliases")},
+        "thresholds": _layer_changes(old["thresholds"], new["thresholds"]),
+        "segments": {name: _layer_changes(old_segments.get(name, {}),
+                                          new_segments.get(name, {}))
+                     for name in sorted({*old_segments, *new_segments})},
+    }
+
+
+def _show_diff(diff: dict) -> None:
+    old, new = diff["from"], diff["to"]
+    click.echo(f"{diff['deployment']}: version {old['version']} -> {new['version']}")
+    if old["signal"] != new["signal"]:
+        click.echo(f"signal: {old['signal']} -> {new['signal']}")
+    columns = [("LAYER", "layer"), (f"V{old['version']}", "from"), (f"V{new['version']}", "to"),
+               ("CHANGE", lambda row: "=" if row["change"] == 0 else
+                f"{row['change']:+.4g}" if row["change"] is not None else "-")]
+    table(diff["thresholds"], columns)
+    for name, rows in diff["segments"].items():
+        click.echo(f"segment {name}:")
+        table(rows, columns)
+
+
+@operator_command(versions, "diff")
+@click.argument("deployment")
+@click.argument("old")
+@click.argument("new", default="active")
+def versions_diff(api: ControlPlane, deployment: str, old: str, new: str) -> None:
+    """Per exit layer, how the thresholds of version OLD and version NEW (default: active)
+    differ; each is a number or an alias."""
+    sets = [api.get(_path(deployment, "threshold-sets", resolve_version(api, deployment, ref)))
+            for ref in (old, new)]
+    diff = threshold_diff(deployment, *sets)
+    emit(api.output, diff, lambda: _show_diff(diff))
+
+
+def _layer_map(raw: Any, where: str) -> dict[str, float]:
+    if not isinstance(raw, dict) or not raw:
+        fail(f"{where} must be a non-empty object {{layer: threshold}}")
+    try:
+        return {str(int(layer)): float(value) for layer, value in raw.items()}
+    except (TypeError, ValueError):
+        fail(f"{where} must map whole layer numbers to numbers")
+
+
+def read_set_file(path: str) -> dict:
+    """A threshold set file: {signal, thresholds, segments, expected_metrics} or a set as
+    runtimes pull it (its version, checksum and deployment are not sent)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        fail(f"cannot read {path}: {error.strerror or error}")
+    except ValueError as error:
+        fail(f"{path} is not JSON: {error}")
+    if not isinstance(data, dict) or "thresholds" not in data:
+        fail(f"{path} needs a 'thresholds' object: {{layer: threshold}}")
+    spec: dict[str, Any] = {"thresholds": _layer_map(data["thresholds"], f"{path}: thresholds")}
+    if data.get("segments"):
+        if not isinstance(data["segments"], dict):
+            fail(f"{path}: segments must be an object {{segment: {{layer: threshold}}}}")
+        spec["segments"] = {name: _layer_map(by_layer, f"{path}: segment {name!r}")
+                            for name, by_layer in data["segments"].items()}
+    if data.get("signal") is not None:
+        spec["signal"] = data["signal"]
+    if data.get("expected_metrics"):
+        spec["expected_metrics"] = data["expected_metrics"]
+    return spec
+
+
+def _pairs(values: tuple[str, ...]) -> dict[str, float]:
+    pairs = {}
+    for value in values:
+        layer, _, threshold = value.partition("=")
+        try:
+            pairs[str(int(layer))] = float(threshold)
+        except ValueError:
+            fail(f"--threshold {value!r}: write LAYER=VALUE, e.g. 12=0.9")
+    return pairs
+
+
+@operator_command(versions, "publish")
+@click.argument("deployment")
+@click.option("--file", "set_file", default=None, metavar="FILE",
+              help="JSON file: {signal, thresholds: {layer: value}, segments, "
+                   "expected_metrics}, or a set as runtimes pull it")
+@click.option("--threshold", "pairs", multiple=True, metavar="LAYER=VALUE",
+              help="a layer's threshold (repeatable; overrides the file's)")
+@click.option("--signal", type=click.Choice([s.value for s in Signal]), default=None,
+              help="the signal the thresholds apply to (default: the file's, else the "
+                   "deployment's)")
+@REASON
+@click.option("--activate", is_flag=True, help="also point `active` at the new version")
+def versions_publish(api: ControlPlane, deployment: str, set_file: str | None,
+                     pairs: tuple[str, ...], signal: str | None, reason: str,
+                     activate: bool) -> None:
+    """Publish a new threshold set version of DEPLOYMENT (immutable; --activate to serve it)."""
+    if not set_file and not pairs:
+        fail("give the thresholds: --file FILE or --threshold LAYER=VALUE")
+    spec = read_set_file(set_file) if set_file else {"thresholds": {}}
+    spec["thresholds"] = {**spec["thresholds"], **_pairs(pairs)}
+    if signal:
+        spec["signal"] = signal
+    spec |= {"reason": reason, "activate": activate}
+    made = api.request("POST", _path(deployment, "threshold-sets"), json=spec)
+    emit(api.output, made, lambda: click.echo(
+        f"{deployment}: published version {made['version']}"
+        + (" (active)" if "active" in made["aliases"] else "")))
+
+
+@operator_command(versions, "activate")
+@click.argument("deployment")
+@click.argument("version", type=click.IntRange(min=1))
+@REASON
+def versions_activate(api: ControlPlane, deployment: str, version: int, reason: str) -> None:
+    """Point DEPLOYMENT's `active` alias at VERSION; runtimes pick it up by ETag."""
+    event = api.request("PUT", _path(deployment, "aliases", "active"),
+                        json={"version": version, "reason": reason})
+    emit(api.output, event, lambda: click.echo(_moved(event, deployment)))
+
+
+@operator_command(None, "rollback")
+@click.argument("deployment")
+@click.option("--to", "to_version", type=click.IntRange(min=1), default=None,
+              help="the version to make active (default: the one active before this one)")
+@REASON
+def rollback(api: ControlPlane, deployment: str, to_version: int | None, reason: str) -> None:
+    """Move DEPLOYMENT's `active` alias back to the version it pointed at before (or --to)."""
+    event = api.request("POST", _path(deployment, "rollback"),
+                        json={"to_version": to_version, "reason": reason})
+    emit(api.output, event, lambda: click.echo(_moved(event, deployment)))
+
+
+# -- canary ----------------------------------------------------------------------------------
+
+@click.group()
+def canary() -> None:
+    """A deployment's canary: its verdicts, promote it, revert it. A canary starts from a
+    calibration under the `canary` policy, or on the admin UI's versions page."""
+
+
+CANARY_FIELDS = [(key, key) for key in (
+    "id", "version", "baseline_version", "status", "status_reason", "job_id", "clean_windows",
+    "failed_checks", "inconclusive_windows", "next_window_start", "started_at", "finished_at")]
+CHECK_COLUMNS = [("WINDOW", lambda check: check["window"][0]), ("VERDICT", "verdict"),
+                 ("REASON", "reason")]
+
+
+def _show_canary(run: dict) -> None:
+    record(run, CANARY_FIELDS)
+    if run["checks"]:
+        click.echo("")
+        table(run["checks"], CHECK_COLUMNS, width=90)
+
+
+@operator_command(canary, "status")
+@click.argument("deployment")
+def canary_status(api: ControlPlane, deployment: str) -> None:
+    """DEPLOYMENT's newest canary run and every window's verdict."""
+    run = api.get(_path(deployment, "canary"))
+    emit(api.output, run, lambda: _show_canary(run))
+
+
+@operator_command(canary, "promote")
+@click.argument("deployment")
+@REASON
+def canary_promote(api: ControlPlane, deployment: str, reason: str) -> None:
+    """Make DEPLOYMENT's running (or paused) canary version active for every runtime."""
+    run = api.request("POST", _path(deployment, "canary", "promote"), json={"reason": reason})
+    emit(api.output, run, lambda: click.echo(
+        f"{deployment}: canary of version {run['version']} {run['status']}"))
+
+
+@operator_command(canary, "revert")
+@click.argument("deployment")
+@REASON
+def canary_revert(api: ControlPlane, deployment: str, reason: str) -> None:
+    """Stop DEPLOYMENT's running (or paused) canary: every runtime applies `active` again."""
+    run = api.request("POST", _path(deployment, "canary", "revert"), json={"reason": reason})
+    emit(api.output, run, lambda: click.echo(
+        f"{deployment}: canary of version {run['version']} {run['status']}"))
+
+
+# -- segments --------------------------------------------------------------------------------
+
+@click.group()
+def segments() -> None:
+    """A deployment's declared traffic segments over the API: list, declare, remove."""
+
+
+SEGMENT_COLUMNS = [("NAME", "name"),
+                   ("STATE", lambda s: "removed" if s["removed_at"] else "in use"),
+                   ("ORIGIN", "origin"), ("SINCE", lambda s: s["removed_at"] or s["created_at"])]
+
+
+def _show_registry(registry: dict) -> None:
+    table(registry["segments"], SEGMENT_COLUMNS)
+    click.echo(f"telemetry registers new names: {'yes' if registry['auto_segments'] else 'no'}"
+               f" (auto_segments); at most {registry['max_segments']} segments", err=True)
+    for item in registry["undeclared_by_runtime"]:
+        click.echo(f"undeclared: {item['tokens']} tokens in {item['batches']} batches from "
+                   f"runtime {item['runtime_id']}", err=True)
+
+
+@operator_command(segments, "list")
+@click.argument("deployment")
+@click.option("--window", "window_s", type=click.IntRange(60, 31 * 86400), default=86400,
+              show_default=True, help="seconds of undeclared traffic to count, ending now")
+def segments_list(api: ControlPlane, deployment: str, window_s: int) -> None:
+    """DEPLOYMENT's segments (in use and removed), then per runtime the tokens stored as
+    `default` because their segment was not in use."""
+    registry = api.get(_path(deployment, "declared-segments"), window_s=window_s)
+    emit(api.output, registry, lambda: _show_registry(registry))
+
+
+@operator_command(segments, "declare")
+@click.argument("deployment")
+@click.argument("name")
+@click.option("--reason", default="", help="why (written to the audit log)")
+def segments_declare(api: ControlPlane, deployment: str, name: str, reason: str) -> None:
+    """Put segment NAME in use: DEPLOYMENT's traffic of NAME is stored under its name."""
+    row = api.request("PUT", _path(deployment, "declared-segments", name),
+                      json={"reason": reason})
+    emit(api.output, row, lambda: click.echo(f"{deployment}: segment {row['name']} in use"))
+
+
+@operator_command(segments, "remove")
+@click.argument("deployment")
+@click.argument("name")
+@click.option("--reason", default="", help="why (written to the audit log)")
+def segments_remove(api: ControlPlane, deployment: str, name: str, reason: str) -> None:
+    """Take segment NAME out of use: its traffic is stored as `default` from now on."""
+    row = api.request("DELETE", _path(deployment, "declared-segments", name),
+                      params={"reason": reason or None})
+    emit(api.output, row, lambda: click.echo(f"{deployment}: segment {row['name']} removed"))
