@@ -1,18 +1,22 @@
 """`exitplane.client.Runtime` and `AsyncRuntime`: offline from a file (re-read on change),
-listeners, a token file rotated under a running runtime, leaving the fleet (and only with the
-token that registered the runtime), and the asyncio variant, against a real control plane."""
+listeners, a token file rotated under a running runtime (which then leaves with the new
+token), leaving the fleet (never with another deployment's token; no `runtime_stale` after
+it), and the asyncio variant, against a real control plane."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
+from datetime import timedelta
 
 import httpx
 import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token, revoke_token
+from controlplane.db import utcnow
+from controlplane.drift.service import check_runtimes
 from controlplane.thresholds.service import get_deployment
 from exitplane.client import AsyncRuntime, RefusedThresholdSet, Runtime
 from exitplane.wire import ThresholdSetWire
@@ -108,17 +112,51 @@ def test_a_rotated_token_file_is_used_without_a_restart(control_plane, operator,
         version = publish(operator, {2: 0.8, 4: 0.8})
         wait_until(lambda: rt.version == version, message="pulls go on with the new token")
         assert rt.heartbeat()
-    # the runtime was registered by the old token: the new one may not take it out
-    assert [r["runtime_id"] for r in operator.get(
-        f"/v1/deployments/{DEPLOYMENT}/runtimes").json()] == ["rotating-1"]
+        errors = []
+        rt.on_error(errors.append)
+    # The old (now revoked) token registered the runtime: it leaves with the one it holds now.
+    assert operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json() == []
+    assert errors == []
 
 
 @pytest.mark.slow  # a control plane
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_leaving_takes_the_runtime_out_and_only_its_own_token_may(control_plane, operator,
-                                                                  engine, tmp_path):
+def test_close_reads_the_token_file_once_more_before_it_leaves(control_plane, operator,
+                                                              engine, tmp_path):
+    old_id, old = _runtime_token(engine, "rt-old")
+    token_file = tmp_path / "token"
+    token_file.write_text(old + "\n")
+    publish(operator, {2: 0.9, 4: 0.9})
+    errors = []
+    rt = Runtime(url=control_plane.url, token_file=token_file, deployment=DEPLOYMENT,
+                 runtime_id="rotated-late", num_layers=NUM_LAYERS, exit_layers=EXIT_LAYERS,
+                 state_dir=tmp_path / "state", file_check_s=3600, threshold_options=FAST)
+    rt.on_error(errors.append)
+    rt.start()
+    fleet = f"/v1/deployments/{DEPLOYMENT}/runtimes"
+    wait_until(lambda: operator.get(fleet).json(), message="the runtime is listed")
+    # rotated just before the stop, too late for the file watcher (it looks once an hour)
+    _, new = _runtime_token(engine, "rt-new")
+    token_file.write_text(new + "\n")
+    with Session(engine) as session:
+        revoke_token(session=session, token_id=old_id)
+        session.commit()
+    rt.close()
+    assert operator.get(fleet).json() == [] and errors == []
+
+
+@pytest.mark.slow  # a control plane
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_leaving_takes_the_runtime_out_and_no_other_deployments_token_may(
+        control_plane, operator, engine, tmp_path):
     _, mine = _runtime_token(engine, "rt-mine")
-    _, other = _runtime_token(engine, "rt-other")
+    assert operator.post("/v1/deployments", json={
+        "name": "elsewhere", "model_ref": "m", "num_layers": NUM_LAYERS,
+        "exit_layers": EXIT_LAYERS}).status_code == 201
+    with Session(engine) as session:
+        _, other = create_token(session=session, name="rt-elsewhere", scope="runtime",
+                                deployment=get_deployment(session=session, name="elsewhere"))
+        session.commit()
     publish(operator, {2: 0.9, 4: 0.9})
     errors = []
     rt = Runtime(url=control_plane.url, token=mine, deployment=DEPLOYMENT,
@@ -131,11 +169,41 @@ def test_leaving_takes_the_runtime_out_and_only_its_own_token_may(control_plane,
                message="the runtime is listed")
     leave = f"{control_plane.url}{fleet}/leaving-1/leave"
     refused = httpx.post(leave, headers={"Authorization": f"Bearer {other}"})
-    assert refused.status_code == 404 and "registered with this token" in refused.text
+    assert refused.status_code == 403 and "another deployment" in refused.text
+    assert [r["runtime_id"] for r in operator.get(fleet).json()] == ["leaving-1"]
     rt.close()
     assert operator.get(fleet).json() == [] and errors == []
     again = httpx.post(leave, headers={"Authorization": f"Bearer {mine}"})
     assert again.status_code == 404  # already gone
+
+
+@pytest.mark.slow  # a control plane
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_runtime_that_left_never_goes_stale(control_plane, operator, runtime_token, engine,
+                                             settings, tmp_path):
+    """Two runtimes stop; the one whose close() leaves is out of the fleet view and of the
+    stale check run past the stale window, the one that stops without leaving is paged."""
+    publish(operator, {2: 0.9, 4: 0.9})
+    fleet = f"/v1/deployments/{DEPLOYMENT}/runtimes"
+    runtimes = {name: Runtime(url=control_plane.url, token=runtime_token, deployment=DEPLOYMENT,
+                              runtime_id=name, num_layers=NUM_LAYERS, exit_layers=EXIT_LAYERS,
+                              state_dir=tmp_path / name, threshold_options=FAST).start()
+                for name in ("leaving-1", "crashing-1")}
+    wait_until(lambda: len(operator.get(fleet).json()) == 2, message="both runtimes listed")
+    runtimes["leaving-1"].close()
+    runtimes["crashing-1"].close(leave=False)
+    assert [r["runtime_id"] for r in operator.get(fleet).json()] == ["crashing-1"]
+
+    later = utcnow() + timedelta(seconds=settings.runtime_stale_after_s + 60)
+    with Session(engine) as session:
+        result = check_runtimes(session=session, deployment=get_deployment(
+            session=session, name=DEPLOYMENT), stale_after_s=settings.runtime_stale_after_s,
+            clear_after_s=settings.alert_clear_after_s, now=later)
+        session.commit()
+        [alert] = result.fired
+        assert alert.kind == "runtime_stale"
+        assert [r["runtime_id"] for r in alert.evidence["runtimes"]] == ["crashing-1"]
+        assert "leaving-1" not in alert.summary
 
 
 @pytest.mark.slow  # a control plane

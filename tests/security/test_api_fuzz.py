@@ -1,5 +1,6 @@
 """Schemathesis over every /v1 operation of the OpenAPI spec, with a token of each scope:
-no input may produce a 5xx, and every 4xx says what was wrong."""
+no input may produce a 5xx, every answer's status is one the document lists for the operation
+(a generated client reads it), and every 4xx says what was wrong."""
 
 import random
 
@@ -59,6 +60,9 @@ def exercise(operation, scopes, failures) -> None:
         where = f"{operation.method.upper()} {operation.path}"
         if response.status_code >= 500:
             failures.append(f"{where} -> {response.status_code}: {response.text[:200]}")
+        elif str(response.status_code) not in operation.definition.raw["responses"]:
+            failures.append(f"{where} -> {response.status_code}, which the OpenAPI document "
+                            f"does not list: {response.text[:200]}")
         elif 400 <= response.status_code < 500:
             body = response.json()
             if not (body.get("detail") or body.get("error")):

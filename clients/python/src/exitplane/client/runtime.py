@@ -201,6 +201,8 @@ class Runtime:
             self._watcher.join(timeout)
         if self.thresholds is None:
             return
+        if self.token_file is not None:
+            self._reload_token()  # the last sends and the leave go with the token held now
         self.shipper.close(timeout)
         self.thresholds.heartbeat()  # the last word on spooled and dropped counts
         self.thresholds.stop()
