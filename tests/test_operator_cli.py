@@ -7,7 +7,7 @@ with exit status 1 (the control plane refused) or 2 (bad input, nothing answered
 missing `--thresholds` file, each one line.
 
 The store is set up directly only where the API has no route for it (an alert firing, a
-canary run, a calibration candidate waiting for approval)."""
+calibration candidate waiting for approval)."""
 
 from __future__ import annotations
 
@@ -176,20 +176,27 @@ def test_deployments_versions_and_rollback(plane, tmp_path):
     assert audit[0]["reason"] == "back"
 
 
-def test_canary_status_promote_and_revert(plane):
-    from controlplane.calibration.canary import start_canary
-    from controlplane.thresholds.service import get_deployment
-
+def test_canary_start_status_promote_and_revert(plane):
     plane.run("canary", "promote", "chat", "--reason", "none running", code=1)
-    made = plane.json("versions", "publish", "chat", "--threshold", "2=0.95",
-                      "--threshold", "4=0.9", "--reason", "canary candidate")
+    active = _active(plane)
+    refused = plane.run("canary", "start", "chat", str(active), code=1)
+    assert f"version {active} is 'chat''s active version" in refused.stderr
+    assert "(HTTP 409)" in refused.stderr
+    missing = plane.run("canary", "start", "chat", "999", code=1)
+    assert "has no threshold set version 999 (HTTP 404)" in missing.stderr
     for verb in ("promote", "revert"):
-        # The API starts a checked canary only from a calibration's policy (or the UI).
-        with plane.session() as session:
-            start_canary(session=session, deployment=get_deployment(session=session,
-                                                                    name="chat"),
-                         version=made["version"], actor="test")
-            session.commit()
+        made = plane.json("versions", "publish", "chat", "--threshold", "2=0.95",
+                          "--threshold", "4=0.9", "--reason", f"canary candidate to {verb}")
+        line = plane.run("canary", "start", "chat", str(made["version"]),
+                         "--reason", f"then {verb}").stdout
+        assert line.strip() == (f"chat: canary of version {made['version']} running "
+                                f"(stable: version {_active(plane)})")
+        again = plane.run("canary", "start", "chat", str(made["version"]), code=1)
+        assert "already has a running canary" in again.stderr
+        audit = plane.json("deployments", "audit", "chat", "--limit", "1")[0]
+        assert (audit["action"], audit["to_version"], audit["actor"]) == (
+            "canary.start", made["version"], "token:ops")
+        assert audit["reason"].endswith(f": then {verb}")
         status = plane.json("canary", "status", "chat")
         assert (status["version"], status["status"]) == (made["version"], "running")
         before = _active(plane)

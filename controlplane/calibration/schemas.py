@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from controlplane.calibration.models import CANARY_STATUSES, JOB_STATUSES
-from exitplane.wire import SegmentName
+from exitplane.wire import INT32, SegmentName
 
 JobStatus = Literal[JOB_STATUSES]
 CanaryStatus = Literal[CANARY_STATUSES]
@@ -31,6 +31,17 @@ class Decision(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str = Field(min_length=1, max_length=2000)
+
+
+class CanaryCreate(BaseModel):
+    """A checked canary of a published version, on the deployment's canary fraction."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1, le=INT32, description=(
+        "the published threshold set version the canary runtimes apply (not the active one)"))
+    reason: str = Field(default="", max_length=2000,
+                        description="why (added to the audit log's own reason)")
 
 
 class CalibrationJobRead(BaseModel):

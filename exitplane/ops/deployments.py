@@ -284,8 +284,8 @@ def rollback(api: ControlPlane, deployment: str, to_version: int | None, reason:
 
 @click.group()
 def canary() -> None:
-    """A deployment's canary: its verdicts, promote it, revert it. A canary starts from a
-    calibration under the `canary` policy, or on the admin UI's versions page."""
+    """A deployment's canary: start one, its verdicts, promote it, revert it. A canary also
+    starts from a calibration under the `canary` policy, or on the admin UI's versions page."""
 
 
 CANARY_FIELDS = [(key, key) for key in (
@@ -300,6 +300,21 @@ def _show_canary(run: dict) -> None:
     if run["checks"]:
         click.echo("")
         table(run["checks"], CHECK_COLUMNS, width=90)
+
+
+@operator_command(canary, "start")
+@click.argument("deployment")
+@click.argument("version", type=click.IntRange(min=1))
+@click.option("--reason", default="", help="why (added to the audit log)")
+def canary_start(api: ControlPlane, deployment: str, version: int, reason: str) -> None:
+    """Serve VERSION to DEPLOYMENT's canary fraction of runtimes (the deployment's
+    canary_fraction) beside the active version; the canary monitor judges its windows and
+    promotes or reverts it. Refused while another canary runs or is paused."""
+    run = api.request("POST", _path(deployment, "canary"),
+                      json={"version": version, "reason": reason})
+    emit(api.output, run, lambda: click.echo(
+        f"{deployment}: canary of version {run['version']} {run['status']} "
+        f"(stable: version {run['baseline_version']})"))
 
 
 @operator_command(canary, "status")

@@ -10,7 +10,7 @@ from controlplane.calibration import service
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import aliases_of, get_deployment, publish
+from controlplane.thresholds.service import aliases_of, audit_log, get_deployment, publish
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
@@ -92,3 +92,41 @@ def test_canary_status_and_manual_revert(client, tokens, engine, outbox):
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert "canary" not in aliases_of(session=session, deployment=deployment)
+
+
+def test_start_a_canary_of_a_published_version(client, tokens, engine, outbox):
+    op = tokens.headers(tokens.operator)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session)
+        version = publish(session=session, deployment=deployment, thresholds={
+            3: 0.7, 6: 0.7, 9: 0.7}, reason="candidate", actor="ops").version
+    url = "/v1/deployments/chat/canary"
+    for body, status, says in (
+            ({"version": 1}, 409, "is 'chat''s active version"),
+            ({"version": 99}, 404, "has no threshold set version 99"),
+            ({"version": 0}, 422, "version"),
+            ({"version": version, "fraction": 0.5}, 422, "fraction"),
+            ({"version": version, "reason": "x" * 2001}, 422, "reason")):
+        refused = client.post(url, headers=op, json=body)
+        assert refused.status_code == status and says in refused.json()["detail"], refused.text
+    assert client.get(url, headers=op).status_code == 404  # nothing was started
+
+    started = client.post(url, headers=op, json={"version": version, "reason": "try it"})
+    assert started.status_code == 201, started.text
+    run = started.json()
+    assert (run["version"], run["baseline_version"], run["status"]) == (version, 1, "running")
+    assert client.get(url, headers=op).json()["id"] == run["id"]
+    with Session(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["canary"] == version
+        event = audit_log(session=session, deployment=deployment, limit=1)[0]
+    assert (event.action, event.actor, event.to_version) == (
+        "canary.start", "token:test-operator", version)
+    assert event.reason == (f"canary of version {version} on 10% of runtimes (stable: "
+                            "version 1): try it")
+
+    again = client.post(url, headers=op, json={"version": version})
+    assert again.status_code == 409
+    assert "already has a running canary of version 2: promote or revert it first" in \
+        again.json()["detail"]
+    assert client.get(url, headers=op).json()["id"] == run["id"]  # the running one stays
