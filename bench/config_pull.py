@@ -312,7 +312,8 @@ def report(args, runs: dict[str, list[dict]]) -> None:
             runs[top], runs[bottom], strict=True)), 3)
 
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"{'path':<24}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'us CPU':>9}   req/s per round")
+    print(f"{'path':<24}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'us CPU':>9}   "
+          "req/s per round / p50 ms per round")
     labels = {"ceiling": "ceiling (trivial)", "this": "304 not modified",
               "baseline": "304 baseline tree", "this_200": "200 full set",
               "baseline_200": "200 baseline tree"}
@@ -320,11 +321,13 @@ def report(args, runs: dict[str, list[dict]]) -> None:
         if target in runs:
             print(f"{label:<24}{median(target, 'rps'):>9.0f}{median(target, 'p50_ms'):>9.2f}"
                   f"{median(target, 'p99_ms'):>9.2f}{median(target, 'us_cpu'):>9.0f}   "
-                  + " ".join(f"{run['rps']:.0f}" for run in runs[target]))
+                  + " ".join(f"{run['rps']:.0f}" for run in runs[target]) + " / "
+                  + " ".join(f"{run['p50_ms']:.2f}" for run in runs[target]))
     summary = {
         "clients": args.clients, "seconds": args.seconds, "rounds": args.rounds,
         "rps_304": round(median("this", "rps"), 1),
         "p50_ms_304": round(median("this", "p50_ms"), 2),
+        "p50_ms_304_rounds": [round(run["p50_ms"], 2) for run in runs["this"]],
         "p99_ms_304": round(median("this", "p99_ms"), 2),
         "us_cpu_304": round(median("this", "us_cpu"), 1),
         "rps_200": round(median("this_200", "rps"), 1),
@@ -338,6 +341,7 @@ def report(args, runs: dict[str, list[dict]]) -> None:
         summary.update({
             "rps_304_baseline": round(median("baseline", "rps"), 1),
             "p50_ms_304_baseline": round(median("baseline", "p50_ms"), 2),
+            "p50_ms_304_baseline_rounds": [round(run["p50_ms"], 2) for run in runs["baseline"]],
             "p99_ms_304_baseline": round(median("baseline", "p99_ms"), 2),
             "us_cpu_304_baseline": round(median("baseline", "us_cpu"), 1),
             "rps_200_baseline": round(median("baseline_200", "rps"), 1),

@@ -7,6 +7,8 @@ wake at once. With Redis configured the same notice reaches every other API proc
 pub/sub, whether the move was made by an API replica or a Celery worker, so long-polls simply
 wait for it. Without Redis (one API process, workers elsewhere), or while Redis is away, a
 long-poll also re-reads the state every `ttl`, which is how moves made elsewhere are seen.
+Re-reading a cached state costs one row (the deployment's revision and canary fraction) while
+neither changed; the sets are read and serialised again only when one did.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from anyio import to_thread
@@ -26,8 +28,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.coordination.bus import Bus
-from controlplane.thresholds.models import Alias, ThresholdSet
+from controlplane.observability import (
+    http_request_duration,
+    long_poll_waited,
+    route_template,
+)
+from controlplane.thresholds.models import Alias, Deployment, ThresholdSet
 from controlplane.thresholds.service import get_deployment, in_canary, to_wire
+from exitplane.logs import new_request_id, request_id_var
 from exitplane.wire import RUNTIME_ID, ThresholdSetWire
 
 log = logging.getLogger("exitplane.delivery")
@@ -49,8 +57,7 @@ class DeliveryState:
     canary_json: str = ""
 
     def for_runtime(self, runtime_id: str) -> ThresholdSetWire:
-        if self.canary is not None and in_canary(runtime_id=runtime_id,
-                                                 fraction=self.canary_fraction):
+        if self.canary is not None and _in_canary(runtime_id, self.canary_fraction):
             return self.canary
         return self.active
 
@@ -89,8 +96,22 @@ class ConfigDelivery:
         self._bus.unsubscribe("config", self.invalidate)
 
     def load(self, name: str) -> DeliveryState:
-        """Read the deployment's aliases and sets from the store (blocking)."""
+        """Read the deployment's aliases and sets from the store (blocking).
+
+        While a state of `name` is cached, one row is read first: the deployment's id,
+        revision (every alias move bumps it, in the move's transaction) and canary fraction.
+        Unchanged, the cached state is current and is renewed as it is (the sets are
+        immutable); only a change reads the aliases and sets and serialises them again."""
         with self._session_factory() as session:
+            previous = self._states.get(name)
+            if previous is not None:
+                started = time.monotonic()
+                row = session.execute(select(
+                    Deployment.id, Deployment.revision, Deployment.canary_fraction
+                ).where(Deployment.name == name)).one_or_none()
+                if row is not None and tuple(row) == (previous.deployment_id, previous.revision,
+                                                      previous.canary_fraction):
+                    return replace(previous, loaded_at=started)
             deployment = get_deployment(session=session, name=name)
             aliases = dict(session.execute(select(Alias.name, Alias.version)
                                            .where(Alias.deployment_id == deployment.id)).all())
@@ -190,19 +211,24 @@ class ConfigDelivery:
 
     async def wait_for_change(self, name: str, runtime_id: str, etag: str,
                               timeout: float) -> DeliveryState:
-        """Return as soon as this runtime's set differs from `etag`, or after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            # Subscribed to Redis, every move (any process, any worker) wakes us; otherwise a
-            # move made elsewhere is only seen by re-reading the store.
-            recheck = float("inf") if self._bus.listening else max(self._ttl, 0.05)
-            wake = self._events.setdefault(name, asyncio.Event())
-            state = await self.current(name)
-            remaining = deadline - time.monotonic()
-            if state.for_runtime(runtime_id).checksum != etag or remaining <= 0:
-                return state
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=min(recheck, remaining))
+        """Return as soon as this runtime's set differs from `etag`, or after `timeout`. The
+        time spent here is the long-poll's wait (its own histogram; not the pull's latency)."""
+        started = time.monotonic()
+        deadline = started + timeout
+        try:
+            while True:
+                # Subscribed to Redis, every move (any process, any worker) wakes us; otherwise
+                # a move made elsewhere is only seen by re-reading the store.
+                recheck = float("inf") if self._bus.listening else max(self._ttl, 0.05)
+                wake = self._events.setdefault(name, asyncio.Event())
+                state = await self.current(name)
+                remaining = deadline - time.monotonic()
+                if state.for_runtime(runtime_id).checksum != etag or remaining <= 0:
+                    return state
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout=min(recheck, remaining))
+        finally:
+            long_poll_waited(time.monotonic() - started)
 
     def invalidate(self, name: str | None) -> None:
         """Drop the cached state of `name` (None: of every deployment) and wake its long-polls
@@ -227,6 +253,12 @@ class ConfigDelivery:
 
 
 
+@functools.lru_cache(maxsize=16_384)
+def _in_canary(runtime_id: str, fraction: float) -> bool:
+    """`in_canary`, hashed once per runtime and fraction (a runtime pulls for its whole life)."""
+    return in_canary(runtime_id=runtime_id, fraction=fraction)
+
+
 def _log_failed_read(refresh: asyncio.Future) -> None:
     """Done callback of a read ahead: nobody awaits it, so its failure is logged here (the
     requests go on with the cached state, then with the route, which answers for the store)."""
@@ -246,51 +278,102 @@ class NotModifiedFastPath:
     Why long-polls too: a fleet holds one per runtime at all times, and through the router each
     held one kept ~250 objects alive (32 coroutines) for its whole wait; at 1,000 runtimes the
     collector's full passes over them paused each API process 50-300 ms every few seconds,
-    the tail of every other request (bench/fleet.py's probe: exitplane_gc_pause_seconds)."""
+    the tail of every other request (bench/fleet.py's probe: exitplane_gc_pause_seconds).
+
+    With `front=True` the instance stands before the request context (request id, duration,
+    access line; the app places it there only while no access line is written): it answers
+    plain pulls (no `wait`) with the context's request id header and duration sample, at a
+    fraction of the context's cost per request, and hands everything else on to the context
+    (and the instance behind it, which holds the long-polls)."""
 
     def __init__(self, app, *, delivery: ConfigDelivery, principals, digest, limiter,
-                 long_poll_max_s: float = 60.0, route=None) -> None:
+                 long_poll_max_s: float = 60.0, route=None, front: bool = False) -> None:
         self.app = app
         self.delivery = delivery
         self.principals = principals
         self.digest = digest
         self.limiter = limiter
         self.long_poll_max_s = long_poll_max_s
+        self.front = front
         self._route = route  # the pull's APIRoute: metrics and logs name the route as before
+        # Query string -> (runtime id, wait), or None when the route must answer (422): a
+        # runtime repeats the same query for its whole life, so it is parsed once.
+        self._queries: dict[bytes, tuple[str, float] | None] = {}
+        self._durations: dict[str, object] = {}  # root path -> the 304's duration histogram
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
             path: str = scope["path"]
             if path.startswith("/v1/deployments/") and path.endswith("/thresholds"):
-                pull = await self._pull(scope)
-                if pull is not None:
-                    chosen, body = pull.chosen, None
-                    if pull.wait > 0:
-                        with self.delivery.holding(pull.token_id) as held:
-                            if not held:  # past the token's cap: the route answers 429
-                                await self.app(scope, receive, send)
-                                return
-                            try:
-                                state = await self.delivery.wait_for_change(
-                                    pull.name, pull.runtime_id, chosen.checksum,
-                                    min(pull.wait, self.long_poll_max_s))
-                            except Exception:  # the store went away: the route answers
-                                await self.app(scope, receive, send)
-                                return
-                        latest = state.for_runtime(pull.runtime_id)
-                        if latest.checksum != chosen.checksum:
-                            # The token may have been revoked (or its cached lookup aged out)
-                            # while the poll was held: a new set goes out only to a caller
-                            # still allowed now; otherwise the route looks the token up and
-                            # answers (401 when revoked).
-                            if self._allowed(pull.token_key, state) is None:
-                                await self.app(scope, receive, send)
-                                return
-                            chosen, body = latest, state.body(latest).encode()
-                    scope["route"] = self._route
-                    await _answer(send, chosen, body)
-                    return
+                if self.front:
+                    if await self._answer_in_front(scope, send):
+                        return
+                else:
+                    pull = self._check(scope)
+                    if pull is not None and (self.limiter.rate <= 0
+                                             or await self._within_rate(pull)):
+                        await self._serve(pull, scope, receive, send)
+                        return
         await self.app(scope, receive, send)
+
+    async def _answer_in_front(self, scope, send) -> bool:
+        """Answer a plain pull's 304 as the request context would (its request id header,
+        its duration sample); False when the context and what lies behind it answer."""
+        started = time.perf_counter()
+        pull = self._check(scope)
+        if pull is None or pull.wait > 0:
+            return False
+        request_id = new_request_id(pull.request_id)
+        token = request_id_var.set(request_id)  # a line logged meanwhile names the request
+        try:
+            if self.limiter.rate > 0 and not await self._within_rate(pull):
+                return False  # the route answers 429
+            await send({"type": "http.response.start", "status": 304, "headers": [
+                *_etag_headers(pull.chosen.checksum, pull.chosen.version),
+                (b"x-request-id", request_id.encode())]})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            request_id_var.reset(token)
+        self._duration(scope).observe(time.perf_counter() - started)
+        return True
+
+    def _duration(self, scope):
+        """The duration histogram of a 304 on the pull route, as the request context labels it."""
+        root = scope.get("root_path", "")
+        child = self._durations.get(root)
+        if child is None:
+            child = http_request_duration.labels(
+                "GET", route_template({"route": self._route, "root_path": root}), "304")
+            if len(self._durations) < 16:
+                self._durations[root] = child
+        return child
+
+    async def _serve(self, pull: _Pull, scope, receive, send) -> None:
+        """Answer `pull` (held first while it long-polls), or hand it to the route."""
+        chosen, body = pull.chosen, None
+        if pull.wait > 0:
+            with self.delivery.holding(pull.token_id) as held:
+                if not held:  # past the token's cap: the route answers 429
+                    await self.app(scope, receive, send)
+                    return
+                try:
+                    state = await self.delivery.wait_for_change(
+                        pull.name, pull.runtime_id, chosen.checksum,
+                        min(pull.wait, self.long_poll_max_s))
+                except Exception:  # the store went away: the route answers
+                    await self.app(scope, receive, send)
+                    return
+            latest = state.for_runtime(pull.runtime_id)
+            if latest.checksum != chosen.checksum:
+                # The token may have been revoked (or its cached lookup aged out) while the
+                # poll was held: a new set goes out only to a caller still allowed now;
+                # otherwise the route looks the token up and answers (401 when revoked).
+                if self._allowed(pull.token_key, state) is None:
+                    await self.app(scope, receive, send)
+                    return
+                chosen, body = latest, state.body(latest).encode()
+        scope["route"] = self._route
+        await _answer(send, chosen, body)
 
     def _allowed(self, token_key: str, state: DeliveryState):
         """The cached principal of `token_key` if it may pull `state`'s deployment, else None.
@@ -301,43 +384,64 @@ class NotModifiedFastPath:
             return None
         return principal
 
-    async def _pull(self, scope) -> _Pull | None:
-        """The pull if this path may answer it, after the token's rate limit; None for the
+    async def _within_rate(self, pull: _Pull) -> bool:
+        """Take the pull from its token's rate limit; False when the route must answer 429.
+        Callers skip the call while no limit is set (`rate` 0): there is nothing to take."""
+        return await self.limiter.retry_after(str(pull.token_id)) is None
+
+    def _query(self, raw: bytes) -> tuple[str, float] | None:
+        """(runtime id, wait) of a query string, or None when the route must say what is wrong
+        (remembered for short query strings, a bounded number of them)."""
+        known = self._queries.get(raw, _UNPARSED)
+        if known is not _UNPARSED:
+            return known
+        query = dict(part.partition("=")[::2]
+                     for part in raw.decode("latin-1").split("&") if part)
+        runtime_id = query.get("runtime_id", "")
+        wait = _wait_seconds(query.get("wait", "0"))
+        parsed = None if wait is None or not RUNTIME_ID.fullmatch(runtime_id) \
+            else (runtime_id, wait)
+        if len(raw) <= _QUERY_KEPT_BYTES:
+            if len(self._queries) >= _QUERIES_KEPT:
+                self._queries.clear()
+            self._queries[raw] = parsed
+        return parsed
+
+    def _check(self, scope) -> _Pull | None:
+        """The pull if this path may answer it (before the token's rate limit); None for the
         route."""
         name = scope["path"][len("/v1/deployments/"):-len("/thresholds")]
         state = self.delivery.cached(name)
         if state is None:
             return None
-        query = dict(part.partition("=")[::2]
-                     for part in scope["query_string"].decode("latin-1").split("&") if part)
-        runtime_id = query.get("runtime_id", "")
-        wait = _wait_seconds(query.get("wait", "0"))
-        if wait is None or not RUNTIME_ID.fullmatch(runtime_id):
+        query = self._query(scope["query_string"])
+        if query is None:
             return None  # the route's own 422 says what is wrong
-        auth = etag = None
+        auth = etag = request_id = None
         for key, value in scope["headers"]:
             if key == b"authorization":
                 auth = value.decode("latin-1")
             elif key == b"if-none-match":
                 etag = value.decode("latin-1")
+            elif key == b"x-request-id":
+                request_id = value.decode("latin-1")
         if not auth or not etag or auth[:7].lower() != "bearer ":
             return None
         token_key = self.digest(auth[7:].strip())
         principal = self._allowed(token_key, state)
         if principal is None:
             return None
+        runtime_id, wait = query
         chosen = state.for_runtime(runtime_id)
         if etag.strip().removeprefix("W/").strip('"') != chosen.checksum:
             return None
-        if await self.limiter.retry_after(str(principal.token_id)) is not None:
-            return None  # the full route answers 429
         return _Pull(name=name, runtime_id=runtime_id, chosen=chosen, wait=wait,
-                     token_id=principal.token_id, token_key=token_key)
+                     token_id=principal.token_id, token_key=token_key, request_id=request_id)
 
 
 class _Pull(NamedTuple):
     """A pull the fast path answers: the deployment, the runtime, the set it holds, the
-    seconds it may wait, its token's id and cache key."""
+    seconds it may wait, its token's id and cache key, the request id it offered."""
 
     name: str
     runtime_id: str
@@ -345,6 +449,12 @@ class _Pull(NamedTuple):
     wait: float
     token_id: int
     token_key: str
+    request_id: str | None = None
+
+
+_UNPARSED = object()
+_QUERIES_KEPT = 16_384  # query strings remembered per process (then forgotten at once)
+_QUERY_KEPT_BYTES = 256  # a runtime id is at most 128 characters
 
 
 @functools.lru_cache(maxsize=256)
