@@ -24,10 +24,11 @@ they trigger) every `--drift-interval-s` of simulated time, then a recalibration
 Every runtime sends a heartbeat each interval naming the heads it serves.
 
 The canary (`calibration.canary.evaluate_canary`, one-minute windows) then judges two
-candidates with a 20% liar that never was set aside: a bad one (true disagreement above δ) with
-an `all_matched` liar forging agreement, and a good one (well within δ) with an
-`all_mismatched` liar forging disagreement. A wrong verdict is the bad one promoted or the good
-one reverted.
+candidates with a 20% liar that no drift cycle set aside (the canary's own outlier test on the
+candidate's shadow tokens has to find it): a bad one (true disagreement above δ) with an
+`all_matched` liar forging agreement, and a good one (well within δ) with an `all_mismatched`
+liar forging disagreement. A wrong verdict is the bad one promoted, or the good one not
+promoted (reverted, or still undecided when the canary's minutes are over).
 
 Printed: one JSON line with `worst_promoted_true_disagreement` (worst over kinds and shares of
 the active set's true disagreement on honest traffic after the recalibration), `delta`,
@@ -46,6 +47,7 @@ import json
 import sys
 import tempfile
 import uuid
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -90,6 +92,11 @@ HEADS, OTHER_HEADS = "sim-heads-a", "sim-heads-b"
 GOOD, BAD = {3: 0.97, 6: 0.95, 9: 0.92}, {3: 0.6, 6: 0.55, 9: 0.5}  # canary candidates
 
 
+def seed_of(*parts) -> int:
+    """A seed that is the same on every run (Python's hash() of a str is salted per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
 def honest(n: int, rng, centres=CENTRES) -> tuple[np.ndarray, np.ndarray]:
     signals = rng.random((n, len(LAYERS)))
     return signals, rng.random(signals.shape) < expit(10.0 * (signals - centres))
@@ -125,8 +132,9 @@ def batch(name: str, runtime: str, seq: int, signals, matched, t0: float, spacin
                 "shadow": [{"layer": k, "signal": float(signals[i, j]),
                             "matched": bool(matched[i, j])} for j, k in enumerate(LAYERS)]}
                for i in range(len(signals))]
-    return TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=name, runtime_id=runtime,
-                          seq=seq, num_layers=FULL, records=records, head_digest=head_digest)
+    return TelemetryBatch(batch_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{name}/{runtime}/{seq}").hex,
+                          deployment=name, runtime_id=runtime, seq=seq, num_layers=FULL,
+                          records=records, head_digest=head_digest)
 
 
 def send(session, name: str, kind: str | None, sources, seq: int, t0: float, interval: float,
@@ -147,8 +155,8 @@ def send(session, name: str, kind: str | None, sources, seq: int, t0: float, int
 
 
 def scenario(engine, name: str, kind: str | None, share: float, args, sample) -> dict:
-    rng = np.random.default_rng(abs(hash((kind, share))) % 2**32)
-    start = utcnow() - timedelta(seconds=args.duration_s + 60)
+    rng = np.random.default_rng(seed_of(kind, share))
+    start = utcnow().replace(second=0, microsecond=0) - timedelta(seconds=args.duration_s + 60)
     with session_scope(engine) as session:
         deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
             name=name, model_ref="sim", num_layers=FULL, exit_layers=LAYERS, delta=DELTA,
@@ -178,8 +186,7 @@ def scenario(engine, name: str, kind: str | None, share: float, args, sample) ->
         now = t0 + timedelta(seconds=args.drift_interval_s)
         with session_scope(engine) as session:
             deployment = get_deployment(session=session, name=name)
-            check_deployment(session=session, deployment=deployment, options=options,
-                             reports_dir=None, now=now)
+            check_deployment(session=session, deployment=deployment, options=options, now=now)
             found = session.scalars(select(RuntimeOutlier).where(
                 RuntimeOutlier.deployment_id == deployment.id,
                 RuntimeOutlier.runtime_id == "liar")).first()
@@ -216,7 +223,7 @@ def canary_scenario(engine, name: str, kind: str, candidate: dict[int, float], s
                     args, sample, minutes: int = 8) -> dict:
     """A canary of `candidate` served by the honest runtimes and a liar of `kind` holding
     `share` of its evidence, judged minute by minute until it ends (or `minutes` pass)."""
-    rng = np.random.default_rng(abs(hash((name, share))) % 2**32)
+    rng = np.random.default_rng(seed_of(name, share))
     start = utcnow().replace(second=0, microsecond=0) - timedelta(minutes=minutes + 2)
     with session_scope(engine) as session:
         deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
@@ -250,7 +257,7 @@ def canary_scenario(engine, name: str, kind: str, candidate: dict[int, float], s
     good = disagreement <= DELTA
     return {"kind": kind, "share": share, "candidate": "good" if good else "bad",
             "true_disagreement": round(disagreement, 5), "status": status, "windows": windows,
-            "wrong": status == ("reverted" if good else "promoted")}
+            "wrong": status != "promoted" if good else status == "promoted"}
 
 
 def main() -> None:

@@ -383,7 +383,8 @@ def test_network_policies_deny_by_default_and_allow_only_what_each_needs(overlay
                         port["port"] for rule in doc["spec"].get("ingress", [])
                         for port in rule["ports"])
     assert {c: ports for c, ports in served.items() if ports} == {
-        "api": {8000}, "runtime": {8100}, "ingest": {9100}, "worker": {9100}}
+        "api": {8000}, "runtime": {8100}, "ingest": {9100}, "worker": {9100},
+        "beat": {9100}}
 
 
 # -- configuration, images, releases -------------------------------------------------------
@@ -511,8 +512,8 @@ def test_a_new_release_runs_its_own_jobs(tmp_path):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_scraped_ports_are_declared(overlay):
-    """Every pod annotated for scraping declares the port it names; the ingest and Celery
-    workers serve metrics on the port their settings name."""
+    """Every pod annotated for scraping declares the port it names; ingest, the Celery
+    workers and beat serve metrics on the port their settings name."""
     docs = rendered(overlay)
     annotated = set()
     for doc in _workloads(docs):
@@ -523,8 +524,8 @@ def test_scraped_ports_are_declared(overlay):
             declared = {port["containerPort"] for c in template["spec"]["containers"]
                         for port in c.get("ports", [])}
             assert int(annotations["prometheus.io/port"]) in declared
-    assert annotated == {"api", "ingest", "worker", "runtime"}
-    for component in ("ingest", "worker"):
+    assert annotated == {"api", "ingest", "worker", "beat", "runtime"}
+    for component in ("ingest", "worker", "beat"):
         container = _pod(_by(docs, "Deployment", component))["containers"][0]
         port = int(_environment(container, docs)["EXITPLANE_WORKER_METRICS_PORT"])
         assert {"name": "metrics", "containerPort": port} in container["ports"]
@@ -544,8 +545,9 @@ def test_the_runtime_requires_api_keys_from_a_secret():
 
 def test_the_monitoring_component(tmp_path):
     """components/monitoring, added to the production overlay: a ServiceMonitor for the API
-    and PodMonitors for the workers and runtimes, each selecting pods that serve the named
-    port; everything else unchanged."""
+    and one PodMonitor per other workload (one scrape job each, as the alert rules and the
+    dashboard expect), each selecting pods that serve the named port; everything else
+    unchanged."""
     overlay = tmp_path / "with-monitoring"
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
@@ -556,8 +558,10 @@ def test_the_monitoring_component(tmp_path):
     monitors = [d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"]
     rest = [d for d in docs if d["apiVersion"] != "monitoring.coreos.com/v1"]
     assert rest == rendered("production")
-    assert sorted(_ids(monitors)) == ["PodMonitor/exitplane-runtime",
-                                      "PodMonitor/exitplane-workers",
+    assert sorted(_ids(monitors)) == ["PodMonitor/exitplane-beat",
+                                      "PodMonitor/exitplane-ingest",
+                                      "PodMonitor/exitplane-runtime",
+                                      "PodMonitor/exitplane-worker",
                                       "ServiceMonitor/exitplane-api"]
     scraped = set()
     for monitor in monitors:
@@ -575,5 +579,6 @@ def test_the_monitoring_component(tmp_path):
                 ports = {p["name"] for c in template["spec"]["containers"]
                          for p in c.get("ports", [])}
                 assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+                assert monitor["metadata"]["name"] == f"exitplane-{_component(doc)}"
                 scraped.add(_component(doc))
-    assert scraped == {"api", "ingest", "worker", "runtime"}
+    assert scraped == {"api", "ingest", "worker", "beat", "runtime"}

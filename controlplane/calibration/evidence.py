@@ -6,20 +6,29 @@ whole fleet: one runtime's forged all-matched tokens certified thresholds 0.0 ev
 bounds, borrowed from robust aggregation in federated learning (each client's update clipped,
 the verdict made to survive any single client):
 
-- **Share cap** (`cap_runtime_share`): a runtime holding more than `max_runtime_share` of a
-  verdict's shadow tokens is subsampled, whole requests at random, down to that share (a
-  flooding runtime cannot drown the others). Within a runtime, a request's share is bounded by
-  the request-level statistics (`controlplane.stats.clustered`: a request counts as the
-  evidence its clustering is worth, not as its token count).
+- **Share cap** (`cap_runtime_share`): in a fleet of at least `robust_min_runtimes` runtimes,
+  a runtime holding more than `max_runtime_share` of a verdict's shadow tokens is subsampled,
+  whole requests at random, down to that share (a flooding runtime cannot drown the others).
+  Below that there is no majority for the cap to protect: capping the larger of two runtimes
+  to the smaller's size would only throw honest evidence away, and the cross-runtime holdout
+  (below) already keeps either one from certifying a set alone. Within a runtime, a request's
+  share is bounded by the request-level statistics (`controlplane.stats.clustered`: a request
+  counts as the evidence its clustering is worth, not as its token count).
 - **Leave one runtime out** (`robust_p_values`): in a fleet of at least `robust_min_runtimes`
   runtimes a verdict's p-value is the largest over the whole sample and each sample without
   one runtime's tokens. The largest of valid p-values is valid, so the level holds; and since
   the verdict must hold without any one runtime, no single runtime can decide it: not a
   calibration step (its forged agreement certifies nothing the others do not), not a quality
-  regression (its forged disagreement does not fire the fallback), not a canary's verdict.
-- **Cross-runtime holdout** (`holdout_runtimes`): a candidate is checked on the shadow tokens of
-  runtimes it did not learn from (whole runtimes held out of the path and its test) before it
-  is published, so a set learned on a lying runtime meets honest traffic first.
+  regression (its forged disagreement does not fire the fallback), not an exit-rate spike or
+  collapse (its rollups are left out in turn, `drift.window_checks.robust_exit_findings`), not
+  a canary's verdict.
+- **Cross-runtime holdout** (`holdout_runtimes`): whole runtimes are held out of the path and
+  its test, and every step of the path must be certified on their shadow tokens as well as on
+  the test's (each step's p-value is the larger of the two: valid, and since both samples must
+  show the risk within δ, a set is certified only where runtimes it did not learn from agree).
+  So a set learned on a lying runtime meets honest traffic first, no single runtime certifies
+  a set even in a fleet of two, and the finite-sample error of one sample is checked by
+  another independent one (the chosen set's risk exceeds δ far less often than ε allows).
 
 With one runtime there is no fleet to check it against: the bounds on how far an automatic
 promotion may move (`controlplane.calibration.promotion`) do the work then.
@@ -74,13 +83,17 @@ def share_limit(tokens: np.ndarray, max_share: float) -> float:
 
 
 def cap_runtime_share(runtimes: np.ndarray, requests: np.ndarray, *, max_share: float,
-                      seed: int = 0) -> np.ndarray:
+                      seed: int = 0, min_runtimes: int = 3) -> np.ndarray:
     """Boolean mask of the samples kept so that no runtime holds more than `max_share` of them
     (module docstring): a runtime over the limit keeps whole requests, drawn at random, up to
-    it (at least one)."""
+    it (at least one). With fewer than `min_runtimes` runtimes every sample is kept (module
+    docstring: with two there is no majority to protect, and the cross-runtime holdout already
+    keeps either from certifying alone)."""
     runtimes, requests = np.asarray(runtimes).astype(str), np.asarray(requests).astype(str)
     keep = np.ones(len(runtimes), dtype=bool)
     names, codes, counts = np.unique(runtimes, return_inverse=True, return_counts=True)
+    if len(names) < max(2, min_runtimes):
+        return keep
     limit = share_limit(counts, max_share)
     if not np.isfinite(limit):
         return keep
@@ -121,11 +134,15 @@ def robust_p_values(p_values_of: Callable[[np.ndarray | None], np.ndarray],
 
 
 def holdout_runtimes(runtimes: np.ndarray, *, fraction: float, seed: int) -> np.ndarray | None:
-    """Boolean mask of the samples of the runtimes held out for the cross-runtime check: a
-    random `fraction` of the runtimes (at least one, never all); None with fewer than two."""
-    names, codes = np.unique(np.asarray(runtimes).astype(str), return_inverse=True)
+    """Boolean mask of the samples of the runtimes held out for the cross-runtime check: whole
+    runtimes in random order until they hold `fraction` of the samples (at least one runtime,
+    never all), so that a runtime with a handful of tokens is not the whole holdout the
+    candidate must be certified on; None with fewer than two."""
+    names, codes, counts = np.unique(np.asarray(runtimes).astype(str), return_inverse=True,
+                                     return_counts=True)
     if len(names) < 2:
         return None
-    count = min(len(names) - 1, max(1, round(len(names) * fraction)))
-    chosen = np.random.default_rng(seed).permutation(len(names))[:count]
-    return np.isin(codes, chosen)
+    order = np.random.default_rng(seed).permutation(len(names))
+    held = np.cumsum(counts[order]) / counts.sum()
+    count = min(len(names) - 1, 1 + int(np.searchsorted(held, fraction - 1e-12)))
+    return np.isin(codes, order[:count])

@@ -1,6 +1,11 @@
 """The last good threshold set of a deployment: the newest earlier active, non-fallback version
 whose own shadow disagreement stayed within δ.
 
+It is judged on the evidence the deployment takes: the shadow tokens and rollups of runtimes
+set aside as outliers or serving other heads or another model
+(`runtimes.outliers.excluded_runtime_ids`) count for nothing, so one runtime's forged
+agreement cannot make a set "good" and its forged disagreement cannot disqualify one.
+
 Fallback (`calibration.fallback`, `last_good` mode) returns to it; the automatic promotion bounds
 (`calibration.promotion`) keep a single-runtime recalibration from going more aggressive than it.
 """
@@ -14,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.calibration.stats import policy_disagreement
+from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples
 from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
@@ -59,13 +65,16 @@ def last_good_version(*, session: Session, deployment: Deployment, exclude: set[
 
 def _version_disagreement(*, session: Session, deployment: Deployment,
                           version: int) -> tuple[int, int]:
-    """(shadow tokens, policy mismatches) over all stored rollups of `version`."""
+    """(shadow tokens, policy mismatches) over the stored rollups of `version`, leaving out the
+    runtimes the deployment does not take evidence from (outliers, other heads or model)."""
+    rows = [Rollup.deployment_id == deployment.id, Rollup.version == version]
+    excluded = excluded_runtime_ids(session=session, deployment_id=deployment.id)
+    if excluded:
+        rows.append(Rollup.runtime_id.not_in(sorted(excluded)))
     shadow = session.scalar(select(func.coalesce(func.sum(Rollup.shadow_total), 0)).where(
-        Rollup.deployment_id == deployment.id, Rollup.version == version,
-        Rollup.layer == deployment.exit_layers[0]))
+        *rows, Rollup.layer == deployment.exit_layers[0]))
     mismatches = session.scalar(select(func.coalesce(func.sum(Rollup.policy_mismatches), 0))
-                                .where(Rollup.deployment_id == deployment.id,
-                                       Rollup.version == version))
+                                .where(*rows))
     return int(shadow), int(mismatches)
 
 

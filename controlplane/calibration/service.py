@@ -315,7 +315,8 @@ def _capped(window: ShadowWindow, policy: CalibrationPolicy) -> ShadowWindow:
     if window.runtimes is None or window.requests is None or not len(window.runtimes):
         return window
     keep = cap_runtime_share(window.runtimes, window.requests,
-                             max_share=policy.evidence.max_runtime_share, seed=policy.seed)
+                             max_share=policy.evidence.max_runtime_share, seed=policy.seed,
+                             min_runtimes=policy.evidence.robust_min_runtimes)
     if keep.all():
         return window
     return replace(window, signals=window.signals[keep], matched=window.matched[keep],

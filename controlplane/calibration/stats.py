@@ -684,14 +684,16 @@ def _threshold_path(
 
 
 def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test, codes=None,
-               reference=None, runtimes=None, robust_min_runtimes=3):
+               reference=None, runtimes=None, robust_min_runtimes=3, held_out=None):
     """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen,
     per-request losses (steps, m) or None, design effects, reference (losses, tokens) or None).
     `codes`: the test tokens' dense request codes, for the request-level p-values (None: tokens
     are independent draws); `reference`: (signals, matched, codes) of the requests outside the
     test, where each step's design effect is read as well; `runtimes`: the test tokens'
     runtimes: each step's p-value is then the largest over the test without each one runtime
-    (`evidence.robust_p_values`)."""
+    (`evidence.robust_p_values`); `held_out`: (signals, matched, codes or None) of the
+    runtimes held out of the path and the test: each step's p-value is then also the larger
+    of the test's and theirs (`_held_out_p_values`)."""
     n, n_layers = signals.shape
     firsts, losses, predicted, by_request, by_reference = [], [], [], [], []
     disagreements = []
@@ -723,10 +725,30 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
             p_values, runtimes, robust_min_runtimes, codes=codes, request_losses=request_losses,
             disagreements=disagreements, delta=delta, epsilon=epsilon, risk_test=risk_test,
             reference=ref)
+    if held_out is not None and len(held_out[0]):
+        p_values = np.maximum(p_values, _held_out_p_values(
+            path, *held_out, delta=delta, epsilon=epsilon, risk_test=risk_test,
+            reference=None if codes is None else (request_losses, np.bincount(codes))))
     p_values[0] = 0.0  # never-exit is certain, not tested
     failed = np.flatnonzero(p_values > epsilon)
     chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
     return firsts, np.array(losses), predicted, p_values, chosen, request_losses, design, ref
+
+
+def _held_out_p_values(path, signals, matched, codes, *, delta, epsilon, risk_test,
+                       reference):
+    """Each step's p-value on the shadow tokens of the runtimes held out of the path and the
+    test (the cross-runtime holdout), by the test's own kind: request-level with `codes`, the
+    design effect read as well on `reference` (the test's per-request losses and tokens), which
+    is independent of the held-out outcome."""
+    disagreements = [simulate_policy(signals, matched, thresholds)[1] for thresholds in path]
+    if codes is None:
+        return risk_p_values(np.array([int(d.sum()) for d in disagreements]), len(signals),
+                             delta, risk_test)
+    losses = np.array([np.bincount(codes, weights=d, minlength=codes.max() + 1)
+                       for d in disagreements])
+    return clustered_risk_p_values(losses, np.bincount(codes), delta, alpha=epsilon,
+                                   test=risk_test, reference=reference)[0]
 
 
 def _without_each_runtime(p_values, runtimes, min_runtimes, *, codes, request_losses,
@@ -815,7 +837,8 @@ def calibrate_thresholds(
     samples'), which help draw the path only (module docstring, step 2; `prior_weight` the
     shrink towards them); the split, the test and its level are unchanged. `runtimes`: each
     sample's runtime; with two or more, the holdout part is whole runtimes (the cross-runtime
-    check: the set must hold δ on runtimes it did not learn from), and with at least
+    check: every step must be certified on runtimes it did not learn from as well as on the
+    test part, `calibration.evidence`), and with at least
     `robust_min_runtimes` in the test part each step must be certified without any one
     runtime's tokens (`calibration.evidence`). Raises NotEnoughShadowData below
     `min_samples_per_layer` samples on any layer, ValueError on malformed input.
@@ -869,6 +892,9 @@ def calibrate_thresholds(
         codes=test_codes, reference=reference,
         runtimes=None if runtimes is None else runtimes[test],
         robust_min_runtimes=robust_min_runtimes,
+        held_out=None if held is None else (
+            signals[holdout], matched[holdout],
+            None if codes is None else np.unique(codes[holdout], return_inverse=True)[1]),
     )
     adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
     if test_codes is None:

@@ -37,7 +37,7 @@ whatever k is; a deployment with no segments (k = 1) is tested exactly as before
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -108,9 +108,10 @@ class DriftOptions:
     segments_checked: int = 1
     # The newest shadow tokens a check reads per segment (fleet rates pass it)
     max_shadow_tokens: int = 100_000
-    # robust evidence: from this many runtimes on, a quality regression (and a spike's
-    # fallback) must hold without any one runtime's shadow tokens; outliers are tested once a
-    # runtime and the rest have this many requests (`controlplane.drift.outliers`)
+    # robust evidence: from this many runtimes on, a quality regression, an exit-rate spike or
+    # collapse (and a spike's fallback) must hold without any one runtime's evidence; outliers
+    # are tested once a runtime and the rest have this many requests
+    # (`controlplane.drift.outliers`)
     robust_min_runtimes: int = 3
     outlier_min_requests: int = 5
 
@@ -177,6 +178,10 @@ class WindowInputs:
     info_open: tuple[datetime, datetime | None] | None = None  # open info alert: fired, clear
     extra: dict = field(default_factory=dict)
     shadow_runtimes: np.ndarray | None = None  # (n,) the runtime of each shadow token
+    # Per reporting runtime, the exit-rate reference and minutes without its rollups (read
+    # only when an exit-rate finding needs confirming; [] below `robust_min_runtimes`)
+    exit_windows_without_each_runtime: (
+        Callable[[], list[tuple[dict[int, LayerReference], Minutes]]] | None) = None
 
 
 @dataclass(frozen=True)
@@ -287,13 +292,17 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
                   "version": inputs.version, "reference": inputs.reference_origin}
         if inputs.reference_window is not None:
             window["reference_until"] = inputs.reference_window[1].isoformat()
-        for finding in detect_exit_rate_drift(reference=inputs.reference,
-                                              windows=[c for _, c in inputs.minutes],
-                                              design_effect=shadow.design_effect,
-                                              min_expected_events=options.min_expected_exits,
-                                              alpha=options.exit_rate_level,
-                                              window_rollups=options.exit_rate_window_min):
+        monitor = {"design_effect": shadow.design_effect,
+                   "min_expected_events": options.min_expected_exits,
+                   "alpha": options.exit_rate_level,
+                   "window_rollups": options.exit_rate_window_min}
+        findings = detect_exit_rate_drift(reference=inputs.reference,
+                                          windows=[c for _, c in inputs.minutes], **monitor)
+        findings, runtimes = robust_exit_findings(findings, inputs, monitor)
+        for finding in findings:
             condition = _exit_rate_condition(finding)
+            if runtimes:
+                condition.evidence["runtimes"] = runtimes
             condition.evidence["window"] = window
             condition.evidence["design_effect_measured"] = shadow.measured
             if finding.kind == EXIT_RATE_SPIKE:
@@ -321,6 +330,28 @@ def evaluate(inputs: WindowInputs, options: DriftOptions, *, want_report: bool =
             if escalated:
                 conditions.append(escalated)
     return conditions, checked
+
+
+def robust_exit_findings(findings: list[DriftFinding], inputs: WindowInputs, monitor: dict
+                         ) -> tuple[list[DriftFinding], int]:
+    """The exit-rate findings that also show without each one runtime's rollups (the same kind
+    at the same layer, against the reference learned without it where it is learned), and how
+    many runtimes were left out in turn (0: fewer than `robust_min_runtimes` report): as for the
+    quality test, no single runtime's exit behaviour raises a spike (and its fallback) or a
+    collapse alone."""
+    if not findings or inputs.exit_windows_without_each_runtime is None:
+        return findings, 0
+    subsets = inputs.exit_windows_without_each_runtime()
+    if not subsets:
+        return findings, 0
+    kept = {(finding.kind, finding.layer) for finding in findings}
+    for reference, minutes in subsets:
+        found = detect_exit_rate_drift(reference=reference, windows=[c for _, c in minutes],
+                                       **monitor)
+        kept &= {(finding.kind, finding.layer) for finding in found}
+        if not kept:
+            break
+    return [f for f in findings if (f.kind, f.layer) in kept], len(subsets)
 
 
 def _robust_gate(inputs: WindowInputs, options: DriftOptions, gate: dict) -> dict:

@@ -3,7 +3,11 @@
 Guards against: one runtime's forged all-matched shadow tokens certifying thresholds 0.0 for
 every runtime of the deployment; a liar holding half the shadow evidence among honest runtimes
 getting a set promoted that breaks δ on honest traffic; one runtime's forged disagreement firing
-the quality fallback in a fleet of three or more; and an outlier runtime that nobody sets aside.
+the quality fallback in a fleet of three or more; an outlier runtime that nobody sets aside; a
+liar forging disagreement with a good canary candidate holding it back for ever; one runtime's
+exit behaviour raising an exit-rate spike or collapse alone; an excluded runtime's forged
+disagreement disqualifying the last good set; and honest runtimes with different traffic-segment
+mixes flagged as outliers.
 """
 
 from __future__ import annotations
@@ -11,17 +15,24 @@ from __future__ import annotations
 from datetime import timedelta
 
 import numpy as np
+import pytest
 from sqlalchemy import select
 
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
 from controlplane.calibration import service as calibration
+from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
+from controlplane.calibration.evidence import cap_runtime_share
+from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.models import CalibrationJob
-from controlplane.calibration.stats import policy_disagreement
+from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
-from controlplane.drift.service import DriftOptions, check_deployment
-from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.drift.outliers import runtime_outliers
+from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
+from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
+from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Alias
+from controlplane.thresholds.segments import declare_segment
 from controlplane.thresholds.service import (
     aliases_of,
     get_deployment,
@@ -149,8 +160,7 @@ def _drift_fleet(engine, *, liar_matched: bool) -> None:
 def _check(engine) -> None:
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
-        check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                         reports_dir=None)
+        check_deployment(session=session, deployment=deployment, options=DriftOptions())
 
 
 def _alerts(engine, kind: str) -> list[Alert]:
@@ -195,3 +205,189 @@ def test_an_outlier_runtime_is_raised_set_aside_and_cleared(engine, client, toke
         deployment = get_deployment(session=session, name="chat")
         assert excluded_runtime_ids(session=session, deployment_id=deployment.id) == set()
     assert _alerts(engine, AlertKind.RUNTIME_OUTLIER)[0].status == "resolved"
+
+
+def test_a_liar_forging_disagreement_cannot_hold_back_a_good_canary(engine):
+    """A good candidate (within δ on honest traffic) on canary, served by three honest runtimes
+    and one runtime forging disagreement on every exit layer with a fifth of the canary's
+    shadow tokens: the liar is set aside and the candidate is promoted on the honest
+    evidence (not left inconclusive until the canary pauses)."""
+    _deployment(engine, active={3: 0.9, 6: 0.9, 9: 0.9})
+    start = utcnow().replace(second=0, microsecond=0) - timedelta(minutes=6)
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        version = publish(session=session, deployment=deployment, thresholds=TUNED,
+                          reason="candidate", actor="test").version
+        start_canary(session=session, deployment=deployment, version=version, actor="test",
+                     now=start)
+    traffic = start + timedelta(minutes=1)
+    with session_scope(engine) as session:
+        for index, runtime in enumerate(HONEST):
+            signals, matched = separable_samples(4 * 480, seed=30 + index, noise=0.01)
+            write_traffic(session, "chat", signals, matched, start=traffic, spacing_s=0.125,
+                          version=version, thresholds=TUNED, runtime_id=runtime,
+                          request_tokens=8)
+        signals, matched = _liar_samples(4 * 360, matched=False, seed=37)
+        write_traffic(session, "chat", signals, matched, start=traffic, spacing_s=1 / 6,
+                      version=version, thresholds=TUNED, runtime_id="rt-liar", request_tokens=8)
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        run = evaluate_canary(session=session, deployment=deployment, policy=CanaryPolicy(),
+                              now=traffic + timedelta(minutes=4, seconds=1))
+        assert run.status == "promoted", run.checks[-1]["reason"]
+        assert excluded_runtime_ids(session=session, deployment_id=deployment.id) == {"rt-liar"}
+        assert aliases_of(session=session, deployment=deployment)["active"] == version
+    assert [a.evidence["runtime_id"] for a in _alerts(engine, AlertKind.RUNTIME_OUTLIER)] == [
+        "rt-liar"]
+
+
+def _exit_fleet(engine, liar_thresholds: dict[int, float]) -> None:
+    """Version 2 (thresholds 0.6, whose conditional exit rate is 0.4 at every layer on these
+    signals) active for 20 minutes with those rates as its expected metrics; three honest
+    runtimes apply it, one runtime (honest shadow labels) exits by `liar_thresholds`."""
+    expected = {"conditional_exit_rate": {str(k): 0.4 for k in LAYERS},
+                "total_exit_rate": 1 - 0.6 ** 3}
+    with session_scope(engine) as session:
+        deployment = make_deployment(session, policy="auto")
+        tuned = publish(session=session, deployment=deployment, thresholds=TUNED,
+                        reason="tuned", actor="test", expected_metrics=expected)
+        move_alias(session=session, deployment=deployment, alias="active",
+                   version=tuned.version, actor="test", reason="tuned")
+        session.scalars(select(Alias).where(Alias.deployment_id == deployment.id,
+                                            Alias.name == "active")).one().updated_at = (
+            utcnow() - timedelta(minutes=20))
+    start = utcnow() - timedelta(minutes=10)
+    with session_scope(engine) as session:
+        for index, runtime in enumerate((*HONEST, "rt-odd")):
+            signals, matched = separable_samples(4000, seed=40 + index, noise=0.01)
+            write_traffic(session, "chat", signals, matched, start=start, spacing_s=0.15,
+                          version=2, runtime_id=runtime, request_tokens=8, shadow_every=4,
+                          thresholds=liar_thresholds if runtime == "rt-odd" else TUNED)
+
+
+@pytest.mark.parametrize("liar_thresholds, kind", [
+    ({3: 0.0, 6: 0.0, 9: 0.0}, AlertKind.EXIT_RATE_SPIKE),
+    ({3: 1.0, 6: 1.0, 9: 1.0}, AlertKind.EXIT_RATE_COLLAPSE)])
+def test_one_runtime_cannot_raise_an_exit_rate_spike_or_collapse_alone(engine, liar_thresholds,
+                                                                       kind):
+    """A runtime that exits every token at the first exit layer (or none at all) moves the
+    fleet's pooled exit rates far enough for a spike (a collapse); the finding must also show
+    without each one runtime's rollups, so in a fleet of four it does not fire, while the
+    same rollups judged without that rule do."""
+    _exit_fleet(engine, liar_thresholds)
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        now = utcnow()
+        pooled, _ = exit_behaviour_conditions(
+            session=session, deployment=deployment, now=now, want_report=False,
+            options=DriftOptions(robust_min_runtimes=5))
+        assert kind in {c.kind for c in pooled}  # the fleet's pooled rates do move
+        robust, checked = exit_behaviour_conditions(
+            session=session, deployment=deployment, now=now, want_report=False,
+            options=DriftOptions())
+        assert kind in checked
+        assert not [c for c in robust if c.kind in (AlertKind.EXIT_RATE_SPIKE,
+                                                    AlertKind.EXIT_RATE_COLLAPSE)]
+        assert excluded_runtime_ids(session=session, deployment_id=deployment.id) == set()
+    _check(engine)
+    assert _alerts(engine, kind) == []
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert aliases_of(session=session, deployment=deployment)["active"] == 2
+
+
+def test_the_last_good_set_is_judged_without_excluded_runtimes(engine):
+    """Version 2 served three honest runtimes well within δ; a runtime set aside as an outlier
+    forged disagreement on as many shadow tokens. Judged on the evidence the deployment
+    takes, version 2 is the last good set (the set-aside runtime's rollups count for
+    nothing)."""
+    _deployment(engine, active=TUNED)
+    start = utcnow() - timedelta(minutes=20)
+    with session_scope(engine) as session:
+        for index, runtime in enumerate(HONEST):
+            signals, matched = separable_samples(600, seed=50 + index, noise=0.01)
+            write_traffic(session, "chat", signals, matched, start=start, spacing_s=0.5,
+                          version=2, thresholds=TUNED, runtime_id=runtime, request_tokens=8)
+        signals, matched = _liar_samples(1800, matched=False, seed=57)
+        write_traffic(session, "chat", signals, matched, start=start, spacing_s=0.2,
+                      version=2, thresholds=TUNED, runtime_id="rt-liar", request_tokens=8)
+        deployment = get_deployment(session=session, name="chat")
+        newer = publish(session=session, deployment=deployment, thresholds={3: 0.7, 6: 0.7,
+                                                                             9: 0.7},
+                        reason="newer", actor="test")
+        move_alias(session=session, deployment=deployment, alias="active",
+                   version=newer.version, actor="test", reason="newer")
+        set_aside(session=session, deployment=deployment, runtime_id="rt-liar", version=2,
+                  segment="default", summary="forged disagreement", evidence={})
+        good = last_good_version(session=session, deployment=deployment,
+                                 exclude={newer.version}, min_shadow_tokens=200)
+        assert good is not None and good.version == 2
+
+
+def test_honest_runtimes_with_different_segment_mixes_are_not_outliers(engine):
+    """Segment 'code' exits far more readily than segment 'chat' (its layers match full depth
+    from signal 0.2, chat's from 0.8). Two honest runtimes serve mostly code, two mostly chat:
+    compared with the rest at the same version and segment none of them is set aside, though
+    their evidence pooled over the segments differs far beyond chance."""
+    _deployment(engine, active=TUNED)
+    start = utcnow() - timedelta(minutes=9)
+    mixes = {"rt-a": 0.9, "rt-b": 0.85, "rt-c": 0.1, "rt-d": 0.15}  # share of code
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        for name in ("code", "talk"):
+            declare_segment(session=session, deployment=deployment, name=name, actor="test")
+        for index, (runtime, code_share) in enumerate(mixes.items()):
+            for segment, below, share in (("code", 0.2, code_share),
+                                          ("talk", 0.8, 1 - code_share)):
+                n = int(2400 * share) // 8 * 8
+                signals, matched = separable_samples(n, seed=60 + 2 * index + (segment == "code"),
+                                                     mismatch_below=below, noise=0.01)
+                write_traffic(session, "chat", signals, matched, start=start,
+                              spacing_s=540 / n, version=2, thresholds=TUNED, runtime_id=runtime,
+                              request_tokens=8, segment=segment)
+        pooled = shadow_evidence(session=session, deployment=deployment, since=start,
+                                 version=2, exclude=())
+        assert runtime_outliers(requests=pooled.keyed_requests(), runtimes=pooled.runtimes,
+                                signals=pooled.signals, matched=pooled.matched,
+                                thresholds=[TUNED[k] for k in LAYERS], layers=LAYERS,
+                                alpha=1e-3, min_requests=5, robust_min_runtimes=3)
+    _check(engine)
+    assert _alerts(engine, AlertKind.RUNTIME_OUTLIER) == []
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        assert excluded_runtime_ids(session=session, deployment_id=deployment.id) == set()
+
+
+def test_the_share_cap_applies_from_robust_min_runtimes_up():
+    """Two runtimes, one with nine times the other's tokens: both keep every token (no majority
+    to protect; capping would only discard evidence). Three: the largest is cut to its share."""
+    two = np.array(["rt-a"] * 900 + ["rt-b"] * 100)
+    requests = np.array([f"{runtime}/{i // 8}" for i, runtime in enumerate(two)])
+    assert cap_runtime_share(two, requests, max_share=0.5, min_runtimes=3).all()
+    three = np.concatenate([two, ["rt-c"] * 100])
+    requests = np.array([f"{runtime}/{i // 8}" for i, runtime in enumerate(three)])
+    keep = cap_runtime_share(three, requests, max_share=0.5, min_runtimes=3)
+    assert (keep[three != "rt-a"]).all()
+    assert keep[three == "rt-a"].sum() <= 0.5 * keep.sum() + 8
+
+
+def test_in_a_fleet_of_two_a_flooding_liar_cannot_certify_a_set_alone():
+    """An honest runtime (a layer matches full depth above signal 0.5) and a runtime forging
+    agreement on every token with four times its tokens: every step must be certified on the
+    runtime held out of the path and the test as well, so the set chosen holds δ on honest
+    traffic and passes its holdout, whichever runtime is held out."""
+    honest_signals, honest_matched = separable_samples(3000, seed=70, noise=0.01)
+    liar_signals, liar_matched = _liar_samples(12000, matched=True, seed=71)
+    signals = np.vstack([honest_signals, liar_signals])
+    matched = np.vstack([honest_matched, liar_matched])
+    runtimes = np.array(["rt-honest"] * 3000 + ["rt-liar"] * 12000)
+    requests = np.array([f"{runtime}/{i // 8}" for i, runtime in enumerate(runtimes)])
+    truth = separable_samples(100_000, seed=72, noise=0.01)
+    for seed in range(4):
+        result = calibrate_thresholds(signals=signals, matched=matched, exit_layers=LAYERS,
+                                      num_layers=12, delta=0.05, epsilon=0.1,
+                                      requests=requests, runtimes=runtimes, seed=seed,
+                                      min_samples_per_layer=500)
+        wrong, n = policy_disagreement(*truth, [result.thresholds[k] for k in LAYERS])
+        assert wrong / n <= 0.05, (seed, result.thresholds)
+        assert result.holdout is not None and result.holdout.passed
