@@ -1,13 +1,20 @@
-"""Prometheus metrics of the control plane (one registry per process, served at /metrics)."""
+"""Prometheus metrics of the control plane (one registry per process, served at /metrics).
+
+Counters count events of this process; a sum over the API and ingest replicas is the fleet's
+total. The gauges here read figures shared by every replica (the stream's lag, the dead-letter
+stream's length), so a query takes their `max by` over replicas, never the sum.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from exitplane.build import register_build_info
+from exitplane.build import register_process_metrics
 
 registry = CollectorRegistry()
-register_build_info(registry)  # the API's and the ingest worker's /metrics
+register_process_metrics(registry)  # the API's and the ingest worker's /metrics
 
 ingested_records = Counter("exitplane_ingested_records", "Token records stored",
                            ["deployment"], registry=registry)
@@ -33,7 +40,31 @@ dead_lettered_batches = Counter("exitplane_dead_lettered_batches",
                                 ["deployment"], registry=registry)
 dead_letter_entries = Gauge("exitplane_dead_letter_entries",
                             "Entries in the telemetry dead-letter stream", registry=registry)
-stream_lag = Gauge("exitplane_stream_lag_entries", "Stream entries not yet ingested",
+# The consumer group's figure (entries not yet delivered plus delivered and not acknowledged),
+# the same whichever ingest replica reads it.
+stream_lag = Gauge("exitplane_stream_lag_entries",
+                   "Stream entries not yet ingested by the consumer group (group-wide)",
                    ["deployment"], registry=registry)
-# Runtime gauges (applied version, spool, drops) are read from the store at scrape time:
-# controlplane/alerts/exporter.py, so every API process shows the same series.
+# The fleet view (per-runtime applied version, spool, drops, and the exit-behaviour gauges) is
+# read from the store at scrape time: controlplane/alerts/exporter.py.
+
+# The names `refused` (controlplane/telemetry/api.py) counts a telemetry batch under: the
+# DomainError class that refused it. Their series exist at 0 from the start.
+REJECT_REASONS = ("Invalid", "BadRecord", "BatchTooLarge", "UnsupportedBatchType",
+                  "DecodersBusy", "NotFound", "Forbidden", "Unavailable")
+_PER_DEPLOYMENT = (ingested_records, ingested_batches, duplicate_batches, queued_batches,
+                   segment_overflow_tokens, dead_lettered_batches)
+for _reason in REJECT_REASONS:
+    rejected_batches.labels(_reason)
+_primed: set[str] = set()
+
+
+def prime(*, deployments: Iterable[str]) -> None:
+    """Create every per-deployment counter's series at 0 for `deployments` (once each), so that
+    the first batch of a deployment is an increase a rate() sees, not the series' first
+    sample."""
+    for name in deployments:
+        if name not in _primed:
+            for counter in _PER_DEPLOYMENT:
+                counter.labels(name)
+            _primed.add(name)

@@ -4,12 +4,17 @@ One pure-ASGI middleware per request: it takes the caller's `X-Request-ID` (or m
 keeps it in the logging context for every line the request logs and for the Celery tasks it
 enqueues, returns it in the response, writes one access-log line and observes the request's
 duration by route template (never the raw path: ids in paths would explode the series).
+
+A long-poll's wait (a runtime's pull held until its set changes) is not work: it goes into
+`exitplane_config_long_poll_wait_seconds`, and the request's duration counts the rest only, so
+the pull route's latency histogram says how fast the API answers, whatever `wait` runtimes ask.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
 import logging
 import time
@@ -21,11 +26,34 @@ from exitplane.logs import access_log_enabled, new_request_id, request_id_var
 
 access_log = logging.getLogger("exitplane.access")
 
-# Prometheus' default buckets stretched to the long polls (up to 60 s) the config route holds.
+# Prometheus' default buckets with a finer start (a 304 pull takes well under a millisecond of
+# handler time) and a longer end (a slow store).
 http_request_duration = Histogram(
-    "exitplane_http_request_duration_seconds", "HTTP request duration by route template",
+    "exitplane_http_request_duration_seconds",
+    "HTTP request duration by route template, less any long-poll wait",
     ["method", "route", "status"], registry=registry,
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+             60.0))
+
+long_poll_wait = Histogram(
+    "exitplane_config_long_poll_wait_seconds",
+    "Time a runtime's threshold pull was held waiting for its set to change (long-poll)",
+    registry=registry,
+    buckets=(0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0))
+
+# The current request's long-poll wait in seconds, a one-item list set by RequestContext for a
+# request whose query asks to wait (the others pay nothing), filled by `long_poll_waited`.
+_waited: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "exitplane_long_poll_waited", default=None)
+
+
+def long_poll_waited(seconds: float) -> None:
+    """Record a long-poll wait: its histogram, and the current request's total (taken out of
+    the request's duration)."""
+    long_poll_wait.observe(seconds)
+    cell = _waited.get()
+    if cell is not None:
+        cell[0] += seconds
 
 
 # How late the API's event loop wakes a sleeper: every request the process serves waits at least
@@ -121,6 +149,10 @@ class RequestContext:
                         if name == b"x-request-id"), None)
         request_id = new_request_id(offered)
         token = request_id_var.set(request_id)
+        waited = waited_token = None
+        if b"wait=" in scope.get("query_string", b""):  # a long-poll: its wait is not its duration
+            waited = [0.0]
+            waited_token = _waited.set(waited)
         started = time.perf_counter()
         status = 500
 
@@ -137,8 +169,12 @@ class RequestContext:
             await self.app(scope, receive, send_with_id)
         finally:
             elapsed = time.perf_counter() - started
+            worked = elapsed
+            if waited is not None:
+                _waited.reset(waited_token)
+                worked = max(0.0, elapsed - waited[0])
             route = route_template(scope)
-            self._duration(scope["method"], route, status).observe(elapsed)
+            self._duration(scope["method"], route, status).observe(worked)
             if self.access_log:
                 access_log.info("%s %s %s %.1fms", scope["method"], scope["path"], status,
                                 elapsed * 1000, extra={

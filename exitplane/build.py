@@ -18,3 +18,16 @@ def register_build_info(registry) -> None:
     gauge = Gauge(BUILD_INFO, "The exitplane release this process runs (always 1)",
                   ["version", "python"], registry=registry)
     gauge.labels(__version__, platform.python_version()).set(1)
+
+
+def register_process_metrics(registry) -> None:
+    """Export what every exitplane process reports on its registry: `exitplane_build_info`,
+    the process' CPU, memory, file descriptors and start time (`process_*`), the interpreter
+    (`python_info`) and its garbage collector (`python_gc_*`), as prometheus_client's default
+    registry would."""
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+    register_build_info(registry)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)

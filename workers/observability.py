@@ -6,15 +6,21 @@
   its id in the message headers (`controlplane.celery_app`, the publishing side); the worker
   puts it back into the logging context for the task's lines, and passes it on to the tasks
   that task enqueues.
-- Metrics: task duration by task name and outcome, and failures by task name, in a registry of
-  this process served on `EXITPLANE_WORKER_METRICS_PORT` (one worker process per container
-  with the default solo pool, so one scrape target each; no multiprocess directory needed).
+- Metrics: task duration by task name and outcome, and failures by task name (a series at 0
+  per registered task from the start), with the process and build-info collectors, in a
+  registry of this process served on `EXITPLANE_WORKER_METRICS_PORT` (one worker process per
+  container with the default solo pool, so one scrape target each; no multiprocess directory
+  needed). Beat serves the same registry on that port (its process and build info; it runs no
+  tasks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import logging
+import os
 import sys
 import time
 
@@ -22,13 +28,13 @@ from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.celery_app import REQUEST_ID_HEADER as HEADER
-from exitplane.build import register_build_info
-from exitplane.logs import configure_logging, request_id_var
+from exitplane.build import register_process_metrics
+from exitplane.logs import configure_logging, log_format, request_id_var, rfc3339
 
 log = logging.getLogger("exitplane.worker")
 
 registry = CollectorRegistry()
-register_build_info(registry)
+register_process_metrics(registry)
 task_duration = Histogram(
     "exitplane_worker_task_duration_seconds", "Celery task run time by task name and outcome",
     ["task", "state"], registry=registry,
@@ -48,6 +54,21 @@ def _setup_logging(loglevel=None, **_kwargs) -> None:
     role = "beat" if "beat" in sys.argv else "worker"
     configure_logging(role, level=str(level), fmt=settings.log_format,
                       environment=settings.environment)
+    if log_format(settings.environment, settings.log_format) == "json":
+        import celery.apps.worker
+
+        celery.apps.worker.safe_say = functools.partial(_say_as_json, role)
+
+
+def _say_as_json(role: str, message: str, stream=None) -> None:
+    """Celery's signal-handler messages ("worker: Warm shutdown") as a JSON line on stdout.
+    Written with one os.write, as Celery does, since a signal handler must not take the
+    logging locks."""
+    line = json.dumps({"time": rfc3339(time.time()), "level": "WARNING",
+                       "logger": "celery.apps.worker", "message": message.strip(),
+                       "process_name": role})
+    with contextlib.suppress(OSError):
+        os.write(sys.__stdout__.fileno(), f"{line}\n".encode())
 
 
 @signals.task_prerun.connect
@@ -90,6 +111,15 @@ def _start_tracing(**_kwargs) -> None:
         instrument_engine(get_engine(get_settings().effective_database_url))
 
 
+@signals.beat_init.connect
+def _start_beat_tracing(**_kwargs) -> None:
+    """Beat's scheduled sends are producer spans (the Celery instrumentation's
+    `apply_async/<task>`), each the root of the trace its task continues in a worker."""
+    from exitplane.tracing import configure_tracing
+
+    configure_tracing("exitplane-beat")
+
+
 @signals.worker_init.connect
 def _serve_metrics(sender=None, **_kwargs) -> None:
     from prometheus_client import start_http_server
@@ -104,3 +134,19 @@ def _serve_metrics(sender=None, **_kwargs) -> None:
     if port:
         start_http_server(port, registry=registry)
         log.info("worker metrics on :%d/metrics", port)
+
+
+@signals.beat_init.connect
+def _serve_beat_metrics(**_kwargs) -> None:
+    from prometheus_client import start_http_server
+
+    from controlplane.settings import get_settings
+
+    port = get_settings().worker_metrics_port
+    if port:
+        try:
+            start_http_server(port, registry=registry)
+        except OSError as error:  # a worker on this host (`exitplane up`) serves that port
+            log.warning("beat metrics not served on :%d (%s)", port, error)
+            return
+        log.info("beat metrics on :%d/metrics", port)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
-from fastapi.responses import FileResponse
+from fastapi.responses import HTMLResponse
 
-from controlplane.alerts import delivery_service, hook_service, service
+from controlplane.alerts import delivery_service, hook_service, reports, service
 from controlplane.alerts.guard import HookGuard
 from controlplane.alerts.models import Alert, AlertHook
 from controlplane.alerts.schemas import (
@@ -21,6 +21,7 @@ from controlplane.alerts.schemas import (
     HookUpdate,
 )
 from controlplane.deps import AdminPrincipal, OperatorPrincipal, SessionDep
+from controlplane.errors import error_answer
 from controlplane.thresholds.models import Deployment
 from controlplane.thresholds.service import get_deployment
 
@@ -35,7 +36,7 @@ def _names(session, ids) -> dict[int, str]:
 def _alert_read(request: Request, alert: Alert, names: dict[int, str]) -> AlertRead:
     read = AlertRead.model_validate(alert)
     read.deployment = names.get(alert.deployment_id, "")
-    if alert.report_path:
+    if alert.has_report:
         read.report_url = f"{request.app.state.settings.base_url}/v1/alerts/{alert.id}/report"
     return read
 
@@ -62,6 +63,7 @@ def list_alerts(request: Request, session: SessionDep, principal: OperatorPrinci
                                                     "resolved")] = None,
                 kind: str | None = None, limit: Limit = 100,
                 before_id: int | None = None) -> list[AlertRead]:
+    """Alerts, newest first, filtered by deployment, status and kind (`before_id` to page)."""
     target = get_deployment(session=session, name=deployment) if deployment else None
     alerts = service.list_alerts(session=session, deployment=target, status=status, kind=kind,
                                  limit=limit, before_id=before_id)
@@ -72,38 +74,44 @@ def list_alerts(request: Request, session: SessionDep, principal: OperatorPrinci
 @router.get("/alerts/{alert_id}", response_model=AlertRead)
 def show_alert(alert_id: int, request: Request, session: SessionDep,
                principal: OperatorPrincipal) -> AlertRead:
+    """One alert with its evidence (test, statistic, windows)."""
     alert = service.get_alert(session=session, alert_id=alert_id)
     return _alert_read(request, alert, _names(session, [alert.deployment_id]))
 
 
-@router.post("/alerts/{alert_id}/ack", response_model=AlertRead)
+@router.post("/alerts/{alert_id}/ack", response_model=AlertRead,
+             responses={409: error_answer("the alert is resolved")})
 def acknowledge(alert_id: int, body: AlertAck, request: Request, session: SessionDep,
                 principal: OperatorPrincipal) -> AlertRead:
+    """Acknowledge a firing alert: it stops paging (409 once resolved)."""
     alert = service.get_alert(session=session, alert_id=alert_id, lock=True)
     service.acknowledge(session=session, alert=alert, actor=principal.actor, note=body.note)
     return _alert_read(request, alert, _names(session, [alert.deployment_id]))
 
 
-@router.post("/alerts/{alert_id}/resolve", response_model=AlertRead)
+@router.post("/alerts/{alert_id}/resolve", response_model=AlertRead,
+             responses={409: error_answer("the alert is resolved already")})
 def resolve(alert_id: int, body: AlertResolve, request: Request, session: SessionDep,
             principal: OperatorPrincipal) -> AlertRead:
+    """Resolve an alert (409 if it is resolved already)."""
     alert = service.get_alert(session=session, alert_id=alert_id, lock=True)
     service.resolve(session=session, alert=alert, actor=principal.actor, reason=body.reason)
     return _alert_read(request, alert, _names(session, [alert.deployment_id]))
 
 
-@router.get("/alerts/{alert_id}/report", response_class=FileResponse)
-def alert_report(alert_id: int, request: Request, session: SessionDep,
-                 principal: OperatorPrincipal) -> FileResponse:
+@router.get("/alerts/{alert_id}/report", response_class=HTMLResponse)
+def alert_report(alert_id: int, session: SessionDep,
+                 principal: OperatorPrincipal) -> HTMLResponse:
+    """An alert's report as an HTML page: its evidence and the windows it compared."""
     alert = service.get_alert(session=session, alert_id=alert_id)
-    path = service.report_file(alert=alert,
-                               reports_dir=request.app.state.settings.var_dir / "reports")
-    return FileResponse(path, media_type="text/html")
+    return HTMLResponse(reports.report_html(session=session, alert=alert),
+                        headers=reports.REPORT_HEADERS)
 
 
 @router.get("/alerts/{alert_id}/deliveries", response_model=list[DeliveryRead])
 def alert_deliveries(alert_id: int, session: SessionDep,
                      principal: OperatorPrincipal, limit: Limit = 100) -> list[DeliveryRead]:
+    """Every delivery of the alert to the hooks: status, attempts, last answer."""
     alert = service.get_alert(session=session, alert_id=alert_id)
     return [DeliveryRead.model_validate(d)
             for d in delivery_service.list_deliveries(session=session, alert=alert, limit=limit)]
@@ -112,6 +120,8 @@ def alert_deliveries(alert_id: int, session: SessionDep,
 @router.get("/hooks", response_model=list[HookRead])
 def list_hooks(request: Request, session: SessionDep, principal: AdminPrincipal,
                deployment: str | None = None) -> list[HookRead]:
+    """Alert hooks (webhook, Alertmanager, PagerDuty, Slack), optionally of one deployment; URLs are
+    shown without their secrets."""
     target = get_deployment(session=session, name=deployment) if deployment else None
     found = hook_service.list_hooks(session=session, deployment=target)
     names = _names(session, [h.deployment_id for h in found])
@@ -122,6 +132,7 @@ def list_hooks(request: Request, session: SessionDep, principal: AdminPrincipal,
 @router.post("/hooks", status_code=status.HTTP_201_CREATED, response_model=HookCreated)
 def create_hook(spec: HookCreate, request: Request, session: SessionDep,
                 principal: AdminPrincipal) -> HookCreated:
+    """Create an alert hook; its signing secret is in this answer only."""
     target = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
     guard = _guard(request)
     hook = hook_service.create_hook(
@@ -136,6 +147,7 @@ def create_hook(spec: HookCreate, request: Request, session: SessionDep,
 @router.get("/hooks/{hook_id}", response_model=HookRead)
 def show_hook(hook_id: int, request: Request, session: SessionDep,
               principal: AdminPrincipal) -> HookRead:
+    """One alert hook."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
     return _hook_read(hook, _names(session, [hook.deployment_id]), _guard(request))
 
@@ -143,6 +155,7 @@ def show_hook(hook_id: int, request: Request, session: SessionDep,
 @router.patch("/hooks/{hook_id}", response_model=HookRead)
 def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: SessionDep,
                 principal: AdminPrincipal) -> HookRead:
+    """Change an alert hook's URL, severity floor or enabled state."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
     changes = spec.model_dump(exclude_none=True)
     if "url" in changes:
@@ -154,6 +167,7 @@ def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: Sessi
 
 @router.delete("/hooks/{hook_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> Response:
+    """Delete an alert hook and its deliveries."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
     hook_service.delete_hook(session=session, hook=hook)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -174,6 +188,7 @@ def send_test_alert(hook_id: int, request: Request, session: SessionDep,
 @router.get("/hooks/{hook_id}/deliveries", response_model=list[DeliveryRead])
 def hook_deliveries(hook_id: int, session: SessionDep, principal: AdminPrincipal,
                     limit: Limit = 100, before_id: int | None = None) -> list[DeliveryRead]:
+    """The hook's deliveries, newest first."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
     return [DeliveryRead.model_validate(d) for d in delivery_service.list_deliveries(
         session=session, hook=hook, limit=limit, before_id=before_id)]

@@ -1,7 +1,9 @@
 """Store-backed gauges for Prometheus: what `dashboards/prometheus/alerts.yml` alerts on.
 
 Read from the store at scrape time, so every API replica exports the same values whichever
-process ingested the telemetry (the rules aggregate with max by deployment / layer):
+process ingested the telemetry. Every query over them (dashboard, rules) first collapses the
+replicas with `max by` the family's own labels, and only then sums or counts: a sum or count over
+the raw series would count each value once per API replica.
 
 - exitplane_exit_rate{deployment,layer}: conditional exit rate of the active version over the
   last `WINDOW` (exits / tokens that reached the layer); exitplane_tokens_checked: that
@@ -9,11 +11,13 @@ process ingested the telemetry (the rules aggregate with max by deployment / lay
 - exitplane_shadow_disagreement{deployment}, exitplane_shadow_tokens, and
   exitplane_disagreement_target (the deployment's δ)
 - exitplane_last_ingest_timestamp_seconds{deployment}
-- exitplane_runtime_last_seen_timestamp_seconds{deployment,runtime},
-  exitplane_runtime_behind_active (1 when it applies neither the active nor the canary version),
-  exitplane_runtime_applied_version, exitplane_runtime_spooled_batches and
-  exitplane_runtime_dropped_records (from the runtime's last heartbeat, whichever process took
-  it); runtimes silent for a day, or deleted, are left out: their series disappear
+- the fleet view, one series per runtime: exitplane_fleet_runtime_last_seen_timestamp_seconds
+  {deployment,runtime}, exitplane_fleet_runtime_behind_active (1 when it applies neither the
+  active nor the canary version), exitplane_fleet_runtime_applied_version,
+  exitplane_fleet_runtime_spooled_batches and exitplane_fleet_runtime_dropped_records_total
+  (from the runtime's last heartbeat, whichever process took it); runtimes silent for a day, or
+  deleted, are left out: their series disappear. The `fleet_` prefix keeps them apart from the
+  runtime server's own exitplane_runtime_* families (one process, no runtime label)
 - exitplane_alerts_open{deployment,kind,severity,segment}
 - exitplane_mean_exit_depth{deployment} and exitplane_estimated_speedup{deployment} (layers a
   token ran through on average over the last `WINDOW`, active version; speed-up = num_layers /
@@ -38,7 +42,7 @@ import time
 from collections import defaultdict
 from datetime import timedelta
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
@@ -59,7 +63,7 @@ WINDOW = timedelta(minutes=5)
 WHOLE_DEPLOYMENT = ""
 
 
-def _families() -> dict[str, GaugeMetricFamily]:
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     specs = {
         "exit_rate": ("Conditional exit rate of the active version over the last 5 minutes",
                       ["deployment", "layer", "segment"]),
@@ -74,16 +78,14 @@ def _families() -> dict[str, GaugeMetricFamily]:
         "active_version": ("Threshold version the active alias points at", ["deployment"]),
         "last_ingest_timestamp_seconds": ("When the last telemetry batch was stored",
                                           ["deployment"]),
-        "runtime_last_seen_timestamp_seconds": ("A runtime's last heartbeat",
-                                                ["deployment", "runtime"]),
-        "runtime_behind_active": ("1 when a runtime applies neither the active nor the canary "
-                                  "version", ["deployment", "runtime"]),
-        "runtime_applied_version": ("Threshold version a runtime applies (last heartbeat)",
-                                    ["deployment", "runtime"]),
-        "runtime_spooled_batches": ("Telemetry batches a runtime holds on disk (last heartbeat)",
-                                    ["deployment", "runtime"]),
-        "runtime_dropped_records": ("Telemetry records a runtime dropped (last heartbeat)",
-                                    ["deployment", "runtime"]),
+        "fleet_runtime_last_seen_timestamp_seconds": ("A runtime's last heartbeat",
+                                                      ["deployment", "runtime"]),
+        "fleet_runtime_behind_active": ("1 when a runtime applies neither the active nor the "
+                                        "canary version", ["deployment", "runtime"]),
+        "fleet_runtime_applied_version": ("Threshold version a runtime applies (last "
+                                          "heartbeat)", ["deployment", "runtime"]),
+        "fleet_runtime_spooled_batches": ("Telemetry batches a runtime holds on disk (last "
+                                          "heartbeat)", ["deployment", "runtime"]),
         "alerts_open": ("Open (firing or acknowledged) alerts; segment is empty for the "
                         "default segment's", ["deployment", "kind", "severity", "segment"]),
         "mean_exit_depth": ("Mean layers run per token, last 5 minutes (active version)",
@@ -91,8 +93,16 @@ def _families() -> dict[str, GaugeMetricFamily]:
         "estimated_speedup": ("num_layers / mean exit depth, last 5 minutes (active version)",
                               ["deployment", "segment"]),
     }
-    return {name: GaugeMetricFamily(f"exitplane_{name}", doc, labels=labels)
-            for name, (doc, labels) in specs.items()}
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        name: GaugeMetricFamily(f"exitplane_{name}", doc, labels=labels)
+        for name, (doc, labels) in specs.items()}
+    # A runtime's own cumulative count, relayed by its heartbeats (a restart starts it at 0
+    # again, which rate() reads as a counter reset).
+    families["fleet_runtime_dropped_records"] = CounterMetricFamily(
+        "exitplane_fleet_runtime_dropped_records",
+        "Telemetry records a runtime dropped since it started (last heartbeat)",
+        labels=["deployment", "runtime"])
+    return families
 
 
 class StoreCollector(Collector):
@@ -135,6 +145,9 @@ class StoreCollector(Collector):
 def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
     now = utcnow()
     deployments = {d.id: d for d in session.scalars(select(Deployment))}
+    # Every deployment's counters exist at 0 from the scrape after it was created on: a rate
+    # over them then sees its first batch (prime is idempotent and costs a dict lookup each).
+    metrics.prime(deployments=[d.name for d in deployments.values()])
     aliases: dict[int, dict[str, int]] = defaultdict(dict)
     for row in session.execute(select(Alias.deployment_id, Alias.name, Alias.version)):
         aliases[row.deployment_id][row.name] = row.version
@@ -160,15 +173,15 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
         if deployment is None:
             continue
         labels = [deployment.name, runtime.runtime_id]
-        families["runtime_last_seen_timestamp_seconds"].add_metric(
+        families["fleet_runtime_last_seen_timestamp_seconds"].add_metric(
             labels, runtime.last_seen.timestamp())
         current = {aliases[deployment.id].get("active"), aliases[deployment.id].get("canary")}
-        families["runtime_behind_active"].add_metric(
+        families["fleet_runtime_behind_active"].add_metric(
             labels, 0.0 if runtime.applied_version in current else 1.0)
         if runtime.applied_version is not None:
-            families["runtime_applied_version"].add_metric(labels, runtime.applied_version)
-        families["runtime_spooled_batches"].add_metric(labels, runtime.spooled_batches)
-        families["runtime_dropped_records"].add_metric(labels, runtime.dropped_records)
+            families["fleet_runtime_applied_version"].add_metric(labels, runtime.applied_version)
+        families["fleet_runtime_spooled_batches"].add_metric(labels, runtime.spooled_batches)
+        families["fleet_runtime_dropped_records"].add_metric(labels, runtime.dropped_records)
 
     for row in session.execute(select(Alert.deployment_id, Alert.kind, Alert.severity,
                                       Alert.segment, func.count().label("n"))

@@ -111,7 +111,7 @@ def snapshot(*, alert, deployment: str, base_url: str) -> dict[str, Any]:
         "resolved_by": alert.resolved_by, "resolution": alert.resolution,
         "url": f"{base}/ui/alerts/{alert.id}",
         # The UI's route: people follow this link from a page, with a browser session.
-        "report_url": f"{base}/ui/alerts/{alert.id}/report" if alert.report_path else None,
+        "report_url": f"{base}/ui/alerts/{alert.id}/report" if alert.has_report else None,
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy import ForeignKey, Index, LargeBinary, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.alerts.kinds import AlertKind
@@ -47,7 +47,8 @@ class Alert(Base):
     status: Mapped[str] = mapped_column(String(16), default="firing", index=True)
     summary: Mapped[str] = mapped_column(Text)
     evidence: Mapped[dict] = mapped_column(default=dict)
-    report_path: Mapped[str | None] = mapped_column(String(500))
+    # Whether its Evidently report is stored (`AlertReport`); cleared when retention drops it.
+    has_report: Mapped[bool] = mapped_column(default=False, server_default=false())
     # What the system did about it (fallback engaged, recalibration queued ...), for the page.
     action_taken: Mapped[str] = mapped_column(Text, default="")
     fired_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -100,3 +101,16 @@ class AlertDelivery(Base):
     error: Mapped[str | None] = mapped_column(Text)
     duration_ms: Mapped[float]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AlertReport(Base):
+    """The Evidently HTML report of an alert, gzip-compressed, in the store that every API
+    replica reads (never a process's own disk)."""
+
+    __tablename__ = "alert_reports"
+
+    alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"),
+                                          primary_key=True)
+    html_gzip: Mapped[bytes] = mapped_column(LargeBinary)
+    html_bytes: Mapped[int]  # uncompressed size
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -16,7 +16,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -25,8 +24,10 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import reactions
 from controlplane.alerts.delivery_service import enqueue_deliveries, refresh_if_due
 from controlplane.alerts.models import KINDS, SEVERITIES, STATUSES, Alert
+from controlplane.alerts.reports import store_report
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid, NotFound
+from controlplane.settings import get_settings
 from controlplane.thresholds.models import Deployment
 from exitplane import tracing
 from exitplane.wire import DEFAULT_SEGMENT
@@ -108,8 +109,9 @@ def open_alerts(*, session: Session, deployment: Deployment,
 
 
 def fire(*, session: Session, deployment: Deployment, condition: Condition,
-         now: datetime | None = None, reports_dir: Path | None = None) -> tuple[Alert, bool]:
-    """The open alert for the condition's key, refreshed; or a new one (True) that fires."""
+         now: datetime | None = None, keep_report: bool = False) -> tuple[Alert, bool]:
+    """The open alert for the condition's key, refreshed; or a new one (True) that fires.
+    With `keep_report`, the condition's Evidently report is stored for an alert that has none."""
     if condition.kind not in KINDS:
         raise Invalid(f"unknown alert kind {condition.kind!r}")
     if condition.severity not in SEVERITIES:
@@ -121,6 +123,9 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
     if alert is not None:
         alert.last_seen_at = now
         alert.clear_since = None
+        if condition.report_html and keep_report and not alert.has_report:
+            store_report(session=session, alert=alert, html=condition.report_html,
+                         max_bytes=get_settings().report_max_bytes)
         session.flush()
         return alert, False
     alert = Alert(deployment_id=deployment.id, kind=condition.kind, layer=condition.layer,
@@ -143,8 +148,9 @@ def fire(*, session: Session, deployment: Deployment, condition: Condition,
         existing.last_seen_at = now
         session.flush()
         return existing, False
-    if condition.report_html and reports_dir is not None:
-        alert.report_path = _write_report(reports_dir, deployment, alert, condition.report_html)
+    if condition.report_html and keep_report:
+        store_report(session=session, alert=alert, html=condition.report_html,
+                     max_bytes=get_settings().report_max_bytes)
     session.flush()
     log.warning("alert %s fired: %s", key, condition.summary)
     on_alert_fired(session, alert)
@@ -166,7 +172,7 @@ def on_alert_fired(session: Session, alert: Alert) -> None:
 
 def reconcile(*, session: Session, deployment: Deployment, conditions: list[Condition],
               checked_kinds: Iterable[str], clear_after_s: float, now: datetime | None = None,
-              reports_dir: Path | None = None, segment: str = DEFAULT_SEGMENT) -> Reconciled:
+              keep_reports: bool = False, segment: str = DEFAULT_SEGMENT) -> Reconciled:
     """Fire/refresh alerts for `conditions`; open alerts of `checked_kinds` that were not
     observed start their clear period and resolve once it has lasted `clear_after_s`.
 
@@ -177,7 +183,7 @@ def reconcile(*, session: Session, deployment: Deployment, conditions: list[Cond
     seen = set()
     for condition in conditions:
         alert, created = fire(session=session, deployment=deployment, condition=condition,
-                              now=now, reports_dir=reports_dir)
+                              now=now, keep_report=keep_reports)
         seen.add(alert.id)
         if created:
             result.fired.append(alert)
@@ -231,26 +237,6 @@ def _resolve(*, session: Session, alert: Alert, actor: str, reason: str, now: da
     alert.resolution = reason
     log.info("alert %s resolved by %s: %s", alert.dedup_key, actor, reason)
     enqueue_deliveries(session=session, alert=alert, event="resolved")
-
-
-def report_file(*, alert: Alert, reports_dir: Path) -> Path:
-    """The stored HTML report of `alert`, or NotFound."""
-    if not alert.report_path:
-        raise NotFound(f"alert {alert.id} has no report")
-    path = (reports_dir / alert.report_path).resolve()
-    if not path.is_relative_to(reports_dir.resolve()) or not path.is_file():
-        raise NotFound(f"the report of alert {alert.id} is no longer stored")
-    return path
-
-
-def _write_report(reports_dir: Path, deployment: Deployment, alert: Alert, html: str) -> str:
-    relative = Path(deployment.name) / f"alert-{alert.id}-{alert.kind}.html"
-    target = reports_dir / relative
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_suffix(".tmp")
-    temporary.write_text(html, encoding="utf-8")
-    temporary.replace(target)
-    return str(relative)
 
 
 # -- helpers -----------------------------------------------------------------------------------

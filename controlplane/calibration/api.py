@@ -1,4 +1,5 @@
-"""Thin routes: start a recalibration, list / show jobs, approve / reject a candidate, canary."""
+"""Thin routes: start a recalibration, list / show jobs, approve / reject a candidate; start,
+show, promote and revert a canary."""
 
 from __future__ import annotations
 
@@ -6,18 +7,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from controlplane.calibration import service
+from controlplane.calibration import canary, service
 from controlplane.calibration.canary import promote_canary, revert_canary, running_canary
 from controlplane.calibration.schemas import (
     CalibrationCreate,
     CalibrationJobDetail,
     CalibrationJobRead,
     CalibrationRequested,
+    CanaryCreate,
     CanaryRead,
     Decision,
 )
 from controlplane.deps import OperatorPrincipal, SessionDep
-from controlplane.errors import Conflict, NotFound
+from controlplane.errors import Conflict, NotFound, error_answer
 from controlplane.thresholds.service import get_deployment
 
 router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"])
@@ -45,6 +47,7 @@ def start_calibration(name: str, spec: CalibrationCreate, session: SessionDep,
 def list_calibrations(name: str, session: SessionDep, principal: OperatorPrincipal,
                       limit: Annotated[int, Query(ge=1, le=500)] = 50,
                       before_id: int | None = None) -> list[CalibrationJobRead]:
+    """The deployment's calibration jobs, newest first (`before_id` to page)."""
     deployment = get_deployment(session=session, name=name)
     jobs = service.list_jobs(session=session, deployment=deployment, limit=limit,
                              before_id=before_id)
@@ -54,12 +57,15 @@ def list_calibrations(name: str, session: SessionDep, principal: OperatorPrincip
 @router.get("/calibrations/{job_id}", response_model=CalibrationJobDetail)
 def show_calibration(name: str, job_id: int, session: SessionDep,
                      principal: OperatorPrincipal) -> CalibrationJobDetail:
+    """One calibration job: the per-layer thresholds chosen with their risk, bound and p-value, the
+    curve and the resulting version."""
     deployment = get_deployment(session=session, name=name)
     job = service.get_job(session=session, deployment=deployment, job_id=job_id)
     return CalibrationJobDetail.model_validate(job)
 
 
-@router.post("/calibrations/{job_id}/approve", response_model=CalibrationJobRead)
+@router.post("/calibrations/{job_id}/approve", response_model=CalibrationJobRead,
+             responses={409: error_answer("the job has no candidate waiting for a decision")})
 def approve(name: str, job_id: int, decision: Decision, session: SessionDep,
             principal: OperatorPrincipal) -> CalibrationJobRead:
     """Promote a candidate waiting for approval (or whose canary paused) to active."""
@@ -70,7 +76,8 @@ def approve(name: str, job_id: int, decision: Decision, session: SessionDep,
     return CalibrationJobRead.model_validate(job)
 
 
-@router.post("/calibrations/{job_id}/reject", response_model=CalibrationJobRead)
+@router.post("/calibrations/{job_id}/reject", response_model=CalibrationJobRead,
+             responses={409: error_answer("the job has no candidate waiting for a decision")})
 def reject(name: str, job_id: int, decision: Decision, session: SessionDep,
            principal: OperatorPrincipal) -> CalibrationJobRead:
     """Refuse a candidate waiting for approval, or revert its canary."""
@@ -91,9 +98,30 @@ def canary_status(name: str, session: SessionDep, principal: OperatorPrincipal) 
     return CanaryRead.model_validate(run)
 
 
-@router.post("/canary/promote", response_model=CanaryRead)
+@router.post("/canary", status_code=status.HTTP_201_CREATED, response_model=CanaryRead,
+             responses={
+                 404: error_answer("no such deployment, or it has no such threshold set "
+                                   "version"),
+                 409: error_answer("the version is the active one, or a canary is already "
+                                   "running or paused (promote or revert it first)")})
+def start_canary(name: str, spec: CanaryCreate, session: SessionDep,
+                 principal: OperatorPrincipal) -> CanaryRead:
+    """Start a checked canary of a published version: a hash-sticky share of runtimes (the
+    deployment's `canary_fraction`) applies it while the rest keep the active one, and the
+    canary monitor judges its windows against the quality target and promotes or reverts it,
+    as after a calibration under the `canary` policy. The audit log records the version, the
+    fraction, the stable version and the reason."""
+    deployment = get_deployment(session=session, name=name, lock=True)
+    run = canary.start_canary(session=session, deployment=deployment, version=spec.version,
+                              actor=principal.actor, reason=spec.reason, replace_open=False)
+    return CanaryRead.model_validate(run)
+
+
+@router.post("/canary/promote", response_model=CanaryRead,
+             responses={409: error_answer("no running or paused canary")})
 def promote(name: str, decision: Decision, session: SessionDep,
             principal: OperatorPrincipal) -> CanaryRead:
+    """Promote the running (or paused) canary's version to active now (409 without one)."""
     deployment = get_deployment(session=session, name=name, lock=True)
     run = _open_canary(session, deployment)
     promote_canary(session=session, deployment=deployment, run=run, actor=principal.actor,
@@ -101,9 +129,11 @@ def promote(name: str, decision: Decision, session: SessionDep,
     return CanaryRead.model_validate(run)
 
 
-@router.post("/canary/revert", response_model=CanaryRead)
+@router.post("/canary/revert", response_model=CanaryRead,
+             responses={409: error_answer("no running or paused canary")})
 def revert(name: str, decision: Decision, session: SessionDep,
            principal: OperatorPrincipal) -> CanaryRead:
+    """Revert the running (or paused) canary: the active version stays (409 without one)."""
     deployment = get_deployment(session=session, name=name, lock=True)
     run = _open_canary(session, deployment)
     revert_canary(session=session, deployment=deployment, run=run, actor=principal.actor,

@@ -21,6 +21,12 @@ disagreements sit in a few requests is therefore neither promoted nor reverted o
 revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows pause
 the canary for a human (approve / reject the job, or promote / revert the canary).
 
+Outlier runtimes: before its windows are judged, each canary runtime is tested against the rest
+on the canary version's shadow tokens (`canary_outliers`, the drift cycle's outlier test at the
+same version and segment); one set aside counts for nothing in the verdicts, so a runtime that
+forges disagreement cannot hold a good candidate back, nor forged agreement push a bad one
+through.
+
 Traffic segments: a candidate is judged on each segment whose thresholds it changes
 (`judged_segments`), each on that segment's rows with the map it applies there and against its
 own expected exit rate; a window fails if any judged segment fails, is inconclusive if any is,
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -45,7 +51,9 @@ from controlplane.calibration.evidence import leave_one_out
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
+from controlplane.drift.outliers import detect_outliers
 from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
+from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, NotFound
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
@@ -53,7 +61,12 @@ from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.segments import known_segments
-from controlplane.thresholds.service import aliases_of, clear_alias, move_alias
+from controlplane.thresholds.service import (
+    aliases_of,
+    clear_alias,
+    get_threshold_set,
+    move_alias,
+)
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.canary")
@@ -72,6 +85,9 @@ class CanaryPolicy:
     alpha: float = 0.01
     exit_rate_tolerance: float = 0.10  # absolute excess over the expected exit rate that fails
     min_runtimes: int = 3  # from this many canary runtimes on, none decides a verdict alone
+    # the outlier test run on the canary version's shadow tokens (its false-alarm budget per
+    # hour, requests needed, window: `drift.outliers`); its check interval is `interval`
+    outliers: DriftOptions = field(default_factory=DriftOptions)
 
     @classmethod
     def from_settings(cls, settings) -> CanaryPolicy:
@@ -81,7 +97,8 @@ class CanaryPolicy:
                    max_inconclusive=settings.canary_max_inconclusive,
                    min_shadow_tokens=settings.canary_min_shadow_tokens,
                    min_shadow_requests=settings.canary_min_shadow_requests,
-                   min_runtimes=settings.evidence_robust_min_runtimes)
+                   min_runtimes=settings.evidence_robust_min_runtimes,
+                   outliers=DriftOptions.from_settings(settings))
 
 
 def floor_minute(moment: datetime) -> datetime:
@@ -89,18 +106,30 @@ def floor_minute(moment: datetime) -> datetime:
 
 
 def start_canary(*, session: Session, deployment: Deployment, version: int, actor: str,
-                 job_id: int | None = None, now: datetime | None = None) -> CanaryRun:
-    """Point `canary` at `version` and start checking it (an older canary is aborted)."""
+                 job_id: int | None = None, now: datetime | None = None,
+                 replace_open: bool = True, reason: str = "") -> CanaryRun:
+    """Point `canary` at `version` and start checking it. An open (running or paused) canary is
+    aborted, or with `replace_open=False` refused (Conflict); a version that does not exist
+    (NotFound) or is the active one (Conflict) is refused. `reason` is added to the audit
+    log's own."""
     now = now or utcnow()
+    get_threshold_set(session=session, deployment=deployment, version=version)
+    baseline = aliases_of(session=session, deployment=deployment)["active"]
+    if version == baseline:
+        raise Conflict(f"version {version} is {deployment.name!r}'s active version: a canary "
+                       "serves a different version beside it; publish or pick another one")
     for old in session.scalars(select(CanaryRun).where(
             CanaryRun.deployment_id == deployment.id,
             CanaryRun.status.in_(("running", "paused")))):
+        if not replace_open:
+            raise Conflict(f"deployment {deployment.name!r} already has a {old.status} canary "
+                           f"of version {old.version}: promote or revert it first")
         _end(old, "aborted", f"replaced by a canary of version {version}", now)
-    baseline = aliases_of(session=session, deployment=deployment)["active"]
+    why = (f"canary of version {version} on {deployment.canary_fraction:.0%} of runtimes "
+           f"(stable: version {baseline})")
     move_alias(session=session, deployment=deployment, alias="canary", version=version,
                actor=actor, action="canary.start",
-               reason=f"canary of version {version} on {deployment.canary_fraction:.0%} of "
-                      f"runtimes (stable: version {baseline})",
+               reason=f"{why}: {reason}" if reason else why,
                details={"calibration_job_id": job_id})
     # Windows start at the next whole minute: the current one mixes in pre-canary traffic.
     run = CanaryRun(deployment_id=deployment.id, version=version, baseline_version=baseline,
@@ -238,6 +267,9 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
     # Several segments judged: each failing test at alpha / k, so a good candidate is not
     # reverted more often because it changes more segments (as the drift checks split alpha).
     split = replace(policy, alpha=policy.alpha / len(judged))
+    if floor_minute(now) >= run.next_window_start + policy.interval:
+        canary_outliers(session=session, deployment=deployment, run=run, candidate=candidate,
+                        policy=policy, now=now)
     exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
     while run.status == "running":
         start = run.next_window_start
@@ -273,6 +305,26 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
                policy=policy, now=now)
     session.flush()
     return run
+
+
+def canary_outliers(*, session: Session, deployment: Deployment, run: CanaryRun,
+                    candidate: ThresholdSet, policy: CanaryPolicy, now: datetime) -> list:
+    """Test each canary runtime against the rest on the canary version's shadow tokens since the
+    canary started, segment by segment (`drift.outliers`, the test the drift cycle runs on the
+    active version): a runtime that forges agreement or disagreement with the candidate is set
+    aside before its tokens can promote or hold back the canary."""
+    segments = [DEFAULT_SEGMENT, *sorted(set(known_segments(
+        session=session, deployment_id=deployment.id)) - {DEFAULT_SEGMENT})]
+    layers = sorted(deployment.exit_layers)
+    thresholds_of = {}
+    for segment in segments:
+        by_layer = thresholds_for(candidate, segment)
+        thresholds_of[segment] = [by_layer[k] for k in layers]
+    options = replace(policy.outliers, check_interval_s=policy.interval.total_seconds())
+    return detect_outliers(session=session, deployment=deployment, version=run.version,
+                           thresholds_of=thresholds_of, activated_at=run.started_at, now=now,
+                           options=options, min_requests=options.outlier_min_requests,
+                           robust_min_runtimes=policy.min_runtimes)
 
 
 def judged_segments(*, candidate: ThresholdSet, baseline: ThresholdSet, known: list[str]

@@ -7,6 +7,8 @@ layer saw `reference_tokens` tokens:
 
 - exit rate per layer: the per-minute rollups of the lookback replayed through ADWIN with a
   confirming two-proportion test, Holm-corrected across layers (`controlplane.drift.stats`);
+  from `robust_min_runtimes` reporting runtimes on, a spike or collapse must also show without
+  each one runtime's rollups (`window_checks.robust_exit_findings`);
 - shadow disagreement of sliding windows of the recent shadow tokens vs the deployment's δ
   (one-sided binomial test; the looks share an hourly false-alarm budget, see
   `controlplane.drift.window_checks`);
@@ -43,10 +45,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
@@ -64,6 +65,7 @@ from controlplane.drift.stats import (
 from controlplane.drift.window_checks import (
     EXIT_KINDS,
     DriftOptions,
+    Minutes,
     WindowInputs,
     evaluate_segments,
     lookback_start,
@@ -217,6 +219,12 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
     since = lookback_start(start=start, reference_origin=reference_origin,
                            reference_until=reference_until, now=now, options=options)
     minutes = _minute_windows(exit_rates(since=since, **rows), layers)
+
+    def without_each_runtime() -> list[tuple[dict[int, LayerReference], Minutes]]:
+        return _exit_windows_without_each_runtime(
+            session=session, deployment=deployment, version=version, segment=segment,
+            exclude=exclude, start=start, since=since, layers=layers, options=options,
+            reference=reference, learned=reference_origin != "expected_metrics")
     recent_since = max(now - timedelta(seconds=options.recent_s), start)
     shadow = shadow_evidence(since=recent_since, limit=options.max_shadow_tokens,
                              with_times=True, **rows)
@@ -240,7 +248,57 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
         since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
         shadow_signals=signals, shadow_matched=matched, shadow_times=times,
         shadow_capped=len(requests) >= options.max_shadow_tokens, histograms=histograms,
-        info_open=info_open, shadow_runtimes=np.asarray(shadow.runtimes, dtype=str))
+        info_open=info_open, shadow_runtimes=np.asarray(shadow.runtimes, dtype=str),
+        exit_windows_without_each_runtime=without_each_runtime)
+
+
+def _exit_windows_without_each_runtime(
+        *, session: Session, deployment: Deployment, version: int, segment: str,
+        exclude: set[str], start: datetime, since: datetime, layers: list[int],
+        options: DriftOptions, reference: dict[int, LayerReference] | None, learned: bool
+) -> list[tuple[dict[int, LayerReference], Minutes]]:
+    """Per reporting runtime, the exit-rate reference and per-minute windows of the version
+    without that runtime's rollups (a learned reference learned again without it); none when
+    fewer than `robust_min_runtimes` runtimes report (`window_checks.robust_exit_findings`)."""
+    query = (select(Rollup.runtime_id, Rollup.minute, Rollup.layer,
+                    func.sum(Rollup.tokens).label("tokens"),
+                    func.sum(Rollup.exits).label("exits"),
+                    func.sum(Rollup.policy_exits).label("policy_exits"))
+             .where(Rollup.deployment_id == deployment.id, Rollup.version == version,
+                    Rollup.segment == segment, Rollup.layer.in_(layers),
+                    Rollup.minute >= min(start, since.replace(second=0, microsecond=0)))
+             .group_by(Rollup.runtime_id, Rollup.minute, Rollup.layer))
+    if exclude:
+        query = query.where(Rollup.runtime_id.not_in(sorted(exclude)))
+    by_runtime: dict[str, dict[tuple[datetime, int], np.ndarray]] = defaultdict(dict)
+    for row in session.execute(query):
+        by_runtime[row.runtime_id][(row.minute, row.layer)] = np.array(
+            [int(row.tokens), int(row.exits), int(row.policy_exits)])
+    if len(by_runtime) < max(2, options.robust_min_runtimes):
+        return []
+    total: dict[tuple[datetime, int], np.ndarray] = defaultdict(lambda: np.zeros(3, int))
+    for points in by_runtime.values():
+        for key, values in points.items():
+            total[key] = total[key] + values
+    out = []
+    for points in by_runtime.values():
+        rest = [{"minute": minute, "layer": layer, "tokens": int(values[0]),
+                 "exits": int(values[1]), "policy_exits": int(values[2])}
+                for (minute, layer), values in sorted(
+                    ((key, total[key] - points.get(key, 0)) for key in total),
+                    key=lambda item: (item[0][0], item[0][1]))]
+        windows = _minute_windows(rest, layers)
+        own = reference
+        if learned:
+            first = [(m, c) for m, c in windows
+                     if m < start + timedelta(seconds=options.reference_max_s)]
+            found = reference_window(first, layers, options.reference_tokens)
+            if found is not None:
+                own = found[0]
+        if own is None:
+            continue
+        out.append((own, [(m, c) for m, c in windows if m >= since]))
+    return out
 
 
 def exit_behaviour_conditions(*, session: Session, deployment: Deployment, now: datetime,
@@ -273,7 +331,7 @@ def conditions_by_segment(*, session: Session, deployment: Deployment, now: date
 
 
 def check_deployment(*, session: Session, deployment: Deployment, options: DriftOptions,
-                     reports_dir: Path | None, now: datetime | None = None) -> Reconciled:
+                     keep_reports: bool = False, now: datetime | None = None) -> Reconciled:
     """One drift-detection cycle for a deployment: observe each traffic segment, then fire /
     refresh / resolve that segment's alerts. Outlier runtimes are looked for first, so that a
     runtime set aside now no longer weighs on this cycle's verdicts."""
@@ -281,15 +339,15 @@ def check_deployment(*, session: Session, deployment: Deployment, options: Drift
     find_outliers(session=session, deployment=deployment, now=now, options=options)
     # Evidently's HTML is costly: render it only while an open distribution alert lacks one.
     reported = [a for a in open_alerts(session=session, deployment=deployment,
-                                       kinds=[DISTRIBUTION_DRIFT]) if a.report_path]
+                                       kinds=[DISTRIBUTION_DRIFT]) if a.has_report]
     observed = conditions_by_segment(
         session=session, deployment=deployment, now=now, options=options,
-        want_report=reports_dir is not None and len(reported) < 2)
+        want_report=keep_reports and len(reported) < 2)
     result = Reconciled()
     for segment, (conditions, checked) in observed.items():
         found = reconcile(session=session, deployment=deployment, conditions=conditions,
                           checked_kinds=checked, clear_after_s=options.clear_after_s, now=now,
-                          reports_dir=reports_dir, segment=segment)
+                          keep_reports=keep_reports, segment=segment)
         result.fired += found.fired
         result.refreshed += found.refreshed
         result.resolved += found.resolved

@@ -7,12 +7,13 @@ import json
 from typing import Annotated
 
 from fastapi import APIRouter, Form, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 
 from controlplane.alerts import delivery_service, hook_service
 from controlplane.alerts import service as alerts
-from controlplane.alerts.models import HOOK_KINDS, KINDS, SEVERITIES, Alert
+from controlplane.alerts.models import HOOK_KINDS, KINDS, SEVERITIES
+from controlplane.alerts.reports import REPORT_HEADERS, report_html
 from controlplane.alerts.schemas import HookCreate
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid
@@ -25,16 +26,10 @@ from dashboards.views import attempt
 router = APIRouter()
 
 STATUS_FILTERS = ("open", "firing", "acknowledged", "resolved", "all")
-# The Evidently report runs its own scripts: in a sandbox (opaque origin, no cookies, no forms).
-REPORT_POLICY = "sandbox allow-scripts; default-src 'self' 'unsafe-inline' data: blob:"
 
 
 def _names(session) -> dict[int, str]:
     return {d.id: d.name for d in thresholds.list_deployments(session=session)}
-
-
-def _reports_dir(request: Request):
-    return request.app.state.settings.var_dir / "reports"
 
 
 @router.get("/alerts")
@@ -74,25 +69,13 @@ def alert_page(alert_id: int, request: Request, session: SessionDep, _user: View
                   evidence=_evidence_rows(alert.evidence or {}),
                   deliveries=delivery_service.list_deliveries(session=session, alert=alert,
                                                               limit=50),
-                  hooks=hooks, has_report=_has_report(request, alert))
-
-
-def _has_report(request: Request, alert: Alert) -> bool:
-    try:
-        alerts.report_file(alert=alert, reports_dir=_reports_dir(request))
-    except DomainError:
-        return False
-    return True
+                  hooks=hooks, has_report=alert.has_report)
 
 
 @router.get("/alerts/{alert_id}/report")
-def alert_report(alert_id: int, request: Request, session: SessionDep,
-                 _user: Viewer) -> FileResponse:
+def alert_report(alert_id: int, session: SessionDep, _user: Viewer) -> HTMLResponse:
     alert = alerts.get_alert(session=session, alert_id=alert_id)
-    path = alerts.report_file(alert=alert, reports_dir=_reports_dir(request))
-    return FileResponse(path, media_type="text/html",
-                        headers={"Content-Security-Policy": REPORT_POLICY,
-                                 "Cache-Control": "no-store"})
+    return HTMLResponse(report_html(session=session, alert=alert), headers=REPORT_HEADERS)
 
 
 @router.post("/alerts/{alert_id}/ack", dependencies=[Csrf])

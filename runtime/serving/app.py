@@ -13,7 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from exitplane import __version__
+from exitplane import __version__, tracing
+from exitplane.logs import RequestLog, access_log_enabled
 from runtime.serve_guard import RequestGuard
 from runtime.serving.respond import (
     check_prompt_chars,
@@ -41,6 +42,10 @@ def create_serve_app(state: ServeState) -> FastAPI:
     app.state.serve = state
     app.add_middleware(RequestGuard, api_keys=state.api_keys,
                        max_body_bytes=state.max_body_bytes)
+    # Outside the guard, so refused requests have their line too; on unless
+    # EXITPLANE_ACCESS_LOG=0, as a serving process is a production one.
+    app.add_middleware(RequestLog, access_log=access_log_enabled("production"))
+    tracing.instrument_app(app)  # a server span per request, when OTEL_* configures tracing
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -82,9 +87,10 @@ def create_serve_app(state: ServeState) -> FastAPI:
                 "degraded": bool(client is not None and client.degraded)}
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
+    state.metrics.watch(state)  # the client's, shipper's and queue's state, read per scrape
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        _refresh_gauges(state)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -111,18 +117,6 @@ def create_serve_app(state: ServeState) -> FastAPI:
         return await respond(state, request, body, ids, chat=True, segment=segment)
 
     return app
-
-
-def _refresh_gauges(state: ServeState) -> None:
-    m = state.metrics
-    m.queue_depth.set(state.worker.in_flight)
-    m.applied_version.set(state.engine.policy.version)
-    m.segments_tracked.set(len(state.segments.tracked))
-    m.segment_overflow.set(state.segments.overflow)
-    m.segment_unkeyed.set(state.segments.unkeyed)
-    if state.shipper is not None:
-        m.spooled.set(state.shipper.spooled_batches)
-        m.dropped.set(state.shipper.dropped_records)
 
 
 async def _shutdown(state: ServeState) -> None:

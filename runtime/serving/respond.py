@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
+from exitplane import tracing
 from exitplane.wire import DEFAULT_SEGMENT
 from runtime.engine import StepOutput
 from runtime.serving.detokenize import Detokenizer
@@ -24,6 +25,7 @@ from runtime.serving.state import ServeState
 from runtime.serving.worker import ENGINE_DEAD, ENGINE_FAILED, EngineStopped, Job, JobError
 
 log = logging.getLogger("exitplane.serve")
+MAX_SPAN_EXIT_LAYERS = 1024
 
 
 def error_body(message: str, status: int) -> dict:
@@ -142,6 +144,7 @@ async def _tokens(state: ServeState, request: Request, job: Job,
 
     Raises HTTPException when the engine failed the request or died."""
     eos_ids = state.engine.parts.eos_token_ids
+    first_token_at = None
     try:
         while True:
             try:
@@ -161,6 +164,8 @@ async def _tokens(state: ServeState, request: Request, job: Job,
             outputs = [i for i in items if isinstance(i, StepOutput)]
             deltas = await off_loop(state.text_pool, detok.push_many,
                                     [o.token for o in outputs]) if outputs else []
+            if first_token_at is None and outputs:
+                first_token_at = time.perf_counter()
             for output, delta in zip(outputs, deltas, strict=False):
                 job.exit_layers.append(output.record.exit_layer)
                 job.timer.token()
@@ -184,6 +189,22 @@ async def _tokens(state: ServeState, request: Request, job: Job,
         raise
     finally:
         job.timer.finish()
+        if tracing.enabled():
+            _annotate_span(state, job, first_token_at)
+
+
+def _annotate_span(state: ServeState, job: Job, first_token_at: float | None) -> None:
+    """The request's server span: time to first token, exit layers, threshold version."""
+    layers = job.exit_layers
+    tracing.annotate(
+        time_to_first_token_ms=None if first_token_at is None
+        else round((first_token_at - job.timer.arrived) * 1000, 3),
+        threshold_version=state.engine.policy.version, segment=job.segment,
+        completion_tokens=len(layers),
+        mean_exit_layer=sum(layers) / len(layers) if layers else None,
+        # the exit layer of each generated token, bounded so that a long answer stays a
+        # span an exporter takes
+        exit_layers=layers[:MAX_SPAN_EXIT_LAYERS])
 
 
 async def _stream(state, request, job, detok, body, prompt, created, chat, max_tokens):

@@ -172,3 +172,85 @@ def test_fast_path_requests_are_spans_named_by_their_route(spans, database):
         "http.response.status_code")) == 200
     assert [s for s in finished if s.attributes.get("db.system") == "sqlite"
             and s.context.trace_id == beat.context.trace_id]
+
+
+# -- the SDK's environment handling, in fresh processes (the tracer provider is set once) ----
+
+PROBE = """
+import json, logging
+from opentelemetry import trace
+from exitplane import tracing
+from exitplane.logs import configure_logging
+configure_logging("probe", fmt="json")
+on = tracing.configure_tracing("exitplane-probe")
+provider = trace.get_tracer_provider()
+processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ())
+with tracing.span("probe.step"):
+    logging.getLogger("probe").info("inside")
+print(json.dumps({"on": on, "exporters": [type(p.span_exporter).__module__ + "."
+                  + type(p.span_exporter).__name__ for p in processors],
+                  "service": getattr(provider, "resource", None) and
+                  provider.resource.attributes.get("service.name"),
+                  "sampler": getattr(provider, "sampler", None) and
+                  provider.sampler.get_description()}))
+"""
+
+
+def _probe(**otel) -> tuple[dict, list[dict]]:
+    """Run PROBE with these OTEL_* variables; (its summary, every other stdout line)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "EXITPLANE_LOG"))}
+    done = subprocess.run([sys.executable, "-c", PROBE], env={**env, **otel}, text=True,
+                          capture_output=True, timeout=60, check=True)
+    lines = [json.loads(line) for line in done.stdout.splitlines()]  # every line is JSON
+    [summary] = [line for line in lines if "exporters" in line]
+    return summary, [line for line in lines if line is not summary]
+
+
+@pytest.mark.slow
+def test_the_console_exporter_prints_spans_and_log_lines_carry_their_ids():
+    summary, lines = _probe(OTEL_TRACES_EXPORTER="console")
+    assert summary["on"] and summary["service"] == "exitplane-probe"
+    assert summary["exporters"] == ["opentelemetry.sdk.trace.export.ConsoleSpanExporter"]
+    [log_line] = [line for line in lines if line.get("message") == "inside"]
+    [span] = [line for line in lines if line.get("name") == "probe.step"]
+    assert log_line["trace_id"] == span["context"]["trace_id"].removeprefix("0x")
+    assert log_line["span_id"] == span["context"]["span_id"].removeprefix("0x")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol, module", [
+    ("grpc", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"),
+    ("http/protobuf", "opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter")])
+def test_otlp_takes_the_protocol_from_the_environment(protocol, module):
+    summary, _ = _probe(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+                        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+                        OTEL_BSP_EXPORT_TIMEOUT="1", OTEL_EXPORTER_OTLP_TIMEOUT="1")
+    assert summary["exporters"] == [module]
+
+
+@pytest.mark.slow
+def test_resource_attributes_and_sampler_come_from_the_environment():
+    summary, lines = _probe(OTEL_TRACES_EXPORTER="console",
+                            OTEL_RESOURCE_ATTRIBUTES="service.name=from-env,team=ops",
+                            OTEL_TRACES_SAMPLER="always_off")
+    assert summary["service"] == "from-env"
+    assert summary["sampler"] == "AlwaysOffSampler"
+    assert not [line for line in lines if "context" in line]  # nothing sampled, nothing printed
+    assert "trace_id" not in next(line for line in lines if line.get("message") == "inside")
+    named, _ = _probe(OTEL_TRACES_EXPORTER="console", OTEL_SERVICE_NAME="by-name")
+    assert named["service"] == "by-name"
+
+
+@pytest.mark.slow
+def test_none_or_nothing_leaves_tracing_off_and_a_bad_exporter_says_why():
+    assert _probe(OTEL_TRACES_EXPORTER="none")[0]["on"] is False
+    assert _probe()[0]["on"] is False
+    summary, lines = _probe(OTEL_TRACES_EXPORTER="zipkin-but-not-installed")
+    assert summary["on"] is False
+    assert any("OTEL_TRACES_EXPORTER takes console, otlp or none" in line["message"]
+               for line in lines if "message" in line)

@@ -291,7 +291,7 @@ def test_runtime_gauges_are_the_same_from_every_process(with_redis):
         return a if a and a == b else None
 
     lines = wait_until(same, 10, "both processes to show the same runtime gauges")
-    assert (f'exitplane_runtime_spooled_batches{{deployment="{deployment}",'
+    assert (f'exitplane_fleet_runtime_spooled_batches{{deployment="{deployment}",'
             f'runtime="rt-gauge"}} 3.0') in lines
-    assert (f'exitplane_runtime_dropped_records{{deployment="{deployment}",'
+    assert (f'exitplane_fleet_runtime_dropped_records_total{{deployment="{deployment}",'
             f'runtime="rt-gauge"}} 7.0') in lines

@@ -59,8 +59,9 @@ def test_generate_rejects_tampered_threshold_file(tiny_checkpoint, cache, tmp_pa
     path.write_text(json.dumps(data))
     result = CliRunner().invoke(runtime_cli, [
         "generate", "--prompt", "hi", "--model", str(tiny_checkpoint), "--thresholds", str(path)])
-    assert result.exit_code != 0
-    assert "checksum mismatch" in str(result.exception)
+    assert result.exit_code == 2  # one line, no traceback
+    assert result.output == (f"Error: {path} is not a threshold set: checksum mismatch for "
+                             "tiny v5\n")
 
 
 def test_an_offline_threshold_file_may_hold_segment_maps(tmp_path):

@@ -124,7 +124,7 @@ def test_names_past_the_cap_run_as_default_but_the_set_s_own_always_apply():
             "code"
         assert served.state.segments.tracked == {"ops", "tools", "search"}
         metrics = httpx.get(f"{served.url}/metrics").text
-        assert "exitplane_runtime_segment_overflow_requests 1.0" in metrics
+        assert "exitplane_runtime_segment_overflow_requests_total 1.0" in metrics
         assert "exitplane_runtime_segments_tracked 3.0" in metrics
 
 
@@ -137,7 +137,7 @@ def test_a_server_without_keys_takes_only_the_operator_s_names_from_a_request(se
         "code"  # the set maps it: the operator published it
     assert served.state.segments.tracked == frozenset()
     metrics = httpx.get(f"{served.url}/metrics").text
-    assert "exitplane_runtime_segment_unkeyed_requests 2.0" in metrics
+    assert "exitplane_runtime_segment_unkeyed_requests_total 2.0" in metrics
 
 
 def test_rules_by_api_key_and_by_model_name(tmp_path):

@@ -101,7 +101,7 @@ def test_a_deployment_has_a_cap_of_runtimes(serve, engine):
 
 def _runtime_lines(body: str) -> list[str]:
     return [line for line in body.splitlines()
-            if line.startswith("exitplane_runtime_") and 'runtime="' in line]
+            if line.startswith("exitplane_fleet_runtime_") and 'runtime="' in line]
 
 
 def test_runtime_gauges_come_from_the_store_and_a_gone_runtime_leaves(serve, engine):
@@ -109,9 +109,10 @@ def test_runtime_gauges_come_from_the_store_and_a_gone_runtime_leaves(serve, eng
     assert _beat(client, auth, "rt-gone", applied_version=1, spooled_batches=5,
                  dropped_records=2).status_code == 200
     lines = _runtime_lines(client.get("/metrics").text)
-    assert 'exitplane_runtime_spooled_batches{deployment="chat",runtime="rt-gone"} 5.0' in lines
-    assert 'exitplane_runtime_dropped_records{deployment="chat",runtime="rt-gone"} 2.0' in lines
-    assert 'exitplane_runtime_applied_version{deployment="chat",runtime="rt-gone"} 1.0' in lines
+    gone = '{deployment="chat",runtime="rt-gone"}'
+    assert f"exitplane_fleet_runtime_spooled_batches{gone} 5.0" in lines
+    assert f"exitplane_fleet_runtime_dropped_records_total{gone} 2.0" in lines
+    assert f"exitplane_fleet_runtime_applied_version{gone} 1.0" in lines
     with engine.begin() as connection:
         connection.execute(update(Runtime).values(last_seen=utcnow() - timedelta(days=2)))
     assert not [line for line in _runtime_lines(client.get("/metrics").text)

@@ -134,14 +134,14 @@ def test_a_runtime_on_other_heads_cannot_page_on_quality(session: Session, tmp_p
                  phases=[Phase(10, (0.25, 0.4, 0.3), shadow_rate=0.2, mismatch_rate=0.3)])
     options = DriftOptions()
     result = check_deployment(session=session, deployment=deployment, options=options,
-                              reports_dir=tmp_path / "reports", now=now)
+                              keep_reports=True, now=now)
     assert [a.kind for a in result.fired if a.kind == "quality_regression"] == []
 
     # The same disagreeing runtime on the deployment's heads pages.
     _beat(session, deployment, "rt-other", heads=HEADS)
     session.execute(update(Runtime).values(lineage_mismatch_at=None))
     result = check_deployment(session=session, deployment=deployment, options=options,
-                              reports_dir=tmp_path / "reports", now=now)
+                              keep_reports=True, now=now)
     assert [a.kind for a in result.fired if a.kind == "quality_regression"] == [
         "quality_regression"]
 

@@ -28,7 +28,7 @@ def detect(deployment_id: int) -> dict:
             return {"skipped": f"deployment {deployment_id} no longer exists"}
         result = check_deployment(session=session, deployment=deployment,
                                   options=DriftOptions.from_settings(settings),
-                                  reports_dir=settings.var_dir / "reports")
+                                  keep_reports=True)
         return _summary(result)
 
 

@@ -9,10 +9,10 @@ from controlplane.thresholds.service import get_deployment
 from tests.controlplane.alerts.support import make_deployment
 
 
-def _alert(engine, condition=None, report_html=None, reports_dir=None):
+def _alert(engine, condition=None, report_html=None):
     with Session(engine) as session:
         deployment = make_deployment(session)
-        alert, _ = service.fire(session=session, deployment=deployment, reports_dir=reports_dir,
+        alert, _ = service.fire(session=session, deployment=deployment, keep_report=True,
                                 condition=condition or Condition(
                                     kind="distribution_drift", severity="warning",
                                     summary="signal drifted", report_html=report_html))
@@ -93,8 +93,7 @@ def test_send_test_alert_reaches_the_receiver_and_is_logged(client, tokens, engi
 
 
 def test_the_drift_report_is_served_from_the_alert(client, tokens, engine, settings, outbox):
-    alert_id = _alert(engine, report_html="<html><body>drift report</body></html>",
-                      reports_dir=settings.var_dir / "reports")
+    alert_id = _alert(engine, report_html="<html><body>drift report</body></html>")
     op = tokens.headers(tokens.operator)
     shown = client.get(f"/v1/alerts/{alert_id}", headers=op).json()
     assert shown["report_url"] == f"http://127.0.0.1:8000/v1/alerts/{alert_id}/report"

@@ -110,7 +110,7 @@ def test_domain_shift_fallback_recalibration_and_recovery(plane, tokens, engine,
         with session_scope(engine) as session:
             deployment = get_deployment(session=session, name=NAME)
             fired = check_deployment(session=session, deployment=deployment,
-                                     options=DriftOptions(), reports_dir=None)
+                                     options=DriftOptions())
             kinds = {alert.kind for alert in fired.fired}
             assert "quality_regression" in kinds, [a.summary for a in fired.fired]
             assert aliases_of(session=session, deployment=deployment)["active"] == 1

@@ -59,7 +59,7 @@ def test_a_regression_in_code_pages_for_code_and_falls_back_code_alone(
                              since=start) == ["default", "chat", "code"]
 
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=None, now=now)
+                              now=now)
 
     quality = [a for a in result.fired if a.kind == "quality_regression"]
     assert [(a.segment, a.dedup_key) for a in quality] == [
@@ -83,7 +83,7 @@ def test_a_regression_in_code_pages_for_code_and_falls_back_code_alone(
 
     # The next cycle refreshes code's alert; chat's and default's checks resolve nothing of it.
     again = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                             reports_dir=None, now=now + timedelta(seconds=30))
+                             now=now + timedelta(seconds=30))
     assert [a for a in again.fired if a.kind == "quality_regression"] == []
     assert session.scalars(select(Alert).where(Alert.kind == "quality_regression")).all() \
         == [alert]
@@ -98,7 +98,7 @@ def test_a_default_alert_reads_as_before_segments(session: Session, tmp_path, ou
     send_traffic(session, deployment, start=start, seed=4,
                  phases=[Phase(10, BASE_RATES, shadow_rate=0.2, mismatch_rate=0.1)])
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=None, now=now)
+                              now=now)
     [quality] = [a for a in result.fired if a.kind == "quality_regression"]
     assert (quality.segment, quality.dedup_key) == ("default", "chat:quality_regression:all")
     assert quality.summary.startswith("disagreement with full depth")
@@ -179,7 +179,7 @@ def test_an_exit_rate_collapse_in_code_alerts_for_code_and_recalibrates_code(
                      phases=[Phase(15, BASE_RATES), Phase(15, late)])
 
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=None, now=now)
+                              now=now)
 
     exits = [a for a in result.fired if a.kind.startswith("exit_rate")]
     assert [(a.kind, a.segment, a.layer) for a in exits] == [("exit_rate_collapse", "code", 8)]

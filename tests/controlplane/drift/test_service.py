@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
+from controlplane.alerts.reports import report_html
 from controlplane.db import utcnow
 from controlplane.drift.service import (
     DriftOptions,
@@ -28,9 +29,9 @@ def _setup(session, minutes=30, **deployment_options):
     return make_deployment(session, activated_at=start, **deployment_options), start, now
 
 
-def _check(session, deployment, now, tmp_path):
+def _check(session, deployment, now, _tmp_path):
     return check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                            reports_dir=tmp_path / "reports", now=now)
+                            keep_reports=True, now=now)
 
 
 @pytest.mark.slow
@@ -64,8 +65,8 @@ def test_exit_rate_collapse_at_one_layer(session: Session, tmp_path, outbox):
     assert (info.severity, escalated.severity) == ("info", "warning")
     assert escalated.evidence["escalation"]["rule"] == "corroborated"
     assert escalated.evidence["escalation"]["by"] == ["exit_rate_collapse"]
-    report = tmp_path / "reports" / info.report_path
-    assert report.is_file() and "<html" in report.read_text()[:2000].lower()
+    report = report_html(session=session, alert=info).decode()
+    assert info.has_report and "<html" in report[:2000].lower()
     # The next cycle refreshes, it does not duplicate.
     again = _check(session, deployment, now + timedelta(seconds=30), tmp_path)
     assert again.fired == [] and {a.id for a in again.refreshed} == {a.id for a in result.fired}

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts.hook_service import create_hook, hooks_for
 from controlplane.alerts.models import Alert
+from controlplane.alerts.reports import report_html
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
@@ -44,7 +45,7 @@ def test_stationary_requests_that_differ_page_nobody(session: Session, tmp_path,
     send_requests(session, deployment, start=start, phases=[Requests(30, spread=6.0)], seed=0,
                   requests_per_minute=10, tokens_per_request=50)
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=tmp_path, now=now)
+                              keep_reports=True, now=now)
     assert [(a.kind, a.severity) for a in result.fired] == []
 
 
@@ -68,7 +69,7 @@ def test_spike_with_shadow_quality_within_delta_keeps_the_active_set(session: Se
     send_requests(session, deployment, start=start, seed=1,
                   phases=[Requests(10), Requests(10, ease=0.8, mismatch_rate=0.005)])
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=tmp_path, now=now)
+                              keep_reports=True, now=now)
     spikes = [a for a in result.fired if a.kind == "exit_rate_spike"]
     assert spikes and not [a for a in result.fired if a.kind == "quality_regression"]
     gate = spikes[0].evidence["quality_gate"]
@@ -86,7 +87,7 @@ def test_spike_with_disagreement_above_delta_falls_back(session: Session, tmp_pa
     send_requests(session, deployment, start=start, seed=1,
                   phases=[Requests(10), Requests(10, ease=0.8, mismatch_rate=0.3)])
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=tmp_path, now=now)
+                              keep_reports=True, now=now)
     assert {"exit_rate_spike", "quality_regression"} <= {a.kind for a in result.fired}
     assert aliases_of(session=session, deployment=deployment)["active"] == 1
 
@@ -102,21 +103,21 @@ def test_distribution_drift_alone_informs_then_pages_when_it_persists(session: S
     end = send_requests(session, deployment, start=start, seed=2, requests_per_minute=60,
                         phases=[Requests(5), Requests(10, tail_shift=-0.25)])
     first = check_deployment(session=session, deployment=deployment, options=options,
-                             reports_dir=tmp_path, now=now)
+                             keep_reports=True, now=now)
     assert [(a.dedup_key, a.severity) for a in first.fired] == [
         ("chat:distribution_drift:all", "info")]
     info = first.fired[0]
-    assert info.evidence["test"] == "evidently:ks" and info.report_path
-    assert (tmp_path / info.report_path).is_file()
+    assert info.evidence["test"] == "evidently:ks" and info.has_report
+    assert b"<html" in report_html(session=session, alert=info)[:2000].lower()
     assert hooks_for(session=session, alert=info, event="firing") == []  # shown, not paged
     # The same drift, one window later: not yet two consecutive windows.
     send_requests(session, deployment, start=end, seed=3, requests_per_minute=60,
                   phases=[Requests(10, tail_shift=-0.25)])
     later = check_deployment(session=session, deployment=deployment, options=options,
-                             reports_dir=tmp_path, now=now + timedelta(seconds=150))
+                             keep_reports=True, now=now + timedelta(seconds=150))
     assert later.fired == []
     persisted = check_deployment(session=session, deployment=deployment, options=options,
-                                 reports_dir=tmp_path, now=now + timedelta(seconds=300))
+                                 keep_reports=True, now=now + timedelta(seconds=300))
     assert [(a.dedup_key, a.severity) for a in persisted.fired] == [
         ("chat:distribution_drift:escalated", "warning")]
     assert persisted.fired[0].evidence["escalation"] == {
@@ -164,7 +165,7 @@ def test_windows_of_another_version_are_never_compared(session: Session, tmp_pat
                   thresholds={k: 1.0 for k in LAYERS},
                   phases=[Requests(30, ease=0.2, tail_shift=-0.3, mismatch_rate=0.5)])
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=tmp_path, now=now)
+                              keep_reports=True, now=now)
     assert result.fired == []
 
 
@@ -185,7 +186,7 @@ def test_shadow_tokens_do_not_read_as_an_exit_rate_collapse(session: Session, tm
     send_requests(session, deployment, start=start, seed=8,
                   phases=[Requests(20, ease=0.85, shadow_rate=0.3)])
     result = check_deployment(session=session, deployment=deployment, options=DriftOptions(),
-                              reports_dir=tmp_path, now=now)
+                              keep_reports=True, now=now)
     assert [a.kind for a in result.fired if a.kind.startswith("exit_rate")] == []
 
 

@@ -1,0 +1,112 @@
+"""An Evidently report rendered by a real Celery worker process is served by a real API process
+that shares nothing with it but the store: each runs in its own working directory with its own
+EXITPLANE_VAR_DIR (as two Kubernetes pods with their own disks), PostgreSQL store, Redis
+broker."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from celery import Celery
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from controlplane.alerts.models import Alert
+from controlplane.alerts.reports import report_html
+from controlplane.auth.service import create_token
+from controlplane.celery_app import QUEUE
+from controlplane.db import make_engine, utcnow
+from controlplane.models import Base
+from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
+from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+
+EXITPLANE = str(Path(sys.executable).parent / "exitplane")
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_report_the_worker_rendered_is_served_by_an_api_on_another_disk(postgres_migrated,
+                                                                          tmp_path):
+    if not (POSTGRES_URL and REDIS_URL):
+        raise RuntimeError("set EXITPLANE_TEST_POSTGRES_URL and EXITPLANE_TEST_REDIS_URL")
+    engine = make_engine(postgres_migrated)
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with engine.begin() as connection:
+        connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    now = utcnow().replace(second=30, microsecond=0)
+    start = (now - timedelta(minutes=30)).replace(second=0)
+    with Session(engine) as session:  # exit rates that moved: a distribution-drift finding
+        deployment = make_deployment(session, activated_at=start)
+        send_traffic(session, deployment, start=start, seed=2,
+                     phases=[Phase(15, (0.25, 0.4, 0.3)), Phase(15, (0.25, 0.1, 0.3))])
+        _, secret = create_token(session=session, name="ops", scope="operator")
+        session.commit()
+        deployment_id = deployment.id
+
+    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"  # a database of this module's own
+    redis.Redis.from_url(redis_url).flushdb()
+    base = {key: value for key, value in os.environ.items() if not key.startswith("EXITPLANE_")}
+    base.update({"EXITPLANE_ENVIRONMENT": "production", "EXITPLANE_DATABASE_URL": postgres_migrated,
+                 "EXITPLANE_REDIS_URL": redis_url,
+                 "EXITPLANE_SECRET_KEY": secrets.token_urlsafe(48)})
+    port = free_port()
+    disks = {name: tmp_path / name for name in ("worker", "api")}
+    processes = []
+    for name, command in (("worker", ["worker"]),
+                          ("api", ["up", "--port", str(port), "--no-migrate", "--no-workers"])):
+        disks[name].mkdir()
+        env = {**base, "EXITPLANE_VAR_DIR": str(disks[name] / "var")}
+        with (tmp_path / f"{name}.log").open("w") as out:
+            processes.append(subprocess.Popen([EXITPLANE, *command], env=env, cwd=disks[name],
+                                              stdout=out, stderr=subprocess.STDOUT))
+    celery = Celery(broker=redis_url, backend=redis_url)
+    try:
+        wait_until(lambda: _ok(f"http://127.0.0.1:{port}/readyz"), 90, "the API to be ready")
+        celery.send_task("drift.detect", args=[deployment_id], queue=QUEUE)
+
+        def reported_alerts() -> list[Alert]:
+            with Session(engine) as session:
+                return session.scalars(select(Alert).where(Alert.has_report)).all()
+
+        reported = wait_until(reported_alerts, 180, "the worker to store an alert's report")
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                           headers={"Authorization": f"Bearer {secret}"})
+        shown = api.get(f"/v1/alerts/{reported[0].id}").json()
+        assert shown["report_url"].endswith(f"/v1/alerts/{reported[0].id}/report")
+        report = api.get(f"/v1/alerts/{reported[0].id}/report")
+        assert report.status_code == 200, report.text
+        assert report.headers["content-type"].startswith("text/html")
+        with Session(engine) as session:
+            stored = report_html(session=session, alert=session.get(Alert, reported[0].id))
+        assert report.content == stored and b"root_metric_" in stored  # Evidently's widgets
+        print(f"report of alert {reported[0].id}: {len(stored)} bytes of HTML")
+        assert "sandbox" in report.headers["content-security-policy"]
+        # Neither process wrote a report file on its disk.
+        assert not [p for disk in disks.values() for p in disk.rglob("*.html")]
+    finally:
+        celery.close()
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        engine.dispose()
+        for log in tmp_path.glob("*.log"):
+            print(f"--- {log.name} ---\n{log.read_text()[-3000:]}")
