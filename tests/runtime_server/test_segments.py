@@ -166,6 +166,8 @@ def test_rules_that_cannot_apply_are_refused_at_start(tmp_path):
         segmented_state(segment_rules=SegmentRules(by_model={"a": "x", "b": "y"}),
                         max_segments=1)
     bad = tmp_path / "bad.json"
+    thresholds = tmp_path / "thresholds.json"
+    thresholds.write_text(json.dumps({"thresholds": {"2": 0.9}}))
     for content, message in ((json.dumps({"api_keys": {KEY: "code"}}), "sha256 hex digest"),
                              (json.dumps({"models": {"m": "Chat"}}), "is not a segment name"),
                              (json.dumps({"model": {}}), "expected a JSON object"),
@@ -175,5 +177,5 @@ def test_rules_that_cannot_apply_are_refused_at_start(tmp_path):
             SegmentRules.load(bad)
         # the CLI says it in one line and exits 2 before loading any model
         result = CliRunner().invoke(runtime_cli, ["serve", "--model", "tiny", "--thresholds",
-                                                  str(bad), "--segment-rules", str(bad)])
+                                                  str(thresholds), "--segment-rules", str(bad)])
         assert result.exit_code == 2 and message in result.output
