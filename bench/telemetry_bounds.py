@@ -7,6 +7,8 @@ Patterns:
 - `expanding_batch`: one runtime token posts one 14 MiB msgpack batch of tiny values (lists of
   zeros: one byte each on the wire, an 8-byte pointer or more once decoded).
 - `expanding_batch_x8`: the same, 8 at once.
+- `keyed_maps_x8`: 8 at once, each a 2 MiB msgpack batch of one-entry maps keyed by new
+  strings (the most memory per value decoded).
 - `shadow_columns_x8`: 8 at once, each a 14 MiB interval batch whose shadow columns hold
   1.2 million points (no length bound on the wire but the control plane's value budget).
 - `shadow_columns_in_budget_x8`: as `shadow_columns_x8` with 240,000 points (2.8 MiB): just
@@ -132,6 +134,14 @@ def expanding_batch(size: int = 14 * MIB) -> bytes:
         packer.pack("records") + packer.pack_array_header(count) + inner * count
 
 
+def keyed_maps(size: int = 2 * MIB) -> bytes:
+    """A record batch whose `records` are one-entry maps, each keyed by a new string: the
+    shape that builds the most memory per value decoded (about 70 bytes a value)."""
+    count = size // 10
+    return msgpack.packb(_header(records=[{f"k{i:x}": 0} for i in range(count)]),
+                         use_bin_type=True)
+
+
 def shadow_columns(points: int = 1_200_000) -> bytes:
     """An interval batch of one record whose shadow columns hold `points` points."""
     now = int(time.time()) // 60 * 60
@@ -208,6 +218,8 @@ PATTERNS = {
     "expanding_batch": lambda api: _post_all(api, [expanding_batch()], "application/msgpack"),
     "expanding_batch_x8": lambda api: _post_all(
         api, [expanding_batch() for _ in range(8)], "application/msgpack"),
+    "keyed_maps_x8": lambda api: _post_all(
+        api, [keyed_maps() for _ in range(8)], "application/msgpack"),
     "shadow_columns_x8": lambda api: _post_all(
         api, [shadow_columns() for _ in range(8)],
         "application/vnd.exitplane.interval+msgpack"),

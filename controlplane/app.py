@@ -7,15 +7,15 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import redis
 import redis.asyncio
 from anyio import to_thread
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from starlette.exceptions import HTTPException
 
@@ -50,12 +50,14 @@ from controlplane.errors import (
     Unauthorized,
     error_answer,
 )
+from controlplane.health import Readiness
 from controlplane.keys import weak_secret_problem
+from controlplane.memory import return_large_blocks_to_the_os
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.beats import HeartbeatBuffer
 from controlplane.runtimes.outlier_api import router as outliers_router
 from controlplane.settings import Settings, get_settings
-from controlplane.telemetry.api import DecodeSlots
+from controlplane.telemetry.api import DecodeBudget
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.fast_path import TelemetryFastPath, reads_after_auth
 from controlplane.telemetry.service import ensure_partitions
@@ -78,6 +80,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     engine = engine or get_engine(settings.effective_database_url)
     factory = session_factory(engine)
     fallback.install()  # alerts this process fires get the automatic fallback
+    return_large_blocks_to_the_os()  # controlplane/memory.py: freed bodies and hashes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -126,7 +129,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.redis_async = (redis.asyncio.Redis.from_url(
         settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
         if settings.redis_url else None)
-    app.state.telemetry_decodes = DecodeSlots(settings.telemetry_max_decodes)
+    app.state.telemetry_decodes = DecodeBudget.from_settings(settings)
 
     if settings.telemetry_fast_path:  # inside the body gate: its limits stay the gate's
         app.add_middleware(TelemetryFastPath, threads=settings.telemetry_threads)
@@ -144,9 +147,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     else:
         behind_context = NotModifiedFastPath(app.behind_front, **fast_pull)
     # Outermost: request id, access log and duration cover every layer below.
-    app.front = observability.RequestContext(
-        behind_context, access_log=settings.access_log if settings.access_log is not None
-        else access_log_enabled(settings.environment))
+    access_lines = settings.access_log if settings.access_log is not None \
+        else access_log_enabled(settings.environment)
+    app.front = observability.RequestContext(behind_context, access_log=access_lines)
+    if not tracing.enabled() and not access_lines:
+        # A plain 304 pull is answered before the context, with its request id and duration.
+        app.front = NotModifiedFastPath(app.front, **fast_pull, front=True)
 
     @app.exception_handler(DomainError)
     async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
@@ -221,21 +227,17 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         """The process is up (liveness); no token, no store read."""
         return {"status": "ok", "version": __version__}
 
-    @app.get("/readyz", tags=["health"])
-    async def readyz() -> JSONResponse:
-        """The store answers (readiness): 503 with Retry-After while it does not."""
-        def ping() -> None:
-            with engine.connect() as connection:
-                connection.execute(text("SELECT 1"))
-            if app.state.redis is not None:
-                app.state.redis.ping()
+    readiness = Readiness(engine, app.state.redis)
 
-        try:
-            await to_thread.run_sync(ping)
-        except Exception as error:  # any failure to reach the store means not ready
-            return JSONResponse(status_code=503, headers={"Retry-After": "2"},
-                                content={"status": "unavailable", "detail": type(error).__name__})
-        return JSONResponse({"status": "ready"})
+    @app.get("/readyz", tags=["health"])
+    async def readyz(deep: Annotated[bool, Query(description=(
+            "ask the store and Redis now (for operators and monitors, not the probe)"))] = False,
+    ) -> JSONResponse:
+        """Readiness: 200 once the store has answered this process, and through later store or
+        Redis outages (its caches answer pulls, the rest gets 503 with Retry-After), so an
+        outage never takes every replica out of the Service at once. `deep=true`: 503 with
+        Retry-After while the store or Redis does not answer now."""
+        return await (readiness.deep() if deep else readiness.ready())
 
     tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it
     # Every GET of the API takes its cost from the caller's read bucket (controlplane/deps.py).
@@ -251,7 +253,8 @@ class ControlPlaneAPI(FastAPI):
     before FastAPI's and Starlette's own layers do: the request context (id, access line,
     duration), then the config pull's fast path, then `behind_front` (FastAPI as usual). A 304
     answered at the door skips those layers, about a tenth of what the pull costs the
-    process."""
+    process. While no access line is written, a plain 304 pull (no `wait`) is answered before
+    the request context, which the fast path stands in for (request id, duration)."""
 
     front = None
 
@@ -399,8 +402,10 @@ def _documenting_our_validation_errors(build: Callable[[], dict],
     (`ERROR_SCHEMA`, which `error_answer` refers to) on every error answer, the 422 that
     `validation_error` (above) sends wherever FastAPI documented its own list-of-errors body
     (which this app never answers), the bearer scheme on every operation that needs a token
-    with its 401 and 403, 415 on JSON bodies, 429 on rate-limited operations, 503 (the store
-    away), a description on every operation and the route's name as its operationId."""
+    with its 401 and 403, 404 where the path or a `deployment` field names something, 413
+    where a body is read, 415 on JSON bodies, 429 on rate-limited operations, 503 (the store
+    away), a description on every operation and the route's name as its operationId; the
+    bodies a route spells out itself are moved into components (`_hoist_body_schemas`)."""
     def openapi() -> dict:
         schema = build()  # FastAPI builds it once and caches it
         components = schema.setdefault("components", {})
@@ -415,9 +420,34 @@ def _documenting_our_validation_errors(build: Callable[[], dict],
                                "the rest"}}
             for route, method, operation in _operations(app, schema):
                 _complete(route, method, operation)
+            _hoist_body_schemas(schema)
         return schema
 
     return openapi
+
+
+def _hoist_body_schemas(schema: dict) -> None:
+    """Move the request-body schemas a route spells out itself (telemetry's, one per content
+    type) and the `$defs` inside them into components, referred to by `$ref` as FastAPI refers
+    to its own: client generators resolve no `#/$defs/...` inside an operation."""
+    components = schema["components"]["schemas"]
+
+    def keep(name: str, definition: dict) -> dict:
+        if components.setdefault(name, definition) != definition:
+            raise ValueError(f"two OpenAPI schemas named {name!r} differ")
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    for methods in schema["paths"].values():
+        for operation in methods.values():
+            for media in operation.get("requestBody", {}).get("content", {}).values():
+                body = media.get("schema", {})
+                if "$defs" not in body and not ("title" in body and "properties" in body):
+                    continue
+                body = json.loads(json.dumps(body).replace('"#/$defs/',
+                                                           '"#/components/schemas/'))
+                for name, definition in body.pop("$defs", {}).items():
+                    keep(name, definition)
+                media["schema"] = keep(body["title"], body)
 
 
 BEARER = "bearerAuth"
@@ -468,6 +498,12 @@ def _complete(route, method: str, operation: dict) -> None:
     if "HTTPValidationError" in str(responses.get("422", "")) or \
             ("422" not in responses and ("parameters" in operation or "requestBody" in operation)):
         responses["422"] = VALIDATION_ERROR
+    if "{" in route.path or _names_a_deployment(route):
+        responses.setdefault("404", error_answer("what the path (or the deployment the request "
+                                                 "names) refers to does not exist"))
+    if method not in ("GET", "HEAD"):  # BodySizeLimit reads every other request's body
+        responses.setdefault("413", error_answer("the request body is over this route's "
+                                                 "size limit"))
     if takes_json_body(route):
         responses.setdefault("415", NOT_JSON)
     if any(getattr(call, "rate_kind", None) not in (None, "read") for call in calls) or \
@@ -478,12 +514,26 @@ def _complete(route, method: str, operation: dict) -> None:
     for status, answer in responses.items():
         if status.isdigit() and int(status) >= 400 and "content" not in answer:
             answer["content"] = error_answer("")["content"]
+        for media in answer.get("content", {}).values():
+            if media.get("schema", {}).get("title", "").startswith("Response "):
+                # FastAPI titles an unnamed answer after its path and method; generators
+                # prefix the operation to the title ("SignalHistogramResponse")
+                media["schema"]["title"] = "Response"
     description = (operation.get("description") or operation.get("summary", "")).strip()
     sentence = next((_SCOPE_SENTENCE[scope] for scope in scopes if scope in _SCOPE_SENTENCE),
                     "Needs a token." if needs_token else "")
     if sentence and sentence not in description:
         description = f"{description.rstrip('.')}. {sentence}"
     operation["description"] = description
+
+
+def _names_a_deployment(route) -> bool:
+    """Whether a query parameter or a field of the JSON body names a deployment (which may not
+    exist: 404)."""
+    if any(param.name == "deployment" for param in route.dependant.query_params):
+        return True
+    return any("deployment" in getattr(param.field_info.annotation, "model_fields", ())
+               for param in route.dependant.body_params)
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

@@ -128,6 +128,14 @@ class Settings(BaseSettings):
     telemetry_retention_days: int = Field(
         default=14, ge=1,
         description="raw telemetry and rollups older than this are purged daily")
+    report_max_bytes: int = Field(
+        default=8 * 1024 * 1024, gt=0,
+        description="largest Evidently drift report kept in the database, gzip-compressed "
+        "(bytes); a larger one is not kept and its alert shows no report link")
+    report_retention_days: int = Field(
+        default=30, ge=1,
+        description="Evidently drift reports older than this are dropped daily (the alert "
+        "and its evidence stay)")
     # Recalibration, fallback and canary.
     calibration_min_samples: int = Field(
         default=1000, ge=1,
@@ -231,11 +239,11 @@ class Settings(BaseSettings):
         "the API: only from them is `X-Forwarded-For` read (rightmost address that is "
         "not a trusted proxy) to find the client a sign-in is throttled by; from any "
         "other peer the header is ignored")
-    # Password checks (argon2id, 64 MiB each) one API process runs at once; past it a sign-in
+    # Password checks (argon2id, 19 MiB each) one API process runs at once; past it a sign-in
     # or password change is answered 429.
     password_checks_max_concurrent: int = Field(
         default=2, ge=1, le=64,
-        description="password checks (argon2id, 64 MiB each) one API process runs at once; a "
+        description="password checks (argon2id, 19 MiB each) one API process runs at once; a "
         "sign-in or password change beyond them gets 429 with `Retry-After: 1`. Failed "
         "checks are also throttled per client address (IPv6: per /64), per username and"
         " per both, shared through Redis or the database")
@@ -278,6 +286,11 @@ class Settings(BaseSettings):
         default=0, ge=0, le=65535,
         description="a Celery worker (task durations and failures) or an ingest worker (ingested "
         "and duplicate batches, stream lag) serves its metrics on this port")
+    heartbeat_file: Path | None = Field(
+        default=None,
+        description="a Celery worker, ingest worker or beat writes here, from its own loop, the "
+        "time by which it will be back; `python -m exitplane.heartbeat FILE` (a liveness "
+        "probe) fails once that time has passed. Unset: no heartbeat")
     # The ingest worker lowers its CPU priority to this nice value at start.
     # Its work is throughput that the Redis stream buffers; on a host it shares with an API
     # process, the pulls and posts runtimes wait for go first. 0 keeps the inherited priority.
@@ -339,17 +352,19 @@ class Settings(BaseSettings):
         " a timely exit-rate alert")
     # Robust evidence (controlplane/calibration/evidence.py): the largest share of a verdict's
     # shadow tokens one runtime may hold (past it its requests are subsampled), and from how
-    # many reporting runtimes on every verdict (calibration step, quality regression, canary)
-    # must hold with any single runtime's evidence left out.
+    # many reporting runtimes on every verdict (calibration step, quality regression, exit-rate
+    # spike or collapse, canary) must hold with any single runtime's evidence left out.
     evidence_max_runtime_share: float = Field(
         default=0.5, gt=0, le=1,
-        description="the largest share of a calibration's shadow tokens one runtime may hold; a "
-        "runtime over it keeps a random subset of its requests up to it")
+        description="the largest share of a calibration's shadow tokens one runtime may hold "
+        "(from evidence_robust_min_runtimes reporting runtimes up); a runtime over it keeps a "
+        "random subset of its requests up to it")
     evidence_robust_min_runtimes: int = Field(
         default=3, ge=2,
         description="in a window with at least this many reporting runtimes, every calibration "
-        "step, quality regression and canary verdict must hold with any single "
-        "runtime's shadow tokens left out: no runtime decides alone")
+        "step, quality regression, exit-rate spike or collapse and canary verdict must hold "
+        "with any single runtime's evidence left out (no runtime decides alone), and "
+        "calibration caps each runtime's share of the shadow tokens")
     # A runtime is tested against the rest of its fleet each drift cycle once it and the rest
     # have at least this many shadow requests in the window (controlplane/drift/outliers.py).
     outlier_min_requests: int = Field(
@@ -429,6 +444,17 @@ class Settings(BaseSettings):
         description="telemetry bodies over 32 KiB (or of unknown length) one API process reads and "
         "decodes at once; another gets 429 with `Retry-After: 1` before its body is "
         "read (the token and its rate limit are checked first, from the headers alone)")
+    # Memory those decodes may hold together per API process: each is charged twice its
+    # body's bytes when admitted and about 100 bytes a value as it decodes (controlplane/
+    # telemetry/api.py: DecodeBudget), so decode memory is bounded whatever the bodies hold.
+    telemetry_decode_budget_mib: int = Field(
+        default=48, ge=4, le=16384,
+        description="memory (MiB) the telemetry bodies over 32 KiB that one API process is "
+        "decoding may hold together: each is charged twice its body's length when it "
+        "arrives (before it is read) and 100 bytes for each value as it is decoded. A "
+        "batch that does not fit while others hold part of it gets 429 with "
+        "`Retry-After: 1`; one that alone needs more than all of it gets 413, and the "
+        "runtime splits it. Keep it at least twice `EXITPLANE_MAX_BODY_BYTES`")
 
     @model_validator(mode="after")
     def _refuse_weak_secret_in_production(self) -> Settings:

@@ -15,6 +15,8 @@ router = APIRouter(prefix="/v1/tokens", tags=["auth"])
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
 def create_token(spec: TokenCreate, session: SessionDep,
                  principal: AdminPrincipal) -> TokenCreated:
+    """Create an API token; the secret is in this answer only (a runtime token names its one
+    deployment)."""
     deployment = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
     token, secret = service.create_token(session=session, name=spec.name, scope=spec.scope,
                                          deployment=deployment)
@@ -23,10 +25,12 @@ def create_token(spec: TokenCreate, session: SessionDep,
 
 @router.get("", response_model=list[TokenRead])
 def list_tokens(session: SessionDep, principal: AdminPrincipal) -> list[TokenRead]:
+    """Every API token (never its secret): scope, deployment, created and revoked times."""
     return [TokenRead.model_validate(t) for t in service.list_tokens(session=session)]
 
 
 @router.delete("/{token_id}", response_model=TokenRead)
 def revoke_token(token_id: int, session: SessionDep, principal: AdminPrincipal) -> TokenRead:
+    """Revoke a token: every API process refuses it within seconds."""
     token = service.revoke_token(session=session, token_id=token_id)
     return TokenRead.model_validate(token)

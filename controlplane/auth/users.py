@@ -22,7 +22,14 @@ ROLE_RANK = {"viewer": 0, "operator": 1, "admin": 2}
 USERNAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.@-]{0,63}$")
 MIN_PASSWORD_LENGTH = 12
 
-_hasher = PasswordHasher()
+# argon2id at OWASP's recommended minimum (19 MiB, 2 passes, 1 lane): an API process runs
+# EXITPLANE_PASSWORD_CHECKS_MAX_CONCURRENT checks at once, so a sign-in flood grows it by that
+# many times 19 MiB at most (with argon2-cffi's default, 64 MiB, two checks alone were 128 MiB).
+# A hash made with other parameters still verifies, and is replaced at its next sign-in
+# (`rehashed`).
+PASSWORD_HASH_MEMORY_MIB = 19
+_hasher = PasswordHasher(time_cost=2, memory_cost=PASSWORD_HASH_MEMORY_MIB * 1024,
+                         parallelism=1)
 # Verified against when the username is unknown, so a miss costs as much as a wrong password.
 _DUMMY_HASH = _hasher.hash("exitplane-no-such-user")
 
@@ -49,17 +56,22 @@ def _check_password(password: str) -> None:
         raise Invalid("passwords are limited to 1024 characters")
 
 
-def create_user(*, session: Session, username: str, password: str, role: str) -> User:
-    """Create a user; the username is stored lowercase."""
+def create_user(*, session: Session, username: str, role: str, password: str | None = None,
+                password_hash: str | None = None) -> User:
+    """Create a user; the username is stored lowercase. Give `password_hash` (from
+    `new_password_hash`, made before the caller's transaction began), or `password`: it is
+    then hashed here before this function's first statement, so a caller that holds no
+    transaction yet (a fresh session) holds none while it is hashed."""
     username = username.strip().lower()
     if not USERNAME_PATTERN.match(username):
         raise Invalid("usernames are 1-64 characters: lowercase letters, digits, _ . @ -, "
                       "starting with a letter or digit")
     _check_role(role)
-    _check_password(password)
+    if password_hash is None:
+        password_hash = new_password_hash(password or "")
     if session.scalar(select(User.id).where(User.username == username)) is not None:
         raise Conflict(f"user {username!r} already exists")
-    user = User(username=username, password_hash=hash_password(password), role=role)
+    user = User(username=username, password_hash=password_hash, role=role)
     session.add(user)
     session.flush()
     return user
@@ -88,7 +100,7 @@ def find_credentials(*, session: Session, username: str | None = None,
 
 
 def password_matches(password_hash: str | None, password: str) -> bool:
-    """Whether `password` matches `password_hash` (an argon2id verify: 64 MiB and tens of ms,
+    """Whether `password` matches `password_hash` (an argon2id verify: 19 MiB and tens of ms,
     so never inside a transaction). Without a hash (no such user) a dummy one is checked, so a
     miss costs as much as a wrong password."""
     try:
@@ -100,6 +112,15 @@ def password_matches(password_hash: str | None, password: str) -> bool:
 def hash_password(password: str) -> str:
     """A new argon2id hash of `password` (as costly as a check)."""
     return _hasher.hash(password)
+
+
+def new_password_hash(password: str) -> str:
+    """The hash of a new `password` once its length is checked (Invalid): an argon2id hash,
+    19 MiB and tens of ms, so never inside a transaction (on SQLite one holds the store's
+    write lock); the admin UI takes it through `PasswordChecks.new_hash`, which bounds how
+    many run at once."""
+    _check_password(password)
+    return hash_password(password)
 
 
 def rehashed(password_hash: str, password: str) -> str | None:
@@ -174,10 +195,10 @@ def set_disabled(*, session: Session, user: User, disabled: bool) -> User:
     return user
 
 
-def set_password(*, session: Session, user: User, password: str) -> User:
-    """Replace the password; sessions signed in with the old one end."""
-    _check_password(password)
-    return _replace_hash(session=session, user=user, new_hash=hash_password(password))
+def set_password(*, session: Session, user: User, password_hash: str) -> User:
+    """Replace the password with one hashed by `new_password_hash` (outside any transaction);
+    sessions signed in with the old one end."""
+    return _replace_hash(session=session, user=user, new_hash=password_hash)
 
 
 def _replace_hash(*, session: Session, user: User, new_hash: str) -> User:

@@ -26,6 +26,8 @@ router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
              dependencies=[rate_limited("heartbeat")])
 def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
               principal: RuntimePrincipal) -> RuntimeRead:
+    """A runtime says which set it applies, whether it is ready and what it spooled or dropped; the
+    first beat registers it in the fleet (409 past the runtime caps)."""
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
     target = request.app.state.ingest_targets.get(name, service.applied_versions(beat))
@@ -41,13 +43,14 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
 def leave(name: str, runtime_id: str, request: Request, session: SessionDep,
           principal: RuntimePrincipal) -> RuntimesRemoved:
     """A runtime that stops cleanly leaves the fleet: it is dropped from the fleet view and
-    the caps at once, so no `runtime_stale` alert fires for it. Only the token that
-    registered the runtime may take it out (404 otherwise); it registers anew if it beats
+    the caps at once, so no `runtime_stale` alert fires for it. Any token of the deployment
+    may take it out, whichever registered it (a runtime whose token was rotated leaves with
+    the new one); a token of another deployment gets 403. It registers anew if it beats
     again."""
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
     removed = service.remove_runtimes(session=session, deployment=deployment,
-                                      runtime_id=runtime_id, token_id=principal.token_id)
+                                      runtime_id=runtime_id)
     request.app.state.heartbeats.forget(deployment.id, removed)
     log.info("runtime %r left deployment %r", runtime_id, deployment.name)
     return RuntimesRemoved(removed=removed)
@@ -56,6 +59,8 @@ def leave(name: str, runtime_id: str, request: Request, session: SessionDep,
 @router.get("/{name}/runtimes", response_model=list[RuntimeRead])
 def list_runtimes(name: str, request: Request, session: SessionDep,
                   principal: OperatorPrincipal) -> list[RuntimeRead]:
+    """The deployment's fleet: each runtime's applied version, readiness, last heartbeat and
+    lineage."""
     request.app.state.heartbeats.flush()  # what this process told runtimes it recorded
     deployment = get_deployment(session=session, name=name)
     return [RuntimeRead.model_validate(r)

@@ -148,11 +148,10 @@ def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps
 
 def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str | None = None,
                     token_id: int | None = None) -> list[str]:
-    """Remove one runtime (`runtime_id`), every runtime `token_id` registered, or, both named,
-    that runtime only if `token_id` registered it (a runtime leaving), from the deployment; the
-    ids removed (NotFound for a `runtime_id` it does not have). A removed runtime that beats
-    again registers anew, under the caps."""
-    if runtime_id is None and token_id is None:
+    """Remove one runtime (`runtime_id`) or every runtime `token_id` registered from the
+    deployment; the ids removed (NotFound for a `runtime_id` it does not have). A removed
+    runtime that beats again registers anew, under the caps."""
+    if (runtime_id is None) == (token_id is None):
         raise Invalid("name a runtime_id or a token_id")
     query = delete(Runtime).where(Runtime.deployment_id == deployment.id)
     if runtime_id is not None:
@@ -162,8 +161,7 @@ def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str
     removed = list(session.scalars(query.returning(Runtime.runtime_id),
                                    execution_options={"synchronize_session": False}))
     if runtime_id is not None and not removed:
-        whose = "" if token_id is None else " registered with this token"
-        raise NotFound(f"deployment {deployment.name!r} has no runtime {runtime_id!r}{whose}")
+        raise NotFound(f"deployment {deployment.name!r} has no runtime {runtime_id!r}")
     return sorted(removed)
 
 

@@ -21,6 +21,7 @@ from controlplane.auth.service import Principal
 from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited, visible_deployment
 from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, RateLimited, error_answer
 from controlplane.telemetry import reads, service, stream
+from controlplane.telemetry.admission import check_segment_names, names_per_batch_limit
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.schemas import (
     DisagreementPoint,
@@ -70,78 +71,161 @@ def batch_model(content_type: str) -> type[AggregateBatch] | None:
     return model
 
 
-# A telemetry body up to this size is read and decoded without a decode slot (`DecodeSlots`): a
-# fleet's interval batches (~4 KiB: the counts and 100 sampled records as columns), aggregate
-# batches (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records) decode in well under
-# a millisecond into well under a megabyte. The fast path serves them on the event loop.
+# A telemetry body up to this size is read and decoded outside the decode budget
+# (`DecodeBudget`): a fleet's interval batches (~4 KiB: the counts and 100 sampled records as
+# columns), aggregate batches (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records)
+# decode in well under a millisecond into well under a megabyte. The fast path serves them on
+# the event loop.
 SMALL_BODY_BYTES = 32 << 10
+
+# What one decoded value may hold at most, besides the bytes of the body it came from (map keys
+# count as values here). Measured on CPython 3.11 with tracemalloc over the shapes a body can
+# take that build the most per value: empty lists and maps, maps keyed by new strings, short
+# strings and byte strings, numbers past the small-int cache: at most 69 bytes a value (the
+# zeros of bench/telemetry_bounds.py's expanding batch: 8). The rest covers what validation
+# builds beside it.
+DECODED_VALUE_BYTES = 100
+# Values a decode charges the budget for at once (1 MB), so that the decoder's hooks take the
+# budget's lock once in this many values, not once per container.
+_CHARGE_STEP_VALUES = 10_000
 
 
 class DecodersBusy(RateLimited):
-    """Every decode slot of this API process is taken: retry shortly (429, Retry-After). One
-    client can fill the slots, so the answer is the caller's to wait out, never a 5xx."""
+    """The decode budget of this API process is taken by other requests: retry shortly (429,
+    Retry-After). One client can fill it, so the answer is the caller's to wait out, never a
+    5xx."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retry_after=1.0)
 
 
-class DecodeSlots:
-    """The telemetry bodies over SMALL_BODY_BYTES (or of unknown length) this process reads
-    and decodes at once (EXITPLANE_TELEMETRY_MAX_DECODES), so that their memory is bounded
-    per process: a request past them is refused at once, before its body is read, rather than
-    queued (a queue would hold its connection and buffers)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._taken = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def held(self, content_length: str | None) -> Iterator[None]:
-        """A slot for the request with this Content-Length header for as long as the block
-        runs (none needed for a small body); DecodersBusy when none is free."""
-        if content_length is not None and content_length.isdigit() \
-                and int(content_length) <= SMALL_BODY_BYTES:
-            yield
-            return
-        with self._lock:
-            if self._taken >= self.size:
-                raise DecodersBusy(f"this API process is decoding {self.size} large telemetry "
-                                   "batches (EXITPLANE_TELEMETRY_MAX_DECODES); retry in 1 s")
-            self._taken += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._taken -= 1
-
-
 class BatchTooLarge(DomainError):
-    """A body that decodes to more values than EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS: the runtime
-    splits it, as for a body over the byte limit."""
+    """A body that decodes to more values than EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS, or to more
+    memory than the process's whole decode budget: the runtime splits it, as for a body over
+    the byte limit."""
 
     status_code = 413
 
 
+class DecodeCharge:
+    """What one request holds of its process's `DecodeBudget`: twice its body's bytes (the body,
+    and the strings decoded from it: a string costs its bytes on the wire again once decoded)
+    and DECODED_VALUE_BYTES for each value as it is decoded."""
+
+    def __init__(self, budget: DecodeBudget) -> None:
+        self.budget = budget
+        self.held = 0  # bytes
+        self._values_left = 0  # values charged for and not decoded yet
+
+    def body(self, length: int) -> None:
+        self.budget.take(self, 2 * length)
+
+    def values(self, count: int) -> None:
+        """Charge `count` more decoded values; DecodersBusy or BatchTooLarge past the budget."""
+        self._values_left -= count
+        if self._values_left >= 0:
+            return
+        need = -self._values_left
+        step = max(need, _CHARGE_STEP_VALUES)
+        if self.held + step * DECODED_VALUE_BYTES > self.budget.size:
+            step = need  # near the whole budget: charge only what is decoded
+        self.budget.take(self, step * DECODED_VALUE_BYTES)
+        self._values_left += step
+
+
+class DecodeBudget:
+    """The telemetry bodies over SMALL_BODY_BYTES (or of unknown length) this process reads and
+    decodes at once (EXITPLANE_TELEMETRY_MAX_DECODES) and the memory they may hold together
+    (EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB), so that decoding memory is bounded by bytes per
+    process whatever shape the bodies take. A request is charged its body when it is admitted,
+    before the body is read (the declared length; the byte limit when unknown): past the slots
+    or the budget it is refused at once (429) rather than queued, as a queue would hold its
+    connection and buffers. Its values are charged as they are decoded: past the budget the
+    decode stops, with 429 while other requests hold part of it, and 413 (split it) when the
+    batch alone needs more than all of it."""
+
+    def __init__(self, *, slots: int, size_bytes: int, max_body_bytes: int) -> None:
+        self.slots, self.size, self.max_body_bytes = slots, size_bytes, max_body_bytes
+        self.used = 0  # bytes charged to requests under way
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings) -> DecodeBudget:
+        return cls(slots=settings.telemetry_max_decodes,
+                   size_bytes=settings.telemetry_decode_budget_mib << 20,
+                   max_body_bytes=settings.max_body_bytes)
+
+    def take(self, charge: DecodeCharge, amount: int) -> None:
+        with self._lock:
+            if charge.held + amount > self.size:
+                raise BatchTooLarge(
+                    "the batch needs more memory to decode than this API process gives all "
+                    "telemetry decodes together (EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB): split "
+                    "it (ids <id>a and <id>b)")
+            if self.used + amount > self.size:
+                raise DecodersBusy("this API process is decoding as many large telemetry "
+                                   "batches as its memory allows "
+                                   "(EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB); retry in 1 s")
+            self.used += amount
+            charge.held += amount
+
+    @contextlib.contextmanager
+    def held(self, content_length: str | None) -> Iterator[DecodeCharge | None]:
+        """The request's charge for as long as the block runs (None for a small body, which
+        needs none); DecodersBusy when no slot or not enough of the budget is free."""
+        known = content_length is not None and content_length.isdigit()
+        if known and int(content_length) <= SMALL_BODY_BYTES:
+            yield None
+            return
+        with self._lock:
+            if self._taken >= self.slots:
+                raise DecodersBusy(f"this API process is decoding {self.slots} large telemetry "
+                                   "batches (EXITPLANE_TELEMETRY_MAX_DECODES); retry in 1 s")
+            self._taken += 1
+        charge = DecodeCharge(self)
+        try:
+            charge.body(int(content_length) if known else self.max_body_bytes)
+            yield charge
+        finally:
+            with self._lock:
+                self._taken -= 1
+                self.used -= charge.held
+                charge.held = 0
+
+
 class _Budget:
     """Counts the values a msgpack decode has built (each list or map and its entries) and
-    stops it past `limit`: the decoder calls `list` and `map` for every
-    container it completes, so it never holds more than `limit` values and one container."""
+    stops it past `limit`: the decoder calls `list` and `map` for every container it completes,
+    so it never holds more than `limit` values and one container. With a `charge`, the values
+    (map keys too) are charged to the process's decode budget as they are built. The distinct
+    `segment` names of the maps (cells, records) are counted too, and past what a batch may
+    carry the decode stops with the 422 the checks after it would give, before the rest is
+    decoded and validated."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.left = limit, limit
+    def __init__(self, limit: int, charge: DecodeCharge | None = None) -> None:
+        self.limit, self.left, self.charge = limit, limit, charge
+        self.segments: set[str] = set()
+        self.segment_limit = names_per_batch_limit()
 
-    def _take(self, count: int) -> None:
+    def _take(self, count: int, built: int) -> None:
         self.left -= count
         if self.left < 0:
             raise _too_many(self.limit)
+        if self.charge is not None:
+            self.charge.values(built)
 
     def list(self, values: list) -> list:
-        self._take(len(values) + 1)
+        self._take(len(values) + 1, len(values) + 1)
         return values
 
     def map(self, entries: dict) -> dict:
-        self._take(len(entries) + 1)
+        self._take(len(entries) + 1, 2 * len(entries) + 1)
+        segment = entries.get("segment")
+        if isinstance(segment, str) and segment not in self.segments:
+            self.segments.add(segment)
+            if len(self.segments) > self.segment_limit:
+                check_segment_names(self.segments, self.segment_limit)
         return entries
 
 
@@ -150,24 +234,28 @@ def _too_many(limit: int) -> BatchTooLarge:
                          "(EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS): split it (ids <id>a and <id>b)")
 
 
-def _decode(body: bytes, content_type: str, max_items: int | None):
+def _decode(body: bytes, content_type: str, max_items: int | None,
+            charge: DecodeCharge | None = None):
     """The decoded body, never more than `max_items` values (None: no bound): msgpack counts
     as it decodes; a JSON body is refused first when it could hold more (each value but a
     container's first follows a ',', so ',', '[' and '{' bound them), and nested too deep to
-    decode is 422, not a server error."""
+    decode is 422, not a server error. With a `charge`, the values are charged to the decode
+    budget: msgpack's as they are built, JSON's (keys too: ':' adds them) before decoding."""
     msgpacked = "msgpack" in content_type
     try:
         if msgpacked:
-            if max_items is None:
+            if max_items is None and charge is None:
                 return msgpack.unpackb(body, raw=False)
-            budget = _Budget(max_items)
+            budget = _Budget(max_items if max_items is not None else 1 << 62, charge)
             # One container holds at most the budget: refused on its header, before it is built.
-            return msgpack.unpackb(body, raw=False, max_array_len=max_items,
-                                   max_map_len=max_items, list_hook=budget.list,
+            return msgpack.unpackb(body, raw=False, max_array_len=budget.limit,
+                                   max_map_len=budget.limit, list_hook=budget.list,
                                    object_hook=budget.map)
         if max_items is not None and \
                 body.count(b",") + body.count(b"[") + body.count(b"{") >= max_items:
             raise _too_many(max_items)
+        if charge is not None:
+            charge.values(sum(map(body.count, (b",", b"[", b"{", b":"))) + 1)
         return json.loads(body)
     except RecursionError as error:
         raise Invalid("body nests too deeply: a telemetry batch is at most 4 levels deep") \
@@ -181,20 +269,21 @@ def _decode(body: bytes, content_type: str, max_items: int | None):
 
 def decode_aggregate(body: bytes, content_type: str,
                      model: type[AggregateBatch] = AggregateBatch, *,
-                     max_items: int | None = None) -> AggregateBatch:
+                     max_items: int | None = None,
+                     charge: DecodeCharge | None = None) -> AggregateBatch:
     """Parse and validate an aggregate (or interval) batch; the first bad cell is named."""
     try:
-        return model.model_validate(_decode(body, content_type, max_items))
+        return model.model_validate(_decode(body, content_type, max_items, charge))
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "batch"
         raise Invalid(f"{where}: {first['msg']}") from error
 
 
-def decode_batch(body: bytes, content_type: str, *,
-                 max_items: int | None = None) -> BatchColumns:
+def decode_batch(body: bytes, content_type: str, *, max_items: int | None = None,
+                 charge: DecodeCharge | None = None) -> BatchColumns:
     """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
-    payload = _decode(body, content_type, max_items)
+    payload = _decode(body, content_type, max_items, charge)
     try:
         return parse_batch(payload)
     except ValidationError as error:
@@ -223,14 +312,14 @@ def _check(state, deployment, batch, aggregate: bool, known_versions) -> None:
                             known_versions=known_versions, latest=latest)
 
 
-def _decoded(state, body: bytes, content_type: str):
+def _decoded(state, body: bytes, content_type: str, charge: DecodeCharge | None = None):
     """(the batch, whether it carries token counts, the threshold versions it names)."""
     model = batch_model(content_type)
     max_items = state.settings.telemetry_max_batch_items
     if model is None:
-        batch = decode_batch(body, content_type, max_items=max_items)
+        batch = decode_batch(body, content_type, max_items=max_items, charge=charge)
         return batch, False, batch.threshold_version.tolist()
-    batch = decode_aggregate(body, content_type, model, max_items=max_items)
+    batch = decode_aggregate(body, content_type, model, max_items=max_items, charge=charge)
     versions = [cell.threshold_version for cell in batch.cells]
     if isinstance(batch, IntervalBatch) and batch.records is not None:
         versions += batch.records.threshold_version
@@ -274,18 +363,21 @@ def refused(error: DomainError) -> DomainError:
     return error.with_traceback(None)
 
 
-def store_batch(state, principal: Principal, body: bytes, content_type: str) -> IngestAck:
+def store_batch(state, principal: Principal, body: bytes, content_type: str,
+                charge: DecodeCharge | None = None) -> IngestAck:
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
-    and the fast path (controlplane/telemetry/fast_path.py) both end here."""
+    and the fast path (controlplane/telemetry/fast_path.py) both end here. `charge`: the
+    request's share of the decode budget (None for a small body)."""
     try:
-        return _store_batch(state, principal, body, content_type)
+        return _store_batch(state, principal, body, content_type, charge)
     except DomainError as error:
         refusal = refused(error)
     raise refusal from None  # here, the frames that held the batch are gone (`refused`)
 
 
-def _store_batch(state, principal: Principal, body: bytes, content_type: str) -> IngestAck:
-    batch, aggregate, versions = _decoded(state, body, content_type)
+def _store_batch(state, principal: Principal, body: bytes, content_type: str,
+                 charge: DecodeCharge | None) -> IngestAck:
+    batch, aggregate, versions = _decoded(state, body, content_type, charge)
     if state.redis is not None:
         # The stream path reads nothing from the store: the checks use the cached target.
         _fits_target(state, visible_deployment(state, principal, batch.deployment, versions),
@@ -337,10 +429,11 @@ async def ingest_telemetry(request: Request, principal: RuntimePrincipal) -> Ing
     duplicate=true."""
     state = request.app.state
     # The dependencies checked the token and its rate from the headers; only now the body.
-    with state.telemetry_decodes.held(request.headers.get("content-length")):
+    with state.telemetry_decodes.held(request.headers.get("content-length")) as charge:
         body = await request.body()
         content_type = request.headers.get("content-type", "application/json")
-        return await to_thread.run_sync(store_batch, state, principal, body, content_type)
+        return await to_thread.run_sync(store_batch, state, principal, body, content_type,
+                                        charge)
 
 
 @dataclass(frozen=True)
@@ -374,6 +467,7 @@ def _own_deployment(session, principal: Principal, name: str, segment: str | Non
 @router.get("/v1/deployments/{name}/telemetry/exit-rates", response_model=list[ExitRatePoint])
 def exit_rates(name: str, session: SessionDep, principal: RuntimePrincipal,
                window: WindowDep) -> list[ExitRatePoint]:
+    """Per-minute exit counts per exit layer from the rollups, for a window, version and segment."""
     deployment = _own_deployment(session, principal, name, window.segment)
     rows = service.exit_rates(session=session, deployment=deployment, **window.filters())
     return [ExitRatePoint(**row) for row in rows]
@@ -383,6 +477,7 @@ def exit_rates(name: str, session: SessionDep, principal: RuntimePrincipal,
             response_model=list[DisagreementPoint])
 def disagreement(name: str, session: SessionDep, principal: RuntimePrincipal,
                  window: WindowDep) -> list[DisagreementPoint]:
+    """Per-minute shadow agreement per exit layer (matches and totals) from the rollups."""
     deployment = _own_deployment(session, principal, name, window.segment)
     rows = service.disagreement(session=session, deployment=deployment, **window.filters())
     return [DisagreementPoint(**row) for row in rows]
@@ -392,6 +487,8 @@ def disagreement(name: str, session: SessionDep, principal: RuntimePrincipal,
             response_model=dict[int, list[int]])
 def signal_histogram(name: str, session: SessionDep, principal: RuntimePrincipal,
                      window: WindowDep) -> dict[int, list[int]]:
+    """Per exit layer (and full depth): counts of the signal at exit in 20 bins over [0, 1], over a
+    window."""
     deployment = _own_deployment(session, principal, name, window.segment)
     return service.signal_histogram(session=session, deployment=deployment, **window.filters())
 
@@ -399,6 +496,8 @@ def signal_histogram(name: str, session: SessionDep, principal: RuntimePrincipal
 @router.get("/v1/deployments/{name}/telemetry/count", response_model=TelemetryCounts)
 def telemetry_count(name: str, session: SessionDep,
                     principal: RuntimePrincipal) -> TelemetryCounts:
+    """What the store holds for the deployment: records, batches, shadow samples and the tokens
+    counted in the rollups."""
     deployment = _own_deployment(session, principal, name)
     return TelemetryCounts(**service.counts(session=session, deployment=deployment))
 

@@ -10,7 +10,8 @@ runtime scope. These come from the headers alone, before a byte of the body is r
 without a valid token, past its rate or without the runtime scope is answered 401, 429 or 403
 and never has its body read (the gate counts it against the route's limit as it is read). A
 telemetry body over SMALL_BODY_BYTES, or of unknown length, then needs one of the process's
-decode slots (`DecodeSlots`: 429 with Retry-After when none is free).
+decode slots and its share of the decode budget (`DecodeBudget`: 429 with Retry-After when
+either is taken).
 
 The route's own work follows on a worker thread of the layer's own, except that with Redis a
 small telemetry batch whose deployment this process has cached is decoded, checked and
@@ -119,28 +120,32 @@ class TelemetryFastPath:
         authorization, content_type, length = _headers(scope)
         state, pool = scope["app"].state, self._pool()
         content_type = "application/json" if content_type is None else content_type
+        read: list[bool] = []  # the body was read whole
 
         async def serve() -> IngestAck:
             principal = await _caller(state, authorization, "ingest", pool)
-            with state.telemetry_decodes.held(length):
+            with state.telemetry_decodes.held(length) as charge:
                 body = await _read_body(receive)
+                read.append(True)
                 if len(body) <= SMALL_BODY_BYTES and state.redis_async is not None:
                     answer = await _serve_on_loop(state, principal, content_type, body)
                     if answer is not None:
                         return answer
                 return await to_thread.run_sync(store_batch, state, principal, body,
-                                                content_type, limiter=pool)
+                                                content_type, charge, limiter=pool)
 
-        await _answer(scope, receive, send, 202, serve)
+        await _answer(scope, receive, send, 202, serve, body_read=lambda: bool(read))
 
     async def _heartbeat_post(self, scope, receive, send, name: str) -> None:
         authorization, content_type, _ = _headers(scope)
         state, pool = scope["app"].state, self._pool()
         refused: list[bytes] = []  # the body of a beat the route must judge
+        read: list[bool] = []
 
         async def serve() -> RuntimeRead | None:
             principal = await _caller(state, authorization, "heartbeat", pool)
             body = await _read_body(receive)
+            read.append(True)
             beat = _plain_heartbeat(content_type, body)
             if beat is None:
                 refused.append(body)
@@ -149,7 +154,8 @@ class TelemetryFastPath:
             return await _loop_first(_beat_on_loop, _serve_heartbeat,
                                      (state, principal, name, beat), pool)()
 
-        if not await _answer(scope, receive, send, 200, serve) and refused:
+        if not await _answer(scope, receive, send, 200, serve,
+                             body_read=lambda: bool(read)) and refused:
             # The route parses and refuses it, with FastAPI's own 422; its rate is taken.
             scope[RATE_TAKEN] = "heartbeat"
             await self.app(scope, _replay(refused[0], receive), send)
@@ -195,9 +201,13 @@ def _caller_blocking(state, authorization: str, kind: str) -> Principal:
     return principal
 
 
-async def _answer(scope, receive, send, status: int, serve) -> bool:
+async def _answer(scope, receive, send, status: int, serve,
+                  body_read: Callable[[], bool]) -> bool:
     """Await `serve()`; send its model as JSON, or its error as the app's exception handler
-    answers it. False when `serve()` answered None (nothing was sent)."""
+    answers it. False when `serve()` answered None (nothing was sent). An error answered
+    before the body was read whole closes the connection, as the body gate's 413 does: the
+    rest of the body (up to EXITPLANE_MAX_BODY_BYTES) would otherwise be read and thrown away
+    on the event loop, which every pull this process serves waits for."""
     api = scope["app"]
     try:
         answer: BaseModel | None = await serve()
@@ -208,7 +218,7 @@ async def _answer(scope, receive, send, status: int, serve) -> bool:
         if handler is None:
             raise  # as in the route: the server-error middleware answers 500
         response = await handler(Request(scope, receive), error)
-        await response(scope, receive, send)
+        await response(scope, receive, send if body_read() else _closing(send))
         return True
     if answer is None:
         return False
@@ -336,6 +346,17 @@ async def _read_body(receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
+
+
+def _closing(send):
+    """`send` with `connection: close` on the answer's head."""
+    async def closing(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []),
+                                              (b"connection", b"close")]}
+        await send(message)
+
+    return closing
 
 
 def _handler_for(handlers: dict, error: Exception):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -25,6 +26,7 @@ from controlplane.db import refused_by_store, store_away
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.telemetry.targets import IngestTargets
+from exitplane import tracing
 from exitplane.wire import AggregateBatch, IntervalBatch
 
 log = logging.getLogger("exitplane.ingest")
@@ -171,8 +173,12 @@ class StreamIngestor:
             processed += self._process(_text(key), entries)
         return processed
 
-    def run_forever(self, stop: threading.Event) -> None:
+    def run_forever(self, stop: threading.Event,
+                    each_cycle: Callable[[], None] | None = None) -> None:
+        """Ingest until `stop`; `each_cycle` runs as every cycle begins (the heartbeat)."""
         while not stop.is_set():
+            if each_cycle is not None:
+                each_cycle()
             try:
                 self.run_once(stop)
                 self.report_lag()
@@ -192,6 +198,7 @@ class StreamIngestor:
                     metrics.stream_lag.labels(key.removeprefix(STREAM_PREFIX)).set(lag)
         metrics.dead_letter_entries.set(self.client.xlen(DEAD_LETTER))
 
+    @tracing.traced("telemetry.ingest")  # one span per read of one stream: its batches
     def _process(self, key: str, entries: list) -> int:
         deployment_name = key.removeprefix(STREAM_PREFIX)
         parsed, ids, dead = [], [], []
@@ -226,6 +233,7 @@ class StreamIngestor:
                                             b"error": why[:1000].encode()})
                 pipe.xack(key, GROUP, *ids)
                 pipe.execute()
+        tracing.annotate(deployment=deployment_name, batches=len(parsed), dead_lettered=len(dead))
         if dead:
             metrics.dead_lettered_batches.labels(deployment_name).inc(len(dead))
             self.stats.dead += len(dead)

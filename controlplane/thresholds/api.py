@@ -15,7 +15,7 @@ from controlplane.deps import (
     get_principal,
     rate_limited,
 )
-from controlplane.errors import RUNTIME_ERRORS, RateLimited
+from controlplane.errors import RUNTIME_ERRORS, RateLimited, error_answer
 from controlplane.telemetry.service import undeclared_tokens
 from controlplane.thresholds import segments, service
 from controlplane.thresholds.delivery import ConfigDelivery
@@ -55,21 +55,26 @@ def _set_read(threshold_set: ThresholdSet, aliases: dict[str, int]) -> Threshold
     return read
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=DeploymentRead)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=DeploymentRead,
+             responses={409: error_answer("a deployment of this name exists")})
 def create_deployment(spec: DeploymentCreate, session: SessionDep,
                       principal: OperatorPrincipal) -> DeploymentRead:
+    """Create a deployment: model, exit layers, signal, quality target and policy; its conservative
+    set (never exit) is published as version 1 and made active (409 if the name is taken)."""
     deployment = service.create_deployment(session=session, spec=spec, actor=principal.actor)
     return _deployment_read(session, deployment)
 
 
 @router.get("", response_model=list[DeploymentRead])
 def list_deployments(session: SessionDep, principal: OperatorPrincipal) -> list[DeploymentRead]:
+    """Every deployment with its aliases."""
     return [_deployment_read(session, d) for d in service.list_deployments(session=session)]
 
 
 @router.get("/{name}", response_model=DeploymentRead)
 def show_deployment(name: str, session: SessionDep,
                     principal: RuntimePrincipal) -> DeploymentRead:
+    """One deployment with its aliases (`active`, `conservative`, `canary`)."""
     deployment = service.get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
     return _deployment_read(session, deployment)
@@ -78,6 +83,8 @@ def show_deployment(name: str, session: SessionDep,
 @router.patch("/{name}", response_model=DeploymentRead)
 def update_deployment(name: str, spec: DeploymentUpdate, session: SessionDep,
                       principal: OperatorPrincipal) -> DeploymentRead:
+    """Change a deployment's quality target, policy, fallback, segment or lineage settings; the
+    fields left out keep their values."""
     deployment = service.get_deployment(session=session, name=name, lock=True)
     service.update_deployment(session=session, deployment=deployment, spec=spec,
                               actor=principal.actor)
@@ -88,6 +95,7 @@ def update_deployment(name: str, spec: DeploymentUpdate, session: SessionDep,
              response_model=ThresholdSetRead)
 def publish_threshold_set(name: str, spec: ThresholdSetCreate, request: Request,
                           session: SessionDep, principal: OperatorPrincipal) -> ThresholdSetRead:
+    """Publish a new immutable threshold set (the next version); `activate` also makes it active."""
     deployment = service.get_deployment(session=session, name=name, lock=True)
     threshold_set = service.publish(
         session=session, deployment=deployment, thresholds=spec.thresholds, signal=spec.signal,
@@ -105,6 +113,7 @@ def publish_threshold_set(name: str, spec: ThresholdSetCreate, request: Request,
 def list_threshold_sets(name: str, session: SessionDep, principal: OperatorPrincipal,
                         limit: Annotated[int, Query(ge=1, le=500)] = 100,
                         before_version: int | None = None) -> list[ThresholdSetRead]:
+    """The deployment's threshold sets, newest first (`limit`, `before_version` to page)."""
     deployment = service.get_deployment(session=session, name=name)
     aliases = service.aliases_of(session=session, deployment=deployment)
     sets = service.list_threshold_sets(session=session, deployment=deployment, limit=limit,
@@ -115,6 +124,7 @@ def list_threshold_sets(name: str, session: SessionDep, principal: OperatorPrinc
 @router.get("/{name}/threshold-sets/{version}", response_model=ThresholdSetRead)
 def show_threshold_set(name: str, version: int, session: SessionDep,
                        principal: OperatorPrincipal) -> ThresholdSetRead:
+    """One threshold set with its thresholds, expected metrics and the aliases on it."""
     deployment = service.get_deployment(session=session, name=name)
     threshold_set = service.get_threshold_set(session=session, deployment=deployment,
                                               version=version)
@@ -124,6 +134,8 @@ def show_threshold_set(name: str, version: int, session: SessionDep,
 @router.put("/{name}/aliases/{alias}", response_model=AuditEventRead)
 def move_alias(name: str, alias: AliasName, move: AliasMove, session: SessionDep,
                principal: OperatorPrincipal) -> AuditEventRead:
+    """Point an alias (`active`, `conservative`, `canary`) at a version; recorded as an audit event
+    with the reason."""
     deployment = service.get_deployment(session=session, name=name, lock=True)
     event = service.move_alias(session=session, deployment=deployment, alias=alias,
                                version=move.version, actor=principal.actor, reason=move.reason)
@@ -133,15 +145,19 @@ def move_alias(name: str, alias: AliasName, move: AliasMove, session: SessionDep
 @router.delete("/{name}/aliases/{alias}", response_model=AuditEventRead)
 def clear_alias(name: str, alias: AliasName, session: SessionDep, principal: OperatorPrincipal,
                 reason: Annotated[str, Query(min_length=1, max_length=2000)]) -> AuditEventRead:
+    """Remove the `canary` alias (the others can only move); recorded as an audit event."""
     deployment = service.get_deployment(session=session, name=name, lock=True)
     event = service.clear_alias(session=session, deployment=deployment, alias=alias,
                                 actor=principal.actor, reason=reason)
     return AuditEventRead.model_validate(event)
 
 
-@router.post("/{name}/rollback", response_model=AuditEventRead)
+@router.post("/{name}/rollback", response_model=AuditEventRead,
+             responses={409: error_answer("no earlier active version, or it is active")})
 def rollback(name: str, spec: Rollback, session: SessionDep,
              principal: OperatorPrincipal) -> AuditEventRead:
+    """Make the previously active version (or `to_version`) active again (409 when there is none, or
+    it is active already)."""
     deployment = service.get_deployment(session=session, name=name, lock=True)
     event = service.rollback(session=session, deployment=deployment, actor=principal.actor,
                              reason=spec.reason, to_version=spec.to_version)
@@ -152,6 +168,7 @@ def rollback(name: str, spec: Rollback, session: SessionDep,
 def audit_log(name: str, session: SessionDep, principal: OperatorPrincipal,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
               before_id: int | None = None) -> list[AuditEventRead]:
+    """The deployment's audit events (alias moves, publications, decisions), newest first."""
     deployment = service.get_deployment(session=session, name=name)
     events = service.audit_log(session=session, deployment=deployment, limit=limit,
                                before_id=before_id)
@@ -201,7 +218,8 @@ def declare_segment(name: str, segment: SegmentPath, request: Request, session: 
     return DeclaredSegmentRead.model_validate(row)
 
 
-@router.delete("/{name}/declared-segments/{segment}", response_model=DeclaredSegmentRead)
+@router.delete("/{name}/declared-segments/{segment}", response_model=DeclaredSegmentRead,
+               responses={409: error_answer("an aliased set has thresholds for the segment")})
 def remove_segment(name: str, segment: SegmentPath, session: SessionDep,
                    principal: OperatorPrincipal,
                    reason: Annotated[str, Query(max_length=500)] = "") -> DeclaredSegmentRead:

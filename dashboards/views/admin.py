@@ -6,10 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import Response
+from sqlalchemy.orm import Session
 
 from controlplane.auth import service as tokens
 from controlplane.auth import users
 from controlplane.auth.models import ROLES, SCOPES
+from controlplane.auth.passwords import PasswordChecks
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid
 from controlplane.thresholds import service as thresholds
@@ -68,14 +70,24 @@ def users_page(request: Request, session: SessionDep, user: Admin) -> Response:
                   min_password=users.MIN_PASSWORD_LENGTH)
 
 
+def _hashed_outside_transaction(request: Request, session: Session, password: str) -> str:
+    """The hash of a new password, made after this request's transaction so far (the
+    signed-in admin's lookup, reads only) has ended: on SQLite a transaction holds the store's
+    write lock, which heartbeats and token lookups would wait for while the hash runs."""
+    session.commit()
+    checks: PasswordChecks = request.app.state.password_checks
+    return checks.new_hash(password)
+
+
 @router.post("/users", dependencies=[Csrf])
 def create_user(request: Request, session: SessionDep, _user: Admin,
                 username: Annotated[str, Form(max_length=64)],
                 password: Annotated[str, Form(max_length=1024)],
                 role: Annotated[str, Form()]) -> Response:
     def perform() -> str:
-        created = users.create_user(session=session, username=username, password=password,
-                                    role=role)
+        password_hash = _hashed_outside_transaction(request, session, password)
+        created = users.create_user(session=session, username=username, role=role,
+                                    password_hash=password_hash)
         return f"User {created.username!r} created as {created.role}."
 
     return attempt(request, session, "/users", perform)
@@ -109,9 +121,10 @@ def set_disabled(user_id: int, request: Request, session: SessionDep, _user: Adm
 def set_password(user_id: int, request: Request, session: SessionDep, _user: Admin,
                  password: Annotated[str, Form(max_length=1024)]) -> Response:
     def perform() -> str:
+        password_hash = _hashed_outside_transaction(request, session, password)
         target = users.set_password(session=session,
                                     user=users.get_user(session=session, user_id=user_id),
-                                    password=password)
+                                    password_hash=password_hash)
         return f"Password of {target.username!r} changed; their sessions ended."
 
     return attempt(request, session, "/users", perform)

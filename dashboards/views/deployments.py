@@ -1,22 +1,27 @@
-"""A deployment's page: live charts of its exit behaviour, its runtimes and its activity."""
+"""A deployment's page: live charts of its exit behaviour, its runtimes and its activity; an
+operator removes a runtime from it (through a confirmation page)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, Response
 
 from controlplane.alerts import service as alerts
 from controlplane.deps import SessionDep
+from controlplane.errors import Invalid, NotFound
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.outliers import list_outliers
-from controlplane.runtimes.service import list_runtimes
+from controlplane.runtimes.service import list_runtimes, remove_runtimes
 from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
 from controlplane.thresholds import service as thresholds
 from dashboards import charts
-from dashboards.security import Viewer
+from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import segment_table
 from dashboards.templating import render
+from dashboards.views import attempt
 from dashboards.views.overview import REPORTING_WITHIN, runtime_counts
 from exitplane.wire import NEVER_EXIT
 
@@ -72,3 +77,37 @@ def deployment_charts(name: str, session: SessionDep, _user: Viewer,
                                                   minutes=minutes, markers=markers,
                                                   segment=segment),
                         headers={"Cache-Control": "no-store"})
+
+
+@router.get("/deployments/{name}/runtimes/{runtime_id}/remove")
+def remove_runtime_page(name: str, runtime_id: str, request: Request, session: SessionDep,
+                        _user: Operator) -> Response:
+    """What removing the runtime does, and the form that does it."""
+    deployment = thresholds.get_deployment(session=session, name=name)
+    runtime = next((r for r in list_runtimes(session=session, deployment=deployment)
+                    if r.runtime_id == runtime_id), None)
+    if runtime is None:
+        raise NotFound(f"deployment {deployment.name!r} has no runtime {runtime_id!r}")
+    return render(request, "runtime_remove.html", deployment=deployment, runtime=runtime,
+                  aliases=thresholds.aliases_of(session=session, deployment=deployment))
+
+
+@router.post("/deployments/{name}/runtimes/{runtime_id}/remove", dependencies=[Csrf])
+def remove_runtime(name: str, runtime_id: str, request: Request, session: SessionDep,
+                   user: Operator, reason: Annotated[str, Form(max_length=2000)] = "") -> Response:
+    """Remove a runtime from the fleet view and the caps (as DELETE
+    /v1/deployments/{name}/runtimes/{runtime_id}), recorded in the audit log."""
+    def perform() -> str:
+        if not reason.strip():
+            raise Invalid("give a reason: it is recorded in the audit log")
+        deployment = thresholds.get_deployment(session=session, name=name)
+        removed = remove_runtimes(session=session, deployment=deployment,
+                                  runtime_id=runtime_id)
+        request.app.state.heartbeats.forget(deployment.id, removed)
+        thresholds.record_audit(session=session, deployment=deployment, actor=actor(user),
+                                action="runtime.remove", reason=reason.strip(),
+                                details={"runtime_id": runtime_id})
+        return (f"Runtime {runtime_id} removed: it no longer counts against the caps on "
+                "runtimes. If it sends another heartbeat it registers anew.")
+
+    return attempt(request, session, f"/deployments/{name}", perform)

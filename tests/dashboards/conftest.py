@@ -192,11 +192,11 @@ def as_role(ui, people):
 @pytest.fixture
 def firing_alert(engine, settings, seeded) -> int:
     """A distribution-drift alert on layer 6 that fired ten minutes ago, with a report."""
-    return fire_drift_alert(engine, name=seeded.name, reports_dir=settings.var_dir / "reports")
+    return fire_drift_alert(engine, name=seeded.name)
 
 
-def fire_drift_alert(engine, *, name: str, reports_dir) -> int:
-    """Store `firing_alert`'s alert on deployment `name`, its report under `reports_dir`."""
+def fire_drift_alert(engine, *, name: str) -> int:
+    """Store `firing_alert`'s alert on deployment `name`, with its report."""
     from datetime import timedelta
 
     from controlplane.alerts.service import Condition, fire
@@ -210,7 +210,7 @@ def fire_drift_alert(engine, *, name: str, reports_dir) -> int:
             evidence={"test": "psi", "statistic": 0.31, "threshold": 0.2,
                       "reference": {"minutes": 30}, "current": {"minutes": 10}},
             report_html="<html><body><h1>Evidently report</h1><script>1</script></body></html>"),
-            now=utcnow() - timedelta(minutes=10), reports_dir=reports_dir)
+            now=utcnow() - timedelta(minutes=10), keep_report=True)
         session.commit()
         return alert.id
 

@@ -54,6 +54,8 @@ ACTIONS = [
      {"auto_segments": "on"}, "operator"),
     ("/deployments/{name}/outliers/{outlier_id}/clear",
      "/ui/deployments/chat/outliers/1/clear", {"reason": "checked"}, "operator"),
+    ("/deployments/{name}/runtimes/{runtime_id}/remove",
+     "/ui/deployments/chat/runtimes/rt-a/remove", {"reason": "decommissioned"}, "operator"),
     ("/tokens", "/ui/tokens", {"name": "ci", "scope": "operator"}, "admin"),
     ("/tokens/{token_id}/revoke", "/ui/tokens/1/revoke", {}, "admin"),
     ("/users", "/ui/users", {"username": "eve", "password": PASSWORD, "role": "viewer"},
@@ -89,10 +91,9 @@ pytestmark = pytest.mark.usefixtures("seeded", "firing_alert", "dead_hook", "que
 
 @dataclass
 class Store:
-    """The store every test here starts from: a SQLite file and the alert reports beside it."""
+    """The store every test here starts from: a SQLite file (the alert's report inside)."""
 
     path: Path
-    reports: Path
     seeded: Seeded
     alert_id: int
     hook_id: int
@@ -106,18 +107,18 @@ def store(sqlite_template, tmp_path_factory) -> Iterator[Store]:
     tests/dashboards/conftest.py, stored once (in the order those fixtures store them) rather
     than for each of the ~180 tests: each test gets a copy (`db_url`, `firing_alert`)."""
     folder = tmp_path_factory.mktemp("permissions")
-    path, reports = folder / "seeded.db", folder / "var" / "reports"
+    path = folder / "seeded.db"
     shutil.copy(sqlite_template, path)
     engine = make_engine(f"sqlite:///{path}")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(users, "_hasher", quick_hasher())  # as the tests' quick_hashing
         seeded = seed_deployment(engine, minutes=3)  # what `seeded` stores outside the browser
-        alert_id = fire_drift_alert(engine, name=seeded.name, reports_dir=reports)
+        alert_id = fire_drift_alert(engine, name=seeded.name)
         hook_id = create_dead_hook(engine)
         job_id = queue_calibration(engine, name=seeded.name)
         people = create_people(engine)
     engine.dispose()
-    yield Store(path=path, reports=reports, seeded=seeded, alert_id=alert_id, hook_id=hook_id,
+    yield Store(path=path, seeded=seeded, alert_id=alert_id, hook_id=hook_id,
                 job_id=job_id, people=people)
 
 
@@ -136,8 +137,7 @@ def seeded(store) -> Seeded:
 
 
 @pytest.fixture
-def firing_alert(store, settings) -> int:
-    shutil.copytree(store.reports, settings.var_dir / "reports")
+def firing_alert(store) -> int:
     return store.alert_id
 
 
@@ -238,6 +238,7 @@ def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form
     ("/ui/alerts", "viewer"), ("/ui/alerts?status=all", "viewer"), ("/ui/alerts/1", "viewer"),
     ("/ui/alerts/1/report", "viewer"), ("/ui/hooks", "admin"), ("/ui/hooks/1", "admin"),
     ("/ui/deployments/chat/segments", "viewer"),
+    ("/ui/deployments/chat/runtimes/rt-a/remove", "operator"),
 ])
 @pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
 def test_pages_need_their_role(as_role, seeded, path, needed, role):

@@ -124,7 +124,7 @@ API: dict[str, tuple[str, Call]] = {
         "/v1/deployments/alpha/runtimes")),
     "POST /v1/deployments/{name}/runtimes/{runtime_id}/leave": ("runtime", Call(
         "/v1/deployments/alpha/runtimes/rt-1/leave",
-        why="only the token that registered the runtime may take it out")),
+        why="any token of the runtime's deployment may take it out, never another's")),
     "DELETE /v1/deployments/{name}/runtimes/{runtime_id}": ("operator", Call(
         "/v1/deployments/alpha/runtimes/rt-1")),
     "DELETE /v1/deployments/{name}/runtimes": ("operator", Call(
@@ -180,6 +180,9 @@ API: dict[str, tuple[str, Call]] = {
         "/v1/deployments/alpha/calibrations/{job}/reject", REASON, ok=(409,),
         why="the job is still queued: reaching the handler's own check is the point")),
     "GET /v1/deployments/{name}/canary": ("operator", Call("/v1/deployments/alpha/canary")),
+    "POST /v1/deployments/{name}/canary": ("operator", Call(
+        "/v1/deployments/alpha/canary", {"version": 1, **REASON}, ok=(409,),
+        why="alpha's canary of v3 is running: reaching the handler's own check is the point")),
     "POST /v1/deployments/{name}/canary/promote": ("operator", Call(
         "/v1/deployments/alpha/canary/promote", REASON)),
     "POST /v1/deployments/{name}/canary/revert": ("operator", Call(
@@ -223,6 +226,10 @@ UI: dict[str, tuple[str, Call]] = {
         "/ui/deployments/alpha/segments/auto", {"auto_segments": "on"})),
     "POST /ui/deployments/{name}/outliers/{outlier_id}/clear": ("operator", Call(
         "/ui/deployments/alpha/outliers/{outlier}/clear", REASON)),
+    "GET /ui/deployments/{name}/runtimes/{runtime_id}/remove": ("operator", Call(
+        "/ui/deployments/alpha/runtimes/rt-1/remove")),
+    "POST /ui/deployments/{name}/runtimes/{runtime_id}/remove": ("operator", Call(
+        "/ui/deployments/alpha/runtimes/rt-1/remove", REASON)),
     "GET /ui/deployments/{name}/calibrations": ("viewer", Call(
         "/ui/deployments/alpha/calibrations")),
     "POST /ui/deployments/{name}/calibrations": ("operator", Call(
@@ -379,7 +386,7 @@ def world(app, engine, tokens, settings):
             kind="distribution_drift", severity="warning", layer=6, subject="6",
             summary="signal distribution at layer 6 drifted",
             report_html="<html><body>report</body></html>"),
-            reports_dir=settings.var_dir / "reports")
+            keep_report=True)
         hook = create_hook(session=session, name="dead end", kind="webhook",
                            url="http://127.0.0.1:9/nothing", actor="user:seed",
                            deployment=alpha)

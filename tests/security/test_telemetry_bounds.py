@@ -267,3 +267,115 @@ def test_deeply_nested_json_is_4xx_on_every_route(settings, engine, tokens, fast
     app.state.config_delivery.close()
     app.state.heartbeats.close()
     assert failures == [], "\n".join(failures[:20])
+
+
+def test_large_bodies_past_the_decode_budget_get_429_before_they_are_read(settings, engine,
+                                                                           tokens):
+    """The budget is charged twice a body's declared length on arrival: with a 4 MiB budget,
+    one 1.5 MiB body under way leaves no room for another, whatever slots are free."""
+    with serving(settings, engine, telemetry_max_decodes=8,
+                 telemetry_decode_budget_mib=4) as (port, client):
+        runtime = _deploy(client, tokens, engine)
+        length = 3 * MIB // 2
+        with partial_post(port, "/v1/telemetry", length=length, sent=b"\x80" * 4096,
+                          headers=runtime, content_type=RECORDS_MSGPACK):
+            time.sleep(0.3)  # its share is taken while its body arrives
+            with partial_post(port, "/v1/telemetry", length=length, sent=b"\x80" * 4096,
+                              headers=runtime, content_type=RECORDS_MSGPACK) as second:
+                status, body, headers = _response(second)
+            assert status == 429 and headers["retry-after"] == "1", body
+            assert "EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB" in body["detail"]
+        # The first client left: its share is free again.
+        batch = _records_msgpack(random.Random(6), 1000, shadow_rate=0)
+        assert len(batch) > 64 * 1024
+        deadline = time.monotonic() + 5
+        while True:
+            answer = client.post("/v1/telemetry", content=batch,
+                                 headers={**runtime, "Content-Type": RECORDS_MSGPACK})
+            if answer.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert answer.status_code == 202, answer.text
+
+
+def test_a_batch_needing_more_than_the_whole_budget_is_413_and_its_halves_pass(
+        settings, engine, tokens):
+    app = create_app(settings.model_copy(update={"telemetry_decode_budget_mib": 4}),
+                     engine=engine)
+    with TestClient(app) as client:
+        runtime = _deploy(client, tokens, engine)
+        # 4,000 records of 7 fields: ~60,000 values with the keys, ~6 MB at 100 bytes each.
+        batch = make_batch(random.Random(7), n=4000, shadow_rate=0, ts=time.time() - 3000)
+        headers = {**runtime, "Content-Type": RECORDS_MSGPACK}
+        whole = client.post("/v1/telemetry", headers=headers,
+                            content=msgpack.packb(batch, use_bin_type=True))
+        assert whole.status_code == 413, whole.text
+        assert "EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB" in whole.json()["detail"]
+        assert "split it" in whole.json()["detail"]
+        for index, half in enumerate((batch["records"][:2000], batch["records"][2000:])):
+            part = {**batch, "batch_id": batch["batch_id"] + "ab"[index], "records": half}
+            answer = client.post("/v1/telemetry", headers=headers,
+                                 content=msgpack.packb(part, use_bin_type=True))
+            assert answer.status_code == 202, answer.text
+    app.state.config_delivery.close()
+    app.state.heartbeats.close()
+
+
+def _keyed_maps(size: int) -> bytes:
+    """A record batch of one-entry maps keyed by new strings: ~70 bytes a value decoded, the
+    most of any shape (bench/telemetry_bounds.py's `keyed_maps`)."""
+    return msgpack.packb({"batch_id": uuid.uuid4().hex, "deployment": "chat",
+                          "runtime_id": "rt-1", "seq": 0, "num_layers": 12,
+                          "records": [{f"k{i:x}": 0} for i in range(size // 10)]},
+                         use_bin_type=True)
+
+
+@pytest.mark.slow
+def test_decode_memory_is_bounded_by_bytes_whatever_the_bodies_hold(settings, engine, tokens):
+    """Eight 1.7 MiB bodies of the costliest shape at once, eight decode slots: with slots
+    alone each decoded to ~60 MiB (about 500 MiB together); the budget holds them to it."""
+    budget = 16
+    with serving(settings, engine, telemetry_max_decodes=8,
+                 telemetry_decode_budget_mib=budget) as (port, client):
+        runtime = _deploy(client, tokens, engine)
+        bodies = [_keyed_maps(2 * MIB) for _ in range(8)]
+        headers = {**runtime, "Content-Type": RECORDS_MSGPACK}
+        statuses: list[int] = []
+
+        def post(body: bytes) -> None:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as own:
+                statuses.append(own.post("/v1/telemetry", content=body,
+                                         headers=headers).status_code)
+
+        def all_at_once() -> None:
+            threads = [threading.Thread(target=post, args=(body,)) for body in bodies]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+
+        peak = _peak_mib(all_at_once)
+    assert sorted(set(statuses)) in ([413], [413, 429]), statuses
+    # The budget, plus what the eight bodies cost on their way in (client and server side).
+    assert peak < budget + 8 * 2 * 2 + 8, peak
+
+
+def test_an_answer_before_the_body_closes_the_connection(settings, engine, tokens):
+    """A caller refused before its body was read (no token; no decode slot) is answered and
+    disconnected: the rest of its body is never read, where keeping the connection would read
+    and discard up to EXITPLANE_MAX_BODY_BYTES on the event loop every pull waits for."""
+    with serving(settings, engine, telemetry_max_decodes=1) as (port, client):
+        runtime = _deploy(client, tokens, engine)
+        large = _records_msgpack(random.Random(8), 2000, shadow_rate=0)
+        with partial_post(port, "/v1/telemetry", length=len(large), sent=large[:4096],
+                          headers=runtime, content_type=RECORDS_MSGPACK) as holding:
+            time.sleep(0.3)
+            for headers, status in (({}, 401), (runtime, 429)):
+                with partial_post(port, "/v1/telemetry", length=15 * MIB, sent=b"\x80" * 4096,
+                                  headers=headers, content_type=RECORDS_MSGPACK) as refused:
+                    answer = _response(refused)
+                    assert answer[0] == status and answer[2]["connection"] == "close", answer
+                    assert refused.recv(65536) == b"", "the connection stayed open"
+            holding.sendall(large[4096:])
+            status, _, headers = _response(holding)
+            assert status == 202 and "connection" not in headers  # a whole body keeps it

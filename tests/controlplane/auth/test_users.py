@@ -45,7 +45,8 @@ def test_changes_end_sessions_and_the_last_admin_stays(session: Session):
     other = users.create_user(session=session, username="cy", password=PASSWORD, role="viewer")
     epoch = other.session_epoch
     users.set_role(session=session, user=other, role="admin")
-    users.set_password(session=session, user=other, password=PASSWORD + "!")
+    users.set_password(session=session, user=other,
+                       password_hash=users.new_password_hash(PASSWORD + "!"))
     users.set_disabled(session=session, user=other, disabled=True)
     assert other.session_epoch == epoch + 3
     with pytest.raises(Unauthorized):

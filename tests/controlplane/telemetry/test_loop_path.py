@@ -31,9 +31,9 @@ def threads(monkeypatch) -> list[bytes]:
     taken: list[bytes] = []
     serve = fast_path.store_batch
 
-    def counted(state, principal, body, content_type):
+    def counted(state, principal, body, content_type, charge=None):
         taken.append(body)
-        return serve(state, principal, body, content_type)
+        return serve(state, principal, body, content_type, charge)
 
     monkeypatch.setattr(fast_path, "store_batch", counted)
     return taken
