@@ -16,15 +16,19 @@ import asyncio
 import contextlib
 import contextvars
 import gc
-import logging
 import time
 
 from prometheus_client import Histogram
 
 from controlplane.metrics import registry
-from exitplane.logs import access_log_enabled, new_request_id, request_id_var
-
-access_log = logging.getLogger("exitplane.access")
+from exitplane import tracing
+from exitplane.logs import (
+    access_log_enabled,
+    new_request_id,
+    offered_request_id,
+    request_id_var,
+    write_access_line,
+)
 
 # Prometheus' default buckets with a finer start (a 304 pull takes well under a millisecond of
 # handler time) and a longer end (a slow store).
@@ -128,6 +132,9 @@ class RequestContext:
     def __init__(self, app, *, access_log: bool | None = None) -> None:
         self.app = app
         self.access_log = access_log_enabled() if access_log is None else access_log
+        # The request's span (FastAPI's, inside this layer) has ended when the access line is
+        # written: its ids are taken as the answer starts, and only when both are on.
+        self._trace_access = self.access_log and tracing.enabled()
         # (method, route template, status) -> its histogram child: one dict lookup per
         # request instead of `labels()` (the label set is bounded by routes x statuses).
         self._durations: dict[tuple[str, str, int], object] = {}
@@ -145,9 +152,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        offered = next((value.decode("latin-1") for name, value in scope["headers"]
-                        if name == b"x-request-id"), None)
-        request_id = new_request_id(offered)
+        request_id = new_request_id(offered_request_id(scope))
         token = request_id_var.set(request_id)
         waited = waited_token = None
         if b"wait=" in scope.get("query_string", b""):  # a long-poll: its wait is not its duration
@@ -155,11 +160,14 @@ class RequestContext:
             waited_token = _waited.set(waited)
         started = time.perf_counter()
         status = 500
+        trace_ids = None
 
         async def send_with_id(message) -> None:
-            nonlocal status
+            nonlocal status, trace_ids
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self._trace_access:
+                    trace_ids = tracing.current_ids()
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"],
                                       (b"x-request-id", request_id.encode())]
@@ -176,10 +184,6 @@ class RequestContext:
             route = route_template(scope)
             self._duration(scope["method"], route, status).observe(worked)
             if self.access_log:
-                access_log.info("%s %s %s %.1fms", scope["method"], scope["path"], status,
-                                elapsed * 1000, extra={
-                                    "method": scope["method"], "path": scope["path"],
-                                    "route": route, "status": status,
-                                    "duration_ms": round(elapsed * 1000, 2),
-                                    "client": (scope.get("client") or ("", 0))[0]})
+                write_access_line(scope, request_id=request_id, route=route, status=status,
+                                  elapsed=elapsed, trace_ids=trace_ids)
             request_id_var.reset(token)

@@ -11,6 +11,11 @@ from contextlib import contextmanager
 
 import click
 
+from exitplane.cli_db import db
+from exitplane.ops import register as register_operator_commands
+from exitplane.ops.api import fail as _fail
+from exitplane.ops.api import moment as _moment
+from exitplane.ops.api import new_token_options
 from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE
 
 
@@ -39,18 +44,29 @@ class LazyGroup(click.Group):
         return self._load().get_command(ctx, name)
 
 
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"exitplane: {message}", err=True)
-    sys.exit(code)
+def _database_problem(error: Exception) -> str | None:
+    """One line for an error that says the database cannot be reached or opened, else None."""
+    if type(error).__module__ != "sqlalchemy.exc" or \
+            type(error).__name__ not in ("OperationalError", "InterfaceError"):
+        return None
+    from controlplane.settings import get_settings
+
+    reason = (str(getattr(error, "orig", None) or error).strip().splitlines() or ["?"])[0]
+    return (f"cannot reach the database at {_redact(get_settings().effective_database_url)}: "
+            f"{reason}")
 
 
 class _Main(click.Group):
-    """The root group: a bad EXITPLANE_* setting ends any command with one line, not a trace."""
+    """The root group: a bad EXITPLANE_* setting or an unreachable database ends any command
+    with one line, not a trace."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except Exception as error:
+            problem = _database_problem(error)
+            if problem:
+                _fail(problem)
             if type(error).__name__ != "ValidationError" or "Settings" not in str(error):
                 raise
             first = error.errors()[0]  # type: ignore[attr-defined]
@@ -69,36 +85,18 @@ main.add_command(LazyGroup("runtime", target="runtime.cli:runtime_cli", extra="r
                            help="Early-exit runtime: generate, train heads, benchmark."))
 
 
-@main.group()
-def db() -> None:
-    """Database schema (Alembic is the only way it changes)."""
-
-
-@db.command("upgrade")
-@click.option("--revision", default="head", show_default=True,
-              help="the Alembic revision to upgrade to")
-def db_upgrade(revision: str) -> None:
-    """Apply migrations to the configured database."""
-    from controlplane.migrate import upgrade
-    from controlplane.settings import get_settings
-
-    url = get_settings().effective_database_url
-    upgrade(url, revision)
-    click.echo(f"database at {_redact(url)} is at {revision}")
+main.add_command(db)
+register_operator_commands(main)
 
 
 @main.group()
 def token() -> None:
-    """API tokens."""
+    """API tokens, written to the database directly (the first admin token; with a token,
+    `exitplane tokens` works over the API)."""
 
 
 @token.command("create")
-@click.option("--name", required=True, help="who or what holds the token")
-@click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True,
-              help="runtime: pull thresholds and ship telemetry; operator: act; admin: manage")
-@click.option("--deployment", default=None, help="the deployment a runtime token serves")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
-              help="write the token to this file (mode 600) instead of printing it")
+@new_token_options
 @click.option("--if-missing", is_flag=True,
               help="with --out: keep an existing token file and create nothing (a re-run of a "
                    "bootstrap step is a no-op)")
@@ -116,6 +114,7 @@ def token_create(name: str, scope: str, deployment: str | None, out_file: str | 
     from controlplane.db import session_scope
     from controlplane.errors import DomainError
     from controlplane.thresholds.service import get_deployment
+    from exitplane.ops.api import write_token_file
 
     try:
         with session_scope() as session:
@@ -124,12 +123,7 @@ def token_create(name: str, scope: str, deployment: str | None, out_file: str | 
     except DomainError as error:
         _fail(str(error))
     if out_file:
-        path = Path(out_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(secret + "\n")
-        partial.chmod(0o600)
-        partial.replace(path)  # never a half-written token for the runtime to read
+        write_token_file(out_file, secret)
         click.echo(f"wrote the {scope} token {name!r} to {out_file}", err=True)
         return
     click.echo(secret)
@@ -137,7 +131,8 @@ def token_create(name: str, scope: str, deployment: str | None, out_file: str | 
 
 @main.group()
 def deployment() -> None:
-    """Deployments (a named runtime fleet and its quality target)."""
+    """Deployments (a named runtime fleet and its quality target), in the database directly;
+    `exitplane deployments` reads them over the API."""
 
 
 @deployment.command("ensure")
@@ -192,7 +187,8 @@ def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: s
 
 @main.group()
 def segment() -> None:
-    """A deployment's traffic segments: only declared ones are stored under their name."""
+    """A deployment's traffic segments, in the database directly (over the API: `exitplane
+    segments`): only declared ones are stored under their name."""
 
 
 def _segment_change(deployment: str, action):
@@ -313,6 +309,7 @@ def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) 
     from controlplane.settings import get_settings
 
     settings = get_settings()
+    _configure_logging("api", settings)
     problem = weak_secret_problem(settings, host or settings.host)
     if problem:
         _fail(problem)
@@ -326,26 +323,48 @@ def up(host: str | None, port: int | None, migrate: bool, workers: bool | None) 
 
 
 @main.command()
-@click.option("--loglevel", default="info", show_default=True,
-              help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
+@click.option("--loglevel", default=None,
+              help="debug, info, warning or error (default: EXITPLANE_LOG_LEVEL, else info)")
 @click.option("--concurrency", type=int, default=None,
               help="prefork worker processes (default: the solo pool, one task at a time)")
-def worker(loglevel: str, concurrency: int | None) -> None:
+def worker(loglevel: str | None, concurrency: int | None) -> None:
     """Run a Celery worker: drift detection, alert delivery, recalibration, retention."""
     from workers.app import app
 
     pool = [f"--concurrency={concurrency}", "--pool=prefork"] if concurrency else ["--pool=solo"]
-    app.worker_main(["worker", f"--loglevel={loglevel}", *pool])
+    app.worker_main([*_celery_options(), "worker", f"--loglevel={_loglevel(loglevel)}", *pool])
 
 
 @main.command()
-@click.option("--loglevel", default="info", show_default=True,
-              help="debug, info, warning or error (overrides EXITPLANE_LOG_LEVEL)")
-def beat(loglevel: str) -> None:
+@click.option("--loglevel", default=None,
+              help="debug, info, warning or error (default: EXITPLANE_LOG_LEVEL, else info)")
+def beat(loglevel: str | None) -> None:
     """Run Celery beat: drift checks every 30 s, stale runtimes, canaries, daily retention."""
     from workers.app import app
 
-    app.start(["beat", f"--loglevel={loglevel}"])
+    app.start([*_celery_options(), "beat", f"--loglevel={_loglevel(loglevel)}"])
+
+
+def _loglevel(given: str | None) -> str:
+    from controlplane.settings import get_settings
+
+    return given or get_settings().log_level
+
+
+def _celery_options() -> list[str]:
+    """Celery's plain-text start banners stay off where the logs are JSON (one object a line).
+    Logging is set up now, for what Celery warns before its own setup (the workers' signal
+    sets it up again with the level chosen)."""
+    from controlplane.settings import get_settings
+    from exitplane.logs import log_format
+
+    settings = get_settings()
+    _configure_logging("beat" if "beat" in sys.argv else "worker", settings)
+    try:
+        fmt = log_format(settings.environment, settings.log_format)
+    except ValueError as error:
+        _fail(str(error))
+    return ["--quiet"] if fmt == "json" else []
 
 
 @contextmanager
@@ -360,10 +379,12 @@ def background_workers(*, enabled: bool):
     # uvicorn re-raises the SIGTERM it caught after shutting down; as SystemExit it unwinds
     # through the `finally` below instead of killing us with the children still running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    processes = [subprocess.Popen([sys.executable, "-m", "exitplane.cli", name,
-                                   "--loglevel=warning"]) for name in ("worker", "beat")]
-    click.echo(f"exitplane worker (pid {processes[0].pid}) and beat (pid {processes[1].pid}) "
-               "started", err=True)
+    # Quieter than the API unless EXITPLANE_LOG_LEVEL says otherwise.
+    level = [] if os.environ.get("EXITPLANE_LOG_LEVEL") else ["--loglevel=warning"]
+    processes = [subprocess.Popen([sys.executable, "-m", "exitplane.cli", name, *level])
+                 for name in ("worker", "beat")]
+    logging.getLogger("exitplane.api").info("exitplane worker (pid %d) and beat (pid %d) started",
+                                            processes[0].pid, processes[1].pid)
     try:
         yield
     finally:
@@ -419,25 +440,35 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     import threading
 
     import redis
+    from sqlalchemy import select
 
     from controlplane.db import session_factory
     from controlplane.settings import get_settings
     from controlplane.telemetry.service import ensure_partitions
     from controlplane.telemetry.stream import StreamIngestor
+    from controlplane.thresholds.models import Deployment
 
     settings = get_settings()
     if not settings.redis_url:
         _fail("EXITPLANE_REDIS_URL is not set; the embedded default writes telemetry directly")
     _configure_logging("ingest", settings)
+    from controlplane.db import get_engine
+    from exitplane.tracing import configure_tracing, instrument_engine
+
+    if configure_tracing("exitplane-ingest"):
+        instrument_engine(get_engine(settings.effective_database_url))
     _lower_priority(settings.ingest_nice)
     factory = session_factory()
     with factory() as session:
         ensure_partitions(session=session)
         session.commit()
+        deployments = session.scalars(select(Deployment.name)).all()
     if settings.worker_metrics_port:  # ingested/duplicate counts and stream lag live here
         from prometheus_client import start_http_server
 
-        from controlplane.metrics import registry
+        from controlplane.metrics import prime, registry
+
+        prime(deployments=deployments)  # the counters exist at 0 before the first batch
 
         start_http_server(settings.worker_metrics_port, registry=registry)
     stop = threading.Event()
@@ -446,8 +477,14 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     consumer = StreamIngestor(redis.Redis.from_url(settings.redis_url), factory,
                               name=name or f"{socket.gethostname()}-{os.getpid()}",
                               claim_idle_ms=claim_idle_ms)
-    click.echo(f"ingest worker {consumer.name} reading telemetry streams", err=True)
-    consumer.run_forever(stop)
+    logging.getLogger("exitplane.ingest").info("ingest worker %s reading telemetry streams",
+                                               consumer.name)
+    heartbeat = None
+    if settings.heartbeat_file:  # a cycle: a blocking read (1 s), then a write to the store
+        from exitplane.heartbeat import promise
+
+        heartbeat = lambda: promise(settings.heartbeat_file, 120.0)  # noqa: E731
+    consumer.run_forever(stop, each_cycle=heartbeat)
 
 
 @main.command("dead-letters")
@@ -564,20 +601,6 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
         sys.exit(1)
 
 
-def _moment(value: str):
-    """An ISO time (UTC when it has no offset) or an age like 30m, 6h, 2d before now."""
-    from datetime import UTC, datetime, timedelta
-
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if value[-1:] in units and value[:-1].replace(".", "", 1).isdigit():
-        return datetime.now(UTC) - timedelta(seconds=float(value[:-1]) * units[value[-1]])
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        raise ValueError(f"{value!r} is neither an ISO time nor an age like 30m, 6h, 2d") from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     import uvicorn
 
@@ -593,9 +616,9 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
         _migrate(settings.effective_database_url)
     host = host or settings.host
     port = port or settings.port
-    click.echo(f"exitplane control plane listening on http://{host}:{port} "
-               f"(API docs: http://{host}:{port}/docs; store: "
-               f"{_redact(settings.effective_database_url)})", err=True)
+    logging.getLogger("exitplane.api").info(
+        "exitplane control plane listening on http://%s:%s (API docs: http://%s:%s/docs; "
+        "store: %s)", host, port, host, port, _redact(settings.effective_database_url))
     app = create_app(settings)
     # What is alive now (modules, ORM metadata, routes) lives as long as the process. Frozen,
     # it is no longer walked by every full collection (200 ms each with the stack imported)

@@ -130,14 +130,18 @@ access_log = logging.getLogger("exitplane.access")
 
 
 def write_access_line(scope: dict, *, request_id: str, route: str, status: int,
-                      elapsed: float) -> None:
+                      elapsed: float, trace_ids: tuple[str, str] | None = None) -> None:
     """The one access-log line of an HTTP request (request id, method, path, route template,
-    status, duration, client address), logged by `exitplane.access`."""
+    status, duration, client address), logged by `exitplane.access`. `trace_ids`: the
+    request's (trace id, span id), for a line written after its span ended (the line of a
+    request still in its span gets them from `ContextFilter`)."""
+    extra = {"request_id": request_id, "method": scope["method"], "path": scope["path"],
+             "route": route, "status": status, "duration_ms": round(elapsed * 1000, 2),
+             "client": (scope.get("client") or ("", 0))[0]}
+    if trace_ids is not None:
+        extra["trace_id"], extra["span_id"] = trace_ids
     access_log.info("%s %s %s %.1fms", scope["method"], scope["path"], status, elapsed * 1000,
-                    extra={"request_id": request_id, "method": scope["method"],
-                           "path": scope["path"], "route": route,
-                           "status": status, "duration_ms": round(elapsed * 1000, 2),
-                           "client": (scope.get("client") or ("", 0))[0]})
+                    extra=extra)
 
 
 def offered_request_id(scope: dict) -> str | None:

@@ -120,10 +120,7 @@ def db_url(request, tmp_path) -> Iterator[str]:
         raise RuntimeError("this test needs PostgreSQL: run `make test`, or set "
                            "EXITPLANE_TEST_POSTGRES_URL (scripts/services.sh start writes it)")
     url = request.getfixturevalue("postgres_migrated")
-    engine = make_engine(url)
-    with engine.begin() as connection:
-        connection.exec_driver_sql(_EMPTY_POSTGRES)
-    engine.dispose()
+    empty_postgres(url)
     yield url
 
 
@@ -134,6 +131,14 @@ def db_url(request, tmp_path) -> Iterator[str]:
 _EMPTY_POSTGRES = "; ".join(
     [f"DELETE FROM {table.name}" for table in reversed(Base.metadata.sorted_tables)]
     + ["SELECT setval(oid, 1, false) FROM pg_class WHERE relkind = 'S'"])
+
+
+def empty_postgres(url: str) -> None:
+    """Every table of the PostgreSQL database at `url` emptied, every id sequence restarted."""
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(_EMPTY_POSTGRES)
+    engine.dispose()
 
 
 @pytest.fixture
@@ -212,6 +217,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop_processes(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM to each (all first, so that they shut down side by side), then SIGKILL to any
+    that has not exited `timeout` seconds later."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
+    stop_processes([process], timeout)
 
 
 def serve_in_thread(server) -> threading.Thread:
@@ -304,14 +327,8 @@ class CeleryWorker:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM (a warm shutdown: the running task finishes), then SIGKILL after timeout."""
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            stop_process(self.process, timeout)
 
 
 @pytest.fixture

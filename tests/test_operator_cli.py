@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
 from exitplane.cli import main
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, stop_process, wait_until
 
 # slow: every test runs `exitplane` processes against a running `exitplane up`
 pytestmark = pytest.mark.slow
@@ -118,12 +118,7 @@ def plane(sqlite_template, tmp_path_factory):
         assert found.http.post("/v1/deployments", json=DEPLOYMENT).status_code == 201
         yield found
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _ready(url: str) -> bool:

@@ -160,6 +160,25 @@ def operator_command(group: click.Group | None, name: str, **attrs: Any):
     return decorate
 
 
+_NEW_TOKEN_OPTIONS = (
+    click.option("--name", required=True, help="who or what holds the token"),
+    click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True,
+                 help="runtime: pull thresholds and ship telemetry; operator: act; "
+                      "admin: manage"),
+    click.option("--deployment", default=None, help="the deployment a runtime token serves"),
+    click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
+                 help="write the secret to this file (mode 600) instead of printing it"),
+)
+
+
+def new_token_options(command):
+    """--name, --scope, --deployment and --out of a command that creates a token (over the
+    API, or in the database directly)."""
+    for option in reversed(_NEW_TOKEN_OPTIONS):
+        command = option(command)
+    return command
+
+
 def write_token_file(out_file: str, secret: str) -> None:
     """Write a token's secret to `out_file`, mode 600, whole or not at all."""
     path = Path(out_file)

@@ -9,6 +9,7 @@ from exitplane.ops.api import (
     ControlPlane,
     fail,
     moment,
+    new_token_options,
     operator_command,
     part,
     write_token_file,
@@ -274,12 +275,7 @@ def tokens_list(api: ControlPlane) -> None:
 
 
 @operator_command(tokens, "create")
-@click.option("--name", required=True, help="who or what holds the token")
-@click.option("--scope", type=click.Choice(["runtime", "operator", "admin"]), required=True,
-              help="runtime: pull thresholds and ship telemetry; operator: act; admin: manage")
-@click.option("--deployment", default=None, help="the deployment a runtime token serves")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
-              help="write the secret to this file (mode 600) instead of printing it")
+@new_token_options
 def tokens_create(api: ControlPlane, name: str, scope: str, deployment: str | None,
                   out_file: str | None) -> None:
     """Create a token; its secret is shown once (table: the secret alone on stdout)."""

@@ -8,19 +8,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import stop_process, wait_until
+from tests.observability.processes import EXITPLANE, spawn
 
 pytestmark = pytest.mark.slow  # worker and beat processes
 
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
@@ -42,18 +39,12 @@ def _run(tmp_path: Path, command: list[str], until, **env: str) -> tuple[list[di
     base.update({"EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_LOG_FORMAT": "json",
                  "EXITPLANE_DATABASE_URL": f"sqlite:///{tmp_path / 'exitplane.db'}", **env})
     out, err = tmp_path / f"{command[0]}.out", tmp_path / f"{command[0]}.err"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen([EXITPLANE, *command], env=base, cwd=tmp_path,
-                                   stdout=stdout, stderr=stderr)
+    process = spawn([EXITPLANE, *command], out=out, err=err, env=base, cwd=tmp_path)
     try:
         wait_until(lambda: until(_json_lines(out.read_text())), 120,
                    f"{command[0]} to log what it is waited for")
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process)
     return _json_lines(out.read_text()), err.read_text()
 
 

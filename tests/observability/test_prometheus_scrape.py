@@ -8,31 +8,40 @@ import json
 import os
 import re
 import secrets
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 import yaml
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from controlplane.db import make_engine
-from controlplane.models import Base
-from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
+from tests.conftest import (
+    POSTGRES_URL,
+    REDIS_URL,
+    empty_postgres,
+    free_port,
+    stop_processes,
+    wait_until,
+)
+from tests.observability.processes import (
+    EXITPLANE,
+    PROMETHEUS,
+    ROOT,
+    RULES,
+    answers,
+    print_tails,
+    provision_chat,
+    spawn,
+    start_prometheus,
+)
 
 # slow: a real Prometheus scraping real processes
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-PROMETHEUS = "/usr/bin/prometheus"
 DASHBOARD = ROOT / "dashboards" / "grafana" / "exitplane.json"
-RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
 
 
 def _rules() -> list[dict]:
@@ -45,13 +54,6 @@ def _referenced() -> set[str]:
              for t in p.get("targets", [])]
     exprs += [rule["expr"] for rule in _rules()]
     return {name for expr in exprs for name in re.findall(r"\bexitplane_[a-z0-9_]+", expr)}
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _query(prometheus: str, expr: str) -> list:
@@ -71,10 +73,7 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
                                                                      tmp_path):
     if not (POSTGRES_URL and REDIS_URL) or not os.path.exists(PROMETHEUS):
         raise RuntimeError("needs PostgreSQL, Redis and Debian's prometheus package")
-    engine = make_engine(postgres_migrated)
-    with engine.begin() as connection:
-        connection.execute(text("TRUNCATE " + ", ".join(
-            t.name for t in Base.metadata.sorted_tables) + " RESTART IDENTITY CASCADE"))
+    empty_postgres(postgres_migrated)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"  # a database of this test's own
     redis.Redis.from_url(redis_url).flushdb()
     ports = {name: free_port() for name in ("api", "ingest", "worker", "runtime", "prometheus")}
@@ -85,17 +84,7 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
                 "EXITPLANE_SECRET_KEY": secrets.token_urlsafe(48),
                 "EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_PUBLIC_URL": api,
                 "EXITPLANE_ACCESS_LOG": "0"})
-
-    def run(*args: str) -> str:
-        return subprocess.run([EXITPLANE, *args], env=env, cwd=ROOT, capture_output=True,
-                              text=True, check=True, timeout=120).stdout.strip()
-
-    run("deployment", "ensure", "--name", "chat", "--model-ref", "tiny-llama", "--num-layers",
-        "6", "--exit-layers", "2,4", "--signal", "maxprob", "--delta", "0.2")
-    token_file = tmp_path / "runtime.token"
-    run("token", "create", "--name", "rt", "--scope", "runtime", "--deployment", "chat",
-        "--out", str(token_file), "--if-missing")
-    admin = run("token", "create", "--name", "ops", "--scope", "admin")
+    token_file, admin = provision_chat(env, tmp_path)
     commands = {
         "api": ["up", "--port", str(ports["api"]), "--no-migrate", "--no-workers"],
         "ingest": ["ingest"], "worker": ["worker"],
@@ -106,18 +95,16 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
     processes = []
     try:
         for name, args in commands.items():
-            own = {**env, "EXITPLANE_WORKER_METRICS_PORT": str(ports[name])}
-            with (tmp_path / f"{name}.log").open("w") as out:
-                processes.append(subprocess.Popen([EXITPLANE, *args], env=own, cwd=ROOT,
-                                                  stdout=out, stderr=subprocess.STDOUT))
-        wait_until(lambda: _ok(f"{api}/readyz"), 120, "the API")
+            processes.append(spawn([EXITPLANE, *args], out=tmp_path / f"{name}.log", env={
+                **env, "EXITPLANE_WORKER_METRICS_PORT": str(ports[name])}))
+        wait_until(lambda: answers(f"{api}/readyz"), 120, "the API")
         ops = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {admin}"},
                            timeout=30)
         assert ops.post("/v1/deployments/chat/threshold-sets", json={
             "thresholds": {"2": 0.1, "4": 0.1}, "reason": "exits", "activate": True}
         ).status_code == 201
         runtime = f"http://127.0.0.1:{ports['runtime']}"
-        wait_until(lambda: _ok(f"{runtime}/readyz"), 120, "the runtime")
+        wait_until(lambda: answers(f"{runtime}/readyz"), 120, "the runtime")
         for prompt in ("abc", "hello", "xyz!", "0123"):
             httpx.post(f"{runtime}/v1/completions", timeout=60, json={
                 "prompt": prompt, "max_tokens": 12, "ignore_eos": True}).raise_for_status()
@@ -132,21 +119,11 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
         _open_alert(postgres_migrated)
         _code_segment_traffic(postgres_migrated)
 
-        config = tmp_path / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": name, "static_configs": [
-                {"targets": [f"127.0.0.1:{ports[name]}"]}]}
-                for name in ("api", "ingest", "worker", "runtime")]}))
         prometheus = f"http://127.0.0.1:{ports['prometheus']}"
-        with (tmp_path / "prometheus.log").open("w") as out:
-            processes.append(subprocess.Popen([
-                PROMETHEUS, f"--config.file={config}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{ports['prometheus']}"],
-                stdout=out, stderr=subprocess.STDOUT))
-        wait_until(lambda: _ok(f"{prometheus}/-/ready"), 60, "Prometheus")
+        processes.append(start_prometheus(tmp_path, ports["prometheus"], [
+            {"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{ports[name]}"]}]}
+            for name in ("api", "ingest", "worker", "runtime")]))
+        wait_until(lambda: answers(f"{prometheus}/-/ready"), 60, "Prometheus")
         wait_until(lambda: len(_query(prometheus, 'up == 1')) == 4, 60, "four healthy targets")
 
         referenced = _referenced()
@@ -174,16 +151,8 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
         assert len(rules) == len(_rules()) and all(rule["health"] == "ok" for rule in rules), \
             rules
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        engine.dispose()
-        for log in tmp_path.glob("*.log"):
-            print(f"--- {log.name} ---\n{log.read_text()[-3000:]}")
+        stop_processes(processes)
+        print_tails(tmp_path.glob("*.log"), 3000)
 
 
 def _open_alert(url: str) -> None:

@@ -33,17 +33,28 @@ from controlplane.db import make_engine
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.stream import GROUP, STREAM_PREFIX, STREAMS_KEY
-from tests.conftest import REDIS_URL, free_port, migrated_postgres_database, wait_until
+from tests.conftest import (
+    REDIS_URL,
+    free_port,
+    migrated_postgres_database,
+    stop_processes,
+    wait_until,
+)
+from tests.observability.processes import (
+    EXITPLANE,
+    PROMETHEUS,
+    ROOT,
+    answers,
+    print_tails,
+    spawn,
+    start_prometheus,
+)
 from tests.observability.simulated_runtime import EXIT_LAYERS, NUM_LAYERS, pattern
 
 # slow: twelve processes and a Prometheus
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-PROMETHEUS = "/usr/bin/prometheus"
 DASHBOARD = ROOT / "dashboards" / "grafana" / "exitplane.json"
-RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
 MANIFESTS = ROOT / "deploy" / "k8s"
 
 THRESHOLD = 0.5  # both exit layers, the active set (v2)
@@ -56,13 +67,6 @@ PULL = "/v1/deployments/{name}/thresholds"
 # Grafana's values for the dashboard's variables: All deployments, a rate window that spans
 # several of this test's 1 s scrapes.
 VARIABLES = {"$deployment": ".*", "$__rate_interval": "1m"}
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 class Prometheus:
@@ -186,31 +190,20 @@ def _run(tmp_path: Path, database: str) -> None:
            for name in ("ingest-a", "ingest-b")},
         **{name: ["worker"] for name in ("worker-a", "worker-b")}, "beat-a": ["beat"]}
     processes: list[subprocess.Popen] = []
-
-    def start(name: str, command: list[str], **extra: str) -> None:
-        with (tmp_path / f"{name}.log").open("w") as out:
-            processes.append(subprocess.Popen(command, cwd=ROOT, env={**env, **extra},
-                                              stdout=out, stderr=subprocess.STDOUT))
-
-    # One job per workload, named exitplane-<component> as alerts.yml expects.
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": f"exitplane-{workload}", "static_configs": [{
-            "targets": [f"127.0.0.1:{port}" for name, port in ports.items()
-                        if name.startswith(f"{workload}-")]}]}
-            for workload in ("api", "ingest", "worker", "beat")]}))
     t0 = time.monotonic()
     try:
         for name, args in commands.items():
-            start(name, [EXITPLANE, *args], EXITPLANE_WORKER_METRICS_PORT=str(ports[name]))
-        start("prometheus", [PROMETHEUS, f"--config.file={config}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{ports['prometheus']}"])
+            processes.append(spawn([EXITPLANE, *args], out=tmp_path / f"{name}.log", env={
+                **env, "EXITPLANE_WORKER_METRICS_PORT": str(ports[name])}))
+        # One job per workload, named exitplane-<component> as alerts.yml expects.
+        processes.append(start_prometheus(tmp_path, ports["prometheus"], [
+            {"job_name": f"exitplane-{workload}", "static_configs": [{
+                "targets": [f"127.0.0.1:{port}" for name, port in ports.items()
+                            if name.startswith(f"{workload}-")]}]}
+            for workload in ("api", "ingest", "worker", "beat")], env=env))
         apis = [f"http://127.0.0.1:{ports[name]}" for name in ("api-a", "api-b")]
         for api in apis:
-            wait_until(lambda api=api: _ok(f"{api}/readyz"), 120, f"{api} to be ready")
+            wait_until(lambda api=api: answers(f"{api}/readyz"), 120, f"{api} to be ready")
         print(f"APIs ready in {time.monotonic() - t0:.0f} s")
         ops = httpx.Client(base_url=apis[0], timeout=30,
                            headers={"Authorization": f"Bearer {admin}"})
@@ -227,12 +220,13 @@ def _run(tmp_path: Path, database: str) -> None:
 
         runtimes = {f"rt-{i}": i >= IN_SYNC for i in range(IN_SYNC + BEHIND)}  # id -> behind
         for i, (runtime_id, behind) in enumerate(runtimes.items()):
-            start(runtime_id, [sys.executable, "-m", "tests.observability.simulated_runtime",
-                               "--api", apis[i % 2], "--token-file", str(token_file),
-                               "--runtime-id", runtime_id, "--state-dir",
-                               str(tmp_path / runtime_id), "--tokens", str(TOKENS),
-                               "--long-poll-s", str(LONG_POLL_S),
-                               *(["--refuse-above", "1"] if behind else [])])
+            processes.append(spawn(
+                [sys.executable, "-m", "tests.observability.simulated_runtime",
+                 "--api", apis[i % 2], "--token-file", str(token_file),
+                 "--runtime-id", runtime_id, "--state-dir", str(tmp_path / runtime_id),
+                 "--tokens", str(TOKENS), "--long-poll-s", str(LONG_POLL_S),
+                 *(["--refuse-above", "1"] if behind else [])],
+                out=tmp_path / f"{runtime_id}.log", env=env))
         sent = {runtime_id: wait_until(
             lambda runtime_id=runtime_id: _read_json(tmp_path / runtime_id / "sent.json"),
             120, f"{runtime_id} to send its telemetry") for runtime_id in runtimes}
@@ -268,6 +262,17 @@ def _run(tmp_path: Path, database: str) -> None:
         probe = []
         pullers = [httpx.Client(base_url=api, headers={**auth, "If-None-Match": etag})
                    for api in apis]  # kept alive, as a runtime's connection is
+        # Prometheus scrapes both replicas' 304 series before the timed pulls, so the rate
+        # window holds samples from before and after them.
+        prometheus = Prometheus(f"http://127.0.0.1:{ports['prometheus']}")
+        wait_until(lambda: len(prometheus.query("up == 1")) == 7, 60, "seven healthy targets")
+        for puller in pullers:
+            assert puller.get("/v1/deployments/chat/thresholds",
+                              params={"runtime_id": "probe"}).status_code == 304
+        pull_count = ('exitplane_http_request_duration_seconds_count'
+                      f'{{route="{PULL}",status="304"}}')
+        wait_until(lambda: len(prometheus.query(pull_count)) == 2, 30,
+                   "the 304 series of both API replicas to be scraped")
         for i in range(60):
             started = time.perf_counter()
             answer = pullers[i % 2].get("/v1/deployments/chat/thresholds",
@@ -278,8 +283,6 @@ def _run(tmp_path: Path, database: str) -> None:
             puller.close()
         probe_p95 = sorted(probe)[int(0.95 * len(probe)) - 1]
 
-        prometheus = Prometheus(f"http://127.0.0.1:{ports['prometheus']}")
-        wait_until(lambda: len(prometheus.query("up == 1")) == 7, 60, "seven healthy targets")
         truth = {"Stream lag": lag_truth, "Runtimes behind": BEHIND,
                  **{f"Exit rate layer {layer}": rate for layer, rate in exit_truth.items()},
                  "Disagreement": disagreement_truth, "δ": DELTA,
@@ -318,9 +321,21 @@ def _run(tmp_path: Path, database: str) -> None:
 
         # The pull route's latency leaves the long-poll waits out; the waits have their own.
         [latency] = panel_queries("API latency by route (p95, long-poll waits excluded)")
-        pull_p95 = prometheus.values(latency, "route", "status")[(PULL, "304")]
-        wait_p50, wait_p95 = (prometheus.values(q)[()] for q in
-                              panel_queries("Threshold long-poll wait"))
+
+        def shown_pull_p95() -> float | None:
+            """None while the rate window holds no increase (the quantile is NaN)."""
+            value = prometheus.values(latency, "route", "status").get((PULL, "304"), math.nan)
+            return None if math.isnan(value) else value
+
+        pull_p95 = wait_until(shown_pull_p95, 30, "the 304 pulls in the pull latency panel")
+
+        def shown_waits() -> tuple[float, float] | None:
+            """(p50, p95) of the waits, None while the rate window holds no finished wait."""
+            values = [prometheus.values(q).get((), math.nan)
+                      for q in panel_queries("Threshold long-poll wait")]
+            return None if any(math.isnan(v) for v in values) else tuple(values)
+
+        wait_p50, wait_p95 = wait_until(shown_waits, 30, "finished waits in the wait panel")
         report["Pull p95 (304)"] = {"dashboard": pull_p95, "truth": probe_p95}
         report["Long-poll wait p95"] = {"dashboard": wait_p95, "truth": LONG_POLL_S}
         print(json.dumps(report, indent=1, ensure_ascii=False))
@@ -358,19 +373,10 @@ def _run(tmp_path: Path, database: str) -> None:
         assert prometheus.values(lag_rule["query"].replace("> 1000", ">= 0"), "deployment") == \
             {("chat",): GHOSTS}
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)
         engine.dispose()
         r.flushdb()
-        for log in sorted(tmp_path.glob("*.log")):
-            text = log.read_text()
-            if "Traceback" in text or "ERROR" in text:
-                print(f"--- {log.name} ---\n{text[-3000:]}")
+        print_tails(sorted(tmp_path.glob("*.log")), 3000, failed_only=True)
 
 
 def _read_json(path: Path) -> dict | None:

@@ -9,24 +9,25 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from sqlalchemy import text
 
 from controlplane.db import make_engine
-from controlplane.models import Base
-from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
+from tests.conftest import (
+    POSTGRES_URL,
+    REDIS_URL,
+    empty_postgres,
+    free_port,
+    stop_processes,
+    wait_until,
+)
+from tests.observability.processes import EXITPLANE, answers, cli, print_tails, spawn
 
 # slow: service processes
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
-
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 
 
 def _json_lines(path: Path) -> list[dict]:
@@ -44,11 +45,7 @@ def stack(postgres_migrated, tmp_path_factory):
     """`exitplane up` (API only) and `exitplane worker`, production environment, JSON by default."""
     if not (POSTGRES_URL and REDIS_URL):
         raise RuntimeError("set EXITPLANE_TEST_POSTGRES_URL and EXITPLANE_TEST_REDIS_URL")
-    engine = make_engine(postgres_migrated)
-    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
-    with engine.begin() as connection:
-        connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-    engine.dispose()
+    empty_postgres(postgres_migrated)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/12"  # a database of this module's own
     redis.Redis.from_url(redis_url).flushdb()  # no task left over from an earlier run
     tmp = tmp_path_factory.mktemp("observability")
@@ -61,19 +58,15 @@ def stack(postgres_migrated, tmp_path_factory):
                 "EXITPLANE_VAR_DIR": str(tmp / "var"),
                 "EXITPLANE_PUBLIC_URL": f"http://127.0.0.1:{port}",
                 "EXITPLANE_WORKER_METRICS_PORT": str(metrics_port)})
-    token = subprocess.run([EXITPLANE, "token", "create", "--name", "ops", "--scope", "admin"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, check=True,
-                           timeout=120).stdout.strip()
-    processes = []
-    for name, command in (("api", ["up", "--port", str(port), "--no-migrate", "--no-workers"]),
-                          ("worker", ["worker"])):
-        with (tmp / f"{name}.log").open("w") as out:
-            processes.append(subprocess.Popen([EXITPLANE, *command], env=env, cwd=ROOT,
-                                              stdout=out, stderr=subprocess.STDOUT))
+    token = cli(env, "token", "create", "--name", "ops", "--scope", "admin")
+    processes = [spawn([EXITPLANE, *command], out=tmp / f"{name}.log", env=env)
+                 for name, command in (
+                     ("api", ["up", "--port", str(port), "--no-migrate", "--no-workers"]),
+                     ("worker", ["worker"]))]
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _ok(f"{url}/readyz"), 90, "the API to be ready")
-        wait_until(lambda: _ok(f"http://127.0.0.1:{metrics_port}/metrics"), 90,
+        wait_until(lambda: answers(f"{url}/readyz"), 90, "the API to be ready")
+        wait_until(lambda: answers(f"http://127.0.0.1:{metrics_port}/metrics"), 90,
                    "the worker's metrics port")
         http = httpx.Client(base_url=url, timeout=30,
                             headers={"Authorization": f"Bearer {token}"})
@@ -82,22 +75,8 @@ def stack(postgres_migrated, tmp_path_factory):
             "signal": "maxprob", "delta": 0.1, "epsilon": 0.1}).status_code == 201
         yield {"http": http, "logs": tmp, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for log in tmp.glob("*.log"):
-            print(f"--- {log.name} ---\n{log.read_text()[-4000:]}")
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
+        stop_processes(processes)
+        print_tails(tmp.glob("*.log"), 4000)
 
 
 def test_a_request_id_follows_the_request_into_the_worker(stack):

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
@@ -24,30 +21,26 @@ from controlplane.alerts.reports import report_html
 from controlplane.auth.service import create_token
 from controlplane.celery_app import QUEUE
 from controlplane.db import make_engine, utcnow
-from controlplane.models import Base
-from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
+from tests.conftest import (
+    POSTGRES_URL,
+    REDIS_URL,
+    empty_postgres,
+    free_port,
+    stop_processes,
+    wait_until,
+)
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+from tests.observability.processes import EXITPLANE, answers, print_tails, spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
-
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_report_the_worker_rendered_is_served_by_an_api_on_another_disk(postgres_migrated,
                                                                           tmp_path):
     if not (POSTGRES_URL and REDIS_URL):
         raise RuntimeError("set EXITPLANE_TEST_POSTGRES_URL and EXITPLANE_TEST_REDIS_URL")
+    empty_postgres(postgres_migrated)
     engine = make_engine(postgres_migrated)
-    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
-    with engine.begin() as connection:
-        connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
     now = utcnow().replace(second=30, microsecond=0)
     start = (now - timedelta(minutes=30)).replace(second=0)
     with Session(engine) as session:  # exit rates that moved: a distribution-drift finding
@@ -70,13 +63,12 @@ def test_a_report_the_worker_rendered_is_served_by_an_api_on_another_disk(postgr
     for name, command in (("worker", ["worker"]),
                           ("api", ["up", "--port", str(port), "--no-migrate", "--no-workers"])):
         disks[name].mkdir()
-        env = {**base, "EXITPLANE_VAR_DIR": str(disks[name] / "var")}
-        with (tmp_path / f"{name}.log").open("w") as out:
-            processes.append(subprocess.Popen([EXITPLANE, *command], env=env, cwd=disks[name],
-                                              stdout=out, stderr=subprocess.STDOUT))
+        processes.append(spawn([EXITPLANE, *command], out=tmp_path / f"{name}.log",
+                               cwd=disks[name],
+                               env={**base, "EXITPLANE_VAR_DIR": str(disks[name] / "var")}))
     celery = Celery(broker=redis_url, backend=redis_url)
     try:
-        wait_until(lambda: _ok(f"http://127.0.0.1:{port}/readyz"), 90, "the API to be ready")
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/readyz"), 90, "the API to be ready")
         celery.send_task("drift.detect", args=[deployment_id], queue=QUEUE)
 
         def reported_alerts() -> list[Alert]:
@@ -100,13 +92,6 @@ def test_a_report_the_worker_rendered_is_served_by_an_api_on_another_disk(postgr
         assert not [p for disk in disks.values() for p in disk.rglob("*.html")]
     finally:
         celery.close()
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)
         engine.dispose()
-        for log in tmp_path.glob("*.log"):
-            print(f"--- {log.name} ---\n{log.read_text()[-3000:]}")
+        print_tails(tmp_path.glob("*.log"), 3000)

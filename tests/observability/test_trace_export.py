@@ -11,21 +11,22 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from sqlalchemy import text
 
-from controlplane.db import make_engine
-from controlplane.models import Base
-from tests.conftest import POSTGRES_URL, REDIS_URL, free_port, wait_until
+from tests.conftest import (
+    POSTGRES_URL,
+    REDIS_URL,
+    empty_postgres,
+    free_port,
+    stop_processes,
+    wait_until,
+)
+from tests.observability.processes import EXITPLANE, answers, print_tails, provision_chat, spawn
 
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 PROCESSES = ("api", "ingest", "worker", "beat", "runtime")
 
 
@@ -44,24 +45,13 @@ def _spans(path: Path) -> list[dict]:
     return [line for line in _lines(path) if "context" in line and "resource" in line]
 
 
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.redis
 def test_every_process_prints_its_spans_with_the_console_exporter(postgres_migrated, tmp_path):
     if not (POSTGRES_URL and REDIS_URL):
         raise RuntimeError("set EXITPLANE_TEST_POSTGRES_URL and EXITPLANE_TEST_REDIS_URL")
-    engine = make_engine(postgres_migrated)
-    with engine.begin() as connection:
-        connection.execute(text("TRUNCATE " + ", ".join(
-            t.name for t in Base.metadata.sorted_tables) + " RESTART IDENTITY CASCADE"))
-    engine.dispose()
+    empty_postgres(postgres_migrated)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/14"  # a database of this test's own
     redis.Redis.from_url(redis_url).flushdb()
     port, runtime_port = free_port(), free_port()
@@ -73,17 +63,7 @@ def test_every_process_prints_its_spans_with_the_console_exporter(postgres_migra
                 "EXITPLANE_LOG_FORMAT": "json", "EXITPLANE_DRIFT_INTERVAL_S": "2",
                 "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "200",
                 "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=trace-test"})
-
-    def run(*args: str) -> str:
-        return subprocess.run([EXITPLANE, *args], env=env, cwd=ROOT, capture_output=True,
-                              text=True, check=True, timeout=120).stdout.strip()
-
-    run("deployment", "ensure", "--name", "chat", "--model-ref", "tiny-llama", "--num-layers",
-        "6", "--exit-layers", "2,4", "--signal", "maxprob", "--delta", "0.2")
-    token_file = tmp_path / "runtime.token"
-    run("token", "create", "--name", "rt", "--scope", "runtime", "--deployment", "chat",
-        "--out", str(token_file), "--if-missing")
-    admin = run("token", "create", "--name", "ops", "--scope", "admin")
+    token_file, admin = provision_chat(env, tmp_path)
     commands = {
         "api": ["up", "--port", str(port), "--no-migrate", "--no-workers"],
         "ingest": ["ingest"], "worker": ["worker"], "beat": ["beat"],
@@ -96,11 +76,9 @@ def test_every_process_prints_its_spans_with_the_console_exporter(postgres_migra
     processes = []
     try:
         for name, args in commands.items():
-            with (tmp_path / f"{name}.out").open("w") as out, \
-                    (tmp_path / f"{name}.err").open("w") as err:
-                processes.append(subprocess.Popen([EXITPLANE, *args], env={
-                    **env, **own.get(name, {})}, cwd=ROOT, stdout=out, stderr=err))
-        wait_until(lambda: _ok(f"{api}/readyz"), 120, "the API")
+            processes.append(spawn([EXITPLANE, *args], env={**env, **own.get(name, {})},
+                                   out=tmp_path / f"{name}.out", err=tmp_path / f"{name}.err"))
+        wait_until(lambda: answers(f"{api}/readyz"), 120, "the API")
         ops = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {admin}"},
                            timeout=30)
         assert ops.post("/v1/deployments/chat/threshold-sets", json={
@@ -108,7 +86,7 @@ def test_every_process_prints_its_spans_with_the_console_exporter(postgres_migra
         ).status_code == 201
         runtime = f"http://127.0.0.1:{runtime_port}"
         wait_until(lambda: httpx.get(f"{runtime}/readyz", timeout=3).json().get(
-            "threshold_version") == 2 if _ok(f"{runtime}/readyz") else False, 120,
+            "threshold_version") == 2 if answers(f"{runtime}/readyz") else False, 120,
             "the runtime to apply version 2")
         answer = httpx.post(f"{runtime}/v1/completions", timeout=60,
                             headers={"X-Request-ID": "trace-me-1"},
@@ -121,15 +99,8 @@ def test_every_process_prints_its_spans_with_the_console_exporter(postgres_migra
                                for s in _spans(tmp_path / "worker.out")), 60,
                    "the worker's span of a beat-scheduled drift check")
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for log in sorted(tmp_path.glob("*.out")) + sorted(tmp_path.glob("*.err")):
-            print(f"--- {log.name} ---\n{log.read_text()[-2500:]}")
+        stop_processes(processes)
+        print_tails(sorted(tmp_path.glob("*.out")) + sorted(tmp_path.glob("*.err")), 2500)
 
     spans = {name: _spans(tmp_path / f"{name}.out") for name in PROCESSES}
     services = {name: {s["resource"]["attributes"]["service.name"] for s in found}
@@ -143,6 +114,14 @@ def test_every_process_prints_its_spans_with_the_console_exporter(postgres_migra
     # The API: server spans by route template, for the runtime's pulls and posts too.
     api_names = {s["name"] for s in spans["api"] if s["kind"] == "SpanKind.SERVER"}
     assert "POST /v1/deployments/{name}/threshold-sets" in api_names, api_names
+    # Its access line, written after the span ended, names the span.
+    [published] = [s for s in spans["api"]
+                   if s["name"] == "POST /v1/deployments/{name}/threshold-sets"]
+    [api_access] = [line for line in _lines(tmp_path / "api.out")
+                    if line.get("logger") == "exitplane.access" and line["method"] == "POST"
+                    and line["route"] == "/v1/deployments/{name}/threshold-sets"]
+    assert api_access["trace_id"] == published["context"]["trace_id"].removeprefix("0x")
+    assert api_access["span_id"] == published["context"]["span_id"].removeprefix("0x")
 
     # The runtime: one server span per request, with what the request did.
     [request] = [s for s in spans["runtime"] if s["name"] == "POST /v1/completions"]

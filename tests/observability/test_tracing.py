@@ -143,6 +143,29 @@ def test_api_requests_and_their_queries_are_spans(spans, database):
     assert queries, [s.name for s in finished]
 
 
+def test_the_api_access_line_carries_its_request_span_ids(spans, database, caplog):
+    """The access line is written outside the request's span (after it ended) and still names
+    it, as the runtime server's lines do."""
+    from controlplane.app import create_app
+
+    engine = make_engine(database)
+    with session_scope(engine) as session:
+        make_deployment(session, name="traced")
+    app = create_app(Settings(database_url=database, access_log=True), engine=engine)
+    spans.clear()
+    with TestClient(app) as client, caplog.at_level("INFO", logger="exitplane.access"):
+        answer = client.get("/v1/deployments/traced", headers={"X-Request-ID": "traced-1"})
+    app.state.config_delivery.close()
+    engine.dispose()
+    assert answer.status_code == 401  # no token: the span and the line exist all the same
+    [server] = [s for s in spans.get_finished_spans() if s.kind == trace.SpanKind.SERVER]
+    [line] = [r for r in caplog.records if r.name == "exitplane.access"]
+    assert (line.request_id, line.status, line.route) == ("traced-1", 401,
+                                                           "/v1/deployments/{name}")
+    assert line.trace_id == format(server.context.trace_id, "032x")
+    assert line.span_id == format(server.context.span_id, "016x")
+
+
 def test_fast_path_requests_are_spans_named_by_their_route(spans, database):
     """Telemetry POSTs and heartbeats, served below the router (issue 14), are server spans
     named as the routes were, with the heartbeat's queries in their trace."""

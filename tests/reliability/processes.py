@@ -20,7 +20,7 @@ from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
 from exitplane.client.shipper import TelemetryShipper
-from tests.conftest import CeleryWorker, free_port, wait_until
+from tests.conftest import CeleryWorker, free_port, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
@@ -40,12 +40,7 @@ class Processes:
         return process
 
     def stop(self, process: subprocess.Popen) -> None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
     def close(self) -> None:
         for process in self.running:

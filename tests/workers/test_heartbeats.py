@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from exitplane.heartbeat import main, problem, promise
-from tests.conftest import ROOT, wait_until
+from tests.conftest import ROOT, stop_process, wait_until
 
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 
@@ -68,12 +68,7 @@ def _start(tmp_path: Path, env: dict[str, str], *command: str) -> subprocess.Pop
 
 def _stop(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGCONT)
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_process(process)
 
 
 @pytest.mark.slow
