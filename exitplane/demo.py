@@ -40,6 +40,8 @@ from pathlib import Path
 import click
 import httpx
 
+from exitplane.ops.api import write_token_file
+
 # Domain B: raw Python source to continue (the model completes code, no chat template).
 CODE_FILES = ("textwrap.py", "fractions.py", "heapq.py", "bisect.py", "statistics.py",
               "colorsys.py", "shlex.py", "glob.py", "fnmatch.py", "calendar.py", "string.py",
@@ -59,6 +61,7 @@ DEMO_HEADS_COMMAND = (
 # The sign-in the demo leaves for its UI (an admin: the newcomer may act, not only look).
 UI_USERNAME = "demo"
 UI_PASSWORD_FILE = "ui-password"
+ADMIN_TOKEN_FILE = "admin.token"
 
 PHASES = 5
 SHADOW_SERVING = 0.25  # share of served traffic shadowed while a version serves
@@ -318,6 +321,13 @@ class ControlPlane:
             raise click.ClickException(f"exitplane {' '.join(args)} failed: {done.stderr[-800:]}")
         return done.stdout.strip()
 
+    def create_admin_token(self) -> str:
+        """An admin API token for the demo's own calls, also left in `<var dir>/admin.token`
+        (0600) for the newcomer's curl or `exitplane --token-file`."""
+        secret = self.cli("token", "create", "--name", "demo-admin", "--scope", "admin")
+        write_token_file(str(self.var_dir / ADMIN_TOKEN_FILE), secret)
+        return secret
+
     def create_sign_in(self) -> SignIn:
         """A UI admin with a generated password in `<var dir>/ui-password` (0600)."""
         path = self.var_dir / UI_PASSWORD_FILE
@@ -554,8 +564,7 @@ def run_demo(*, quick: bool, serve: bool, port: int, story=None, throttle: float
     env.pop("EXITPLANE_REDIS_URL", None)
     cp = ControlPlane(demo_dir, port, env)
     cp.cli("db", "upgrade")
-    admin = cp.cli("token", "create", "--name", "demo-admin", "--scope", "admin")
-    (demo_dir / "admin.token").write_text(admin + "\n")
+    admin = cp.create_admin_token()
     cp.create_sign_in()
     heads = load_demo_heads()
     cp.start()

@@ -9,7 +9,13 @@ from fastapi.testclient import TestClient
 
 from controlplane.app import create_app
 from controlplane.settings import Settings
-from exitplane.demo import UI_PASSWORD_FILE, UI_USERNAME, ControlPlane, write_password_file
+from exitplane.demo import (
+    ADMIN_TOKEN_FILE,
+    UI_PASSWORD_FILE,
+    UI_USERNAME,
+    ControlPlane,
+    write_password_file,
+)
 from tests.dashboards.conftest import sign_in
 
 
@@ -33,7 +39,15 @@ def test_the_demo_user_signs_in_to_the_ui(tmp_path):
     env.pop("EXITPLANE_DATABASE_URL", None)
     cp = ControlPlane(tmp_path, 8000, env)
     cp.cli("db", "upgrade")
-    created = cp.create_sign_in()
+    permissive = os.umask(0)  # nothing masked: the modes come from the demo alone
+    try:
+        admin = cp.create_admin_token()
+        created = cp.create_sign_in()
+    finally:
+        os.umask(permissive)
+    token_file = tmp_path / ADMIN_TOKEN_FILE
+    assert token_file.read_text() == admin + "\n"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert created.username == UI_USERNAME
     assert created.password_file == tmp_path / UI_PASSWORD_FILE
     assert stat.S_IMODE(created.password_file.stat().st_mode) == 0o600
