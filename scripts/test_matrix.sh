@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The torch-free tests on other Python versions: for each version given (default 3.12 3.13), a
 # virtual environment of its own under var/matrix/ with the client and the control plane
-# installed (`clients/python` and `.[controlplane]`, no torch), then the wire schema, test
+# installed (`clients/python` and `.[controlplane]`, no torch; `markdown` for the runbook anchors), then the wire schema, test
 # vectors, client, OpenAPI, version and control-plane tests in it. The full suite runs on the main .venv.
 #
 #   scripts/test_matrix.sh              # 3.12 and 3.13
@@ -40,12 +40,13 @@ for version in "${VERSIONS[@]}"; do
   venv=var/matrix/py$version
   started=$(date +%s)
   if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] \
-      || [ clients/python/pyproject.toml -nt "$venv/.installed" ]; then
+      || [ clients/python/pyproject.toml -nt "$venv/.installed" ] \
+      || [ "$0" -nt "$venv/.installed" ]; then
     "$python" -m venv --clear "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
     "$venv/bin/python" -m pip install -q -e clients/python
     "$venv/bin/python" -m pip install -q -e '.[controlplane]' --config-settings editable_mode=compat \
-      'pytest>=8.3' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+      'pytest>=8.3' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'markdown>=3.5'
     touch "$venv/.installed"
   fi
   if "$venv/bin/python" -c 'import torch' 2>/dev/null; then
