@@ -4,8 +4,8 @@ glibc serves an allocation from a thread's heap ("arena") unless it is at least 
 threshold, which starts at 128 KiB and rises to the size of each large block freed (up to 32
 MiB). An API process allocates such blocks on many worker threads: an argon2id check's 19 MiB,
 a telemetry body of up to 16 MiB and its decoded columns. Under the dynamic threshold each
-thread's arena kept the last of them after it was freed, so a sign-in flood on 40 threads left
-an API process 170 MiB larger for good. A fixed threshold makes every block of 1 MiB or more
+thread's arena keeps the last of them after it is freed, so a sign-in flood on many threads
+leaves an API process larger for good. A fixed threshold makes every block of 1 MiB or more
 its own mapping, unmapped when freed: memory held is memory in use.
 """
 
