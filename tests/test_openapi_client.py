@@ -16,14 +16,14 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
+from tests.observability.processes import answers
 
 # slow: generates a client, starts `exitplane up`
 pytestmark = pytest.mark.slow
@@ -76,16 +76,9 @@ def control_plane(tmp_path_factory):
                           stdout=subprocess.DEVNULL, stderr=log.open("w"))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert up.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "exitplane up did not get ready"
-            time.sleep(0.3)
+        wait_until(lambda: answers(f"{base}/readyz") or up.poll() is not None, 90,
+                   "exitplane up to get ready", interval=0.3)
+        assert up.poll() is None, log.read_text()
         yield base, admin
     finally:
         up.send_signal(signal.SIGTERM)
