@@ -66,6 +66,7 @@ class RequestTimer:
         self.metrics = metrics
         self.prompt_tokens = prompt_tokens
         self.arrived = time.perf_counter()
+        self.first: float | None = None  # when the first token was generated
         self.last: float | None = None
         self.generated = 0
         self.finished = False
@@ -74,6 +75,7 @@ class RequestTimer:
         now = time.perf_counter()
         m, name = self.metrics, self.metrics.model_name
         if self.last is None:
+            self.first = now
             m.ttft.labels(name).observe(now - self.arrived)
         else:
             m.itl.labels(name).observe(now - self.last)

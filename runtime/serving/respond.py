@@ -144,7 +144,6 @@ async def _tokens(state: ServeState, request: Request, job: Job,
 
     Raises HTTPException when the engine failed the request or died."""
     eos_ids = state.engine.parts.eos_token_ids
-    first_token_at = None
     try:
         while True:
             try:
@@ -164,8 +163,6 @@ async def _tokens(state: ServeState, request: Request, job: Job,
             outputs = [i for i in items if isinstance(i, StepOutput)]
             deltas = await off_loop(state.text_pool, detok.push_many,
                                     [o.token for o in outputs]) if outputs else []
-            if first_token_at is None and outputs:
-                first_token_at = time.perf_counter()
             for output, delta in zip(outputs, deltas, strict=False):
                 job.exit_layers.append(output.record.exit_layer)
                 job.timer.token()
@@ -190,15 +187,15 @@ async def _tokens(state: ServeState, request: Request, job: Job,
     finally:
         job.timer.finish()
         if tracing.enabled():
-            _annotate_span(state, job, first_token_at)
+            _annotate_span(state, job)
 
 
-def _annotate_span(state: ServeState, job: Job, first_token_at: float | None) -> None:
+def _annotate_span(state: ServeState, job: Job) -> None:
     """The request's server span: time to first token, exit layers, threshold version."""
     layers = job.exit_layers
     tracing.annotate(
-        time_to_first_token_ms=None if first_token_at is None
-        else round((first_token_at - job.timer.arrived) * 1000, 3),
+        time_to_first_token_ms=None if job.timer.first is None
+        else round((job.timer.first - job.timer.arrived) * 1000, 3),
         threshold_version=state.engine.policy.version, segment=job.segment,
         completion_tokens=len(layers),
         mean_exit_layer=sum(layers) / len(layers) if layers else None,
