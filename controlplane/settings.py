@@ -247,6 +247,12 @@ class Settings(BaseSettings):
         "sign-in or password change beyond them gets 429 with `Retry-After: 1`. Failed "
         "checks are also throttled per client address (IPv6: per /64), per username and"
         " per both, shared through Redis or the database")
+    sign_in_hold_s: float = Field(
+        default=5.0, ge=0, le=60,
+        description="a sign-in or password change from a client address the throttle has "
+        "locked out is refused before its form is read, after waiting this long (or what is "
+        "left of the lock, if less) without holding a thread: a client that retries at once "
+        "gets one answer per connection per hold. 0: refused at once")
 
     @field_validator("hook_allowed_hosts")
     @classmethod

@@ -21,6 +21,7 @@ from controlplane.auth.passwords import PasswordChecks
 from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import DomainError
 from dashboards.security import LoginRequired, save_session
+from dashboards.signin_gate import SignInGate
 from dashboards.templating import render, ui_root
 from dashboards.views import (
     admin,
@@ -41,6 +42,8 @@ CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'se
                            "'unsafe-inline'; img-src 'self' data:; connect-src 'self'; "
                            "frame-ancestors 'none'; form-action 'self'; base-uri 'none'; "
                            "object-src 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Frame-Options": "DENY",
+                    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"}
 
 
 def create_ui(parent: FastAPI) -> FastAPI:
@@ -60,11 +63,10 @@ def create_ui(parent: FastAPI) -> FastAPI:
     @ui.middleware("http")
     async def security_headers(request: Request, call_next) -> Response:
         response = await call_next(request)
-        response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
-        response.headers.setdefault("X-Frame-Options", "DENY")
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        response.headers.setdefault("Referrer-Policy", "same-origin")
+        for name, value in SECURITY_HEADERS.items():
+            response.headers.setdefault(name, value)
         return response
+
 
     @ui.exception_handler(LoginRequired)
     async def login_required(request: Request, _error: LoginRequired) -> Response:
@@ -108,7 +110,14 @@ def create_ui(parent: FastAPI) -> FastAPI:
 
 def mount_ui(app: FastAPI) -> None:
     """Serve the admin UI under /ui of the control plane `app` (and send / there)."""
-    app.mount("/ui", create_ui(app), name="ui")
+    ui = create_ui(app)
+    app.mount("/ui", ui, name="ui")
+    # Outside the control plane's own middleware (its body gate reads a form before routing):
+    # a refused address waits, and a locked-out one is refused, before anything else runs.
+    app.add_middleware(SignInGate, refused=ui.state.password_checks.refused,
+                       trusted_proxies=ui.state.trusted_proxies,
+                       hold_s=app.state.settings.sign_in_hold_s, headers=SECURITY_HEADERS,
+                       prefix="/ui")
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -11,21 +11,68 @@ only when
 The check itself runs outside any transaction: the user's credentials are read in one short
 transaction and the outcome written in another (on SQLite every transaction holds the store's
 write lock, which heartbeats and token lookups wait for).
+
+The addresses whose attempts the throttle refuses are remembered in `RefusedAddresses` until
+the lock ends, so that the admin UI's `SignInGate` holds their next tries (and refuses them
+before the form is read when the address itself is locked; dashboards/signin_gate.py).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.auth import users
+from controlplane.auth.clients import throttle_key
 from controlplane.auth.models import User
 from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import RateLimited, Unauthorized
+
+
+class RefusedAddresses:
+    """Client addresses (throttle keys) whose last password check this process refused, each
+    with the monotonic time the refusal's lock ends and whether the address itself is locked
+    (whatever the username) or only the username tried. An address lock only ends by running
+    out (a success gives a count back, never a lock), so it stays true until then; the other
+    kind is forgotten when an attempt from the address is counted. Holds at most `capacity`
+    addresses: past it, ended entries are dropped, and a new address is not remembered while
+    all are live (the throttle still refuses it)."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._entries: dict[str, tuple[float, bool]] = {}  # key -> (until, address locked)
+        self._lock = threading.Lock()
+
+    def refused(self, key: str, seconds: float, *, address_locked: bool) -> None:
+        until = time.monotonic() + seconds
+        with self._lock:
+            if key not in self._entries and len(self._entries) >= self.capacity:
+                now = time.monotonic()
+                for old in [old for old, (end, _) in self._entries.items() if end <= now]:
+                    del self._entries[old]
+                if len(self._entries) >= self.capacity:
+                    return
+            before, locked = self._entries.get(key, (0.0, False))
+            if locked and before > time.monotonic() and not address_locked:
+                return  # the address lock says more
+            self._entries[key] = (until, address_locked)
+
+    def counted(self, key: str) -> None:
+        """An attempt from `key` was let through: forget a refusal that did not lock it."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry[1]:
+                del self._entries[key]
+
+    def state(self, key: str) -> tuple[float, bool]:
+        """(Seconds left of the refusal (0: none known), whether the address is locked)."""
+        until, locked = self._entries.get(key, (0.0, False))
+        return max(0.0, until - time.monotonic()), locked
 
 
 class PasswordChecks:
@@ -34,6 +81,7 @@ class PasswordChecks:
     def __init__(self, *, factory: sessionmaker[Session], throttle: SignInThrottle,
                  max_concurrent: int) -> None:
         self.throttle = throttle
+        self.refused = RefusedAddresses()
         self._factory = factory
         self._slots = threading.BoundedSemaphore(max_concurrent)
 
@@ -48,10 +96,16 @@ class PasswordChecks:
             self._slots.release()
 
     def _admit(self, username: str, address: str, per_user: bool) -> None:
-        wait = self.throttle.attempt(username, address, per_user=per_user)
-        if wait > 0:
-            raise RateLimited(f"too many failed attempts; try again in {math.ceil(wait)} s",
-                              retry_after=wait)
+        attempt = self.throttle.attempt(username, address, per_user=per_user)
+        key = throttle_key(address)
+        if attempt.wait > 0 or attempt.address_locked > 0:
+            self.refused.refused(key, max(attempt.wait, attempt.address_locked),
+                                 address_locked=attempt.address_locked > 0)
+        else:
+            self.refused.counted(key)
+        if attempt.wait > 0:
+            raise RateLimited(f"too many failed attempts; try again in {math.ceil(attempt.wait)}"
+                              " s", retry_after=attempt.wait)
 
     def sign_in(self, *, username: str, password: str, address: str,
                 per_user: bool = True) -> User:

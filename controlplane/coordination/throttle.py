@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import redis
 from sqlalchemy import delete, select, update
@@ -57,18 +58,23 @@ LOCAL_SOFT_CAP = 50_000
 PRUNE_EVERY_S = 60.0
 
 # KEYS: the attempt's keys. ARGV: check (1: refuse while any key is locked), forget, base and
-# maximum lock (ms), then each key's free failures. Returns {wait ms (0: counted), lock ms of
-# each key}.
+# maximum lock (ms), then each key's free failures. Returns {wait ms (0: counted), then each
+# key's lock in ms: what is left of it when refused, what the count set when counted}.
 _ATTEMPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[1] == '1' then
   local wait = 0
-  for _, key in ipairs(KEYS) do
-    local locked = tonumber(redis.call('HGET', key, 'until') or '0') - now
+  local left = {0}
+  for i, key in ipairs(KEYS) do
+    local locked = math.max(0, tonumber(redis.call('HGET', key, 'until') or '0') - now)
     if locked > wait then wait = locked end
+    left[i + 1] = math.ceil(locked)
   end
-  if wait > 0 then return {math.ceil(wait)} end
+  if wait > 0 then
+    left[1] = math.ceil(wait)
+    return left
+  end
 end
 local result = {0}
 for i, key in ipairs(KEYS) do
@@ -91,6 +97,13 @@ for i = 2, #KEYS do
   if redis.call('HINCRBY', KEYS[i], 'n', -1) <= 0 then redis.call('DEL', KEYS[i]) end
 end
 """
+
+
+class Attempt(NamedTuple):
+    """What `SignInThrottle.attempt` decided (seconds)."""
+
+    wait: float
+    address_locked: float
 
 
 def lock_seconds(failures: int, free: int = FREE_FAILURES) -> float:
@@ -149,12 +162,14 @@ class SignInThrottle:
             self._attempt_script = client.register_script(_ATTEMPT)
             self._succeeded_script = client.register_script(_SUCCEEDED)
 
-    def attempt(self, username: str, address: str, *, per_user: bool = True) -> float:
+    def attempt(self, username: str, address: str, *, per_user: bool = True) -> Attempt:
         """Count an attempt as a failure unless one of its keys is locked, atomically.
-        Returns 0 when counted (the caller checks the password, then calls `succeeded` if it
-        was right), else the seconds before the next attempt may be made."""
-        wait, _ = self._count(Keys.of(username, address, per_user), check=True)
-        return wait
+        `wait` is 0 when counted (the caller checks the password, then calls `succeeded` if
+        it was right), else the seconds before the next attempt may be made; `address_locked`
+        is how long the address is locked out whatever the username (the lock this count
+        set, or what is left of the one that refused it)."""
+        wait, locks = self._count(Keys.of(username, address, per_user), check=True)
+        return Attempt(wait=wait, address_locked=locks[1])
 
     def failed(self, username: str, address: str) -> float:
         """Count a failure without `attempt`'s check; returns the seconds the pair is now
@@ -244,10 +259,11 @@ class SignInThrottle:
                 select(SignInFailures).where(SignInFailures.key.in_(keys))
                 .order_by(SignInFailures.key).with_for_update())}
             if check:
-                wait = max([0.0] + [(row.locked_until - now).total_seconds()
-                                    for row in rows.values() if row.locked_until])
-                if wait > 0:
-                    return wait, []
+                left = [max(0.0, (rows[key].locked_until - now).total_seconds())
+                        if key in rows and rows[key].locked_until else 0.0
+                        for key, _ in counted]
+                if max(left) > 0:
+                    return max(left), left
             locks = []
             for key, free in counted:
                 row = rows.get(key)
@@ -281,9 +297,10 @@ class SignInThrottle:
         now = time.time()
         with self._lock:
             if check:
-                wait = max(self._local.get(key, (0, 0.0, 0.0))[1] - now for key, _ in counted)
-                if wait > 0:
-                    return wait, []
+                left = [max(0.0, self._local.get(key, (0, 0.0, 0.0))[1] - now)
+                        for key, _ in counted]
+                if max(left) > 0:
+                    return max(left), left
             locks = []
             for key, free in counted:
                 failures, locked_until, last = self._local.get(key, (0, 0.0, now))
