@@ -22,6 +22,11 @@ import redis.asyncio
 log = logging.getLogger("exitplane.coordination")
 
 KEY_PREFIX = "exitplane:ratelimit:"
+# Checks in flight to Redis per API process; past them a check waits for a connection up to
+# POOL_WAIT_S, then limits in process. The fallback is logged at most every UNSHARED_LOG_EVERY_S.
+POOL_CONNECTIONS = 100
+POOL_WAIT_S = 0.25
+UNSHARED_LOG_EVERY_S = 10.0
 
 # GCRA: the key holds the theoretical arrival time (TAT, microseconds of the Redis clock).
 # A request of `cost` units is allowed when TAT + (cost - 1) x interval - now <= tolerance; it
@@ -96,6 +101,8 @@ class RedisRateLimiter:
         self._blocking_script = (blocking_client.register_script(_GCRA)
                                  if blocking_client is not None else None)
         self._local = LocalRateLimiter(rate)
+        self._unshared_count = 0
+        self._unshared_logged = float("-inf")
         interval_us = 1_000_000 / rate if rate > 0 else 0
         self._args = (f"{interval_us:.0f}", f"{(self.burst - 1) * interval_us:.0f}")
 
@@ -129,8 +136,12 @@ class RedisRateLimiter:
         return (*self._args, f"{min(cost, self.burst):g}")
 
     def _unshared(self, key: str, error: Exception, cost: float = 1.0) -> float | None:
-        log.warning("shared rate limit unavailable (%s); limiting in process",
-                    type(error).__name__)
+        self._unshared_count += 1
+        now = time.monotonic()
+        if now - self._unshared_logged >= UNSHARED_LOG_EVERY_S:
+            log.warning("shared rate limit unavailable (%s); limiting in process (%d checks "
+                        "since the last such line)", type(error).__name__, self._unshared_count)
+            self._unshared_logged, self._unshared_count = now, 0
         return self._local.take(key, cost)
 
 
@@ -139,9 +150,14 @@ def make_rate_limiters(*, rates: dict[str, float], redis_url: str
     """One limiter per kind: shared through Redis when `redis_url`, else in process."""
     if not redis_url:
         return {kind: LocalRateLimiter(rate) for kind, rate in rates.items()}
-    # Short timeouts: a limit check sits on the hot path of every pull.
-    client = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=0.5,
-                                          socket_timeout=0.5)
-    blocking = redis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    # Short timeouts: a limit check sits on the hot path of every pull. Bounded pools that wait
+    # briefly for a connection: a burst of checks queues for the shared limit rather than
+    # falling back to this process's own.
+    client = redis.asyncio.Redis(connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S,
+        socket_connect_timeout=0.5, socket_timeout=0.5))
+    blocking = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+        redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S,
+        socket_connect_timeout=0.5, socket_timeout=0.5))
     return {kind: RedisRateLimiter(rate, kind=kind, client=client, blocking_client=blocking)
             for kind, rate in rates.items()}

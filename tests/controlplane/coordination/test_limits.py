@@ -78,3 +78,37 @@ def test_a_worker_thread_draws_from_the_same_shared_bucket(private_redis):
     private_redis.kill()
     fallback = [limiter.take("token-10") for _ in range(5)]
     assert fallback[:4] == [None] * 4 and fallback[4] > 0  # Redis away: this process's bucket
+
+
+def test_a_burst_past_the_pool_waits_for_the_shared_bucket(private_redis, monkeypatch, caplog):
+    """More checks at once than the pool's connections queue for one (briefly) instead of
+    falling back to the process's own bucket, where a flood would find a fresh burst."""
+    from controlplane.coordination import limits
+
+    monkeypatch.setattr(limits, "POOL_CONNECTIONS", 4)
+    limiter = limits.make_rate_limiters(rates={"pull": 10.0}, redis_url=private_redis.url)["pull"]
+    other_process = _limiter(private_redis.url, 10.0)
+
+    async def scenario() -> list:
+        for _ in range(20):  # another process empties the shared bucket (burst 20)
+            await other_process.retry_after("token-11")
+        return await asyncio.gather(*(limiter.retry_after("token-11") for _ in range(60)))
+
+    with caplog.at_level("WARNING", logger="exitplane.coordination"):
+        answers = asyncio.run(scenario())
+    assert all(answer is not None and answer > 0 for answer in answers), answers
+    assert "shared rate limit unavailable" not in caplog.text
+
+
+def test_a_missing_redis_is_logged_once_per_interval_not_per_check(private_redis, caplog):
+    limiter = _limiter(private_redis.url, 1000.0)
+    private_redis.kill()
+
+    async def scenario() -> None:
+        for _ in range(50):
+            await limiter.retry_after("token-12")
+
+    with caplog.at_level("WARNING", logger="exitplane.coordination"):
+        asyncio.run(scenario())
+    lines = [r for r in caplog.records if "shared rate limit unavailable" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
