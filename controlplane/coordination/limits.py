@@ -50,6 +50,19 @@ end
 """
 _GCRA = (GCRA_LUA
          + "return gcra_take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))\n")
+# A charge after the fact: TAT advances by `cost` intervals whatever it was, so the key owes
+# what it spent (at most ARGV[3] microseconds ahead of now) and waits it out.
+_CHARGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+tat = math.min(tat + tonumber(ARGV[2]) * tonumber(ARGV[1]), now + tonumber(ARGV[3]))
+redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+return 0
+"""
+# The most a charge can make a key owe: it waits at most this long afterwards.
+MAX_DEBT_S = 60.0
 
 
 class LocalRateLimiter:
@@ -74,13 +87,27 @@ class LocalRateLimiter:
                 self._buckets[key] = (level, now)
                 return (cost - level) / self.rate
             self._buckets[key] = (level - cost, now)
-            if len(self._buckets) > 100_000:
+            self._forget_full(now)
+            return None
+
+    def charge(self, key: str, cost: float) -> None:
+        """Take `cost` units after the fact, into debt (at most MAX_DEBT_S of refill): the key
+        waits until it is paid back."""
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            level, last = self._buckets.get(key, (self.burst, now))
+            level = min(self.burst, level + (now - last) * self.rate)
+            self._buckets[key] = (max(level - cost, -MAX_DEBT_S * self.rate), now)
+
+    def _forget_full(self, now: float) -> None:
+        if len(self._buckets) > 100_000:
                 # Only full buckets are forgotten: dropping one loses nothing.
                 full = [k for k, (lvl, t) in self._buckets.items()
                         if lvl + (now - t) * self.rate >= self.burst]
                 for stale in full:
                     del self._buckets[stale]
-            return None
 
     async def retry_after(self, key: str, cost: float = 1.0) -> float | None:
         return self.take(key, cost)
@@ -100,6 +127,8 @@ class RedisRateLimiter:
         # thread (the telemetry fast path): a third of the CPU of the asyncio client's call.
         self._blocking_script = (blocking_client.register_script(_GCRA)
                                  if blocking_client is not None else None)
+        self._charge_script = (blocking_client.register_script(_CHARGE)
+                               if blocking_client is not None else None)
         self._local = LocalRateLimiter(rate)
         self._unshared_count = 0
         self._unshared_logged = float("-inf")
@@ -130,6 +159,19 @@ class RedisRateLimiter:
             return self._unshared(key, error, cost)
         wait = float(wait_us) / 1_000_000
         return wait if wait > 0 else None
+
+    def charge(self, key: str, cost: float) -> None:
+        """`LocalRateLimiter.charge` on the shared bucket (blocking, for a worker thread)."""
+        if self.rate <= 0:
+            return
+        if self._charge_script is None:
+            raise RuntimeError("this limiter was made without a blocking client")
+        try:
+            self._charge_script(keys=[self._prefix + key], args=[
+                self._args[0], f"{cost:g}", f"{MAX_DEBT_S * 1_000_000 + float(self._args[1]):.0f}"])
+        except (redis.RedisError, OSError) as error:
+            self._unshared(key, error, 0)
+            self._local.charge(key, cost)
 
     def _cost(self, cost: float) -> tuple[str, str, str]:
         # More than a burst could never be taken: such a request costs a full burst.

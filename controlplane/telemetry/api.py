@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -88,6 +89,9 @@ DECODED_VALUE_BYTES = 100
 # Values a decode charges the budget for at once (1 MB), so that the decoder's hooks take the
 # budget's lock once in this many values, not once per container.
 _CHARGE_STEP_VALUES = 10_000
+# What a batch refused while decoding (413) costs its token in ingest units: one per this many
+# bytes of its body, taken into debt (`_charge_refused`).
+REFUSED_BYTES_PER_UNIT = 64 * 1024
 
 
 class DecodersBusy(RateLimited):
@@ -371,8 +375,19 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str,
     try:
         return _store_batch(state, principal, body, content_type, charge)
     except DomainError as error:
+        if isinstance(error, BatchTooLarge):
+            _charge_refused(state, principal, len(body))
         refusal = refused(error)
     raise refusal from None  # here, the frames that held the batch are gone (`refused`)
+
+
+def _charge_refused(state, principal: Principal, size: int) -> None:
+    """A batch found too large only while decoding cost this process its reading and part of
+    its decoding: its token owes one ingest unit per REFUSED_BYTES_PER_UNIT of it, so that a
+    token repeating such batches waits instead of keeping the process busy (an honest runtime
+    splits them once)."""
+    units = math.ceil(size / REFUSED_BYTES_PER_UNIT)
+    state.rate_limiters["ingest"].charge(str(principal.token_id), units)
 
 
 def _store_batch(state, principal: Principal, body: bytes, content_type: str,

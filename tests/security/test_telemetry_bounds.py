@@ -28,8 +28,11 @@ import httpx
 import msgpack
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
 
 from controlplane.app import create_app
+from controlplane.auth.service import create_token
+from controlplane.thresholds.service import get_deployment
 from exitplane.wire import INTERVAL_JSON, RECORDS_JSON, RECORDS_MSGPACK
 from tests.conftest import free_port
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
@@ -384,3 +387,28 @@ def test_an_answer_before_the_body_closes_the_connection(settings, engine, token
             holding.sendall(large[4096:])
             status, _, headers = _response(holding)
             assert status == 202 and "connection" not in headers  # a whole body keeps it
+
+
+def test_a_batch_too_large_to_decode_costs_its_token_what_it_cost_to_read(settings, engine,
+                                                                           tokens):
+    """A body refused only while decoding was read and partly decoded; repeating it used to
+    cost the token one request of its rate each time. Now the token owes one ingest unit per
+    64 KiB of it: its next batch waits (429), another token's does not."""
+    with serving(settings, engine, telemetry_decode_budget_mib=16,
+                 rate_limit_ingest_per_s=10) as (_port, client):  # bursts of 20 units
+        runtime = _deploy(client, tokens, engine)
+        with Session(engine) as session:
+            deployment = get_deployment(session=session, name="chat")
+            _, other = create_token(session=session, name="rt-other", scope="runtime",
+                                    deployment=deployment)
+            session.commit()
+        large = client.post("/v1/telemetry", content=_keyed_maps(2 * MIB),  # ~32 units
+                            headers={**runtime, "Content-Type": RECORDS_MSGPACK})
+        assert large.status_code == 413, large.text
+        small = _records_msgpack(random.Random(3), 10, shadow_rate=0)
+        after = client.post("/v1/telemetry", content=small,
+                            headers={**runtime, "Content-Type": RECORDS_MSGPACK})
+        assert after.status_code == 429 and float(after.headers["Retry-After"]) >= 1, after.text
+        elsewhere = client.post("/v1/telemetry", content=small, headers={
+            "Authorization": f"Bearer {other}", "Content-Type": RECORDS_MSGPACK})
+        assert elsewhere.status_code == 202, elsewhere.text
