@@ -27,7 +27,7 @@ from controlplane.auth.service import digest
 from controlplane.calibration import fallback
 from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
-from controlplane.coordination.limits import make_rate_limiters
+from controlplane.coordination.limits import RefusalHold, make_rate_limiters
 from controlplane.db import (
     get_engine,
     out_of_range_errors,
@@ -115,6 +115,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.rate_limiters = make_rate_limiters(redis_url=settings.redis_url, rates={
         "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
         "heartbeat": settings.rate_limit_heartbeat_per_s, "read": settings.rate_limit_read_per_s})
+    app.state.refusal_hold = RefusalHold(settings.rate_limit_hold_s)
     app.state.config_delivery = ConfigDelivery(
         factory, settings.config_cache_ttl_s, bus=app.state.bus,
         long_polls_per_token=settings.long_polls_per_token)

@@ -223,6 +223,7 @@ async def _read_limit(request: Request) -> None:
     limiter: RateLimiter = state.rate_limiters["read"]
     wait = await limiter.retry_after(str(principal.token_id), cost)
     if wait is not None:
+        await state.refusal_hold()
         raise RateLimited(f"too many reads for this token (this one costs {cost} of "
                           f"EXITPLANE_RATE_LIMIT_READ_PER_S); retry in {wait:.1f} s",
                           retry_after=wait)
@@ -235,9 +236,13 @@ ReadLimited = Depends(_read_limit)
 
 
 async def check_rate(state, kind: str, principal: Principal) -> None:
-    """Take one `kind` request from the token's bucket, or RateLimited with the wait."""
+    """Take one `kind` request from the token's bucket, or RateLimited with the wait once the
+    refusal has been held (`RefusalHold`: EXITPLANE_RATE_LIMIT_HOLD_S)."""
     limiter: RateLimiter = state.rate_limiters[kind]
-    refuse_past_rate(kind, await limiter.retry_after(str(principal.token_id)))
+    wait = await limiter.retry_after(str(principal.token_id))
+    if wait is not None:
+        await state.refusal_hold()
+    refuse_past_rate(kind, wait)
 
 
 def check_rate_blocking(state, kind: str, principal: Principal) -> None:

@@ -197,6 +197,13 @@ class Settings(BaseSettings):
         "renders a report) takes 5 (so 20 such reads a second); past it, 429 with "
         "`Retry-After`. Shared through Redis like the others; threshold pulls have "
         "their own limit")
+    rate_limit_hold_s: float = Field(
+        default=1.0, ge=0, le=10,
+        description="a read, telemetry post or heartbeat refused past its token's rate is "
+        "answered 429 after waiting this long on the event loop (at most 256 at once per API "
+        "process; no thread is held), with the `Retry-After` of when it came: a client that "
+        "retries without waiting makes one request per connection per hold. 0: answered at "
+        "once")
     max_runtimes_per_deployment: int = Field(
         default=5000, ge=1,
         description="runtimes (heard from within a day) a deployment accepts; a new one beyond gets"

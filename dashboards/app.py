@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from controlplane.auth.clients import parse_networks
 from controlplane.auth.passwords import PasswordChecks
+from controlplane.coordination.limits import RefusalHold
 from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import DomainError
 from dashboards.security import LoginRequired, save_session
@@ -111,12 +112,13 @@ def create_ui(parent: FastAPI) -> FastAPI:
 def mount_ui(app: FastAPI) -> None:
     """Serve the admin UI under /ui of the control plane `app` (and send / there)."""
     ui = create_ui(app)
+    ui.state.sign_in_hold = RefusalHold(app.state.settings.sign_in_hold_s)
     app.mount("/ui", ui, name="ui")
     # Outside the control plane's own middleware (its body gate reads a form before routing):
     # a refused address waits, and a locked-out one is refused, before anything else runs.
     app.add_middleware(SignInGate, refused=ui.state.password_checks.refused,
                        trusted_proxies=ui.state.trusted_proxies,
-                       hold_s=app.state.settings.sign_in_hold_s, headers=SECURITY_HEADERS,
+                       hold=ui.state.sign_in_hold, headers=SECURITY_HEADERS,
                        prefix="/ui")
 
     @app.get("/", include_in_schema=False)

@@ -8,7 +8,8 @@ plane's body gate reads the form before any of that): a client that loops as fas
 answers come takes a core of the API process that way, and the runtimes' pulls wait behind
 it. Here, before any of that, a POST to the sign-in or password-change form from an address
 in `RefusedAddresses` waits on the event loop (nothing but the connection is held) for
-EXITPLANE_SIGN_IN_HOLD_S or what is left of the refusal's lock, whichever is shorter. Then:
+EXITPLANE_SIGN_IN_HOLD_S or what is left of the refusal's lock, whichever is shorter
+(`RefusalHold`: at most 256 held at once per process; past them, no wait). Then:
 
 - the address itself is locked (whatever the username): it is answered 429 with
   `Retry-After` and `Connection: close`, its body unread, as the throttle would have answered
@@ -16,21 +17,19 @@ EXITPLANE_SIGN_IN_HOLD_S or what is left of the refusal's lock, whichever is sho
 - only the username it tried last is locked: it goes on to the throttle, which decides (another
   username from a shared address may sign in).
 
-A client with N connections gets at most N answers per hold. At most MAX_HELD requests are
-held at once per process; past them a request is not held (refused at once when its address
-is locked). The gate changes when an answer comes, never what it is.
+A client with N connections gets at most N answers per hold. The gate changes when an answer
+comes, never what it is.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from html import escape
 
 from controlplane.auth.clients import Network, client_address, throttle_key
 from controlplane.auth.passwords import RefusedAddresses
+from controlplane.coordination.limits import RefusalHold
 
-MAX_HELD = 256
 GATED_PATHS = ("/login", "/account/password")
 
 
@@ -38,15 +37,14 @@ class SignInGate:
     """ASGI middleware of the application the UI is mounted in, at `prefix`."""
 
     def __init__(self, app, *, refused: RefusedAddresses, trusted_proxies: tuple[Network, ...],
-                 hold_s: float, headers: dict[str, str], prefix: str) -> None:
+                 hold: RefusalHold, headers: dict[str, str], prefix: str) -> None:
         self.app = app
         self.paths = frozenset(prefix + path for path in GATED_PATHS)
         self.prefix = prefix
         self.refused = refused
         self.trusted_proxies = trusted_proxies
-        self.hold_s = hold_s
+        self.hold = hold
         self.headers = [(name.lower().encode(), value.encode()) for name, value in headers.items()]
-        self.held = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" \
@@ -55,12 +53,8 @@ class SignInGate:
             return
         key = throttle_key(self._address(scope))
         left, address_locked = self.refused.state(key)
-        if left > 0 and self.hold_s > 0 and self.held < MAX_HELD:
-            self.held += 1
-            try:
-                await asyncio.sleep(min(left, self.hold_s))
-            finally:
-                self.held -= 1
+        if left > 0:
+            await self.hold(left)
         if left > 0 and address_locked:
             # As the throttle would have refused it when it came, even if the lock has ended
             # during the hold.

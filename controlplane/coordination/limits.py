@@ -12,6 +12,7 @@ traffic: a Redis outage must not stop runtimes from pulling their thresholds.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -185,6 +186,29 @@ class RedisRateLimiter:
                         "since the last such line)", type(error).__name__, self._unshared_count)
             self._unshared_logged, self._unshared_count = now, 0
         return self._local.take(key, cost)
+
+
+class RefusalHold:
+    """Holds a refused request on the event loop before its answer (nothing but its connection
+    and a timer), so that a client that retries as soon as it is answered makes a request per
+    connection per hold instead of as many as the process can refuse. At most `max_held` at
+    once per process; past them a refusal is answered at once."""
+
+    def __init__(self, hold_s: float, max_held: int = 256) -> None:
+        self.hold_s, self.max_held = hold_s, max_held
+        self.held = 0
+
+    async def __call__(self, at_most: float = float("inf")) -> float:
+        """Wait `hold_s` (or `at_most`, if shorter) when a place is free; the seconds held."""
+        seconds = min(self.hold_s, at_most)
+        if seconds <= 0 or self.held >= self.max_held:
+            return 0.0
+        self.held += 1
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.held -= 1
+        return seconds
 
 
 def make_rate_limiters(*, rates: dict[str, float], redis_url: str

@@ -5,6 +5,7 @@ reads let a single token keep the store busy for everyone."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -59,7 +60,8 @@ def _until_refused(client, path: str, auth: dict, limit: int = 300
 
 
 def test_300_heavy_reads_from_one_token_get_429_with_retry_after(serve, chat, engine):
-    client = serve(rate_limit_read_per_s=10.0)  # 20 units at once, then 10 a second
+    # 20 units at once, then 10 a second; refusals answered at once (their hold: below).
+    client = serve(rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
     auth, other = _token(engine), _token(engine)
     started = time.monotonic()
     answers = [client.get(HEAVY, headers=auth) for _ in range(300)]
@@ -102,8 +104,8 @@ def test_reads_are_weighted_by_cost(serve, chat, engine):
 
 
 def test_a_token_read_bucket_is_shared_by_every_api_process(serve, chat, engine, private_redis):
-    first = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0)
-    second = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0)
+    first = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
+    second = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
     auth = _token(engine)
     started = time.monotonic()
     answers = [(first, second)[i % 2].get(HEAVY, headers=auth).status_code for i in range(12)]
@@ -118,3 +120,43 @@ def test_the_cost_table_names_real_read_routes(serve):
              if "get" in operations}
     assert reads >= HEAVY_READS, HEAVY_READS - reads
     assert reads >= OWN_BUCKET_READS
+
+
+def test_a_token_looping_on_its_refusals_is_held_not_served_faster(serve, chat, engine):
+    """Refusals used to be answered at once: eight connections looping on them made hundreds
+    of requests a second for the process to refuse. Each refusal is now held (1 s here), on
+    the event loop: other tokens are answered meanwhile, and the loop makes about one request
+    per connection per second."""
+    # One read every 2 s (a burst of 1): a 1 s hold never sees the bucket refilled.
+    client = serve(rate_limit_read_per_s=0.5, rate_limit_hold_s=1.0)
+    auth, other = _token(engine), _token(engine)
+    assert client.get(LIGHT, headers=auth).status_code == 200  # the bucket is empty
+    began = time.monotonic()
+    refused = client.get(LIGHT, headers=auth)
+    assert refused.status_code == 429 and time.monotonic() - began >= 0.9
+    assert int(refused.headers["Retry-After"]) >= 1
+    answered: list[int] = []
+    held = threading.Thread(target=lambda: answered.append(
+        client.get(LIGHT, headers=auth).status_code))
+    held.start()
+    time.sleep(0.2)
+    assert client.get(LIGHT, headers=other).status_code == 200
+    assert held.is_alive() and answered == []  # another token was answered meanwhile
+    held.join(5)
+    stop = time.monotonic() + 3.0
+    counts: list[int] = []
+
+    def loop() -> None:
+        made = 0
+        while time.monotonic() < stop:
+            client.get(LIGHT, headers=auth)
+            made += 1
+        counts.append(made)
+
+    loops = [threading.Thread(target=loop) for _ in range(8)]
+    for thread in loops:
+        thread.start()
+    for thread in loops:
+        thread.join(30)
+    # One read served every 2 s, and one refusal per connection per second.
+    assert len(counts) == 8 and sum(counts) <= 8 * 4 + 3, counts

@@ -19,7 +19,6 @@ from controlplane.app import create_app
 from controlplane.auth.clients import throttle_key
 from controlplane.auth.users import create_user
 from controlplane.coordination import throttle
-from dashboards import signin_gate
 from tests.dashboards.conftest import PASSWORD, csrf_of
 from tests.security.test_signin_flood import serving
 
@@ -42,6 +41,7 @@ def gated(settings, engine, quick_hashing) -> Iterator[tuple[str, object]]:
     checks = ui.state.password_checks
     for index in range(throttle.FREE_FAILURES_PER_ADDRESS + 6):  # locked for 2 * 2^6 s
         checks.throttle.failed(f"nobody-{index}", ATTACKER)
+    checks.hold = ui.state.sign_in_hold  # for the test of its bound
     try:
         with serving(app) as url:
             yield url, checks
@@ -136,9 +136,9 @@ def test_other_addresses_are_answered_while_a_locked_one_is_held(gated):
     assert answered == [429]
 
 
-def test_holds_are_bounded_past_them_a_refusal_is_answered_at_once(gated, monkeypatch):
-    url, _ = gated
-    monkeypatch.setattr(signin_gate, "MAX_HELD", 1)
+def test_holds_are_bounded_past_them_a_refusal_is_answered_at_once(gated):
+    url, checks = gated
+    checks.hold.max_held = 1
     assert _post(url, ATTACKER, "nobody-new", "guess guess guess").status_code == 429
     first = _raw_post(url, ATTACKER, declared=100, sent=b"")
     try:
