@@ -274,8 +274,10 @@ def test_pull_and_ingest_are_rate_limited_per_token(settings, engine, tokens):
 
     from controlplane.app import create_app
 
+    # Refusals answered at once: a held one would see the bucket refilled after it.
     limited = create_app(settings.model_copy(update={"rate_limit_pull_per_s": 1.0,
-                                                     "rate_limit_ingest_per_s": 1.0}),
+                                                     "rate_limit_ingest_per_s": 1.0,
+                                                     "rate_limit_hold_s": 0}),
                          engine=engine)
     with TestClient(limited) as client:
         _setup(client, tokens)
