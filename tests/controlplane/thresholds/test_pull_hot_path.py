@@ -142,8 +142,10 @@ def test_canary_membership_decides_the_set_a_plain_304_confirms(hot_app, tokens)
 
 
 def test_the_pull_rate_limit_holds_for_plain_304s(settings, engine, tokens):
+    # Refusals answered at once: a held one would see the bucket refilled after it.
     app = create_app(settings.model_copy(update={"config_cache_ttl_s": 30.0,
-                                                 "rate_limit_pull_per_s": 1.0}), engine=engine)
+                                                 "rate_limit_pull_per_s": 1.0,
+                                                 "rate_limit_hold_s": 0}), engine=engine)
     try:
         with TestClient(app) as client:
             _, runtime, _ = _chat(client, tokens)
