@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -37,7 +36,6 @@ from controlplane.db import (
     store_errors,
 )
 from controlplane.deps import (
-    HEAVY_READS_AT_ONCE,
     PrincipalCache,
     ReadLimited,
     is_json_media,
@@ -118,7 +116,6 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
         "heartbeat": settings.rate_limit_heartbeat_per_s, "read": settings.rate_limit_read_per_s})
     app.state.refusal_hold = RefusalHold(settings.rate_limit_hold_s)
-    app.state.heavy_reads = asyncio.Semaphore(HEAVY_READS_AT_ONCE)
     app.state.config_delivery = ConfigDelivery(
         factory, settings.config_cache_ttl_s, bus=app.state.bus,
         long_polls_per_token=settings.long_polls_per_token)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from anyio import to_thread
@@ -185,8 +185,6 @@ def rate_limited(kind: str):
 # rollups, logs or history, or renders a report, takes HEAVY_READ_COST. Route paths as
 # FastAPI names them; every GET route of the API not listed here is a light read.
 HEAVY_READ_COST = 5
-# Heavy reads one API process runs at once; more wait their turn.
-HEAVY_READS_AT_ONCE = 2
 HEAVY_READS = frozenset({
     "/v1/deployments/{name}/telemetry/exit-rates",
     "/v1/deployments/{name}/telemetry/disagreement",
@@ -216,14 +214,9 @@ def read_cost(method: str, route_path: str) -> int:
     return HEAVY_READ_COST if route_path in HEAVY_READS else 1
 
 
-async def _read_limit(request: Request) -> AsyncIterator[None]:
-    """Take the read's cost from its token's bucket (429 past it); a heavy read then runs
-    once one of the process's HEAVY_READS_AT_ONCE places is free (it waits for one, it is not
-    refused): each runs on a worker thread, and every one more at once takes the interpreter
-    from the event loop the runtimes' pulls are answered on."""
+async def _read_limit(request: Request) -> None:
     cost = read_cost(request.method, getattr(request.scope.get("route"), "path", ""))
     if not cost:
-        yield
         return
     state = request.app.state
     principal = await principal_for(state, request.headers.get("authorization", ""))
@@ -234,11 +227,6 @@ async def _read_limit(request: Request) -> AsyncIterator[None]:
         raise RateLimited(f"too many reads for this token (this one costs {cost} of "
                           f"EXITPLANE_RATE_LIMIT_READ_PER_S); retry in {wait:.1f} s",
                           retry_after=wait)
-    if cost < HEAVY_READ_COST:
-        yield
-        return
-    async with state.heavy_reads:
-        yield
 
 
 # For the API's routers (`include_router(..., dependencies=[ReadLimited])`): every GET route
