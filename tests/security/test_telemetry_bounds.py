@@ -95,7 +95,9 @@ def _response(connection: socket.socket) -> tuple[int, dict, dict]:
 def partial_post(port: int, path: str, *, length: int, sent: bytes, headers: dict[str, str],
                  content_type: str = "application/json"):
     """A connection that declared a `length`-byte body and sent only `sent` of it."""
-    connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+    # A refusal comes at once; the wait bounds only how long a failing test hangs, and a whole
+    # batch stored on a loaded machine's SQLite can take seconds.
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
     try:
         connection.sendall(_head(path, port, length, headers, content_type) + sent)
         yield connection
