@@ -21,6 +21,7 @@ from controlplane.auth.users import create_user
 from controlplane.coordination import throttle
 from tests.dashboards.conftest import PASSWORD, csrf_of
 from tests.security.test_signin_flood import serving
+from tests.security.test_telemetry_bounds import raw_response
 
 ATTACKER = "203.0.113.9"
 ADMIN = "198.51.100.7"
@@ -69,21 +70,6 @@ def _raw_post(url: str, address: str, declared: int, sent: bytes) -> socket.sock
     return connection
 
 
-def _answer(connection: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    received = b""
-    while b"\r\n\r\n" not in received:
-        chunk = connection.recv(65536)
-        assert chunk, "closed without an answer"
-        received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, _, value in
-               (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers["content-length"]):
-        body += connection.recv(65536)
-    return int(lines[0].split()[1]), headers, body
-
-
 class _Counting:
     """Counts the throttle's attempts (each one a count, and a password check when let in)."""
 
@@ -106,7 +92,7 @@ def test_a_locked_out_address_is_held_then_refused_before_its_form_is_read(gated
     began = time.monotonic()
     connection = _raw_post(url, ATTACKER, declared=60_000, sent=b"username=x&password=")
     try:
-        status, headers, body = _answer(connection)
+        status, headers, body = raw_response(connection)
         held = time.monotonic() - began
         assert status == 429 and headers["connection"] == "close", (status, headers)
         assert 60 < int(headers["retry-after"]) <= 128, headers
@@ -146,10 +132,10 @@ def test_holds_are_bounded_past_them_a_refusal_is_answered_at_once(gated):
         second = _raw_post(url, ATTACKER, declared=100, sent=b"")
         try:
             second.settimeout(HOLD_S / 2)  # answered before the first's hold ends
-            assert _answer(second)[0] == 429
+            assert raw_response(second)[0] == 429
         finally:
             second.close()
-        assert _answer(first)[0] == 429
+        assert raw_response(first)[0] == 429
     finally:
         first.close()
 

@@ -75,9 +75,8 @@ def _head(path: str, port: int, length: int, headers: dict[str, str],
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def _response(connection: socket.socket) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of the answer on `connection`; socket.timeout if none
-    comes."""
+def raw_response(connection: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of the answer on `connection`; socket.timeout if none comes."""
     received = b""
     while b"\r\n\r\n" not in received:
         chunk = connection.recv(65536)
@@ -88,7 +87,13 @@ def _response(connection: socket.socket) -> tuple[int, dict, dict]:
                for line in head.split(b"\r\n")[1:]}
     while len(body) < int(headers["content-length"]):
         body += connection.recv(65536)
-    return int(head.split()[1]), json.loads(body), headers
+    return int(head.split()[1]), headers, body
+
+
+def _response(connection: socket.socket) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of the answer on `connection`."""
+    status, headers, body = raw_response(connection)
+    return status, json.loads(body), headers
 
 
 @contextlib.contextmanager
