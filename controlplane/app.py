@@ -27,7 +27,7 @@ from controlplane.auth.service import digest
 from controlplane.calibration import fallback
 from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
-from controlplane.coordination.limits import RefusalHold, make_rate_limiters
+from controlplane.coordination.limits import RefusalHold, Turns, make_rate_limiters
 from controlplane.db import (
     get_engine,
     out_of_range_errors,
@@ -36,6 +36,8 @@ from controlplane.db import (
     store_errors,
 )
 from controlplane.deps import (
+    HEAVY_READS_AT_ONCE,
+    HEAVY_READS_WAITING,
     PrincipalCache,
     ReadLimited,
     is_json_media,
@@ -116,6 +118,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         "pull": settings.rate_limit_pull_per_s, "ingest": settings.rate_limit_ingest_per_s,
         "heartbeat": settings.rate_limit_heartbeat_per_s, "read": settings.rate_limit_read_per_s})
     app.state.refusal_hold = RefusalHold(settings.rate_limit_hold_s)
+    app.state.heavy_read_turns = Turns(HEAVY_READS_AT_ONCE, HEAVY_READS_WAITING)
     app.state.config_delivery = ConfigDelivery(
         factory, settings.config_cache_ttl_s, bus=app.state.bus,
         long_polls_per_token=settings.long_polls_per_token)

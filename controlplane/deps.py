@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated
 
 from anyio import to_thread
-from fastapi import Depends, Request, params
+from fastapi import Depends, Request, Response, params
+from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import Principal, active_principals, authenticate, digest
-from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter
+from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter, Turns
 from controlplane.errors import NotFound, RateLimited, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -181,10 +182,18 @@ def rate_limited(kind: str):
 
 
 # Reads take from the token's "read" bucket (EXITPLANE_RATE_LIMIT_READ_PER_S units a second)
-# by what they cost the store: a lookup by key takes one unit; a read that scans telemetry,
-# rollups, logs or history, or renders a report, takes HEAVY_READ_COST. Route paths as
-# FastAPI names them; every GET route of the API not listed here is a light read.
+# by what they cost the API. Before it runs, a lookup by key takes one unit, and a read that
+# scans telemetry, rollups, logs or history, or renders a report, takes HEAVY_READ_COST. When it
+# has been answered, a read on a metered route (`MeteredRoute`) also owes one unit per
+# READ_UNIT_S it kept the API busy past what it took (into debt: the token's next reads wait
+# until it is paid), so a token's reads keep an API busy for at most about one second a second,
+# whatever the store holds or the query asks for. A token runs HEAVY_READS_AT_ONCE heavy reads
+# at once per API process; HEAVY_READS_WAITING more wait their turn, and past them 429.
+# Route paths as FastAPI names them; every GET route of the API not listed here is a light read.
 HEAVY_READ_COST = 5
+READ_UNIT_S = 0.01
+HEAVY_READS_AT_ONCE = 1
+HEAVY_READS_WAITING = 8
 HEAVY_READS = frozenset({
     "/v1/deployments/{name}/telemetry/exit-rates",
     "/v1/deployments/{name}/telemetry/disagreement",
@@ -204,6 +213,7 @@ HEAVY_READS = frozenset({
 })
 # Reads with a bucket of their own: a runtime's threshold pull ("pull").
 OWN_BUCKET_READS = frozenset({"/v1/deployments/{name}/thresholds"})
+READ_METER = "exitplane.read_meter"  # the scope key of a metered request's `ReadMeter`
 
 
 def read_cost(method: str, route_path: str) -> int:
@@ -214,19 +224,76 @@ def read_cost(method: str, route_path: str) -> int:
     return HEAVY_READ_COST if route_path in HEAVY_READS else 1
 
 
+class ReadMeter:
+    """One metered read: the heavy-read turn it holds and what it took from its token's bucket,
+    settled by `settle` once the route has answered (or failed)."""
+
+    __slots__ = ("key", "limiter", "started", "taken", "turns")
+
+    def __init__(self) -> None:
+        self.turns: Turns | None = None
+        self.limiter: RateLimiter | None = None
+        self.key, self.taken, self.started = "", 0, 0.0
+
+    async def settle(self) -> None:
+        """Give the turn back, then owe what the read cost past what it took."""
+        if self.turns is not None:
+            self.turns.give_back(self.key)
+            self.turns = None
+        if self.limiter is None:
+            return
+        owed = (time.monotonic() - self.started) / READ_UNIT_S - self.taken
+        limiter, self.limiter = self.limiter, None
+        if owed >= 1:
+            await limiter.owe(self.key, owed)
+
+
+class MeteredRoute(APIRoute):
+    """An API route whose reads are metered (`ReadMeter`): `_read_limit` takes the turn and the
+    cost, and this settles them once the route's handler has answered, before the answer is
+    sent. Every router of the API uses it (`APIRouter(route_class=MeteredRoute)`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+        if not read_cost("GET", self.path) or "GET" not in self.methods:
+            return handler
+
+        async def metered(request: Request) -> Response:
+            meter = request.scope[READ_METER] = ReadMeter()
+            try:
+                return await handler(request)
+            finally:
+                await meter.settle()
+
+        return metered
+
+
 async def _read_limit(request: Request) -> None:
     cost = read_cost(request.method, getattr(request.scope.get("route"), "path", ""))
     if not cost:
         return
     state = request.app.state
     principal = await principal_for(state, request.headers.get("authorization", ""))
+    key = str(principal.token_id)
+    meter: ReadMeter | None = request.scope.get(READ_METER)
+    if meter is not None and cost >= HEAVY_READ_COST:
+        turns: Turns = state.heavy_read_turns
+        if not await turns.take(key):
+            await state.refusal_hold()
+            raise RateLimited(f"too many heavy reads at once for this token (this process runs "
+                              f"{turns.at_once} and queues {turns.waiting}); retry in 1 s",
+                              retry_after=1.0)
+        meter.turns, meter.key = turns, key
     limiter: RateLimiter = state.rate_limiters["read"]
-    wait = await limiter.retry_after(str(principal.token_id), cost)
+    wait = await limiter.retry_after(key, cost)
     if wait is not None:
         await state.refusal_hold()
         raise RateLimited(f"too many reads for this token (this one costs {cost} of "
-                          f"EXITPLANE_RATE_LIMIT_READ_PER_S); retry in {wait:.1f} s",
-                          retry_after=wait)
+                          f"EXITPLANE_RATE_LIMIT_READ_PER_S, and more if it keeps the API "
+                          f"busy longer); retry in {wait:.1f} s", retry_after=wait)
+    if meter is not None:
+        meter.limiter, meter.key, meter.taken = limiter, key, cost
+        meter.started = time.monotonic()
 
 
 # For the API's routers (`include_router(..., dependencies=[ReadLimited])`): every GET route

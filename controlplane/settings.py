@@ -194,9 +194,9 @@ class Settings(BaseSettings):
         default=100.0, ge=0,
         description="units per second per token on API reads (`GET`), bursts of twice that (0 = no "
         "limit): a lookup takes 1, a read that scans telemetry, logs or history (or "
-        "renders a report) takes 5 (so 20 such reads a second); past it, 429 with "
-        "`Retry-After`. Shared through Redis like the others; threshold pulls have "
-        "their own limit")
+        "renders a report) takes 5, and a read owes one more unit per 10 ms it kept the "
+        "API busy past that; past it, 429 with `Retry-After`. Shared through Redis like "
+        "the others; threshold pulls have their own limit")
     rate_limit_hold_s: float = Field(
         default=1.0, ge=0, le=10,
         description="a read, telemetry post or heartbeat refused past its token's rate is "

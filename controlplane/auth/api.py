@@ -6,10 +6,10 @@ from fastapi import APIRouter, status
 
 from controlplane.auth import service
 from controlplane.auth.schemas import TokenCreate, TokenCreated, TokenRead
-from controlplane.deps import AdminPrincipal, SessionDep
+from controlplane.deps import AdminPrincipal, MeteredRoute, SessionDep
 from controlplane.thresholds.service import get_deployment
 
-router = APIRouter(prefix="/v1/tokens", tags=["auth"])
+router = APIRouter(prefix="/v1/tokens", tags=["auth"], route_class=MeteredRoute)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)

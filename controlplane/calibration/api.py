@@ -18,11 +18,11 @@ from controlplane.calibration.schemas import (
     CanaryRead,
     Decision,
 )
-from controlplane.deps import OperatorPrincipal, SessionDep
+from controlplane.deps import MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.errors import Conflict, NotFound, error_answer
 from controlplane.thresholds.service import get_deployment
 
-router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"])
+router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"], route_class=MeteredRoute)
 
 
 @router.post("/calibrations", status_code=status.HTTP_202_ACCEPTED,

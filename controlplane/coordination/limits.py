@@ -102,6 +102,10 @@ class LocalRateLimiter:
             level = min(self.burst, level + (now - last) * self.rate)
             self._buckets[key] = (max(level - cost, -MAX_DEBT_S * self.rate), now)
 
+    async def owe(self, key: str, cost: float) -> None:
+        """`charge` from the event loop."""
+        self.charge(key, cost)
+
     def _forget_full(self, now: float) -> None:
         if len(self._buckets) > 100_000:
                 # Only full buckets are forgotten: dropping one loses nothing.
@@ -130,6 +134,7 @@ class RedisRateLimiter:
                                  if blocking_client is not None else None)
         self._charge_script = (blocking_client.register_script(_CHARGE)
                                if blocking_client is not None else None)
+        self._async_charge_script = client.register_script(_CHARGE)
         self._local = LocalRateLimiter(rate)
         self._unshared_count = 0
         self._unshared_logged = float("-inf")
@@ -168,11 +173,25 @@ class RedisRateLimiter:
         if self._charge_script is None:
             raise RuntimeError("this limiter was made without a blocking client")
         try:
-            self._charge_script(keys=[self._prefix + key], args=[
-                self._args[0], f"{cost:g}", f"{MAX_DEBT_S * 1_000_000 + float(self._args[1]):.0f}"])
+            self._charge_script(keys=[self._prefix + key], args=self._charge_args(cost))
         except (redis.RedisError, OSError) as error:
             self._unshared(key, error, 0)
             self._local.charge(key, cost)
+
+    async def owe(self, key: str, cost: float) -> None:
+        """`charge` from the event loop."""
+        if self.rate <= 0:
+            return
+        try:
+            await self._async_charge_script(keys=[self._prefix + key],
+                                            args=self._charge_args(cost))
+        except (redis.RedisError, OSError) as error:
+            self._unshared(key, error, 0)
+            self._local.charge(key, cost)
+
+    def _charge_args(self, cost: float) -> list[str]:
+        return [self._args[0], f"{cost:g}",
+                f"{MAX_DEBT_S * 1_000_000 + float(self._args[1]):.0f}"]
 
     def _cost(self, cost: float) -> tuple[str, str, str]:
         # More than a burst could never be taken: such a request costs a full burst.
@@ -209,6 +228,54 @@ class RefusalHold:
         finally:
             self.held -= 1
         return seconds
+
+
+class Turns:
+    """Per key, at most `at_once` holders at a time in this process; up to `waiting` more wait
+    for a turn, first come first served, and past them a request is refused at once. A waiter
+    holds nothing but its connection and a place in a queue."""
+
+    def __init__(self, at_once: int = 1, waiting: int = 8) -> None:
+        self.at_once, self.waiting = at_once, waiting
+        self._keys: dict[str, _Queue] = {}
+
+    async def take(self, key: str) -> bool:
+        """Wait for one of `key`'s turns; False (at once) when its queue is full."""
+        queue = self._keys.get(key)
+        if queue is None:
+            queue = self._keys[key] = _Queue(asyncio.Semaphore(self.at_once))
+        elif queue.users >= self.at_once + self.waiting:
+            return False
+        queue.users += 1
+        try:
+            await queue.semaphore.acquire()
+        except BaseException:
+            self._leave(key)
+            raise
+        return True
+
+    def give_back(self, key: str) -> None:
+        """End a turn `take` gave."""
+        self._keys[key].semaphore.release()
+        self._leave(key)
+
+    def holders(self, key: str) -> int:
+        """Requests holding or waiting for `key`'s turns."""
+        queue = self._keys.get(key)
+        return queue.users if queue else 0
+
+    def _leave(self, key: str) -> None:
+        queue = self._keys[key]
+        queue.users -= 1
+        if not queue.users:
+            del self._keys[key]
+
+
+class _Queue:
+    __slots__ = ("semaphore", "users")
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self.semaphore, self.users = semaphore, 0
 
 
 def make_rate_limiters(*, rates: dict[str, float], redis_url: str

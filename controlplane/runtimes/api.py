@@ -7,7 +7,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from controlplane.deps import OperatorPrincipal, RuntimePrincipal, SessionDep, rate_limited
+from controlplane.deps import (
+    MeteredRoute,
+    OperatorPrincipal,
+    RuntimePrincipal,
+    SessionDep,
+    rate_limited,
+)
 from controlplane.errors import RUNTIME_ERRORS, error_answer
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead, RuntimesRemoved
@@ -16,7 +22,7 @@ from exitplane.wire import Heartbeat
 
 log = logging.getLogger("exitplane.api")
 
-router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
+router = APIRouter(prefix="/v1/deployments", tags=["runtimes"], route_class=MeteredRoute)
 
 
 @router.post("/{name}/heartbeats", response_model=RuntimeRead,

@@ -19,7 +19,13 @@ from pydantic import ValidationError
 
 from controlplane import metrics
 from controlplane.auth.service import Principal
-from controlplane.deps import RuntimePrincipal, SessionDep, rate_limited, visible_deployment
+from controlplane.deps import (
+    MeteredRoute,
+    RuntimePrincipal,
+    SessionDep,
+    rate_limited,
+    visible_deployment,
+)
 from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, RateLimited, error_answer
 from controlplane.telemetry import reads, service, stream
 from controlplane.telemetry.admission import check_segment_names, names_per_batch_limit
@@ -45,7 +51,7 @@ from exitplane.wire import (
     TelemetryBatch,
 )
 
-router = APIRouter(tags=["telemetry"])
+router = APIRouter(tags=["telemetry"], route_class=MeteredRoute)
 
 
 class UnsupportedBatchType(DomainError):

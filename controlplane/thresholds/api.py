@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 
 from controlplane.deps import (
+    MeteredRoute,
     OperatorPrincipal,
     RuntimePrincipal,
     SessionDep,
@@ -37,7 +38,7 @@ from controlplane.thresholds.schemas import (
 )
 from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdSetWire
 
-router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
+router = APIRouter(prefix="/v1/deployments", tags=["deployments"], route_class=MeteredRoute)
 
 
 def _deployment_read(session, deployment: Deployment) -> DeploymentRead:

@@ -87,7 +87,10 @@ def test_the_default_read_limit_holds_one_token_to_20_heavy_reads_a_second(serve
     assert served <= 40 + 20 * elapsed + 1, (served, elapsed)
 
 
-def test_reads_are_weighted_by_cost(serve, chat, engine):
+def test_reads_are_weighted_by_cost(serve, chat, engine, monkeypatch):
+    from controlplane import deps
+
+    monkeypatch.setattr(deps, "READ_UNIT_S", 1e9)  # the declared costs only: no time owed
     client = serve(rate_limit_read_per_s=10.0)  # a burst of 20 units, 10 a second after
     heavy, _, heavy_s = _until_refused(client, HEAVY, _token(engine))
     light, refusal, light_s = _until_refused(client, LIGHT, _token(engine))
@@ -161,3 +164,90 @@ def test_a_token_looping_on_its_refusals_is_held_not_served_faster(serve, chat, 
     # One read served every 2 s, and one refusal per connection per second.
     assert len(counts) == 8 and sum(counts) <= 8 * 4 + 3, counts
 
+
+
+def _slow_counts(monkeypatch, seconds: float) -> dict:
+    """Make the telemetry count read take `seconds`; who ran it at once (per token, at most)."""
+    from controlplane.telemetry import service
+
+    seen = {"running": {}, "most_at_once": 0}
+    guard = threading.Lock()
+    real = service.counts
+
+    def slow(**kwargs):
+        who = threading.get_ident()
+        with guard:
+            seen["running"][who] = True
+            seen["most_at_once"] = max(seen["most_at_once"], len(seen["running"]))
+        time.sleep(seconds)
+        with guard:
+            del seen["running"][who]
+        return real(**kwargs)
+
+    monkeypatch.setattr(service, "counts", slow)
+    return seen
+
+
+def test_a_read_owes_the_time_it_kept_the_api_busy(serve, chat, engine, monkeypatch):
+    """A declared cost can be far below what a read costs the store (a scan over a large
+    store, a wide window): a token may keep an API busy for about a second a second, whatever
+    its reads ask for. One read of 0.6 s owes 60 units; at 10 a second the token waits."""
+    from controlplane.deps import READ_UNIT_S
+
+    client = serve(rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
+    _slow_counts(monkeypatch, 0.6)
+    auth, other = _token(engine), _token(engine)
+    assert client.get(HEAVY, headers=auth).status_code == 200
+    refused = client.get(LIGHT, headers=auth)  # the token's one bucket: light reads wait too
+    assert refused.status_code == 429, refused.text
+    owed = 0.6 / READ_UNIT_S - 20  # what it kept the API busy for, less the burst
+    assert float(refused.headers["Retry-After"]) >= owed / 10 - 1
+    assert client.get(LIGHT, headers=other).status_code == 200
+
+
+def test_the_time_a_read_owes_is_shared_by_every_api_process(serve, chat, engine,
+                                                             private_redis, monkeypatch):
+    first = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
+    second = serve(redis_url=private_redis.url, rate_limit_read_per_s=10.0,
+                   rate_limit_hold_s=0)
+    _slow_counts(monkeypatch, 0.6)
+    auth = _token(engine)
+    assert first.get(HEAVY, headers=auth).status_code == 200
+    refused = second.get(LIGHT, headers=auth)
+    assert refused.status_code == 429 and float(refused.headers["Retry-After"]) >= 3
+
+
+def test_heavy_reads_of_one_token_take_turns_and_a_full_queue_is_refused(serve, chat, engine,
+                                                                        monkeypatch):
+    """Each heavy read runs on a worker thread; one token firing them in parallel held as
+    many threads and as much of the store as it opened connections. A token now runs
+    HEAVY_READS_AT_ONCE per process and queues HEAVY_READS_WAITING (served in turn), past them
+    429; another token's heavy read runs beside them."""
+    from controlplane import deps
+    from controlplane.deps import HEAVY_READS_AT_ONCE, HEAVY_READS_WAITING
+
+    monkeypatch.setattr(deps, "READ_UNIT_S", 1e9)  # turns only: no time owed
+    client = serve(rate_limit_read_per_s=1000.0, rate_limit_hold_s=0)
+    seen = _slow_counts(monkeypatch, 0.3)
+    auth, other = _token(engine), _token(engine)
+    opened = HEAVY_READS_AT_ONCE + HEAVY_READS_WAITING + 3
+    statuses: list[int] = []
+    threads = [threading.Thread(target=lambda: statuses.append(
+        client.get(HEAVY, headers=auth).status_code)) for _ in range(opened)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.15)
+    began = time.monotonic()
+    assert client.get(HEAVY, headers=other).status_code == 200
+    other_s = time.monotonic() - began
+    for thread in threads:
+        thread.join(30)
+    assert statuses.count(200) == HEAVY_READS_AT_ONCE + HEAVY_READS_WAITING, statuses
+    assert statuses.count(429) == 3, statuses
+    if engine.dialect.name == "postgresql":  # SQLite runs one transaction at a time anyway
+        # The other token's read ran beside one of the first token's (not queued behind
+        # them), and never more than that ran at once.
+        assert other_s < 0.3 * HEAVY_READS_WAITING / 2, other_s
+        assert seen["most_at_once"] == HEAVY_READS_AT_ONCE + 1, seen
+    else:
+        assert seen["most_at_once"] == 1, seen
