@@ -159,7 +159,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         app.front = NotModifiedFastPath(app.front, **fast_pull, front=True)
 
     @app.exception_handler(DomainError)
-    async def domain_error(_request: Request, error: DomainError) -> JSONResponse:
+    async def domain_error(request: Request, error: DomainError) -> JSONResponse:
+        if error.held:  # a cap reached; rate refusals were held where they were found
+            await request.app.state.refusal_hold()
         headers = {}
         if error.status_code == 401:
             headers["WWW-Authenticate"] = "Bearer"

@@ -184,14 +184,18 @@ def rate_limited(kind: str):
 # Reads take from the token's "read" bucket (EXITPLANE_RATE_LIMIT_READ_PER_S units a second)
 # by what they cost the API. Before it runs, a lookup by key takes one unit, and a read that
 # scans telemetry, rollups, logs or history, or renders a report, takes HEAVY_READ_COST. When it
-# has been answered, a read on a metered route (`MeteredRoute`) also owes one unit per
-# READ_UNIT_S it kept the API busy past what it took (into debt: the token's next reads wait
-# until it is paid), so a token's reads keep an API busy for at most about one second a second,
-# whatever the store holds or the query asks for. A token runs HEAVY_READS_AT_ONCE heavy reads
-# at once per API process; HEAVY_READS_WAITING more wait their turn, and past them 429.
-# Route paths as FastAPI names them; every GET route of the API not listed here is a light read.
+# has been answered, a read on a metered route (`MeteredRoute`) also owes what it kept the API
+# busy past what it took, into debt (the token's next reads wait until it is paid): a light
+# read one unit per READ_UNIT_S, a heavy one a unit per HEAVY_READ_UNIT_S. At the default rate a
+# token's reads keep an API busy for at most about one second a second, a quarter of it with
+# heavy reads, whatever the store holds or the query asks for; one client that reads one thing
+# at a time (pausing three times as long as a heavy read took after it) never waits. A token runs
+# HEAVY_READS_AT_ONCE heavy reads at once per API process; HEAVY_READS_WAITING more wait their
+# turn, and past them 429. Route paths as FastAPI names them; every GET route of the API not
+# listed here is a light read.
 HEAVY_READ_COST = 5
 READ_UNIT_S = 0.01
+HEAVY_READ_UNIT_S = 0.0025
 HEAVY_READS_AT_ONCE = 1
 HEAVY_READS_WAITING = 8
 HEAVY_READS = frozenset({
@@ -242,7 +246,8 @@ class ReadMeter:
             self.turns = None
         if self.limiter is None:
             return
-        owed = (time.monotonic() - self.started) / READ_UNIT_S - self.taken
+        unit = HEAVY_READ_UNIT_S if self.taken >= HEAVY_READ_COST else READ_UNIT_S
+        owed = (time.monotonic() - self.started) / unit - self.taken
         limiter, self.limiter = self.limiter, None
         if owed >= 1:
             await limiter.owe(self.key, owed)

@@ -5,6 +5,9 @@ class DomainError(Exception):
     """Base of every error a user can meet; the message says what was wrong and what to do."""
 
     status_code = 400
+    # A refusal that a client looping on it would repeat at once (a rate or a cap reached):
+    # answered after the API's refusal hold (EXITPLANE_RATE_LIMIT_HOLD_S).
+    held = False
 
     @property
     def extra(self) -> dict:
@@ -18,6 +21,14 @@ class NotFound(DomainError):
 
 class Conflict(DomainError):
     status_code = 409
+
+
+class CapReached(Conflict):
+    """A cap of live things reached (runtimes of a deployment or of a token): held like a
+    rate refusal, since a client making up new ones would otherwise be refused as fast as it
+    asks."""
+
+    held = True
 
 
 class Invalid(DomainError):

@@ -195,12 +195,13 @@ class Settings(BaseSettings):
         description="units per second per token on API reads (`GET`), bursts of twice that (0 = no "
         "limit): a lookup takes 1, a read that scans telemetry, logs or history (or "
         "renders a report) takes 5, and a read owes one more unit per 10 ms it kept the "
-        "API busy past that; past it, 429 with `Retry-After`. Shared through Redis like "
-        "the others; threshold pulls have their own limit")
+        "API busy past that (a heavy read: per 2.5 ms); past it, 429 with `Retry-After`. "
+        "Shared through Redis like the others; threshold pulls have their own limit")
     rate_limit_hold_s: float = Field(
         default=1.0, ge=0, le=10,
-        description="a read, telemetry post or heartbeat refused past its token's rate is "
-        "answered 429 after waiting this long on the event loop (at most 256 at once per API "
+        description="a read, telemetry post or heartbeat refused past its token's rate (or a "
+        "heartbeat of a new runtime past a runtime cap) is answered 429 (409) after waiting "
+        "this long on the event loop (at most 256 at once per API "
         "process; no thread is held), with the `Retry-After` of when it came: a client that "
         "retries without waiting makes one request per connection per hold. 0: answered at "
         "once")

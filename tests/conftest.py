@@ -213,6 +213,17 @@ def wait_until(predicate, timeout: float = 20.0, message: str = "condition",
         time.sleep(interval)
 
 
+def patient_get(client, url: str, **kwargs):
+    """GET `url` as a well-behaved client polls: a 429 waits its Retry-After (at most 2 s) and
+    asks again, for up to a minute. `client`: a TestClient, an httpx client or `httpx`."""
+    deadline = time.monotonic() + 60
+    while True:
+        answer = client.get(url, **kwargs)
+        if answer.status_code != 429 or time.monotonic() > deadline:
+            return answer
+        time.sleep(min(2.0, float(answer.headers.get("Retry-After", 1))))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ from sqlalchemy import and_, bindparam, delete, false, func, select, update
 from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
-from controlplane.errors import Conflict, Invalid, NotFound
+from controlplane.errors import CapReached, Invalid, NotFound
 from controlplane.runtimes import lineage
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.targets import IngestTarget
@@ -58,7 +58,8 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
                      beat: Heartbeat, caps: RuntimeCaps | None = None,
                      token_id: int | None = None) -> Runtime:
     """Upsert the runtime's row from a heartbeat. A new runtime is registered to `token_id`
-    (the token that sent the beat) and refused with Conflict beyond `caps` (None: no caps).
+    (the token that sent the beat) and refused with CapReached (409, answered after the
+    refusal hold) beyond `caps` (None: no caps).
     `deployment`: its row, or the API's cached facts of it (only its id and name are read)."""
     fields = beat_fields(beat, utcnow())
     params = dict(fields, beat_deployment=deployment.id, beat_runtime=beat.runtime_id)
@@ -119,7 +120,7 @@ def beat_fields(beat: Heartbeat, seen: datetime) -> dict:
 
 def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps: RuntimeCaps,
                 token_id: int | None) -> None:
-    """Conflict when the deployment, or the token on it, has its cap of live runtimes: heard
+    """CapReached when the deployment, or the token on it, has its cap of live runtimes: heard
     from within FORGET_AFTER, and, for one heard from only once, within
     `caps.single_beat_forget` (a crashed start, a probe, ids a flood made up): those past it
     are removed first. Called under the deployment's row lock."""
@@ -135,15 +136,17 @@ def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps
             Runtime.deployment_id == deployment.id,
             Runtime.last_seen >= now - FORGET_AFTER)).one()
     if total >= caps.per_deployment:
-        raise Conflict(f"deployment {deployment.name!r} already has {total} runtimes reporting "
-                       f"(the cap is {caps.per_deployment}); reuse a runtime_id, remove gone "
-                       f"runtimes (DELETE /v1/deployments/{deployment.name}/runtimes/<id>), or "
-                       "raise EXITPLANE_MAX_RUNTIMES_PER_DEPLOYMENT")
+        raise CapReached(
+            f"deployment {deployment.name!r} already has {total} runtimes reporting "
+            f"(the cap is {caps.per_deployment}); reuse a runtime_id, remove gone "
+            f"runtimes (DELETE /v1/deployments/{deployment.name}/runtimes/<id>), or "
+            "raise EXITPLANE_MAX_RUNTIMES_PER_DEPLOYMENT")
     if token_id is not None and own >= caps.per_token:
-        raise Conflict(f"this token already has {own} runtimes reporting on deployment "
-                       f"{deployment.name!r} (the cap per token is {caps.per_token}); reuse a "
-                       "runtime_id, give more runtimes a token of their own, or raise "
-                       "EXITPLANE_MAX_RUNTIMES_PER_TOKEN")
+        raise CapReached(
+            f"this token already has {own} runtimes reporting on deployment "
+            f"{deployment.name!r} (the cap per token is {caps.per_token}); reuse a "
+            "runtime_id, give more runtimes a token of their own, or raise "
+            "EXITPLANE_MAX_RUNTIMES_PER_TOKEN")
 
 
 def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str | None = None,

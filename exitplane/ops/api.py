@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -18,6 +19,10 @@ import httpx
 DEFAULT_URL = "http://127.0.0.1:8000"
 REFUSED = 1  # the control plane answered with an error
 UNUSABLE = 2  # bad input, an unreadable file, or no control plane answered
+# A read refused for the token's rate is asked again after its Retry-After, when that is at
+# most READ_RETRY_MAX_S, up to READ_RETRIES times; a longer wait is reported.
+READ_RETRIES = 3
+READ_RETRY_MAX_S = 10.0
 
 
 def fail(message: str, code: int = UNUSABLE) -> NoReturn:
@@ -44,10 +49,15 @@ class ControlPlane:
                  "--token-file FILE")
         query = {key: value for key, value in (params or {}).items() if value is not None}
         try:
-            answer = httpx.request(method, self.url + path, json=json, params=query,
-                                   headers={"Authorization": f"Bearer {self.token}",
-                                            "User-Agent": "exitplane-cli"},
-                                   timeout=self.timeout_s)
+            for attempt in range(READ_RETRIES + 1):
+                answer = httpx.request(method, self.url + path, json=json, params=query,
+                                       headers={"Authorization": f"Bearer {self.token}",
+                                                "User-Agent": "exitplane-cli"},
+                                       timeout=self.timeout_s)
+                wait = _read_retry_after(method, answer)
+                if wait is None or attempt == READ_RETRIES:
+                    break
+                time.sleep(wait)
         except httpx.TimeoutException:
             fail(f"{self.url} did not answer within {self.timeout_s:g} s")
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as error:
@@ -67,6 +77,18 @@ class ControlPlane:
 
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params=params)
+
+
+def _read_retry_after(method: str, answer: httpx.Response) -> float | None:
+    """The seconds to wait before asking again: a read refused for its token's rate (429) with
+    a Retry-After of at most READ_RETRY_MAX_S; None otherwise."""
+    if method != "GET" or answer.status_code != 429:
+        return None
+    try:
+        wait = float(answer.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return wait if 0 <= wait <= READ_RETRY_MAX_S else None
 
 
 def part(value: str | int) -> str:

@@ -26,6 +26,7 @@ from tests.conftest import (
     REDIS_URL,
     empty_postgres,
     free_port,
+    patient_get,
     stop_processes,
     wait_until,
 )
@@ -78,9 +79,9 @@ def test_a_report_the_worker_rendered_is_served_by_an_api_on_another_disk(postgr
         reported = wait_until(reported_alerts, 180, "the worker to store an alert's report")
         api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                            headers={"Authorization": f"Bearer {secret}"})
-        shown = api.get(f"/v1/alerts/{reported[0].id}").json()
+        shown = patient_get(api, f"/v1/alerts/{reported[0].id}").json()
         assert shown["report_url"].endswith(f"/v1/alerts/{reported[0].id}/report")
-        report = api.get(f"/v1/alerts/{reported[0].id}/report")
+        report = patient_get(api, f"/v1/alerts/{reported[0].id}/report")
         assert report.status_code == 200, report.text
         assert report.headers["content-type"].startswith("text/html")
         with Session(engine) as session:

@@ -20,7 +20,7 @@ from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
 from exitplane.client.shipper import TelemetryShipper
-from tests.conftest import CeleryWorker, free_port, stop_process, wait_until
+from tests.conftest import CeleryWorker, free_port, patient_get, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
@@ -106,8 +106,8 @@ class ServedDeployment:
                                 backoff_max_s=0.5, max_attempts=2).start()
 
     def stored(self) -> int:
-        return httpx.get(f"{self.base}/v1/deployments/chat/telemetry/count",
-                         headers=self.runtime_auth, timeout=30).json()["records"]
+        return patient_get(httpx, f"{self.base}/v1/deployments/chat/telemetry/count",
+                           headers=self.runtime_auth, timeout=30).json()["records"]
 
     def probe(self) -> httpx.Response:
         """One batch of one record, posted directly (not through the shipper)."""

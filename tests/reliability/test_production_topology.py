@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 
 from controlplane.db import make_engine
 from controlplane.stats.clustered import clopper_pearson
-from tests.conftest import POSTGRES_URL, free_port, wait_until
+from tests.conftest import POSTGRES_URL, free_port, patient_get, wait_until
 from tests.reliability.processes import EXITPLANE, ROOT, Processes
 
 # slow: every service as its own process
@@ -145,7 +145,7 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
         alert = wait_until(lambda: _alert(ops, "quality_regression"), 180,
                      "the beat-scheduled drift check to fire quality_regression")
         assert alert["deployment"] == "chat"
-        audit = ops.get("/v1/deployments/chat/audit").json()
+        audit = patient_get(ops, "/v1/deployments/chat/audit").json()
         [fallback] = [e for e in audit if e["action"] == "alias.fallback"]
         assert (fallback["alias"], fallback["to_version"]) == ("active", 1)
         assert fallback["details"]["alert_id"] == alert["id"]  # the audit names the alert
@@ -154,7 +154,7 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
                             "the recalibrated version to become active")
         wait_until(lambda: _applied(ops, recalibrated), 60, "the runtime to apply it")
         traffic.stop()
-        jobs = ops.get("/v1/deployments/chat/calibrations").json()
+        jobs = patient_get(ops, "/v1/deployments/chat/calibrations").json()
         assert jobs[0]["trigger"] == "alert" and jobs[0]["result_version"] == recalibrated
 
         # Fresh B traffic on the recalibrated set: early exits again, within δ.
@@ -166,8 +166,8 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
                 "Authorization": f"Bearer {token_file.read_text().strip()}"}) as runtime_api:
             wait_until(lambda: _shadow_tokens(runtime_api, since, recalibrated) >= 200, 60,
                  "the runtime's telemetry to be ingested through the stream")
-            windows = runtime_api.get("/v1/deployments/chat/telemetry/disagreement", params={
-                "since": since, "version": recalibrated}).json()
+            windows = patient_get(runtime_api, "/v1/deployments/chat/telemetry/disagreement",
+                                  params={"since": since, "version": recalibrated}).json()
         shadow = sum(w["shadow_tokens"] for w in windows)
         wrong = sum(w["mismatches"] for w in windows)
         # The set is certified within δ; the raw rate on a few hundred shadow tokens of a set
@@ -250,7 +250,7 @@ def _ready(url: str) -> bool:
 
 
 def _alert(ops: httpx.Client, kind: str) -> dict | None:
-    alerts = ops.get("/v1/alerts", params={"deployment": "chat"}).json()
+    alerts = patient_get(ops, "/v1/alerts", params={"deployment": "chat"}).json()
     return next((a for a in alerts if a["kind"] == kind), None)
 
 
@@ -261,11 +261,11 @@ def _calibrated_version(ops: httpx.Client) -> int | None:
 
 
 def _applied(ops: httpx.Client, version: int) -> bool:
-    runtimes = ops.get("/v1/deployments/chat/runtimes").json()
+    runtimes = patient_get(ops, "/v1/deployments/chat/runtimes").json()
     return bool(runtimes) and all(r["applied_version"] == version for r in runtimes)
 
 
 def _shadow_tokens(api: httpx.Client, since: str, version: int) -> int:
-    windows = api.get("/v1/deployments/chat/telemetry/disagreement",
-                      params={"since": since, "version": version}).json()
+    windows = patient_get(api, "/v1/deployments/chat/telemetry/disagreement",
+                          params={"since": since, "version": version}).json()
     return sum(w["shadow_tokens"] for w in windows)

@@ -18,7 +18,7 @@ from controlplane.app import create_app
 from exitplane.client.aggregate import Aggregator
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.wire import AGGREGATE_MSGPACK, ShadowPoint, TokenRecord
-from tests.conftest import free_port
+from tests.conftest import free_port, patient_get
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, ControlPlane, publish
 
 ROLLUP = ("version, minute, layer, tokens, exits, shadow_total, shadow_matches, policy_exits, "
@@ -106,7 +106,7 @@ def test_aggregates_give_the_rollups_records_give(control_plane, operator, runti
         assert kinds == {"aggregate": len(stream), "sampled": 0}
         assert edge.counters["sent_batches"] > 0
     assert edge.counters["sent_aggregate_tokens"] == len(stream)
-    counts = operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
+    counts = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
     assert counts["records_sampled"] is True and counts["raw_sample_rate"] == 0.1
     assert counts["tokens"] == 2 * len(stream)
     assert plain.close(10) and edge.close(10)
@@ -127,7 +127,7 @@ def test_replayed_aggregates_count_once(control_plane, operator, runtime_token, 
     assert [ack.status_code for ack in acks] == [202, 202]
     assert [ack.json()["duplicate"] for ack in acks] == [False, True]
     assert acks[0].json()["accepted"] == 300
-    counts = operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
+    counts = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
     assert counts["tokens"] == 300 and counts["records"] == 0
 
     # A cell at a layer the deployment lacks refuses the batch, naming the cell.
@@ -137,7 +137,8 @@ def test_replayed_aggregates_count_once(control_plane, operator, runtime_token, 
                          content=msgpack.packb(bad))
     assert refused.status_code == 422
     assert f"cell {len(body['cells'])}: layer 3 is neither an exit layer" in refused.text
-    assert operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()["tokens"] == 300
+    assert patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/telemetry/count"
+                       ).json()["tokens"] == 300
 
     # An exitplane content type this control plane does not know: 415 naming the known ones.
     future = httpx.post(f"{control_plane.url}/v1/telemetry", content=b"{}", headers={

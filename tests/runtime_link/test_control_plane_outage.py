@@ -16,7 +16,7 @@ from controlplane.telemetry.models import ShadowSampleRow, TokenRecordRow
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.thresholds import ThresholdClient
 from runtime.engine import Engine
-from tests.conftest import wait_until
+from tests.conftest import patient_get, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, publish
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -120,13 +120,14 @@ def test_the_runtime_rides_out_a_control_plane_outage(control_plane, operator, r
         assert max(produced.values()) == 1
         stored, shadow_samples = _stored(engine)
         assert stored == produced
-        count = operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
+        count = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
         assert count["records"] == sum(produced.values())
         assert shadow_samples > 0  # shadow tokens made it through the spool as well
         assert first.shipper.dropped_records == second.shipper.dropped_records == 0
         wait_until(lambda: any(r["runtime_id"] == RUNTIME_ID and r["spooled_batches"] == 0
                                and r["applied_version"] == version and r["ready"]
-                               for r in operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes")
-                               .json()), message="a heartbeat with an empty spool")
+                               for r in patient_get(
+                                   operator, f"/v1/deployments/{DEPLOYMENT}/runtimes").json()),
+                   message="a heartbeat with an empty spool")
     finally:
         second.close()

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.telemetry.models import ShadowSampleRow
 from controlplane.thresholds.service import get_deployment
+from tests.conftest import patient_get
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, publish
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,15 +45,15 @@ def test_the_worked_runtime_reports_exits_and_shadow_tokens(control_plane, opera
         outputs = [example.generate(tiny_model, rt, [1, 5 + i, 9, 13], 12, f"req-{i}")
                    for i in range(8)]
         rt.flush(30)
-        assert [runtime["runtime_id"] for runtime in operator.get(
-            f"/v1/deployments/{DEPLOYMENT}/runtimes").json()] == ["hf-example-1"]
+        rows = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
+        assert [runtime["runtime_id"] for runtime in rows] == ["hf-example-1"]
         metrics = rt.metrics
     assert [c.version for c in changes] == [version]
     assert all(len(out) == 12 for out in outputs)
     assert metrics["telemetry_sent_records"] == 8 * 12
     assert operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json() == []  # it left
 
-    counts = operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
+    counts = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/telemetry/count").json()
     assert counts["tokens"] == 8 * 12
     with Session(engine) as session:
         deployment = get_deployment(session=session, name=DEPLOYMENT)

@@ -16,7 +16,7 @@ from exitplane.client.codec import EncodedBatch
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.spool import Spool
 from exitplane.wire import TokenRecord
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, patient_get, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, ControlPlane
 
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -40,7 +40,7 @@ def _shipper(url: str, token: str, spool_dir, **kwargs) -> TelemetryShipper:
 
 
 def _counts(operator) -> dict:
-    response = operator.get(f"/v1/deployments/{DEPLOYMENT}/telemetry/count")
+    response = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/telemetry/count")
     assert response.status_code == 200, response.text
     return {key: response.json()[key] for key in ("records", "batches", "shadow_samples")}
 

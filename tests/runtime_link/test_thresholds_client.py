@@ -12,7 +12,7 @@ import pytest
 
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import ThresholdSetWire, threshold_checksum
-from tests.conftest import serve_in_thread, wait_until
+from tests.conftest import patient_get, serve_in_thread, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -26,7 +26,7 @@ def _client(engine, url, token, **kwargs) -> ThresholdClient:
 
 
 def _runtime_row(operator: httpx.Client, runtime_id: str) -> dict | None:
-    rows = operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
+    rows = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
     return next((row for row in rows if row["runtime_id"] == runtime_id), None)
 
 

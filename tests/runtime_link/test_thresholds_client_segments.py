@@ -15,7 +15,7 @@ from exitplane.client.thresholds import (
     check_threshold_set,
 )
 from exitplane.wire import ThresholdSetWire
-from tests.conftest import wait_until
+from tests.conftest import patient_get, wait_until
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
 
 FAST = {"long_poll_s": 0.2, "heartbeat_interval_s": 0.2, "backoff_initial_s": 0.05,
@@ -86,7 +86,7 @@ def test_a_one_map_runtime_refuses_a_segmented_set_and_keeps_its_own(control_pla
         assert "has thresholds per segment (code)" in client.error
 
         def reported() -> str:
-            rows = operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
+            rows = patient_get(operator, f"/v1/deployments/{DEPLOYMENT}/runtimes").json()
             row = next((r for r in rows if r["runtime_id"] == "rt-one-map"), {})
             return row.get("error") or ""
 

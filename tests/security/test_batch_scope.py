@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import ShadowSampleRow, TelemetryBatchRow, TokenRecordRow
 from controlplane.thresholds.service import get_deployment
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, patient_get
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
 
 
@@ -49,8 +49,8 @@ def test_a_batch_id_reused_by_another_deployment_is_stored_for_both(client, toke
     replay = client.post("/v1/telemetry", json=batch_b, headers=runtime_b)
     assert replay.status_code == 202 and replay.json()["duplicate"] is True
     assert _stored(engine, "b") == (1, 40, shadows)
-    a_counts = client.get("/v1/deployments/a/telemetry/count", headers=runtime_a).json()
-    b_counts = client.get("/v1/deployments/b/telemetry/count", headers=runtime_b).json()
+    a_counts = patient_get(client, "/v1/deployments/a/telemetry/count", headers=runtime_a).json()
+    b_counts = patient_get(client, "/v1/deployments/b/telemetry/count", headers=runtime_b).json()
     assert a_counts["tokens"] == b_counts["tokens"] == 40
 
 

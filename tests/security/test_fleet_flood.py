@@ -84,10 +84,13 @@ def test_usual_runtime_ids_are_accepted(serve):
 
 
 def test_a_deployment_has_a_cap_of_runtimes(serve, engine):
-    client, auth = serve(max_runtimes_per_deployment=2)
+    client, auth = serve(max_runtimes_per_deployment=2, rate_limit_hold_s=0.5)
     assert _beat(client, auth, "rt-1").status_code == 200
     assert _beat(client, auth, "rt-2").status_code == 200
+    started = time.monotonic()
     refused = _beat(client, auth, "rt-3")
+    # Held like a rate refusal: a client making up ids is answered no faster than the hold.
+    assert time.monotonic() - started >= 0.5
     assert refused.status_code == 409
     assert "cap is 2" in refused.json()["detail"]
     assert "EXITPLANE_MAX_RUNTIMES_PER_DEPLOYMENT" in refused.json()["detail"]

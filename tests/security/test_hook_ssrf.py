@@ -20,7 +20,7 @@ from controlplane.alerts import delivery_service, hook_service, hooks
 from controlplane.alerts.guard import AllowList, HookGuard
 from controlplane.keys import vault
 from controlplane.settings import Settings
-from tests.conftest import free_port, serve_in_thread
+from tests.conftest import free_port, patient_get, serve_in_thread
 from tests.controlplane.alerts.support import make_deployment
 
 BASE = "http://exitplane.test"
@@ -285,7 +285,7 @@ def test_deliveries_store_no_response_text_and_follow_no_redirect(client, tokens
                 "name": "n", "kind": "webhook", "url": url}).json()["id"]
             sent = client.post(f"/v1/hooks/{hook_id}/test", headers=admin).json()
             assert not sent["ok"]
-            logged = client.get(f"/v1/hooks/{hook_id}/deliveries", headers=admin).json()
+            logged = patient_get(client, f"/v1/hooks/{hook_id}/deliveries", headers=admin).json()
             assert [entry["error"] for entry in logged] == [sent["error"]]
             errors.append(sent["error"])
         assert errors == ["HTTP 500", f"HTTP 302: {hooks.REDIRECT_REFUSED}", hooks.NO_ANSWER]

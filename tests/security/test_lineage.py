@@ -29,7 +29,7 @@ from controlplane.telemetry.service import ingest
 from controlplane.thresholds.service import get_deployment, move_alias, publish
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import Heartbeat, TelemetryBatch
-from tests.conftest import wait_until
+from tests.conftest import patient_get, wait_until
 from tests.controlplane.alerts.support import Phase, send_traffic
 from tests.controlplane.alerts.support import make_deployment as make_drift_deployment
 from tests.controlplane.calibration.support import (
@@ -302,7 +302,8 @@ def test_a_runtime_refuses_a_set_made_for_other_heads(control_plane, operator,  
 
         def listed() -> dict:
             return {row["runtime_id"]: row
-                    for row in operator.get(f"/v1/deployments/{DEPLOYMENT}/runtimes").json()}
+                    for row in patient_get(operator,
+                                           f"/v1/deployments/{DEPLOYMENT}/runtimes").json()}
 
         wait_until(lambda: "made for exit heads" in (listed().get("rt-other", {}).get("error")
                                                       or ""), message="the refusal reported")

@@ -90,7 +90,8 @@ def test_the_default_read_limit_holds_one_token_to_20_heavy_reads_a_second(serve
 def test_reads_are_weighted_by_cost(serve, chat, engine, monkeypatch):
     from controlplane import deps
 
-    monkeypatch.setattr(deps, "READ_UNIT_S", 1e9)  # the declared costs only: no time owed
+    for unit in ("READ_UNIT_S", "HEAVY_READ_UNIT_S"):  # the declared costs only: no time owed
+        monkeypatch.setattr(deps, unit, 1e9)
     client = serve(rate_limit_read_per_s=10.0)  # a burst of 20 units, 10 a second after
     heavy, _, heavy_s = _until_refused(client, HEAVY, _token(engine))
     light, refusal, light_s = _until_refused(client, LIGHT, _token(engine))
@@ -190,9 +191,10 @@ def _slow_counts(monkeypatch, seconds: float) -> dict:
 
 def test_a_read_owes_the_time_it_kept_the_api_busy(serve, chat, engine, monkeypatch):
     """A declared cost can be far below what a read costs the store (a scan over a large
-    store, a wide window): a token may keep an API busy for about a second a second, whatever
-    its reads ask for. One read of 0.6 s owes 60 units; at 10 a second the token waits."""
-    from controlplane.deps import READ_UNIT_S
+    store, a wide window): a token's heavy reads keep an API busy for about a quarter second a
+    second at the default rate, whatever they ask for. One heavy read of 0.6 s owes 240 units;
+    at 10 a second the token waits."""
+    from controlplane.deps import HEAVY_READ_UNIT_S
 
     client = serve(rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
     _slow_counts(monkeypatch, 0.6)
@@ -200,7 +202,7 @@ def test_a_read_owes_the_time_it_kept_the_api_busy(serve, chat, engine, monkeypa
     assert client.get(HEAVY, headers=auth).status_code == 200
     refused = client.get(LIGHT, headers=auth)  # the token's one bucket: light reads wait too
     assert refused.status_code == 429, refused.text
-    owed = 0.6 / READ_UNIT_S - 20  # what it kept the API busy for, less the burst
+    owed = 0.6 / HEAVY_READ_UNIT_S - 20  # what it kept the API busy for, less the burst
     assert float(refused.headers["Retry-After"]) >= owed / 10 - 1
     assert client.get(LIGHT, headers=other).status_code == 200
 
@@ -226,7 +228,8 @@ def test_heavy_reads_of_one_token_take_turns_and_a_full_queue_is_refused(serve, 
     from controlplane import deps
     from controlplane.deps import HEAVY_READS_AT_ONCE, HEAVY_READS_WAITING
 
-    monkeypatch.setattr(deps, "READ_UNIT_S", 1e9)  # turns only: no time owed
+    for unit in ("READ_UNIT_S", "HEAVY_READ_UNIT_S"):  # turns only: no time owed
+        monkeypatch.setattr(deps, unit, 1e9)
     client = serve(rate_limit_read_per_s=1000.0, rate_limit_hold_s=0)
     seen = _slow_counts(monkeypatch, 0.3)
     auth, other = _token(engine), _token(engine)

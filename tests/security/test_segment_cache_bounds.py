@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from controlplane.telemetry import admission, service
 from controlplane.thresholds.service import get_deployment
 from exitplane.wire import AGGREGATE_MSGPACK, TelemetryBatch
+from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import FULL, _deploy
 
 CAP = 16  # EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT's default: a batch may carry 33 names
@@ -63,7 +64,7 @@ def test_a_batch_with_more_distinct_names_than_a_runtime_can_send_is_422(client,
     aggregate = client.post("/v1/telemetry", content=_aggregate(over), headers={
         **runtime, "Content-Type": AGGREGATE_MSGPACK})
     assert aggregate.status_code == 422 and "distinct segment names" in aggregate.json()["detail"]
-    counts = client.get("/v1/deployments/chat/telemetry/count", headers=runtime).json()
+    counts = patient_get(client, "/v1/deployments/chat/telemetry/count", headers=runtime).json()
     assert counts["batches"] == 1 and counts["records"] == len(within)
 
 
@@ -104,6 +105,6 @@ def test_the_ingest_worker_checks_the_names_per_batch_too(engine, client, tokens
         deployment = get_deployment(session=session, name="chat")
         with pytest.raises(service.Invalid, match="40 distinct segment names"):
             service.ingest(session=session, deployment=deployment, batches=[over])
-    counts = client.get("/v1/deployments/chat/telemetry/count",
-                        headers=tokens.headers(tokens.operator)).json()
+    counts = patient_get(client, "/v1/deployments/chat/telemetry/count",
+                         headers=tokens.headers(tokens.operator)).json()
     assert counts["batches"] == 0

@@ -27,6 +27,7 @@ from controlplane.telemetry.models import TokenRecordRow
 from controlplane.thresholds.segments import known_segments
 from controlplane.thresholds.service import get_deployment
 from exitplane.cli import main
+from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import FULL, LAYERS, _deploy
 from tests.dashboards.conftest import create_people, csrf_of, sign_in
 
@@ -108,8 +109,8 @@ def test_an_operator_removes_a_squatter_and_publishes_the_real_segment(client, t
     published = client.post("/v1/deployments/chat/threshold-sets", headers=op, json=CODE_SET)
     assert published.status_code == 201, published.text
     # what squat00 sent stays readable under its name ...
-    history = client.get("/v1/deployments/chat/telemetry/exit-rates", headers=op,
-                         params={"segment": "squat00"})
+    history = patient_get(client, "/v1/deployments/chat/telemetry/exit-rates", headers=op,
+                          params={"segment": "squat00"})
     assert history.status_code == 200 and sum(row["tokens"] for row in history.json()
                                               if row["layer"] == LAYERS[0]) == 3
     # ... its new traffic is `default`'s, and telemetry cannot register it again
@@ -120,7 +121,7 @@ def test_an_operator_removes_a_squatter_and_publishes_the_real_segment(client, t
                                            headers=op).json()["segments"]
              if s["removed_at"] is None]
     assert "squat00" not in names and "code" in names
-    audit = client.get("/v1/deployments/chat/audit", headers=op).json()
+    audit = patient_get(client, "/v1/deployments/chat/audit", headers=op).json()
     assert any(e["action"] == "segment.remove" and e["reason"] == "not a segment of ours"
                for e in audit)
 

@@ -6,6 +6,7 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import service
 from controlplane.alerts.service import Condition
 from controlplane.thresholds.service import get_deployment
+from tests.conftest import patient_get
 from tests.controlplane.alerts.support import make_deployment
 
 
@@ -23,14 +24,15 @@ def _alert(engine, condition=None, report_html=None):
 def test_list_ack_resolve(client, tokens, engine, outbox):
     alert_id = _alert(engine)
     op = tokens.headers(tokens.operator)
-    listed = client.get("/v1/alerts", headers=op, params={"status": "open"})
+    listed = patient_get(client, "/v1/alerts", headers=op, params={"status": "open"})
     assert listed.status_code == 200
     [row] = listed.json()
     assert (row["id"], row["deployment"], row["kind"], row["status"]) == (
         alert_id, "chat", "distribution_drift", "firing")
-    assert client.get("/v1/alerts", headers=op, params={"status": "resolved"}).json() == []
-    assert client.get("/v1/alerts", params={"deployment": "chat"}).status_code == 401
-    assert client.get("/v1/alerts", headers=op, params={"status": "bogus"}).status_code == 422
+    assert patient_get(client, "/v1/alerts", headers=op, params={"status": "resolved"}).json() == []
+    assert patient_get(client, "/v1/alerts", params={"deployment": "chat"}).status_code == 401
+    assert patient_get(client, "/v1/alerts", headers=op,
+                       params={"status": "bogus"}).status_code == 422
 
     acked = client.post(f"/v1/alerts/{alert_id}/ack", headers=op, json={"note": "on it"})
     assert acked.status_code == 200
@@ -44,7 +46,7 @@ def test_list_ack_resolve(client, tokens, engine, outbox):
     assert again.status_code == 409 and "already resolved" in again.json()["detail"]
     assert client.post(f"/v1/alerts/{alert_id}/resolve", headers=op,
                        json={}).status_code == 422
-    assert client.get("/v1/alerts/999", headers=op).status_code == 404
+    assert patient_get(client, "/v1/alerts/999", headers=op).status_code == 404
 
 
 def test_hooks_are_admin_only_and_hide_secrets(client, tokens, engine):
@@ -88,16 +90,16 @@ def test_send_test_alert_reaches_the_receiver_and_is_logged(client, tokens, engi
     receiver.statuses.append(500)
     failed = client.post(f"/v1/hooks/{hook_id}/test", headers=admin).json()
     assert (failed["ok"], failed["status_code"]) == (False, 500)
-    log = client.get(f"/v1/hooks/{hook_id}/deliveries", headers=admin).json()
+    log = patient_get(client, f"/v1/hooks/{hook_id}/deliveries", headers=admin).json()
     assert [(d["event"], d["status_code"]) for d in log] == [("test", 500), ("test", 200)]
 
 
 def test_the_drift_report_is_served_from_the_alert(client, tokens, engine, settings, outbox):
     alert_id = _alert(engine, report_html="<html><body>drift report</body></html>")
     op = tokens.headers(tokens.operator)
-    shown = client.get(f"/v1/alerts/{alert_id}", headers=op).json()
+    shown = patient_get(client, f"/v1/alerts/{alert_id}", headers=op).json()
     assert shown["report_url"] == f"http://127.0.0.1:8000/v1/alerts/{alert_id}/report"
-    report = client.get(f"/v1/alerts/{alert_id}/report", headers=op)
+    report = patient_get(client, f"/v1/alerts/{alert_id}/report", headers=op)
     assert report.status_code == 200 and "drift report" in report.text
     assert report.headers["content-type"].startswith("text/html")
     with Session(engine) as session:
@@ -106,5 +108,5 @@ def test_the_drift_report_is_served_from_the_alert(client, tokens, engine, setti
             kind="runtime_stale", severity="warning", subject="rt-1", summary="silent"))
         session.commit()
         other_id = other.id
-    missing = client.get(f"/v1/alerts/{other_id}/report", headers=op)
+    missing = patient_get(client, f"/v1/alerts/{other_id}/report", headers=op)
     assert missing.status_code == 404 and "has no report" in missing.json()["detail"]

@@ -11,6 +11,7 @@ from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.thresholds.service import aliases_of, audit_log, get_deployment, publish
+from tests.conftest import patient_get
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
@@ -42,9 +43,9 @@ def test_start_list_show_and_approve(client, tokens, engine, outbox):
         service.run_calibration(session=session, job=session.get(CalibrationJob, job["id"]),
                                 policy=service.CalibrationPolicy(min_samples_per_layer=500))
 
-    listed = client.get("/v1/deployments/chat/calibrations", headers=op).json()
+    listed = patient_get(client, "/v1/deployments/chat/calibrations", headers=op).json()
     assert [j["id"] for j in listed] == [job["id"]] and "curve" not in listed[0]
-    shown = client.get(f"/v1/deployments/chat/calibrations/{job['id']}", headers=op).json()
+    shown = patient_get(client, f"/v1/deployments/chat/calibrations/{job['id']}", headers=op).json()
     assert shown["status"] == "succeeded" and shown["promotion"] == "awaiting_approval"
     assert [layer["layer"] for layer in shown["layers"]] == [3, 6, 9] and shown["curve"]
     approved = client.post(f"/v1/deployments/chat/calibrations/{job['id']}/approve",
@@ -68,8 +69,9 @@ def test_errors_say_what_was_wrong(client, tokens, engine, outbox):
     naive = client.post("/v1/deployments/chat/calibrations", headers=op,
                         json={"since": "2026-11-29T10:00:00"})
     assert naive.status_code == 422
-    assert client.get("/v1/deployments/chat/calibrations/99", headers=op).status_code == 404
-    assert client.get("/v1/deployments/chat/canary", headers=op).status_code == 404
+    assert patient_get(client, "/v1/deployments/chat/calibrations/99",
+                       headers=op).status_code == 404
+    assert patient_get(client, "/v1/deployments/chat/canary", headers=op).status_code == 404
     assert client.post("/v1/deployments/chat/canary/promote", headers=op,
                        json={"reason": "x"}).status_code == 409
     assert client.post("/v1/deployments/chat/calibrations", json={}).status_code == 401
@@ -83,7 +85,7 @@ def test_canary_status_and_manual_revert(client, tokens, engine, outbox):
         version = publish(session=session, deployment=deployment, thresholds={
             3: 0.7, 6: 0.7, 9: 0.7}, reason="candidate", actor="ops").version
         start_canary(session=session, deployment=deployment, version=version, actor="ops")
-    status = client.get("/v1/deployments/chat/canary", headers=op)
+    status = patient_get(client, "/v1/deployments/chat/canary", headers=op)
     assert status.status_code == 200
     assert status.json()["status"] == "running" and status.json()["version"] == 2
     reverted = client.post("/v1/deployments/chat/canary/revert", headers=op,

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from controlplane.app import create_app
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from exitplane.wire import AGGREGATE_MSGPACK, INTERVAL_MSGPACK
+from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_interval_batches import _post
 from tests.controlplane.telemetry.test_segment_ingest import FULL, LAYERS, _deploy, _records
 
@@ -63,7 +64,7 @@ def test_tokens_timed_past_the_apis_clock_are_refused_and_late_ones_taken(client
     assert post(_batch(_records(random.Random(5), 5, ts=now + 240))).status_code == 202
     assert post(_batch(_records(random.Random(6), 5, ts=now - 3 * 86400))).status_code == 202
     assert post(_aggregate(minute + 300), AGGREGATE_MSGPACK).status_code == 202
-    counts = client.get("/v1/deployments/mix/telemetry/count", headers=headers).json()
+    counts = patient_get(client, "/v1/deployments/mix/telemetry/count", headers=headers).json()
     assert counts["records"] == 10 and counts["tokens"] == 13
 
 

@@ -16,7 +16,7 @@ from controlplane.auth.service import create_token
 from controlplane.telemetry import service, stream
 from controlplane.telemetry.models import Rollup, RollupHistogram, TokenRecordRow
 from controlplane.thresholds.service import get_deployment
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, patient_get
 
 LAYERS = [3, 6, 9]
 FULL = 12
@@ -57,7 +57,7 @@ def make_batch(rng: random.Random, n: int = 50, deployment: str = "chat", seq: i
 
 
 def _count(client, runtime):
-    counts = client.get("/v1/deployments/chat/telemetry/count", headers=runtime).json()
+    counts = patient_get(client, "/v1/deployments/chat/telemetry/count", headers=runtime).json()
     return {key: counts[key] for key in ("records", "batches", "shadow_samples")}
 
 
@@ -164,17 +164,17 @@ def test_rollups_equal_a_recount_of_raw_rows(client, tokens, engine):
         histogram_total = session.scalar(select(func.sum(RollupHistogram.count)))
         assert raw == histogram_total == 80 * 12
 
-    rates = client.get("/v1/deployments/chat/telemetry/exit-rates", headers=runtime,
-                       params={"since": "2000-01-01T00:00:00Z"}).json()
+    rates = patient_get(client, "/v1/deployments/chat/telemetry/exit-rates", headers=runtime,
+                        params={"since": "2000-01-01T00:00:00Z"}).json()
     assert sum(p["exits"] for p in rates) == 80 * 12
-    quality = client.get("/v1/deployments/chat/telemetry/disagreement", headers=runtime,
-                         params={"since": "2000-01-01T00:00:00Z"}).json()
+    quality = patient_get(client, "/v1/deployments/chat/telemetry/disagreement", headers=runtime,
+                          params={"since": "2000-01-01T00:00:00Z"}).json()
     total_shadow = sum(v for k, v in shadow.items() if k[-1] == "total" and k[-2] == LAYERS[0])
     assert sum(p["shadow_tokens"] for p in quality) == total_shadow
     assert sum(p["mismatches"] for p in quality) == sum(
         v for k, v in shadow.items() if k[-1] == "wrong")
-    histogram = client.get("/v1/deployments/chat/telemetry/signal-histogram", headers=runtime,
-                           params={"since": "2000-01-01T00:00:00Z"}).json()
+    histogram = patient_get(client, "/v1/deployments/chat/telemetry/signal-histogram",
+                            headers=runtime, params={"since": "2000-01-01T00:00:00Z"}).json()
     assert sum(sum(bins) for bins in histogram.values()) == 80 * 12
 
 

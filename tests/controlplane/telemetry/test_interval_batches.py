@@ -25,7 +25,7 @@ from exitplane.wire import (
     RecordColumns,
     TokenRecord,
 )
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, patient_get
 from tests.controlplane.telemetry.test_segment_ingest import (
     FULL,
     LAYERS,
@@ -115,7 +115,7 @@ def test_an_interval_batch_stores_what_its_pair_stores_once(client, tokens, engi
     assert reached == {key: value for key, value in _expected_exits(records).items() if value[0]}
     # shadow labels once, from the records: every shadow token at the first exit layer
     assert sum(row[6] for row in mine["rollups"] if row[3] == LAYERS[0]) == mine["shadows"]
-    counts = client.get("/v1/deployments/mix/telemetry/count", headers=headers).json()
+    counts = patient_get(client, "/v1/deployments/mix/telemetry/count", headers=headers).json()
     assert counts["records_sampled"] and counts["raw_sample_rate"] == 0.25
     assert counts["tokens"] == len(records) and counts["records"] == len(carried)
 

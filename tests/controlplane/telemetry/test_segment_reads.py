@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from controlplane.telemetry.models import Rollup
 from controlplane.thresholds.segments import admit_segments
 from controlplane.thresholds.service import get_deployment
+from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import FULL, _deploy
 
 CAP = 2
@@ -78,8 +79,8 @@ def segmented(client, tokens, engine) -> dict[str, str]:
 
 
 def test_segments_report_each_known_segment_and_default_over_the_window(client, segmented):
-    response = client.get("/v1/deployments/chat/segments?window_s=3600",
-                          headers=segmented["runtime"])
+    response = patient_get(client, "/v1/deployments/chat/segments?window_s=3600",
+                           headers=segmented["runtime"])
     assert response.status_code == 200, response.text
     report = response.json()
     rows = {row["segment"]: row for row in report["segments"]}
@@ -105,8 +106,8 @@ def test_segments_report_each_known_segment_and_default_over_the_window(client, 
     assert (default["tokens"], default["early_exits"], default["exit_rate"]) == (100, 30, 0.3)
     assert default["shadow_tokens"] == 0 and default["disagreement"] is None
 
-    wide = client.get("/v1/deployments/chat/segments?window_s=86400",
-                      headers=segmented["runtime"]).json()
+    wide = patient_get(client, "/v1/deployments/chat/segments?window_s=86400",
+                       headers=segmented["runtime"]).json()
     assert {r["segment"]: r["tokens"] for r in wide["segments"]}["code"] == 200
 
 
@@ -114,38 +115,39 @@ def test_segments_read_is_scoped_and_validated(client, segmented):
     assert client.get("/v1/deployments/chat/segments",
                       headers=segmented["other"]).status_code == 403
     assert client.get("/v1/deployments/chat/segments").status_code == 401
-    short = client.get("/v1/deployments/chat/segments?window_s=5", headers=segmented["runtime"])
+    short = patient_get(client, "/v1/deployments/chat/segments?window_s=5",
+                        headers=segmented["runtime"])
     assert short.status_code == 422 and "window_s" in short.text
-    only_rt2 = client.get("/v1/deployments/chat/segments?runtime_id=rt-2",
-                          headers=segmented["runtime"]).json()
+    only_rt2 = patient_get(client, "/v1/deployments/chat/segments?runtime_id=rt-2",
+                           headers=segmented["runtime"]).json()
     assert [r["tokens"] for r in only_rt2["segments"]] == [0, 200, 0]
 
 
 def test_existing_reads_take_a_segment_filter(client, segmented):
     runtime = segmented["runtime"]
     since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
-    rates = client.get("/v1/deployments/chat/telemetry/exit-rates",
-                       params={"since": since, "segment": "code"}, headers=runtime).json()
+    rates = patient_get(client, "/v1/deployments/chat/telemetry/exit-rates",
+                        params={"since": since, "segment": "code"}, headers=runtime).json()
     assert [(r["layer"], r["tokens"], r["exits"]) for r in rates] == [
         (3, 100, 10), (6, 90, 9), (9, 81, 1), (FULL, 80, 80)]
-    everything = client.get("/v1/deployments/chat/telemetry/exit-rates",
-                            params={"since": since}, headers=runtime).json()
+    everything = patient_get(client, "/v1/deployments/chat/telemetry/exit-rates",
+                             params={"since": since}, headers=runtime).json()
     # Unfiltered reads still sum every segment's rows (spam's, stored before the cap, too).
     assert sum(r["tokens"] for r in everything if r["layer"] == 3) == 100 + 400 + 100 + 100
 
-    quality = client.get("/v1/deployments/chat/telemetry/disagreement",
-                         params={"since": since, "segment": "chat"}, headers=runtime).json()
+    quality = patient_get(client, "/v1/deployments/chat/telemetry/disagreement",
+                          params={"since": since, "segment": "chat"}, headers=runtime).json()
     assert [(q["shadow_tokens"], q["mismatches"]) for q in quality] == [(40, 1), (40, 1)]
-    default = client.get("/v1/deployments/chat/telemetry/signal-histogram",
-                         params={"since": since, "segment": "default"}, headers=runtime)
+    default = patient_get(client, "/v1/deployments/chat/telemetry/signal-histogram",
+                          params={"since": since, "segment": "default"}, headers=runtime)
     assert default.status_code == 200 and set(default.json()) <= {"3", str(FULL)}
 
-    unknown = client.get("/v1/deployments/chat/telemetry/exit-rates",
-                         params={"segment": "spam"}, headers=runtime)
+    unknown = patient_get(client, "/v1/deployments/chat/telemetry/exit-rates",
+                          params={"segment": "spam"}, headers=runtime)
     assert unknown.status_code == 404
     assert "knows no segment 'spam'" in unknown.json()["detail"]
     assert "default, chat, code" in unknown.json()["detail"]
     for malformed in ("x" * 65, "Code Path"):
-        refused = client.get("/v1/deployments/chat/telemetry/exit-rates",
-                             params={"segment": malformed}, headers=runtime)
+        refused = patient_get(client, "/v1/deployments/chat/telemetry/exit-rates",
+                              params={"segment": malformed}, headers=runtime)
         assert refused.status_code == 422 and "segment" in refused.text

@@ -12,7 +12,7 @@ from controlplane.errors import NotFound
 from controlplane.telemetry import stream
 from controlplane.telemetry.targets import IngestTargets
 from exitplane.wire import RECORDS_MSGPACK
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, patient_get
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
 
 # A database number of its own: the test Redis is shared with other suites.
@@ -105,5 +105,5 @@ def test_a_msgpack_body_travels_the_stream_as_it_came(stream_app, tokens, engine
     assert fields[b"batch"] == body  # not decoded and encoded again by the API
     worker = stream.StreamIngestor(own, sessionmaker(engine), name="w", block_ms=10)
     assert worker.run_once() == 1
-    counts = stream_app.get("/v1/deployments/chat/telemetry/count", headers=runtime).json()
+    counts = patient_get(stream_app, "/v1/deployments/chat/telemetry/count", headers=runtime).json()
     assert counts["records"] == 30 and counts["tokens"] == 30

@@ -11,6 +11,7 @@ from controlplane.auth.service import create_token
 from controlplane.thresholds.service import get_deployment
 from exitplane import __version__
 from exitplane.wire import ThresholdSetWire
+from tests.conftest import patient_get
 
 DEPLOYMENT = {"name": "chat", "model_ref": "smollm2-135m", "num_layers": 12,
               "exit_layers": [3, 6, 9]}
@@ -67,7 +68,7 @@ def test_full_registry_session(client, tokens, engine):
                        headers={**runtime, "If-None-Match": pulled.headers["etag"]})
     assert after.status_code == 200 and after.json()["version"] == 1
 
-    audit = client.get("/v1/deployments/chat/audit", headers=op).json()
+    audit = patient_get(client, "/v1/deployments/chat/audit", headers=op).json()
     assert audit[0]["action"] == "alias.rollback" and audit[0]["reason"] == "quality dropped"
     assert {e["action"] for e in audit} >= {"deployment.create", "threshold_set.publish",
                                             "alias.move", "alias.rollback"}
