@@ -930,6 +930,11 @@ def _wait_job(api: httpx.Client, job_id: int, timeout: float) -> dict:
     return job
 
 
+def _ratio(value: float | None) -> str:
+    """A disagreement rate as the summary prints it: three decimals, or "-" when not measured."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _report(timeline: Timeline, phases: list[PhaseStats], delta: float,
             epsilon: float) -> bool:
     """Print the timeline and summary; True when the loop closed: the recalibrated phase exits
@@ -946,7 +951,7 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float,
     click.echo(f"  {'phase':<50}{'tok/s':>7}{'exit rate':>10}{'mean exit':>10}"
                f"{'shadow':>8}{'disagree':>9}  versions")
     for p in phases:
-        disagreement = "-" if p.disagreement is None else f"{p.disagreement:.3f}"
+        disagreement = _ratio(p.disagreement)
         depth = f"{p.mean_exit_layer:.1f}" if p.served else "full"  # all-shadow: full depth
         click.echo(f"  {p.name:<50}{p.tok_s:>7.1f}{p.exit_rate:>10.1%}{depth:>10}"
                    f"{p.shadow:>8}{disagreement:>9}  {sorted(p.versions)}")
@@ -959,6 +964,7 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float,
               and lower <= delta)
     click.echo(f"\nloop closed: {'yes' if ok else 'no'} (after recalibration: exit rate "
                f"{recovered.exit_rate if recovered else 0:.1%}, disagreement "
-               f"{(recovered.disagreement if recovered else None)}, lower {1 - epsilon:.0%} "
+               f"{_ratio(recovered.disagreement if recovered else None)}, lower "
+               f"{1 - epsilon:.0%} "
                f"bound {lower:.3f} vs δ {delta})")
     return ok

@@ -16,6 +16,8 @@ from exitplane.demo import (
     Pace,
     PhaseStats,
     Progress,
+    Timeline,
+    _report,
     control_plane_settings,
     paced_step,
     phase_line,
@@ -196,3 +198,23 @@ def test_serving_keeps_the_batch_full_and_ends_where_the_evidence_is_complete():
     assert stats.tokens > 3 * 5  # finished requests were replaced: more than one batch ran
     assert stats.shadow + stats.served == stats.tokens and stats.shadow > 0
     assert not engine.has_work  # nothing left running
+
+
+def _phase(name: str, *, served: int, exits: int, shadow: int, disagreements: int) -> PhaseStats:
+    return PhaseStats(name, tokens=served + shadow, seconds=10.0, exits=exits,
+                      depth_sum=exits * 20 + (served - exits) * 30, served=served,
+                      shadow=shadow, disagreements=disagreements, versions={1})
+
+
+def test_the_summary_says_whether_the_loop_closed_with_rates_to_three_decimals(capsys):
+    fallback = _phase("B code: conservative fallback (collecting samples)", served=0, exits=0,
+                      shadow=1000, disagreements=0)
+    closed = _phase("B code: recalibrated", served=500, exits=40, shadow=111, disagreements=3)
+    assert _report(Timeline(), [fallback, closed], delta=0.05, epsilon=0.1)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("loop closed: yes") and "disagreement 0.027," in line, line
+
+    # Disagreement whose lower bound is above δ leaves the loop open, whatever the exit rate.
+    unsafe = _phase("B code: recalibrated", served=500, exits=400, shadow=111, disagreements=30)
+    assert not _report(Timeline(), [fallback, unsafe], delta=0.05, epsilon=0.1)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("loop closed: no")
