@@ -1,54 +1,80 @@
-"""One runtime cannot steer the fleet: calibration, drift and fallback with a lying runtime.
+"""Poisoned evidence: no runtime, and no credential, can steer the fleet's thresholds.
 
-    .venv/bin/python -P bench/poison.py            # SQLite store under a temporary directory
-    .venv/bin/python -P bench/poison.py --quick    # fewer shares, shorter timeline
+    .venv/bin/python -P bench/poison.py            # every attack; SQLite store in a temp dir
+    .venv/bin/python -P bench/poison.py --quick    # a shorter timeline
+    .venv/bin/python -P bench/poison.py --attacks coalition backdated small_canary
 
 A deployment (exit layers 3, 6, 9 of 12, δ 0.05, ε 0.1, policy auto, a tuned version active)
 is served by `--honest` simulated runtimes whose shadow tokens come from a known model: at each
 exit layer j the signal is uniform on [0, 1] and the layer's top-1 matches full depth with
 probability sigmoid(10 (s - c_j)), so the true disagreement (and exit rate) of any threshold set
-on honest traffic is computed on a large fresh honest sample. One liar joins them, holding a
-share of the shadow evidence (5%, 20%, 50%), of one kind:
+on honest traffic is computed on a large fresh honest sample. Honest traffic is within δ, so
+every fallback is a false one.
 
-- `all_matched`: every exit layer matched (forged agreement);
-- `all_mismatched`: no exit layer matched (forged disagreement);
-- `shifted`: honest labels with every signal reported 0.25 lower (low signals look safe);
-- `other_heads`: a runtime serving other exit heads (its own match model, c_j - 0.3) that says
-  so: its heartbeats and batches name another heads digest than the deployment's, so lineage
-  sets it aside at its first report.
+Every runtime posts with a runtime token; each honest runtime has one of its own. A post goes
+as POST /v1/telemetry stores it (`post`): the runtime id claimed for the token
+(`runtimes.service.claim_runtime_ids`: 403 for an id another token registered, 409 past the
+caps), then `telemetry.service.ingest` with the token as the batch's witness. Heartbeats go
+through `record_heartbeat(token_id=...)`. A refused post or beat is counted, never retried.
 
-Every scenario runs the real code over the real store: tokens through `telemetry.service.ingest`,
-a drift cycle (`drift.service.check_deployment`: outlier detection, quality tests, the fallback
-they trigger) every `--drift-interval-s` of simulated time, then a recalibration job
-(`calibration.service.run_calibration`, policy auto: promotion bounds included) on the window.
-Every runtime sends a heartbeat each interval naming the heads it serves.
+Attacks (`--attacks`; all by default), each on a deployment of its own:
 
-The canary (`calibration.canary.evaluate_canary`, one-minute windows) then judges two
-candidates with a 20% liar that no drift cycle set aside (the canary's own outlier test on the
-candidate's shadow tokens has to find it): a bad one (true disagreement above δ) with an
-`all_matched` liar forging agreement, and a good one (well within δ) with an `all_mismatched`
-liar forging disagreement. A wrong verdict is the bad one promoted, or the good one not
-promoted (reverted, or still undecided when the canary's minutes are over).
+- single_liar: one liar token at 5/20/50% of the evidence (`--shares`), of each kind
+  (`--kinds`): all_matched, all_mismatched, shifted (signals 0.25 lower), other_heads (its
+  beats and batches name other heads); plus a liar-free baseline;
+- canary_liar: a canary of a bad candidate (true disagreement above δ) with an all_matched liar
+  member at 20% of its evidence, and of a good one with an all_mismatched liar;
+- sybil_ids: one token posts all-matched lies under 12 made-up ids at twice the honest fleet's
+  volume, heartbeating for each;
+- sybil_no_beats: the same, never heartbeating, under a cap of one runtime per token;
+- impersonation: one token posts lies under the honest runtimes' own ids at twice their volume;
+- lineage_framing: one token heartbeats the deployment's heads digest for an id of its own
+  (posting lies there) and posts one shadow token a step under each honest id naming other
+  heads;
+- coalition: 2 lying tokens beside 3 honest ones, each at 10x an honest runtime's volume, named
+  to sort first and last;
+- backdated: 3 lying ids of one token whose tokens are stamped 12-25 minutes back, before the
+  active set's activation but inside the calibration window;
+- camouflaged: 6 ids of one token keeping each layer's honest agreement rate and signal
+  distribution, every mismatch moved to the lowest signals;
+- lone_shaped: a lone runtime on a new deployment (never-exit active) whose lie calibrates to an
+  expected exit rate of 0.75;
+- small_segment: one liar id sending only traffic of the declared segment `code`, too little
+  for a calibration of its own (code takes the pooled set);
+- small_canary: a fleet of 4 at canary fraction 0.1 (one honest canary member) and a liar member
+  at 10x its volume reporting the bad candidate's tokens as matched.
 
-Printed: one JSON line with `worst_promoted_true_disagreement` (worst over kinds and shares of
-the active set's true disagreement on honest traffic after the recalibration), `delta`,
-`false_fallbacks` (honest traffic is within δ throughout, so every fallback is false),
-`outlier_detected_s_max` (the slowest detection of a liar by the outlier test, from its first
-token), `lineage_excluded_s_max` (the same for the liar that names other heads),
-`drift_interval_s`, `honest_exit_rate_ratio_at_5pct` (true exit rate of the set promoted with a
-5% liar over the one promoted without a liar, worst kind), `canary_wrong_verdicts`, and per
-scenario figures.
+Each run runs the real code over the real store: a drift cycle (`drift.service.check_deployment`)
+every `--drift-interval-s` of simulated time (canary runs: `evaluate_canary` each minute, the
+runtimes in the canary group at `in_canary` serving the candidate), then a recalibration job on
+the window (`calibration.service.run_calibration`, policy auto, seeded per run so a run
+replays). It reports the active set's true disagreement on honest traffic (the worst of its
+maps), the refused posts and beats, and which witnesses were ever set aside (drift cycle, canary
+or the calibration's screen).
+
+Printed: one JSON line with `worst_promoted_true_disagreement` (worst over runs; target <= δ),
+`false_fallbacks` (target 0), `honest_set_aside` (honest witnesses ever set aside, target 0),
+`canary_wrong_verdicts` (a bad candidate promoted or a good one not; target 0),
+`honest_exit_rate_ratio_at_5pct` (true exit rate of the set promoted with a 5% liar over the
+liar-free one's, worst kind; target >= 0.9), `attacks` (classes run), `refused_batches` per
+attack, `targets_missed` (each target missed, named), the single liar's slowest detection
+(`outlier_detected_s_max`, `lineage_excluded_s_max`) and every run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
+import time
 import uuid
 import zlib
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from itertools import count
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
+from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.fallback import install
@@ -66,30 +93,46 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.stats import simulate_policy
 from controlplane.db import make_engine, session_scope, utcnow
 from controlplane.drift.service import DriftOptions, check_deployment
+from controlplane.errors import CapReached, Forbidden
 from controlplane.migrate import upgrade
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import RuntimeOutlier
-from controlplane.runtimes.service import record_heartbeat
+from controlplane.runtimes.service import RuntimeCaps, claim_runtime_ids, record_heartbeat
+from controlplane.runtimes.witnesses import witness_of
+from controlplane.settings import get_settings
 from controlplane.telemetry.service import ingest
 from controlplane.thresholds.models import Alias
 from controlplane.thresholds.schemas import DeploymentCreate
+from controlplane.thresholds.segments import declare_segment
 from controlplane.thresholds.service import (
     aliases_of,
     create_deployment,
     get_deployment,
     get_threshold_set,
+    in_canary,
     move_alias,
     publish,
 )
-from exitplane.wire import Heartbeat, TelemetryBatch
+from exitplane.wire import DEFAULT_SEGMENT, Heartbeat, TelemetryBatch
 
 LAYERS, FULL, DELTA, EPSILON = [3, 6, 9], 12, 0.05, 0.1
 CENTRES = np.array([0.75, 0.65, 0.55])  # honest P(match) = 1/2 at these signals
+# each layer's honest agreement rate: the mean of sigmoid(10 (s - c)) over s uniform on [0, 1]
+AGREEMENT = (np.log1p(np.exp(10 * (1 - CENTRES))) - np.log1p(np.exp(-10 * CENTRES))) / 10
 TUNED = {3: 0.9, 6: 0.85, 9: 0.8}
 KINDS = ("all_matched", "all_mismatched", "shifted", "other_heads")
+ATTACKS = ("single_liar", "canary_liar", "sybil_ids", "sybil_no_beats", "impersonation",
+           "lineage_framing", "coalition", "backdated", "camouflaged", "lone_shaped",
+           "small_segment", "small_canary")
 TOKENS_PER_REQUEST = 8
 HEADS, OTHER_HEADS = "sim-heads-a", "sim-heads-b"
 GOOD, BAD = {3: 0.97, 6: 0.95, 9: 0.92}, {3: 0.6, 6: 0.55, 9: 0.5}  # canary candidates
+SYBIL_IDS = 12
+SHAPED_CUT = 0.3  # lone_shaped: matched at the first exit layer from this signal on, else never
+BACKDATE_S = (25 * 60.0, 12 * 60.0)  # backdated: tokens stamped this far back (from, to)
+SMALL_SEGMENT_TOKENS = 600  # small_segment: the liar's code tokens over the run (< 1000/layer)
+WINDOW = timedelta(minutes=30)  # how far back of a run's start its calibration window reaches
+CANARY_FRACTION = 0.1
 
 
 def seed_of(*parts) -> int:
@@ -103,6 +146,7 @@ def honest(n: int, rng, centres=CENTRES) -> tuple[np.ndarray, np.ndarray]:
 
 
 def liar(kind: str, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """`n` shadow tokens (signals, matched) of a liar of `kind`."""
     signals, matched = honest(n, rng, CENTRES - 0.3 if kind == "other_heads" else CENTRES)
     if kind == "all_matched":
         matched[:] = True
@@ -110,6 +154,11 @@ def liar(kind: str, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
         matched[:] = False
     elif kind == "shifted":
         signals = np.clip(signals - 0.25, 0.0, 1.0)
+    elif kind == "camouflaged":  # each layer's honest agreement rate, mismatches lowest
+        matched = signals > 1.0 - AGREEMENT[None, :]
+    elif kind == "shaped":  # exits the first layer from SHAPED_CUT on: exit rate ~0.75
+        matched[:] = False
+        matched[:, 0] = signals[:, 0] >= SHAPED_CUT
     return signals, matched
 
 
@@ -119,145 +168,389 @@ def truth(thresholds: dict[int, float], sample) -> tuple[float, float]:
     return float(disagree.mean()), float((first < len(LAYERS)).mean())
 
 
-def heads_of(runtime: str, kind: str | None) -> str:
-    return OTHER_HEADS if runtime == "liar" and kind == "other_heads" else HEADS
+def set_truth(threshold_set, sample) -> tuple[float, float]:
+    """(the worst disagreement of the set's maps, its own and each segment's; its own map's
+    exit rate) on honest traffic: honest traffic of any segment follows the one model."""
+    maps = [threshold_set.thresholds_by_layer(),
+            *(threshold_set.segments_by_layer() or {}).values()]
+    return max(truth(m, sample)[0] for m in maps), truth(maps[0], sample)[1]
 
 
-def batch(name: str, runtime: str, seq: int, signals, matched, t0: float, spacing: float,
-          version: int, head_digest: str = HEADS) -> TelemetryBatch:
+@dataclass(frozen=True)
+class Sim:
+    """One simulated runtime: the credential it posts with and what it sends each step."""
+
+    runtime_id: str
+    credential: str  # its runtime token's name; one token may run several runtimes
+    tokens_per_step: int
+    lie: str | None = None  # a `liar` kind; None: honest
+    beats: bool = True
+    heads: str = HEADS  # the heads digest its beats and batches name
+    segment: str = DEFAULT_SEGMENT
+    backdated: bool = False  # its tokens stamped BACKDATE_S back from when they are posted
+
+
+@dataclass
+class Tally:
+    """Each (credential, runtime id)'s posts and beats the store took or refused."""
+
+    seq: int = 0
+    accepted: Counter = field(default_factory=Counter)
+    refused: Counter = field(default_factory=Counter)
+    refused_beats: Counter = field(default_factory=Counter)
+
+
+def honest_fleet(ids: list[str], tokens_per_step: int) -> list[Sim]:
+    return [Sim(runtime_id, runtime_id, tokens_per_step) for runtime_id in ids]
+
+
+def batch(name: str, sim: Sim, seq: int, signals, matched, t0: float, spacing: float,
+          version: int) -> TelemetryBatch:
     records = [{"threshold_version": version, "request_id": f"{seq}-{i // TOKENS_PER_REQUEST}",
                 "position": i % TOKENS_PER_REQUEST, "exit_layer": FULL,
                 "signal_value": float(signals[i, -1]), "latency_us": 900,
-                "ts": t0 + i * spacing,
+                "ts": t0 + i * spacing, "segment": sim.segment,
                 "shadow": [{"layer": k, "signal": float(signals[i, j]),
                             "matched": bool(matched[i, j])} for j, k in enumerate(LAYERS)]}
                for i in range(len(signals))]
-    return TelemetryBatch(batch_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{name}/{runtime}/{seq}").hex,
-                          deployment=name, runtime_id=runtime, seq=seq, num_layers=FULL,
-                          records=records, head_digest=head_digest)
+    return TelemetryBatch(
+        batch_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{name}/{sim.runtime_id}/{seq}").hex,
+        deployment=name, runtime_id=sim.runtime_id, seq=seq, num_layers=FULL, records=records,
+        head_digest=sim.heads)
 
 
-def send(session, name: str, kind: str | None, sources, seq: int, t0: float, interval: float,
-         version: int) -> int:
-    """Each source's heartbeat, then its tokens of one interval; returns the last seq."""
+def post(session, deployment, token_id: int, batch: TelemetryBatch, *,
+         caps: RuntimeCaps) -> bool:
+    """One batch as POST /v1/telemetry stores it for a runtime token, in a transaction of its
+    own (a savepoint): the runtime id claimed for the token, then the batch ingested with the
+    token as its witness. False when the claim is refused (403: another token registered the
+    id; 409: past the caps), as the route answers."""
+    try:
+        with session.begin_nested():
+            claim_runtime_ids(session=session, deployment=deployment, token_id=token_id,
+                              runtime_ids=[batch.runtime_id], caps=caps)
+            ingest(session=session, deployment=deployment, batches=[batch],
+                   witnesses=[witness_of(token_id=token_id, runtime_id=batch.runtime_id)])
+    except (Forbidden, CapReached):
+        return False
+    return True
+
+
+def heartbeat(session, deployment, token_id: int, beat: Heartbeat, *,
+              caps: RuntimeCaps) -> bool:
+    """One heartbeat as POST /v1/heartbeat records it for a runtime token; False if refused."""
+    try:
+        with session.begin_nested():
+            record_heartbeat(session=session, deployment=deployment, beat=beat, caps=caps,
+                             token_id=token_id)
+    except (Forbidden, CapReached):
+        return False
+    return True
+
+
+def send(session, name: str, fleet: list[Sim], tokens: dict[str, int], tally: Tally,
+         t0: float, interval: float, version_of, caps: RuntimeCaps, rng) -> None:
+    """One interval of the fleet: each runtime's heartbeat, then its batch of shadow tokens."""
     deployment = get_deployment(session=session, name=name)
-    for runtime, _ in sources:
-        record_heartbeat(session=session, deployment=deployment, beat=Heartbeat(
-            runtime_id=runtime, applied_version=version, head_digest=heads_of(runtime, kind)))
-    batches = []
-    for runtime, (signals, matched) in sources:
-        if len(signals):
-            seq += 1
-            batches.append(batch(name, runtime, seq, signals, matched, t0,
-                                 interval / len(signals), version, heads_of(runtime, kind)))
-    ingest(session=session, deployment=deployment, batches=batches)
-    return seq
+    for sim in fleet:
+        beat = Heartbeat(runtime_id=sim.runtime_id, applied_version=version_of(sim),
+                         head_digest=sim.heads)
+        if sim.beats and not heartbeat(session, deployment, tokens[sim.credential], beat,
+                                       caps=caps):
+            tally.refused_beats[sim.credential, sim.runtime_id] += 1
+    posted = time.time()
+    for sim in fleet:
+        n = sim.tokens_per_step
+        if not n:
+            continue
+        signals, matched = honest(n, rng) if sim.lie is None else liar(sim.lie, n, rng)
+        first, spacing = ((posted - BACKDATE_S[0], (BACKDATE_S[0] - BACKDATE_S[1]) / n)
+                          if sim.backdated else (t0, interval / n))
+        tally.seq += 1
+        taken = post(session, deployment, tokens[sim.credential],
+                     batch(name, sim, tally.seq, signals, matched, first, spacing,
+                           version_of(sim)), caps=caps)
+        (tally.accepted if taken else tally.refused)[sim.credential, sim.runtime_id] += 1
 
 
-def scenario(engine, name: str, kind: str | None, share: float, args, sample) -> dict:
-    rng = np.random.default_rng(seed_of(kind, share))
-    start = utcnow().replace(second=0, microsecond=0) - timedelta(seconds=args.duration_s + 60)
-    with session_scope(engine) as session:
-        deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
-            name=name, model_ref="sim", num_layers=FULL, exit_layers=LAYERS, delta=DELTA,
-            epsilon=EPSILON, policy="auto", head_digest=HEADS))
-        disagreement, exits = truth(TUNED, sample)
-        tuned = publish(session=session, deployment=deployment, thresholds=TUNED,
-                        reason="tuned", actor="bench",
-                        expected_metrics={"total_exit_rate": exits})
-        move_alias(session=session, deployment=deployment, alias="active",
-                   version=tuned.version, actor="bench", reason="tuned")
-        session.scalars(select(Alias).where(Alias.deployment_id == deployment.id,
-                                            Alias.name == "active")).one().updated_at = start
-    honest_per_step = int(args.honest_tokens_per_s * args.drift_interval_s)
-    liar_per_step = (round(honest_per_step * args.honest * share / (1 - share))
-                     if kind else 0)
-    options = DriftOptions(check_interval_s=args.drift_interval_s)
-    detected, excluded, fallbacks, seq = None, None, 0, 0
-    steps = int(args.duration_s // args.drift_interval_s)
-    for step in range(steps):
-        t0 = start + timedelta(seconds=step * args.drift_interval_s)
-        sources = [(f"honest-{i}", honest(honest_per_step, rng)) for i in range(args.honest)]
-        if kind:
-            sources.append(("liar", liar(kind, liar_per_step, rng)))
-        with session_scope(engine) as session:
-            seq = send(session, name, kind, sources, seq, t0.timestamp(), args.drift_interval_s,
-                       tuned.version)
-        now = t0 + timedelta(seconds=args.drift_interval_s)
-        with session_scope(engine) as session:
-            deployment = get_deployment(session=session, name=name)
-            check_deployment(session=session, deployment=deployment, options=options, now=now)
-            found = session.scalars(select(RuntimeOutlier).where(
-                RuntimeOutlier.deployment_id == deployment.id,
-                RuntimeOutlier.runtime_id == "liar")).first()
-            if found is not None and detected is None:
-                detected = (now - start).total_seconds()
-            if excluded is None and "liar" in mismatched_runtime_ids(
-                    session=session, deployment_id=deployment.id):
-                excluded = (now - start).total_seconds()
-            fallbacks = len(list(session.scalars(select(Alert).where(
-                Alert.deployment_id == deployment.id,
-                Alert.kind.in_([AlertKind.QUALITY_REGRESSION, AlertKind.EXIT_RATE_SPIKE])))))
+def witnesses_set_aside(session, deployment_id: int) -> tuple[set[str], set[str]]:
+    """(witnesses ever set aside as outliers by a drift cycle or a canary, those a calibration
+    job's screen set aside)."""
+    outliers = {witness or f"runtime:{runtime_id}" for witness, runtime_id in session.execute(
+        select(RuntimeOutlier.witness, RuntimeOutlier.runtime_id).where(
+            RuntimeOutlier.deployment_id == deployment_id))}
+    screened = set()
+    for summary in session.scalars(select(CalibrationJob.summary).where(
+            CalibrationJob.deployment_id == deployment_id)):
+        screened.update((summary or {}).get("witnesses_set_aside", []))
+    return outliers, screened
+
+
+def setup(session, name: str, fleet: list[Sim], start, sample, *, tuned: bool = True,
+          segments: tuple[str, ...] = (), candidate: dict[int, float] | None = None):
+    """The run's deployment (the tuned set active from `start`, or never-exit for a new one),
+    its segments and canary candidate, and a runtime token per credential of the fleet:
+    (tokens by credential, active version, candidate version or None)."""
+    deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
+        name=name, model_ref="sim", num_layers=FULL, exit_layers=LAYERS, delta=DELTA,
+        epsilon=EPSILON, policy="auto", head_digest=HEADS, canary_fraction=CANARY_FRACTION))
+    for segment in segments:
+        declare_segment(session=session, deployment=deployment, name=segment, actor="bench")
+    version = aliases_of(session=session, deployment=deployment)["active"]
+    if tuned:
+        tuned_set = publish(session=session, deployment=deployment, thresholds=TUNED,
+                            reason="tuned", actor="bench",
+                            expected_metrics={"total_exit_rate": truth(TUNED, sample)[1]})
+        version = tuned_set.version
+        move_alias(session=session, deployment=deployment, alias="active", version=version,
+                   actor="bench", reason="tuned")
+    session.scalars(select(Alias).where(Alias.deployment_id == deployment.id,
+                                        Alias.name == "active")).one().updated_at = start
+    candidate_version = None
+    if candidate is not None:
+        candidate_version = publish(session=session, deployment=deployment,
+                                    thresholds=candidate, reason="candidate",
+                                    actor="bench").version
+        start_canary(session=session, deployment=deployment, version=candidate_version,
+                     actor="bench", now=start)
+    tokens = {}
+    for credential in dict.fromkeys(sim.credential for sim in fleet):
+        row, _ = create_token(session=session, name=f"{name}/{credential}", scope="runtime",
+                              deployment=deployment)
+        tokens[credential] = row.id
+    return tokens, version, candidate_version
+
+
+def finish(engine, name: str, since, fleet: list[Sim], tokens: dict[str, int], tally: Tally,
+           sample) -> dict:
+    """Recalibrate on the run's window; the active set's truth, and who was set aside."""
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name=name)
         job, _ = calibration.request_calibration(session=session, deployment=deployment,
-                                                 actor="bench", since=start,
-                                                 until=utcnow(), enqueue=False)
+                                                 actor="bench", since=since, until=utcnow(),
+                                                 enqueue=False)
         job_id = job.id
+    policy = replace(calibration.CalibrationPolicy.from_settings(get_settings()),
+                     seed=seed_of(name, "calibration"))
     with session_scope(engine) as session:
-        job = calibration.run_calibration(session=session, job=session.get(CalibrationJob,
-                                                                           job_id))
+        job = calibration.run_calibration(session=session, policy=policy,
+                                          job=session.get(CalibrationJob, job_id))
         deployment = get_deployment(session=session, name=name)
         active = get_threshold_set(session=session, deployment=deployment,
                                    version=aliases_of(session=session,
                                                       deployment=deployment)["active"])
-        disagreement, exit_rate = truth(active.thresholds_by_layer(), sample)
-        return {"kind": kind, "share": share, "outlier_detected_s": detected,
-                "lineage_excluded_s": excluded,
-                "fallbacks": fallbacks, "job": job.status, "promotion": job.promotion,
-                "active_version": active.version, "true_disagreement": round(disagreement, 5),
-                "true_exit_rate": round(exit_rate, 4)}
+        disagreement, exit_rate = set_truth(active, sample)
+        proposed = None if job.result_version is None else set_truth(get_threshold_set(
+            session=session, deployment=deployment, version=job.result_version), sample)[0]
+        outliers, screened = witnesses_set_aside(session, deployment.id)
+        lineage = mismatched_runtime_ids(session=session, deployment_id=deployment.id)
+    named = {witness_of(token_id=token_id, runtime_id=""): credential
+             for credential, token_id in tokens.items()}
+    honest = {sim.credential for sim in fleet if sim.lie is None}
+    ever = {named.get(witness, witness) for witness in outliers | screened}
+    return {"job": job.status, "promotion": job.promotion, "active_version": active.version,
+            "true_disagreement": round(disagreement, 5), "true_exit_rate": round(exit_rate, 4),
+            "candidate_true_disagreement": None if proposed is None else round(proposed, 5),
+            "set_aside": sorted(ever - honest),
+            "set_aside_by_calibration": sorted(named.get(w, w) for w in screened),
+            "honest_set_aside": sorted(ever & honest),
+            "honest_mismatched": sorted(lineage & {s.runtime_id for s in fleet
+                                                   if s.lie is None}),
+            "refused_batches": sum(tally.refused.values()),
+            "refused_beats": sum(tally.refused_beats.values()),
+            "accepted": {f"{credential}/{runtime}": n
+                         for (credential, runtime), n in sorted(tally.accepted.items())
+                         if credential not in honest}}
 
 
-def canary_scenario(engine, name: str, kind: str, candidate: dict[int, float], share: float,
-                    args, sample, minutes: int = 8) -> dict:
-    """A canary of `candidate` served by the honest runtimes and a liar of `kind` holding
-    `share` of its evidence, judged minute by minute until it ends (or `minutes` pass)."""
-    rng = np.random.default_rng(seed_of(name, share))
-    start = utcnow().replace(second=0, microsecond=0) - timedelta(minutes=minutes + 2)
+def scenario(engine, attack: str, name: str, fleet: list[Sim], args, sample, caps, *,
+             tuned: bool = True, segments: tuple[str, ...] = ()) -> dict:
+    """Run `fleet` on a deployment of its own with a drift cycle each interval, then
+    recalibrate."""
+    rng = np.random.default_rng(seed_of(name))
+    began = utcnow()
+    start = began.replace(second=0, microsecond=0) - timedelta(seconds=args.duration_s + 60)
     with session_scope(engine) as session:
-        deployment = create_deployment(session=session, actor="bench", spec=DeploymentCreate(
-            name=name, model_ref="sim", num_layers=FULL, exit_layers=LAYERS, delta=DELTA,
-            epsilon=EPSILON, policy="auto", head_digest=HEADS))
-        tuned = publish(session=session, deployment=deployment, thresholds=TUNED,
-                        reason="tuned", actor="bench")
-        move_alias(session=session, deployment=deployment, alias="active",
-                   version=tuned.version, actor="bench", reason="tuned")
-        version = publish(session=session, deployment=deployment, thresholds=candidate,
-                          reason="candidate", actor="bench").version
-        start_canary(session=session, deployment=deployment, version=version, actor="bench",
-                     now=start)
-    honest_per_minute = int(args.honest_tokens_per_s * 60)
-    liar_per_minute = round(honest_per_minute * args.honest * share / (1 - share))
-    policy, seq, status, windows = CanaryPolicy(), 0, "running", 0
+        tokens, version, _ = setup(session, name, fleet, start, sample, tuned=tuned,
+                                 segments=segments)
+    honest_ids = {sim.runtime_id for sim in fleet if sim.lie is None}
+    liar_ids = {sim.runtime_id for sim in fleet if sim.lie is not None} - honest_ids
+    liars = {witness_of(token_id=tokens[sim.credential], runtime_id="")
+             for sim in fleet if sim.lie is not None}
+    options = DriftOptions(check_interval_s=args.drift_interval_s)
+    tally, detected, excluded, fallbacks, framed = Tally(), None, None, 0, set()
+    for step in range(int(args.duration_s // args.drift_interval_s)):
+        t0 = start + timedelta(seconds=step * args.drift_interval_s)
+        with session_scope(engine) as session:
+            send(session, name, fleet, tokens, tally, t0.timestamp(), args.drift_interval_s,
+                 lambda sim: version, caps, rng)
+        now = t0 + timedelta(seconds=args.drift_interval_s)
+        with session_scope(engine) as session:
+            deployment = get_deployment(session=session, name=name)
+            check_deployment(session=session, deployment=deployment, options=options, now=now)
+            if detected is None and liars & witnesses_set_aside(session, deployment.id)[0]:
+                detected = (now - start).total_seconds()
+            mismatched = mismatched_runtime_ids(session=session, deployment_id=deployment.id)
+            framed |= mismatched & honest_ids
+            if excluded is None and mismatched & liar_ids:
+                excluded = (now - start).total_seconds()
+            fallbacks = len(list(session.scalars(select(Alert).where(
+                Alert.deployment_id == deployment.id,
+                Alert.kind.in_([AlertKind.QUALITY_REGRESSION, AlertKind.EXIT_RATE_SPIKE])))))
+    result = finish(engine, name, began - WINDOW, fleet, tokens, tally, sample)
+    result["honest_mismatched"] = sorted(framed | set(result["honest_mismatched"]))
+    return {"attack": attack, "name": name, "outlier_detected_s": detected,
+            "lineage_excluded_s": excluded, "fallbacks": fallbacks, **result}
+
+
+def by_membership(prefix: str, members: int, others: int) -> tuple[list[str], list[str]]:
+    """The first ids `prefix-i` in the canary group at CANARY_FRACTION (`members` of them) and
+    the first outside it (`others`)."""
+    inside, outside = [], []
+    for i in count():
+        if len(inside) >= members and len(outside) >= others:
+            return inside, outside
+        runtime_id = f"{prefix}-{i}"
+        group, wanted = ((inside, members) if in_canary(runtime_id=runtime_id,
+                                                        fraction=CANARY_FRACTION)
+                         else (outside, others))
+        if len(group) < wanted:
+            group.append(runtime_id)
+
+
+def canary_scenario(engine, attack: str, name: str, candidate: dict[int, float],
+                    fleet: list[Sim], args, sample, caps, minutes: int = 8) -> dict:
+    """A canary of `candidate` (the canary group's runtimes serve it, the rest the tuned set),
+    judged minute by minute until it ends or `minutes` pass; then a recalibration."""
+    rng = np.random.default_rng(seed_of(name))
+    began = utcnow()
+    start = began.replace(second=0, microsecond=0) - timedelta(minutes=minutes + 2)
+    with session_scope(engine) as session:
+        tokens, tuned, version = setup(session, name, fleet, start, sample, candidate=candidate)
+
+    def version_of(sim: Sim) -> int:
+        return version if in_canary(runtime_id=sim.runtime_id,
+                                    fraction=CANARY_FRACTION) else tuned
+
+    policy, tally, status, windows = CanaryPolicy(), Tally(), "running", 0
     for minute in range(1, minutes + 1):
         t0 = start + timedelta(minutes=minute)
-        sources = [(f"honest-{i}", honest(honest_per_minute, rng)) for i in range(args.honest)]
-        sources.append(("liar", liar(kind, liar_per_minute, rng)))
         with session_scope(engine) as session:
-            seq = send(session, name, kind, sources, seq, t0.timestamp(), 60.0, version)
+            send(session, name, fleet, tokens, tally, t0.timestamp(), 60.0, version_of, caps,
+                 rng)
         with session_scope(engine) as session:
             deployment = get_deployment(session=session, name=name)
             run = evaluate_canary(session=session, deployment=deployment, policy=policy,
                                   now=t0 + timedelta(minutes=1, seconds=1))
-            status, windows = run.status, len(run.checks)
+            status, windows, reason = run.status, len(run.checks), run.status_reason
         if status != "running":
             break
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name=name)
+        after = set_truth(get_threshold_set(
+            session=session, deployment=deployment,
+            version=aliases_of(session=session, deployment=deployment)["active"]), sample)[0]
     disagreement, _ = truth(candidate, sample)
     good = disagreement <= DELTA
-    return {"kind": kind, "share": share, "candidate": "good" if good else "bad",
-            "true_disagreement": round(disagreement, 5), "status": status, "windows": windows,
-            "wrong": status != "promoted" if good else status == "promoted"}
+    result = finish(engine, name, began - WINDOW, fleet, tokens, tally, sample)
+    return {"attack": attack, "name": name, "candidate": "good" if good else "bad",
+            "candidate_true_disagreement": round(disagreement, 5), "status": status,
+            "status_reason": reason, "windows": windows,
+            "members": sorted(s.runtime_id for s in fleet if version_of(s) == version),
+            "true_disagreement_after_canary": round(after, 5),
+            "wrong": status != "promoted" if good else status == "promoted",
+            "fallbacks": 0, **{k: v for k, v in result.items()
+                               if k != "candidate_true_disagreement"}}
+
+
+def attack_fleet(attack: str, args, per_step: int, steps: int) -> list[Sim]:
+    """The fleet of one of the issue's attacks: the honest runtimes (a token each) and the
+    attacker's runtimes (module docstring)."""
+    fleet = honest_fleet([f"honest-{i}" for i in range(args.honest)], per_step)
+    ids = [sim.runtime_id for sim in fleet]
+    if attack in ("sybil_ids", "sybil_no_beats"):
+        each = 2 * args.honest * per_step // SYBIL_IDS
+        return fleet + [Sim(f"sybil-{i:02d}", "sybil", each, "all_matched",
+                            beats=attack == "sybil_ids") for i in range(SYBIL_IDS)]
+    if attack == "impersonation":
+        return fleet + [Sim(runtime_id, "impostor", 2 * per_step, "all_matched")
+                        for runtime_id in ids]
+    if attack == "lineage_framing":
+        return fleet + [Sim("framer-0", "framer", per_step, "all_matched")] + [
+            Sim(runtime_id, "framer", 1, "all_matched", beats=False, heads=OTHER_HEADS)
+            for runtime_id in ids]
+    if attack == "coalition":  # token rows are made in fleet order: ids first and last too
+        return [Sim("aaa-colluder", "aaa-colluder", 10 * per_step, "all_matched"), *fleet,
+                Sim("zzz-colluder", "zzz-colluder", 10 * per_step, "all_matched")]
+    if attack == "backdated":
+        return fleet + [Sim(f"backdated-{i}", "backdater", per_step, "all_matched",
+                            backdated=True) for i in range(3)]
+    if attack == "camouflaged":
+        return fleet + [Sim(f"camouflaged-{i}", "camouflage", per_step, "camouflaged")
+                        for i in range(6)]
+    if attack == "lone_shaped":
+        return [Sim("lone-0", "lone", per_step, "shaped")]
+    if attack == "small_segment":
+        return [*fleet, Sim("coder-0", "coder", max(1, SMALL_SEGMENT_TOKENS // steps),
+                            "all_matched", segment="code")]
+    raise ValueError(f"unknown attack {attack!r}")
+
+
+def canary_fleets(args, per_minute: int) -> list[tuple[str, str, dict, list[Sim]]]:
+    """(attack, run name, candidate, fleet) of each canary run asked for."""
+    runs = []
+    if "canary_liar" in args.attacks:
+        members, others = by_membership("honest", args.honest, args.honest)
+        [liar_id], _ = by_membership("liar", 1, 0)
+        liar_tokens = round(per_minute * len(members) * 0.2 / 0.8)  # 20% of the canary's
+        for run, kind, candidate in (("canary-bad", "all_matched", BAD),
+                                     ("canary-good", "all_mismatched", GOOD)):
+            runs.append(("canary_liar", run, candidate, [
+                *honest_fleet(members + others, per_minute),
+                Sim(liar_id, "liar", liar_tokens, kind)]))
+    if "small_canary" in args.attacks:
+        members, others = by_membership("honest", 1, 3)
+        [liar_id], _ = by_membership("liar", 1, 0)
+        runs.append(("small_canary", "small-canary", BAD, [
+            *honest_fleet(members + others, per_minute),
+            Sim(liar_id, "liar", 10 * per_minute, "all_matched")]))
+    return runs
+
+
+def targets_missed(runs: list[dict], canaries: list[dict], ratio: float | None) -> list[str]:
+    """Each target missed, named by the run that missed it."""
+    missed = []
+    for run in [*runs, *canaries]:
+        where = run["name"]
+        worst = max(run["true_disagreement"], run.get("true_disagreement_after_canary", 0.0))
+        if worst > DELTA:
+            missed.append(f"{where}: active set's true disagreement {worst} > δ {DELTA}")
+        if run["fallbacks"]:
+            missed.append(f"{where}: {run['fallbacks']} false fallback(s)")
+        if run["honest_set_aside"]:
+            missed.append(f"{where}: honest witnesses set aside: {run['honest_set_aside']}")
+        if run["honest_mismatched"]:
+            missed.append(f"{where}: honest runtimes marked mismatched: "
+                          f"{run['honest_mismatched']}")
+        if run.get("wrong"):
+            missed.append(f"{where}: {run['candidate']} candidate {run['status']}")
+    for run in runs:
+        taken = run["accepted"]
+        if run["attack"] == "impersonation" and taken:
+            missed.append(f"{run['name']}: batches under honest ids accepted: {taken}")
+        if run["attack"] == "lineage_framing":
+            under = {key: n for key, n in taken.items() if key != "framer/framer-0"}
+            if under:
+                missed.append(f"{run['name']}: batches under honest ids accepted: {under}")
+        if run["attack"] == "sybil_no_beats" and len(taken) > 1:
+            missed.append(f"{run['name']}: {len(taken)} ids of one token accepted past a cap "
+                          "of 1")
+        if run["attack"] == "lone_shaped" and run["active_version"] != 1:
+            missed.append(f"{run['name']}: promoted version {run['active_version']} without an "
+                          f"operator ({run['promotion']})")
+    if ratio is not None and ratio < 0.9:
+        missed.append(f"honest_exit_rate_ratio_at_5pct {ratio} < 0.9")
+    return missed
 
 
 def main() -> None:
@@ -268,41 +561,74 @@ def main() -> None:
     parser.add_argument("--drift-interval-s", type=float, default=30.0)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.05, 0.2, 0.5])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.duration_s = 300.0
-    args.honest_tokens_per_s = int(args.honest_tokens_per_s)
+    logging.disable(logging.WARNING)  # the JSON line is the output; refusals are counted
     install()
     sample = honest(400_000, np.random.default_rng(12345))
+    caps = RuntimeCaps.from_settings(get_settings())
+    per_step = int(args.honest_tokens_per_s * args.drift_interval_s)
+    steps = int(args.duration_s // args.drift_interval_s)
+    runs, canaries = [], []
     with tempfile.TemporaryDirectory() as folder:
         url = f"sqlite:///{folder}/poison.db"
         upgrade(url)
         engine = make_engine(url)
-        runs = [scenario(engine, "baseline", None, 0.0, args, sample)]
-        for kind in args.kinds:
-            for share in args.shares:
-                runs.append(scenario(engine, f"{kind}-{int(share * 100)}", kind, share, args,
-                                     sample))
-        canaries = [canary_scenario(engine, "canary-bad", "all_matched", BAD, 0.2, args, sample),
-                    canary_scenario(engine, "canary-good", "all_mismatched", GOOD, 0.2, args,
-                                    sample)]
+        if "single_liar" in args.attacks:
+            fleet = honest_fleet([f"honest-{i}" for i in range(args.honest)], per_step)
+            runs.append(scenario(engine, "single_liar", "baseline", fleet, args, sample, caps)
+                        | {"kind": None, "share": 0.0})
+            for kind, share in [(k, s) for k in args.kinds for s in args.shares]:
+                liar_tokens = round(per_step * args.honest * share / (1 - share))
+                heads = OTHER_HEADS if kind == "other_heads" else HEADS
+                runs.append(scenario(
+                    engine, "single_liar", f"{kind}-{int(share * 100)}",
+                    [*fleet, Sim("liar", "liar", liar_tokens, kind, heads=heads)], args,
+                    sample, caps) | {"kind": kind, "share": share})
+        for attack in args.attacks:
+            if attack in ("single_liar", "canary_liar", "small_canary"):
+                continue
+            runs.append(scenario(
+                engine, attack, attack.replace("_", "-"),
+                attack_fleet(attack, args, per_step, steps), args, sample,
+                replace(caps, per_token=1) if attack == "sybil_no_beats" else caps,
+                tuned=attack != "lone_shaped",
+                segments=("code",) if attack == "small_segment" else ()))
+        for attack, name, candidate, fleet in canary_fleets(
+                args, int(args.honest_tokens_per_s * 60)):
+            canaries.append(canary_scenario(engine, attack, name, candidate, fleet, args,
+                                            sample, caps))
         engine.dispose()
-    base = runs[0]
-    liars = runs[1:]
-    at_5 = [r for r in liars if abs(r["share"] - 0.05) < 1e-9]
-    detections = [r["outlier_detected_s"] for r in liars if r["kind"] != "other_heads"]
-    lineage = [r["lineage_excluded_s"] for r in liars if r["kind"] == "other_heads"]
+    single = [r for r in runs if r["attack"] == "single_liar"]
+    base = next((r for r in single if r["kind"] is None), None)
+    at_5 = [r for r in single if r["kind"] and abs(r["share"] - 0.05) < 1e-9]
+    ratio = (round(min(r["true_exit_rate"] for r in at_5) / base["true_exit_rate"], 4)
+             if at_5 and base else None)
+    detections = [r["outlier_detected_s"] for r in single
+                  if r["kind"] not in (None, "other_heads")]
+    lineage = [r["lineage_excluded_s"] for r in single if r["kind"] == "other_heads"]
+    refused = Counter()
+    for run in [*runs, *canaries]:
+        refused[run["attack"]] += run["refused_batches"]
     print(json.dumps({
-        "worst_promoted_true_disagreement": max(r["true_disagreement"] for r in runs),
+        "worst_promoted_true_disagreement": max(
+            [r["true_disagreement"] for r in [*runs, *canaries]]
+            + [c["true_disagreement_after_canary"] for c in canaries]),
         "delta": DELTA,
         "false_fallbacks": sum(r["fallbacks"] for r in runs),
-        "outlier_detected_s_max": None if None in detections else max(detections),
+        "honest_set_aside": sum(len(r["honest_set_aside"]) for r in [*runs, *canaries]),
+        "canary_wrong_verdicts": sum(c["wrong"] for c in canaries),
+        "honest_exit_rate_ratio_at_5pct": ratio,
+        "attacks": len(args.attacks),
+        "refused_batches": dict(refused),
+        "targets_missed": targets_missed(runs, canaries, ratio),
+        "outlier_detected_s_max": None if None in detections or not detections
+        else max(detections),
         "lineage_excluded_s_max": None if None in lineage or not lineage else max(lineage),
         "drift_interval_s": args.drift_interval_s,
-        "canary_wrong_verdicts": sum(c["wrong"] for c in canaries),
-        "honest_exit_rate_ratio_at_5pct": round(min(r["true_exit_rate"] for r in at_5)
-                                                / base["true_exit_rate"], 4) if at_5 else None,
         "honest_runtimes": args.honest, "duration_s": args.duration_s,
         "command": " ".join(["bench/poison.py", *sys.argv[1:]]),
         "runs": runs, "canaries": canaries}))

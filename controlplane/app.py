@@ -58,6 +58,7 @@ from controlplane.memory import return_large_blocks_to_the_os
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.beats import HeartbeatBuffer
 from controlplane.runtimes.outlier_api import router as outliers_router
+from controlplane.runtimes.witnesses import ClaimCache
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import DecodeBudget
 from controlplane.telemetry.api import router as telemetry_router
@@ -124,6 +125,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         long_polls_per_token=settings.long_polls_per_token)
     app.state.ingest_targets = IngestTargets(factory)  # the stream path's batch checks
     app.state.heartbeats = HeartbeatBuffer(factory, interval_s=settings.heartbeat_flush_s)
+    app.state.runtime_claims = ClaimCache()  # which runtime ids each token reports under
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
     app.state.redis = (redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                             socket_timeout=5)

@@ -364,10 +364,11 @@ class Settings(BaseSettings):
         description="an exit-rate tumbling window (5,000 tokens) is also tested after this many "
         "minutes of rollups, once it holds the tokens its test needs: thin traffic gets"
         " a timely exit-rate alert")
-    # Robust evidence (controlplane/calibration/evidence.py): the largest share of a verdict's
-    # shadow tokens one runtime may hold (past it its requests are subsampled), and from how
-    # many reporting runtimes on every verdict (calibration step, quality regression, exit-rate
-    # spike or collapse, canary) must hold with any single runtime's evidence left out.
+    # Robust evidence (controlplane/calibration/evidence.py): the most of a verdict's shadow
+    # tokens one witness may hold, as a share and as a multiple of the median witness's
+    # (past either its requests are subsampled), and from how many witnesses on every verdict
+    # (calibration step, quality regression, exit-rate spike or collapse, canary) must hold
+    # with any single witness's evidence left out.
     evidence_max_runtime_share: float = Field(
         default=0.5, gt=0, le=1,
         description="the largest share of a calibration's shadow tokens one runtime may hold "
@@ -379,6 +380,20 @@ class Settings(BaseSettings):
         "step, quality regression, exit-rate spike or collapse and canary verdict must hold "
         "with any single runtime's evidence left out (no runtime decides alone), and "
         "calibration caps each runtime's share of the shadow tokens")
+    # 2x: at the smallest robust fleet (three) a flooder beside two typical witnesses keeps
+    # half the tokens, as the share cap allows; in larger fleets it keeps less (a third of
+    # five), and an honest witness with up to twice the typical traffic loses nothing.
+    evidence_max_share_of_median: float = Field(
+        default=2.0, ge=1,
+        description="from evidence_robust_min_runtimes witnesses up, the most shadow tokens one "
+        "witness may keep in a calibration, as a multiple of the median witness's count; a "
+        "witness over it keeps a random subset of its requests up to it")
+    evidence_max_delay_s: float = Field(
+        default=3600.0, gt=0,
+        description="a shadow token a runtime token posted more than this many seconds after "
+        "its own timestamp is stored and shown but never counts as evidence (calibration, "
+        "drift, canary): backdated evidence cannot slip into a past window; raise it for "
+        "runtimes that spool longer through an outage")
     # A runtime is tested against the rest of its fleet each drift cycle once it and the rest
     # have at least this many shadow requests in the window (controlplane/drift/outliers.py).
     outlier_min_requests: int = Field(

@@ -574,7 +574,8 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
                                item_show_func=lambda step: step) as bar:
             bar.update(0, "reading shadow samples")
             with session_scope() as session:
-                window = read_window(session=session, job=session.get(CalibrationJob, job_id))
+                window = read_window(session=session, job=session.get(CalibrationJob, job_id),
+                                     seed=policy.seed)
             bar.update(1, "selecting thresholds")
             result = calibrate_window(window, policy) if window is not None else None
             bar.update(1, "recording and publishing")

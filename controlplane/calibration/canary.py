@@ -1,14 +1,30 @@
 """Canary with automatic revert (Flagger / Argo Rollouts style), as plain functions.
 
-A candidate on the `canary` alias is served to a hash-sticky fraction of runtimes; their records
-carry the canary version, so rollups with `version == canary` are the canary group and
-`version == active` the stable group. Every `interval` the last whole-minute window is checked:
+A candidate on the `canary` alias is served to a hash-sticky fraction of runtimes
+(`thresholds.service.in_canary` at the deployment's `canary_fraction`): those runtime ids are the
+canary's members. Every `interval` the last whole-minute window of the members' telemetry at the
+canary version (rollups and shadow tokens with `version == canary`) is checked, beside the stable
+group (`version == active`):
 
 - failed: canary shadow disagreement significantly above δ (one-sided binomial test), or its exit
   rate significantly and materially above the calibration's expectation (quality at risk);
 - inconclusive: too few canary shadow tokens or requests, or an upper confidence bound of the
   disagreement above δ (the window cannot show that quality holds);
 - clean otherwise: the window shows disagreement within δ at confidence 1 - alpha.
+
+Only members count. A runtime outside the canary group never pulled the candidate, so telemetry
+it stamps with the canary version is not evidence about it (at best a bug, at worst a liar
+vouching for a bad candidate); it is left out of every figure and test, and each check records
+how many non-member runtimes and tokens it ignored (`non_members`).
+
+Witnesses, not runtime ids, count: a runtime id belongs to the credential that registered it, and
+one credential may register many ids (enough to land some in the canary group), so the robust
+rules count the credentials that posted the tokens (`ShadowEvidence.witnesses`). From
+`min_runtimes` member witnesses up, a failure must show, and a clean window's bound hold, without
+each one witness's tokens (`calibration.evidence.leave_one_out`). A window that would be clean on
+fewer witnesses is not counted as clean: no one could check them against a fleet, so the canary
+pauses at once for an operator. A failure on fewer witnesses still reverts: reverting only
+returns the canary runtimes to the stable set.
 
 The quality test counts requests, not tokens: a request's tokens share a prompt and
 a topic, so disagreements cluster in requests, and a binomial test over tokens overstates its
@@ -18,8 +34,9 @@ cluster-robust variance, exact binomial bounds on the effective size). A canary 
 disagreements sit in a few requests is therefore neither promoted nor reverted on token counts.
 
 `clean_windows` clean windows promote the candidate to `active`; `failure_limit` failed checks
-revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows pause
-the canary for a human (approve / reject the job, or promote / revert the canary).
+revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows, or one
+clean window on too few witnesses, pause the canary for a human (approve / reject the job, or
+promote / revert the canary).
 
 Outlier runtimes: before its windows are judged, each canary runtime is tested against the rest
 on the canary version's shadow tokens (`canary_outliers`, the drift cycle's outlier test at the
@@ -31,13 +48,13 @@ Traffic segments: a candidate is judged on each segment whose thresholds it chan
 (`judged_segments`), each on that segment's rows with the map it applies there and against its
 own expected exit rate; a window fails if any judged segment fails, is inconclusive if any is,
 and the tests are run at alpha / k for k judged segments. A deployment without segments is
-judged on all its traffic exactly as before.
+judged on all its traffic.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
@@ -65,6 +82,7 @@ from controlplane.thresholds.service import (
     aliases_of,
     clear_alias,
     get_threshold_set,
+    in_canary,
     move_alias,
 )
 from exitplane.wire import DEFAULT_SEGMENT
@@ -176,35 +194,74 @@ def group_figures(*, session: Session, deployment: Deployment, version: int,
             "mismatches": mismatches, "disagreement": mismatches / shadow if shadow else None}
 
 
+@dataclass(frozen=True)
+class WindowEvidence:
+    """A window's canary shadow evidence (of one traffic segment when judged by segment): the
+    members' disagreement, the same without each one witness's tokens, and what was left out."""
+
+    quality: ClusteredProportion
+    without_one: list[ClusteredProportion]
+    witnesses: int  # distinct member witnesses (credentials) behind `quality`
+    non_member_shadow_tokens: int  # canary-version shadow tokens of non-members, ignored
+    non_members: frozenset[str]  # the runtime ids that reported them
+
+
+def canary_members(*, deployment: Deployment, runtime_ids: Iterable[str]) -> set[str]:
+    """The runtime ids among `runtime_ids` that the deployment serves the canary set."""
+    return {runtime_id for runtime_id in set(runtime_ids)
+            if in_canary(runtime_id=runtime_id, fraction=deployment.canary_fraction)}
+
+
+def window_runtimes(*, session: Session, deployment: Deployment, version: int,
+                    since: datetime, until: datetime,
+                    exclude: Collection[str] = ()) -> dict[str, int]:
+    """Tokens per runtime id in one version's rollups of a window (without `exclude`)."""
+    rows = session.execute(
+        select(Rollup.runtime_id, func.coalesce(func.sum(Rollup.tokens), 0))
+        .where(Rollup.deployment_id == deployment.id, Rollup.version == version,
+               Rollup.minute >= since, Rollup.minute < until,
+               Rollup.layer == deployment.exit_layers[0],
+               *([Rollup.runtime_id.not_in(sorted(exclude))] if exclude else []))
+        .group_by(Rollup.runtime_id)).all()
+    return {runtime_id: int(tokens) for runtime_id, tokens in rows}
+
+
 def window_quality(*, session: Session, deployment: Deployment, version: int,
                    thresholds: dict[int, float], since: datetime, until: datetime,
                    segment: str | None = None, exclude: Collection[str] | None = None,
-                   min_runtimes: int = 3) -> tuple[ClusteredProportion, list[ClusteredProportion]]:
-    """The policy's disagreement on one version's shadow tokens of a window (of one traffic
-    segment when given), clustered by request (the unit the quality test counts); then the
-    same without each one runtime's tokens when `min_runtimes` or more report
-    (`calibration.evidence`). Excluded runtimes (`exclude`, None: the deployment's) count
-    for nothing."""
+                   min_runtimes: int = 3) -> WindowEvidence:
+    """The policy's disagreement on the canary members' shadow tokens of one version in a window
+    (of one traffic segment when given), clustered by request (the unit the quality test
+    counts); then the same without each one witness's tokens when `min_runtimes` or more
+    witnesses report (`calibration.evidence`). Non-members' tokens and excluded runtimes'
+    (`exclude`, None: the deployment's) count for nothing."""
     found = shadow_evidence(session=session, deployment=deployment, since=since, until=until,
                             version=version, segment=segment, exclude=exclude)
+    runtimes = np.asarray(found.runtimes, dtype=str)
+    members = canary_members(deployment=deployment, runtime_ids=found.runtimes)
+    # Filtered here, not by the rollups' runtime ids: shadow tokens may come without rollups.
+    member = np.isin(runtimes, sorted(members))
     layers = sorted(deployment.exit_layers)
-    _, disagree = policy_outcomes(found.signals, found.matched, [thresholds[k] for k in layers])
-    requests = found.keyed_requests()
-    without_one = [clustered_rate(requests[mask], disagree[mask]) for mask in
-                   leave_one_out(np.asarray(found.runtimes, dtype=str), min_runtimes)]
-    return clustered_rate(requests, disagree), without_one
+    _, disagree = policy_outcomes(found.signals[member], found.matched[member],
+                                  [thresholds[k] for k in layers])
+    requests = found.keyed_requests()[member]
+    witnesses = np.asarray(found.witnesses, dtype=str)[member]
+    without_one = [clustered_rate(requests[mask], disagree[mask])
+                   for mask in leave_one_out(witnesses, min_runtimes)]
+    return WindowEvidence(quality=clustered_rate(requests, disagree), without_one=without_one,
+                          witnesses=len(set(witnesses.tolist())),
+                          non_member_shadow_tokens=int((~member).sum()),
+                          non_members=frozenset(runtimes[~member].tolist()))
 
 
 def _verdict(*, canary: dict, quality: ClusteredProportion, expected_exit_rate: float | None,
              delta: float, policy: CanaryPolicy,
              without_one: Sequence[ClusteredProportion] = ()) -> tuple[str, str, dict]:
     """(clean | failed | inconclusive, why, test figures) for one window of the canary. With
-    `without_one` (the window without each one runtime's tokens), a failure must show, and a
-    clean window's bound hold, without any one runtime too: no runtime decides alone."""
+    `without_one` (the window without each one witness's tokens), a failure must show, and a
+    clean window's bound hold, without any one witness too: no witness decides alone."""
     n, k, requests = quality.tokens, quality.events, quality.clusters
     tests: dict = {"quality": quality.to_dict()}
-    if without_one:
-        tests["runtimes"] = len(without_one)
     over = (f"{k}/{n} shadow tokens over {requests} requests (design effect "
             f"{quality.design_effect:.1f}, effective {quality.effective_tokens:.0f})")
     if n:
@@ -276,35 +333,79 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
         end = start + policy.interval
         if end > floor_minute(now):  # only whole minutes that are over
             break
-        verdicts = {}
+        reported = window_runtimes(session=session, deployment=deployment, version=run.version,
+                                   since=start, until=end, exclude=exclude)
+        outsiders = set(reported) - canary_members(deployment=deployment, runtime_ids=reported)
+        verdicts, witnesses, ignored = {}, {}, NonMembers(tokens=sum(
+            reported[runtime_id] for runtime_id in outsiders), runtimes=frozenset(outsiders))
         for segment in judged:
             figures = group_figures(session=session, deployment=deployment,
                                     version=run.version, since=start, until=end,
-                                    segment=segment, exclude=exclude)
-            quality, without_one = window_quality(
+                                    segment=segment, exclude={*exclude, *outsiders})
+            evidence = window_quality(
                 session=session, deployment=deployment, version=run.version,
                 thresholds=thresholds_for(candidate, segment or DEFAULT_SEGMENT), since=start,
                 until=end, segment=segment, exclude=exclude, min_runtimes=policy.min_runtimes)
-            verdicts[segment] = (*_verdict(
-                canary=figures, quality=quality, delta=deployment.delta, policy=split,
+            verdict, why, tests = _verdict(
+                canary=figures, quality=evidence.quality, delta=deployment.delta, policy=split,
                 expected_exit_rate=_expected_exit_rate(candidate, segment),
-                without_one=without_one), figures)
+                without_one=evidence.without_one)
+            tests["witnesses"] = witnesses[segment] = evidence.witnesses
+            verdicts[segment] = (verdict, why, tests, figures)
+            ignored = ignored.add(evidence)
         stable = group_figures(session=session, deployment=deployment,
                                version=aliases["active"], since=start, until=end,
                                exclude=exclude)
         verdict, why, tests, figures = _combine(verdicts)
+        thin = verdict == "clean" and min(witnesses.values()) < policy.min_runtimes
+        if thin:
+            verdict, why = "inconclusive", _too_few_witnesses(witnesses, policy, why)
         check = {"window": [start.isoformat(), end.isoformat()], "verdict": verdict,
                  "reason": why, "canary": figures, "stable": stable, "tests": tests,
-                 "at": now.isoformat()}
+                 "non_members": ignored.to_dict(), "at": now.isoformat()}
         if judged != [None]:
             check["segments"] = {segment: {"verdict": v, "reason": r, "tests": t, "canary": f}
                                  for segment, (v, r, t, f) in verdicts.items()}
+        if ignored.runtimes:
+            log.warning("canary of %s v%d: ignored %s from %d runtimes outside the canary "
+                        "group reporting its version", deployment.name, run.version,
+                        ignored.to_dict(), len(ignored.runtimes))
         run.checks = [*run.checks, check]
         run.next_window_start = end
         _count(session=session, deployment=deployment, run=run, verdict=verdict, why=why,
-               policy=policy, now=now)
+               policy=policy, now=now, pause=thin)
     session.flush()
     return run
+
+
+@dataclass(frozen=True)
+class NonMembers:
+    """What runtimes outside the canary group reported at the canary version in one window:
+    their rollup tokens and shadow tokens, which no figure or test of the window counts."""
+
+    tokens: int = 0
+    shadow_tokens: int = 0
+    runtimes: Collection[str] = frozenset()
+
+    def add(self, evidence: WindowEvidence) -> NonMembers:
+        return NonMembers(tokens=self.tokens,
+                          shadow_tokens=self.shadow_tokens + evidence.non_member_shadow_tokens,
+                          runtimes=frozenset({*self.runtimes, *evidence.non_members}))
+
+    def to_dict(self) -> dict:
+        names = sorted(self.runtimes)
+        return {"runtimes": len(names), "runtime_ids": names[:10], "tokens": self.tokens,
+                "shadow_tokens": self.shadow_tokens}
+
+
+def _too_few_witnesses(witnesses: dict[str | None, int], policy: CanaryPolicy, why: str) -> str:
+    """Why a window clean on fewer than `min_runtimes` witnesses is not counted as clean."""
+    segment, count = min(witnesses.items(), key=lambda item: item[1])
+    where = f" of segment {segment}" if segment is not None else ""
+    return (f"clean on the shadow tokens{where} of only {count} canary witness"
+            f"{'' if count == 1 else 'es'} (credentials), fewer than the {policy.min_runtimes} "
+            f"needed before no one of them decides alone ({why}); more runtimes must serve the "
+            "canary (raise the deployment's canary_fraction) or an operator must judge it")
 
 
 def canary_outliers(*, session: Session, deployment: Deployment, run: CanaryRun,
@@ -361,7 +462,9 @@ def _combine(verdicts: dict) -> tuple[str, str, dict, dict]:
 
 
 def _count(*, session: Session, deployment: Deployment, run: CanaryRun, verdict: str, why: str,
-           policy: CanaryPolicy, now: datetime) -> None:
+           policy: CanaryPolicy, now: datetime, pause: bool = False) -> None:
+    """Count one window's verdict and act on the limits; `pause` stops an inconclusive window's
+    canary at once, whatever the count."""
     actor = "canary"
     if verdict == "clean":
         run.clean_windows += 1
@@ -375,11 +478,21 @@ def _count(*, session: Session, deployment: Deployment, run: CanaryRun, verdict:
                           reason=why, now=now)
     else:
         run.inconclusive_windows += 1
-        if run.inconclusive_windows >= policy.max_inconclusive:
+        if pause or run.inconclusive_windows >= policy.max_inconclusive:
             run.status = "paused"
-            run.status_reason = (f"{run.inconclusive_windows} inconclusive windows ({why}); "
-                                 "waiting for an operator to promote or revert")
+            cause = why if pause else f"{run.inconclusive_windows} inconclusive windows ({why})"
+            run.status_reason = f"{cause}; {_operator_paths(deployment, run)}"
             log.warning("canary of %s v%d paused: %s", deployment.name, run.version, why)
+
+
+def _operator_paths(deployment: Deployment, run: CanaryRun) -> str:
+    """What an operator runs to end a paused canary."""
+    paths = (f"`exitplane canary promote {deployment.name} --reason R` or `exitplane canary "
+             f"revert {deployment.name} --reason R`")
+    if run.job_id is not None:
+        paths += (f", or approve / reject calibration job {run.job_id} (`exitplane "
+                  f"calibrations approve|reject {deployment.name} {run.job_id} --reason R`)")
+    return f"waiting for an operator to promote or revert: {paths}"
 
 
 def promote_canary(*, session: Session, deployment: Deployment, run: CanaryRun, actor: str,

@@ -1,41 +1,45 @@
-"""Robust evidence: no runtime's word counts for more than its share (plain functions).
+"""Robust evidence: no witness's word counts for more than its share (plain functions).
 
-A runtime is a witness, not a judge. Its shadow tokens are evidence about the thresholds, but a
-runtime that lies, has a bug in its match check or serves other heads would otherwise steer the
-whole fleet: one runtime's forged all-matched tokens certified thresholds 0.0 everywhere. Three
-bounds, borrowed from robust aggregation in federated learning (each client's update clipped,
-the verdict made to survive any single client):
+Shadow tokens are labelled by their witness (what reported them). A witness's tokens are
+evidence about the thresholds, but a witness that lies, has a bug in its match check or serves
+other heads would otherwise steer the whole fleet. Three bounds, borrowed from robust
+aggregation in federated learning (each client's update clipped, the verdict made to survive
+any single client):
 
-- **Share cap** (`cap_runtime_share`): in a fleet of at least `robust_min_runtimes` runtimes,
-  a runtime holding more than `max_runtime_share` of a verdict's shadow tokens is subsampled,
-  whole requests at random, down to that share (a flooding runtime cannot drown the others).
-  Below that there is no majority for the cap to protect: capping the larger of two runtimes
-  to the smaller's size would only throw honest evidence away, and the cross-runtime holdout
-  (below) already keeps either one from certifying a set alone. Within a runtime, a request's
-  share is bounded by the request-level statistics (`controlplane.stats.clustered`: a request
-  counts as the evidence its clustering is worth, not as its token count).
-- **Leave one runtime out** (`robust_p_values`): in a fleet of at least `robust_min_runtimes`
-  runtimes a verdict's p-value is the largest over the whole sample and each sample without
-  one runtime's tokens. The largest of valid p-values is valid, so the level holds; and since
-  the verdict must hold without any one runtime, no single runtime can decide it: not a
-  calibration step (its forged agreement certifies nothing the others do not), not a quality
-  regression (its forged disagreement does not fire the fallback), not an exit-rate spike or
-  collapse (its rollups are left out in turn, `drift.window_checks.robust_exit_findings`), not
-  a canary's verdict.
-- **Cross-runtime holdout** (`holdout_runtimes`): whole runtimes are held out of the path and
-  its test, and every step of the path must be certified on their shadow tokens as well as on
-  the test's (each step's p-value is the larger of the two: valid, and since both samples must
-  show the risk within δ, a set is certified only where runtimes it did not learn from agree).
-  So a set learned on a lying runtime meets honest traffic first, no single runtime certifies
-  a set even in a fleet of two, and the finite-sample error of one sample is checked by
-  another independent one (the chosen set's risk exceeds δ far less often than ε allows).
+- **Share cap** (`cap_runtime_share`): from `robust_min_runtimes` witnesses up, no witness keeps
+  more than `max_share_of_median` times the median witness's token count, nor more than
+  `max_runtime_share` of the verdict's tokens; one over either keeps whole requests, drawn at
+  random, up to it. The median is the typical witness, so flooders are cut to typical volume
+  however many there are, as long as they are a minority. Below `robust_min_runtimes` nothing is
+  cut: there is no majority to protect, and the holdout keeps either of two from certifying a
+  set alone. Within a witness, a request counts as the evidence its clustering is worth
+  (`controlplane.stats.clustered`), not as its token count.
+- **Leave one witness out** (`robust_p_values`): with at least `robust_min_runtimes` witnesses
+  in a sample, a verdict's p-value is the largest over the whole sample and the sample without
+  each one witness's tokens. The largest of valid p-values is valid, and no single witness can
+  decide the verdict: a calibration step, a quality regression, an exit-rate spike or collapse
+  (`drift.window_checks.robust_exit_findings`), a canary's verdict.
+- **Cross-witness holdout** (`holdout_runtimes`): whole witnesses are held out of the path and
+  its test, and every step must be certified on their tokens as well (the larger of the two
+  p-values; with `robust_min_runtimes` held-out witnesses, leave-one-out there too). Witnesses
+  are held out by count as well as by token share: at least two, and never so many that fewer
+  than `robust_min_runtimes` remain for the test, once the fleet is large enough for both. So a
+  set learned on a lying witness meets honest traffic first, a heavy witness cannot be the whole
+  holdout, and two colluders of five cannot hold both the test and the holdout.
 
-With one runtime there is no fleet to check it against: the bounds on how far an automatic
+Which witnesses are held out, which requests are kept under the cap and how the rest is split
+all follow from the caller's `seed`, and the seed is the secret: the same seed gives the same
+choices, and for a seed drawn at random every order of the witnesses is equally likely, whatever
+their names, so no choice of names steers a witness into the holdout or the test. The
+calibration service draws one per job and records it, so a job can be replayed.
+
+With one witness there is no fleet to check it against: the bounds on how far an automatic
 promotion may move (`controlplane.calibration.promotion`) do the work then.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,16 +48,18 @@ import numpy as np
 
 @dataclass(frozen=True)
 class EvidencePolicy:
-    """How much of a verdict one runtime may hold, and from how many runtimes on no single one
+    """How much of a verdict one witness may hold, and from how many witnesses on no single one
     may decide it."""
 
     max_runtime_share: float = 0.5
     robust_min_runtimes: int = 3
+    max_share_of_median: float = 2.0
 
     @classmethod
     def from_settings(cls, settings) -> EvidencePolicy:
         return cls(max_runtime_share=settings.evidence_max_runtime_share,
-                   robust_min_runtimes=settings.evidence_robust_min_runtimes)
+                   robust_min_runtimes=settings.evidence_robust_min_runtimes,
+                   max_share_of_median=settings.evidence_max_share_of_median)
 
 
 def runtime_count(runtimes: Sequence | np.ndarray | None) -> int:
@@ -83,19 +89,23 @@ def share_limit(tokens: np.ndarray, max_share: float) -> float:
 
 
 def cap_runtime_share(runtimes: np.ndarray, requests: np.ndarray, *, max_share: float,
-                      seed: int = 0, min_runtimes: int = 3) -> np.ndarray:
-    """Boolean mask of the samples kept so that no runtime holds more than `max_share` of them
-    (module docstring): a runtime over the limit keeps whole requests, drawn at random, up to
-    it (at least one). With fewer than `min_runtimes` runtimes every sample is kept (module
-    docstring: with two there is no majority to protect, and the cross-runtime holdout already
-    keeps either from certifying alone)."""
+                      seed: int = 0, min_runtimes: int = 3,
+                      max_share_of_median: float | None = 2.0) -> np.ndarray:
+    """Boolean mask of the samples kept so that no witness holds more than
+    `max_share_of_median` times the median witness's samples, nor more than `max_share` of
+    them (module docstring; None: the share alone): a witness over the limit keeps whole
+    requests, drawn at random by `seed`, up to it (at least one). With fewer than
+    `min_runtimes` witnesses every sample is kept."""
     runtimes, requests = np.asarray(runtimes).astype(str), np.asarray(requests).astype(str)
     keep = np.ones(len(runtimes), dtype=bool)
     names, codes, counts = np.unique(runtimes, return_inverse=True, return_counts=True)
     if len(names) < max(2, min_runtimes):
         return keep
     limit = share_limit(counts, max_share)
-    if not np.isfinite(limit):
+    if max_share_of_median is not None:
+        # any M below the share's limit meets the share as well (share_limit is concave)
+        limit = min(limit, max_share_of_median * float(np.median(counts)))
+    if not np.isfinite(limit) or counts.max() <= limit:
         return keep
     rng = np.random.default_rng(seed)
     for index in range(len(names)):
@@ -133,16 +143,34 @@ def robust_p_values(p_values_of: Callable[[np.ndarray | None], np.ndarray],
     return worst
 
 
-def holdout_runtimes(runtimes: np.ndarray, *, fraction: float, seed: int) -> np.ndarray | None:
-    """Boolean mask of the samples of the runtimes held out for the cross-runtime check: whole
-    runtimes in random order until they hold `fraction` of the samples (at least one runtime,
-    never all), so that a runtime with a handful of tokens is not the whole holdout the
-    candidate must be certified on; None with fewer than two."""
+def held_out_count(tokens: np.ndarray, *, fraction: float, min_test_runtimes: int) -> int:
+    """How many witnesses to hold out, given their token counts in holdout order: as many as
+    it takes to hold `fraction` of the tokens or `fraction` of the witnesses, whichever is
+    more; then at least two and at most all but `min_test_runtimes` when the fleet has room
+    for both; one when only the test's `min_test_runtimes` fit beside it (leave-one-out in
+    the test is what beats two colluders of four); else at least one and never all."""
+    k = len(tokens)
+    by_tokens = 1 + int(np.searchsorted(np.cumsum(tokens) / np.sum(tokens), fraction - 1e-12))
+    count = max(by_tokens, math.ceil(fraction * k - 1e-12))
+    if k >= min_test_runtimes + 2:
+        return int(min(max(count, 2), k - min_test_runtimes))
+    if k == min_test_runtimes + 1:
+        return 1
+    return int(min(count, k - 1))
+
+
+def holdout_runtimes(runtimes: np.ndarray, *, fraction: float, seed: int,
+                     min_test_runtimes: int = 3) -> np.ndarray | None:
+    """Boolean mask of the samples of the witnesses held out for the cross-witness check: whole
+    witnesses in a random order drawn by `seed`, as many as `held_out_count` says (so that
+    leave-one-out can run on the `min_test_runtimes` left in the test, and neither a heavy
+    witness nor one with a handful of tokens is the whole holdout); None with fewer than two
+    witnesses."""
     names, codes, counts = np.unique(np.asarray(runtimes).astype(str), return_inverse=True,
                                      return_counts=True)
     if len(names) < 2:
         return None
     order = np.random.default_rng(seed).permutation(len(names))
-    held = np.cumsum(counts[order]) / counts.sum()
-    count = min(len(names) - 1, 1 + int(np.searchsorted(held, fraction - 1e-12)))
+    count = held_out_count(counts[order], fraction=fraction,
+                           min_test_runtimes=min_test_runtimes)
     return np.isin(codes, order[:count])

@@ -6,16 +6,20 @@ these bounds hold whatever the evidence says, and are what is left with a single
 - a candidate that lowers any threshold the active set exits on (of any segment's map) by more
   than `max_threshold_step`, or whose expected exit rate is more than `max_exit_rate_rise` above
   the active set's, waits for approval whatever the deployment's policy (auto or canary);
-- a deployment whose window had a single reporting runtime never auto-promotes a set more
-  aggressive (some threshold lower) than its last good one: the newest earlier active,
-  non-fallback set whose own shadow disagreement stayed within δ (`calibration.last_good`).
-  With no such set yet (a first calibration from the conservative set), the two bounds above
-  apply alone.
+- a deployment whose window had fewer witnesses (credentials, `runtimes.witnesses`) than the
+  robust minimum never auto-promotes a set more aggressive (some threshold lower) than its
+  last good one: the newest earlier active, non-fallback set whose own shadow disagreement
+  stayed within δ (`calibration.last_good`); nor a set that opens exits where the active set
+  never exits (a first calibration from never-exit): that waits for an operator, or runs as a
+  canary under policy canary (which pauses for a human with too few canary witnesses);
+- the expected exit rate a rise is read on is the larger of the calibration's test split and
+  its median witness, so a minority of witnesses shaping their evidence moves neither.
 
 A layer the active set never exits on has no threshold to step from: opening it is bounded by
-the exit-rate rise. So the defaults let a first calibration from never-exit through (the demo
-certifies 20-50% exits on chat) and stop a set that would exit everywhere (a liar's thresholds
-0.0: an exit rate rising to 1.0), and a recalibration may not drop a working threshold far.
+the exit-rate rise, and with few witnesses by an operator. So a fleet of witnesses gets a first
+calibration from never-exit through, a set that would exit everywhere is stopped (a liar's
+thresholds 0.0: an exit rate rising to 1.0), and a recalibration may not drop a working
+threshold far.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, literal, select
 from sqlalchemy.orm import Session
 
 from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.segment_sets import thresholds_for
-from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.runtimes.outliers import excluded_runtime_ids, excluded_witnesses
+from controlplane.runtimes.witnesses import RUNTIME_PREFIX
 from controlplane.telemetry.models import ShadowSampleRow
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from exitplane.wire import DEFAULT_SEGMENT, NEVER_EXIT
@@ -41,12 +46,15 @@ class PromotionBounds:
     max_threshold_step: float = 0.75
     max_exit_rate_rise: float = 0.9
     min_shadow_tokens: int = 200  # for a set to count as the last good one
+    # from this many witnesses on, a fleet can check each of them (the robust minimum)
+    robust_min_witnesses: int = 3
 
     @classmethod
     def from_settings(cls, settings) -> PromotionBounds:
         return cls(max_threshold_step=settings.promotion_max_threshold_step,
                    max_exit_rate_rise=settings.promotion_max_exit_rate_rise,
-                   min_shadow_tokens=settings.fallback_min_shadow_tokens)
+                   min_shadow_tokens=settings.fallback_min_shadow_tokens,
+                   robust_min_witnesses=settings.evidence_robust_min_runtimes)
 
 
 def _segments(*sets: ThresholdSet) -> list[str]:
@@ -57,14 +65,17 @@ def _segments(*sets: ThresholdSet) -> list[str]:
 
 
 def _expected_exit_rate(threshold_set: ThresholdSet, segment: str) -> float | None:
-    """The set's expected exit rate on `segment`; 0 where it never exits; None if unknown."""
+    """The set's expected exit rate on `segment`: the larger of its calibration's test split
+    and its median witness (a minority of witnesses shaping their evidence sets neither); 0
+    where it never exits; None if unknown."""
     if all(value >= NEVER_EXIT for value in thresholds_for(threshold_set, segment).values()):
         return 0.0
     metrics = threshold_set.expected_metrics or {}
     if segment != DEFAULT_SEGMENT:
         metrics = (metrics.get("segments") or {}).get(segment) or {}
-    rate = metrics.get("total_exit_rate")
-    return float(rate) if isinstance(rate, int | float) else None
+    rates = [metrics.get(key) for key in ("total_exit_rate", "median_witness_exit_rate")]
+    rates = [float(rate) for rate in rates if isinstance(rate, int | float)]
+    return max(rates) if rates else None
 
 
 def step_reasons(*, candidate: ThresholdSet, active: ThresholdSet,
@@ -102,17 +113,35 @@ def more_aggressive(candidate: ThresholdSet, good: ThresholdSet) -> list[str]:
     return found
 
 
-def reporting_runtimes(*, session: Session, deployment: Deployment, since: datetime,
-                       until: datetime | None = None) -> int:
-    """Runtimes whose shadow tokens the window holds, leaving out the excluded ones."""
-    query = select(func.count(func.distinct(ShadowSampleRow.runtime_id))).where(
+def reporting_witnesses(*, session: Session, deployment: Deployment, since: datetime,
+                        until: datetime | None = None) -> int:
+    """Witnesses (credentials, `runtimes.witnesses`) whose shadow tokens the window holds,
+    leaving out the excluded ones: N runtime ids of one token are one witness."""
+    witness = case((ShadowSampleRow.witness == "",
+                    literal(RUNTIME_PREFIX) + ShadowSampleRow.runtime_id),
+                   else_=ShadowSampleRow.witness)
+    query = select(func.count(func.distinct(witness))).where(
         ShadowSampleRow.deployment_id == deployment.id, ShadowSampleRow.ts >= since)
     if until is not None:
         query = query.where(ShadowSampleRow.ts < until)
     excluded = excluded_runtime_ids(session=session, deployment_id=deployment.id)
     if excluded:
         query = query.where(ShadowSampleRow.runtime_id.not_in(sorted(excluded)))
+    set_aside = excluded_witnesses(session=session, deployment_id=deployment.id)
+    if set_aside:
+        query = query.where(ShadowSampleRow.witness.not_in(sorted(set_aside)))
     return int(session.scalar(query) or 0)
+
+
+def opened_from_never_exit(candidate: ThresholdSet, active: ThresholdSet) -> list[str]:
+    """The segments where `active` never exits and `candidate` does ('default' first)."""
+    opened = []
+    for segment in _segments(candidate, active):
+        if (all(value >= NEVER_EXIT for value in thresholds_for(active, segment).values())
+                and any(value < NEVER_EXIT
+                        for value in thresholds_for(candidate, segment).values())):
+            opened.append(segment)
+    return opened
 
 
 def promotion_hold(*, session: Session, deployment: Deployment, candidate: ThresholdSet,
@@ -121,15 +150,24 @@ def promotion_hold(*, session: Session, deployment: Deployment, candidate: Thres
     """Why `candidate` must wait for an operator whatever the policy ("" when it may be
     promoted automatically; module docstring)."""
     reasons = step_reasons(candidate=candidate, active=active, bounds=bounds)
-    if reporting_runtimes(session=session, deployment=deployment, since=since,
-                          until=until) <= 1:
+    witnesses = reporting_witnesses(session=session, deployment=deployment, since=since,
+                                    until=until)
+    if witnesses < bounds.robust_min_witnesses:
+        opened = opened_from_never_exit(candidate, active)
+        if opened and deployment.policy != "canary":
+            reasons.append(
+                f"{witnesses} witness(es) reported the samples (fewer than the "
+                f"{bounds.robust_min_witnesses} a fleet needs to check each of them), and the "
+                f"set opens exits where the active set never exits (segment "
+                f"{', '.join(opened[:4])}): a first calibration on so few credentials waits "
+                "for an operator, or runs as a canary")
         good = last_good_version(session=session, deployment=deployment,
                                  exclude={candidate.version} | (
                                      set() if conservative is None else {conservative}),
                                  min_shadow_tokens=bounds.min_shadow_tokens)
         lower = [] if good is None else more_aggressive(candidate, good)
         if lower:
-            reasons.append(f"a single runtime reported the samples, and the set is more "
+            reasons.append(f"{witnesses} witness(es) reported the samples, and the set is more "
                            f"aggressive than the last good version {good.version} ("
                            f"{'; '.join(lower[:4])})")
     if not reasons:

@@ -33,6 +33,7 @@ The automatic fallback lives in `controlplane.calibration.fallback` and the cana
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
@@ -64,9 +65,12 @@ from controlplane.calibration.stats import (
     calibrate_thresholds,
 )
 from controlplane.db import utcnow
+from controlplane.drift.outliers import screen_evidence
+from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.outbox import enqueue_task
 from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.settings import get_settings
 from controlplane.telemetry.service import shadow_evidence
 from controlplane.thresholds.models import Deployment, ThresholdSet
 from controlplane.thresholds.segments import known_segments
@@ -100,7 +104,9 @@ class CalibrationPolicy:
     wait_max: timedelta = timedelta(hours=1)
     strategy: str = "calibrated"
     learn_fraction: float = 0.3  # of the non-holdout samples, spent on fitting the path
-    seed: int = 0
+    # None: each job draws a random seed (recorded in its summary), so which witnesses and
+    # requests the holdout takes cannot be computed in advance; an int replays a job
+    seed: int | None = None
     evidence: EvidencePolicy = field(default_factory=EvidencePolicy)
     bounds: PromotionBounds = field(default_factory=PromotionBounds)
 
@@ -208,22 +214,78 @@ class ShadowWindow:
     # For a segment job, the other segments' shadow tokens of the same
     # window (signals, matched), which its path may borrow (`segments.path_borrowing`)
     borrowed: tuple[np.ndarray, np.ndarray] | None = None
-    # each token's runtime: no runtime holds more than its share, and the set must hold on
-    # runtimes it did not learn from (`calibration.evidence`)
-    runtimes: np.ndarray | None = None
+    # each token's witness (the credential that posted it, `runtimes.witnesses`): no witness
+    # holds more than its share, and the set must hold on witnesses it did not learn from
+    # (`calibration.evidence`)
+    witnesses: np.ndarray | None = None
+    # the job's random seed (recorded in its summary): which witnesses and requests are held
+    # out cannot be computed in advance
+    seed: int = 0
 
 
-def read_window(*, session: Session, job: CalibrationJob,
-                now: datetime | None = None) -> ShadowWindow | None:
+def read_window(*, session: Session, job: CalibrationJob, now: datetime | None = None,
+                seed: int | None = None) -> ShadowWindow | None:
     """The job's shadow samples (None when the job is already finished); a segment job's come
-    with the other segments' shadow tokens of the same window, which its path may borrow."""
+    with the other segments' shadow tokens of the same window, which its path may borrow.
+    `seed`: the job's random draws (None: a fresh random one, recorded in the job's
+    summary). The evidence is screened first, witness by witness, over the whole window and
+    every version in it (`screen_window`): an outlier witness is set aside and left out."""
+    window = _read_window(session=session, job=job, now=now, seed=seed)
+    if window is None:
+        return None
+    return screen_window(session=session, job=job, window=window, now=now or utcnow())
+
+
+def screen_window(*, session: Session, job: CalibrationJob, window: ShadowWindow,
+                  now: datetime) -> ShadowWindow:
+    """`window` without the witnesses the outlier screen sets aside on it, segment by segment
+    (`drift.outliers.screen_evidence`, on the evidence this calibration is about to use:
+    every version of its window, so evidence stamped with another version or outside the drift
+    check's recent minutes is screened all the same). Those it sets aside are recorded in the
+    job's summary."""
+    if window.witnesses is None or window.requests is None or not len(window.witnesses):
+        return window
+    deployment = session.get(Deployment, job.deployment_id)
+    settings = get_settings()
+    options = DriftOptions.from_settings(settings)
+    labels = (window.segments if window.segments is not None
+              else np.full(len(window.witnesses), window.segment or DEFAULT_SEGMENT))
+    names = sorted(set(labels.tolist()))
+    alpha = options.quality_alpha_per_hour * options.check_interval_s / 3600.0 / len(names)
+    set_aside = []
+    for name in names:
+        mine = labels == name
+        set_aside += screen_evidence(
+            session=session, deployment=deployment, requests=window.requests[mine],
+            witnesses=window.witnesses[mine], signals=window.signals[mine],
+            matched=window.matched[mine], thresholds=None, alpha=alpha,
+            min_requests=options.outlier_min_requests,
+            robust_min_runtimes=settings.evidence_robust_min_runtimes, version=None,
+            segment=name, window=(job.since, job.until or now), now=now,
+            context=f"screening calibration job {job.id}'s evidence: ")
+    if not set_aside:
+        return window
+    witnesses = sorted({record.witness for record in set_aside if record.witness})
+    job.summary = {**(job.summary or {}), "witnesses_set_aside": witnesses}
+    keep = ~np.isin(window.witnesses, witnesses)
+    log.warning("%s: calibration job %d set aside %d witness(es) before calibrating: %s",
+                deployment.name, job.id, len(witnesses), ", ".join(witnesses))
+    return replace(window, signals=window.signals[keep], matched=window.matched[keep],
+                   requests=window.requests[keep], witnesses=window.witnesses[keep],
+                   segments=None if window.segments is None else window.segments[keep])
+
+
+def _read_window(*, session: Session, job: CalibrationJob, now: datetime | None,
+                 seed: int | None) -> ShadowWindow | None:
     session.refresh(job)
     if job.status in FINISHED:
         return None
     deployment = session.get(Deployment, job.deployment_id)
     until = job.until or now or utcnow()
+    seed = secrets.randbits(31) if seed is None else seed
+    job.summary = {**(job.summary or {}), "seed": seed}
     shape = dict(job_id=job.id, exit_layers=list(deployment.exit_layers),
-                 num_layers=deployment.num_layers, delta=deployment.delta)
+                 num_layers=deployment.num_layers, delta=deployment.delta, seed=seed)
     known = known_segments(session=session, deployment_id=deployment.id)
     exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
     if job.segment is not None:
@@ -236,7 +298,7 @@ def read_window(*, session: Session, job: CalibrationJob,
         # Its share of the joint ε beside the maps the others hold (`calibration.segments`).
         return ShadowWindow(signals=own.signals, matched=own.matched, segment=job.segment,
                             requests=own.keyed_requests(),
-                            runtimes=np.asarray(own.runtimes, dtype=str),
+                            witnesses=np.asarray(own.witnesses, dtype=str),
                             epsilon=recalibration_level(deployment.epsilon, 1 + len(known)),
                             borrowed=(np.concatenate([part[0] for part in others]),
                                       np.concatenate([part[1] for part in others]))
@@ -251,7 +313,7 @@ def read_window(*, session: Session, job: CalibrationJob,
                             until=until, exclude=exclude)
     return ShadowWindow(signals=found.signals, matched=found.matched,
                         epsilon=deployment.epsilon, requests=found.keyed_requests(),
-                        runtimes=np.asarray(found.runtimes, dtype=str), **shape)
+                        witnesses=np.asarray(found.witnesses, dtype=str), **shape)
 
 
 def _segmented_window(*, session: Session, deployment: Deployment, since: datetime,
@@ -274,8 +336,8 @@ def _segmented_window(*, session: Session, deployment: Deployment, since: dateti
                                  for name, part in parts.items()]).astype(str),
         requests=np.concatenate([np.char.add(f"{name}/", part.keyed_requests())
                                  for name, part in parts.items()]),
-        runtimes=np.concatenate([np.asarray(part.runtimes, dtype=str)
-                                 for part in parts.values()]),
+        witnesses=np.concatenate([np.asarray(part.witnesses, dtype=str)
+                                  for part in parts.values()]),
         epsilon=deployment.epsilon, **shape)
 
 
@@ -289,7 +351,7 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
     (`calibrate_segments`), else one set. No runtime holds more than its share of the tokens,
     and the set must hold on runtimes it did not learn from (`calibration.evidence`)."""
     window = _capped(window, policy)
-    robust = dict(runtimes=window.runtimes,
+    robust = dict(runtimes=window.witnesses,
                   robust_min_runtimes=policy.evidence.robust_min_runtimes)
     if window.segments is not None:
         return calibrate_segments(
@@ -297,30 +359,31 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
             requests=window.requests, exit_layers=window.exit_layers, **robust,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
-            learn_fraction=policy.learn_fraction, seed=policy.seed)
+            learn_fraction=policy.learn_fraction, seed=window.seed)
     try:
         return calibrate_thresholds(
             signals=window.signals, matched=window.matched, exit_layers=window.exit_layers,
             requests=window.requests,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
-            learn_fraction=policy.learn_fraction, seed=policy.seed, **robust,
+            learn_fraction=policy.learn_fraction, seed=window.seed, **robust,
             **path_borrowing(len(window.signals), window.borrowed))
     except NotEnoughShadowData as shortage:
         return shortage
 
 
 def _capped(window: ShadowWindow, policy: CalibrationPolicy) -> ShadowWindow:
-    """The window with each runtime's tokens cut to its share (`evidence.cap_runtime_share`)."""
-    if window.runtimes is None or window.requests is None or not len(window.runtimes):
+    """The window with each witness's tokens cut to its share (`evidence.cap_runtime_share`)."""
+    if window.witnesses is None or window.requests is None or not len(window.witnesses):
         return window
-    keep = cap_runtime_share(window.runtimes, window.requests,
-                             max_share=policy.evidence.max_runtime_share, seed=policy.seed,
+    keep = cap_runtime_share(window.witnesses, window.requests,
+                             max_share=policy.evidence.max_runtime_share, seed=window.seed,
+                             max_share_of_median=policy.evidence.max_share_of_median,
                              min_runtimes=policy.evidence.robust_min_runtimes)
     if keep.all():
         return window
     return replace(window, signals=window.signals[keep], matched=window.matched[keep],
-                   requests=window.requests[keep], runtimes=window.runtimes[keep],
+                   requests=window.requests[keep], witnesses=window.witnesses[keep],
                    segments=None if window.segments is None else window.segments[keep])
 
 
@@ -440,6 +503,9 @@ def _apply_segmented(*, session: Session, deployment: Deployment, job: Calibrati
         "delta": outcome.delta, "epsilon": outcome.epsilon}
     own = {name: expected_metrics(seg.result) for name, seg in outcome.segments.items()
            if name != DEFAULT_SEGMENT and seg.source == "segment" and seg.result is not None}
+    # a segment that takes the pooled set is bounded by the pooled set's figures
+    own |= {name: expected_metrics(outcome.pooled) for name, seg in outcome.segments.items()
+            if name != DEFAULT_SEGMENT and seg.source == "pooled" and outcome.pooled is not None}
     if own:
         metrics["segments"] = own
     metrics["epsilon_per_segment"] = outcome.epsilon_per_segment
@@ -478,7 +544,7 @@ def run_calibration(*, session: Session, job: CalibrationJob,
     """Read, calibrate and apply in the caller's one transaction (the worker task runs the
     three steps in separate short transactions instead); a finished job is returned
     unchanged."""
-    window = read_window(session=session, job=job, now=now)
+    window = read_window(session=session, job=job, now=now, seed=policy.seed)
     if window is None:
         return job
     return apply_outcome(session=session, job=job, outcome=calibrate_window(window, policy),
@@ -501,18 +567,31 @@ def expected_metrics(result: CalibrationResult) -> dict:
         "speedup": result.speedup,
         "holdout_disagreement": result.holdout.disagreement if result.holdout else None,
         "samples": result.samples,
+        # the chosen set's exit rate on the median witness's evidence (`promotion` bounds the
+        # rise by the larger of this and total_exit_rate: no minority of witnesses sets it)
+        "median_witness_exit_rate": float(np.median(list(result.witness_exit_rates.values())))
+        if result.witness_exit_rates else None,
+        "witnesses": len(result.witness_exit_rates),
     }
 
 
 def _not_enough_data(*, job: CalibrationJob, shortage: NotEnoughShadowData,
                      policy: CalibrationPolicy, now: datetime) -> None:
-    job.summary = {"counts": {str(k): v for k, v in shortage.counts.items()},
+    job.summary = {**_kept(job),
+                   "counts": {str(k): v for k, v in shortage.counts.items()},
                    "required": shortage.required}
     if now - job.created_at >= policy.wait_max:
         _finish(job, "failed", f"{shortage} (gave up after waiting "
                                f"{policy.wait_max.total_seconds():.0f} s)", now)
     else:
         job.status, job.status_reason = "waiting_for_data", str(shortage)
+
+
+def _kept(job: CalibrationJob) -> dict:
+    """What a job's summary keeps from its reading of the window: its seed and the witnesses
+    its screen set aside."""
+    return {key: value for key, value in (job.summary or {}).items()
+            if key in ("seed", "witnesses_set_aside")}
 
 
 def _record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
@@ -530,6 +609,7 @@ def _record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
                  for p in result.curve]
     holdout = result.holdout
     job.summary = {
+        **_kept(job),
         "thresholds": {str(k): v for k, v in result.thresholds.items()},
         "risk": result.risk, "risk_bound": result.risk_bound, "p_value": result.p_value,
         "exit_rate": result.exit_rate, "mean_depth": result.mean_depth,

@@ -206,6 +206,9 @@ class CalibrationResult:
     # independent draws (no request ids, or one token each)
     risk_unit: str = "token"
     design_effect: float = 1.0  # of the chosen step's test (1 at the token level)
+    # the chosen set's exit rate on each witness's samples (every part), when witnesses are
+    # given: the promotion bound reads their median, which no minority of witnesses sets
+    witness_exit_rates: dict[str, float] = field(default_factory=dict)
 
     @property
     def exit_rates(self) -> dict[int, float]:
@@ -691,9 +694,9 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
     are independent draws); `reference`: (signals, matched, codes) of the requests outside the
     test, where each step's design effect is read as well; `runtimes`: the test tokens'
     runtimes: each step's p-value is then the largest over the test without each one runtime
-    (`evidence.robust_p_values`); `held_out`: (signals, matched, codes or None) of the
-    runtimes held out of the path and the test: each step's p-value is then also the larger
-    of the test's and theirs (`_held_out_p_values`)."""
+    (`evidence.robust_p_values`); `held_out`: (signals, matched, codes or None, runtimes) of
+    the runtimes held out of the path and the test: each step's p-value is then also the
+    larger of the test's and theirs (`_held_out_p_values`)."""
     n, n_layers = signals.shape
     firsts, losses, predicted, by_request, by_reference = [], [], [], [], []
     disagreements = []
@@ -728,27 +731,36 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
     if held_out is not None and len(held_out[0]):
         p_values = np.maximum(p_values, _held_out_p_values(
             path, *held_out, delta=delta, epsilon=epsilon, risk_test=risk_test,
-            reference=None if codes is None else (request_losses, np.bincount(codes))))
+            reference=None if codes is None else (request_losses, np.bincount(codes)),
+            min_runtimes=robust_min_runtimes))
     p_values[0] = 0.0  # never-exit is certain, not tested
     failed = np.flatnonzero(p_values > epsilon)
     chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
     return firsts, np.array(losses), predicted, p_values, chosen, request_losses, design, ref
 
 
-def _held_out_p_values(path, signals, matched, codes, *, delta, epsilon, risk_test,
-                       reference):
+def _held_out_p_values(path, signals, matched, codes, runtimes=None, *, delta, epsilon,
+                       risk_test, reference, min_runtimes=3):
     """Each step's p-value on the shadow tokens of the runtimes held out of the path and the
     test (the cross-runtime holdout), by the test's own kind: request-level with `codes`, the
     design effect read as well on `reference` (the test's per-request losses and tokens), which
-    is independent of the held-out outcome."""
+    is independent of the held-out outcome. With `min_runtimes` held-out `runtimes`, the
+    largest over them without each one (`evidence.robust_p_values`): no held-out runtime
+    decides alone."""
     disagreements = [simulate_policy(signals, matched, thresholds)[1] for thresholds in path]
-    if codes is None:
-        return risk_p_values(np.array([int(d.sum()) for d in disagreements]), len(signals),
-                             delta, risk_test)
-    losses = np.array([np.bincount(codes, weights=d, minlength=codes.max() + 1)
-                       for d in disagreements])
-    return clustered_risk_p_values(losses, np.bincount(codes), delta, alpha=epsilon,
-                                   test=risk_test, reference=reference)[0]
+
+    def p_of(mask):
+        kept = slice(None) if mask is None else mask
+        if codes is None:
+            return risk_p_values(np.array([int(d[kept].sum()) for d in disagreements]),
+                                 len(signals[kept]), delta, risk_test)
+        requests, mine = np.unique(codes[kept], return_inverse=True)
+        losses = np.array([np.bincount(mine, weights=d[kept], minlength=len(requests))
+                           for d in disagreements])
+        return clustered_risk_p_values(losses, np.bincount(mine), delta, alpha=epsilon,
+                                       test=risk_test, reference=reference)[0]
+
+    return robust_p_values(p_of, runtimes, min_runtimes)
 
 
 def _without_each_runtime(p_values, runtimes, min_runtimes, *, codes, request_losses,
@@ -864,8 +876,8 @@ def calibrate_thresholds(
     if runtimes is not None and runtimes.shape != (len(signals),):
         raise ValueError(f"runtimes has shape {runtimes.shape}; need one per sample "
                          f"({len(signals)},)")
-    held = None if runtimes is None else holdout_runtimes(runtimes, fraction=holdout_fraction,
-                                                          seed=seed)
+    held = None if runtimes is None else holdout_runtimes(
+        runtimes, fraction=holdout_fraction, seed=seed, min_test_runtimes=robust_min_runtimes)
     if held is not None:
         holdout = np.flatnonzero(held)
         calib = np.random.default_rng(seed + 1).permutation(np.flatnonzero(~held))
@@ -894,7 +906,8 @@ def calibrate_thresholds(
         robust_min_runtimes=robust_min_runtimes,
         held_out=None if held is None else (
             signals[holdout], matched[holdout],
-            None if codes is None else np.unique(codes[holdout], return_inverse=True)[1]),
+            None if codes is None else np.unique(codes[holdout], return_inverse=True)[1],
+            runtimes[holdout]),
     )
     adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
     if test_codes is None:
@@ -963,7 +976,19 @@ def calibrate_thresholds(
         match_model=match_model,
         risk_unit="token" if codes is None else "request",
         design_effect=float(design[chosen]),
+        witness_exit_rates={} if runtimes is None else _exit_rates_by(
+            runtimes, signals, path[chosen], len(layers)),
     )
+
+
+def _exit_rates_by(labels: np.ndarray, signals: np.ndarray, thresholds, width: int
+                   ) -> dict[str, float]:
+    """The exit rate of `thresholds` on each label's samples."""
+    first, _ = simulate_policy(signals, np.ones(signals.shape, dtype=bool), thresholds)
+    names, codes = np.unique(labels, return_inverse=True)
+    exits = np.bincount(codes, weights=first < width, minlength=len(names))
+    return {str(name): float(exits[i] / max(1, (codes == i).sum()))
+            for i, name in enumerate(names)}
 
 
 def _request_codes(requests, n: int) -> np.ndarray | None:

@@ -73,6 +73,7 @@ from controlplane.drift.window_checks import (
 )
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.runtimes.service import runtime_witnesses
 from controlplane.telemetry.models import Rollup, ShadowSampleRow
 from controlplane.telemetry.service import exit_rates, shadow_evidence, signal_histogram
 from controlplane.thresholds.models import Alias, Deployment
@@ -248,7 +249,7 @@ def segment_window_inputs(*, session: Session, deployment: Deployment, now: date
         since=since, minutes=minutes, recent_since=recent_since, shadow_requests=requests,
         shadow_signals=signals, shadow_matched=matched, shadow_times=times,
         shadow_capped=len(requests) >= options.max_shadow_tokens, histograms=histograms,
-        info_open=info_open, shadow_runtimes=np.asarray(shadow.runtimes, dtype=str),
+        info_open=info_open, shadow_runtimes=np.asarray(shadow.witnesses, dtype=str),
         exit_windows_without_each_runtime=without_each_runtime)
 
 
@@ -257,9 +258,11 @@ def _exit_windows_without_each_runtime(
         exclude: set[str], start: datetime, since: datetime, layers: list[int],
         options: DriftOptions, reference: dict[int, LayerReference] | None, learned: bool
 ) -> list[tuple[dict[int, LayerReference], Minutes]]:
-    """Per reporting runtime, the exit-rate reference and per-minute windows of the version
-    without that runtime's rollups (a learned reference learned again without it); none when
-    fewer than `robust_min_runtimes` runtimes report (`window_checks.robust_exit_findings`)."""
+    """Per reporting witness (the credential whose runtimes reported: `runtimes.witnesses`),
+    the exit-rate reference and per-minute windows of the version without its runtimes'
+    rollups (a learned reference learned again without them); none when fewer than
+    `robust_min_runtimes` witnesses report (`window_checks.robust_exit_findings`)."""
+    witness_of = runtime_witnesses(session=session, deployment_id=deployment.id)
     query = (select(Rollup.runtime_id, Rollup.minute, Rollup.layer,
                     func.sum(Rollup.tokens).label("tokens"),
                     func.sum(Rollup.exits).label("exits"),
@@ -272,7 +275,8 @@ def _exit_windows_without_each_runtime(
         query = query.where(Rollup.runtime_id.not_in(sorted(exclude)))
     by_runtime: dict[str, dict[tuple[datetime, int], np.ndarray]] = defaultdict(dict)
     for row in session.execute(query):
-        by_runtime[row.runtime_id][(row.minute, row.layer)] = np.array(
+        points = by_runtime[witness_of.get(row.runtime_id, f"runtime:{row.runtime_id}")]
+        points[(row.minute, row.layer)] = points.get((row.minute, row.layer), 0) + np.array(
             [int(row.tokens), int(row.exits), int(row.policy_exits)])
     if len(by_runtime) < max(2, options.robust_min_runtimes):
         return []

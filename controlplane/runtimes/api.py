@@ -33,7 +33,8 @@ router = APIRouter(prefix="/v1/deployments", tags=["runtimes"], route_class=Mete
 def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
               principal: RuntimePrincipal) -> RuntimeRead:
     """A runtime says which set it applies, whether it is ready and what it spooled or dropped; the
-    first beat registers it in the fleet (409 past the runtime caps)."""
+    first beat (or telemetry batch) registers it in the fleet to the token that sent it (409
+    past the runtime caps; 403 for a runtime id another token registered)."""
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
     target = request.app.state.ingest_targets.get(name, service.applied_versions(beat))
@@ -49,15 +50,17 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
 def leave(name: str, runtime_id: str, request: Request, session: SessionDep,
           principal: RuntimePrincipal) -> RuntimesRemoved:
     """A runtime that stops cleanly leaves the fleet: it is dropped from the fleet view and
-    the caps at once, so no `runtime_stale` alert fires for it. Any token of the deployment
-    may take it out, whichever registered it (a runtime whose token was rotated leaves with
-    the new one); a token of another deployment gets 403. It registers anew if it beats
-    again."""
+    the caps at once, so no `runtime_stale` alert fires for it. Only the runtime token that
+    registered it may take it out (403 for another live one; a runtime whose token was
+    revoked leaves with its new one); operator tokens may too, and a token of another
+    deployment gets 403. It registers anew if it beats again."""
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
-    removed = service.remove_runtimes(session=session, deployment=deployment,
-                                      runtime_id=runtime_id)
+    removed = service.remove_runtimes(
+        session=session, deployment=deployment, runtime_id=runtime_id,
+        owner=principal.token_id if principal.scope == "runtime" else None)
     request.app.state.heartbeats.forget(deployment.id, removed)
+    request.app.state.runtime_claims.forget(deployment.id, removed)
     log.info("runtime %r left deployment %r", runtime_id, deployment.name)
     return RuntimesRemoved(removed=removed)
 
@@ -98,6 +101,7 @@ def remove_runtimes_of_token(
 
 def _removed(request: Request, deployment, removed: list[str], principal) -> RuntimesRemoved:
     request.app.state.heartbeats.forget(deployment.id, removed)
+    request.app.state.runtime_claims.forget(deployment.id, removed)
     log.info("%s removed %d runtime(s) of deployment %r", principal.actor, len(removed),
              deployment.name)
     return RuntimesRemoved(removed=removed)

@@ -52,7 +52,8 @@ class HeartbeatBuffer:
         self._session_factory = session_factory
         self.interval_s = interval_s
         self._max_known = max_known
-        self._known: dict[tuple[int, str], datetime] = {}
+        # (deployment, runtime) -> (first seen, the token that registered it)
+        self._known: dict[tuple[int, str], tuple[datetime, int | None]] = {}
         self._held: dict[tuple[int, str], dict] = {}
         self._lock = threading.Lock()  # the event loop adds, the flusher and listings write
         self._write_lock = threading.Lock()  # one write at a time, in order
@@ -63,19 +64,25 @@ class HeartbeatBuffer:
     def enabled(self) -> bool:
         return self.interval_s > 0
 
-    def first_seen(self, deployment_id: int, runtime_id: str) -> datetime | None:
-        """When the runtime was first seen, if this process has it on record; never reads the
-        store (the event loop asks)."""
-        return self._known.get((deployment_id, runtime_id))
+    def first_seen(self, deployment_id: int, runtime_id: str,
+                   token_id: int | None) -> datetime | None:
+        """When the runtime was first seen, if this process has it on record as registered by
+        `token_id`; never reads the store (the event loop asks). Another token's beat for it
+        gets None, and the store path says why it is refused."""
+        known = self._known.get((deployment_id, runtime_id))
+        if known is None or known[1] != token_id:
+            return None
+        return known[0]
 
-    def remember(self, deployment_id: int, runtime: RuntimeRead) -> None:
-        """Note a runtime whose beat the store has just recorded: its next beats are held."""
+    def remember(self, deployment_id: int, runtime: RuntimeRead, token_id: int | None) -> None:
+        """Note a runtime whose beat, sent with `token_id`, the store has just recorded: its
+        next beats with that token are held."""
         if not self.enabled:
             return
         with self._lock:
             if len(self._known) >= self._max_known:
                 self._known.clear()  # forgotten ones take the store path once, then return
-            self._known[(deployment_id, runtime.runtime_id)] = runtime.first_seen
+            self._known[(deployment_id, runtime.runtime_id)] = (runtime.first_seen, token_id)
 
     def forget(self, deployment_id: int, runtime_ids: list[str]) -> None:
         """Take removed runtimes off this process's record: their next beats go to the store,

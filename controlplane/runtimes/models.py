@@ -55,6 +55,9 @@ class RuntimeOutlier(Base):
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"),
                                                index=True)
     runtime_id: Mapped[str] = mapped_column(String(128))
+    # The witness set aside (controlplane/runtimes/witnesses.py): every runtime id of that
+    # credential is set aside with it. NULL: the runtime id alone.
+    witness: Mapped[str | None] = mapped_column(String(140))
     open_runtime: Mapped[str | None] = mapped_column(String(128))
     status: Mapped[str] = mapped_column(String(16), default="set_aside")  # or 'cleared'
     version: Mapped[int]  # the threshold version both sides served when it was found

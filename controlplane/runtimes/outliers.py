@@ -17,7 +17,8 @@ from sqlalchemy.orm import Session
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, NotFound
 from controlplane.runtimes.lineage import mismatched_runtime_ids
-from controlplane.runtimes.models import RuntimeOutlier
+from controlplane.runtimes.models import Runtime, RuntimeOutlier
+from controlplane.runtimes.witnesses import token_of
 from controlplane.thresholds.models import Deployment
 
 
@@ -27,10 +28,24 @@ def set_aside_runtime_ids(*, session: Session, deployment_id: int) -> set[str]:
         RuntimeOutlier.deployment_id == deployment_id, RuntimeOutlier.open_runtime.is_not(None))))
 
 
+def excluded_witnesses(*, session: Session, deployment_id: int) -> set[str]:
+    """Witnesses (credentials, `runtimes.witnesses`) currently set aside as outliers: every
+    shadow token they vouch for is left out, under whichever runtime id it names."""
+    return set(session.scalars(select(RuntimeOutlier.witness).where(
+        RuntimeOutlier.deployment_id == deployment_id, RuntimeOutlier.open_runtime.is_not(None),
+        RuntimeOutlier.witness.is_not(None))))
+
+
 def excluded_runtime_ids(*, session: Session, deployment_id: int) -> set[str]:
-    """Runtimes whose shadow evidence the deployment's decisions leave out: set aside as
-    outliers, or serving other heads or another model (lineage)."""
-    return (set_aside_runtime_ids(session=session, deployment_id=deployment_id)
+    """Runtimes whose evidence the deployment's decisions leave out: set aside as outliers
+    (with every runtime registered to a witness set aside), or serving other heads or another
+    model (lineage)."""
+    witnesses = excluded_witnesses(session=session, deployment_id=deployment_id)
+    tokens = {token for token in map(token_of, witnesses) if token is not None}
+    registered = set(session.scalars(select(Runtime.runtime_id).where(
+        Runtime.deployment_id == deployment_id, Runtime.token_id.in_(tokens)))) if tokens \
+        else set()
+    return (set_aside_runtime_ids(session=session, deployment_id=deployment_id) | registered
             | mismatched_runtime_ids(session=session, deployment_id=deployment_id))
 
 
@@ -46,14 +61,17 @@ def list_outliers(*, session: Session, deployment: Deployment, open_only: bool =
 
 def set_aside(*, session: Session, deployment: Deployment, runtime_id: str, version: int,
               segment: str, summary: str, evidence: dict, alert_id: int | None = None,
-              now: datetime | None = None) -> tuple[RuntimeOutlier, bool]:
-    """Set `runtime_id` aside: (its open record, True when this call created it)."""
+              now: datetime | None = None, witness: str | None = None
+              ) -> tuple[RuntimeOutlier, bool]:
+    """Set `runtime_id` aside, and with `witness` every runtime of that credential: (its open
+    record, True when this call created it). A witness's record is keyed by the witness."""
     existing = session.scalars(select(RuntimeOutlier).where(
         RuntimeOutlier.deployment_id == deployment.id,
         RuntimeOutlier.open_runtime == runtime_id)).one_or_none()
     if existing is not None:
         return existing, False
     record = RuntimeOutlier(deployment_id=deployment.id, runtime_id=runtime_id,
+                            witness=witness,
                             open_runtime=runtime_id, status="set_aside", version=version,
                             segment=segment, summary=summary, evidence=evidence,
                             alert_id=alert_id, detected_at=now or utcnow(), clear_reason="")

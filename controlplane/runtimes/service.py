@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, bindparam, delete, false, func, select, update
+from sqlalchemy import and_, bindparam, delete, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from controlplane.auth.models import ApiToken
 from controlplane.db import utcnow
-from controlplane.errors import CapReached, Invalid, NotFound
+from controlplane.errors import CapReached, Forbidden, Invalid, NotFound
 from controlplane.runtimes import lineage
 from controlplane.runtimes.models import Runtime
+from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry.targets import IngestTarget
 from controlplane.thresholds.locks import lock_deployment
 from controlplane.thresholds.models import Deployment
@@ -35,6 +38,9 @@ _BEAT = (update(Runtime)
          .values({**{column: bindparam(column) for column in BEAT_FIELDS},
                   **lineage.beat_mismatch_values()})
          .returning(Runtime))
+# The same for a beat sent with a token: only the token that registered the runtime beats
+# for it (a row registered by another token is left alone: `record_heartbeat` says why).
+_OWNED_BEAT = _BEAT.where(Runtime.token_id == bindparam("beat_token"))
 _BEAT_OPTIONS = {"populate_existing": True, "synchronize_session": False}
 
 
@@ -59,24 +65,32 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
                      token_id: int | None = None) -> Runtime:
     """Upsert the runtime's row from a heartbeat. A new runtime is registered to `token_id`
     (the token that sent the beat) and refused with CapReached (409, answered after the
-    refusal hold) beyond `caps` (None: no caps).
+    refusal hold) beyond `caps` (None: no caps). A runtime id another live token registered
+    is refused (Forbidden): a token beats only for its own runtimes (`claim_runtime_ids`).
     `deployment`: its row, or the API's cached facts of it (only its id and name are read)."""
     fields = beat_fields(beat, utcnow())
     params = dict(fields, beat_deployment=deployment.id, beat_runtime=beat.runtime_id)
+    if token_id is not None:
+        params["beat_token"] = token_id
+    statement = _BEAT if token_id is None else _OWNED_BEAT
     # A known runtime (every beat but its first) is one UPDATE ... RETURNING: at fleet scale
     # a select, then the unit of work's update, made heartbeats the API's costliest request.
-    runtime = _beat(session, params)
+    runtime = _beat(session, params, statement)
     if runtime is not None:
         return runtime
-    # A new runtime. The deployment's row lock serialises new runtimes: concurrent ones cannot
-    # all slip under the caps, and concurrent first beats of one runtime (two API processes, a
-    # retry) meet here, the later one updating the row the earlier one committed (SQLite's
-    # BEGIN IMMEDIATE already serialises writers).
+    # A new runtime (or one this token may claim). The deployment's row lock serialises new
+    # runtimes: concurrent ones cannot all slip under the caps, and concurrent first beats of
+    # one runtime (two API processes, a retry) meet here, the later one updating the row the
+    # earlier one committed (SQLite's BEGIN IMMEDIATE already serialises writers).
     lock_deployment(session=session, deployment_id=deployment.id)
-    runtime = _beat(session, params)
+    if token_id is not None:
+        claim_runtime_ids(session=session, deployment=deployment, token_id=token_id,
+                          runtime_ids=[beat.runtime_id], caps=caps, locked=True,
+                          seen=fields["last_seen"])
+    runtime = _beat(session, params, statement)
     if runtime is not None:
         return runtime
-    if caps is not None:
+    if caps is not None and token_id is None:
         _check_room(session=session, deployment=deployment, caps=caps, token_id=token_id)
     # first_seen == last_seen until a second beat: how a runtime heard from once is told.
     runtime = Runtime(deployment_id=deployment.id, runtime_id=beat.runtime_id,
@@ -90,6 +104,63 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
                               reports=[(beat.runtime_id, beat.model_revision, beat.head_digest)])
         session.refresh(runtime)
     return runtime
+
+
+def claim_runtime_ids(*, session: Session, deployment: Deployment | IngestTarget,
+                      token_id: int, runtime_ids: Iterable[str],
+                      caps: RuntimeCaps | None = None, locked: bool = False,
+                      seen: datetime | None = None) -> list[str]:
+    """Make sure `token_id` may report under each of `runtime_ids`, registering the new ones
+    to it; the ids registered (or claimed) by this call.
+
+    A runtime id belongs to the token that registered it (its first heartbeat or telemetry
+    batch). Another token's report under it is refused (Forbidden), so no token can speak for
+    a runtime it does not run, report its lineage or make it leave; an id whose token was
+    revoked or deleted may be claimed by the token reporting under it now. New ids count
+    against `caps` as a first heartbeat does (CapReached past them), first seen at `seen`
+    (default now). `locked`: the caller holds the deployment's row lock already."""
+    wanted = sorted(set(runtime_ids))
+    if not wanted:
+        return []
+    owners = dict(session.execute(
+        select(Runtime.runtime_id, Runtime.token_id).where(
+            Runtime.deployment_id == deployment.id, Runtime.runtime_id.in_(wanted))).all())
+    if all(owners.get(runtime_id) == token_id for runtime_id in wanted):
+        return []
+    if not locked:
+        lock_deployment(session=session, deployment_id=deployment.id)
+        owners = dict(session.execute(
+            select(Runtime.runtime_id, Runtime.token_id).where(
+                Runtime.deployment_id == deployment.id, Runtime.runtime_id.in_(wanted))).all())
+    held = {runtime_id: owner for runtime_id, owner in owners.items()
+            if owner is not None and owner != token_id}
+    if held:
+        live = set(session.scalars(select(ApiToken.id).where(
+            ApiToken.id.in_(set(held.values())), ApiToken.revoked_at.is_(None))))
+        taken = sorted(runtime_id for runtime_id, owner in held.items() if owner in live)
+        if taken:
+            raise Forbidden(
+                f"runtime id {taken[0]!r} of deployment {deployment.name!r} was registered "
+                "by another token: a token reports only for the runtimes it registered. Give "
+                "each runtime an id of its own, or have an operator remove that runtime "
+                f"(DELETE /v1/deployments/{deployment.name}/runtimes/{taken[0]})")
+    claimed = sorted(runtime_id for runtime_id in owners if owners[runtime_id] != token_id)
+    new = [runtime_id for runtime_id in wanted if runtime_id not in owners]
+    now = seen or utcnow()
+    for runtime_id in [*claimed, *new]:
+        if caps is not None:
+            _check_room(session=session, deployment=deployment, caps=caps, token_id=token_id,
+                        now=now, counting_deployment=runtime_id in new)
+        if runtime_id in new:
+            session.add(Runtime(deployment_id=deployment.id, runtime_id=runtime_id,
+                                token_id=token_id, first_seen=now, last_seen=now))
+        else:
+            session.execute(update(Runtime).where(
+                Runtime.deployment_id == deployment.id, Runtime.runtime_id == runtime_id,
+                or_(Runtime.token_id.is_(None), Runtime.token_id != token_id))
+                .values(token_id=token_id), execution_options={"synchronize_session": False})
+        session.flush()
+    return [*claimed, *new]
 
 
 def applied_versions(beat: Heartbeat) -> list[int]:
@@ -106,8 +177,8 @@ def check_applied_version(*, target: IngestTarget, beat: Heartbeat) -> None:
                       "of the set the runtime pulled and applied")
 
 
-def _beat(session: Session, params: dict) -> Runtime | None:
-    return session.scalars(_BEAT, params, execution_options=_BEAT_OPTIONS).one_or_none()
+def _beat(session: Session, params: dict, statement=_BEAT) -> Runtime | None:
+    return session.scalars(statement, params, execution_options=_BEAT_OPTIONS).one_or_none()
 
 
 def beat_fields(beat: Heartbeat, seen: datetime) -> dict:
@@ -119,7 +190,8 @@ def beat_fields(beat: Heartbeat, seen: datetime) -> dict:
 
 
 def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps: RuntimeCaps,
-                token_id: int | None) -> None:
+                token_id: int | None, now: datetime | None = None,
+                counting_deployment: bool = True) -> None:
     """CapReached when the deployment, or the token on it, has its cap of live runtimes: heard
     from within FORGET_AFTER, and, for one heard from only once, within
     `caps.single_beat_forget` (a crashed start, a probe, ids a flood made up): those past it
@@ -135,7 +207,7 @@ def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps
         select(func.count(), func.count().filter(own_token)).select_from(Runtime).where(
             Runtime.deployment_id == deployment.id,
             Runtime.last_seen >= now - FORGET_AFTER)).one()
-    if total >= caps.per_deployment:
+    if counting_deployment and total >= caps.per_deployment:
         raise CapReached(
             f"deployment {deployment.name!r} already has {total} runtimes reporting "
             f"(the cap is {caps.per_deployment}); reuse a runtime_id, remove gone "
@@ -150,12 +222,24 @@ def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps
 
 
 def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str | None = None,
-                    token_id: int | None = None) -> list[str]:
+                    token_id: int | None = None, owner: int | None = None) -> list[str]:
     """Remove one runtime (`runtime_id`) or every runtime `token_id` registered from the
     deployment; the ids removed (NotFound for a `runtime_id` it does not have). A removed
-    runtime that beats again registers anew, under the caps."""
+    runtime that beats again registers anew, under the caps. `owner`: the token asking on
+    the runtime's behalf (a runtime leaving), refused (Forbidden) for a runtime another live
+    token registered."""
     if (runtime_id is None) == (token_id is None):
         raise Invalid("name a runtime_id or a token_id")
+    if owner is not None and runtime_id is not None:
+        registered = session.execute(select(Runtime.token_id).where(
+            Runtime.deployment_id == deployment.id,
+            Runtime.runtime_id == runtime_id)).one_or_none()
+        if registered is not None and registered[0] not in (None, owner) and session.scalar(
+                select(ApiToken.id).where(ApiToken.id == registered[0],
+                                          ApiToken.revoked_at.is_(None))) is not None:
+            raise Forbidden(f"runtime {runtime_id!r} was registered by another token: only "
+                            "the token that registered a runtime makes it leave (an operator "
+                            "may remove it)")
     query = delete(Runtime).where(Runtime.deployment_id == deployment.id)
     if runtime_id is not None:
         query = query.where(Runtime.runtime_id == runtime_id)
@@ -171,3 +255,13 @@ def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str
 def list_runtimes(*, session: Session, deployment: Deployment) -> list[Runtime]:
     return list(session.scalars(select(Runtime).where(Runtime.deployment_id == deployment.id)
                                 .order_by(Runtime.runtime_id)))
+
+
+def runtime_witnesses(*, session: Session, deployment_id: int) -> dict[str, str]:
+    """Runtime id -> the witness of the token that registered it (`runtimes.witnesses`), for
+    the deployment's runtimes registered by a token (aggregates are kept per runtime id; the
+    robust rules count them per witness)."""
+    return {runtime_id: witness_of(token_id=token_id, runtime_id=runtime_id)
+            for runtime_id, token_id in session.execute(
+                select(Runtime.runtime_id, Runtime.token_id).where(
+                    Runtime.deployment_id == deployment_id, Runtime.token_id.is_not(None)))}

@@ -27,6 +27,8 @@ from controlplane.deps import (
     visible_deployment,
 )
 from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, RateLimited, error_answer
+from controlplane.runtimes import service as runtime_service
+from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry import reads, service, stream
 from controlplane.telemetry.admission import check_segment_names, names_per_batch_limit
 from controlplane.telemetry.columns import BatchColumns, parse_batch
@@ -344,14 +346,40 @@ def _fits_target(state, target, principal: Principal, batch, aggregate: bool) ->
 def checked_from_cache(state, principal: Principal, body: bytes, content_type: str):
     """The stream path's decode and checks against the deployment's target as this process
     has cached it, never reading the store (for the event loop): the batch, or None when the
-    target or one of its versions is not cached yet (`store_batch` reads it on a thread).
-    Raises as `store_batch` does for a bad batch."""
+    target or one of its versions is not cached yet, or the batch's runtime id was not found
+    registered to this token lately (`store_batch` reads the store on a thread). Raises as
+    `store_batch` does for a bad batch."""
     batch, aggregate, versions = _decoded(state, body, content_type)
     target = state.ingest_targets.peek(batch.deployment, versions)
     if target is None:
         return None
     _fits_target(state, target, principal, batch, aggregate)
+    if _claims_runtimes(principal) and not state.runtime_claims.known(
+            target.id, principal.token_id, [batch.runtime_id]):
+        return None
     return batch
+
+
+def _claims_runtimes(principal: Principal) -> bool:
+    """Runtime tokens report only under runtime ids they registered (operators are trusted to
+    write evidence for any runtime; their token is still the witness)."""
+    return principal.scope == "runtime"
+
+
+def claim_runtime(state, session, principal: Principal, target, batch) -> None:
+    """Register the batch's runtime id to the posting runtime token, or refuse it (403) when
+    another token registered it (`runtimes.service.claim_runtime_ids`), in `session`'s
+    transaction."""
+    if _claims_runtimes(principal):
+        runtime_service.claim_runtime_ids(
+            session=session, deployment=target, token_id=principal.token_id,
+            runtime_ids=[batch.runtime_id],
+            caps=runtime_service.RuntimeCaps.from_settings(state.settings))
+
+
+def witness_of_post(principal: Principal, batch) -> str:
+    """Who vouches for a posted batch: the token that posted it."""
+    return witness_of(token_id=principal.token_id, runtime_id=batch.runtime_id)
 
 
 def queued_ack(batch, added: bool) -> IngestAck:
@@ -400,10 +428,18 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
                  charge: DecodeCharge | None) -> IngestAck:
     batch, aggregate, versions = _decoded(state, body, content_type, charge)
     if state.redis is not None:
-        # The stream path reads nothing from the store: the checks use the cached target.
-        _fits_target(state, visible_deployment(state, principal, batch.deployment, versions),
-                     principal, batch, aggregate)
-        added = stream.append(state.redis, batch, body if "msgpack" in content_type else None)
+        # The stream path's checks use the cached target; the store is read only to register
+        # a runtime id this process has not seen lately for this token.
+        target = visible_deployment(state, principal, batch.deployment, versions)
+        _fits_target(state, target, principal, batch, aggregate)
+        if _claims_runtimes(principal) and not state.runtime_claims.known(
+                target.id, principal.token_id, [batch.runtime_id]):
+            with state.session_factory() as session:
+                claim_runtime(state, session, principal, target, batch)
+                session.commit()
+            state.runtime_claims.remember(target.id, principal.token_id, [batch.runtime_id])
+        added = stream.append(state.redis, batch, body if "msgpack" in content_type else None,
+                              witness=witness_of_post(principal, batch))
         return queued_ack(batch, added)
     visible_deployment(state, principal, batch.deployment)  # a runtime token's 403 first
     with state.session_factory() as session:
@@ -412,8 +448,10 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
         thresholds = service.thresholds_by_version(
             session=session, deployment=deployment, versions=versions)
         _check(state, deployment, batch, aggregate, set(thresholds))
+        claim_runtime(state, session, principal, deployment, batch)
         [result] = service.ingest(session=session, deployment=deployment, batches=[batch],
-                                  thresholds=thresholds)
+                                  thresholds=thresholds,
+                                  witnesses=[witness_of_post(principal, batch)])
         session.commit()
     counter = metrics.duplicate_batches if result.duplicate else metrics.ingested_batches
     counter.labels(batch.deployment).inc()

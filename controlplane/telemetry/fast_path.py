@@ -56,6 +56,7 @@ from controlplane.telemetry.api import (
     queued_ack,
     refused,
     store_batch,
+    witness_of_post,
 )
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.schemas import IngestAck
@@ -248,7 +249,8 @@ async def _serve_on_loop(state, principal: Principal, content_type: str,
         return None
     try:
         added = await stream.append_async(state.redis_async, batch,
-                                          body if "msgpack" in content_type else None)
+                                          body if "msgpack" in content_type else None,
+                                          witness=witness_of_post(principal, batch))
     except (redis.RedisError, OSError):
         return None  # `store_batch` answers it: the queue's 503
     return queued_ack(batch, added)
@@ -285,7 +287,8 @@ def _serve_heartbeat(state, principal: Principal, name: str, beat: Heartbeat) ->
         except BaseException:
             session.rollback()
             raise
-    state.heartbeats.remember(deployment.id, answer)  # its next beats are held (`_beat_on_loop`)
+    # its next beats with this token are held (`_beat_on_loop`)
+    state.heartbeats.remember(deployment.id, answer, principal.token_id)
     return answer
 
 
@@ -301,7 +304,7 @@ async def _beat_on_loop(state, principal: Principal, name: str,
     target = state.ingest_targets.peek(name, runtimes.applied_versions(beat))
     if target is None:  # not cached, or the version is not known here yet: the store says
         return None
-    first_seen = buffer.first_seen(target.id, beat.runtime_id)
+    first_seen = buffer.first_seen(target.id, beat.runtime_id, principal.token_id)
     if first_seen is None:
         return None
     principal.require_deployment(target.id)

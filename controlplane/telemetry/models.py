@@ -39,6 +39,8 @@ class TelemetryBatchRow(Base):
     kind: Mapped[str] = mapped_column(String(16), default="records", server_default="records")
     tokens: Mapped[int | None] = mapped_column(BigInteger)  # tokens it adds to the rollups
     raw_sample_rate: Mapped[float | None]
+    # The runtime token that posted the batch (NULL: written without one, e.g. by a service).
+    token_id: Mapped[int | None]
 
 
 class TokenRecordRow(Base):
@@ -81,6 +83,13 @@ class ShadowSampleRow(Base):
     ts: Mapped[datetime] = mapped_column(primary_key=True)
     threshold_version: Mapped[int]
     runtime_id: Mapped[str] = mapped_column(String(128))
+    # Who vouches for it (controlplane/runtimes/witnesses.py): 'token:<id>' for the credential
+    # that posted it, 'runtime:<id>' when none did; '' (stored before) reads as its runtime.
+    witness: Mapped[str] = mapped_column(String(140), default="", server_default="")
+    # Seconds between `ts` and when the sample was stored (NULL: stored before this was kept);
+    # evidence stamped implausibly long before it arrived never counts (settings:
+    # evidence_max_delay_s)
+    arrival_delay_s: Mapped[float | None]
     # Shadow tokens of one request are correlated: quality tests cluster them by request.
     request_id: Mapped[str | None] = mapped_column(String(128))
     signals: Mapped[bytes] = mapped_column(LargeBinary)

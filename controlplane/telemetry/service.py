@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import delete, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.errors import Invalid
 from controlplane.runtimes.lineage import note_batches
-from controlplane.runtimes.outliers import excluded_runtime_ids
+from controlplane.runtimes.outliers import excluded_runtime_ids, excluded_witnesses
+from controlplane.runtimes.witnesses import TOKEN_PREFIX, token_of, witness_labels, witness_of
+from controlplane.settings import get_settings
 from controlplane.telemetry import bulk
 from controlplane.telemetry.admission import check_segment_names, note_undeclared, stored_segments
 from controlplane.telemetry.columns import BatchColumns
@@ -148,20 +150,29 @@ def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBa
 
 def ingest(*, session: Session, deployment: Deployment | IngestTarget,
            batches: Sequence[BatchColumns | TelemetryBatch | AggregateBatch],
-           thresholds: dict[int, np.ndarray] | None = None) -> list[IngestResult]:
+           thresholds: dict[int, np.ndarray] | None = None,
+           witnesses: Sequence[str] | None = None) -> list[IngestResult]:
     """Store checked batches (records and aggregates) of one deployment with their rollups, in
     the caller's transaction; replays are skipped.
 
-    `thresholds`: what `thresholds_by_version` gave for these batches, if the caller has it."""
+    `thresholds`: what `thresholds_by_version` gave for these batches, if the caller has it.
+    `witnesses`: who vouches for each batch (`runtimes.witnesses`: the token that posted it);
+    None: each batch's runtime id (a writer that holds no credential)."""
     if not batches:
         return []
     batches = [batch if isinstance(batch, BatchColumns | AggregateBatch)
                else BatchColumns.from_model(batch) for batch in batches]
+    if witnesses is None:
+        witnesses = [witness_of(token_id=None, runtime_id=b.runtime_id) for b in batches]
+    if len(witnesses) != len(batches):
+        raise ValueError(f"{len(witnesses)} witnesses for {len(batches)} batches")
+    witness_of_batch = {b.batch_id: w for b, w in zip(batches, witnesses, strict=True)}
     # Segment admission comes first: registering a name locks the deployment row, which must
     # not wait on (and be waited on by) the key-share locks the batch rows' foreign keys take.
     # A replay's names may be decided again: its rows are not written twice.
     segment_of = _segments_stored(session=session, deployment=deployment, batches=batches)
-    new_ids = _claim_batches(session=session, deployment=deployment, batches=batches)
+    new_ids = _claim_batches(session=session, deployment=deployment, batches=batches,
+                             witness_of_batch=witness_of_batch)
     # Stored and shown whatever lineage they report; one that differs marks its runtime.
     note_batches(session=session, deployment_id=deployment.id,
                  batches=[b for b in batches if b.batch_id in new_ids])
@@ -179,7 +190,8 @@ def ingest(*, session: Session, deployment: Deployment | IngestTarget,
                                                versions=versions)
         tables = tables_of(deployment_id=deployment.id, exit_layers=deployment.exit_layers,
                            num_layers=deployment.num_layers, batches=fresh,
-                           thresholds=thresholds, segment_of=segment_of)
+                           thresholds=thresholds, segment_of=segment_of,
+                           witnesses=[witness_of_batch[b.batch_id] for b in fresh])
         bulk.write_rows(session, TokenRecordRow, tables.tokens)
         if len(tables.shadows["idx"]):
             bulk.write_rows(session, ShadowSampleRow, tables.shadows)
@@ -312,7 +324,8 @@ def _batch_row(batch: BatchColumns | AggregateBatch) -> dict:
 
 
 def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
-                   batches: list[BatchColumns | AggregateBatch]) -> set[str]:
+                   batches: list[BatchColumns | AggregateBatch],
+                   witness_of_batch: dict[str, str]) -> set[str]:
     """Insert batch ids that are new to the deployment; return those (a replayed id is not
     returned; another deployment's batch with the same id is no replay)."""
     seen: set[str] = set()
@@ -323,6 +336,7 @@ def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
             unique.append(batch)
     values = [{"batch_id": b.batch_id, "deployment_id": deployment.id,
                "runtime_id": b.runtime_id, "seq": b.seq, **_batch_row(b),
+               "token_id": token_of(witness_of_batch[b.batch_id]),
                "received_at": datetime.now(UTC)} for b in unique]
     statement = _dialect_insert(session, TelemetryBatchRow)
     statement = statement.on_conflict_do_nothing(index_elements=["deployment_id", "batch_id"])
@@ -451,6 +465,9 @@ class ShadowEvidence:
     signals: np.ndarray  # (n, L) float32
     matched: np.ndarray  # (n, L) bool
     times: np.ndarray  # (n,) epoch seconds (empty unless asked for)
+    # who vouches for each sample: the credential that posted it (`runtimes.witnesses`); the
+    # robust rules count these, never the runtime ids
+    witnesses: list[str] = field(default_factory=list)
 
     def keyed_requests(self) -> np.ndarray:
         """Request ids keyed by their runtime: one runtime's ids never join another's
@@ -462,15 +479,16 @@ class ShadowEvidence:
 def shadow_evidence(*, session: Session, deployment: Deployment, since: datetime,
                     until: datetime | None = None, version: int | None = None,
                     limit: int = 1_000_000, segment: str | None = None,
-                    exclude: Collection[str] | None = None, with_times: bool = False
-                    ) -> ShadowEvidence:
-    """The one read of shadow samples every decision uses: with request and runtime ids, and
-    without the runtimes in `exclude` (None: the deployment's excluded runtimes, set aside as
-    outliers or serving other heads or another model: `runtimes.outliers.
-    excluded_runtime_ids`; () reads every runtime)."""
+                    exclude: Collection[str] | None = None, with_times: bool = False,
+                    exclude_witnesses: Collection[str] | None = None) -> ShadowEvidence:
+    """The one read of shadow samples every decision uses: with request, runtime and witness
+    ids, and without the runtimes in `exclude` (None: the deployment's excluded runtimes, set
+    aside as outliers or serving other heads or another model: `runtimes.outliers.
+    excluded_runtime_ids`; () reads every runtime) and the witnesses in `exclude_witnesses`
+    (None: those set aside, `runtimes.outliers.excluded_witnesses`; () none)."""
     return _read_shadow(session=session, deployment=deployment, since=since, until=until,
                         version=version, limit=limit, with_times=with_times, segment=segment,
-                        exclude=exclude)
+                        exclude=exclude, exclude_witnesses=exclude_witnesses)
 
 
 def shadow_samples(*, session: Session, deployment: Deployment, since: datetime,
@@ -525,10 +543,11 @@ def timed_shadow_samples_by_request(*, session: Session, deployment: Deployment,
 def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
                  until: datetime | None, version: int | None, limit: int,
                  with_times: bool = False, segment: str | None = None,
-                 exclude: Collection[str] | None = None) -> ShadowEvidence:
-    """One read of the shadow samples, oldest first, with request and runtime ids; times only
-    when asked for (the column costs); the runtimes in `exclude` left out (None: the
-    deployment's excluded runtimes).
+                 exclude: Collection[str] | None = None,
+                 exclude_witnesses: Collection[str] | None = None) -> ShadowEvidence:
+    """One read of the shadow samples, oldest first, with request, runtime and witness ids;
+    times only when asked for (the column costs); the runtimes in `exclude` and the witnesses
+    in `exclude_witnesses` left out (None: the deployment's excluded ones).
 
     A window holding more than `limit` samples gives its newest `limit`: a fleet ships ~10,000
     shadow tokens a second, and the consumers (the drift check's sliding windows, recalibration
@@ -537,7 +556,10 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
     was read."""
     if exclude is None:
         exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
-    columns = [ShadowSampleRow.signals, ShadowSampleRow.matched, ShadowSampleRow.runtime_id]
+    if exclude_witnesses is None:
+        exclude_witnesses = excluded_witnesses(session=session, deployment_id=deployment.id)
+    columns = [ShadowSampleRow.signals, ShadowSampleRow.matched, ShadowSampleRow.runtime_id,
+               ShadowSampleRow.witness]
     if with_times:
         columns.append(ShadowSampleRow.ts)
     columns.append(func.coalesce(ShadowSampleRow.request_id,
@@ -553,22 +575,29 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
         query = query.where(ShadowSampleRow.segment == segment)
     if exclude:
         query = query.where(ShadowSampleRow.runtime_id.not_in(sorted(exclude)))
+    if exclude_witnesses:
+        query = query.where(ShadowSampleRow.witness.not_in(sorted(exclude_witnesses)))
+    # evidence a runtime token posted long after its own timestamp is not taken (backdating)
+    query = query.where(or_(ShadowSampleRow.arrival_delay_s.is_(None),
+                            ShadowSampleRow.arrival_delay_s <= get_settings().evidence_max_delay_s,
+                            ~ShadowSampleRow.witness.startswith(TOKEN_PREFIX)))
     # Core rows, columns transposed once: the ORM's per-row loading cost more than the read
     # itself at 200,000 rows (a drift check at fleet rates).
     rows = session.connection().execute(query).all()
     width = len(deployment.exit_layers)
     if not rows:
         return ShadowEvidence([], [], np.zeros((0, width), dtype=np.float32),
-                              np.zeros((0, width), dtype=bool), np.zeros(0))
+                              np.zeros((0, width), dtype=bool), np.zeros(0), [])
     columns = list(zip(*reversed(rows), strict=True))
     signals = np.frombuffer(b"".join(map(bytes, columns[0])), dtype="<f4")
     matched = np.frombuffer(b"".join(map(bytes, columns[1])), dtype=np.uint8)
     # naive datetimes (SQLite) are UTC, as everything this store writes
     times = np.array([(ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp()
-                      for ts in columns[3]]) if with_times else np.zeros(0)
+                      for ts in columns[4]]) if with_times else np.zeros(0)
     return ShadowEvidence(list(columns[-1]), list(columns[2]),
                           signals.reshape(-1, width).copy(),
-                          matched.reshape(-1, width).astype(bool), times)
+                          matched.reshape(-1, width).astype(bool), times,
+                          witness_labels(columns[3], columns[2]).tolist())
 
 
 def counts(*, session: Session, deployment: Deployment) -> dict:

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
 from controlplane.db import refused_by_store, store_away
+from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
 from controlplane.telemetry.targets import IngestTargets
@@ -38,11 +39,11 @@ GROUP = "ingest"
 DEAD_LETTER = "exitplane:telemetry-dead"
 SEEN_TTL_S = 7 * 24 * 3600
 
-# KEYS: seen key, stream, streams set; ARGV: payload, ttl, stream name, entry field.
+# KEYS: seen key, stream, streams set; ARGV: payload, ttl, stream name, entry field, witness.
 _APPEND_ONCE = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
   redis.call('SADD', KEYS[3], ARGV[3])
-  return redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[1])
+  return redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[1], 'witness', ARGV[5])
 end
 return false
 """
@@ -69,20 +70,33 @@ def seen_key(batch: BatchColumns | AggregateBatch) -> str:
 
 
 def append(client: redis.Redis, batch: BatchColumns | AggregateBatch,
-           body: bytes | None = None) -> bool:
+           body: bytes | None = None, *, witness: str | None = None) -> bool:
     """Append `batch` (records, or an aggregate batch) to its deployment's stream unless its
     id was appended before. `body`: the msgpack `batch` was decoded and checked from, appended
-    as it came (the worker parses it the same way, so re-encoding would only cost the API)."""
+    as it came (the worker parses it the same way, so re-encoding would only cost the API).
+    `witness`: who vouches for it (`runtimes.witnesses`; None: its runtime id)."""
     if body is None:
         body = _wire_body(batch)
     key = stream_key(batch.deployment)
     added = client.eval(_APPEND_ONCE, 3, seen_key(batch), key, STREAMS_KEY,
-                        body, SEEN_TTL_S, key, _field(batch))
+                        body, SEEN_TTL_S, key, _field(batch), _witness(batch, witness))
     return bool(added)
 
 
+def _witness(batch: BatchColumns | AggregateBatch, witness: str | None) -> str:
+    return witness or witness_of(token_id=None, runtime_id=batch.runtime_id)
+
+
+def entry_witness(fields: dict, batch: BatchColumns | AggregateBatch) -> str:
+    """The witness a stream entry was appended with (its runtime id for an entry without)."""
+    value = fields.get(b"witness", fields.get("witness"))
+    if isinstance(value, bytes):
+        value = value.decode()
+    return value or witness_of(token_id=None, runtime_id=batch.runtime_id)
+
+
 async def append_async(client: redis.asyncio.Redis, batch: BatchColumns | AggregateBatch,
-                       body: bytes | None = None) -> bool:
+                       body: bytes | None = None, *, witness: str | None = None) -> bool:
     """`append` on the event loop, through an asyncio client. Raises what the client raises
     when Redis cannot be reached."""
     if body is None:
@@ -92,7 +106,7 @@ async def append_async(client: redis.asyncio.Redis, batch: BatchColumns | Aggreg
         script = _scripts[client] = client.register_script(_APPEND_ONCE)
     key = stream_key(batch.deployment)
     added = await script(keys=[seen_key(batch), key, STREAMS_KEY],
-                         args=[body, SEEN_TTL_S, key, _field(batch)])
+                         args=[body, SEEN_TTL_S, key, _field(batch), _witness(batch, witness)])
     return bool(added)
 
 
@@ -214,7 +228,8 @@ class StreamIngestor:
                 dead.append((entry_id, fields, f"unreadable: {error}"))
         if parsed:
             try:
-                self._store(deployment_name, [batch for _, _, batch in parsed])
+                self._store(deployment_name, [batch for _, _, batch in parsed],
+                            [entry_witness(fields, batch) for _, fields, batch in parsed])
                 ids += [entry_id for entry_id, _, _ in parsed]
             except Exception as error:
                 if _transient(error):
@@ -240,11 +255,12 @@ class StreamIngestor:
         self.stats.entries += len(ids)
         return len(ids)
 
-    def _store(self, deployment_name: str, batches: list) -> None:
+    def _store(self, deployment_name: str, batches: list, witnesses: list[str]) -> None:
         """Store `batches` of one deployment in one transaction and count them."""
         deployment = self._targets.get(deployment_name, ())
         with self.session_factory() as session:
-            results = ingest(session=session, deployment=deployment, batches=batches)
+            results = ingest(session=session, deployment=deployment, batches=batches,
+                             witnesses=witnesses)
             session.commit()
         for result in results:
             if result.duplicate:
@@ -274,7 +290,7 @@ class StreamIngestor:
             parsed = []
         for entry_id, fields, batch in parsed:
             try:
-                self._store(deployment_name, [batch])
+                self._store(deployment_name, [batch], [entry_witness(fields, batch)])
                 stored.append(entry_id)
             except Exception as failure:
                 if _transient(failure):

@@ -15,13 +15,15 @@ segment: the segment's own map, else the version's default (`ThresholdSetWire.fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from itertools import chain
 
 import numpy as np
 import pandas as pd
 
+from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry.bulk import Table, number_groups
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import HISTOGRAM_BINS
@@ -60,10 +62,12 @@ class BatchTables:
 
 def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
               batches: list[BatchColumns], thresholds: Mapping[int, np.ndarray],
-              segment_of: Mapping[str, str] | None = None) -> BatchTables:
+              segment_of: Mapping[str, str] | None = None,
+              witnesses: Sequence[str] | None = None) -> BatchTables:
     """Rows and rollup increments for `batches` (thresholds: per version, in exit-layer order,
     a `VersionThresholds` where versions have segment maps; `segment_of`: the segment each
-    name is stored under, where that is not the name itself)."""
+    name is stored under, where that is not the name itself; `witnesses`: who vouches for
+    each batch's shadow tokens, None: each batch's runtime id)."""
     sizes = [len(batch) for batch in batches]
     count = sum(sizes)
 
@@ -101,6 +105,15 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
                for name in ("batch_id", "idx", "ts", "deployment_id", "threshold_version",
                             "runtime_id", "request_id")}
     shadows["segment"] = _names(segments, segment[shadow_at])
+    if witnesses is None:
+        witnesses = [witness_of(token_id=None, runtime_id=batch.runtime_id)
+                     for batch in batches]
+    arrived = np.datetime64(datetime.now(UTC).replace(tzinfo=None), "us")
+    shadows["arrival_delay_s"] = (arrived - shadows["ts"]).astype("timedelta64[us]").astype(
+        np.float64) / 1e6
+    shadows["witness"] = list(chain.from_iterable(
+        [witness] * len(batch.shadowed) for witness, batch in zip(witnesses, batches,
+                                                                   strict=True)))
     shadows |= {"signals": signals.astype("<f4").view(np.uint8),
                 "matched": matched.astype(np.uint8)}
 

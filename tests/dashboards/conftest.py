@@ -283,7 +283,7 @@ def calibrated(engine, seeded) -> int:
             since=datetime.fromtimestamp(time.time() - 3600, UTC), reason="nightly")
         calibration.start_job(session=session, job=job)
         calibration.run_calibration(session=session, job=job, policy=calibration.CalibrationPolicy(
-            min_samples_per_layer=50))
+            min_samples_per_layer=50, seed=0))
         session.commit()
         assert (job.status, job.promotion) == ("succeeded", "awaiting_approval"), \
             job.status_reason

@@ -52,7 +52,7 @@ HEADS = "a" * 64  # the deployment's exit heads
 OTHER_HEADS = "b" * 64
 MODEL = "rev-1"
 HONEST = ("rt-1", "rt-2", "rt-3")
-POLICY = calibration.CalibrationPolicy(min_samples_per_layer=500)
+POLICY = calibration.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 FAST = {"long_poll_s": 0.2, "heartbeat_interval_s": 0.2, "backoff_initial_s": 0.05,
         "backoff_max_s": 0.5}
 

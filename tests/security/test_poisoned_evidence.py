@@ -47,7 +47,7 @@ from tests.controlplane.calibration.support import (
     write_traffic,
 )
 
-POLICY = calibration.CalibrationPolicy(min_samples_per_layer=500)
+POLICY = calibration.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 HONEST = ("rt-a", "rt-b", "rt-c")
 TUNED = {3: 0.6, 6: 0.6, 9: 0.6}
 

@@ -44,7 +44,8 @@ def run(job_id: int) -> dict:
             return {"job": job_id, "status": job.status, "skipped": "already finished"}
     policy = CalibrationPolicy.from_settings(settings)
     with session_scope(engine) as session:  # a short read: the store is not held meanwhile
-        window = read_window(session=session, job=session.get(CalibrationJob, job_id))
+        window = read_window(session=session, job=session.get(CalibrationJob, job_id),
+                             seed=policy.seed)
     if window is None:
         return {"job": job_id, "skipped": "already finished"}
     result = calibrate_window(window, policy)

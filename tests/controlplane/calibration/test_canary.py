@@ -1,9 +1,11 @@
 """Canary: clean windows promote, a failed check reverts and alerts, inconclusive windows pause
-for a human; runtimes are told apart by the version their rollups carry."""
+for a human; runtimes are told apart by the version their rollups carry, and only the canary's
+members (three here, enough witnesses for a verdict no one of them decides) are judged."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from itertools import count, islice
 
 import numpy as np
 import pytest
@@ -16,7 +18,13 @@ from controlplane.calibration import service
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import aliases_of, get_deployment, move_alias, publish
+from controlplane.thresholds.service import (
+    aliases_of,
+    get_deployment,
+    in_canary,
+    move_alias,
+    publish,
+)
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
@@ -24,6 +32,9 @@ from tests.controlplane.calibration.support import (
 )
 
 STABLE = {3: 0.9, 6: 0.9, 9: 0.9}
+# runtime ids served the canary at the deployment's canary fraction (0.1 by default)
+MEMBERS = tuple(islice((f"rt-{i}" for i in count()
+                        if in_canary(runtime_id=f"rt-{i}", fraction=0.1)), 3))
 POLICY = CanaryPolicy(clean_windows=3, failure_limit=1, max_inconclusive=2,
                       min_shadow_tokens=100)
 
@@ -46,14 +57,18 @@ def _canary(engine, thresholds, expected_exit_rate):
 
 
 def _traffic(engine, base, thresholds, *, minutes=3, seed=5):
-    """Canary runtime on version 3 and stable runtime on version 2, one token per 0.1 s, in
-    short requests: the quality test counts requests, and a minute of canary traffic spans
-    many of them (150 here; 0 disagreements in 150 requests bound the rate below δ)."""
+    """Three canary runtimes on version 3 and a stable runtime on version 2, one token per
+    0.1 s each, in short requests: the quality test counts requests, and a minute of each
+    canary runtime's traffic spans many of them (150 here; 0 disagreements in 150 requests
+    bound the rate below δ)."""
     signals, matched = separable_samples(600 * minutes, seed=seed)
     with session_scope(engine) as session:
-        write_traffic(session, "chat", signals, matched, start=base + timedelta(minutes=1),
-                      spacing_s=0.1, version=3, thresholds=thresholds, shadow_every=2,
-                      runtime_id="rt-canary", request_tokens=4)
+        for index, runtime_id in enumerate(MEMBERS):
+            canary_signals, canary_matched = separable_samples(600 * minutes, seed=seed + index)
+            write_traffic(session, "chat", canary_signals, canary_matched,
+                          start=base + timedelta(minutes=1), spacing_s=0.1, version=3,
+                          thresholds=thresholds, shadow_every=2, runtime_id=runtime_id,
+                          request_tokens=4)
         write_traffic(session, "chat", signals, matched, start=base + timedelta(minutes=1),
                       spacing_s=0.1, version=2, thresholds=STABLE, shadow_every=2,
                       runtime_id="rt-stable", request_tokens=4)
@@ -75,6 +90,9 @@ def test_clean_windows_promote_the_canary(engine, outbox):
     assert (run.status, run.clean_windows, len(run.checks)) == ("promoted", 3, 3)
     check = run.checks[-1]
     assert check["verdict"] == "clean" and check["canary"]["version"] == 3
+    assert check["tests"]["witnesses"] == 3 and check["canary"]["shadow_tokens"] == 900
+    assert check["non_members"] == {"runtimes": 0, "runtime_ids": [], "tokens": 0,
+                                    "shadow_tokens": 0}
     assert check["stable"]["version"] == 2 and check["stable"]["shadow_tokens"] == 300
     assert check["canary"]["exit_rate"] > check["stable"]["exit_rate"]
     with Session(engine) as session:
@@ -115,7 +133,7 @@ def test_inconclusive_windows_pause_for_an_operator_who_approves(engine, outbox)
         job, _ = service.request_calibration(session=session, deployment=deployment,
                                              actor="ops", since=since)
         service.run_calibration(session=session, job=job,
-                                policy=service.CalibrationPolicy(min_samples_per_layer=500))
+                                policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
         assert job.promotion == "canary"
         assert aliases_of(session=session, deployment=deployment)["canary"] == 2
         job_id = job.id
@@ -148,8 +166,9 @@ def test_a_canary_alias_moved_by_hand_ends_the_run(engine, outbox):
 @pytest.mark.parametrize("concentrated", [False, True])
 def test_the_quality_test_counts_requests_not_tokens(engine, outbox, concentrated):
     """The same ~2% disagreement on ~1,500 shadow tokens a window (within δ=5% even at the 99%
-    token-count bound) promotes when it is spread over many requests; held by one request a
-    window, it shows nothing about the canary's other requests: no promotion on token counts."""
+    token-count bound; its requests shared out among three canary runtimes) promotes when it is
+    spread over many requests; held by one request a window, it shows nothing about the
+    canary's other requests: no promotion on token counts."""
     candidate = {3: 0.6, 6: 0.6, 9: 0.6}
     base = _canary(engine, candidate, expected_exit_rate=1 - 0.4 ** 3)
     request_tokens, per_minute, minutes = 64, 3000, 3  # ~47 requests a minute
@@ -166,9 +185,13 @@ def test_the_quality_test_counts_requests_not_tokens(engine, outbox, concentrate
     assert held.sum() == wrong.sum() > 60
     matched[wrong] = False
     with session_scope(engine) as session:
-        write_traffic(session, "chat", signals, matched, start=base + timedelta(minutes=1),
-                      spacing_s=60 / per_minute, version=3, thresholds=candidate,
-                      shadow_every=2, runtime_id="rt-canary", request_tokens=request_tokens)
+        for index, runtime_id in enumerate(MEMBERS):  # whole requests, every third to each
+            mine = request % len(MEMBERS) == index
+            write_traffic(session, "chat", signals[mine], matched[mine],
+                          start=base + timedelta(minutes=1),
+                          spacing_s=60 * len(MEMBERS) / per_minute, version=3,
+                          thresholds=candidate, shadow_every=2, runtime_id=runtime_id,
+                          request_tokens=request_tokens)
     run = _evaluate(engine, base + timedelta(minutes=4, seconds=30))
     with Session(engine) as session:
         aliases = aliases_of(session=session, deployment=get_deployment(session=session,

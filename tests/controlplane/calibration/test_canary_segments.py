@@ -1,16 +1,23 @@
-"""The canary judges a candidate on each traffic segment whose thresholds it changes (issue
-18), on that segment's rows: a candidate that changes only code's map fails on code's traffic
-alone, and chat's traffic (whose map it keeps) is not what decides."""
+"""The canary judges a candidate on each traffic segment whose thresholds it changes, on that
+segment's rows: a candidate that changes only code's map fails on code's traffic alone, and
+chat's traffic (whose map it keeps) is not what decides."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from itertools import count, islice
 
 from sqlalchemy.orm import Session
 
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import aliases_of, get_deployment, move_alias, publish
+from controlplane.thresholds.service import (
+    aliases_of,
+    get_deployment,
+    in_canary,
+    move_alias,
+    publish,
+)
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
@@ -18,6 +25,9 @@ from tests.controlplane.calibration.support import (
 )
 
 STABLE = {3: 0.9, 6: 0.9, 9: 0.9}
+# runtime ids served the canary at the deployment's canary fraction (0.1 by default)
+MEMBERS = tuple(islice((f"rt-{i}" for i in count()
+                        if in_canary(runtime_id=f"rt-{i}", fraction=0.1)), 3))
 POLICY = CanaryPolicy(clean_windows=3, failure_limit=1, max_inconclusive=2,
                       min_shadow_tokens=100)
 
@@ -42,16 +52,18 @@ def _canary(engine, code_map: dict[int, float]):
 
 
 def _traffic(engine, base, *, code_map, chat_boundary: float):
-    """Canary runtimes (version 3) of both segments, in short requests; chat's layers match
-    full depth only above `chat_boundary`."""
+    """Three canary runtimes (version 3), each serving both segments, in short requests;
+    chat's layers match full depth only above `chat_boundary`."""
     with session_scope(engine) as session:
-        for segment, thresholds, boundary, seed in (("code", code_map, 0.5, 5),
-                                                    ("chat", STABLE, chat_boundary, 6)):
-            signals, matched = separable_samples(1800, seed=seed, mismatch_below=boundary)
-            write_traffic(session, "assist", signals, matched,
-                          start=base + timedelta(minutes=1), spacing_s=0.1, version=3,
-                          thresholds=thresholds, shadow_every=2, request_tokens=4,
-                          runtime_id=f"rt-{segment}", segment=segment)
+        for index, runtime_id in enumerate(MEMBERS):
+            for segment, thresholds, boundary, seed in (("code", code_map, 0.5, 5),
+                                                        ("chat", STABLE, chat_boundary, 6)):
+                signals, matched = separable_samples(1800, seed=10 * index + seed,
+                                                     mismatch_below=boundary)
+                write_traffic(session, "assist", signals, matched,
+                              start=base + timedelta(minutes=1), spacing_s=0.1, version=3,
+                              thresholds=thresholds, shadow_every=2, request_tokens=4,
+                              runtime_id=runtime_id, segment=segment)
 
 
 def _evaluate(engine, at):

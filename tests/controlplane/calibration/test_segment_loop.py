@@ -32,7 +32,7 @@ from tests.controlplane.calibration.support import (
     write_traffic,
 )
 
-POLICY = service.CalibrationPolicy(min_samples_per_layer=500)
+POLICY = service.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 DEFAULT_MAP = {3: 0.95, 6: 0.9, 9: 0.85}
 CHAT_MAP = {3: 0.97, 6: 0.93, 9: 0.9}
 NEVER = {3: 1.0, 6: 1.0, 9: 1.0}

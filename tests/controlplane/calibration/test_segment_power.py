@@ -196,7 +196,7 @@ def test_a_one_segment_recalibration_borrows_the_other_segments_tokens_of_its_wi
                       start=start, request_tokens=32)
         write_traffic(session, "assist", *separable_samples(1000, seed=2, noise=0.02),
                       start=start, request_tokens=32, segment="code", runtime_id="rt-code")
-    policy = service.CalibrationPolicy(min_samples_per_layer=300)
+    policy = service.CalibrationPolicy(min_samples_per_layer=300, seed=0)
     outcomes = {}
     for name in ("code", "default"):
         job_id = _window_job(engine, segment=name)

@@ -29,7 +29,7 @@ from tests.controlplane.calibration.support import (
     write_traffic,
 )
 
-POLICY = service.CalibrationPolicy(min_samples_per_layer=500)
+POLICY = service.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 
 
 def _seed(engine, n=4000, *, seed=1, policy="auto", start=None, **samples):
@@ -155,7 +155,8 @@ def test_not_enough_data_waits_then_continues_with_the_new_samples(engine, outbo
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
         assert job.status == "waiting_for_data"
-        assert job.summary == {"counts": {"3": 300, "6": 300, "9": 300}, "required": 500}
+        assert job.summary == {"seed": 0, "counts": {"3": 300, "6": 300, "9": 300},
+                               "required": 500}
         assert "need at least 500" in job.status_reason
     signals, matched = separable_samples(2000, seed=7)
     with session_scope(engine) as session:
@@ -241,7 +242,7 @@ KILL_MID_JOB = textwrap.dedent("""
         service.start_job(session=session, job=session.get(CalibrationJob, int(sys.argv[2])))
     with session_scope(engine) as session:
         service.run_calibration(session=session, job=session.get(CalibrationJob, int(sys.argv[2])),
-                                policy=service.CalibrationPolicy(min_samples_per_layer=500))
+                                policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
 """)
 
 

@@ -60,7 +60,7 @@ def test_a_held_beat_never_overwrites_a_newer_stored_one(engine, tokens, setting
         _deploy(client, tokens, engine)
     deployment_id, first = _recorded(engine, "rt-1")
     buffer = HeartbeatBuffer(session_factory(engine), interval_s=60)
-    buffer.remember(deployment_id, first)
+    buffer.remember(deployment_id, first, None)
     held_at = utcnow()
     buffer.hold(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=2), held_at,
                 first.first_seen)
@@ -95,7 +95,7 @@ def test_beats_held_through_a_store_outage_are_written_once_it_is_back(engine, t
         return factory()
 
     buffer = HeartbeatBuffer(store, interval_s=60)
-    buffer.remember(deployment_id, first)
+    buffer.remember(deployment_id, first, None)
     buffer.hold(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=2), utcnow(),
                 first.first_seen)
     try:

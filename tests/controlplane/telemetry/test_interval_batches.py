@@ -207,7 +207,9 @@ def test_the_stream_path_stores_an_interval_batch_once(settings, engine, tokens,
             assert [a.json()["queued"] for a in answers] == [True, True]
             assert [a.json()["duplicate"] for a in answers] == [False, True]
             [(_, [(_, fields)])] = redis_client.xread({stream.stream_key("mix"): "0"})
-            assert list(fields) == [b"interval"]  # an older worker dead-letters it
+            # its own field (an older worker dead-letters it) and the witness that posted it
+            assert list(fields) == [b"interval", b"witness"]
+            assert fields[b"witness"].startswith(b"token:")
             worker = stream.StreamIngestor(redis_client, sessionmaker(bind=engine),
                                            name="interval-worker", count=10, block_ms=10)
             while worker.run_once():

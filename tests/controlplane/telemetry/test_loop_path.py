@@ -121,10 +121,10 @@ def test_the_loop_path_answers_as_the_route_does(apps, tokens, engine, threads):
         202, 202, 202, 422, 422, 403, 202, 202, 415]
     assert [body["duplicate"] for _, body, _ in answers["loop"][:3]] == [False, True, False]
     # Stored on a worker thread: only what needed the store, version 99 (it may have been
-    # published since) and the `code` deployment (not cached yet). `other`'s token (first seen
-    # here) was looked up on a thread, from the headers, and its batch then served on the loop.
-    # Every other answer, the bad bodies' too, came from the loop.
-    assert threads == [cases[4][2], cases[5][2]], answers
+    # published since), the `code` deployment (not cached yet) and `other`'s first batch (its
+    # token registers its runtime id in the store first). Every other answer, the bad
+    # bodies' too, came from the loop.
+    assert threads == [cases[4][2], cases[5][2], cases[6][2]], answers
     # The stream holds each accepted batch once, the msgpack body as it came.
     entries = own[0].xrange(stream.stream_key("chat"))
     assert len(entries) == 4  # the warm-up, ids[0] once, the records batch, the operator's
