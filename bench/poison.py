@@ -40,7 +40,7 @@ Attacks (`--attacks`; all by default), each on a deployment of its own:
 - lone_shaped: a lone runtime on a new deployment (never-exit active) whose lie calibrates to an
   expected exit rate of 0.75;
 - small_segment: one liar id sending only traffic of the declared segment `code`, too little
-  for a calibration of its own (code takes the pooled set);
+  for a calibration of its own, so that code's set is the pooled one checked on its tokens;
 - small_canary: a fleet of 4 at canary fraction 0.1 (one honest canary member) and a liar member
   at 10x its volume reporting the bad candidate's tokens as matched.
 
@@ -57,7 +57,9 @@ Printed: one JSON line with `worst_promoted_true_disagreement` (worst over runs;
 `canary_wrong_verdicts` (a bad candidate promoted or a good one not; target 0),
 `honest_exit_rate_ratio_at_5pct` (true exit rate of the set promoted with a 5% liar over the
 liar-free one's, worst kind; target >= 0.9), `attacks` (classes run), `refused_batches` per
-attack, `targets_missed` (each target missed, named), the single liar's slowest detection
+attack, `targets_missed` (each target missed, named by its run; besides the above: a post
+under an honest id taken, an honest runtime marked mismatched, more ids of one token taken
+than its cap, the lone liar's set promoted), the single liar's slowest detection
 (`outlier_detected_s_max`, `lineage_excluded_s_max`) and every run's figures.
 """
 
@@ -273,17 +275,25 @@ def send(session, name: str, fleet: list[Sim], tokens: dict[str, int], tally: Ta
         (tally.accepted if taken else tally.refused)[sim.credential, sim.runtime_id] += 1
 
 
-def witnesses_set_aside(session, deployment_id: int) -> tuple[set[str], set[str]]:
-    """(witnesses ever set aside as outliers by a drift cycle or a canary, those a calibration
-    job's screen set aside)."""
-    outliers = {witness or f"runtime:{runtime_id}" for witness, runtime_id in session.execute(
-        select(RuntimeOutlier.witness, RuntimeOutlier.runtime_id).where(
-            RuntimeOutlier.deployment_id == deployment_id))}
-    screened = set()
+def witnesses_set_aside(session, deployment_id: int) -> tuple[set[str], set[str], set[str]]:
+    """(witnesses ever set aside by a drift cycle or a canary, by a calibration job's screen,
+    and flagged in a fleet-split alert, where the screen set none aside). A calibration's
+    screen records its outliers with version 0 (its evidence spans every version)."""
+    records = session.execute(select(RuntimeOutlier.witness, RuntimeOutlier.runtime_id,
+                                     RuntimeOutlier.version).where(
+        RuntimeOutlier.deployment_id == deployment_id)).all()
+    cycles = {witness or f"runtime:{runtime_id}" for witness, runtime_id, version in records
+              if version}
+    screened = {witness or f"runtime:{runtime_id}" for witness, runtime_id, version in records
+                if not version}
     for summary in session.scalars(select(CalibrationJob.summary).where(
             CalibrationJob.deployment_id == deployment_id)):
         screened.update((summary or {}).get("witnesses_set_aside", []))
-    return outliers, screened
+    split = set()
+    for evidence in session.scalars(select(Alert.evidence).where(
+            Alert.deployment_id == deployment_id, Alert.kind == AlertKind.RUNTIME_OUTLIER)):
+        split.update(finding["runtime_id"] for finding in (evidence or {}).get("flagged", []))
+    return cycles, screened, split
 
 
 def setup(session, name: str, fleet: list[Sim], start, sample, *, tuned: bool = True,
@@ -340,19 +350,27 @@ def finish(engine, name: str, since, fleet: list[Sim], tokens: dict[str, int], t
                                    version=aliases_of(session=session,
                                                       deployment=deployment)["active"])
         disagreement, exit_rate = set_truth(active, sample)
-        proposed = None if job.result_version is None else set_truth(get_threshold_set(
-            session=session, deployment=deployment, version=job.result_version), sample)[0]
-        outliers, screened = witnesses_set_aside(session, deployment.id)
+        proposed = None if job.result_version is None else get_threshold_set(
+            session=session, deployment=deployment, version=job.result_version)
+        expected = None if proposed is None else (proposed.expected_metrics or {}).get(
+            "total_exit_rate")
+        proposed = None if proposed is None else set_truth(proposed, sample)[0]
+        outliers, screened, split = witnesses_set_aside(session, deployment.id)
         lineage = mismatched_runtime_ids(session=session, deployment_id=deployment.id)
     named = {witness_of(token_id=token_id, runtime_id=""): credential
              for credential, token_id in tokens.items()}
     honest = {sim.credential for sim in fleet if sim.lie is None}
     ever = {named.get(witness, witness) for witness in outliers | screened}
+    sources = {segment: figures.get("source")
+               for segment, figures in ((job.summary or {}).get("segments") or {}).items()}
     return {"job": job.status, "promotion": job.promotion, "active_version": active.version,
+            **({"segment_sources": sources} if sources else {}),
             "true_disagreement": round(disagreement, 5), "true_exit_rate": round(exit_rate, 4),
             "candidate_true_disagreement": None if proposed is None else round(proposed, 5),
+            "candidate_expected_exit_rate": None if expected is None else round(expected, 4),
             "set_aside": sorted(ever - honest),
             "set_aside_by_calibration": sorted(named.get(w, w) for w in screened),
+            "flagged_in_fleet_split": sorted(named.get(w, w) for w in split),
             "honest_set_aside": sorted(ever & honest),
             "honest_mismatched": sorted(lineage & {s.runtime_id for s in fleet
                                                    if s.lie is None}),
@@ -460,7 +478,7 @@ def canary_scenario(engine, attack: str, name: str, candidate: dict[int, float],
             "true_disagreement_after_canary": round(after, 5),
             "wrong": status != "promoted" if good else status == "promoted",
             "fallbacks": 0, **{k: v for k, v in result.items()
-                               if k != "candidate_true_disagreement"}}
+                               if not k.startswith("candidate_")}}
 
 
 def attack_fleet(attack: str, args, per_step: int, steps: int) -> list[Sim]:

@@ -87,7 +87,8 @@ VALIDATION_ERROR = error_answer("the request does not validate: `detail` names t
 RUNTIME_ERRORS = {
     401: error_answer("the token is unknown or revoked: a configuration error, not retried at "
                       "once"),
-    403: error_answer("the token is not a runtime token of this deployment"),
+    403: error_answer("the token is not a runtime token of this deployment, or the runtime id "
+                      "was registered by another token"),
     404: error_answer("no such deployment"),
     429: error_answer("rate limited: wait Retry-After seconds"),
     503: error_answer("the store (or Redis) is unavailable: wait Retry-After seconds"),

@@ -376,10 +376,12 @@ class Settings(BaseSettings):
         "random subset of its requests up to it")
     evidence_robust_min_runtimes: int = Field(
         default=3, ge=2,
-        description="in a window with at least this many reporting runtimes, every calibration "
-        "step, quality regression, exit-rate spike or collapse and canary verdict must hold "
-        "with any single runtime's evidence left out (no runtime decides alone), and "
-        "calibration caps each runtime's share of the shadow tokens")
+        description="in a window with at least this many reporting witnesses (runtime tokens: "
+        "the runtime ids of one token are one witness), every calibration step, quality "
+        "regression, exit-rate spike or collapse and canary verdict must hold with any single "
+        "witness's evidence left out (no witness decides alone), and calibration caps each "
+        "witness's share of the shadow tokens; with fewer, a canary pauses for an operator "
+        "instead of promoting, and a first calibration from never-exit waits for approval")
     # 2x: at the smallest robust fleet (three) a flooder beside two typical witnesses keeps
     # half the tokens, as the share cap allows; in larger fleets it keeps less (a third of
     # five), and an honest witness with up to twice the typical traffic loses nothing.

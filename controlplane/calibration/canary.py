@@ -206,6 +206,28 @@ class WindowEvidence:
     non_members: frozenset[str]  # the runtime ids that reported them
 
 
+@dataclass(frozen=True)
+class NonMembers:
+    """What runtimes outside the canary group reported at the canary version in one window:
+    their rollup tokens and shadow tokens, which no figure or test of the window counts."""
+
+    tokens: int = 0
+    shadow_tokens: int = 0
+    runtimes: Collection[str] = frozenset()
+
+    def add(self, evidence: WindowEvidence) -> NonMembers:
+        """These figures with one judged segment's ignored shadow tokens added."""
+        return NonMembers(tokens=self.tokens,
+                          shadow_tokens=self.shadow_tokens + evidence.non_member_shadow_tokens,
+                          runtimes=frozenset({*self.runtimes, *evidence.non_members}))
+
+    def to_dict(self) -> dict:
+        """The check's `non_members` figures (the first ten runtime ids, by name)."""
+        names = sorted(self.runtimes)
+        return {"runtimes": len(names), "runtime_ids": names[:10], "tokens": self.tokens,
+                "shadow_tokens": self.shadow_tokens}
+
+
 def canary_members(*, deployment: Deployment, runtime_ids: Iterable[str]) -> set[str]:
     """The runtime ids among `runtime_ids` that the deployment serves the canary set."""
     return {runtime_id for runtime_id in set(runtime_ids)
@@ -333,69 +355,63 @@ def evaluate_canary(*, session: Session, deployment: Deployment,
         end = start + policy.interval
         if end > floor_minute(now):  # only whole minutes that are over
             break
-        reported = window_runtimes(session=session, deployment=deployment, version=run.version,
-                                   since=start, until=end, exclude=exclude)
-        outsiders = set(reported) - canary_members(deployment=deployment, runtime_ids=reported)
-        verdicts, witnesses, ignored = {}, {}, NonMembers(tokens=sum(
-            reported[runtime_id] for runtime_id in outsiders), runtimes=frozenset(outsiders))
-        for segment in judged:
-            figures = group_figures(session=session, deployment=deployment,
-                                    version=run.version, since=start, until=end,
-                                    segment=segment, exclude={*exclude, *outsiders})
-            evidence = window_quality(
-                session=session, deployment=deployment, version=run.version,
-                thresholds=thresholds_for(candidate, segment or DEFAULT_SEGMENT), since=start,
-                until=end, segment=segment, exclude=exclude, min_runtimes=policy.min_runtimes)
-            verdict, why, tests = _verdict(
-                canary=figures, quality=evidence.quality, delta=deployment.delta, policy=split,
-                expected_exit_rate=_expected_exit_rate(candidate, segment),
-                without_one=evidence.without_one)
-            tests["witnesses"] = witnesses[segment] = evidence.witnesses
-            verdicts[segment] = (verdict, why, tests, figures)
-            ignored = ignored.add(evidence)
-        stable = group_figures(session=session, deployment=deployment,
-                               version=aliases["active"], since=start, until=end,
-                               exclude=exclude)
-        verdict, why, tests, figures = _combine(verdicts)
-        thin = verdict == "clean" and min(witnesses.values()) < policy.min_runtimes
-        if thin:
-            verdict, why = "inconclusive", _too_few_witnesses(witnesses, policy, why)
-        check = {"window": [start.isoformat(), end.isoformat()], "verdict": verdict,
-                 "reason": why, "canary": figures, "stable": stable, "tests": tests,
-                 "non_members": ignored.to_dict(), "at": now.isoformat()}
-        if judged != [None]:
-            check["segments"] = {segment: {"verdict": v, "reason": r, "tests": t, "canary": f}
-                                 for segment, (v, r, t, f) in verdicts.items()}
-        if ignored.runtimes:
-            log.warning("canary of %s v%d: ignored %s from %d runtimes outside the canary "
-                        "group reporting its version", deployment.name, run.version,
-                        ignored.to_dict(), len(ignored.runtimes))
+        check, thin = _judge_window(session=session, deployment=deployment, run=run,
+                                    candidate=candidate, judged=judged, exclude=exclude,
+                                    stable_version=aliases["active"], policy=policy,
+                                    split=split, since=start, until=end)
+        check["at"] = now.isoformat()
         run.checks = [*run.checks, check]
         run.next_window_start = end
-        _count(session=session, deployment=deployment, run=run, verdict=verdict, why=why,
-               policy=policy, now=now, pause=thin)
+        _count(session=session, deployment=deployment, run=run, verdict=check["verdict"],
+               why=check["reason"], policy=policy, now=now, pause=thin)
     session.flush()
     return run
 
 
-@dataclass(frozen=True)
-class NonMembers:
-    """What runtimes outside the canary group reported at the canary version in one window:
-    their rollup tokens and shadow tokens, which no figure or test of the window counts."""
-
-    tokens: int = 0
-    shadow_tokens: int = 0
-    runtimes: Collection[str] = frozenset()
-
-    def add(self, evidence: WindowEvidence) -> NonMembers:
-        return NonMembers(tokens=self.tokens,
-                          shadow_tokens=self.shadow_tokens + evidence.non_member_shadow_tokens,
-                          runtimes=frozenset({*self.runtimes, *evidence.non_members}))
-
-    def to_dict(self) -> dict:
-        names = sorted(self.runtimes)
-        return {"runtimes": len(names), "runtime_ids": names[:10], "tokens": self.tokens,
-                "shadow_tokens": self.shadow_tokens}
+def _judge_window(*, session: Session, deployment: Deployment, run: CanaryRun,
+                  candidate: ThresholdSet, judged: list[str | None], exclude: Collection[str],
+                  stable_version: int, policy: CanaryPolicy, split: CanaryPolicy,
+                  since: datetime, until: datetime) -> tuple[dict, bool]:
+    """One window's check (verdict, reason and figures, on the canary members' telemetry
+    alone), and whether it would have been clean on fewer than `min_runtimes` witnesses."""
+    reported = window_runtimes(session=session, deployment=deployment, version=run.version,
+                               since=since, until=until, exclude=exclude)
+    outsiders = set(reported) - canary_members(deployment=deployment, runtime_ids=reported)
+    ignored = NonMembers(tokens=sum(reported[runtime_id] for runtime_id in outsiders),
+                         runtimes=frozenset(outsiders))
+    verdicts, witnesses = {}, {}
+    for segment in judged:
+        figures = group_figures(session=session, deployment=deployment, version=run.version,
+                                since=since, until=until, segment=segment,
+                                exclude={*exclude, *outsiders})
+        evidence = window_quality(
+            session=session, deployment=deployment, version=run.version,
+            thresholds=thresholds_for(candidate, segment or DEFAULT_SEGMENT), since=since,
+            until=until, segment=segment, exclude=exclude, min_runtimes=policy.min_runtimes)
+        verdict, why, tests = _verdict(
+            canary=figures, quality=evidence.quality, delta=deployment.delta, policy=split,
+            expected_exit_rate=_expected_exit_rate(candidate, segment),
+            without_one=evidence.without_one)
+        tests["witnesses"] = witnesses[segment] = evidence.witnesses
+        verdicts[segment] = (verdict, why, tests, figures)
+        ignored = ignored.add(evidence)
+    stable = group_figures(session=session, deployment=deployment, version=stable_version,
+                           since=since, until=until, exclude=exclude)
+    verdict, why, tests, figures = _combine(verdicts)
+    thin = verdict == "clean" and min(witnesses.values()) < policy.min_runtimes
+    if thin:
+        verdict, why = "inconclusive", _too_few_witnesses(witnesses, policy, why)
+    check = {"window": [since.isoformat(), until.isoformat()], "verdict": verdict,
+             "reason": why, "canary": figures, "stable": stable, "tests": tests,
+             "non_members": ignored.to_dict()}
+    if judged != [None]:
+        check["segments"] = {segment: {"verdict": v, "reason": r, "tests": t, "canary": f}
+                             for segment, (v, r, t, f) in verdicts.items()}
+    if ignored.runtimes:
+        log.warning("canary of %s v%d: ignored %d tokens (%d shadow tokens) from %d runtimes "
+                    "outside the canary group that reported its version", deployment.name,
+                    run.version, ignored.tokens, ignored.shadow_tokens, len(ignored.runtimes))
+    return check, thin
 
 
 def _too_few_witnesses(witnesses: dict[str | None, int], policy: CanaryPolicy, why: str) -> str:
@@ -425,7 +441,9 @@ def canary_outliers(*, session: Session, deployment: Deployment, run: CanaryRun,
     return detect_outliers(session=session, deployment=deployment, version=run.version,
                            thresholds_of=thresholds_of, activated_at=run.started_at, now=now,
                            options=options, min_requests=options.outlier_min_requests,
-                           robust_min_runtimes=policy.min_runtimes)
+                           robust_min_runtimes=policy.min_runtimes,
+                           counts=lambda runtime_id: in_canary(
+                               runtime_id=runtime_id, fraction=deployment.canary_fraction))
 
 
 def judged_segments(*, candidate: ThresholdSet, baseline: ThresholdSet, known: list[str]

@@ -9,9 +9,10 @@ these bounds hold whatever the evidence says, and are what is left with a single
 - a deployment whose window had fewer witnesses (credentials, `runtimes.witnesses`) than the
   robust minimum never auto-promotes a set more aggressive (some threshold lower) than its
   last good one: the newest earlier active, non-fallback set whose own shadow disagreement
-  stayed within δ (`calibration.last_good`); nor a set that opens exits where the active set
-  never exits (a first calibration from never-exit): that waits for an operator, or runs as a
-  canary under policy canary (which pauses for a human with too few canary witnesses);
+  stayed within δ (`calibration.last_good`); nor, with no last good version yet, a set that
+  opens exits where the active set never exits (a first calibration from never-exit): that
+  waits for an operator, or runs as a canary under policy canary (which pauses for a human
+  with too few canary witnesses);
 - the expected exit rate a rise is read on is the larger of the calibration's test split and
   its median witness, so a minority of witnesses shaping their evidence moves neither.
 
@@ -153,18 +154,18 @@ def promotion_hold(*, session: Session, deployment: Deployment, candidate: Thres
     witnesses = reporting_witnesses(session=session, deployment=deployment, since=since,
                                     until=until)
     if witnesses < bounds.robust_min_witnesses:
-        opened = opened_from_never_exit(candidate, active)
+        good = last_good_version(session=session, deployment=deployment,
+                                 exclude={candidate.version} | (
+                                     set() if conservative is None else {conservative}),
+                                 min_shadow_tokens=bounds.min_shadow_tokens)
+        opened = opened_from_never_exit(candidate, active) if good is None else []
         if opened and deployment.policy != "canary":
             reasons.append(
                 f"{witnesses} witness(es) reported the samples (fewer than the "
                 f"{bounds.robust_min_witnesses} a fleet needs to check each of them), and the "
                 f"set opens exits where the active set never exits (segment "
-                f"{', '.join(opened[:4])}): a first calibration on so few credentials waits "
-                "for an operator, or runs as a canary")
-        good = last_good_version(session=session, deployment=deployment,
-                                 exclude={candidate.version} | (
-                                     set() if conservative is None else {conservative}),
-                                 min_shadow_tokens=bounds.min_shadow_tokens)
+                f"{', '.join(opened[:4])}) with no last good version to bound it: a first "
+                "calibration on so few credentials waits for an operator, or runs as a canary")
         lower = [] if good is None else more_aggressive(candidate, good)
         if lower:
             reasons.append(f"{witnesses} witness(es) reported the samples, and the set is more "

@@ -117,6 +117,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from controlplane.calibration.evidence import robust_p_values, runtime_count
 from controlplane.calibration.stats import (
     NEVER_EXIT,
     CalibrationResult,
@@ -351,7 +352,8 @@ def calibrate_segments(
             never=never, delta=delta, too_small=too_small[name], own_level=own_level,
             own_rule=own_rule, per_segment=epsilon / k,
             reserve=pooled_check_share if split == "bonferroni" else 0.0,
-            options=own_options | {"runtimes": None if runtimes is None else runtimes[mine]})
+            options=own_options | {"runtimes": None if runtimes is None else runtimes[mine]},
+            fleet_witnesses=runtime_count(runtimes))
     decided = dict(sorted(decided.items()))
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
         dict(pooled.thresholds) if pooled is not None else never)
@@ -387,7 +389,8 @@ def _too_small_for_own(signals: np.ndarray, exit_layers: list[int],
 def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
             requests: np.ndarray, *, pooled: CalibrationResult | None, never: dict[int, float],
             delta: float, too_small: str | None, own_level: float, own_rule: str,
-            per_segment: float, reserve: float, options: dict) -> SegmentCalibration:
+            per_segment: float, reserve: float, options: dict,
+            fleet_witnesses: int = 0) -> SegmentCalibration:
     """One segment: a large one its own LTT if it certifies something, else (only with a
     `reserve`, the share of ε/k kept by the former scheme) a certified pooled set, else
     never-exit; one `too_small` for its own LTT a certified pooled set at ε/k, else
@@ -397,7 +400,10 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
         return _fall_back(name, signals, matched, check, requests, pooled=pooled, never=never,
                           delta=delta, level=per_segment,
                           why_not=f"too few shadow tokens for its own calibration ({too_small})",
-                          own=None, risk_test=options["risk_test"], sizes=sizes)
+                          own=None, risk_test=options["risk_test"], sizes=sizes,
+                          witnesses=options.get("runtimes"),
+                          min_witnesses=options["robust_min_runtimes"],
+                          fleet_witnesses=fleet_witnesses)
     own = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
                                epsilon=own_level, **options)
     if any(value < NEVER_EXIT for value in own.thresholds.values()):
@@ -419,22 +425,37 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
     return _fall_back(name, signals, matched, check, requests, pooled=pooled, never=never,
                       delta=delta, level=per_segment * reserve, why_not=why_not, own=own,
                       risk_test=options["risk_test"], sizes=sizes,
-                      epsilon=own_level + per_segment * reserve)
+                      epsilon=own_level + per_segment * reserve,
+                      witnesses=options.get("runtimes"),
+                      min_witnesses=options["robust_min_runtimes"],
+                      fleet_witnesses=fleet_witnesses)
 
 
 def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
                requests: np.ndarray, *, pooled: CalibrationResult | None,
                never: dict[int, float], delta: float, level: float, why_not: str,
                own: CalibrationResult | None, risk_test: str, sizes: dict,
-               epsilon: float | None = None) -> SegmentCalibration:
-    """The pooled set if its check at `level` certifies it on the segment, else never-exit."""
+               epsilon: float | None = None, witnesses: np.ndarray | None = None,
+               min_witnesses: int = 3, fleet_witnesses: int = 0) -> SegmentCalibration:
+    """The pooled set if its check at `level` certifies it on the segment (without any one
+    witness too, from `min_witnesses` on), else never-exit. In a fleet of `fleet_witnesses`
+    that can check its witnesses (at least `min_witnesses`), a segment whose check tokens come
+    from fewer keeps never-exit: no minority of the fleet vouches for a set alone."""
     sizes = sizes | {"epsilon": level if epsilon is None else epsilon}
     if pooled is None or not any(value < NEVER_EXIT for value in pooled.thresholds.values()):
         return SegmentCalibration(
             segment=name, source="conservative", thresholds=dict(never), result=own,
             reason=f"{why_not}; no exiting pooled set to fall back on: never exit", **sizes)
+    vouching = runtime_count(None if witnesses is None else np.asarray(witnesses)[check])
+    if witnesses is not None and fleet_witnesses >= min_witnesses > vouching:
+        return SegmentCalibration(
+            segment=name, source="conservative", thresholds=dict(never), result=own,
+            reason=(f"{why_not}; its check tokens come from {vouching} witness(es), fewer than "
+                    f"the {min_witnesses} that let the fleet check each of them: the pooled "
+                    "set is not taken on their word, never exit"), **sizes)
     check_test = _pooled_check(pooled.thresholds, signals, matched, check, requests,
-                               delta=delta, level=level, risk_test=risk_test)
+                               delta=delta, level=level, risk_test=risk_test,
+                               witnesses=witnesses, min_witnesses=min_witnesses)
     if check_test.certified:
         return SegmentCalibration(
             segment=name, source="pooled", thresholds=dict(pooled.thresholds), result=own,
@@ -461,10 +482,14 @@ def _borrowed_note(result: CalibrationResult) -> str:
 
 def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np.ndarray,
                   check: np.ndarray, requests: np.ndarray, *, delta: float, level: float,
-                  risk_test: str) -> PooledCheck:
+                  risk_test: str, witnesses: np.ndarray | None = None,
+                  min_witnesses: int = 3) -> PooledCheck:
     """The pooled set on the segment's check tokens, by the LTT's test: at the request level
     (its design effect also read on the segment's other requests, as the LTT reads it on the
-    requests its test does not see) unless every request is one token."""
+    requests its test does not see) unless every request is one token. With `witnesses` (each
+    token's) from `min_witnesses` of them on, the p-value is the largest over the check tokens
+    and the check tokens without each one witness (`evidence.robust_p_values`): no witness
+    certifies a segment's pooled set alone."""
     layers = sorted(thresholds)
     n = int(check.sum())
     if n == 0:
@@ -472,14 +497,37 @@ def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np
     _, disagree = simulate_policy(signals, matched, [thresholds[k] for k in layers])
     wrong = int(disagree[check].sum())
     codes = cluster_codes(requests)
-    if np.bincount(codes).max() <= 1:
-        p_value = float(risk_p_values(wrong, n, delta, risk_test))
+    clustered = np.bincount(codes).max() > 1
+
+    def per_request(part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        dense = np.unique(codes[part], return_inverse=True)[1]
+        return np.bincount(dense, weights=disagree[part]), np.bincount(dense)
+
+    reference = per_request(~check) if clustered and (~check).any() else None
+
+    def p_of(mask: np.ndarray | None) -> np.ndarray:
+        part = check if mask is None else check & mask
+        if not part.any():
+            return np.array([1.0])
+        if not clustered:
+            return np.atleast_1d(risk_p_values(int(disagree[part].sum()), int(part.sum()),
+                                               delta, risk_test))
+        return clustered_risk_p_values(*per_request(part), delta, alpha=level, test=risk_test,
+                                       reference=reference)[0][:1]
+
+    labels = None if witnesses is None else np.asarray(witnesses).astype(str)
+    if labels is not None:
+        p_value = float(robust_p_values(
+            lambda mask: p_of(None if mask is None else _expand(mask, check)),
+            labels[check], min_witnesses)[0])
     else:
-        def per_request(part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            dense = np.unique(codes[part], return_inverse=True)[1]
-            return np.bincount(dense, weights=disagree[part]), np.bincount(dense)
-        reference = per_request(~check) if (~check).any() else None
-        p_value = float(clustered_risk_p_values(*per_request(check), delta, alpha=level,
-                                                test=risk_test, reference=reference)[0][0])
+        p_value = float(p_of(None)[0])
     return PooledCheck(tokens=n, disagreements=wrong, p_value=p_value, level=level,
                        certified=p_value <= level)
+
+
+def _expand(mask: np.ndarray, check: np.ndarray) -> np.ndarray:
+    """A mask over the check tokens as a mask over all the segment's tokens."""
+    full = np.zeros(len(check), dtype=bool)
+    full[np.flatnonzero(check)[mask]] = True
+    return full

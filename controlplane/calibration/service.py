@@ -267,6 +267,7 @@ def screen_window(*, session: Session, job: CalibrationJob, window: ShadowWindow
         return window
     witnesses = sorted({record.witness for record in set_aside if record.witness})
     job.summary = {**(job.summary or {}), "witnesses_set_aside": witnesses}
+    session.flush()  # kept when the job's row is read again under its lock (`apply_outcome`)
     keep = ~np.isin(window.witnesses, witnesses)
     log.warning("%s: calibration job %d set aside %d witness(es) before calibrating: %s",
                 deployment.name, job.id, len(witnesses), ", ".join(witnesses))
@@ -284,6 +285,7 @@ def _read_window(*, session: Session, job: CalibrationJob, now: datetime | None,
     until = job.until or now or utcnow()
     seed = secrets.randbits(31) if seed is None else seed
     job.summary = {**(job.summary or {}), "seed": seed}
+    session.flush()
     shape = dict(job_id=job.id, exit_layers=list(deployment.exit_layers),
                  num_layers=deployment.num_layers, delta=deployment.delta, seed=seed)
     known = known_segments(session=session, deployment_id=deployment.id)

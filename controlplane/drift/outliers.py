@@ -37,14 +37,19 @@ so evidence accumulates over checks. A witness is tested once it and the rest ha
 `outlier_min_requests` requests each, and only in a fleet of at least `robust_min_runtimes`
 (with two there is no majority to tell which one is off).
 
-The rest is the judge, so it must be a clear majority: when more than a minority of the
-witnesses tested differ beyond chance, nobody is set aside and the screen says why (`refused`).
-Otherwise the most significant are set aside first, and never more than a minority of the
-deployment's witnesses in total, counting those already set aside (`already_set_aside`).
+The rest is the judge, so it must be a clear majority. The most significant witness is peeled
+off (it judges no longer) while any differs beyond chance from the rest of those left, so one
+blatant liar does not make the honest look off against a rest that includes it (each round is
+at the level: an all-honest fleet is flagged at most `alpha` of the time, and after r witnesses
+are peeled an honest one has been at risk r + 1 times). When more than a minority of the
+witnesses tested would be peeled, nobody is set aside and the screen says why (`refused`).
+Otherwise the first peeled are set aside, and never more than a minority of the deployment's
+witnesses in total, counting those already set aside (`already_set_aside`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -272,6 +277,31 @@ def _most_significant(*, codes: np.ndarray, inside: np.ndarray, rest: np.ndarray
     return None if best is None else (best, score)
 
 
+def _most_off(*, codes: np.ndarray, by_witness: np.ndarray, names: np.ndarray,
+              request_counts: np.ndarray, judges: list[int], signals: np.ndarray,
+              matched: np.ndarray, disagree: np.ndarray | None, layers: list[int],
+              level: float) -> tuple[int, OutlierFinding] | None:
+    """Of the `judges` (witness indexes), the one most significantly off the rest of them,
+    with its finding; None when none is below `level`."""
+    found = []
+    for index in judges:
+        inside = by_witness == index
+        rest = ~inside & np.isin(by_witness, judges)
+        witness = {"runtime_id": str(names[index]), "tokens": int(inside.sum()),
+                   "requests": int(request_counts[index]), "fleet_tokens": int(rest.sum()),
+                   "fleet_requests": int(request_counts[judges].sum() - request_counts[index]),
+                   "fleet_runtimes": len(judges) - 1}
+        best = _most_significant(codes=codes, inside=inside, rest=rest, level=level,
+                                 families=_families(signals, matched, disagree, inside, rest,
+                                                    layers), witness=witness)
+        if best is not None:
+            found.append((best[0].p_value, -best[1], index, best[0]))
+    if not found:
+        return None
+    _, _, index, finding = min(found, key=lambda item: item[:2])
+    return index, finding
+
+
 def _refusal(flagged: list[OutlierFinding], tested: int) -> str:
     names = ", ".join(finding.runtime_id for finding in flagged)
     return (f"{len(flagged)} of the {tested} witnesses tested ({names}) differ from the rest "
@@ -311,25 +341,13 @@ def screen_witnesses(*, requests, runtimes, signals: np.ndarray, matched: np.nda
     flagged: list[OutlierFinding] = []
     judges = list(tested)
     while len(judges) >= 2 and len(flagged) <= minority:
-        found = []
-        for index in judges:
-            inside = by_witness == index
-            rest = ~inside & np.isin(by_witness, judges)
-            witness = {"runtime_id": str(names[index]), "tokens": int(inside.sum()),
-                       "requests": int(request_counts[index]), "fleet_tokens": int(rest.sum()),
-                       "fleet_requests": int(request_counts[judges].sum()
-                                             - request_counts[index]),
-                       "fleet_runtimes": len(judges) - 1}
-            best = _most_significant(codes=codes, inside=inside, rest=rest, level=level,
-                                     families=_families(signals, matched, disagree, inside,
-                                                        rest, layers), witness=witness)
-            if best is not None:
-                found.append((best[0].p_value, -best[1], index, best[0]))
-        if not found:
+        found = _most_off(codes=codes, by_witness=by_witness, names=names,
+                          request_counts=request_counts, judges=judges, signals=signals,
+                          matched=matched, disagree=disagree, layers=layers, level=level)
+        if found is None:
             break
-        _, _, index, finding = min(found, key=lambda item: item[:2])
-        flagged.append(finding)
-        judges.remove(index)
+        flagged.append(found[1])
+        judges.remove(found[0])
     if len(flagged) > minority:
         return OutlierScreen([], refused=_refusal(flagged, len(tested)), flagged=tuple(flagged))
     # the unflagged then hold a clear majority of those tested, so also of those left in
@@ -352,10 +370,12 @@ def runtime_outliers(*, requests, runtimes, signals: np.ndarray, matched: np.nda
 def detect_outliers(*, session: Session, deployment: Deployment, version: int,
                     thresholds_of: dict[str, list[float]], activated_at: datetime,
                     now: datetime, options: DriftOptions, min_requests: int,
-                    robust_min_runtimes: int) -> list[RuntimeOutlier]:
+                    robust_min_runtimes: int,
+                    counts: Callable[[str], bool] | None = None) -> list[RuntimeOutlier]:
     """Screen the witnesses on each segment's recent shadow tokens of `version`
     (`thresholds_of`: the thresholds each segment applies); set aside and alert on the
-    outliers found. Returns the records newly opened."""
+    outliers found. `counts`: which runtime ids' tokens are screened (None: all; a canary
+    screens its members only). Returns the records newly opened."""
     since = max(now - timedelta(seconds=options.recent_s), activated_at)
     alpha = (options.quality_alpha_per_hour * options.check_interval_s / 3600.0
              / max(1, len(thresholds_of)))
@@ -364,9 +384,12 @@ def detect_outliers(*, session: Session, deployment: Deployment, version: int,
         found = shadow_evidence(session=session, deployment=deployment, since=since,
                                 version=version, segment=segment,
                                 limit=options.max_shadow_tokens)
+        keep = np.ones(len(found.runtimes), dtype=bool) if counts is None else np.array(
+            [counts(runtime_id) for runtime_id in found.runtimes], dtype=bool)
         newly += screen_evidence(session=session, deployment=deployment,
-                                 requests=found.keyed_requests(), witnesses=found.witnesses,
-                                 signals=found.signals, matched=found.matched,
+                                 requests=found.keyed_requests()[keep],
+                                 witnesses=np.asarray(found.witnesses, dtype=str)[keep],
+                                 signals=found.signals[keep], matched=found.matched[keep],
                                  thresholds=thresholds, alpha=alpha, min_requests=min_requests,
                                  robust_min_runtimes=robust_min_runtimes, version=version,
                                  segment=segment, window=(since, now), now=now)
@@ -404,7 +427,8 @@ def screen_evidence(*, session: Session, deployment: Deployment, requests, witne
     for finding in screen.findings:
         runtime_id, named = _witness_names(session=session, deployment=deployment,
                                            witness=finding.runtime_id)
-        evidence_of = finding.__dict__ | scope | {"witness": finding.runtime_id,
+        evidence_of = finding.__dict__ | scope | {"runtime_id": runtime_id,
+                                                  "witness": finding.runtime_id,
                                                   "runtimes": named}
         summary = finding.summary() + (f" (its runtimes: {', '.join(named[:10])})"
                                        if named else "")

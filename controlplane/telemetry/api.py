@@ -474,6 +474,8 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
                  "required": True}}, dependencies=[rate_limited("ingest")],
              responses={**RUNTIME_ERRORS,
                         404: error_answer("the batch names a deployment that does not exist"),
+                        409: error_answer("the batch's runtime id is new and the runtime caps "
+                                          "are full (per deployment, per token)"),
                         413: error_answer("the body is over the limit (bytes, or values "
                                           "decoded): split it (ids <id>a and <id>b)"),
                         415: error_answer("a content type this control plane does not take"),

@@ -27,7 +27,7 @@ from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
-from controlplane.drift.outliers import runtime_outliers
+from controlplane.drift.outliers import screen_witnesses
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
 from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
 from controlplane.telemetry.service import shadow_evidence
@@ -218,6 +218,7 @@ def test_a_liar_forging_disagreement_cannot_hold_back_a_good_canary(engine):
         deployment = get_deployment(session=session, name="chat")
         version = publish(session=session, deployment=deployment, thresholds=TUNED,
                           reason="candidate", actor="test").version
+        deployment.canary_fraction = 1.0  # every runtime a member: the canary judges them
         start_canary(session=session, deployment=deployment, version=version, actor="test",
                      now=start)
     traffic = start + timedelta(minutes=1)
@@ -347,10 +348,10 @@ def test_honest_runtimes_with_different_segment_mixes_are_not_outliers(engine):
                               request_tokens=8, segment=segment)
         pooled = shadow_evidence(session=session, deployment=deployment, since=start,
                                  version=2, exclude=())
-        assert runtime_outliers(requests=pooled.keyed_requests(), runtimes=pooled.runtimes,
+        assert screen_witnesses(requests=pooled.keyed_requests(), runtimes=pooled.runtimes,
                                 signals=pooled.signals, matched=pooled.matched,
                                 thresholds=[TUNED[k] for k in LAYERS], layers=LAYERS,
-                                alpha=1e-3, min_requests=5, robust_min_runtimes=3)
+                                alpha=1e-3, min_requests=5, robust_min_runtimes=3).flagged
     _check(engine)
     assert _alerts(engine, AlertKind.RUNTIME_OUTLIER) == []
     with session_scope(engine) as session:

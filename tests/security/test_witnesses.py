@@ -26,6 +26,7 @@ from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.promotion import _expected_exit_rate
+from controlplane.calibration.segments import calibrate_segments
 from controlplane.db import session_scope, utcnow
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import Runtime
@@ -246,3 +247,29 @@ def test_the_exit_rate_a_promotion_is_bounded_by_is_read_on_the_median_witness_t
     assert np.isclose(_expected_exit_rate(ThresholdSet(
         thresholds={str(k): 1.0 for k in LAYERS}, segments=None, expected_metrics={}),
         "default"), 0.0)
+
+
+def test_a_small_segment_vouched_for_by_one_witness_keeps_never_exit():
+    """A segment too small for its own calibration takes the pooled set only when the
+    fleet's witnesses vouch for it: code traffic from one witness alone (forging agreement)
+    keeps never-exit in a fleet of three, while the same segment from three witnesses is
+    checked as before."""
+    rng = np.random.default_rng(5)
+    honest, matched = separable_samples(3000, seed=21, mismatch_below=0.5)
+    witnesses = np.array([f"token:{i % 3}" for i in range(3000)])
+    code = rng.random((400, len(LAYERS)))
+
+    def decide(code_witnesses: np.ndarray):
+        return calibrate_segments(
+            signals=np.concatenate([honest, code]),
+            matched=np.concatenate([matched, np.ones(code.shape, dtype=bool)]),
+            segments=np.array(["default"] * 3000 + ["code"] * 400),
+            requests=np.array([f"r{i // 8}" for i in range(3400)]),
+            runtimes=np.concatenate([witnesses, code_witnesses]),
+            exit_layers=LAYERS, num_layers=12, delta=0.05, epsilon=0.1, seed=0)
+
+    alone = decide(np.array(["token:9"] * 400)).segments["code"]
+    assert alone.source == "conservative"
+    assert "1 witness(es)" in alone.reason
+    fleet = decide(np.array([f"token:{i % 3}" for i in range(400)])).segments["code"]
+    assert "witness(es)" not in fleet.reason

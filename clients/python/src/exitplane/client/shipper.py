@@ -547,14 +547,15 @@ class TelemetryShipper:
             return "split", None
         if status == 415 and batch.is_interval:
             return "unbundle", None
-        if status in (401, 403):
+        if status in (401, 403, 409):
             self.counters["auth_errors"] += 1
             now = time.monotonic()
             if now - self._auth_logged_at > 60:
                 self._auth_logged_at = now
                 log.error("the control plane refuses this runtime's telemetry (%d: %s): check "
-                          "the runtime token and its deployment; batches stay spooled", status,
-                          response.text[:300])
+                          "the runtime token, its deployment and the runtime id (it belongs "
+                          "to the token that registered it; the runtime caps may be full); "
+                          "batches stay spooled", status, response.text[:300])
             return "auth", None
         if status in (408, 429) or status >= 500:
             self.counters["send_errors"] += 1
