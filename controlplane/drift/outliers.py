@@ -60,6 +60,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, fire
+from controlplane.calibration.evidence import cap_runtime_share
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.runtimes.outliers import excluded_witnesses, set_aside
@@ -410,6 +411,14 @@ def screen_evidence(*, session: Session, deployment: Deployment, requests, witne
     majority. `version` None: the evidence spans every version of a calibration window
     (`thresholds` None then). Returns the records newly opened."""
     already = len(excluded_witnesses(session=session, deployment_id=deployment.id))
+    # Each witness is judged against the others as witnesses, not as volume: every one is
+    # cut to the median witness's tokens (whole requests) first, so that a few flooding
+    # witnesses cannot make the rest look like the odd ones out.
+    requests, witnesses = np.asarray(requests).astype(str), np.asarray(witnesses).astype(str)
+    keep = cap_runtime_share(witnesses, requests, max_share=1.0, max_share_of_median=1.0,
+                             min_runtimes=robust_min_runtimes, seed=0)
+    requests, witnesses = requests[keep], witnesses[keep]
+    signals, matched = np.asarray(signals)[keep], np.asarray(matched)[keep]
     screen = screen_witnesses(
         requests=requests, runtimes=witnesses, signals=signals, matched=matched,
         thresholds=thresholds,

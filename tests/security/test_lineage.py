@@ -23,9 +23,10 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.runtimes.lineage import check_lineage, mismatched_runtime_ids
-from controlplane.runtimes.models import Runtime
+from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest
+from controlplane.thresholds.models import Deployment
 from controlplane.thresholds.service import get_deployment, move_alias, publish
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import Heartbeat, TelemetryBatch
@@ -115,8 +116,14 @@ def test_a_runtime_on_other_heads_cannot_calibrate(engine, outbox):
     assert honest["status"] == "succeeded" and honest["thresholds"]
     # Its shadow tokens leave what calibration certifies exactly as without them ...
     assert _certified(engine, "mixed") == honest
-    # ... where the same tokens from a runtime on the deployment's heads would have moved it.
-    assert _certified(engine, "trusted") != honest
+    # ... and on the deployment's heads the same tokens are screened out by the calibration
+    # itself (its whole window's outlier screen), not by lineage.
+    assert _certified(engine, "trusted") == honest
+    with Session(engine) as session:
+        set_aside = {(deployment.name, outlier.runtime_id) for outlier, deployment in
+                     session.execute(select(RuntimeOutlier, Deployment).join(
+                         Deployment, Deployment.id == RuntimeOutlier.deployment_id))}
+    assert set_aside == {("trusted", "rt-liar")}
 
 
 @pytest.mark.slow

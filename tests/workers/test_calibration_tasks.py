@@ -26,6 +26,7 @@ from tests.conftest import REDIS_URL
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
+    write_fleet_traffic,
     write_traffic,
 )
 
@@ -81,8 +82,9 @@ def test_alert_fallback_then_recalibration_on_the_worker(engine, stack):
         move_alias(session=session, deployment=deployment, alias="active", version=version,
                    actor="ops", reason="old traffic")
     signals, matched = separable_samples(3000, seed=8)
-    with session_scope(engine) as session:
-        write_traffic(session, "chat", signals, matched, start=fired_at + timedelta(minutes=1))
+    with session_scope(engine) as session:  # a fleet of three witnesses: promoted on its own
+        write_fleet_traffic(session, "chat", signals, matched,
+                            start=fired_at + timedelta(minutes=1))
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         alert, _ = fire(session=session, deployment=deployment, now=fired_at,

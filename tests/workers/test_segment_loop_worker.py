@@ -23,7 +23,7 @@ from controlplane.thresholds.service import (
 from tests.controlplane.calibration.support import (
     make_deployment,
     separable_samples,
-    write_traffic,
+    write_fleet_traffic,
 )
 from tests.workers.test_calibration_tasks import _wait_for, stack
 
@@ -47,8 +47,9 @@ def test_a_code_regression_recalibrates_code_alone_on_the_worker(engine, stack):
         # code matches full depth above 0.5, chat only above 0.9
         for segment, boundary, seed in (("code", 0.5, 8), ("chat", 0.9, 9)):
             signals, matched = separable_samples(3000, seed=seed, mismatch_below=boundary)
-            write_traffic(session, "chat", signals, matched, runtime_id=f"rt-{segment}",
-                          start=fired_at + timedelta(minutes=1), segment=segment)
+            write_fleet_traffic(session, "chat", signals, matched,
+                                runtimes=tuple(f"rt-{segment}-{k}" for k in range(3)),
+                                start=fired_at + timedelta(minutes=1), segment=segment)
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         fire(session=session, deployment=deployment, now=fired_at, condition=Condition(

@@ -85,3 +85,18 @@ def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
 
 def minute(year_month_day_hour_minute: str) -> datetime:
     return datetime.fromisoformat(year_month_day_hour_minute).replace(tzinfo=UTC)
+
+
+def write_fleet_traffic(session: Session, deployment_name: str, signals: np.ndarray,
+                        matched: np.ndarray, *, runtimes: tuple[str, ...] = ("rt-1", "rt-2",
+                                                                             "rt-3"),
+                        **options) -> None:
+    """`write_traffic` shared out between `runtimes` (a witness each: a fleet the robust rules
+    can check), in contiguous thirds (or whatever share each gets), whole requests apiece."""
+    tokens = options.get("request_tokens", 64)
+    requests = -(-len(signals) // tokens)
+    bounds = [round(requests * i / len(runtimes)) * tokens for i in range(len(runtimes) + 1)]
+    for runtime_id, low, high in zip(runtimes, bounds[:-1], bounds[1:], strict=True):
+        if high > low:
+            write_traffic(session, deployment_name, signals[low:high], matched[low:high],
+                          runtime_id=runtime_id, **options)

@@ -98,6 +98,11 @@ def test_recalibrating_code_reads_code_tokens_only_and_replaces_only_its_map(eng
         published = get_threshold_set(session=session, deployment=deployment,
                                       version=job.result_version)
         assert published.parent_version == version
+        # code opens from never-exit on one runtime's word, with no last good version: an
+        # operator approves it
+        assert job.promotion == "awaiting_approval"
+        service.approve(session=session, deployment=deployment, job=job, actor="ops",
+                        reason="checked")
         assert aliases_of(session=session, deployment=deployment)["active"] == published.version
         segments = published.segments_by_layer()
         assert segments["code"] == pytest.approx(alone.thresholds)

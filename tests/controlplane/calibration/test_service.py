@@ -73,7 +73,9 @@ def test_publishes_what_the_statistics_choose_and_promotes(engine, outbox):
         assert job.status == "succeeded", job.status_reason
         assert job.summary["risk_unit"] == "request" and job.summary["risk_test"] == "binomial"
         assert job.summary["samples"]["requests"] == len(np.unique(requests)) == 63
-        assert job.promotion == "active" and job.result_version == 2
+        # one runtime is one witness: a first calibration from never-exit waits for a person
+        assert job.promotion == "awaiting_approval" and job.result_version == 2
+        assert "1 witness(es)" in job.summary["promotion_hold"]
         published = session.scalars(select(ThresholdSet).where(
             ThresholdSet.version == job.result_version)).one()
         assert published.thresholds_by_layer() == pytest.approx(expected.thresholds)
@@ -97,6 +99,11 @@ def test_publishes_what_the_statistics_choose_and_promotes(engine, outbox):
         assert {int(k): v for k, v in chosen[0]["thresholds"].items()} == pytest.approx(
             published.thresholds_by_layer())
         assert job.summary["holdout"]["passed"] is True
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        service.approve(session=session, deployment=deployment,
+                        job=session.get(CalibrationJob, job_id), actor="ops", reason="checked")
+    with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 2
         promote = session.scalars(select(AuditEvent).where(
