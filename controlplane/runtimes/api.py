@@ -41,6 +41,7 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
     service.check_applied_version(target=target, beat=beat)
     runtime = service.record_heartbeat(
         session=session, deployment=deployment, beat=beat, token_id=principal.token_id,
+        claim=principal.scope == "runtime",
         caps=service.RuntimeCaps.from_settings(request.app.state.settings))
     return RuntimeRead.model_validate(runtime)
 

@@ -28,7 +28,7 @@ from controlplane.db import store_away
 from controlplane.runtimes.lineage import beat_mismatch_values
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.schemas import RuntimeRead
-from controlplane.runtimes.service import BEAT_FIELDS, beat_fields
+from controlplane.runtimes.service import BEAT_FIELDS, beat_fields, note_applied_versions
 from exitplane.wire import Heartbeat
 
 log = logging.getLogger("exitplane.api")
@@ -129,6 +129,9 @@ class HeartbeatBuffer:
     def _write(self, rows: list[dict]) -> None:
         with self._session_factory() as session:
             written = session.execute(_WRITE, rows).rowcount
+            note_applied_versions(session=session, rows=[
+                (row["beat_deployment"], row["beat_runtime"], row["applied_version"])
+                for row in rows])
             session.commit()
             if written != len(rows):  # a newer stored beat, or a runtime removed meanwhile
                 self._forget_removed(session, rows)

@@ -40,6 +40,20 @@ class Runtime(Base):
     mismatch_head_digest: Mapped[str | None] = mapped_column(String(71))
 
 
+class RuntimeVersion(Base):
+    """A threshold version a runtime's heartbeat said it applied. A runtime token's shadow
+    tokens stamped with a version their runtime never applied (nor 0, the built-in set every
+    runtime starts on) are stored and shown but never count as evidence."""
+
+    __tablename__ = "runtime_versions"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    first_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class RuntimeOutlier(Base):
     """A runtime whose shadow evidence differed from the rest of its fleet beyond chance: set
     aside (its samples feed no calibration, drift test or canary verdict) until an operator

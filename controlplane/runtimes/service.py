@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, bindparam, delete, false, func, or_, select, update
+from sqlalchemy import and_, bindparam, delete, event, false, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from controlplane.auth.models import ApiToken
 from controlplane.db import utcnow
 from controlplane.errors import CapReached, Forbidden, Invalid, NotFound
 from controlplane.runtimes import lineage
-from controlplane.runtimes.models import Runtime
+from controlplane.runtimes.models import Runtime, RuntimeVersion
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry.targets import IngestTarget
 from controlplane.thresholds.locks import lock_deployment
@@ -62,41 +66,47 @@ class RuntimeCaps:
 
 def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
                      beat: Heartbeat, caps: RuntimeCaps | None = None,
-                     token_id: int | None = None) -> Runtime:
+                     token_id: int | None = None, claim: bool = True) -> Runtime:
     """Upsert the runtime's row from a heartbeat. A new runtime is registered to `token_id`
     (the token that sent the beat) and refused with CapReached (409, answered after the
     refusal hold) beyond `caps` (None: no caps). A runtime id another live token registered
-    is refused (Forbidden): a token beats only for its own runtimes (`claim_runtime_ids`).
+    is refused (Forbidden): a token beats only for its own runtimes (`claim_runtime_ids`);
+    `claim` False (an operator's token) beats for any runtime.
     `deployment`: its row, or the API's cached facts of it (only its id and name are read)."""
     fields = beat_fields(beat, utcnow())
     params = dict(fields, beat_deployment=deployment.id, beat_runtime=beat.runtime_id)
-    if token_id is not None:
+    claims = claim and token_id is not None
+    if claims:
         params["beat_token"] = token_id
-    statement = _BEAT if token_id is None else _OWNED_BEAT
+    statement = _OWNED_BEAT if claims else _BEAT
+    applied = [(deployment.id, beat.runtime_id, beat.applied_version)]
     # A known runtime (every beat but its first) is one UPDATE ... RETURNING: at fleet scale
     # a select, then the unit of work's update, made heartbeats the API's costliest request.
     runtime = _beat(session, params, statement)
     if runtime is not None:
+        note_applied_versions(session=session, rows=applied)
         return runtime
     # A new runtime (or one this token may claim). The deployment's row lock serialises new
     # runtimes: concurrent ones cannot all slip under the caps, and concurrent first beats of
     # one runtime (two API processes, a retry) meet here, the later one updating the row the
     # earlier one committed (SQLite's BEGIN IMMEDIATE already serialises writers).
     lock_deployment(session=session, deployment_id=deployment.id)
-    if token_id is not None:
+    if claims:
         claim_runtime_ids(session=session, deployment=deployment, token_id=token_id,
                           runtime_ids=[beat.runtime_id], caps=caps, locked=True,
                           seen=fields["last_seen"])
     runtime = _beat(session, params, statement)
     if runtime is not None:
+        note_applied_versions(session=session, rows=applied)
         return runtime
-    if caps is not None and token_id is None:
+    if caps is not None and not claims:
         _check_room(session=session, deployment=deployment, caps=caps, token_id=token_id)
     # first_seen == last_seen until a second beat: how a runtime heard from once is told.
     runtime = Runtime(deployment_id=deployment.id, runtime_id=beat.runtime_id,
                       token_id=token_id, first_seen=fields["last_seen"], **fields)
     session.add(runtime)
     session.flush()
+    note_applied_versions(session=session, rows=applied)
     if beat.model_revision is not None or beat.head_digest is not None:
         # The first beat's lineage, compared as every later beat's is (in the UPDATE above).
         lineage.note_reported(session=session, deployment_id=deployment.id,
@@ -255,6 +265,55 @@ def remove_runtimes(*, session: Session, deployment: Deployment, runtime_id: str
 def list_runtimes(*, session: Session, deployment: Deployment) -> list[Runtime]:
     return list(session.scalars(select(Runtime).where(Runtime.deployment_id == deployment.id)
                                 .order_by(Runtime.runtime_id)))
+
+
+# engine -> (deployment, runtime, version) this process has seen stored in runtime_versions
+_applied_noted: weakref.WeakKeyDictionary[Engine, set[tuple[int, str, int]]] = \
+    weakref.WeakKeyDictionary()
+_APPLIED_PENDING = "exitplane.applied_versions"  # session.info: rows awaiting the commit
+_APPLIED_NOTED_MAX = 200_000
+
+
+def note_applied_versions(*, session: Session,
+                          rows: Iterable[tuple[int, str, int | None]]) -> None:
+    """Record that each runtime applied each version ((deployment id, runtime id, version);
+    None and 0, the built-in set, are not recorded): what a runtime token's shadow tokens
+    may be stamped with (`telemetry.service.shadow_evidence`). Written once per process and
+    database: a version already seen stored costs nothing."""
+    engine = _engine_of(session)
+    noted = _applied_noted.get(engine, set())
+    new = sorted({row for row in rows if row[2] not in (None, 0)} - noted)
+    if not new:
+        return
+    values = [{"deployment_id": deployment_id, "runtime_id": runtime_id, "version": version,
+               "first_at": utcnow()} for deployment_id, runtime_id, version in new]
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    session.execute(insert(RuntimeVersion).on_conflict_do_nothing(
+        index_elements=["deployment_id", "runtime_id", "version"]), values)
+    session.info.setdefault(_APPLIED_PENDING, []).extend(new)
+
+
+def _engine_of(session: Session) -> Engine:
+    bind = session.get_bind()
+    return bind.engine if isinstance(bind, Connection) else bind
+
+
+@event.listens_for(Session, "after_commit")
+def _applied_committed(session: Session) -> None:
+    if session.in_nested_transaction():
+        return
+    pending = session.info.pop(_APPLIED_PENDING, None)
+    if pending:
+        noted = _applied_noted.setdefault(_engine_of(session), set())
+        if len(noted) > _APPLIED_NOTED_MAX:
+            noted.clear()
+        noted.update(pending)
+
+
+@event.listens_for(Session, "after_rollback")
+def _applied_rolled_back(session: Session) -> None:
+    session.info.pop(_APPLIED_PENDING, None)
 
 
 def runtime_witnesses(*, session: Session, deployment_id: int) -> dict[str, str]:

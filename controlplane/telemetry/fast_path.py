@@ -281,6 +281,7 @@ def _serve_heartbeat(state, principal: Principal, name: str, beat: Heartbeat) ->
         try:
             runtime = runtimes.record_heartbeat(
                 session=session, deployment=deployment, beat=beat, token_id=principal.token_id,
+                claim=principal.scope == "runtime",
                 caps=runtimes.RuntimeCaps.from_settings(state.settings))
             answer = RuntimeRead.model_validate(runtime)
             session.commit()  # before the answer, as the route's session dependency does

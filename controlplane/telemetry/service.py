@@ -15,11 +15,12 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy import delete, func, or_, select, text
+from sqlalchemy import delete, exists, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.errors import Invalid
 from controlplane.runtimes.lineage import note_batches
+from controlplane.runtimes.models import RuntimeVersion
 from controlplane.runtimes.outliers import excluded_runtime_ids, excluded_witnesses
 from controlplane.runtimes.witnesses import TOKEN_PREFIX, token_of, witness_labels, witness_of
 from controlplane.settings import get_settings
@@ -577,6 +578,12 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
         query = query.where(ShadowSampleRow.runtime_id.not_in(sorted(exclude)))
     if exclude_witnesses:
         query = query.where(ShadowSampleRow.witness.not_in(sorted(exclude_witnesses)))
+    # a runtime token's evidence counts at versions its runtime said it applied (or 0)
+    applied = exists().where(RuntimeVersion.deployment_id == ShadowSampleRow.deployment_id,
+                             RuntimeVersion.runtime_id == ShadowSampleRow.runtime_id,
+                             RuntimeVersion.version == ShadowSampleRow.threshold_version)
+    query = query.where(or_(~ShadowSampleRow.witness.startswith(TOKEN_PREFIX),
+                            ShadowSampleRow.threshold_version == 0, applied))
     # evidence a runtime token posted long after its own timestamp is not taken (backdating)
     query = query.where(or_(ShadowSampleRow.arrival_delay_s.is_(None),
                             ShadowSampleRow.arrival_delay_s <= get_settings().evidence_max_delay_s,

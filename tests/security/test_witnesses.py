@@ -6,7 +6,8 @@ the route and on the event-loop fast path; telemetry registers a new id under th
 a token cannot frame another runtime with a foreign lineage; an id whose token was revoked can
 be registered again; every id of one token is one witness in the evidence; evidence a token
 posts long after its own timestamp does not count; a first calibration from never-exit decided
-by fewer witnesses than the robust minimum waits for an operator; the exit-rate rise a
+by fewer witnesses than the robust minimum waits for an operator; evidence stamped with a
+version its runtime never applied does not count; the exit-rate rise a
 promotion is bounded by is read on the median witness as well.
 """
 
@@ -52,6 +53,13 @@ def _token(engine, deployment: str = "chat") -> tuple[int, dict[str, str]]:
                                    deployment=get_deployment(session=session, name=deployment))
         session.commit()
         return row.id, {"Authorization": f"Bearer {secret}"}
+
+
+def _applies(client, auth, runtime_id: str, version: int) -> None:
+    """A heartbeat of `runtime_id` saying it applies `version`."""
+    beat = client.post(BEATS.format("chat"), headers=auth,
+                       json={"runtime_id": runtime_id, "applied_version": version})
+    assert beat.status_code == 200, beat.text
 
 
 def _owner(engine, runtime_id: str) -> int | None:
@@ -158,12 +166,14 @@ def test_every_runtime_id_of_one_token_is_one_witness(serve, tokens, engine):
     rng = random.Random(11)
     sybil_id, sybil = _token(engine)
     for runtime_id in ("rt-s1", "rt-s2", "rt-s3"):
+        _applies(client, sybil, runtime_id, 2)
         assert client.post("/v1/telemetry", headers=sybil, json=make_batch(
             rng, shadow_rate=1.0, runtime_id=runtime_id)).status_code == 202
     honest = []
     for runtime_id in ("rt-h1", "rt-h2"):
         token_id, auth = _token(engine)
         honest.append(token_id)
+        _applies(client, auth, runtime_id, 2)
         assert client.post("/v1/telemetry", headers=auth, json=make_batch(
             rng, shadow_rate=1.0, runtime_id=runtime_id)).status_code == 202
     with Session(engine) as session:
@@ -181,6 +191,7 @@ def test_evidence_posted_long_after_its_timestamp_does_not_count(serve, tokens, 
     client = serve()
     _deploy(client, tokens, engine)
     _, auth = _token(engine)
+    _applies(client, auth, "rt-a", 2)
     rng = random.Random(13)
     old = make_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a", ts=time.time() - 7200)
     fresh = make_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a")
@@ -193,6 +204,29 @@ def test_evidence_posted_long_after_its_timestamp_does_not_count(serve, tokens, 
         stored = session.scalar(select(func.count()).select_from(ShadowSampleRow))
     assert stored == 40  # both stored
     assert len(found.requests) == 20  # only the fresh ones count
+
+
+def test_evidence_stamped_with_a_version_its_runtime_never_applied_does_not_count(
+        serve, tokens, engine):
+    """A runtime token's shadow tokens stamped with version 2 count once its runtime's
+    heartbeat says it applies version 2 (and version 0, the built-in set, always does): a
+    token cannot slip evidence under a version its runtime never served."""
+    client = serve()
+    _deploy(client, tokens, engine)
+    _, auth = _token(engine)
+    batch = make_batch(random.Random(17), n=40, shadow_rate=1.0, runtime_id="rt-a")
+    assert client.post("/v1/telemetry", headers=auth, json=batch).status_code == 202
+    stamped = [record["threshold_version"] for record in batch["records"]]
+
+    def counted() -> int:
+        with Session(engine) as session:
+            return len(shadow_evidence(session=session, deployment=get_deployment(
+                session=session, name="chat"), since=utcnow() - timedelta(hours=1)).requests)
+
+    assert counted() == stamped.count(0) < len(stamped)
+    _applies(client, auth, "rt-a", 2)
+    client.app.state.heartbeats.flush()
+    assert counted() == len(stamped)
 
 
 def _calibrate_from_never_exit(engine, runtimes: list[str]) -> CalibrationJob:
