@@ -52,8 +52,9 @@ class HeartbeatBuffer:
         self._session_factory = session_factory
         self.interval_s = interval_s
         self._max_known = max_known
-        # (deployment, runtime) -> (first seen, the token that registered it)
-        self._known: dict[tuple[int, str], tuple[datetime, int | None]] = {}
+        # (deployment, runtime) -> (first seen, the token that registered it, the version its
+        # last stored beat applied)
+        self._known: dict[tuple[int, str], tuple[datetime, int | None, int | None]] = {}
         self._held: dict[tuple[int, str], dict] = {}
         self._lock = threading.Lock()  # the event loop adds, the flusher and listings write
         self._write_lock = threading.Lock()  # one write at a time, in order
@@ -64,13 +65,15 @@ class HeartbeatBuffer:
     def enabled(self) -> bool:
         return self.interval_s > 0
 
-    def first_seen(self, deployment_id: int, runtime_id: str,
-                   token_id: int | None) -> datetime | None:
+    def first_seen(self, deployment_id: int, runtime_id: str, token_id: int | None,
+                   applied_version: int | None) -> datetime | None:
         """When the runtime was first seen, if this process has it on record as registered by
-        `token_id`; never reads the store (the event loop asks). Another token's beat for it
-        gets None, and the store path says why it is refused."""
+        `token_id` and applying `applied_version`; never reads the store (the event loop asks).
+        Another token's beat for it gets None, and the store path says why it is refused; so
+        does a beat naming a newly applied version, which the store records at once (the
+        runtime's evidence at that version counts from then on)."""
         known = self._known.get((deployment_id, runtime_id))
-        if known is None or known[1] != token_id:
+        if known is None or known[1] != token_id or known[2] != applied_version:
             return None
         return known[0]
 
@@ -82,7 +85,8 @@ class HeartbeatBuffer:
         with self._lock:
             if len(self._known) >= self._max_known:
                 self._known.clear()  # forgotten ones take the store path once, then return
-            self._known[(deployment_id, runtime.runtime_id)] = (runtime.first_seen, token_id)
+            self._known[(deployment_id, runtime.runtime_id)] = (
+                runtime.first_seen, token_id, runtime.applied_version)
 
     def forget(self, deployment_id: int, runtime_ids: list[str]) -> None:
         """Take removed runtimes off this process's record: their next beats go to the store,

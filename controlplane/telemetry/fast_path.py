@@ -305,7 +305,8 @@ async def _beat_on_loop(state, principal: Principal, name: str,
     target = state.ingest_targets.peek(name, runtimes.applied_versions(beat))
     if target is None:  # not cached, or the version is not known here yet: the store says
         return None
-    first_seen = buffer.first_seen(target.id, beat.runtime_id, principal.token_id)
+    first_seen = buffer.first_seen(target.id, beat.runtime_id, principal.token_id,
+                                   beat.applied_version)
     if first_seen is None:
         return None
     principal.require_deployment(target.id)

@@ -22,6 +22,7 @@ from controlplane.calibration.canary import (
 from controlplane.calibration.models import CanaryRun
 from controlplane.calibration.stats import policy_disagreement
 from controlplane.db import session_scope, utcnow
+from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest, shadow_evidence
 from controlplane.thresholds.service import (
     aliases_of,
@@ -30,6 +31,7 @@ from controlplane.thresholds.service import (
     move_alias,
     publish,
 )
+from exitplane.wire import Heartbeat
 from tests.controlplane.calibration import support
 from tests.controlplane.calibration.support import (
     LAYERS,
@@ -180,7 +182,12 @@ def test_one_credential_behind_three_member_ids_is_one_witness(engine, outbox, m
 
     monkeypatch.setattr(support, "ingest", ingest_as_one_token)
     with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
         for index, runtime_id in enumerate(MEMBERS):
+            # each runtime says it applies the canary: a token's evidence counts at versions
+            # its runtimes applied
+            record_heartbeat(session=session, deployment=deployment, beat=Heartbeat(
+                runtime_id=runtime_id, applied_version=version))
             _serve(session, runtime_id, version=version, thresholds=GOOD, traffic=traffic,
                    seed=30 + index)
     run = _evaluate(engine, traffic)

@@ -266,9 +266,9 @@ def test_a_known_runtimes_heartbeat_is_held_and_written_in_bulk(pair, tokens, en
         tokens.operator), json={"thresholds": {"3": 0.8, "6": 0.7, "9": 0.6},
                                 "reason": "next"}).json()["version"] == 3
     path = "/v1/deployments/chat/heartbeats"
-    first = fast.post(path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})
+    first = fast.post(path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 3})
     assert first.status_code == 200
-    fast.post(path, headers=runtime, json={"runtime_id": "rt-2", "applied_version": 2})
+    fast.post(path, headers=runtime, json={"runtime_id": "rt-2", "applied_version": 3})
     answers = []
     queries = _statements(engine, lambda: answers.extend(fast.post(path, headers=runtime, json={
         "runtime_id": runtime_id, "applied_version": 3, "spooled_batches": 7, "ready": False,
@@ -288,6 +288,13 @@ def test_a_known_runtimes_heartbeat_is_held_and_written_in_bulk(pair, tokens, en
     listed = {row["runtime_id"]: row for row in fast.get(
         "/v1/deployments/chat/runtimes", headers=tokens.headers(tokens.operator)).json()}
     assert listed["rt-1"] == body  # what the runtime was told is what is stored
+    # A beat naming a newly applied version goes to the store at once: the runtime's evidence
+    # at that version counts from then on.
+    moved = []
+    queries = _statements(engine, lambda: moved.append(fast.post(
+        path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})))
+    assert moved[0].status_code == 200 and moved[0].json()["applied_version"] == 2
+    assert any(query.startswith("INSERT INTO runtime_versions") for query in queries), queries
 
     # A new runtime still takes the insert path, under the deployment's cap of runtimes.
     capped = pair(max_runtimes_per_deployment=2)
@@ -302,7 +309,8 @@ def test_with_no_flush_interval_a_known_runtimes_beat_is_one_statement(pair, tok
     _, fast = apps[True]
     runtime = _deploy(fast, tokens, engine)
     path = "/v1/deployments/chat/heartbeats"
-    assert fast.post(path, headers=runtime, json={"runtime_id": "rt-1"}).status_code == 200
+    assert fast.post(path, headers=runtime, json={"runtime_id": "rt-1",
+                                                  "applied_version": 2}).status_code == 200
     answers = []
     queries = _statements(engine, lambda: answers.append(fast.post(
         path, headers=runtime, json={"runtime_id": "rt-1", "applied_version": 2})))

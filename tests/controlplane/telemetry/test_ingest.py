@@ -180,6 +180,9 @@ def test_rollups_equal_a_recount_of_raw_rows(client, tokens, engine):
 
 def test_shadow_samples_read_back_in_exit_layer_order(client, tokens, engine):
     runtime = _deploy(client, tokens, engine)
+    # its runtime applied version 2 (the batch's tokens are stamped 0 or 2): all of them count
+    assert client.post("/v1/deployments/chat/heartbeats", headers=runtime, json={
+        "runtime_id": "rt-1", "applied_version": 2}).status_code == 200
     batch = make_batch(random.Random(6), n=40, shadow_rate=0.5)
     client.post("/v1/telemetry", json=batch, headers=runtime)
     sent = [r["shadow"] for r in batch["records"] if "shadow" in r]
