@@ -36,7 +36,7 @@ hypothesis_settings.load_profile("exitplane")
 # One secret key for the test session and every process it starts, as production shares one
 # between API, workers and CLI: hook credentials encrypted by one must decrypt in another.
 os.environ.setdefault("EXITPLANE_SECRET_KEY", secrets.token_urlsafe(48))
-# The hook tests post to receivers on loopback (issue 13: hooks reach no internal address
+# The hook tests post to receivers on loopback (hooks reach no internal address
 # unless it is allow-listed); tests/security/test_hook_ssrf.py checks with an empty list.
 os.environ.setdefault("EXITPLANE_HOOK_ALLOWED_HOSTS", "127.0.0.1")
 

@@ -39,7 +39,7 @@ def _story(recovered_code: tuple[int, int, int, int]) -> list[SegmentPhase]:
 
 
 def test_the_drift_is_within_code_and_chat_must_not_notice():
-    assert (DRIFTING, STEADY) == ("code", "chat")  # issue 18 point 5's wording
+    assert (DRIFTING, STEADY) == ("code", "chat")  # drifting, steady: the story's names
 
 
 def test_judge_closes_the_loop_per_segment():

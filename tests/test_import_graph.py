@@ -1,4 +1,4 @@
-"""The product code's import graph (scripts/import_graph.py, issue 16): no cycle, nothing from
+"""The product code's import graph (scripts/import_graph.py): no cycle, nothing from
 `controlplane` into `workers`; and the script does see a cycle and an upward import."""
 
 from __future__ import annotations

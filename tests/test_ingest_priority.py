@@ -1,4 +1,4 @@
-"""The ingest worker gives CPU away to the processes runtimes wait for (issue 14): at start it
+"""The ingest worker gives CPU away to the processes runtimes wait for: at start it
 lowers itself to EXITPLANE_INGEST_NICE, and never raises a priority it was started below."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-segment thresholds on the wire (issue 18): one set, one checksum that covers the segment
+"""Per-segment thresholds on the wire: one set, one checksum that covers the segment
 map, a set without segments unchanged byte for byte, and the lookup that falls back to default."""
 
 import hashlib

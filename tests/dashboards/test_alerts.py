@@ -117,7 +117,7 @@ def test_a_failed_test_alert_is_shown_and_logged(as_role, engine, dead_hook):
 
 
 def test_a_hook_to_an_internal_address_is_refused_with_the_reason(as_role, engine):
-    """Issue 13: the UI refuses what the API refuses (the store, cloud metadata), saying why,
+    """the UI refuses what the API refuses (the store, cloud metadata), saying why,
     and lists created hooks with their URL masked."""
     admin = as_role("admin")
     for url in ("http://10.0.0.5:5432/", "http://169.254.169.254/latest/meta-data/"):

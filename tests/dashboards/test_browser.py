@@ -332,7 +332,7 @@ def test_the_contrast_check_catches_faint_text(browser):
 
 
 def test_operator_sees_per_segment_exit_rates(browser, app, engine, seeded):
-    """Issue 18 point 4: a deployment with traffic segments shows each segment's exit rate and
+    """a deployment with traffic segments shows each segment's exit rate and
     disagreement (table and charts), and the table follows new telemetry without a reload."""
     from datetime import timedelta
 

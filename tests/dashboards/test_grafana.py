@@ -33,7 +33,7 @@ def _exposed_names() -> dict[str, str]:
     return names
 
 
-# What the control plane's own module exports, and what issue 15 asked the dashboard to chart.
+# What the control plane's own module exports, and what the dashboard charts.
 REQUIRED = {value._name for value in vars(metrics).values()
             if isinstance(value, Counter | Gauge | Histogram)} | {
     "exitplane_exit_rate", "exitplane_shadow_disagreement", "exitplane_disagreement_target",

@@ -1,4 +1,4 @@
-"""One reading of the rollups (issue 18 point 5): the deployment page's minutes and totals, its
+"""One reading of the rollups: the deployment page's minutes and totals, its
 segment table and the read API's per-segment figures are all `reads.RollupFigures`, so over
 one window they agree exactly, and the page's per-minute disagreement is the disagreement
 endpoint's."""

@@ -1,4 +1,4 @@
-"""Per-segment traffic and calibration in the admin UI (issue 18 point 4): the deployment page
+"""Per-segment traffic and calibration in the admin UI: the deployment page
 shows each segment's exit rate, disagreement against δ, shadow tokens and the thresholds the
 active version applies to it, with per-segment charts; a calibration job shows what each
 segment got.

@@ -1,4 +1,4 @@
-"""Traffic segments in the admin UI (issue 18 point 4): the versions page shows each version's
+"""Traffic segments in the admin UI: the versions page shows each version's
 layer x segment table, the diff shows per-segment changes, and the new-version form adds,
 edits and drops segments with the API's validation messages (a refusal stores nothing)."""
 

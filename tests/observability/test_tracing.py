@@ -167,7 +167,7 @@ def test_the_api_access_line_carries_its_request_span_ids(spans, database, caplo
 
 
 def test_fast_path_requests_are_spans_named_by_their_route(spans, database):
-    """Telemetry POSTs and heartbeats, served below the router (issue 14), are server spans
+    """Telemetry POSTs and heartbeats, served below the router, are server spans
     named as the routes were, with the heartbeat's queries in their trace."""
     from controlplane.app import create_app
     from controlplane.auth.service import create_token

@@ -252,7 +252,7 @@ def test_learned_signal_requires_heads(model):
 def test_unchecked_tokens_record_no_signal_whatever_shares_their_step(model):
     # Under a never-exit set the engine skips the exit checks unless a shadow row needs them:
     # a served token then has no signal (None), not 0, and not a value that depends on whether
-    # a shadow row happened to share its step (issue 17).
+    # a shadow row happened to share its step.
     eng = engine(model, max_batch=4, shadow_rate=0.5, seed=3)
     eng.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
     records = eng.drain_records()

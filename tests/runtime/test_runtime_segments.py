@@ -1,4 +1,4 @@
-"""Per-segment thresholds in one batch (issue 18): each row applies its own segment's map, its
+"""Per-segment thresholds in one batch: each row applies its own segment's map, its
 records carry the segment, and a batch of default rows decodes exactly as before."""
 
 from __future__ import annotations

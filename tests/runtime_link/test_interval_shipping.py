@@ -1,4 +1,4 @@
-"""The shipper's interval batches (issue 14): one request per interval with the counts and the
+"""The shipper's interval batches: one request per interval with the counts and the
 records; a 413 splits cells and records in halves; a control plane that predates interval
 batches (415) gets the pair they stand for, from then on; the spool keeps the record count."""
 

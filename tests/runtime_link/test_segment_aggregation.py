@@ -1,4 +1,4 @@
-"""Segments through the real client and a real control plane (issue 18): a mixed-segment token
+"""Segments through the real client and a real control plane: a mixed-segment token
 stream shipped as records and through the aggregating shipper leaves identical rollups and
 histograms per segment, with each segment's policy counts under its own thresholds."""
 

@@ -1,4 +1,4 @@
-"""The threshold client with per-segment sets (issue 18), against the real control plane over
+"""The threshold client with per-segment sets, against the real control plane over
 HTTP: a runtime that applies segments pulls a segmented set, verifies it and looks thresholds up
 by segment (default for an unknown or missing one); a runtime that applies one map to every
 request refuses such a set, keeps its previous one and says why in its heartbeat; the torch

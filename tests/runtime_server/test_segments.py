@@ -1,4 +1,4 @@
-"""Traffic segments through the real runtime server (issue 18): a request's segment comes from
+"""Traffic segments through the real runtime server: a request's segment comes from
 the X-Exitplane-Segment header, the exitplane_segment body field or a rule (API key, model
 name); its tokens apply that segment's thresholds and its records carry the segment; a
 malformed name is a 400 with a message; names past the cap run as 'default', and so does a

@@ -1,4 +1,4 @@
-"""Issue 13, point 6 (body limits): control routes do not read megabytes before auth. Every route
+"""Body limits: control routes do not read megabytes before auth. Every route
 but /v1/telemetry takes kilobytes (EXITPLANE_MAX_CONTROL_BODY_BYTES, 64 KiB), enforced in an
 ASGI middleware before any parsing: a declared Content-Length is refused at once and a chunked
 body is counted as it streams, so the answer comes before the client has finished sending."""

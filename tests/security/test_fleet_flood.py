@@ -1,7 +1,7 @@
-"""One runtime token cannot flood the fleet view, the gauges or the pager (issue 13.7):
+"""One runtime token cannot flood the fleet view, the gauges or the pager:
 heartbeats are rate limited per token, runtime ids have a pattern and a length, a deployment
 has a cap of runtimes, and the runtime gauges come from the store, so a runtime that is gone
-leaves /metrics (issue 13.6 / 15.4)."""
+leaves /metrics."""
 
 from __future__ import annotations
 

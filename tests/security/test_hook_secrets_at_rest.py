@@ -1,4 +1,4 @@
-"""Issue 13, point 9: hook credentials (webhook HMAC secrets, PagerDuty routing keys, Slack and
+"""Hook credentials (webhook HMAC secrets, PagerDuty routing keys, Slack and
 webhook URLs) are encrypted in the store with a key derived from the secret key, shown masked
 after creation, and migration 0006 encrypts the rows stored before it."""
 

@@ -1,4 +1,4 @@
-"""Issue 13, point 5: no server-side request forgery through alert hooks.
+"""No server-side request forgery through alert hooks.
 
 An admin (or whoever holds an admin token) must not be able to point a hook at the database,
 the cloud metadata service or Redis and read the answer in the delivery log: destinations are

@@ -282,7 +282,7 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
     # What the API and UI show about hooks' deliveries is logged by the workers too.
     with Session(engine) as session:
         errors = "\n".join(d.error or "" for d in delivery_service.list_deliveries(session=session))
-    # Only a status code and a fixed reason (issue 13): not the receiver's answer.
+    # Only a status code and a fixed reason: not the receiver's answer.
     assert "HTTP 404" in errors and "Cannot POST" not in errors
     assert hidden.leaks(errors) == [], "secrets in the delivery log"
 

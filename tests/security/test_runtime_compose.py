@@ -1,4 +1,4 @@
-"""Issue #13 point 3, compose: the runtime port stays on the compose network unless the
+"""Compose: the runtime port stays on the compose network unless the
 operator opts in with docker-compose.runtime-public.yml, which publishes it and makes the
 runtime require API keys read from a compose secret. (No Docker engine here: the files are
 checked, and the CLI is shown to pick the key file up from the override's environment.)"""

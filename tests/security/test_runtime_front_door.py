@@ -1,4 +1,4 @@
-"""Issue #13 point 3: the runtime server is not an open door. API keys on every /v1 route
+"""The runtime server is not an open door. API keys on every /v1 route
 (probes and metrics stay open), a body limit enforced before parsing, prompt length checked
 before tokenizing and tokenizing off the event loop, stop strings capped. Real server on a
 uvicorn port with the tiny model, plus `exitplane runtime serve` as a process for the CLI."""

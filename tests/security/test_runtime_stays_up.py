@@ -1,4 +1,4 @@
-"""Issue #13 point 2: the runtime server stays up and honest. A fault injected inside an engine
+"""The runtime server stays up and honest. A fault injected inside an engine
 step fails only the request(s) it belongs to, with a plain 5xx (or an error event on a stream)
 and no internal text; the engine thread serves the next request; a dead engine thread turns
 /healthz to 503. All against the real server on a uvicorn port with the tiny model."""

@@ -1,4 +1,4 @@
-"""Issue 13, point 1: no forgeable UI session. A real `exitplane up` never signs with a constant:
+"""No forgeable UI session. A real `exitplane up` never signs with a constant:
 without EXITPLANE_SECRET_KEY it generates a key under the var dir (mode 0600) and keeps it
 across restarts; on a non-loopback address a short key refuses to start with one line."""
 

@@ -1,4 +1,4 @@
-"""Sign-in throttling (issue 13.8): failures are keyed by username and client address with an
+"""Sign-in throttling: failures are keyed by username and client address with an
 exponential backoff, shared by every API process through Redis, and never cleared wholesale:
 an attacker can neither lock the admin out from elsewhere nor reset the counts by flooding."""
 

@@ -1,4 +1,4 @@
-"""Issue 13, point 7 (Slack part): text that users and runtimes control (deployment names,
+"""Slack escaping: text that users and runtimes control (deployment names,
 alert summaries, resolutions) cannot ping a channel, forge a link or break the message:
 `&`, `<` and `>` are escaped in every Slack text field."""
 

@@ -1,4 +1,4 @@
-"""The per-segment loop on a real Celery worker (issue 18): a quality alert on code falls back
+"""The per-segment loop on a real Celery worker: a quality alert on code falls back
 code alone in the alert's transaction, and the worker's recalibration reads code's shadow
 tokens only and gives code a map of its own again while chat keeps its thresholds."""
 

@@ -115,7 +115,7 @@ def test_metrics_the_rules_read_are_exported_from_the_store(client, engine, outb
     assert _sample(text, "exitplane_fleet_runtime_behind_active", runtime="rt-1") == 0.0
     assert abs(_sample(text, "exitplane_last_ingest_timestamp_seconds", deployment="chat")
                - now.timestamp()) < 600
-    # Mean exit depth and speed-up (issue 15) agree with the per-layer gauges.
+    # Mean exit depth and speed-up agree with the per-layer gauges.
     from tests.controlplane.alerts.support import FULL, LAYERS
 
     tokens = _sample(text, "exitplane_tokens_checked", deployment="chat", layer=str(LAYERS[0]))

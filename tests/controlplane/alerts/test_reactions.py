@@ -1,4 +1,4 @@
-"""The alert reaction registry (issue 16): the API and the Celery worker install the automatic
+"""The alert reaction registry: the API and the Celery worker install the automatic
 fallback for the kinds it answers; the alerts domain runs what is registered, in order."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Alerts name their traffic segment (issue 18): the dedup key and the open-alert lookup are
+"""Alerts name their traffic segment: the dedup key and the open-alert lookup are
 per segment, hooks carry the segment, and a 'default' alert reads exactly as before."""
 
 import json

@@ -1,4 +1,4 @@
-"""/metrics per traffic segment (issue 18 point 4): the exit-behaviour gauges carry a `segment`
+"""/metrics per traffic segment: the exit-behaviour gauges carry a `segment`
 label. segment="" is the whole deployment (the series exported before segments); a deployment
 that knows segments also gets one series per registered segment and `default`, and never one
 for a name the registry's cap kept out.

@@ -1,5 +1,5 @@
 """The exact binomial test behind Learn-Then-Test and the logistic match model that draws its
-path (issue 18 benchmark): known answers against scipy's binomial law and a hand sum, never
+path: known answers against scipy's binomial law and a hand sum, never
 above the Hoeffding-Bentkus p-value, its Clopper-Pearson bound, the logistic fit against
 scikit-learn's, and validity on simulated Bernoulli streams whose true risk is known: over many
 seeds the calibrator certifies thresholds whose true risk is above δ in at most ε of them

@@ -1,4 +1,4 @@
-"""A regression in one traffic segment falls back that segment alone (issue 18): the version
+"""A regression in one traffic segment falls back that segment alone: the version
 the fallback publishes changes only that segment's map (never exit, or its last good
 thresholds raised by the margin, judged on its own traffic); default and every other segment
 keep theirs, and the recalibration it queues is that segment's."""

@@ -1,4 +1,4 @@
-"""How ε is split across traffic segments (issue 18, seg-power2): Šidák across the segments that
+"""How ε is split across traffic segments (seg-power2): Šidák across the segments that
 run their own Learn-Then-Test, ε/k for each too small for it (its pooled check), a one-segment
 recalibration at a level that keeps the joint statement by the union bound, and borrowing in
 one direction only (larger to smaller), so that the own tests stay independent given what

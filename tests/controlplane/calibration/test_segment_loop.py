@@ -1,4 +1,4 @@
-"""Recalibration per traffic segment (issue 18): a segment's job reads that segment's shadow
+"""Recalibration per traffic segment: a segment's job reads that segment's shadow
 tokens only and replaces that segment's map only; a whole-deployment job over segmented
 traffic calibrates each segment (`calibrate_segments`) and keeps what each got, and why, in the
 job's summary under "segments"."""

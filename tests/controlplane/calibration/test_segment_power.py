@@ -1,5 +1,5 @@
 """A small segment's own Learn-Then-Test draws its path with the other segments' tokens
-(issue 18, the per-segment calibration's power): on the same data it certifies more exits than a
+(the per-segment calibration's power): on the same data it certifies more exits than a
 path learnt on its own few tokens, while at the null (its signals mean less than the pool's, so
 the borrowed path misleads) every segment stays within δ jointly in at least 1-ε of the trials,
 tested per request."""

@@ -1,4 +1,4 @@
-"""Per-segment calibration (issue 18) on synthetic shadow tokens whose truth is known: a segment
+"""Per-segment calibration on synthetic shadow tokens whose truth is known: a segment
 whose exits are all wrong never gets exiting thresholds, a small segment keeps the pooled set
 only when its own tokens certify it, and over many seeded trials every segment is within δ at
 once in at least 1-ε of them (while one pooled set, the foil, is not)."""

@@ -1,4 +1,4 @@
-"""Rate limits (issue 14.4): with Redis, one GCRA bucket per key whichever process takes from
+"""Rate limits: with Redis, one GCRA bucket per key whichever process takes from
 it; without Redis, a bucket per process; when Redis is away, the process's own bucket."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Revocation that holds (issue 13.4) inside one API process: the token cache has a hard
+"""Revocation that holds inside one API process: the token cache has a hard
 maximum age that polling cannot extend, it is dropped only after the revoke commits, and a
 lookup under way during a revocation cannot bring the old principal back."""
 

@@ -1,4 +1,4 @@
-"""The token cache at fleet scale (issue 14): a fleet's runtimes call further apart than the
+"""The token cache at fleet scale: a fleet's runtimes call further apart than the
 cache's maximum age, so a miss reads every active token at once; a fleet then costs one token
 read per maximum age, not one per request, and revocation still holds as before."""
 

@@ -93,7 +93,7 @@ def test_histogram_rollups_feed_the_report():
 
 def test_two_sample_verdict_counts_the_reference_as_a_sample():
     # Rare deep exits in a short reference: Evidently's chi-square takes the reference's
-    # proportions as known and flags; the contingency-table test does not (issue 17).
+    # proportions as known and flags; the contingency-table test does not.
     rare = (0.004, 0.006, 0.01, 0.98)
     reference, current = _samples(3, 700, layer_p=rare), _samples(4, 2500, layer_p=rare)
     tests = {"signal": 1e-3, "exit_layer": 1e-3}

@@ -1,4 +1,4 @@
-"""Per-segment drift detection and fallback (issue 18): a quality regression in one traffic
+"""Per-segment drift detection and fallback: a quality regression in one traffic
 segment pages once, for that segment, and falls back that segment alone; the segments a check
 covers share one false-alarm budget."""
 

@@ -1,4 +1,4 @@
-"""Drift detection on request-clustered traffic (issue 17), rollups and shadow samples written by
+"""Drift detection on request-clustered traffic, rollups and shadow samples written by
 the real ingestion: stationary traffic whose requests differ stays quiet, a real shift is still
 found, distribution drift alone is info until it persists, an exit-rate spike whose shadow
 tokens show quality within δ keeps the active set, unchecked tokens and other versions stay out
@@ -40,7 +40,7 @@ def _conditions(session, deployment, now, **options):
 @pytest.mark.slow
 def test_stationary_requests_that_differ_page_nobody(session: Session, tmp_path, outbox):
     # Requests differ a lot in how early they exit; counted as tokens, the exit rates look like
-    # drift (before issue 17: an exit_rate_spike, critical, and a warning on this seed).
+    # drift (a token-level test raises an exit_rate_spike, critical, and a warning here).
     deployment, start, now = _setup(session)
     send_requests(session, deployment, start=start, phases=[Requests(30, spread=6.0)], seed=0,
                   requests_per_minute=10, tokens_per_request=50)
@@ -128,8 +128,8 @@ def test_distribution_drift_alone_informs_then_pages_when_it_persists(session: S
 
 def test_unchecked_tokens_stay_out_of_the_signal_distribution(session: Session, tmp_path,
                                                              outbox):
-    # A never-exit version: only shadow tokens have a signal. Before issue 17 the others were
-    # stored as signal 0, and any change in the shadow share moved the histogram.
+    # A never-exit version: only shadow tokens have a signal. Were the others stored as signal
+    # 0, any change in the shadow share would move the histogram.
     never = {k: 1.0 for k in LAYERS}
     deployment, start, now = _setup(session, minutes=20)
     version = publish(session=session, deployment=deployment, thresholds=never,
@@ -208,9 +208,9 @@ def test_quality_shift_of_the_last_minute_pages_from_the_short_window(session: S
 
 def test_a_window_past_the_read_cap_is_judged_on_its_newest_shadow_tokens(session: Session):
     # A fleet ships ~10,000 shadow tokens a second: a check reads at most `max_shadow_tokens`
-    # of them. Before issue 14 the read kept the window's oldest tokens (ORDER BY ts LIMIT), so
-    # a shift in the last minute was never read; now the newest, and the evidence says where
-    # the capped window begins.
+    # of them. Keeping the window's oldest tokens (ORDER BY ts LIMIT) would never read a shift
+    # in the last minute; the read keeps the newest, and the evidence says where the capped
+    # window begins.
     deployment, start, now = _setup(session, minutes=10, delta=0.05)
     send_requests(session, deployment, start=start, seed=3, requests_per_minute=60,
                   phases=[Requests(9, mismatch_rate=0.0), Requests(1, mismatch_rate=0.6)])

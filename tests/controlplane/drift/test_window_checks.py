@@ -1,4 +1,4 @@
-"""The quality test's sliding windows (issue 17): a shift shows in the last minute before it
+"""The quality test's sliding windows: a shift shows in the last minute before it
 dominates the ten-minute window, and the looks share one hourly false-alarm budget."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A runtime whose clock runs ahead is told so (issue 14: fleets of many kinds).
+"""A runtime whose clock runs ahead is told so (fleets of many kinds).
 
 Tokens timed hours ahead would be stored where no drift window, gauge or canary looks (and in
 PostgreSQL's default partition); the API refuses such a batch with a 422 that names the token

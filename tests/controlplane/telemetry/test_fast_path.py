@@ -1,4 +1,4 @@
-"""The pure-ASGI telemetry path (issue 14) answers every request as the FastAPI route does:
+"""The pure-ASGI telemetry path answers every request as the FastAPI route does:
 the same status, body and headers for good batches, replays, bad bodies, bad tokens, foreign
 deployments, unknown content types and rate limits; it never enters the router, and the
 request metrics and revocation behave as on the route."""

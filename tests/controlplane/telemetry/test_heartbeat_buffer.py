@@ -1,4 +1,4 @@
-"""Held heartbeats (controlplane/runtimes/beats.py, issue 14): written by the flusher on its
+"""Held heartbeats (controlplane/runtimes/beats.py): written by the flusher on its
 own, never over a newer stored beat, and kept through a store outage."""
 
 from __future__ import annotations

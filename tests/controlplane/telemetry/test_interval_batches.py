@@ -1,4 +1,4 @@
-"""Interval batches (issue 14): an aggregating runtime's counts and records in one request.
+"""Interval batches: an aggregating runtime's counts and records in one request.
 The control plane stores one exactly as the aggregate batch and the `aggregated` record batch
 it stands for (same rollups, rows and shadow samples), once per batch id, over HTTP and
 through the Redis stream; a bad one is refused whole, naming what is wrong."""

@@ -1,5 +1,5 @@
 """A small telemetry batch from a token and deployment the API has cached is served on the event
-loop (issue 14): the rate take from the headers, then the stream append; the answers, the stream
+loop: the rate take from the headers, then the stream append; the answers, the stream
 and the shared rate bucket are those of the worker-thread path and of the FastAPI route, and
 anything that would read the store still goes to a worker thread."""
 

@@ -1,4 +1,4 @@
-"""One telemetry batch the store cannot take must not hold back the others (issue 14).
+"""One telemetry batch the store cannot take must not hold back the others.
 
 The ingest worker stores a read of many stream entries in one transaction. When that fails on
 something about one batch (a sum past a BIGINT, a bug a batch triggers), it stores the entries

@@ -1,4 +1,4 @@
-"""Traffic segments on the write path (issue 18): every stored token keeps its segment, the
+"""Traffic segments on the write path: every stored token keeps its segment, the
 rollups add up per segment exactly (record and aggregate batches, HTTP and Redis stream),
 replays add nothing, names not in use (undeclared, or past the cap where the deployment
 registers names from telemetry) land in `default`, and a shadow token's policy columns use its

@@ -1,4 +1,4 @@
-"""The telemetry read API per traffic segment (issue 18 point 4): GET
+"""The telemetry read API per traffic segment: GET
 /v1/deployments/{name}/segments gives each registered segment's and default's exit rate,
 shadow tokens and disagreement from the rollups, bounded by the registry cap; the existing
 reads take a `segment` filter.

@@ -1,4 +1,4 @@
-"""Tokens whose exits were not checked (signal None on the wire, issue 17): stored as NULL,
+"""Tokens whose exits were not checked (signal None on the wire): stored as NULL,
 counted in the exit-rate rollups, left out of the signal histogram; shadow samples keep their
 request id."""
 

@@ -1,5 +1,5 @@
 """A config read that began before an alias move and ends after the move's notice must not be
-cached as current (issue 14: one behaviour across API replicas). With Redis the bus is the only
+cached as current (one behaviour across API replicas). With Redis the bus is the only
 thing that wakes a held long-poll, so a woken poll that read the old state again would hold the
 old set until its wait ended: in the fleet benchmark every long-poll of one API process missed
 a move that way and waited out its 60 s."""

@@ -1,5 +1,5 @@
 """Long-polls held off the router: a fleet holds one per runtime at all times, so what each one
-keeps alive while it waits is what the collector scans (issue 14: the pull tail)."""
+keeps alive while it waits is what the collector scans (the pull tail)."""
 
 from __future__ import annotations
 

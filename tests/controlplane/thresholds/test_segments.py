@@ -1,4 +1,4 @@
-"""Per-segment thresholds in the registry (issue 18): one version holds every segment's map and
+"""Per-segment thresholds in the registry: one version holds every segment's map and
 one checksum over all of them; names, layers and the per-deployment cap get a clear 422; the
 pull carries the map, and a set without segments is pulled exactly as before."""
 
