@@ -64,6 +64,18 @@ def _drivers() -> list:
     return [sys.modules[name] for name in ("psycopg", "sqlite3") if name in sys.modules]
 
 
+def dialect_insert(session: Session, model):
+    """An INSERT of `model` with the session's dialect's ON CONFLICT clauses (PostgreSQL's or
+    SQLite's)."""
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+
+        return insert(model)
+    from sqlalchemy.dialects.sqlite import insert
+
+    return insert(model)
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

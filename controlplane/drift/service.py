@@ -74,6 +74,7 @@ from controlplane.drift.window_checks import (
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.runtimes.service import runtime_witnesses
+from controlplane.runtimes.witnesses import witness_of as runtime_witness
 from controlplane.telemetry.models import Rollup, ShadowSampleRow
 from controlplane.telemetry.service import exit_rates, shadow_evidence, signal_histogram
 from controlplane.thresholds.models import Alias, Deployment
@@ -275,7 +276,8 @@ def _exit_windows_without_each_runtime(
         query = query.where(Rollup.runtime_id.not_in(sorted(exclude)))
     by_runtime: dict[str, dict[tuple[datetime, int], np.ndarray]] = defaultdict(dict)
     for row in session.execute(query):
-        points = by_runtime[witness_of.get(row.runtime_id, f"runtime:{row.runtime_id}")]
+        points = by_runtime[witness_of.get(row.runtime_id) or runtime_witness(
+            token_id=None, runtime_id=row.runtime_id)]
         points[(row.minute, row.layer)] = points.get((row.minute, row.layer), 0) + np.array(
             [int(row.tokens), int(row.exits), int(row.policy_exits)])
     if len(by_runtime) < max(2, options.robust_min_runtimes):

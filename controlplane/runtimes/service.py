@@ -8,13 +8,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, bindparam, delete, event, false, func, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from controlplane.auth.models import ApiToken
-from controlplane.db import utcnow
+from controlplane.db import dialect_insert, utcnow
 from controlplane.errors import CapReached, Forbidden, Invalid, NotFound
 from controlplane.runtimes import lineage
 from controlplane.runtimes.models import Runtime, RuntimeVersion
@@ -287,9 +285,7 @@ def note_applied_versions(*, session: Session,
         return
     values = [{"deployment_id": deployment_id, "runtime_id": runtime_id, "version": version,
                "first_at": utcnow()} for deployment_id, runtime_id, version in new]
-    dialect = session.get_bind().dialect.name
-    insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    session.execute(insert(RuntimeVersion).on_conflict_do_nothing(
+    session.execute(dialect_insert(session, RuntimeVersion).on_conflict_do_nothing(
         index_elements=["deployment_id", "runtime_id", "version"]), values)
     session.info.setdefault(_APPLIED_PENDING, []).extend(new)
 

@@ -18,6 +18,7 @@ import numpy as np
 from sqlalchemy import delete, exists, func, or_, select, text
 from sqlalchemy.orm import Session
 
+from controlplane.db import dialect_insert
 from controlplane.errors import Invalid
 from controlplane.runtimes.lineage import note_batches
 from controlplane.runtimes.models import RuntimeVersion
@@ -339,7 +340,7 @@ def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
                "runtime_id": b.runtime_id, "seq": b.seq, **_batch_row(b),
                "token_id": token_of(witness_of_batch[b.batch_id]),
                "received_at": datetime.now(UTC)} for b in unique]
-    statement = _dialect_insert(session, TelemetryBatchRow)
+    statement = dialect_insert(session, TelemetryBatchRow)
     statement = statement.on_conflict_do_nothing(index_elements=["deployment_id", "batch_id"])
     # executemany: one compiled (cached) statement whatever the number of batches.
     return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id), values))
@@ -364,16 +365,6 @@ def thresholds_by_version(*, session: Session, deployment: Deployment | IngestTa
         for name, by_layer in (segments or {}).items():
             found.segments[(version, name)] = ordered(by_layer)
     return found
-
-
-def _dialect_insert(session: Session, model):
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        return pg_insert(model)
-    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-    return sqlite_insert(model)
 
 
 # -- reads -------------------------------------------------------------------------------------
