@@ -219,9 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--clients, --seconds and --rounds must be positive")
     if args.baseline_tree is not None:
         args.baseline_tree = args.baseline_tree.resolve()
-        if not (args.baseline_tree / "controlplane" / "app.py").is_file():
+        if not (args.baseline_tree / "controlplane" / "settings.py").is_file():
             parser.error(f"--baseline-tree {args.baseline_tree} is not a checkout of this "
-                         "project (no controlplane/app.py)")
+                         "project (no controlplane/settings.py)")
     if args.database_url and not args.database_url.startswith("postgresql"):
         parser.error("--database-url must name a PostgreSQL server (postgresql+psycopg://...)")
     return args

@@ -85,8 +85,8 @@ sys.path.insert(0, str(ROOT))
 
 from controlplane.auth.service import create_token  # noqa: E402
 from controlplane.db import make_engine  # noqa: E402
+from controlplane.deployments.service import get_deployment  # noqa: E402
 from controlplane.telemetry.stream import DEAD_LETTER, GROUP, stream_key  # noqa: E402
-from controlplane.thresholds.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
 from exitplane.client.codec import encode, encode_aggregate, encode_interval  # noqa: E402
 from exitplane.wire import (  # noqa: E402

@@ -94,6 +94,18 @@ from controlplane.calibration.fallback import install
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.stats import simulate_policy
 from controlplane.db import make_engine, session_scope, utcnow
+from controlplane.deployments.models import Alias
+from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.deployments.segments import declare_segment
+from controlplane.deployments.service import (
+    aliases_of,
+    create_deployment,
+    get_deployment,
+    get_threshold_set,
+    in_canary,
+    move_alias,
+    publish,
+)
 from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.errors import CapReached, Forbidden
 from controlplane.migrate import upgrade
@@ -103,18 +115,6 @@ from controlplane.runtimes.service import RuntimeCaps, claim_runtime_ids, record
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.settings import get_settings
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds.models import Alias
-from controlplane.thresholds.schemas import DeploymentCreate
-from controlplane.thresholds.segments import declare_segment
-from controlplane.thresholds.service import (
-    aliases_of,
-    create_deployment,
-    get_deployment,
-    get_threshold_set,
-    in_canary,
-    move_alias,
-    publish,
-)
 from exitplane.wire import DEFAULT_SEGMENT, Heartbeat, TelemetryBatch
 
 LAYERS, FULL, DELTA, EPSILON = [3, 6, 9], 12, 0.05, 0.1

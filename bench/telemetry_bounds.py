@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 url, scope = sys.argv[1], sys.argv[2]
 if scope == "admin":
     upgrade(url)
@@ -83,7 +83,7 @@ class Api:
         admin = self._setup(tree, url, "admin")
         self.port = _free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "controlplane.app:create_app",
+            [sys.executable, "-m", "uvicorn", "--factory", "exitplane.app:create_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
             cwd=tree, env=self.env, stdout=output, stderr=output)  # output: a file, or inherit
         self.url = f"http://127.0.0.1:{self.port}"

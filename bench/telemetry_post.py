@@ -65,7 +65,7 @@ from bench.fleet import (  # noqa: E402
 )
 from controlplane.auth.service import create_token  # noqa: E402
 from controlplane.db import make_engine  # noqa: E402
-from controlplane.thresholds.service import get_deployment  # noqa: E402
+from controlplane.deployments.service import get_deployment  # noqa: E402
 from exitplane.client.aggregate import Aggregator  # noqa: E402
 from exitplane.client.codec import encode_aggregate, encode_interval  # noqa: E402
 from exitplane.wire import (  # noqa: E402

@@ -19,7 +19,7 @@ from celery import Celery, signals
 from celery.schedules import crontab
 
 from controlplane.settings import Settings, get_settings
-from exitplane.logs import request_id_var
+from exitplane.kit.logs import request_id_var
 
 TASK_MODULES = ["workers.tasks.drift", "workers.tasks.alerts", "workers.tasks.maintenance",
                 "workers.tasks.calibration"]

@@ -14,8 +14,8 @@ from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import Principal, active_principals, authenticate, digest
-from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter, Turns
 from controlplane.errors import NotFound, RateLimited, Unauthorized
+from controlplane.guards.buckets import LocalRateLimiter, RedisRateLimiter, Turns
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def rate_limited(kind: str):
             return
         await check_rate(request.app.state, kind, principal)
 
-    dependency.rate_kind = kind  # the OpenAPI document lists its 429 (controlplane/app.py)
+    dependency.rate_kind = kind  # the OpenAPI document lists its 429 (controlplane/edge/app.py)
     return Depends(dependency)
 
 
@@ -303,7 +303,7 @@ async def _read_limit(request: Request) -> None:
 
 # For the API's routers (`include_router(..., dependencies=[ReadLimited])`): every GET route
 # takes its cost from the caller's read bucket, shared by every API process like the others.
-_read_limit.rate_kind = "read"  # the OpenAPI document lists its 429 (controlplane/app.py)
+_read_limit.rate_kind = "read"  # the OpenAPI document lists its 429 (controlplane/edge/app.py)
 ReadLimited = Depends(_read_limit)
 
 
@@ -406,12 +406,12 @@ async def get_principal(request: Request) -> Principal:
 
 
 def visible_deployment(state, principal: Principal, name: str, versions=()):
-    """The deployment `name` as the process caches it (`IngestTarget`), if `principal` may
+    """The deployment `name` as the process caches it (`CachedDeployment`), if `principal` may
     see it (blocking: may read the store). A runtime token is refused alike (403) for
     another deployment and for one that does not exist, so it cannot learn which exist;
     others get NotFound for a missing one."""
     try:
-        target = state.ingest_targets.get(name, versions)
+        target = state.deployment_cache.get(name, versions)
     except NotFound:
         if principal.scope == "runtime":
             principal.require_deployment(None)  # no deployment: not the token's own
@@ -421,7 +421,7 @@ def visible_deployment(state, principal: Principal, name: str, versions=()):
 
 
 async def _require_visible(state, principal: Principal, name: str) -> None:
-    target = state.ingest_targets.peek(name, ())
+    target = state.deployment_cache.peek(name, ())
     if target is None:
         await to_thread.run_sync(visible_deployment, state, principal, name)
     else:
@@ -439,7 +439,7 @@ def require(scope: str):
             await _require_visible(request.app.state, principal, name)
         return principal
 
-    dependency.required_scope = scope  # the OpenAPI document says so (controlplane/app.py)
+    dependency.required_scope = scope  # the OpenAPI document says so (controlplane/edge/app.py)
     return dependency
 
 

@@ -56,7 +56,7 @@ class RateLimited(DomainError):
 
 
 # The JSON body of every error answer (a DomainError's; the app's 422 for a request that does
-# not validate adds `errors`, every problem): the OpenAPI component `Error` (controlplane/app.py).
+# not validate adds `errors`, every problem): the OpenAPI component `Error` (controlplane/edge/).
 ERROR_SCHEMA = {"type": "object", "required": ["detail"],
                 "properties": {
                     "detail": {"type": "string", "description": "what was wrong and what to do"},
@@ -76,7 +76,7 @@ def error_answer(description: str) -> dict:
         "$ref": "#/components/schemas/Error"}}}}
 
 
-# The app answers a request that does not validate with this body (controlplane/app.py), not
+# The app answers a request that does not validate with this body (controlplane/edge/app.py), not
 # FastAPI's default list of errors; the OpenAPI document says so wherever FastAPI put its own.
 VALIDATION_ERROR = error_answer("the request does not validate: `detail` names the first "
                                 "problem, `errors` lists them all")

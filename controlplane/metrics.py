@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from exitplane.build import register_process_metrics
+from exitplane.kit.build import register_process_metrics
 
 registry = CollectorRegistry()
 register_process_metrics(registry)  # the API's and the ingest worker's /metrics

@@ -5,6 +5,7 @@ from controlplane.auth.models import ApiToken, SignInFailures, User
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.coordination.models import Epoch
 from controlplane.db import Base
+from controlplane.deployments.models import Alias, AuditEvent, Deployment, ThresholdSet
 from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.telemetry.models import (
     Rollup,
@@ -13,7 +14,6 @@ from controlplane.telemetry.models import (
     TelemetryBatchRow,
     TokenRecordRow,
 )
-from controlplane.thresholds.models import Alias, AuditEvent, Deployment, ThresholdSet
 
 __all__ = [
     "Alert", "AlertDelivery", "AlertHook", "Alias", "ApiToken", "AuditEvent", "Base",

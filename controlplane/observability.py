@@ -21,8 +21,8 @@ import time
 from prometheus_client import Histogram
 
 from controlplane.metrics import registry
-from exitplane import tracing
-from exitplane.logs import (
+from exitplane.kit import tracing
+from exitplane.kit.logs import (
     access_log_enabled,
     new_request_id,
     offered_request_id,

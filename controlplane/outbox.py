@@ -13,7 +13,7 @@ import logging
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from exitplane import tracing
+from exitplane.kit import tracing
 
 log = logging.getLogger("exitplane.outbox")
 

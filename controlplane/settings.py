@@ -286,7 +286,7 @@ class Settings(BaseSettings):
         except ValueError as error:
             raise ValueError(f"EXITPLANE_TRUSTED_PROXIES: {error}") from None
         return value
-    # Operability: one log shape for every process (exitplane/logs.py reads the
+    # Operability: one log shape for every process (exitplane/kit/logs.py reads the
     # same variables in processes without these settings), the access log, worker metrics.
     log_format: Literal["json", "text"] | None = Field(
         default=None,
@@ -303,7 +303,7 @@ class Settings(BaseSettings):
     heartbeat_file: Path | None = Field(
         default=None,
         description="a Celery worker, ingest worker or beat writes here, from its own loop, the "
-        "time by which it will be back; `python -m exitplane.heartbeat FILE` (a liveness "
+        "time by which it will be back; `python -m exitplane.kit.heartbeat FILE` (a liveness "
         "probe) fails once that time has passed. Unset: no heartbeat")
     # The ingest worker lowers its CPU priority to this nice value at start.
     # Its work is throughput that the Redis stream buffers; on a host it shares with an API

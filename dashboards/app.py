@@ -18,11 +18,11 @@ from starlette.exceptions import HTTPException
 
 from controlplane.auth.clients import parse_networks
 from controlplane.auth.passwords import PasswordChecks
-from controlplane.coordination.limits import RefusalHold
-from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import DomainError
+from controlplane.guards.buckets import RefusalHold
+from controlplane.guards.signin_gate import SignInGate
+from controlplane.guards.signin_throttle import SignInThrottle
 from dashboards.security import LoginRequired, save_session
-from dashboards.signin_gate import SignInGate
 from dashboards.templating import render, ui_root
 from dashboards.views import (
     admin,

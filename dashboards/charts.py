@@ -15,12 +15,12 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import service as alerts
 from controlplane.db import utcnow
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.models import Deployment
 from controlplane.telemetry import reads
 from controlplane.telemetry import service as telemetry
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from controlplane.telemetry.tables import ROLLUP_COUNTERS
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.models import Deployment
 
 WINDOWS = {"15m": 15, "1h": 60, "6h": 360, "24h": 1440}
 # Okabe-Ito: distinguishable with the common colour-vision deficiencies.

@@ -16,9 +16,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
+from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segments import segment_registry
 from controlplane.errors import Invalid
-from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.segments import segment_registry
 from exitplane.wire import DEFAULT_SEGMENT
 
 # Row indices are bounded so a crafted form cannot make the parser walk huge numbers.

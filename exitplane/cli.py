@@ -112,8 +112,8 @@ def token_create(name: str, scope: str, deployment: str | None, out_file: str | 
         return
     from controlplane.auth.service import create_token
     from controlplane.db import session_scope
+    from controlplane.deployments.service import get_deployment
     from controlplane.errors import DomainError
-    from controlplane.thresholds.service import get_deployment
     from exitplane.ops.api import write_token_file
 
     try:
@@ -155,9 +155,9 @@ def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: s
     from pydantic import ValidationError
 
     from controlplane.db import session_scope
+    from controlplane.deployments.schemas import DeploymentCreate
+    from controlplane.deployments.service import create_deployment, get_deployment
     from controlplane.errors import DomainError, NotFound
-    from controlplane.thresholds.schemas import DeploymentCreate
-    from controlplane.thresholds.service import create_deployment, get_deployment
 
     try:
         layers = [int(x) for x in exit_layers.split(",")] if exit_layers else None
@@ -194,8 +194,8 @@ def segment() -> None:
 def _segment_change(deployment: str, action):
     """Run `action(session, deployment)` in one transaction; a refusal ends the command."""
     from controlplane.db import session_scope
+    from controlplane.deployments.service import get_deployment
     from controlplane.errors import DomainError
-    from controlplane.thresholds.service import get_deployment
 
     try:
         with session_scope() as session:
@@ -211,7 +211,7 @@ def _segment_change(deployment: str, action):
 @click.argument("name")
 def segment_declare(deployment: str, reason: str, name: str) -> None:
     """Put segment NAME in use: its traffic is stored (and judged) under its name."""
-    from controlplane.thresholds.segments import declare_segment
+    from controlplane.deployments.segments import declare_segment
 
     _segment_change(deployment, lambda session, found: declare_segment(
         session=session, deployment=found, name=name, actor="cli:segment-declare",
@@ -227,7 +227,7 @@ def segment_declare(deployment: str, reason: str, name: str) -> None:
 def segment_remove(deployment: str, reason: str, name: str) -> None:
     """Take segment NAME out of use: its traffic is stored as `default` from now on; what was
     stored stays readable under its name."""
-    from controlplane.thresholds.segments import remove_segment
+    from controlplane.deployments.segments import remove_segment
 
     _segment_change(deployment, lambda session, found: remove_segment(
         session=session, deployment=found, name=name, actor="cli:segment-remove",
@@ -242,8 +242,8 @@ def segment_list(deployment: str) -> None:
     last 24 hours stored as `default` because their segment was not in use, per runtime."""
     from datetime import UTC, datetime, timedelta
 
+    from controlplane.deployments.segments import segment_registry
     from controlplane.telemetry.service import undeclared_tokens
-    from controlplane.thresholds.segments import segment_registry
 
     def read(session, found):
         rows = [(row.name, "removed" if row.removed_at else "in use", row.origin,
@@ -356,7 +356,7 @@ def _celery_options() -> list[str]:
     Logging is set up now, for what Celery warns before its own setup (the workers' signal
     sets it up again with the level chosen)."""
     from controlplane.settings import get_settings
-    from exitplane.logs import log_format
+    from exitplane.kit.logs import log_format
 
     settings = get_settings()
     _configure_logging("beat" if "beat" in sys.argv else "worker", settings)
@@ -443,17 +443,17 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
     from sqlalchemy import select
 
     from controlplane.db import session_factory
+    from controlplane.deployments.models import Deployment
     from controlplane.settings import get_settings
     from controlplane.telemetry.service import ensure_partitions
     from controlplane.telemetry.stream import StreamIngestor
-    from controlplane.thresholds.models import Deployment
 
     settings = get_settings()
     if not settings.redis_url:
         _fail("EXITPLANE_REDIS_URL is not set; the embedded default writes telemetry directly")
     _configure_logging("ingest", settings)
     from controlplane.db import get_engine
-    from exitplane.tracing import configure_tracing, instrument_engine
+    from exitplane.kit.tracing import configure_tracing, instrument_engine
 
     if configure_tracing("exitplane-ingest"):
         instrument_engine(get_engine(settings.effective_database_url))
@@ -481,7 +481,7 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
                                                consumer.name)
     heartbeat = None
     if settings.heartbeat_file:  # a cycle: a blocking read (1 s), then a write to the store
-        from exitplane.heartbeat import promise
+        from exitplane.kit.heartbeat import promise
 
         heartbeat = lambda: promise(settings.heartbeat_file, 120.0)  # noqa: E731
     consumer.run_forever(stop, each_cycle=heartbeat)
@@ -546,9 +546,9 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
         start_job,
     )
     from controlplane.db import session_scope
+    from controlplane.deployments.service import get_deployment
     from controlplane.errors import DomainError
     from controlplane.settings import get_settings
-    from controlplane.thresholds.service import get_deployment
 
     settings = get_settings()
     policy = CalibrationPolicy.from_settings(settings)
@@ -605,12 +605,12 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
 def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
     import uvicorn
 
-    from controlplane.app import create_app
     from controlplane.settings import get_settings
+    from exitplane.app import create_app
 
     settings = get_settings()
     _configure_logging("api", settings)
-    from exitplane.tracing import configure_tracing
+    from exitplane.kit.tracing import configure_tracing
 
     configure_tracing("exitplane-api")
     if migrate:
@@ -634,7 +634,7 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
 
 
 def _configure_logging(process_name: str, settings) -> None:
-    from exitplane.logs import configure_logging
+    from exitplane.kit.logs import configure_logging
 
     try:
         configure_logging(process_name, level=settings.log_level, fmt=settings.log_format,

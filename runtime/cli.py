@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from exitplane.logs import configure_logging
+from exitplane.kit.logs import configure_logging
 from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE, Signal, ThresholdSetWire
 from runtime.serving.segments import DEFAULT_MAX_SEGMENTS, SegmentRules
 
@@ -374,7 +374,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
 
     import uvicorn
 
-    from exitplane.tracing import configure_tracing
+    from exitplane.kit.tracing import configure_tracing
     from runtime.engine import Engine, EngineConfig
     from runtime.serve_guard import load_api_keys
     from runtime.server import build_state, create_serve_app, exit_when_engine_dies
@@ -422,7 +422,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     logging.getLogger("exitplane.serve").info(
         "exitplane runtime %s serving %s on http://%s:%s (%s)", engine.runtime_id, name, host,
         port, "API keys required" if api_keys else "no API key: keep this port internal")
-    # exitplane.logs owns the handlers (one shape for every process); uvicorn keeps its level.
+    # exitplane.kit.logs owns the handlers (one shape for every process); uvicorn keeps its level.
     server = uvicorn.Server(uvicorn.Config(create_serve_app(state), host=host, port=port,
                                            log_level="warning",
                                            log_config=None))

@@ -145,7 +145,8 @@ def http_api_reference() -> str:
 
 # Which processes serve the families a module defines (the registry each process exposes).
 METRIC_SOURCES = (
-    ("exitplane.build", "every process (API, ingest worker, Celery worker, beat, runtime server)"),
+    ("exitplane.kit.build",
+     "every process (API, ingest worker, Celery worker, beat, runtime server)"),
     ("controlplane.metrics", "API, ingest worker"),
     ("controlplane.observability", "API"),
     ("controlplane.alerts.exporter", "API (read from the store at scrape time)"),
@@ -183,8 +184,8 @@ def _families(module_name: str) -> list[tuple[str, str, tuple[str, ...], str]]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
-    if module_name == "exitplane.build":
-        from exitplane.build import register_process_metrics
+    if module_name == "exitplane.kit.build":
+        from exitplane.kit.build import register_process_metrics
 
         registry = CollectorRegistry()
         register_process_metrics(registry)

@@ -21,9 +21,9 @@ DOCUMENT = ROOT / "docs" / "openapi.json"
 def document() -> str:
     """The app's OpenAPI document as committed: sorted keys, two-space indent, final newline."""
     sys.path.insert(0, str(ROOT))
-    from controlplane.app import create_app
     from controlplane.db import make_engine
     from controlplane.settings import Settings
+    from exitplane.app import create_app
 
     with tempfile.TemporaryDirectory() as var_dir:
         settings = Settings(database_url="sqlite://", var_dir=var_dir)

@@ -20,7 +20,7 @@ TESTS=(
   tests/test_configuration_reference.py tests/test_runbooks.py
   tests/runtime_link/test_aggregation.py tests/runtime_link/test_shipper.py
   tests/runtime_link/test_interval_shipping.py tests/runtime_link/test_segment_aggregation.py
-  tests/controlplane/thresholds tests/controlplane/stats
+  tests/controlplane/deployments tests/controlplane/stats
   tests/controlplane/drift/test_stats.py tests/controlplane/calibration/test_stats.py
 )
 

@@ -172,7 +172,7 @@ def settings(db_url, tmp_path):
 
 @pytest.fixture
 def app(settings, engine):
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     app = create_app(settings, engine=engine)
     yield app

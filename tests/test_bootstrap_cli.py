@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from controlplane.db import make_engine
-from controlplane.thresholds.models import Deployment
+from controlplane.deployments.models import Deployment
 
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 ENSURE = ["deployment", "ensure", "--name", "chat", "--model-ref", "tiny-llama", "--num-layers",

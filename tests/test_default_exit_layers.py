@@ -10,7 +10,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from controlplane.thresholds.schemas import DeploymentCreate
+from controlplane.deployments.schemas import DeploymentCreate
 from exitplane.wire import (
     DEFAULT_EXIT_LAYERS_RULE,
     ThresholdSetWire,

@@ -7,8 +7,8 @@ import stat
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.app import create_app
 from controlplane.settings import Settings
+from exitplane.app import create_app
 from exitplane.demo import (
     ADMIN_TOKEN_FILE,
     UI_PASSWORD_FILE,

@@ -240,7 +240,7 @@ def test_calibrations_start_list_approve_reject(plane):
 
 def test_alerts_list_ack_resolve(plane, outbox):
     from controlplane.alerts.service import Condition, fire
-    from controlplane.thresholds.service import get_deployment
+    from controlplane.deployments.service import get_deployment
 
     with plane.session() as session:
         alert, _ = fire(session=session, deployment=get_deployment(session=session, name="chat"),

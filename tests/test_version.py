@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import exitplane
-from exitplane.build import BUILD_INFO
+from exitplane.kit.build import BUILD_INFO
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("controlplane", "dashboards", "exitplane", "runtime", "workers", "migrations")

@@ -1,6 +1,6 @@
 """Logs and metrics of the Celery processes, wired through Celery's signals.
 
-- Logging: Celery's own setup is replaced by `exitplane.logs.configure_logging`, so worker and
+- Logging: Celery's own setup is replaced by `exitplane.kit.logs.configure_logging`, so worker and
   beat lines have the API's shape.
 - Request ids: a task published while a request (or another task) is being handled carries
   its id in the message headers (`controlplane.celery_app`, the publishing side); the worker
@@ -28,8 +28,8 @@ from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.celery_app import REQUEST_ID_HEADER as HEADER
-from exitplane.build import register_process_metrics
-from exitplane.logs import configure_logging, log_format, request_id_var, rfc3339
+from exitplane.kit.build import register_process_metrics
+from exitplane.kit.logs import configure_logging, log_format, request_id_var, rfc3339
 
 log = logging.getLogger("exitplane.worker")
 
@@ -105,7 +105,7 @@ def _task_failed(sender=None, **_kwargs) -> None:
 def _start_tracing(**_kwargs) -> None:
     from controlplane.db import get_engine
     from controlplane.settings import get_settings
-    from exitplane.tracing import configure_tracing, instrument_engine
+    from exitplane.kit.tracing import configure_tracing, instrument_engine
 
     if configure_tracing("exitplane-worker"):
         instrument_engine(get_engine(get_settings().effective_database_url))
@@ -115,7 +115,7 @@ def _start_tracing(**_kwargs) -> None:
 def _start_beat_tracing(**_kwargs) -> None:
     """Beat's scheduled sends are producer spans (the Celery instrumentation's
     `apply_async/<task>`), each the root of the trace its task continues in a worker."""
-    from exitplane.tracing import configure_tracing
+    from exitplane.kit.tracing import configure_tracing
 
     configure_tracing("exitplane-beat")
 

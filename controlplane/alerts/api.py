@@ -20,10 +20,10 @@ from controlplane.alerts.schemas import (
     HookRead,
     HookUpdate,
 )
+from controlplane.deployments.models import Deployment
+from controlplane.deployments.service import get_deployment
 from controlplane.deps import AdminPrincipal, MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.errors import error_answer
-from controlplane.thresholds.models import Deployment
-from controlplane.thresholds.service import get_deployment
 
 router = APIRouter(prefix="/v1", tags=["alerts"], route_class=MeteredRoute)
 Limit = Annotated[int, Query(ge=1, le=1000)]

@@ -16,9 +16,9 @@ from controlplane.alerts.guard import DestinationRefused, HookGuard
 from controlplane.alerts.hook_service import hook_guard, hook_target, hooks_for
 from controlplane.alerts.models import Alert, AlertDelivery, AlertHook
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.keys import SecretUnreadable
 from controlplane.outbox import enqueue_task
-from controlplane.thresholds.models import Deployment
 
 log = logging.getLogger("exitplane.alerts")
 

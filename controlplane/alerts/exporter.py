@@ -49,10 +49,10 @@ from sqlalchemy import func, select
 from controlplane import metrics
 from controlplane.alerts.models import Alert
 from controlplane.db import utcnow
+from controlplane.deployments.models import Alias, Deployment, DeploymentSegment
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import FORGET_AFTER
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
-from controlplane.thresholds.models import Alias, Deployment, DeploymentSegment
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.metrics")

@@ -11,9 +11,9 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import hooks
 from controlplane.alerts.guard import HookGuard
 from controlplane.alerts.models import HOOK_KINDS, SEVERITIES, Alert, AlertDelivery, AlertHook
+from controlplane.deployments.models import Deployment
 from controlplane.errors import Invalid, NotFound
 from controlplane.keys import SecretUnreadable
-from controlplane.thresholds.models import Deployment
 
 SEVERITY_RANK = {name: rank for rank, name in enumerate(SEVERITIES)}
 

@@ -2,7 +2,7 @@
 
 The alerts domain only fires; the domains that answer register here (the calibration fallback:
 `controlplane.calibration.fallback.install`). Every process that fires alerts installs its
-reactions when it starts: `create_app` for the API, `workers.app` for the Celery worker and
+reactions when it starts: `create_api` for the API, `workers.app` for the Celery worker and
 beat. The arrow therefore goes from calibration to alerts, never back, and the safety path
 (quality at risk -> conservative set) shows in the import graph instead of hiding in a
 function-level import.
@@ -50,7 +50,7 @@ def react(*, session: Session, alert: Alert) -> None:
     if not _registry:
         # Firing still works, but nothing protects quality: say so loudly, once per alert.
         log.error("alert %s fired in a process that installed no reactions (no automatic "
-                  "fallback): build the app with create_app or the worker with workers.app",
+                  "fallback): build the API with create_api or the worker with workers.app",
                   alert.dedup_key)
     for reaction in reactions_for(alert.kind):
         reaction(session=session, alert=alert)

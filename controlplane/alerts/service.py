@@ -26,10 +26,10 @@ from controlplane.alerts.delivery_service import enqueue_deliveries, refresh_if_
 from controlplane.alerts.models import KINDS, SEVERITIES, STATUSES, Alert
 from controlplane.alerts.reports import store_report
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
-from controlplane.thresholds.models import Deployment
-from exitplane import tracing
+from exitplane.kit import tracing
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.alerts")

@@ -6,8 +6,8 @@ from fastapi import APIRouter, status
 
 from controlplane.auth import service
 from controlplane.auth.schemas import TokenCreate, TokenCreated, TokenRead
+from controlplane.deployments.service import get_deployment
 from controlplane.deps import AdminPrincipal, MeteredRoute, SessionDep
-from controlplane.thresholds.service import get_deployment
 
 router = APIRouter(prefix="/v1/tokens", tags=["auth"], route_class=MeteredRoute)
 

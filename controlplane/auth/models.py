@@ -48,7 +48,7 @@ class User(Base):
 
 class SignInFailures(Base):
     """Failed password checks counted under one throttle key (a hash of a username, a client
-    address or both: controlplane/coordination/throttle.py), where no Redis is configured."""
+    address or both: controlplane/guards/signin_throttle.py), where no Redis is configured."""
 
     __tablename__ = "signin_failures"
 

@@ -5,7 +5,7 @@ only when
 
 1. one of this process's `max_concurrent` slots is free (else 429 at once: memory per
    process stays bounded whatever arrives), and
-2. the throttle counts it (controlplane/coordination/throttle.py: per address, per username
+2. the throttle counts it (controlplane/guards/signin_throttle.py: per address, per username
    and per both, atomically, shared by every API process; else 429 with the wait).
 
 The check itself runs outside any transaction: the user's credentials are read in one short
@@ -14,7 +14,7 @@ write lock, which heartbeats and token lookups wait for).
 
 The addresses whose attempts the throttle refuses are remembered in `RefusedAddresses` until
 the lock ends, so that the admin UI's `SignInGate` holds their next tries (and refuses them
-before the form is read when the address itself is locked; dashboards/signin_gate.py).
+before the form is read when the address itself is locked; controlplane/guards/signin_gate.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.auth import users
 from controlplane.auth.clients import throttle_key
 from controlplane.auth.models import User
-from controlplane.coordination.throttle import SignInThrottle
 from controlplane.errors import RateLimited, Unauthorized
+from controlplane.guards.signin_throttle import SignInThrottle
 
 
 class RefusedAddresses:

@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 from controlplane.auth.models import SCOPES, ApiToken
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.errors import Forbidden, Invalid, NotFound, Unauthorized
-from controlplane.thresholds.models import Deployment
 
 TOKEN_PREFIX = "ept_"
 SCOPE_RANK = {"runtime": 0, "operator": 1, "admin": 2}

@@ -18,9 +18,9 @@ from controlplane.calibration.schemas import (
     CanaryRead,
     Decision,
 )
+from controlplane.deployments.service import get_deployment
 from controlplane.deps import MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.errors import Conflict, NotFound, error_answer
-from controlplane.thresholds.service import get_deployment
 
 router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"], route_class=MeteredRoute)
 

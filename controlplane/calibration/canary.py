@@ -68,6 +68,15 @@ from controlplane.calibration.evidence import leave_one_out
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segments import known_segments
+from controlplane.deployments.service import (
+    aliases_of,
+    clear_alias,
+    get_threshold_set,
+    in_canary,
+    move_alias,
+)
 from controlplane.drift.outliers import detect_outliers
 from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.drift.window_checks import DriftOptions
@@ -76,15 +85,6 @@ from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_evidence
-from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.segments import known_segments
-from controlplane.thresholds.service import (
-    aliases_of,
-    clear_alias,
-    get_threshold_set,
-    in_canary,
-    move_alias,
-)
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.canary")

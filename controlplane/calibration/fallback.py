@@ -51,12 +51,12 @@ from controlplane.calibration.segment_sets import (
 )
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
 from controlplane.db import utcnow
+from controlplane.deployments.locks import DEPLOYMENT_LOCK
+from controlplane.deployments.models import AuditEvent, Deployment, ThresholdSet
+from controlplane.deployments.service import aliases_of, get_threshold_set, move_alias, publish
 from controlplane.settings import get_settings
 from controlplane.telemetry.service import shadow_samples
-from controlplane.thresholds.locks import DEPLOYMENT_LOCK
-from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
-from controlplane.thresholds.service import aliases_of, get_threshold_set, move_alias, publish
-from exitplane import tracing
+from exitplane.kit import tracing
 from exitplane.wire import DEFAULT_SEGMENT, NEVER_EXIT, Origin
 
 log = logging.getLogger("exitplane.fallback")
@@ -386,5 +386,5 @@ def react_to_alert(*, session: Session, alert,
 
 def install() -> None:
     """Register `react_to_alert` for the kinds it answers; every process that fires alerts
-    calls this when it starts (`create_app`, `workers.app`)."""
+    calls this when it starts (`create_api`, `workers.app`)."""
     reactions.register(react_to_alert, kinds=REACTS_TO)

@@ -19,10 +19,10 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.calibration.stats import policy_disagreement
+from controlplane.deployments.models import AuditEvent, Deployment, ThresholdSet
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples
-from controlplane.thresholds.models import AuditEvent, Deployment, ThresholdSet
 from exitplane.wire import Origin
 
 

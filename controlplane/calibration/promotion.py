@@ -33,10 +33,10 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.segment_sets import thresholds_for
+from controlplane.deployments.models import Deployment, ThresholdSet
 from controlplane.runtimes.outliers import excluded_runtime_ids, excluded_witnesses
 from controlplane.runtimes.witnesses import RUNTIME_PREFIX
 from controlplane.telemetry.models import ShadowSampleRow
-from controlplane.thresholds.models import Deployment, ThresholdSet
 from exitplane.wire import DEFAULT_SEGMENT, NEVER_EXIT
 
 

@@ -7,7 +7,7 @@ replaced) both publish such a version; the drift detector reads the map a segmen
 
 from __future__ import annotations
 
-from controlplane.thresholds.models import ThresholdSet
+from controlplane.deployments.models import ThresholdSet
 from exitplane.wire import DEFAULT_SEGMENT
 
 

@@ -65,6 +65,15 @@ from controlplane.calibration.stats import (
     calibrate_thresholds,
 )
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segments import known_segments
+from controlplane.deployments.service import (
+    aliases_of,
+    get_threshold_set,
+    move_alias,
+    publish,
+    record_audit,
+)
 from controlplane.drift.outliers import screen_evidence
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, Invalid, NotFound
@@ -72,15 +81,6 @@ from controlplane.outbox import enqueue_task
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.settings import get_settings
 from controlplane.telemetry.service import shadow_evidence
-from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.segments import known_segments
-from controlplane.thresholds.service import (
-    aliases_of,
-    get_threshold_set,
-    move_alias,
-    publish,
-    record_audit,
-)
 from exitplane.wire import DEFAULT_SEGMENT, Origin
 
 __all__ = [

@@ -55,6 +55,9 @@ from controlplane.alerts.service import Condition, Reconciled, jsonable, open_al
 from controlplane.calibration.fallback import recheck_spike
 from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
+from controlplane.deployments.models import Alias, Deployment
+from controlplane.deployments.segments import known_segments
+from controlplane.deployments.service import aliases_of, get_threshold_set
 from controlplane.drift.outliers import detect_outliers
 from controlplane.drift.stats import (
     DISTRIBUTION_DRIFT,
@@ -77,9 +80,6 @@ from controlplane.runtimes.service import runtime_witnesses
 from controlplane.runtimes.witnesses import witness_of as runtime_witness
 from controlplane.telemetry.models import Rollup, ShadowSampleRow
 from controlplane.telemetry.service import exit_rates, shadow_evidence, signal_histogram
-from controlplane.thresholds.models import Alias, Deployment
-from controlplane.thresholds.segments import known_segments
-from controlplane.thresholds.service import aliases_of, get_threshold_set
 from exitplane.wire import DEFAULT_SEGMENT
 
 # DriftOptions lives with evaluate

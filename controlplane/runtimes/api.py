@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from controlplane.deployments.service import get_deployment
 from controlplane.deps import (
     MeteredRoute,
     OperatorPrincipal,
@@ -17,7 +18,6 @@ from controlplane.deps import (
 from controlplane.errors import RUNTIME_ERRORS, error_answer
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead, RuntimesRemoved
-from controlplane.thresholds.service import get_deployment
 from exitplane.wire import Heartbeat
 
 log = logging.getLogger("exitplane.api")
@@ -37,7 +37,7 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
     past the runtime caps; 403 for a runtime id another token registered)."""
     deployment = get_deployment(session=session, name=name)
     principal.require_deployment(deployment.id)
-    target = request.app.state.ingest_targets.get(name, service.applied_versions(beat))
+    target = request.app.state.deployment_cache.get(name, service.applied_versions(beat))
     service.check_applied_version(target=target, beat=beat)
     runtime = service.record_heartbeat(
         session=session, deployment=deployment, beat=beat, token_id=principal.token_id,

@@ -30,9 +30,9 @@ from sqlalchemy.sql.elements import ColumnElement
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, Reconciled, jsonable, reconcile
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.runtimes.models import Runtime
 from controlplane.settings import Settings, get_settings
-from controlplane.thresholds.models import Deployment
 
 RUNTIME_MISMATCH = AlertKind.RUNTIME_MISMATCH
 MISMATCH_NAMED = 20  # runtimes named in a runtime_mismatch summary; the evidence lists up to 200

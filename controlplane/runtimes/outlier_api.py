@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from controlplane.deployments.service import get_deployment, record_audit
 from controlplane.deps import MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.runtimes import outliers
 from controlplane.runtimes.schemas import OutlierClear, RuntimeOutlierRead
-from controlplane.thresholds.service import get_deployment, record_audit
 
 router = APIRouter(prefix="/v1/deployments", tags=["runtimes"], route_class=MeteredRoute)
 

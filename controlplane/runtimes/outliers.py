@@ -15,11 +15,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.errors import Conflict, NotFound
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.runtimes.witnesses import token_of
-from controlplane.thresholds.models import Deployment
 
 
 def set_aside_runtime_ids(*, session: Session, deployment_id: int) -> set[str]:

@@ -13,13 +13,13 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.models import ApiToken
 from controlplane.db import dialect_insert, utcnow
+from controlplane.deployments.cache import CachedDeployment
+from controlplane.deployments.locks import lock_deployment
+from controlplane.deployments.models import Deployment
 from controlplane.errors import CapReached, Forbidden, Invalid, NotFound
 from controlplane.runtimes import lineage
 from controlplane.runtimes.models import Runtime, RuntimeVersion
 from controlplane.runtimes.witnesses import witness_of
-from controlplane.telemetry.targets import IngestTarget
-from controlplane.thresholds.locks import lock_deployment
-from controlplane.thresholds.models import Deployment
 from exitplane.wire import Heartbeat
 
 # A runtime silent this long is gone: it leaves the gauges and no longer counts against the
@@ -62,7 +62,7 @@ class RuntimeCaps:
                    single_beat_forget=timedelta(seconds=settings.runtime_single_beat_forget_s))
 
 
-def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
+def record_heartbeat(*, session: Session, deployment: Deployment | CachedDeployment,
                      beat: Heartbeat, caps: RuntimeCaps | None = None,
                      token_id: int | None = None, claim: bool = True) -> Runtime:
     """Upsert the runtime's row from a heartbeat. A new runtime is registered to `token_id`
@@ -114,7 +114,7 @@ def record_heartbeat(*, session: Session, deployment: Deployment | IngestTarget,
     return runtime
 
 
-def claim_runtime_ids(*, session: Session, deployment: Deployment | IngestTarget,
+def claim_runtime_ids(*, session: Session, deployment: Deployment | CachedDeployment,
                       token_id: int, runtime_ids: Iterable[str],
                       caps: RuntimeCaps | None = None, locked: bool = False,
                       seen: datetime | None = None) -> list[str]:
@@ -172,11 +172,11 @@ def claim_runtime_ids(*, session: Session, deployment: Deployment | IngestTarget
 
 
 def applied_versions(beat: Heartbeat) -> list[int]:
-    """The threshold versions a heartbeat names (for `IngestTargets.get` / `peek`)."""
+    """The threshold versions a heartbeat names (for `DeploymentCache.get` / `peek`)."""
     return [] if beat.applied_version is None else [beat.applied_version]
 
 
-def check_applied_version(*, target: IngestTarget, beat: Heartbeat) -> None:
+def check_applied_version(*, target: CachedDeployment, beat: Heartbeat) -> None:
     """Invalid unless the beat's applied_version is one the deployment published, or 0 (the
     runtime's built-in never-exit set): a runtime cannot apply a set that never existed."""
     if beat.applied_version is not None and beat.applied_version not in target.versions:
@@ -197,7 +197,7 @@ def beat_fields(beat: Heartbeat, seen: datetime) -> dict:
                 model_revision=beat.model_revision, head_digest=beat.head_digest)
 
 
-def _check_room(*, session: Session, deployment: Deployment | IngestTarget, caps: RuntimeCaps,
+def _check_room(*, session: Session, deployment: Deployment | CachedDeployment, caps: RuntimeCaps,
                 token_id: int | None, now: datetime | None = None,
                 counting_deployment: bool = True) -> None:
     """CapReached when the deployment, or the token on it, has its cap of live runtimes: heard

@@ -1,7 +1,7 @@
 """Which segment a batch's traffic is stored under, decided where batches are written
 (`service.ingest`), on the HTTP path and in the Redis-stream ingest worker alike.
 
-A name the deployment has in use (controlplane/thresholds/segments.py) is stored as itself; any
+A name the deployment has in use (controlplane/deployments/segments.py) is stored as itself; any
 other as `default`, unless the deployment opted in to registering names from telemetry
 (`auto_segments`) and its registry has room, when `admit_segments` registers it in the
 transaction that writes the batch. Tokens stored as `default` this way are counted by the
@@ -31,10 +31,10 @@ from sqlalchemy import event, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.models import Deployment, DeploymentSegment
+from controlplane.deployments.segments import REGISTRY_CHANGED, admit_segments
 from controlplane.errors import Invalid
 from controlplane.settings import get_settings
-from controlplane.thresholds.models import Deployment, DeploymentSegment
-from controlplane.thresholds.segments import REGISTRY_CHANGED, admit_segments
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.telemetry")

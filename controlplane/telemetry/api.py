@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from controlplane import metrics
 from controlplane.auth.service import Principal
+from controlplane.deployments.service import get_deployment
 from controlplane.deps import (
     MeteredRoute,
     RuntimePrincipal,
@@ -39,7 +40,6 @@ from controlplane.telemetry.schemas import (
     SegmentReport,
     TelemetryCounts,
 )
-from controlplane.thresholds.service import get_deployment
 from exitplane.wire import (
     AGGREGATE_JSON,
     AGGREGATE_MSGPACK,
@@ -350,7 +350,7 @@ def checked_from_cache(state, principal: Principal, body: bytes, content_type: s
     registered to this token lately (`store_batch` reads the store on a thread). Raises as
     `store_batch` does for a bad batch."""
     batch, aggregate, versions = _decoded(state, body, content_type)
-    target = state.ingest_targets.peek(batch.deployment, versions)
+    target = state.deployment_cache.peek(batch.deployment, versions)
     if target is None:
         return None
     _fits_target(state, target, principal, batch, aggregate)
@@ -404,7 +404,7 @@ def refused(error: DomainError) -> DomainError:
 def store_batch(state, principal: Principal, body: bytes, content_type: str,
                 charge: DecodeCharge | None = None) -> IngestAck:
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
-    and the fast path (controlplane/telemetry/fast_path.py) both end here. `charge`: the
+    and the fast path (controlplane/edge/telemetry_fast_path.py) both end here. `charge`: the
     request's share of the decode budget (None for a small body)."""
     try:
         return _store_batch(state, principal, body, content_type, charge)

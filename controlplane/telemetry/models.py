@@ -147,7 +147,7 @@ class RollupHistogram(Base):
 
 class UndeclaredSegmentTokens(Base):
     """Per minute, deployment and runtime: tokens whose segment the deployment has not
-    declared, stored as `default` (see controlplane/thresholds/segments.py), and the batches
+    declared, stored as `default` (see controlplane/deployments/segments.py), and the batches
     that carried them. Tells an operator which runtimes send which share of such traffic
     without keeping the names (their cardinality is the sender's choice)."""
 

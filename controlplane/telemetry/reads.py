@@ -2,7 +2,7 @@
 
 Everything comes from the per-minute rollups, which count every token whether runtimes ship
 records or aggregates. The segments read are the deployment's registered ones plus `default`
-(`controlplane.thresholds.segments`), so the number of rows a read returns is bounded by the
+(`controlplane.deployments.segments`), so the number of rows a read returns is bounded by the
 registry's cap however many names traffic carried.
 """
 
@@ -15,11 +15,11 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.models import Deployment
+from controlplane.deployments.segments import known_segments, readable_segments
 from controlplane.errors import NotFound
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
 from controlplane.telemetry.tables import ROLLUP_COUNTERS
-from controlplane.thresholds.models import Deployment
-from controlplane.thresholds.segments import known_segments, readable_segments
 from exitplane.wire import DEFAULT_SEGMENT
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import delete, exists, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.db import dialect_insert
+from controlplane.deployments.models import Deployment, ThresholdSet
 from controlplane.errors import Invalid
 from controlplane.runtimes.lineage import note_batches
 from controlplane.runtimes.models import RuntimeVersion
@@ -45,11 +46,10 @@ from controlplane.telemetry.tables import (
     merge_counts,
     tables_of,
 )
-from controlplane.thresholds.models import Deployment, ThresholdSet
 from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch, IntervalBatch, TelemetryBatch
 
 if TYPE_CHECKING:
-    from controlplane.telemetry.targets import IngestTarget
+    from controlplane.deployments.cache import CachedDeployment
 
 log = logging.getLogger("exitplane.telemetry")
 
@@ -76,7 +76,7 @@ class IngestResult:
     records: int = 0  # records stored as rows (0 for a replay)
 
 
-def check_batch(*, deployment: Deployment | IngestTarget, batch: BatchColumns,
+def check_batch(*, deployment: Deployment | CachedDeployment, batch: BatchColumns,
                 known_versions: set[int], latest: float | None = None) -> None:
     """Refuse the whole batch (BadRecord / Invalid) unless every record fits the deployment
     and, with `latest` (unix seconds), none is timed after it."""
@@ -125,7 +125,7 @@ def _ahead(what: str, when: float, latest: float) -> str:
             f"the runtime's clock")
 
 
-def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBatch,
+def check_aggregate(*, deployment: Deployment | CachedDeployment, batch: AggregateBatch,
                     known_versions: set[int], latest: float | None = None) -> None:
     """Refuse the whole aggregate batch (Invalid, naming the first bad cell) unless every cell
     is at an exit layer or full depth and under a published version, and, with `latest`
@@ -150,7 +150,7 @@ def check_aggregate(*, deployment: Deployment | IngestTarget, batch: AggregateBa
                           f"published for {deployment.name!r}")
 
 
-def ingest(*, session: Session, deployment: Deployment | IngestTarget,
+def ingest(*, session: Session, deployment: Deployment | CachedDeployment,
            batches: Sequence[BatchColumns | TelemetryBatch | AggregateBatch],
            thresholds: dict[int, np.ndarray] | None = None,
            witnesses: Sequence[str] | None = None) -> list[IngestResult]:
@@ -238,7 +238,7 @@ def segment_names(batch: BatchColumns | AggregateBatch) -> set[str]:
     return names
 
 
-def _segments_stored(*, session: Session, deployment: Deployment | IngestTarget,
+def _segments_stored(*, session: Session, deployment: Deployment | CachedDeployment,
                      batches: list[BatchColumns | AggregateBatch]) -> dict[str, str]:
     """The names in `batches` that the deployment does not have in use, stored as `default`
     (-> 'default'); names stored as themselves are left out (nothing to map)."""
@@ -253,7 +253,7 @@ def _segments_stored(*, session: Session, deployment: Deployment | IngestTarget,
     return {name: stored for name, stored in decided.items() if stored != name}
 
 
-def _count_undeclared(*, session: Session, deployment: Deployment | IngestTarget,
+def _count_undeclared(*, session: Session, deployment: Deployment | CachedDeployment,
                       segment_of: dict[str, str], batches: list[BatchColumns | AggregateBatch],
                       overflow: dict[str, int]) -> None:
     """Count, per runtime in this minute, the new batches' tokens stored as `default` because
@@ -325,7 +325,7 @@ def _batch_row(batch: BatchColumns | AggregateBatch) -> dict:
             "raw_sample_rate": None}
 
 
-def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
+def _claim_batches(*, session: Session, deployment: Deployment | CachedDeployment,
                    batches: list[BatchColumns | AggregateBatch],
                    witness_of_batch: dict[str, str]) -> set[str]:
     """Insert batch ids that are new to the deployment; return those (a replayed id is not
@@ -346,7 +346,7 @@ def _claim_batches(*, session: Session, deployment: Deployment | IngestTarget,
     return set(session.scalars(statement.returning(TelemetryBatchRow.batch_id), values))
 
 
-def thresholds_by_version(*, session: Session, deployment: Deployment | IngestTarget,
+def thresholds_by_version(*, session: Session, deployment: Deployment | CachedDeployment,
                           versions: Iterable[int]) -> VersionThresholds:
     """Thresholds in exit-layer order of those `versions` that exist: the published ones, and
     0, the runtime's built-in never-exit set; with each version's per-segment maps."""

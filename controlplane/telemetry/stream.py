@@ -23,11 +23,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
 from controlplane.db import refused_by_store, store_away
+from controlplane.deployments.cache import DeploymentCache
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry.columns import BatchColumns, parse_batch
 from controlplane.telemetry.service import ingest
-from controlplane.telemetry.targets import IngestTargets
-from exitplane import tracing
+from exitplane.kit import tracing
 from exitplane.wire import AggregateBatch, IntervalBatch
 
 log = logging.getLogger("exitplane.ingest")
@@ -151,7 +151,7 @@ class StreamIngestor:
         self._groups: set[str] = set()
         # A deployment's id, layers and name never change and it is never deleted: read once
         # per worker, not once per stream read.
-        self._targets = IngestTargets(session_factory)
+        self._targets = DeploymentCache(session_factory)
 
     def streams(self) -> list[str]:
         keys = sorted(map(_text, self.client.smembers(STREAMS_KEY)))

@@ -12,9 +12,9 @@ from controlplane.auth import service as tokens
 from controlplane.auth import users
 from controlplane.auth.models import ROLES, SCOPES
 from controlplane.auth.passwords import PasswordChecks
+from controlplane.deployments import service as thresholds
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid
-from controlplane.thresholds import service as thresholds
 from dashboards.security import Admin, Csrf
 from dashboards.templating import render
 from dashboards.views import attempt

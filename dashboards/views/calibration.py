@@ -12,9 +12,9 @@ from fastapi.responses import Response
 from controlplane.calibration import service as calibration
 from controlplane.calibration.canary import running_canary
 from controlplane.db import utcnow
+from controlplane.deployments import service as thresholds
 from controlplane.deps import SessionDep
 from controlplane.errors import Invalid
-from controlplane.thresholds import service as thresholds
 from dashboards import charts
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import segment_outcome

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, Response
 
 from controlplane.alerts import service as alerts
+from controlplane.deployments import service as thresholds
 from controlplane.deps import SessionDep
 from controlplane.errors import Invalid, NotFound
 from controlplane.runtimes.lineage import mismatched_runtime_ids
@@ -16,7 +17,6 @@ from controlplane.runtimes.outliers import list_outliers
 from controlplane.runtimes.service import list_runtimes, remove_runtimes
 from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
-from controlplane.thresholds import service as thresholds
 from dashboards import charts
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import segment_table

@@ -7,10 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import Response
 
+from controlplane.deployments import service as thresholds
 from controlplane.deps import SessionDep
 from controlplane.errors import Invalid
 from controlplane.runtimes import outliers
-from controlplane.thresholds import service as thresholds
 from dashboards.security import Csrf, Operator, actor
 from dashboards.views import attempt
 

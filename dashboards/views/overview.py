@@ -12,11 +12,11 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import service as alerts
 from controlplane.db import utcnow
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.models import Deployment
 from controlplane.deps import SessionDep
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import list_runtimes
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.models import Deployment
 from dashboards import charts
 from dashboards.security import Viewer
 from dashboards.templating import render

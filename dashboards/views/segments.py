@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.datastructures import FormData
 
+from controlplane.deployments import segments as registry
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.schemas import DeploymentUpdate
 from controlplane.deps import SessionDep
 from controlplane.telemetry.service import undeclared_tokens
-from controlplane.thresholds import segments as registry
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.schemas import DeploymentUpdate
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import registry_rows
 from dashboards.templating import render

@@ -18,11 +18,11 @@ from starlette.datastructures import FormData
 
 from controlplane.calibration import canary as canary_service
 from controlplane.calibration.canary import running_canary
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.schemas import DeploymentUpdate
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid, NotFound
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.schemas import DeploymentUpdate
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import (
     SegmentDiff,

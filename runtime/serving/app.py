@@ -13,8 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from exitplane import __version__, tracing
-from exitplane.logs import RequestLog, access_log_enabled
+from exitplane import __version__
+from exitplane.kit import tracing
+from exitplane.kit.logs import RequestLog, access_log_enabled
 from runtime.serve_guard import RequestGuard
 from runtime.serving.respond import (
     check_prompt_chars,

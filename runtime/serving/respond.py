@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
-from exitplane import tracing
+from exitplane.kit import tracing
 from exitplane.wire import DEFAULT_SEGMENT
 from runtime.engine import StepOutput
 from runtime.serving.detokenize import Detokenizer

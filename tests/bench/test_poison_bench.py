@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import select
 
 from controlplane.db import utcnow
+from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.service import RuntimeCaps
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry.models import ShadowSampleRow
-from controlplane.thresholds.service import get_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 

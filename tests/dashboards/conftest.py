@@ -15,11 +15,11 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from controlplane.auth.users import create_user
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.models import AuditEvent, ThresholdSet
+from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.models import AuditEvent, ThresholdSet
-from controlplane.thresholds.schemas import DeploymentCreate
 from exitplane.wire import Heartbeat, Origin, TelemetryBatch
 
 PASSWORD = "correct horse battery staple"
@@ -266,7 +266,7 @@ def calibrated(engine, seeded) -> int:
     """A finished recalibration on the seeded shadow samples whose candidate (v5) awaits
     approval (the deployment's policy is set to approval first)."""
     from controlplane.calibration import service as calibration
-    from controlplane.thresholds.schemas import DeploymentUpdate
+    from controlplane.deployments.schemas import DeploymentUpdate
 
     with Session(engine) as session:
         deployment = thresholds.get_deployment(session=session, name=seeded.name)

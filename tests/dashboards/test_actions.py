@@ -8,7 +8,7 @@ import re
 import pytest
 from sqlalchemy.orm import Session
 
-from controlplane.thresholds import service as thresholds
+from controlplane.deployments import service as thresholds
 from tests.dashboards.conftest import csrf_of
 
 pytestmark = pytest.mark.usefixtures("seeded")

@@ -12,7 +12,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from sqlalchemy.orm import Session
 
-from controlplane.thresholds import service as thresholds
+from controlplane.deployments import service as thresholds
 from tests.dashboards.browser import (
     check_page_quality,
     console_errors,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from controlplane.calibration import service as calibration
-from controlplane.thresholds import service as thresholds
+from controlplane.deployments import service as thresholds
 from tests.dashboards.conftest import csrf_of
 
 

@@ -7,8 +7,8 @@ import re
 
 from sqlalchemy.orm import Session
 
+from controlplane.deployments import service as thresholds
 from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
-from controlplane.thresholds import service as thresholds
 from tests.dashboards.conftest import csrf_of
 
 EVIDENCE = {"statistic": "signal_above_median", "layer": 6, "runtime_rate": 0.211,

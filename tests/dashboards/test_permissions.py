@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from controlplane.auth import users
 from controlplane.auth.models import User
 from controlplane.db import make_engine
-from controlplane.thresholds.models import AuditEvent
+from controlplane.deployments.models import AuditEvent
 from tests.conftest import quick_hasher
 from tests.dashboards.conftest import (
     PASSWORD,

@@ -8,8 +8,8 @@ import uuid
 
 from sqlalchemy.orm import Session
 
+from controlplane.deployments import service as thresholds
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds import service as thresholds
 from exitplane.wire import AggregateBatch, AggregateCell
 
 

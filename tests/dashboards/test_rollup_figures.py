@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 
 from controlplane.db import utcnow
+from controlplane.deployments.segments import declare_segment
 from controlplane.telemetry import reads
 from controlplane.telemetry import service as telemetry
-from controlplane.thresholds.segments import declare_segment
 from dashboards import charts
 from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
 

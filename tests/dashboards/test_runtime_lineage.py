@@ -7,8 +7,8 @@ import re
 
 from sqlalchemy.orm import Session
 
+from controlplane.deployments import service as thresholds
 from controlplane.runtimes.service import record_heartbeat
-from controlplane.thresholds import service as thresholds
 from exitplane.wire import Heartbeat
 
 HEADS = "c0ffee" + "0" * 58

@@ -9,8 +9,8 @@ import re
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.models import AuditEvent
 from controlplane.runtimes.models import Runtime
-from controlplane.thresholds.models import AuditEvent
 from tests.dashboards.conftest import csrf_of
 
 REMOVE = "/ui/deployments/chat/runtimes/rt-a/remove"

@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.segments import admit_segments
 from controlplane.telemetry.models import Rollup
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.segments import admit_segments
 
 pytestmark = pytest.mark.usefixtures("seeded")
 

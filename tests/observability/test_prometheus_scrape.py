@@ -158,7 +158,7 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
 def _open_alert(url: str) -> None:
     """An open alert in the store (drift detection would take minutes of traffic)."""
     from controlplane.alerts.service import Condition, fire
-    from controlplane.thresholds.service import get_deployment
+    from controlplane.deployments.service import get_deployment
 
     engine = make_engine(url)
     with Session(engine) as session:
@@ -173,9 +173,9 @@ def _code_segment_traffic(url: str) -> None:
     """`chat` learns the code segment, and a minute of code rollups under the active version
     (written through the ORM: seg-ingest's write path stores posted traffic's segment)."""
     from controlplane.db import utcnow
+    from controlplane.deployments.segments import admit_segments
+    from controlplane.deployments.service import aliases_of, get_deployment
     from controlplane.telemetry.models import Rollup
-    from controlplane.thresholds.segments import admit_segments
-    from controlplane.thresholds.service import aliases_of, get_deployment
 
     engine = make_engine(url)
     with Session(engine) as session:

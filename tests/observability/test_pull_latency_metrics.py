@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.controlplane.thresholds.test_api import _runtime_token, tuned_deployment
+from tests.controlplane.deployments.test_api import _runtime_token, tuned_deployment
 
 ROUTE = "/v1/deployments/{name}/thresholds"
 WAIT_S = 1.5

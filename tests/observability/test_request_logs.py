@@ -106,7 +106,7 @@ def test_the_hook_deliveries_a_request_enqueues_carry_its_id(stack, postgres_mig
     from sqlalchemy.orm import Session
 
     from controlplane.alerts.service import Condition, fire
-    from controlplane.thresholds.service import get_deployment
+    from controlplane.deployments.service import get_deployment
 
     engine = make_engine(postgres_migrated)
     with Session(engine) as session:  # an open alert, fired before any hook exists

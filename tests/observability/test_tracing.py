@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from controlplane.alerts.service import Condition, fire
 from controlplane.db import dispose_engines, make_engine, session_scope, utcnow
+from controlplane.deployments.service import get_deployment, move_alias, publish
 from controlplane.settings import Settings, get_settings
-from controlplane.thresholds.service import get_deployment, move_alias, publish
-from exitplane import tracing
+from exitplane.kit import tracing
 from tests.conftest import wait_until
 from tests.controlplane.calibration.support import (
     make_deployment,
@@ -119,7 +119,7 @@ def test_alert_fallback_recalibration_and_publish_are_one_trace(spans, database,
 
 
 def test_api_requests_and_their_queries_are_spans(spans, database):
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     engine = make_engine(database)
     with session_scope(engine) as session:
@@ -146,7 +146,7 @@ def test_api_requests_and_their_queries_are_spans(spans, database):
 def test_the_api_access_line_carries_its_request_span_ids(spans, database, caplog):
     """The access line is written outside the request's span (after it ended) and still names
     it, as the runtime server's lines do."""
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     engine = make_engine(database)
     with session_scope(engine) as session:
@@ -169,8 +169,8 @@ def test_the_api_access_line_carries_its_request_span_ids(spans, database, caplo
 def test_fast_path_requests_are_spans_named_by_their_route(spans, database):
     """Telemetry POSTs and heartbeats, served below the router, are server spans
     named as the routes were, with the heartbeat's queries in their trace."""
-    from controlplane.app import create_app
     from controlplane.auth.service import create_token
+    from exitplane.app import create_app
 
     engine = make_engine(database)
     with session_scope(engine) as session:
@@ -202,8 +202,8 @@ def test_fast_path_requests_are_spans_named_by_their_route(spans, database):
 PROBE = """
 import json, logging
 from opentelemetry import trace
-from exitplane import tracing
-from exitplane.logs import configure_logging
+from exitplane.kit import tracing
+from exitplane.kit.logs import configure_logging
 configure_logging("probe", fmt="json")
 on = tracing.configure_tracing("exitplane-probe")
 provider = trace.get_tracer_provider()

@@ -16,9 +16,9 @@ import httpx
 import uvicorn
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
+from exitplane.app import create_app
 from exitplane.client.shipper import TelemetryShipper
 from tests.conftest import CeleryWorker, free_port, patient_get, stop_process, wait_until
 

@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.wire import ShadowPoint, TokenRecord
 from tests.conftest import free_port, wait_until

@@ -9,10 +9,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.app import create_app
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
 from controlplane.settings import Settings
+from exitplane.app import create_app
 from tests.conftest import wait_until
 from tests.reliability.processes import serve_deployment
 

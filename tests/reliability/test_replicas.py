@@ -256,7 +256,7 @@ def test_a_move_made_by_a_worker_wakes_every_waiting_poll(with_redis):
         "from sqlalchemy.orm import Session\n"
         "from controlplane.db import make_engine\n"
         "from controlplane.settings import get_settings\n"
-        "from controlplane.thresholds import service\n"
+        "from controlplane.deployments import service\n"
         "with Session(make_engine(get_settings().database_url)) as session:\n"
         f"    d = service.get_deployment(session=session, name='{deployment}', lock=True)\n"
         "    service.move_alias(session=session, deployment=d, alias='active', version=1,\n"

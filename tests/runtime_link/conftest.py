@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 from tests.conftest import free_port
 
 DEPLOYMENT = "tiny"
@@ -72,7 +72,7 @@ class ControlPlane:
 @pytest.fixture
 def control_plane(settings, engine) -> Iterator[ControlPlane]:
     """A running control plane on a free port that a test may stop and restart."""
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     plane = ControlPlane(make_app=lambda: create_app(settings, engine=engine), port=free_port())
     plane.start()

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 from sqlalchemy import text
 
-from controlplane.app import create_app
+from exitplane.app import create_app
 from exitplane.client.aggregate import Aggregator
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.wire import AGGREGATE_MSGPACK, ShadowPoint, TokenRecord

@@ -27,9 +27,9 @@ from sqlalchemy.orm import Session
 from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
 from controlplane.db import session_scope
+from controlplane.deployments.models import ThresholdSet
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry.models import ShadowSampleRow
-from controlplane.thresholds.models import ThresholdSet
-from controlplane.thresholds.service import get_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "clients" / "python"

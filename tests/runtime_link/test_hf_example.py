@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry.models import ShadowSampleRow
-from controlplane.thresholds.service import get_deployment
 from tests.conftest import patient_get
 from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, publish
 

@@ -9,8 +9,8 @@ import uuid
 import pytest
 from sqlalchemy import text
 
-from controlplane.app import create_app
 from controlplane.telemetry import api as telemetry_api
+from exitplane.app import create_app
 from exitplane.client.aggregate import Aggregator
 from exitplane.client.codec import EncodedBatch, encode_interval
 from exitplane.wire import (

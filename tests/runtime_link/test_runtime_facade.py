@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token, revoke_token
 from controlplane.db import utcnow
+from controlplane.deployments.service import get_deployment
 from controlplane.drift.service import check_runtimes
-from controlplane.thresholds.service import get_deployment
 from exitplane.client import AsyncRuntime, RefusedThresholdSet, Runtime
 from exitplane.wire import ThresholdSetWire
 from tests.conftest import wait_until

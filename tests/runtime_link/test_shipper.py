@@ -194,7 +194,7 @@ def test_a_422_is_logged_counted_and_not_retried(control_plane, operator, runtim
 @sqlite_only
 def test_a_413_splits_the_batch_until_it_fits(settings, engine, operator, runtime_token,
                                               tmp_path):
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     small = settings.model_copy(update={"max_body_bytes": 2500})
     plane = ControlPlane(make_app=lambda: create_app(small, engine=engine), port=free_port())

@@ -162,7 +162,7 @@ def test_readiness_follows_the_threshold_client(live_server, tokens, engine):
     from sqlalchemy.orm import Session
 
     from controlplane.auth.service import create_token
-    from controlplane.thresholds.service import get_deployment
+    from controlplane.deployments.service import get_deployment
 
     op = tokens.headers(tokens.operator)
     httpx.post(f"{live_server.url}/v1/deployments", headers=op, json={

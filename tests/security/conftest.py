@@ -3,7 +3,7 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.app import create_app
+from exitplane.app import create_app
 
 
 @pytest.fixture

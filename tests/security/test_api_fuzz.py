@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 
 
 @schemathesis.serializer("application/msgpack")

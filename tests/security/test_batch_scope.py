@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import ShadowSampleRow, TelemetryBatchRow, TokenRecordRow
-from controlplane.thresholds.service import get_deployment
 from tests.conftest import REDIS_URL, patient_get
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
 
@@ -79,7 +79,7 @@ def test_the_stream_path_keeps_a_reused_batch_id_per_deployment(settings, engine
                                                                   own_redis):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)

@@ -22,15 +22,15 @@ from controlplane.calibration.canary import (
 from controlplane.calibration.models import CanaryRun
 from controlplane.calibration.stats import policy_disagreement
 from controlplane.db import session_scope, utcnow
-from controlplane.runtimes.service import record_heartbeat
-from controlplane.telemetry.service import ingest, shadow_evidence
-from controlplane.thresholds.service import (
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     in_canary,
     move_alias,
     publish,
 )
+from controlplane.runtimes.service import record_heartbeat
+from controlplane.telemetry.service import ingest, shadow_evidence
 from exitplane.wire import Heartbeat
 from tests.controlplane.calibration import support
 from tests.controlplane.calibration.support import (

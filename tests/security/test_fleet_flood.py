@@ -16,11 +16,11 @@ from sqlalchemy import event, update
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.exporter import store_collector
-from controlplane.app import create_app
 from controlplane.auth.service import create_token
 from controlplane.db import utcnow
+from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.models import Runtime
-from controlplane.thresholds.service import get_deployment
+from exitplane.app import create_app
 from tests.conftest import free_port, wait_until
 
 

@@ -39,12 +39,12 @@ from controlplane.auth.service import create_token, revoke_token
 from controlplane.auth.users import create_user
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.service import request_calibration
+from controlplane.deployments import segments
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.models import Base
 from controlplane.runtimes.outliers import set_aside
 from controlplane.runtimes.service import record_heartbeat
-from controlplane.thresholds import segments
-from controlplane.thresholds import service as thresholds
-from controlplane.thresholds.schemas import DeploymentCreate
 from exitplane.wire import Heartbeat
 
 pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")

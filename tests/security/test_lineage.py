@@ -21,13 +21,13 @@ from controlplane.calibration import service as calibration
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
+from controlplane.deployments.models import Deployment
+from controlplane.deployments.service import get_deployment, move_alias, publish
 from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.runtimes.lineage import check_lineage, mismatched_runtime_ids
 from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds.models import Deployment
-from controlplane.thresholds.service import get_deployment, move_alias, publish
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import Heartbeat, TelemetryBatch
 from tests.conftest import patient_get, wait_until

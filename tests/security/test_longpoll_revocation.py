@@ -15,9 +15,9 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.models import ApiToken
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 from tests.conftest import wait_until
-from tests.controlplane.thresholds.test_api import tuned_deployment
+from tests.controlplane.deployments.test_api import tuned_deployment
 
 PULL = "/v1/deployments/chat/thresholds"
 

@@ -179,7 +179,7 @@ def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, rece
     from controlplane.alerts import delivery_service, hook_service
     from controlplane.alerts import service as alerts
     from controlplane.alerts.service import Condition
-    from controlplane.thresholds.service import get_deployment
+    from controlplane.deployments.service import get_deployment
 
     hidden.add("admin token", tokens.admin)
     hidden.add("operator token", tokens.operator)

@@ -27,19 +27,19 @@ from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
-from controlplane.drift.outliers import screen_witnesses
-from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
-from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
-from controlplane.telemetry.service import shadow_evidence
-from controlplane.thresholds.models import Alias
-from controlplane.thresholds.segments import declare_segment
-from controlplane.thresholds.service import (
+from controlplane.deployments.models import Alias
+from controlplane.deployments.segments import declare_segment
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     get_threshold_set,
     move_alias,
     publish,
 )
+from controlplane.drift.outliers import screen_witnesses
+from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
+from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
+from controlplane.telemetry.service import shadow_evidence
 from tests.controlplane.calibration.support import (
     LAYERS,
     make_deployment,

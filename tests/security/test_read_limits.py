@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
+from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.deployments.service import create_deployment, get_deployment
 from controlplane.deps import HEAVY_READ_COST, HEAVY_READS, OWN_BUCKET_READS
-from controlplane.thresholds.schemas import DeploymentCreate
-from controlplane.thresholds.service import create_deployment, get_deployment
 from tests.conftest import wait_until
 from tests.reliability.conftest import PrivateRedis
 

@@ -18,9 +18,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
+from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import RuntimeCaps, record_heartbeat
-from controlplane.thresholds.service import get_deployment
 from exitplane.wire import Heartbeat
 from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
@@ -154,8 +154,8 @@ def test_operators_remove_runtimes_and_a_removed_one_registers_again(serve, toke
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_concurrent_first_heartbeats_of_one_runtime_upsert_on_postgresql(engine, tokens,
                                                                          outbox):
-    from controlplane.thresholds.schemas import DeploymentCreate
-    from controlplane.thresholds.service import create_deployment
+    from controlplane.deployments.schemas import DeploymentCreate
+    from controlplane.deployments.service import create_deployment
 
     with Session(engine, expire_on_commit=False) as session:
         deployment = create_deployment(session=session, actor="test", spec=DeploymentCreate(

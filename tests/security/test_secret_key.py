@@ -142,7 +142,7 @@ def test_loopback_or_a_generated_key_may_listen(tmp_path, host):
 
 
 def test_the_app_factory_refuses_a_short_key_on_a_public_host(tmp_path):
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     with pytest.raises(RuntimeError, match="EXITPLANE_SECRET_KEY"):
         create_app(Settings(var_dir=tmp_path / "var", secret_key="too-short", host="0.0.0.0",

@@ -18,8 +18,8 @@ import msgpack
 import pytest
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import admission, service
-from controlplane.thresholds.service import get_deployment
 from exitplane.wire import AGGREGATE_MSGPACK, TelemetryBatch
 from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import FULL, _deploy

@@ -22,10 +22,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
+from controlplane.deployments.segments import known_segments
+from controlplane.deployments.service import get_deployment
 from controlplane.settings import get_settings
 from controlplane.telemetry.models import TokenRecordRow
-from controlplane.thresholds.segments import known_segments
-from controlplane.thresholds.service import get_deployment
 from exitplane.cli import main
 from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import FULL, LAYERS, _deploy

@@ -24,11 +24,11 @@ from argon2 import PasswordHasher
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth import users
 from controlplane.auth.clients import client_address, parse_networks, throttle_key
 from controlplane.auth.users import create_user
-from controlplane.coordination import throttle
+from controlplane.guards import signin_throttle as throttle
+from exitplane.app import create_app
 from tests.conftest import free_port
 from tests.dashboards.conftest import CSRF_FIELD, PASSWORD, csrf_of, sign_in
 from tests.reliability.conftest import PrivateRedis

@@ -1,4 +1,4 @@
-"""The sign-in gate (dashboards/signin_gate.py), on a real uvicorn: once the throttle has
+"""The sign-in gate (controlplane/guards/signin_gate.py), on a real uvicorn: once the throttle has
 locked a client address out, its sign-ins are held, then refused before their form is read
 (429, Retry-After, the connection closed), without a password check or a throttle count;
 other addresses are answered meanwhile; the holds are bounded. An address refused for one
@@ -15,10 +15,10 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.clients import throttle_key
 from controlplane.auth.users import create_user
-from controlplane.coordination import throttle
+from controlplane.guards import signin_throttle as throttle
+from exitplane.app import create_app
 from tests.dashboards.conftest import PASSWORD, csrf_of
 from tests.security.test_signin_flood import serving
 from tests.security.test_telemetry_bounds import raw_response

@@ -8,10 +8,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.users import create_user
-from controlplane.coordination import throttle
-from controlplane.coordination.throttle import SignInThrottle, lock_seconds
+from controlplane.guards import signin_throttle as throttle
+from controlplane.guards.signin_throttle import SignInThrottle, lock_seconds
+from exitplane.app import create_app
 from tests.dashboards.conftest import PASSWORD, sign_in
 from tests.reliability.conftest import PrivateRedis
 

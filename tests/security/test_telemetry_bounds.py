@@ -30,9 +30,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
+from exitplane.app import create_app
 from exitplane.wire import INTERVAL_JSON, RECORDS_JSON, RECORDS_MSGPACK
 from tests.conftest import free_port
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch

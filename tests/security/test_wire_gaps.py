@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 
 NUM_LAYERS = 6
 EXIT_LAYERS = [2, 4]

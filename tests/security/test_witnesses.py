@@ -29,12 +29,12 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.promotion import _expected_exit_rate
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.db import session_scope, utcnow
+from controlplane.deployments.models import ThresholdSet
+from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import ShadowSampleRow
 from controlplane.telemetry.service import shadow_evidence
-from controlplane.thresholds.models import ThresholdSet
-from controlplane.thresholds.service import get_deployment
 from tests.controlplane.calibration.support import (
     LAYERS,
     make_deployment,

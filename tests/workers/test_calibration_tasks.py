@@ -19,9 +19,9 @@ from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.celery_app import make_celery
 from controlplane.db import session_scope, utcnow
+from controlplane.deployments.models import ThresholdSet
+from controlplane.deployments.service import aliases_of, get_deployment, move_alias, publish
 from controlplane.settings import Settings
-from controlplane.thresholds.models import ThresholdSet
-from controlplane.thresholds.service import aliases_of, get_deployment, move_alias, publish
 from tests.conftest import REDIS_URL
 from tests.controlplane.calibration.support import (
     make_deployment,

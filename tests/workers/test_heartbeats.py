@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from exitplane.heartbeat import main, problem, promise
+from exitplane.kit.heartbeat import main, problem, promise
 from tests.conftest import ROOT, stop_process, wait_until
 
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
@@ -22,7 +22,7 @@ EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 
 def _probe(path: Path) -> subprocess.CompletedProcess:
     """The liveness probe as the manifests run it."""
-    return subprocess.run([sys.executable, "-m", "exitplane.heartbeat", str(path)],
+    return subprocess.run([sys.executable, "-m", "exitplane.kit.heartbeat", str(path)],
                           capture_output=True, text=True, timeout=30)
 
 

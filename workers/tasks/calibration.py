@@ -26,8 +26,8 @@ from controlplane.calibration.service import (
     start_job,
 )
 from controlplane.db import get_engine, session_scope, utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.settings import get_settings
-from controlplane.thresholds.models import Deployment
 from workers.tasks import RETRY_ON_STORE_ERRORS
 
 

@@ -6,10 +6,10 @@ from celery import shared_task
 from sqlalchemy import select
 
 from controlplane.db import get_engine, session_scope
+from controlplane.deployments.models import Deployment
 from controlplane.drift.service import DriftOptions, check_deployment, check_runtimes
 from controlplane.runtimes.lineage import check_lineage
 from controlplane.settings import get_settings
-from controlplane.thresholds.models import Deployment
 from workers.tasks import RETRY_ON_STORE_ERRORS
 
 

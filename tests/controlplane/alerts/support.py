@@ -14,10 +14,10 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.models import Alias, Deployment
+from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.deployments.service import create_deployment, move_alias, publish
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds.models import Alias, Deployment
-from controlplane.thresholds.schemas import DeploymentCreate
-from controlplane.thresholds.service import create_deployment, move_alias, publish
 from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
 from tests.conftest import serve_in_thread
 

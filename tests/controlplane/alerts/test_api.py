@@ -5,7 +5,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import service
 from controlplane.alerts.service import Condition
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 from tests.conftest import patient_get
 from tests.controlplane.alerts.support import make_deployment
 

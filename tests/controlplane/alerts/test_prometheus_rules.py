@@ -133,7 +133,7 @@ def test_metrics_the_rules_read_are_exported_from_the_store(client, engine, outb
 def test_labelled_counters_start_at_zero_for_known_label_values():
     """Refusal reasons are the DomainError classes `refused` counts by, and a deployment's
     counters exist at 0 once primed, before its first batch."""
-    import controlplane.app  # noqa: F401  (every domain's errors)
+    import controlplane.edge.app  # noqa: F401  (every domain's errors)
     from controlplane import metrics
     from controlplane.errors import DomainError
 

@@ -52,7 +52,7 @@ def _assert_fallback_installed(found: dict) -> None:
 @pytest.mark.slow  # a fresh Python process
 def test_create_app_installs_the_fallback(tmp_path):
     _assert_fallback_installed(_registered_after(
-        "from controlplane.app import create_app\ncreate_app()\ncreate_app()", tmp_path))
+        "from exitplane.app import create_app\ncreate_app()\ncreate_app()", tmp_path))
 
 
 @pytest.mark.slow  # a fresh Python process

@@ -15,8 +15,8 @@ from controlplane.alerts.models import Alert, AlertReport
 from controlplane.alerts.reports import purge_reports, report_html, store_report
 from controlplane.alerts.service import Condition, fire
 from controlplane.db import utcnow
+from controlplane.deployments.models import Deployment
 from controlplane.errors import NotFound
-from controlplane.thresholds.models import Deployment
 from tests.controlplane.alerts.support import make_deployment
 
 HTML = "<html><body>" + "<p>drift at layer 6</p>" * 5000 + "</body></html>"

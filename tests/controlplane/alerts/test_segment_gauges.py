@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
+from controlplane.deployments.segments import admit_segments
 from controlplane.telemetry.models import Rollup
-from controlplane.thresholds.segments import admit_segments
 from tests.controlplane.alerts.support import FULL, LAYERS, Phase, make_deployment, send_traffic
 
 CAP = 2
@@ -153,7 +153,7 @@ def test_open_alerts_are_counted_per_segment_and_a_default_alert_keeps_its_serie
         client, engine, mixed, outbox):
     from controlplane.alerts import service
     from controlplane.alerts.service import Condition
-    from controlplane.thresholds.models import Deployment
+    from controlplane.deployments.models import Deployment
 
     with Session(engine) as session:
         mix = session.query(Deployment).filter_by(name="mix").one()

@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import numpy as np
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.deployments.service import create_deployment, get_deployment
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds.schemas import DeploymentCreate
-from controlplane.thresholds.service import create_deployment, get_deployment
 from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
 
 LAYERS = [3, 6, 9]

@@ -10,7 +10,7 @@ from controlplane.calibration import service
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import aliases_of, audit_log, get_deployment, publish
+from controlplane.deployments.service import aliases_of, audit_log, get_deployment, publish
 from tests.conftest import patient_get
 from tests.controlplane.calibration.support import (
     make_deployment,

@@ -18,7 +18,7 @@ from controlplane.calibration import service
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import (
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     in_canary,

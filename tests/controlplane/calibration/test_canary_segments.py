@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import (
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     in_canary,

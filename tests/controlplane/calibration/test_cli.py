@@ -65,7 +65,7 @@ def test_moments():
 
 
 def test_calibrate_one_segment_and_refuse_an_unknown_one(engine, calibrate):
-    from controlplane.thresholds.service import publish
+    from controlplane.deployments.service import publish
 
     signals, matched = separable_samples(3000, seed=6)
     with session_scope(engine) as session:

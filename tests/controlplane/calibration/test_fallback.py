@@ -15,8 +15,8 @@ from controlplane.calibration import fallback
 from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.models import AuditEvent, ThresholdSet
-from controlplane.thresholds.service import (
+from controlplane.deployments.models import AuditEvent, ThresholdSet
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     get_threshold_set,

@@ -15,7 +15,7 @@ from controlplane.alerts.models import Alert
 from controlplane.alerts.service import Condition, fire
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import (
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     get_threshold_set,

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.service import (
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     get_threshold_set,

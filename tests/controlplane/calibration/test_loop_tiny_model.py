@@ -19,9 +19,9 @@ from controlplane.auth.service import create_token
 from controlplane.calibration import service
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope
+from controlplane.deployments.service import aliases_of, get_deployment
 from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.telemetry.service import disagreement, exit_rates
-from controlplane.thresholds.service import aliases_of, get_deployment
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.thresholds import ThresholdClient
 from runtime.engine import Engine, EngineConfig
@@ -79,7 +79,7 @@ class Runtime:
 
 @pytest.fixture
 def plane(settings, engine, outbox):
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     control = ControlPlane(make_app=lambda: create_app(settings, engine=engine),
                            port=free_port()).start()

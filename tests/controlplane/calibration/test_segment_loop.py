@@ -16,15 +16,15 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.segments import recalibration_level
 from controlplane.calibration.stats import calibrate_thresholds
 from controlplane.db import session_scope, utcnow
-from controlplane.errors import Invalid
-from controlplane.thresholds.segments import declare_segment
-from controlplane.thresholds.service import (
+from controlplane.deployments.segments import declare_segment
+from controlplane.deployments.service import (
     aliases_of,
     get_deployment,
     get_threshold_set,
     move_alias,
     publish,
 )
+from controlplane.errors import Invalid
 from tests.controlplane.calibration.support import (
     LAYERS,
     make_deployment,

@@ -21,8 +21,8 @@ from controlplane.calibration.stats import (
     simulate_policy,
 )
 from controlplane.db import session_scope, utcnow
-from controlplane.thresholds.segments import declare_segment
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.segments import declare_segment
+from controlplane.deployments.service import get_deployment
 from tests.controlplane.calibration.support import make_deployment, separable_samples, write_traffic
 
 DELTA, EPSILON = 0.05, 0.1

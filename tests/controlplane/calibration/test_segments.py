@@ -10,8 +10,8 @@ import pytest
 
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.calibration.stats import NEVER_EXIT, policy_disagreement
+from controlplane.deployments.service import publish, to_wire
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
-from controlplane.thresholds.service import publish, to_wire
 from tests.controlplane.calibration.support import LAYERS, make_deployment
 
 DELTA, EPSILON = 0.05, 0.1

@@ -19,9 +19,9 @@ from controlplane.calibration import service
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
+from controlplane.deployments.models import AuditEvent, ThresholdSet
+from controlplane.deployments.service import aliases_of, get_deployment
 from controlplane.errors import Conflict
-from controlplane.thresholds.models import AuditEvent, ThresholdSet
-from controlplane.thresholds.service import aliases_of, get_deployment
 from tests.controlplane.calibration.support import (
     LAYERS,
     make_deployment,

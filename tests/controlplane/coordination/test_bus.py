@@ -82,7 +82,7 @@ def test_long_polls_reread_the_store_while_redis_is_away(settings, engine, token
 
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
     from tests.reliability.processes import ROOT
 
     app = create_app(settings.model_copy(update={"redis_url": private_redis.url,
@@ -113,7 +113,7 @@ def test_long_polls_reread_the_store_while_redis_is_away(settings, engine, token
             "from sqlalchemy.orm import Session\n"
             "from controlplane.db import make_engine\n"
             "from controlplane.settings import get_settings\n"
-            "from controlplane.thresholds import service\n"
+            "from controlplane.deployments import service\n"
             "with Session(make_engine(get_settings().database_url)) as session:\n"
             "    d = service.get_deployment(session=session, name='chat', lock=True)\n"
             "    service.move_alias(session=session, deployment=d, alias='active', version=1,\n"

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis.asyncio
 
-from controlplane.coordination.limits import LocalRateLimiter, RedisRateLimiter
+from controlplane.guards.buckets import LocalRateLimiter, RedisRateLimiter
 from tests.reliability.conftest import PrivateRedis
 
 
@@ -83,7 +83,7 @@ def test_a_worker_thread_draws_from_the_same_shared_bucket(private_redis):
 def test_a_burst_past_the_pool_waits_for_the_shared_bucket(private_redis, monkeypatch, caplog):
     """More checks at once than the pool's connections queue for one (briefly) instead of
     falling back to the process's own bucket, where a flood would find a fresh burst."""
-    from controlplane.coordination import limits
+    from controlplane.guards import buckets as limits
 
     monkeypatch.setattr(limits, "POOL_CONNECTIONS", 4)
     limiter = limits.make_rate_limiters(rates={"pull": 10.0}, redis_url=private_redis.url)["pull"]

@@ -10,11 +10,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.models import ApiToken
 from controlplane.auth.service import Principal, create_token, digest
+from controlplane.deployments.service import get_deployment
 from controlplane.deps import PrincipalCache
-from controlplane.thresholds.service import get_deployment
+from exitplane.app import create_app
 
 RUNTIMES = 20
 

@@ -16,8 +16,8 @@ from datetime import datetime, timedelta
 import numpy as np
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.models import Deployment
 from controlplane.telemetry.service import ingest
-from controlplane.thresholds.models import Deployment
 from exitplane.wire import TelemetryBatch
 from tests.controlplane.alerts.support import FULL, LAYERS, THRESHOLDS
 

@@ -14,10 +14,10 @@ from sqlalchemy.orm import Session
 from controlplane.alerts.models import Alert
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
+from controlplane.deployments.models import Alias
+from controlplane.deployments.service import aliases_of, get_threshold_set, move_alias, publish
 from controlplane.drift.service import DriftOptions, check_deployment, segments_to_check
 from controlplane.drift.window_checks import WindowInputs, evaluate_segments
-from controlplane.thresholds.models import Alias
-from controlplane.thresholds.service import aliases_of, get_threshold_set, move_alias, publish
 from tests.controlplane.alerts.support import THRESHOLDS, Phase, make_deployment, send_traffic
 
 BASE_RATES = (0.25, 0.4, 0.3)

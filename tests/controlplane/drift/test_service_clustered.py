@@ -18,9 +18,9 @@ from controlplane.alerts.models import Alert
 from controlplane.alerts.reports import report_html
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import utcnow
+from controlplane.deployments.service import aliases_of, move_alias, publish
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
 from controlplane.telemetry.service import exit_rates
-from controlplane.thresholds.service import aliases_of, move_alias, publish
 from tests.controlplane.alerts.support import LAYERS, make_deployment
 from tests.controlplane.drift.clustered_traffic import Requests, send_requests
 
@@ -136,7 +136,7 @@ def test_unchecked_tokens_stay_out_of_the_signal_distribution(session: Session, 
                       reason="never exit", actor="test").version
     move_alias(session=session, deployment=deployment, alias="active", version=version,
                actor="test", reason="never exit")
-    from controlplane.thresholds.models import Alias
+    from controlplane.deployments.models import Alias
 
     session.scalars(select(Alias).where(Alias.deployment_id == deployment.id,
                                         Alias.name == "active")).one().updated_at = start

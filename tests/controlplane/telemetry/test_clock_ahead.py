@@ -11,8 +11,8 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.app import create_app
 from controlplane.telemetry.models import HISTOGRAM_BINS
+from exitplane.app import create_app
 from exitplane.wire import AGGREGATE_MSGPACK, INTERVAL_MSGPACK
 from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_interval_batches import _post

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from controlplane.deployments.models import Deployment
 from controlplane.errors import Invalid
 from controlplane.telemetry import columns
 from controlplane.telemetry.columns import MODEL_RULES, BatchColumns, parse_batch
 from controlplane.telemetry.service import BadRecord, check_batch
-from controlplane.thresholds.models import Deployment
 from exitplane.wire import ShadowPoint, TelemetryBatch, TokenRecord
 
 LAYERS = [3, 6, 9]

@@ -16,10 +16,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.auth.service import create_token
+from controlplane.deployments.service import get_deployment
 from controlplane.observability import http_request_duration
-from controlplane.thresholds.service import get_deployment
+from exitplane.app import create_app
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
 
 COMPARED_HEADERS = ("content-type", "www-authenticate", "retry-after")
@@ -344,7 +344,7 @@ def test_telemetry_cannot_take_the_threads_the_routes_need(settings, engine, tok
 
     import anyio.to_thread
 
-    from controlplane.telemetry import fast_path
+    from controlplane.edge import telemetry_fast_path as fast_path
 
     release = threading.Event()
     entered = threading.Semaphore(0)

@@ -10,13 +10,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from controlplane.app import create_app
 from controlplane.db import session_factory, utcnow
+from controlplane.deployments.service import get_deployment
 from controlplane.runtimes import service
 from controlplane.runtimes.beats import HeartbeatBuffer
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.schemas import RuntimeRead
-from controlplane.thresholds.service import get_deployment
+from exitplane.app import create_app
 from exitplane.wire import Heartbeat
 from tests.conftest import wait_until
 from tests.controlplane.telemetry.test_ingest import _deploy

@@ -13,9 +13,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import service, stream
 from controlplane.telemetry.models import Rollup, RollupHistogram, TokenRecordRow
-from controlplane.thresholds.service import get_deployment
 from tests.conftest import REDIS_URL, patient_get
 
 LAYERS = [3, 6, 9]
@@ -237,7 +237,7 @@ def redis_client():
 def redis_app(settings, engine, redis_client):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     app = create_app(settings.model_copy(update={"redis_url": OWN_REDIS_URL}), engine=engine)
     with TestClient(app) as client:

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import Rollup, RollupHistogram, ShadowSampleRow, TokenRecordRow
-from controlplane.thresholds.service import get_deployment
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import (
     AGGREGATE_MSGPACK,
@@ -194,7 +194,7 @@ def own_redis():
 def test_the_stream_path_stores_an_interval_batch_once(settings, engine, tokens, own_redis):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)

@@ -12,8 +12,9 @@ import msgpack
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.app import create_app
-from controlplane.telemetry import fast_path, stream
+from controlplane.edge import telemetry_fast_path as fast_path
+from controlplane.telemetry import stream
+from exitplane.app import create_app
 from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, RECORDS_MSGPACK
 from tests.conftest import REDIS_URL
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch

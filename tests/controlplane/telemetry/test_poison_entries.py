@@ -27,9 +27,9 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import Rollup
-from controlplane.thresholds.service import get_deployment
 from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, INT63, MAX_BATCH_TOKENS
 from tests.conftest import REDIS_URL
 from tests.controlplane.telemetry.test_interval_batches import _post
@@ -65,7 +65,7 @@ def queue(settings, engine, tokens):
     """(post a batch to the API with a Redis stream, the Redis client, an ingest worker)."""
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     if not OWN_REDIS_URL:
         raise RuntimeError("set EXITPLANE_TEST_REDIS_URL (make test starts Redis)")
@@ -270,8 +270,8 @@ def test_one_runtimes_heartbeat_cannot_keep_the_others_from_the_store(settings, 
     in an error); a held beat the store refuses anyway is dropped alone, the others written."""
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
     from controlplane.runtimes.models import Runtime
+    from exitplane.app import create_app
     from tests.conftest import wait_until
 
     app = create_app(settings.model_copy(update={"heartbeat_flush_s": 0.2}), engine=engine)

@@ -17,6 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
 from controlplane.auth.service import create_token
+from controlplane.deployments.segments import admit_segments, declare_segment, known_segments
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import admission, service, stream
 from controlplane.telemetry.models import (
     Rollup,
@@ -24,8 +26,6 @@ from controlplane.telemetry.models import (
     ShadowSampleRow,
     TokenRecordRow,
 )
-from controlplane.thresholds.segments import admit_segments, declare_segment, known_segments
-from controlplane.thresholds.service import get_deployment
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import AGGREGATE_MSGPACK, AggregateBatch, TelemetryBatch, TokenRecord
 from tests.conftest import REDIS_URL
@@ -382,7 +382,7 @@ def test_the_stream_path_stores_segments_in_the_ingest_worker(
         settings, engine, tokens, own_redis):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
@@ -485,7 +485,7 @@ def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, to
 def test_the_ingest_worker_counts_tokens_past_the_cap(settings, engine, tokens, own_redis):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)

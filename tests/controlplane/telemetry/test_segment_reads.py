@@ -15,9 +15,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.segments import admit_segments
+from controlplane.deployments.service import get_deployment
 from controlplane.telemetry.models import Rollup
-from controlplane.thresholds.segments import admit_segments
-from controlplane.thresholds.service import get_deployment
 from tests.conftest import patient_get
 from tests.controlplane.telemetry.test_ingest import FULL, _deploy
 

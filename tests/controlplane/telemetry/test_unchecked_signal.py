@@ -10,11 +10,11 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.deployments.service import create_deployment
 from controlplane.telemetry import service
 from controlplane.telemetry.columns import parse_batch
 from controlplane.telemetry.models import Rollup, ShadowSampleRow, TokenRecordRow
-from controlplane.thresholds.schemas import DeploymentCreate
-from controlplane.thresholds.service import create_deployment
 from exitplane.wire import TelemetryBatch
 
 LAYERS = [3, 6, 9]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from controlplane.thresholds.models import AuditEvent, Deployment
+from controlplane.deployments.models import AuditEvent, Deployment
 
 
 def record_audit(*, session: Session, deployment: Deployment, actor: str, action: str,

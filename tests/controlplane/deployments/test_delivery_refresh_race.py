@@ -12,7 +12,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.app import create_app
+from exitplane.app import create_app
 from tests.conftest import wait_until
 from tests.reliability.conftest import PrivateRedis
 

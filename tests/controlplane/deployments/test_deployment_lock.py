@@ -1,4 +1,4 @@
-"""The deployment row lock (controlplane/thresholds/locks.py) serialises the control plane's
+"""The deployment row lock (controlplane/deployments/locks.py) serialises the control plane's
 read-modify-writes without waiting for the fleet's writes: a transaction that inserted rows
 referencing the deployment (telemetry, heartbeats) holds a key-share lock on it, which the
 lock must not wait for (it did as FOR UPDATE), while two control writers still serialise."""
@@ -13,9 +13,9 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from controlplane.deployments import service
+from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.telemetry import service as telemetry
-from controlplane.thresholds import service
-from controlplane.thresholds.schemas import DeploymentCreate
 from exitplane.wire import TelemetryBatch
 
 # Row locks are PostgreSQL's (SQLite serialises every writer with BEGIN IMMEDIATE).

@@ -1,4 +1,5 @@
-"""The FastAPI application: routers, error mapping, health and readiness."""
+"""The control plane's HTTP API: routers, error mapping, health and readiness (the admin UI is
+mounted on it by the composition root, `exitplane.app`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from controlplane.auth.service import digest
 from controlplane.calibration import fallback
 from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
-from controlplane.coordination.limits import RefusalHold, Turns, make_rate_limiters
 from controlplane.db import (
     get_engine,
     out_of_range_errors,
@@ -35,6 +35,9 @@ from controlplane.db import (
     store_away,
     store_errors,
 )
+from controlplane.deployments.api import router as deployments_router
+from controlplane.deployments.cache import DeploymentCache
+from controlplane.deployments.delivery import ConfigDelivery, NotModifiedFastPath
 from controlplane.deps import (
     HEAVY_READS_AT_ONCE,
     HEAVY_READS_WAITING,
@@ -44,6 +47,7 @@ from controlplane.deps import (
     takes_json_body,
     token_reader,
 )
+from controlplane.edge.telemetry_fast_path import TelemetryFastPath, reads_after_auth
 from controlplane.errors import (
     ERROR_SCHEMA,
     NOT_JSON,
@@ -52,6 +56,7 @@ from controlplane.errors import (
     Unauthorized,
     error_answer,
 )
+from controlplane.guards.buckets import RefusalHold, Turns, make_rate_limiters
 from controlplane.health import Readiness
 from controlplane.keys import weak_secret_problem
 from controlplane.memory import return_large_blocks_to_the_os
@@ -62,19 +67,15 @@ from controlplane.runtimes.witnesses import ClaimCache
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import DecodeBudget
 from controlplane.telemetry.api import router as telemetry_router
-from controlplane.telemetry.fast_path import TelemetryFastPath, reads_after_auth
 from controlplane.telemetry.service import ensure_partitions
-from controlplane.telemetry.targets import IngestTargets
-from controlplane.thresholds.api import router as thresholds_router
-from controlplane.thresholds.delivery import ConfigDelivery, NotModifiedFastPath
-from dashboards.app import mount_ui
-from exitplane import __version__, tracing
-from exitplane.logs import access_log_enabled
+from exitplane import __version__
+from exitplane.kit import tracing
+from exitplane.kit.logs import access_log_enabled
 
 log = logging.getLogger("exitplane.api")
 
 
-def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+def create_api(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
     """Build the API for `settings` (default: the environment's), optionally on `engine`."""
     settings = settings or get_settings()
     problem = weak_secret_problem(settings, settings.host)
@@ -123,7 +124,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.config_delivery = ConfigDelivery(
         factory, settings.config_cache_ttl_s, bus=app.state.bus,
         long_polls_per_token=settings.long_polls_per_token)
-    app.state.ingest_targets = IngestTargets(factory)  # the stream path's batch checks
+    app.state.deployment_cache = DeploymentCache(factory)  # the stream path's batch checks
     app.state.heartbeats = HeartbeatBuffer(factory, interval_s=settings.heartbeat_flush_s)
     app.state.runtime_claims = ClaimCache()  # which runtime ids each token reports under
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
@@ -145,7 +146,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     fast_pull = {"delivery": app.state.config_delivery, "principals": app.state.principal_cache,
                  "digest": digest, "limiter": app.state.rate_limiters["pull"],
                  "long_poll_max_s": settings.long_poll_max_s,
-                 "route": next(route for route in thresholds_router.routes
+                 "route": next(route for route in deployments_router.routes
                                if route.path == "/v1/deployments/{name}/thresholds")}
     if tracing.enabled():  # every request a span: the pull's fast path inside the tracing layer
         app.add_middleware(NotModifiedFastPath, **fast_pull)
@@ -249,15 +250,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it
     # Every GET of the API takes its cost from the caller's read bucket (controlplane/deps.py).
-    for router in (thresholds_router, runtimes_router, auth_router, telemetry_router,
+    for router in (deployments_router, runtimes_router, auth_router, telemetry_router,
                    alerts_router, calibration_router, outliers_router):
         app.include_router(router, dependencies=[ReadLimited])
-    mount_ui(app)
     return app
 
 
 class ControlPlaneAPI(FastAPI):
-    """The FastAPI app behind a front door: `front` (set by `create_app`) sees each HTTP request
+    """The FastAPI app behind a front door: `front` (set by `create_api`) sees each HTTP request
     before FastAPI's and Starlette's own layers do: the request context (id, access line,
     duration), then the config pull's fast path, then `behind_front` (FastAPI as usual). A 304
     answered at the door skips those layers, about a tenth of what the pull costs the

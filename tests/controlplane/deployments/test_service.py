@@ -7,10 +7,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.deployments import service
+from controlplane.deployments.models import AuditEvent, Deployment
+from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.errors import Conflict, Invalid, NotFound
-from controlplane.thresholds import service
-from controlplane.thresholds.models import AuditEvent, Deployment
-from controlplane.thresholds.schemas import DeploymentCreate
 
 SPEC = DeploymentCreate(name="chat", model_ref="smollm2-135m", num_layers=30)
 

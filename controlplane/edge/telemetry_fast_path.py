@@ -302,7 +302,7 @@ async def _beat_on_loop(state, principal: Principal, name: str,
     buffer = state.heartbeats
     if not buffer.enabled:
         return None
-    target = state.ingest_targets.peek(name, runtimes.applied_versions(beat))
+    target = state.deployment_cache.peek(name, runtimes.applied_versions(beat))
     if target is None:  # not cached, or the version is not known here yet: the store says
         return None
     first_seen = buffer.first_seen(target.id, beat.runtime_id, principal.token_id,

@@ -28,14 +28,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.coordination.bus import Bus
+from controlplane.deployments.models import Alias, Deployment, ThresholdSet
+from controlplane.deployments.service import get_deployment, in_canary, to_wire
 from controlplane.observability import (
     http_request_duration,
     long_poll_waited,
     route_template,
 )
-from controlplane.thresholds.models import Alias, Deployment, ThresholdSet
-from controlplane.thresholds.service import get_deployment, in_canary, to_wire
-from exitplane.logs import new_request_id, request_id_var
+from exitplane.kit.logs import new_request_id, request_id_var
 from exitplane.wire import RUNTIME_ID, ThresholdSetWire
 
 log = logging.getLogger("exitplane.delivery")

@@ -1,4 +1,5 @@
-"""What checking a telemetry batch needs of its deployment, cached per API process.
+"""The deployment cache: what request-time checks (telemetry batches, heartbeats, token scopes)
+need of a deployment, held per API process.
 
 On the production path (Redis configured) the API checks a batch and appends it to the stream;
 the store is written by the ingest worker. The check needs the deployment's id, name, layer
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from controlplane.thresholds.models import ThresholdSet
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.models import ThresholdSet
+from controlplane.deployments.service import get_deployment
 
 
 @dataclass(frozen=True)
-class IngestTarget:
+class CachedDeployment:
     """A deployment as the batch checks see it (`check_batch`, `check_aggregate`)."""
 
     id: int
@@ -33,40 +34,40 @@ class IngestTarget:
     versions: frozenset[int]  # published versions, and 0 (the runtime's built-in set)
 
 
-class IngestTargets:
-    """Per-process cache of `IngestTarget` by deployment name (thread-safe)."""
+class DeploymentCache:
+    """Per-process cache of `CachedDeployment` by deployment name (thread-safe)."""
 
     def __init__(self, session_factory: sessionmaker[Session]) -> None:
         self._session_factory = session_factory
-        self._targets: dict[str, IngestTarget] = {}
+        self._entries: dict[str, CachedDeployment] = {}
         self._lock = threading.Lock()  # one reload at a time: a burst costs one store read
 
-    def get(self, name: str, versions: Iterable[int]) -> IngestTarget:
+    def get(self, name: str, versions: Iterable[int]) -> CachedDeployment:
         """The deployment `name` with every version of `versions` it has; reads the store
         only when it is not cached or a version is not known yet (NotFound if it does not
         exist)."""
         wanted = set(versions)
-        target = self._targets.get(name)
-        if target is not None and wanted <= target.versions:
-            return target
+        entry = self._entries.get(name)
+        if entry is not None and wanted <= entry.versions:
+            return entry
         with self._lock:
-            target = self._targets.get(name)  # another thread may have reloaded it meanwhile
-            if target is None or not wanted <= target.versions:
-                target = self._targets[name] = self._load(name)
-        return target
+            entry = self._entries.get(name)  # another thread may have reloaded it meanwhile
+            if entry is None or not wanted <= entry.versions:
+                entry = self._entries[name] = self._load(name)
+        return entry
 
-    def peek(self, name: str, versions: Iterable[int]) -> IngestTarget | None:
-        """The cached target if it knows every version of `versions`; never reads the store
+    def peek(self, name: str, versions: Iterable[int]) -> CachedDeployment | None:
+        """The cached entry if it knows every version of `versions`; never reads the store
         (for the event loop: None sends the caller to `get` on a worker thread)."""
-        target = self._targets.get(name)
-        return target if target is not None and set(versions) <= target.versions else None
+        entry = self._entries.get(name)
+        return entry if entry is not None and set(versions) <= entry.versions else None
 
-    def _load(self, name: str) -> IngestTarget:
+    def _load(self, name: str) -> CachedDeployment:
         with self._session_factory() as session:
             deployment = get_deployment(session=session, name=name)
             versions = session.scalars(select(ThresholdSet.version).where(
                 ThresholdSet.deployment_id == deployment.id))
-            return IngestTarget(id=deployment.id, name=deployment.name,
-                                num_layers=deployment.num_layers,
-                                exit_layers=tuple(deployment.exit_layers),
-                                versions=frozenset([0, *versions]))
+            return CachedDeployment(id=deployment.id, name=deployment.name,
+                                    num_layers=deployment.num_layers,
+                                    exit_layers=tuple(deployment.exit_layers),
+                                    versions=frozenset([0, *versions]))

@@ -15,14 +15,14 @@ from sqlalchemy.orm import Session
 
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
+from controlplane.deployments.audit import record_audit
+from controlplane.deployments.locks import DEPLOYMENT_LOCK, lock_deployment
+from controlplane.deployments.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
+from controlplane.deployments.schemas import DeploymentCreate, DeploymentUpdate
+from controlplane.deployments.segments import register_set_segments, registry_changed
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
-from controlplane.thresholds.audit import record_audit
-from controlplane.thresholds.locks import DEPLOYMENT_LOCK, lock_deployment
-from controlplane.thresholds.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
-from controlplane.thresholds.schemas import DeploymentCreate, DeploymentUpdate
-from controlplane.thresholds.segments import register_set_segments, registry_changed
-from exitplane import tracing
+from exitplane.kit import tracing
 from exitplane.wire import (
     DEFAULT_SEGMENT,
     NAME_PATTERN,

@@ -23,11 +23,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
+from controlplane.deployments.audit import record_audit
+from controlplane.deployments.locks import lock_deployment
+from controlplane.deployments.models import Alias, Deployment, DeploymentSegment, ThresholdSet
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
-from controlplane.thresholds.audit import record_audit
-from controlplane.thresholds.locks import lock_deployment
-from controlplane.thresholds.models import Alias, Deployment, DeploymentSegment, ThresholdSet
 from exitplane.wire import DEFAULT_SEGMENT, NAME_PATTERN
 
 # session.info key: deployment ids whose registry this transaction changed (the per-process

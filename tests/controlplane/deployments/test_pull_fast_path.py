@@ -11,7 +11,7 @@ import types
 import httpx
 import pytest
 
-from tests.controlplane.thresholds.test_api import tuned_deployment
+from tests.controlplane.deployments.test_api import tuned_deployment
 
 POLLS = 40
 

@@ -8,9 +8,9 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.orm import sessionmaker
 
+from controlplane.deployments.cache import DeploymentCache
 from controlplane.errors import NotFound
 from controlplane.telemetry import stream
-from controlplane.telemetry.targets import IngestTargets
 from exitplane.wire import RECORDS_MSGPACK
 from tests.conftest import REDIS_URL, patient_get
 from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
@@ -24,7 +24,7 @@ def stream_app(settings, engine):
     import redis
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     if not OWN_REDIS_URL:
         raise RuntimeError("set EXITPLANE_TEST_REDIS_URL (make test starts Redis)")
@@ -80,7 +80,7 @@ def test_the_stream_path_checks_batches_without_reading_the_store(stream_app, to
 
 def test_targets_reload_only_for_unknown_versions(client, tokens, engine):
     _deploy(client, tokens, engine)
-    targets = IngestTargets(sessionmaker(engine))
+    targets = DeploymentCache(sessionmaker(engine))
     first = targets.get("chat", [0, 2])
     assert (first.num_layers, first.exit_layers, first.versions) == (12, (3, 6, 9),
                                                                      frozenset({0, 1, 2}))

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
-from controlplane.thresholds.service import get_deployment
+from controlplane.deployments.service import get_deployment
 from exitplane import __version__
 from exitplane.wire import ThresholdSetWire
 from tests.conftest import patient_get
@@ -256,7 +256,7 @@ def test_cached_304_path_still_enforces_deployment_isolation(client, tokens, eng
 def test_oversized_body_gets_413(settings, engine, tokens):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     small = create_app(settings.model_copy(update={"max_control_body_bytes": 1000}),
                        engine=engine)
@@ -273,7 +273,7 @@ def test_oversized_body_gets_413(settings, engine, tokens):
 def test_pull_and_ingest_are_rate_limited_per_token(settings, engine, tokens):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     # Refusals answered at once: a held one would see the bucket refilled after it.
     limited = create_app(settings.model_copy(update={"rate_limit_pull_per_s": 1.0,

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import TextIO
 
-from exitplane import tracing
+from exitplane.kit import tracing
 
 request_id_var: ContextVar[str | None] = ContextVar("exitplane_request_id", default=None)
 

@@ -4,17 +4,17 @@ in (never a removed one); every other name goes to `default`."""
 
 import pytest
 
-from controlplane.errors import Conflict, Invalid, NotFound
-from controlplane.thresholds import service
-from controlplane.thresholds.models import AuditEvent
-from controlplane.thresholds.schemas import DeploymentCreate
-from controlplane.thresholds.segments import (
+from controlplane.deployments import service
+from controlplane.deployments.models import AuditEvent
+from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.deployments.segments import (
     admit_segments,
     declare_segment,
     known_segments,
     readable_segments,
     remove_segment,
 )
+from controlplane.errors import Conflict, Invalid, NotFound
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.thresholds.models import Deployment
+from controlplane.deployments.models import Deployment
 
 # The deployment row lock serialises the control plane's read-modify-writes (version
 # numbering, alias moves, fallbacks, the runtime and segment caps). It is FOR NO KEY UPDATE,

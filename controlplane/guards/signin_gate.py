@@ -1,7 +1,7 @@
 """The admin UI's sign-in gate: a client address whose last sign-in the throttle refused waits
 before its next one, and one the throttle has locked out is refused before its form is read.
 
-The throttle (controlplane/coordination/throttle.py) refuses a password check whose address,
+The throttle (controlplane/guards/signin_throttle.py) refuses a password check whose address,
 username or pair is locked, but only once the request has gone through the UI's middleware,
 its form parser and a worker thread, with a page rendered for the answer (and the control
 plane's body gate reads the form before any of that): a client that loops as fast as the
@@ -28,7 +28,7 @@ from html import escape
 
 from controlplane.auth.clients import Network, client_address, throttle_key
 from controlplane.auth.passwords import RefusedAddresses
-from controlplane.coordination.limits import RefusalHold
+from controlplane.guards.buckets import RefusalHold
 
 GATED_PATHS = ("/login", "/account/password")
 

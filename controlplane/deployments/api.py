@@ -8,20 +8,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 
-from controlplane.deps import (
-    MeteredRoute,
-    OperatorPrincipal,
-    RuntimePrincipal,
-    SessionDep,
-    get_principal,
-    rate_limited,
-)
-from controlplane.errors import RUNTIME_ERRORS, RateLimited, error_answer
-from controlplane.telemetry.service import undeclared_tokens
-from controlplane.thresholds import segments, service
-from controlplane.thresholds.delivery import ConfigDelivery
-from controlplane.thresholds.models import Deployment, ThresholdSet
-from controlplane.thresholds.schemas import (
+from controlplane.deployments import segments, service
+from controlplane.deployments.delivery import ConfigDelivery
+from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.schemas import (
     AliasMove,
     AliasName,
     AuditEventRead,
@@ -36,6 +26,16 @@ from controlplane.thresholds.schemas import (
     ThresholdSetRead,
     UndeclaredTraffic,
 )
+from controlplane.deps import (
+    MeteredRoute,
+    OperatorPrincipal,
+    RuntimePrincipal,
+    SessionDep,
+    get_principal,
+    rate_limited,
+)
+from controlplane.errors import RUNTIME_ERRORS, RateLimited, error_answer
+from controlplane.telemetry.service import undeclared_tokens
 from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdSetWire
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"], route_class=MeteredRoute)

@@ -36,7 +36,7 @@ class Deployment(Base):
     # Bumped on every alias move: config caches and long-polls compare it.
     revision: Mapped[int] = mapped_column(default=0)
     # Whether runtime telemetry may register segment names the operator did not declare
-    # (controlplane/thresholds/segments.py); off: such traffic is stored as `default`.
+    # (controlplane/deployments/segments.py); off: such traffic is stored as `default`.
     auto_segments: Mapped[bool] = mapped_column(default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -8,13 +8,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.deployments import service
+from controlplane.deployments.models import AuditEvent
+from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.errors import Invalid
 from controlplane.settings import Settings
-from controlplane.thresholds import service
-from controlplane.thresholds.models import AuditEvent
-from controlplane.thresholds.schemas import DeploymentCreate
 from exitplane.wire import ThresholdSetWire, threshold_checksum
-from tests.controlplane.thresholds.test_api import _runtime_token, _setup
+from tests.controlplane.deployments.test_api import _runtime_token, _setup
 
 DEFAULT = {"3": 0.9, "6": 0.8, "9": 0.7}
 SEGMENTS = {"code": {"3": 1.0, "6": 0.95, "9": 0.9}, "chat": {"3": 0.85, "6": 0.75, "9": 0.6}}
@@ -95,7 +95,7 @@ def test_invalid_segments_get_422_and_nothing_is_stored(client, tokens, segments
 def test_the_segment_cap_is_the_setting_and_overflow_gets_422(tokens, engine, db_url, tmp_path):
     from fastapi.testclient import TestClient
 
-    from controlplane.app import create_app
+    from exitplane.app import create_app
 
     settings = Settings(database_url=db_url, var_dir=tmp_path / "var",
                         max_segments_per_deployment=2)

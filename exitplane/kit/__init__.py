@@ -1,0 +1,3 @@
+"""The shared kernel every exitplane process stands on: JSON logs and request ids (`logs`),
+OpenTelemetry tracing (`tracing`), build info and process metrics (`build`) and liveness
+promises (`heartbeat`). It imports nothing of the control plane, the runtime or the CLI."""
