@@ -1,0 +1,1 @@
+"""Flows that span domains: recalibration, the automatic fallback and canary rollouts."""
