@@ -1,4 +1,5 @@
-"""Guarantee check for Learn-Then-Test threshold selection (`controlplane.calibration.stats`).
+"""Guarantee check for Learn-Then-Test threshold selection
+(`controlplane.calibration.learn_then_test`).
 
 For each of `--trials` resamples: calibrate on fresh shadow samples, replay the chosen
 thresholds on a large fresh sample and count a violation when the realised disagreement
@@ -26,7 +27,7 @@ import time
 
 import numpy as np
 
-from controlplane.calibration.stats import calibrate_thresholds, simulate_policy
+from controlplane.calibration.learn_then_test import calibrate_thresholds, simulate_policy
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 
 

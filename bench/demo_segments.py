@@ -104,7 +104,7 @@ def _load(source: str) -> dict:
 
 
 def _served(thresholds: dict[int, float], records: dict) -> dict[str, float]:
-    from controlplane.calibration.stats import simulate_policy
+    from controlplane.calibration.learn_then_test import simulate_policy
 
     layers = [int(k) for k in records["exit_layers"]]
     first, disagree = simulate_policy(records["signals"], records["matched"],
@@ -115,8 +115,8 @@ def _served(thresholds: dict[int, float], records: dict) -> dict[str, float]:
 
 def story_trial(records: dict[str, dict], *, requests: int, seed: int) -> dict:
     """One replay of the story's calibration, the maps on every source and the recalibration."""
+    from controlplane.calibration.learn_then_test import calibrate_thresholds
     from controlplane.calibration.segments import calibrate_segments
-    from controlplane.calibration.stats import calibrate_thresholds
 
     chat, code = records["chat"], records["code"]
     layers = [int(k) for k in chat["exit_layers"]]

@@ -26,8 +26,7 @@ import time
 
 import numpy as np
 
-from controlplane.drift.evidently_drift import distribution_drift_report
-from controlplane.drift.stats import (
+from controlplane.drift.detectors import (
     EXIT_RATE_COLLAPSE,
     EXIT_RATE_SPIKE,
     ExitRateMonitor,
@@ -35,6 +34,7 @@ from controlplane.drift.stats import (
     detect_exit_rate_drift,
     layer_counts_from_exits,
 )
+from controlplane.drift.evidently_drift import distribution_drift_report
 from controlplane.stats.synthetic import exit_stream
 
 LAYERS = [8, 16, 24]

@@ -347,8 +347,8 @@ class Source:
 
     def calibrate(self, *, delta: float, epsilon: float) -> tuple[list[float], dict]:
         """Thresholds the calibrator picks on the calibration half, and their expected metrics."""
+        from controlplane.calibration.learn_then_test import calibrate_thresholds
         from controlplane.calibration.service import expected_metrics
-        from controlplane.calibration.stats import calibrate_thresholds
 
         result = calibrate_thresholds(
             signals=self.signals[self.calibration], matched=self.matched[self.calibration],
@@ -437,7 +437,7 @@ class Episode:
         """[(minute, {layer: LayerCounts})] of the minutes whose slots lie before `end_slot`."""
         from datetime import timedelta
 
-        from controlplane.drift.stats import LayerCounts
+        from controlplane.drift.detectors import LayerCounts
 
         exits, reached = self.slots["exits"], self.slots["reached"]
         out = []
@@ -749,7 +749,7 @@ def options_min_effect() -> float:
     """The exit-rate detectors' minimum effect (a smaller change is not a shift to detect)."""
     import inspect
 
-    from controlplane.drift.stats import ExitRateMonitor
+    from controlplane.drift.detectors import ExitRateMonitor
 
     return inspect.signature(ExitRateMonitor).parameters["min_effect"].default
 

@@ -91,8 +91,8 @@ from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.fallback import install
+from controlplane.calibration.learn_then_test import simulate_policy
 from controlplane.calibration.models import CalibrationJob
-from controlplane.calibration.stats import simulate_policy
 from controlplane.db import make_engine, session_scope, utcnow
 from controlplane.deployments.models import Alias
 from controlplane.deployments.schemas import DeploymentCreate

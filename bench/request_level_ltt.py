@@ -1,5 +1,5 @@
 """Request-level Learn-Then-Test: how often a true null is rejected when tokens come in
-correlated requests (the figures in controlplane/calibration/stats.py's docstring).
+correlated requests (the figures in controlplane/calibration/learn_then_test.py's docstring).
 
 Two simulations, seeded, no model or records needed:
 
@@ -14,7 +14,7 @@ Two simulations, seeded, no model or records needed:
    δ, token test vs request-level test, and the mean exit rate of each.
 
 Figures (2026-11-30, loaded 2-core box, the defaults: δ 0.05, ε 0.1, 2,000 draws, 100 trials,
-140 s; controlplane/calibration/stats.py's docstring quotes them):
+140 s; controlplane/calibration/learn_then_test.py's docstring quotes them):
 
 boundary, P(p <= ε) at R = δ     token      test's own reading   product (larger reading)
   12 requests, rho 0.03-0.67     0.17-0.49  0.11-0.40            0.07-0.24  (does not hold)
@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from controlplane.calibration.stats import (
+from controlplane.calibration.learn_then_test import (
     binomial_p_value,
     calibrate_thresholds,
     clustered_risk_p_values,

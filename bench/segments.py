@@ -103,14 +103,14 @@ from pathlib import Path
 
 import numpy as np
 
-from controlplane.calibration.segments import calibrate_segments
-from controlplane.calibration.stats import (
+from controlplane.calibration.learn_then_test import (
     MATCH_MODELS,
     TESTS,
     NotEnoughShadowData,
     calibrate_thresholds,
     simulate_policy,
 )
+from controlplane.calibration.segments import calibrate_segments
 
 SEGMENTS = ("chat", "code")
 

@@ -77,8 +77,8 @@ from controlplane.deployments.service import (
     in_canary,
     move_alias,
 )
+from controlplane.drift.detectors import LayerCounts, LayerReference, proportion_z_test
 from controlplane.drift.outliers import detect_outliers
-from controlplane.drift.stats import LayerCounts, LayerReference, proportion_z_test
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, NotFound
 from controlplane.runtimes.outliers import excluded_runtime_ids

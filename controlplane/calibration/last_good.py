@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.calibration.learn_then_test import policy_disagreement
 from controlplane.calibration.segment_sets import thresholds_for
-from controlplane.calibration.stats import policy_disagreement
 from controlplane.deployments.models import AuditEvent, Deployment, ThresholdSet
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry.models import Rollup

@@ -103,8 +103,8 @@ calibration, and bench/segments.py serves 80% of the segment that was small at c
 which a product default should not assume; and a later one-segment recalibration would have to
 read its recorded share (not a rule of ε and k) to keep the joint statement.
 
-Like the LTT itself (`calibration.stats`, "the request-level test"), both tests work at the
-request level when `requests` are given: a segment's own LTT splits and tests whole requests,
+Like the LTT itself (`calibration.learn_then_test`, "the request-level test"), both tests work
+at the request level when `requests` are given: a segment's own LTT splits and tests whole requests,
 and the pooled check deflates its check tokens by the design effect read on them and on the
 segment's other requests. Without request ids every token is its own request, the token-level
 test of before.
@@ -118,7 +118,7 @@ from typing import Any, Literal
 import numpy as np
 
 from controlplane.calibration.evidence import robust_p_values, runtime_count
-from controlplane.calibration.stats import (
+from controlplane.calibration.learn_then_test import (
     NEVER_EXIT,
     CalibrationResult,
     NotEnoughShadowData,

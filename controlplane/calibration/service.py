@@ -23,8 +23,9 @@ job's `summary["segments"]`.
 
 Request-level guarantee: shadow tokens are read with their request ids (a sample stored without
 one stands for its telemetry batch, a larger and so more conservative cluster), so every
-calibration tests its thresholds at the request level (`calibration.stats`, "the request-level
-test"); the job's summary names the test (`risk_unit`, `design_effect`) and counts requests.
+calibration tests its thresholds at the request level (`calibration.learn_then_test`, "the
+request-level test"); the job's summary names the test (`risk_unit`, `design_effect`) and
+counts requests.
 
 The automatic fallback lives in `controlplane.calibration.fallback` and the canary in
 `controlplane.calibration.canary` (its functions are re-exported here).
@@ -50,6 +51,11 @@ from controlplane.calibration.canary import (
     start_canary,
 )
 from controlplane.calibration.evidence import EvidencePolicy, cap_runtime_share
+from controlplane.calibration.learn_then_test import (
+    CalibrationResult,
+    NotEnoughShadowData,
+    calibrate_thresholds,
+)
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
 from controlplane.calibration.promotion import PromotionBounds, promotion_hold
 from controlplane.calibration.segment_sets import replace_segment_map
@@ -58,11 +64,6 @@ from controlplane.calibration.segments import (
     calibrate_segments,
     path_borrowing,
     recalibration_level,
-)
-from controlplane.calibration.stats import (
-    CalibrationResult,
-    NotEnoughShadowData,
-    calibrate_thresholds,
 )
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment, ThresholdSet

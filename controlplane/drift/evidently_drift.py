@@ -26,7 +26,7 @@ from evidently.core.metric_types import MetricTestResult
 from evidently.metrics import ValueDrift
 from scipy.stats import chi2_contingency, ks_2samp
 
-from controlplane.drift.stats import DISTRIBUTION_DRIFT, SEVERITY, DriftFinding
+from controlplane.drift.detectors import DISTRIBUTION_DRIFT, SEVERITY, DriftFinding
 
 DEFAULT_NUMERICAL = ("signal",)
 DEFAULT_CATEGORICAL = ("exit_layer",)

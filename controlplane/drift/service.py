@@ -6,7 +6,7 @@ set carries them (`expected_metrics`), else the first window after activation in
 layer saw `reference_tokens` tokens:
 
 - exit rate per layer: the per-minute rollups of the lookback replayed through ADWIN with a
-  confirming two-proportion test, Holm-corrected across layers (`controlplane.drift.stats`);
+  confirming two-proportion test, Holm-corrected across layers (`controlplane.drift.detectors`);
   from `robust_min_runtimes` reporting runtimes on, a spike or collapse must also show without
   each one runtime's rollups (`window_checks.robust_exit_findings`);
 - shadow disagreement of sliding windows of the recent shadow tokens vs the deployment's δ
@@ -58,13 +58,13 @@ from controlplane.db import utcnow
 from controlplane.deployments.models import Alias, Deployment
 from controlplane.deployments.segments import known_segments
 from controlplane.deployments.service import aliases_of, get_threshold_set
-from controlplane.drift.outliers import detect_outliers
-from controlplane.drift.stats import (
+from controlplane.drift.detectors import (
     DISTRIBUTION_DRIFT,
     LayerCounts,
     LayerReference,
     conditional_exit_rates,
 )
+from controlplane.drift.outliers import detect_outliers
 from controlplane.drift.window_checks import (
     EXIT_KINDS,
     DriftOptions,

@@ -45,7 +45,7 @@ import numpy as np
 
 from controlplane.alerts.service import Condition
 from controlplane.calibration.evidence import leave_one_out
-from controlplane.drift.stats import (
+from controlplane.drift.detectors import (
     DISTRIBUTION_DRIFT,
     DISTRIBUTION_DRIFT_ESCALATED,
     EXIT_RATE_COLLAPSE,

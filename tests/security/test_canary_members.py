@@ -19,8 +19,8 @@ from controlplane.calibration.canary import (
     promote_canary,
     start_canary,
 )
+from controlplane.calibration.learn_then_test import policy_disagreement
 from controlplane.calibration.models import CanaryRun
-from controlplane.calibration.stats import policy_disagreement
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.service import (
     aliases_of,

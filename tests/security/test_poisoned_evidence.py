@@ -24,8 +24,8 @@ from controlplane.calibration import service as calibration
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.evidence import cap_runtime_share
 from controlplane.calibration.last_good import last_good_version
+from controlplane.calibration.learn_then_test import calibrate_thresholds, policy_disagreement
 from controlplane.calibration.models import CalibrationJob
-from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import Alias
 from controlplane.deployments.segments import declare_segment

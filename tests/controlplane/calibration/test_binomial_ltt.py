@@ -14,7 +14,7 @@ import pytest
 from scipy.stats import binom
 from sklearn.linear_model import LogisticRegression
 
-from controlplane.calibration import stats as cal
+from controlplane.calibration import learn_then_test as cal
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 from tests.controlplane.calibration.support import LAYERS as SUPPORT_LAYERS

@@ -1,17 +1,17 @@
 """Learn-Then-Test at the request level: tokens of one request are correlated, so the calibrator's
-p-values deflate the token count by a design effect read under the null (calibration.stats,
-"the request-level test"). Known answers of the design effect, the exact reduction to the token
-test when every request is one token, whole requests in each part, and validity on simulated
-requests whose tokens are strongly correlated: where the token test rejects a true null far more
-often than ε, the request-level one stays within ε (the p-value at the boundary R = δ, and the
-whole calibrator's chosen thresholds against their true risk)."""
+p-values deflate the token count by a design effect read under the null
+(calibration.learn_then_test, "the request-level test"). Known answers of the design effect,
+the exact reduction to the token test when every request is one token, whole requests in each
+part, and validity on simulated requests whose tokens are strongly correlated: where the token
+test rejects a true null far more often than ε, the request-level one stays within ε (the p-value
+at the boundary R = δ, and the whole calibrator's chosen thresholds against their true risk)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from controlplane.calibration import stats as cal
+from controlplane.calibration import learn_then_test as cal
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.stats.clustered import (
     binomial_lower_tail,
@@ -200,7 +200,7 @@ def test_holdout_check_counts_requests_not_tokens():
     # tokens that is "significantly above δ" (p 0.049) and failed a demo recalibration; two
     # requests are almost no evidence. Many requests that disagree are still caught, and one
     # token per request is exactly the token test.
-    from controlplane.calibration.stats import check_holdout
+    from controlplane.calibration.learn_then_test import check_holdout
 
     thresholds = {3: 0.5, 6: 0.5, 9: 0.5}
     shape = dict(exit_layers=[3, 6, 9], num_layers=12, delta=0.05, thresholds=thresholds)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controlplane.calibration.learn_then_test import NEVER_EXIT
 from controlplane.calibration.segments import (
     calibrate_segments,
     own_test_level,
     recalibration_level,
 )
-from controlplane.calibration.stats import NEVER_EXIT
 from tests.controlplane.calibration.test_segment_power import _requests
 
 DELTA, EPSILON = 0.05, 0.1

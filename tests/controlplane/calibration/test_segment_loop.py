@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.calibration import service
+from controlplane.calibration.learn_then_test import calibrate_thresholds
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.segments import recalibration_level
-from controlplane.calibration.stats import calibrate_thresholds
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.segments import declare_segment
 from controlplane.deployments.service import (

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from controlplane.calibration import service
-from controlplane.calibration.models import CalibrationJob
-from controlplane.calibration.segments import calibrate_segments, recalibration_level
-from controlplane.calibration.stats import (
+from controlplane.calibration.learn_then_test import (
     LogisticMatchModel,
     calibrate_thresholds,
     policy_disagreement,
     simulate_policy,
 )
+from controlplane.calibration.models import CalibrationJob
+from controlplane.calibration.segments import calibrate_segments, recalibration_level
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.segments import declare_segment
 from controlplane.deployments.service import get_deployment

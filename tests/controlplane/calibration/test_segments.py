@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controlplane.calibration.learn_then_test import NEVER_EXIT, policy_disagreement
 from controlplane.calibration.segments import calibrate_segments
-from controlplane.calibration.stats import NEVER_EXIT, policy_disagreement
 from controlplane.deployments.service import publish, to_wire
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 from tests.controlplane.calibration.support import LAYERS, make_deployment

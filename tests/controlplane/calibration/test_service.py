@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.calibration import service
+from controlplane.calibration.learn_then_test import calibrate_thresholds, policy_disagreement
 from controlplane.calibration.models import CalibrationJob
-from controlplane.calibration.stats import calibrate_thresholds, policy_disagreement
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import AuditEvent, ThresholdSet
 from controlplane.deployments.service import aliases_of, get_deployment

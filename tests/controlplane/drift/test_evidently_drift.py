@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from controlplane.drift.detectors import DISTRIBUTION_DRIFT
 from controlplane.drift.evidently_drift import distribution_drift_report, histogram_samples
-from controlplane.drift.stats import DISTRIBUTION_DRIFT
 
 LAYERS = [8, 16, 24, 30]
 

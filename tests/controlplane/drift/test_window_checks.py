@@ -74,7 +74,7 @@ def test_thin_traffic_gets_its_exit_rate_alert_from_a_window_closed_by_time(monk
     # A deployment at 2 tokens/s whose calibration expected 5% exits at layer 6 while 30% exit:
     # one check of the service's code (`evaluate`) on 12 minutes of rollups pages, through a
     # window closed after `exit_rate_window_min` minutes; its 5,000 tokens would take 42.
-    from controlplane.drift.stats import LayerCounts, LayerReference
+    from controlplane.drift.detectors import LayerCounts, LayerReference
     from controlplane.settings import get_settings
 
     minutes = [(NOW - timedelta(minutes=12 - i),

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from controlplane.drift import stats as drift
-from controlplane.drift.stats import (
+from controlplane.drift import detectors as drift
+from controlplane.drift.detectors import (
     EXIT_RATE_COLLAPSE,
     EXIT_RATE_SPIKE,
     QUALITY_REGRESSION,

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from controlplane.calibration import stats as cal
-from controlplane.drift.stats import conditional_exit_rates
+from controlplane.calibration import learn_then_test as cal
+from controlplane.drift.detectors import conditional_exit_rates
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 
 LAYERS = list(DEFAULT_EXIT_LAYERS)
