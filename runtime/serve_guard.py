@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from exitplane.kit.bearer import bearer_token
+
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 API_KEYS_ENV = "EXITPLANE_RUNTIME_API_KEYS"
 MIN_KEY_CHARS = 16
@@ -104,10 +106,10 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer":
+        key = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+        if key is None:
             return False
-        offered = _digest(key.strip())
+        offered = _digest(key.encode("latin-1"))
         matched = False
         for digest in self._digests:  # no early exit: every key is compared every time
             matched |= hmac.compare_digest(offered, digest)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exitplane.kit.bearer import bearer_token
 from exitplane.wire import DEFAULT_MAX_SEGMENTS, DEFAULT_SEGMENT, NAME_PATTERN
 
 SEGMENT_HEADER = "x-exitplane-segment"
@@ -149,9 +150,9 @@ class SegmentRouter:
             return self._admit(check_name(body, f"the body field {SEGMENT_FIELD}"))
         rules = self.rules
         if rules.by_api_key and authorization:
-            scheme, _, key = authorization.partition(" ")
-            if scheme.lower() == "bearer":
-                named = rules.by_api_key.get(key_digest(key.strip()))
+            key = bearer_token(authorization)
+            if key is not None:
+                named = rules.by_api_key.get(key_digest(key))
                 if named is not None:
                     return named
         if model is not None and model in rules.by_model:
