@@ -15,6 +15,21 @@ from exitplane.wire import DEFAULT_MAX_SEGMENTS
 
 HOST_NAME = re.compile(r"(?i)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(value: str) -> tuple[Network, ...]:
+    """Comma-separated IP addresses and CIDR networks; ValueError names the first bad entry."""
+    networks = []
+    for entry in (part.strip() for part in value.split(",")):
+        if not entry:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+        except ValueError:
+            raise ValueError(f"{entry!r} is neither an IP address nor a CIDR network") from None
+    return tuple(networks)
+
 
 class Settings(BaseSettings):
     """Everything the API, the workers and the CLI read from the environment."""
@@ -279,8 +294,6 @@ class Settings(BaseSettings):
     @field_validator("trusted_proxies")
     @classmethod
     def _trusted_proxies_are_networks(cls, value: str) -> str:
-        from controlplane.auth.clients import parse_networks
-
         try:
             parse_networks(value)
         except ValueError as error:

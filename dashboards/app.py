@@ -16,12 +16,12 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from controlplane.auth.clients import parse_networks
 from controlplane.auth.passwords import PasswordChecks
 from controlplane.errors import DomainError
 from controlplane.guards.buckets import RefusalHold
 from controlplane.guards.signin_gate import SignInGate
 from controlplane.guards.signin_throttle import SignInThrottle
+from controlplane.settings import parse_networks
 from dashboards.security import LoginRequired, save_session
 from dashboards.templating import render, ui_root
 from dashboards.views import (

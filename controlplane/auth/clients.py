@@ -13,24 +13,12 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+from controlplane.settings import Network
+
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # One IPv6 subscriber is given a /64 (often more): an address inside it is as good as another.
 IPV6_CLIENT_PREFIX = 64
-
-
-def parse_networks(value: str) -> tuple[Network, ...]:
-    """Comma-separated IP addresses and CIDR networks; ValueError names the first bad entry."""
-    networks = []
-    for entry in (part.strip() for part in value.split(",")):
-        if not entry:
-            continue
-        try:
-            networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
-        except ValueError:
-            raise ValueError(f"{entry!r} is neither an IP address nor a CIDR network") from None
-    return tuple(networks)
 
 
 def _address(text: str) -> Address | None:

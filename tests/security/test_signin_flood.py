@@ -25,9 +25,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
 from controlplane.auth import users
-from controlplane.auth.clients import client_address, parse_networks, throttle_key
+from controlplane.auth.clients import client_address, throttle_key
 from controlplane.auth.users import create_user
 from controlplane.guards import signin_throttle as throttle
+from controlplane.settings import parse_networks
 from exitplane.app import create_app
 from tests.conftest import free_port
 from tests.dashboards.conftest import CSRF_FIELD, PASSWORD, csrf_of, sign_in
