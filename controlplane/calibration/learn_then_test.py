@@ -1,101 +1,12 @@
 """Threshold selection with a statistical guarantee: Learn-Then-Test over a threshold path.
 
-Policy: a token exits at the first exit layer (increasing order) whose signal is > that layer's
-threshold; threshold 1.0 never exits. Its *risk* is the probability that it exits at a layer
-whose top-1 did not match the full-depth top-1 (the whole policy's disagreement: risk is
-accounted across layers in exit order by simulating the policy on each shadow sample, so a
-token that exits early can no longer disagree later).
-
-Selection (Angelopoulos et al., "Learn then Test", fixed-sequence testing):
-
-1. Split the calibration samples into a *learn* part and a *test* part.
-2. Learn: per exit layer, fit a model signal -> P(match), non-decreasing in the signal. A
-   level t in [0, 1] gives per-layer thresholds "exit where the estimated match probability is
-   >= t"; t descending from 1 to 0 is a path of threshold vectors from conservative to
-   aggressive (each layer's threshold never increases along it). `strategy="shared"` instead
-   uses one raw threshold for all layers, from 1.0 down to 0.0, and no learn part.
-   The model (`match_model`): `"logistic"` (default), a logistic regression on (s, logit s)
-   made monotone (`LogisticMatchModel`), or `"isotonic"` regression (the earlier default).
-   Which model draws the path does not touch the guarantee: the path is fixed on the learn
-   part before the test part is seen, whatever it is. It decides how far the test gets: the
-   isotonic fit is a step function whose top steps rest on a handful of learn tokens, so on a
-   small learn part its high-confidence thresholds are noisy and the path wanders; two
-   parameters per layer are steadier. Measured on bench/segments.py's real SmolLM2 records
-   (binomial test, 50 trials): served exit rate of the code segment's own set (1,536 tokens,
-   461 of them learn) 0.205 isotonic -> 0.233 logistic; of the pooled set recalibrated on
-   9,600 tokens 0.227 -> 0.243. `borrowed` tokens (from requests the test never sees: another
-   traffic segment's, `calibration.segments`) may join the learn part: the logistic fit per
-   layer is then shrunk towards a fit on both (`prior_weight`), the isotonic one fitted on
-   both; the path is still fixed before the test part is seen.
-3. Test: for each step in path order, the null "policy risk > δ" gets a p-value on the test
-   part; steps are rejected while p <= ε and testing stops at the first failure. The last
-   rejected step is chosen (never-exit if none). Because the path is fixed before the test
-   data is seen, P(risk of the chosen thresholds > δ) <= ε.
-
-The p-value (`risk_test`). The loss is 0/1 (a token disagrees or not); with the test tokens taken
-as independent draws from the traffic (no request ids; the request level is below), the number
-of disagreements K of n test tokens is Binomial(n, R). The default, `"binomial"`, is the exact tail
-p = P(Binomial(n, δ) <= K): under the null R >= δ, Binomial(n, R) is stochastically larger
-than Binomial(n, δ), so P(p <= ε) <= ε — a valid p-value, the exact one LTT names for
-Bernoulli losses. `"hoeffding-bentkus"` (the earlier default, kept for comparison) is valid
-for any loss in [0, 1]; for 0/1 losses it is never smaller: its Hoeffding term is the Chernoff
-bound on that same tail and its Bentkus term is the tail times e. So the binomial test
-certifies every step the Hoeffding-Bentkus one does, under the same independence assumption,
-and usually a few more (measured in bench/segments.py). `risk_bound` is the matching 1-ε upper
-bound (one-sided Clopper-Pearson for "binomial").
-
-The request-level test (`requests` given; the service always passes the shadow tokens' request
-ids). Tokens of one request share a prompt and a topic, so their disagreements are correlated and
-n test tokens carry less evidence than n independent draws: on a dozen requests the token test
-above is optimistic (the demo's chat set, certified on 384 tokens of 12 requests, disagreed 8.9%
-against δ 5%). The risk is the served token disagreement, a ratio over requests i of x_i
-disagreements among n_i tokens, R = E[x] / E[n]; H0: R >= δ says each request's score
-z_i = x_i - δ n_i has mean >= 0 whatever the request lengths. The p-value is the exact binomial
-tail on the count deflated by a design effect d (Kish; Korn & Graubard's effective sample size
-for clustered proportions): n_eff = n / d * KG, k_eff = k n_eff / n, p = P(Bin(n_eff, δ) <=
-k_eff) (continuous in non-integer n_eff, k_eff through the incomplete beta), where
-
-- d is read under the null, sum z_i^2 / (δ(1-δ) n), in [1, sum n_i^2 / n]
-  (`stats.clustered.null_design_effect`): the observed-rate sandwich variance is 0 for a step
-  with no disagreement, which would make the most conservative steps look least certain;
-- d is the larger of that reading on the test requests and on the requests the test does not
-  see (learn and holdout), step by step. Why both: the test sample's own reading is low exactly
-  when it missed the few bad requests, that is when its count is low, so alone it is
-  anti-conservative; a reading on other requests is independent of the test's outcome, and the
-  larger of the two held the level where requests are not too few. Measured at the null's
-  boundary R = δ (`bench/request_level_ltt.py`, 32-token requests, intra-request correlation
-  0.03-0.67, share of draws with p <= ε): at ε 0.1, the token test 0.15-0.49, the test's own
-  reading 0.11-0.21 on 34 requests and 0.12-0.16 on 100, the larger reading 0.074-0.081 on 34
-  and 0.078-0.090 on 100; at ε 0.045, 0.037-0.051 on 34 up to correlation 0.25 but 0.066 at
-  0.67 (nearly all-or-nothing requests), 0.037-0.041 on 100. On 12 requests it does not hold
-  (0.07-0.24 at ε 0.1);
-- KG = (z_{1-ε} / t_{m-1, 1-ε})^2 shrinks n_eff for a variance read on few (m) requests.
-
-Why this and not the other candidates: a Hoeffding-Bentkus bound (or a betting test) on
-per-request losses x_i / n_i is valid with no model at all, but it must allow for requests that
-disagree all-or-nothing, so it cannot certify anything on fewer than log ε / log(1 - δ)
-requests (60 at δ 0.05, ε 0.045, more than a 60-request segment's test part ever holds), and it
-tests the mean of per-request rates, not the served token rate, when lengths vary. A cluster
-bootstrap is random and costs hundreds of resamples per path step. The design effect keeps every
-token's evidence, pays exactly what the measured clustering costs (1.3-2 on bench/segments.py's
-real SmolLM2 requests) and reduces to the exact binomial when every request is one token (d = 1
-by definition: independence is then the assumption itself; `risk_unit` stays "token").
-
-What it assumes, and where it is weak: the p-value is valid in large samples of requests (a
-variance is estimated), not exactly in finite ones. Measured end to end
-(`bench/request_level_ltt.py`: one layer, `shared` path, 32-token requests with a request
-effect on the match logit, 100 trials, ε 0.1): with 100 or 200 requests the chosen thresholds'
-true risk exceeded δ in 0.04-0.07 of trials (token test: 0.15-0.26); with 20-50 requests,
-0.06-0.16 (token test: 0.18-0.28). So on a few dozen requests it cuts the optimism but does not
-remove it. Without request ids (an upload or a caller that has
-none) tokens are taken as independent draws, as before; the service's shadow tokens stored
-without a request id stand for their telemetry batch, a larger cluster (conservative). With
-`requests` the holdout, learn and test parts are whole requests (a request split across them
-would let the test see what the path was fitted on).
-
-Per-layer figures (exit rate, risk contribution, its bound) are descriptive; the p-value and
-the guarantee belong to the whole policy (each layer carries the policy's fixed-sequence
-adjusted p-value at the chosen step).
+A token exits at the first exit layer whose signal is above that layer's threshold (1.0 never
+exits); the policy's risk is the share of tokens that exit at a layer whose top-1 differs from
+full depth. `calibrate_thresholds` fits a path of threshold vectors on a learn part, tests its
+steps in order on a test part (binomial p-values, request-level when request ids are given) and
+returns the most aggressive certified step: P(risk > δ) <= ε. The derivation, the choice of
+p-value and design effect, and what the test assumes: docs/concepts/statistics.md, "Threshold
+selection in detail".
 """
 
 from __future__ import annotations
@@ -200,9 +111,9 @@ class CalibrationResult:
     samples: dict[str, int]
     holdout: HoldoutCheck | None = None
     notes: list[str] = field(default_factory=list)
-    risk_test: str = "binomial"  # the path's p-value (module docstring)
-    match_model: str = "logistic"  # the path's P(match) model (module docstring)
-    # "request": p-values at the request level (module docstring); "token": tokens as
+    risk_test: str = "binomial"  # the path's p-value (docs/concepts/statistics.md)
+    match_model: str = "logistic"  # the path's P(match) model (docs/concepts/statistics.md)
+    # "request": p-values at the request level (docs/concepts/statistics.md); "token": tokens as
     # independent draws (no request ids, or one token each)
     risk_unit: str = "token"
     design_effect: float = 1.0  # of the chosen step's test (1 at the token level)
@@ -253,7 +164,7 @@ def hb_upper_bound(risk_hat: Any, n: int, epsilon: float) -> Any:
 def binomial_p_value(losses: Any, n: int, delta: float) -> np.ndarray:
     """Exact p-value for H0: risk >= δ from `losses` disagreements (a count) among n
     independent 0/1 losses: P(Binomial(n, δ) <= losses). Valid because Binomial(n, R) is
-    stochastically larger than Binomial(n, δ) whenever R >= δ (module docstring)."""
+    stochastically larger than Binomial(n, δ) whenever R >= δ (docs/concepts/statistics.md)."""
     k = np.asarray(losses, dtype=float)
     return np.minimum(1.0, binom.cdf(k, n, delta))
 
@@ -275,7 +186,8 @@ TESTS = ("binomial", "hoeffding-bentkus")
 
 
 def risk_p_values(losses: Any, n: int, delta: float, test: str = "binomial") -> np.ndarray:
-    """p-values for H0: risk > δ from loss counts, by the named test (module docstring)."""
+    """p-values for H0: risk > δ from loss counts, by the named test (the tests:
+    docs/concepts/statistics.md, "The p-value")."""
     if test == "binomial":
         return binomial_p_value(losses, n, delta)
     if test == "hoeffding-bentkus":
@@ -301,11 +213,11 @@ def clustered_risk_p_values(request_losses: Any, request_tokens: Any, delta: Any
     request_losses: (steps, m) or (m,) disagreements per request; request_tokens: (m,) tokens
     per request; `delta` a number or one per step; `alpha`: the level the p-values are
     compared with (the few-requests shrink depends on it). The count is deflated to its
-    effective size (module docstring, "the request-level test"): n_eff = n / d * KG(m, alpha),
-    losses k * n_eff / n, then the named test on (k_eff, n_eff). `reference`: (losses (steps,
-    m'), tokens (m',)) of the same steps on requests apart from the tested ones; d is the larger
-    of the two readings (module docstring: why the tested sample's own is not enough). Every
-    request one token: exactly `risk_p_values` (d = 1)."""
+    effective size n_eff = n / d * KG(m, alpha), losses k * n_eff / n, then the named test on
+    (k_eff, n_eff). `reference`: (losses (steps, m'), tokens (m',)) of the same steps on
+    requests apart from the tested ones; d is the larger of the two readings. Every request
+    one token: exactly `risk_p_values` (d = 1). The derivation, and why the tested sample's
+    own reading is not enough: docs/concepts/statistics.md, "The request-level test"."""
     tokens = np.asarray(request_tokens, dtype=float)
     losses = np.atleast_2d(np.asarray(request_losses, dtype=float))
     total, counts = float(tokens.sum()), losses.sum(axis=1)
@@ -330,7 +242,7 @@ def effective_trials(tokens: np.ndarray, losses: np.ndarray, delta: Any, *, alph
                      ) -> tuple[np.ndarray, np.ndarray]:
     """(n_eff, d) per step: the token count n deflated by its design effect d under δ (the
     larger of the reading on these requests and on `reference`'s), shrunk for few requests
-    (module docstring, "the request-level test")."""
+    (docs/concepts/statistics.md, "The request-level test")."""
     design = null_design_effect(tokens, losses, delta)
     if reference is not None and np.sum(reference[1]) > 0:
         design = np.maximum(design, null_design_effect(reference[1], reference[0], delta))
@@ -344,10 +256,9 @@ def clustered_risk_upper_bound(request_losses: Any, request_tokens: Any, epsilon
                                delta: float | None = None) -> np.ndarray:
     """An upper bound at 1-ε matching `clustered_risk_p_values`: by bisection, an R at which the
     request-level p-value is <= ε, within 2^-30 of the smallest such R where the p-value falls
-    as R grows. It need not everywhere: the design effect is re-read at each R and grows with
-    the distance from the observed rate (about 1% of random samples tried). So where `delta`
-    is given and the test rejects at δ, the search stays below δ: a certified step's bound is
-    never above δ."""
+    as R grows. It need not everywhere (the design effect is re-read at each R), so where
+    `delta` is given and the test rejects at δ, the search stays below δ: a certified step's
+    bound is never above δ."""
     losses = np.atleast_2d(np.asarray(request_losses, dtype=float))
     tokens = np.asarray(request_tokens, dtype=float)
     lo = losses.sum(axis=1) / max(float(tokens.sum()), 1.0)
@@ -477,7 +388,8 @@ def fit_match_models(
     borrowed: tuple[np.ndarray, np.ndarray] | None = None, prior_weight: float = 0.0,
 ) -> list[IsotonicRegression | LogisticMatchModel]:
     """Per exit layer, a model signal -> P(match), non-decreasing in the signal: `"logistic"`
-    (`LogisticMatchModel`, the default) or `"isotonic"` regression (module docstring).
+    (`LogisticMatchModel`, the default) or `"isotonic"` regression (docs/concepts/statistics.md,
+    "The match model").
     `borrowed` (signals, matched) of other tokens: the logistic fit is shrunk towards one on
     these and the own tokens together, with strength `prior_weight` (`_fit_logistic`); the
     isotonic one is fitted on both together."""
@@ -605,10 +517,8 @@ def check_holdout(
     `codes`: each sample's dense request code. Given (and some request longer than a token),
     the test counts requests as the path's test does: the count deflated by its design
     effect under δ (`null_design_effect`, read on these requests, with the few-requests
-    shrink), then the binomial upper tail. Tokens of one request disagree together, so two
-    held-out requests are not 28 independent tokens: counted as tokens, one unlucky request
-    failed a demo recalibration whose test had certified its set (4/28 tokens of 2 requests,
-    p = 0.049)."""
+    shrink), then the binomial upper tail: tokens of one request disagree together
+    (docs/concepts/statistics.md, "The holdout check")."""
     first, disagree = simulate_policy(signals, matched, [thresholds[k] for k in exit_layers])
     n, k = len(first), int(disagree.sum())
     p = binomtest(k, n, p=delta, alternative="greater").pvalue if n else 1.0
@@ -834,20 +744,21 @@ def calibrate_thresholds(
     runtimes: Sequence | np.ndarray | None = None,
     robust_min_runtimes: int = 3,
 ) -> CalibrationResult:
-    """Most aggressive thresholds with P(policy disagreement > δ) <= ε (see module docstring).
+    """Most aggressive thresholds with P(policy disagreement > δ) <= ε.
 
+    docs/concepts/statistics.md ("Threshold selection in detail") derives the selection.
     signals: (n, L) float in [0, 1] (NaN = layer not observed); matched: (n, L) bool;
     exit_layers: the L exit layers in increasing order. A random `holdout_fraction` is set
     aside for `check_holdout`; of the rest, `learn_fraction` builds the path ("calibrated").
     `grid` overrides the path levels (match-probability levels for "calibrated", raw
     thresholds for "shared"; conservative first). `risk_test` names the path's p-value
     ("binomial" or "hoeffding-bentkus"), `match_model` the path's model of P(match)
-    ("logistic" or "isotonic"; module docstring). `requests`: each sample's request id; given,
-    the holdout, learn and test parts are whole requests and the test is the request-level one
-    (module docstring); None, or every request one token: tokens are independent draws, as
-    before. `borrowed`: (signals, matched) of tokens from *other* requests (never these
-    samples'), which help draw the path only (module docstring, step 2; `prior_weight` the
-    shrink towards them); the split, the test and its level are unchanged. `runtimes`: each
+    ("logistic" or "isotonic"). `requests`: each sample's request id; given, the holdout,
+    learn and test parts are whole requests and the test is the request-level one; None, or
+    every request one token: tokens are independent draws. `borrowed`: (signals, matched) of
+    tokens from *other* requests (never these samples'), which help draw the path only
+    (`prior_weight` the shrink towards them); the split, the test and its level are
+    unchanged. `runtimes`: each
     sample's runtime; with two or more, the holdout part is whole runtimes (the cross-runtime
     check: every step must be certified on runtimes it did not learn from as well as on the
     test part, `calibration.evidence`), and with at least
@@ -891,7 +802,7 @@ def calibrate_thresholds(
     if codes is not None:
         test_codes = np.unique(codes[test], return_inverse=True)[1]
         # every request the test does not see (learn and holdout): where each step's design
-        # effect is read independently of the test's outcome (module docstring)
+        # effect is read independently of the test's outcome (docs/concepts/statistics.md)
         apart = np.setdiff1d(np.arange(len(signals)), test)
         if len(apart):
             reference = (signals[apart], matched[apart],
