@@ -1,32 +1,11 @@
 """Proportions from tokens that come in requests: cluster-robust variance and effective size.
 
-Tokens are not independent samples. A request's tokens share a prompt, a topic and a register, so
-whether they exit early (or agree with full depth) is correlated within the request; a test that
-counts tokens as samples overstates its evidence by the *design effect*, which on real text is
-of the order of the tokens per request. The unit of analysis here is therefore the request.
-
-Choice: request-level aggregation with the cluster-robust (CR1, "sandwich") variance of the
-ratio estimator p = sum(x_i) / sum(n_i) over requests i (x_i events among n_i tokens). Why this
-one and not the others:
-
-- it is exact bookkeeping, not resampling: a block bootstrap needs hundreds of resamples per
-  layer per check and is random; the sandwich variance is one pass over per-request sums;
-- it keeps every token (long requests weigh more, as they do in the traffic), where a mean of
-  per-request rates would let a 3-token request weigh as much as a 300-token one;
-- it turns into a Kish *design effect* d = var_CR1 / var_binomial (at least 1) and an effective
-  sample size n / d, which plugs into the tests that already exist: the exact binomial bound
-  with n / d trials (Korn & Graubard's interval for clustered survey proportions) for quality,
-  a z-test with its standard error scaled by sqrt(d) for exit rates.
-
-When a window shows no variation (no event at all, or only events) the sandwich variance is 0
-and says nothing about clustering; the effective size is then the number of requests, the
-reading that assumes a request's tokens all behave alike (the conservative one).
-
-Where the per-request sums come from: shadow tokens carry their request id (stored with each
-shadow sample), so quality tests and the design effect of each exit layer are computed from the
-shadow tokens of the window. Rollups stay per minute / version / layer: the exit-rate tests read
-them and borrow the design effect measured on the same window's shadow tokens (`scale_design_
-effect` carries it from shadow-sized clusters to served-sized ones).
+A request's tokens exit (and agree with full depth) together, so a test that counts tokens as
+independent samples overstates its evidence by the design effect. Here the unit is the request:
+the ratio estimate over requests with its cluster-robust (CR1) variance, the Kish design effect
+and effective sample size the binomial and z-tests read, and the score-form design effect of
+calibration's request-level test. Why this estimator and not a bootstrap or a mean of
+per-request rates: docs/concepts/statistics.md, "Clustered proportions".
 """
 
 from __future__ import annotations
@@ -212,13 +191,9 @@ def null_design_effect(tokens: np.ndarray, events: np.ndarray, rate: Any) -> np.
     """Design effect of a clustered 0/1 count *under a hypothesised rate* (the score form):
     sum_i (x_i - rate n_i)^2 / (rate (1 - rate) sum_i n_i), clipped to [1, sum n_i^2 / sum n_i].
 
-    Why centred at the hypothesised rate and not at the observed one (`clustered_proportion`):
-    a test of "risk >= rate" needs the count's spread *at the null*, and the observed-rate
-    variance is 0 when a sample shows no event, which would leave a step with no disagreement
-    the weakest evidence of all. At the null each request's x_i - rate n_i has mean 0, so the
-    sum of squares estimates the count's variance there; away from it the mean offset adds to
-    the sum, on the conservative side. The ceiling is the all-or-nothing request (each request
-    one draw); the floor keeps the test never more confident than the token-level one.
+    Centred at the hypothesised rate because a test of "risk >= rate" needs the count's spread
+    at the null, and the observed-rate variance is 0 on a sample with no event
+    (docs/concepts/statistics.md, "The request-level test").
 
     `events`: (m,) or (steps, m) per-cluster counts against (m,) `tokens`; `rate` a number or
     one per step; returns (steps,)."""
