@@ -377,7 +377,7 @@ class Settings(BaseSettings):
         description="an exit-rate tumbling window (5,000 tokens) is also tested after this many "
         "minutes of rollups, once it holds the tokens its test needs: thin traffic gets"
         " a timely exit-rate alert")
-    # Robust evidence (controlplane/calibration/evidence.py): the most of a verdict's shadow
+    # Robust evidence (controlplane/stats/robust_evidence.py): the most of a verdict's shadow
     # tokens one witness may hold, as a share and as a multiple of the median witness's
     # (past either its requests are subsampled), and from how many witnesses on every verdict
     # (calibration step, quality regression, exit-rate spike or collapse, canary) must hold

@@ -21,7 +21,7 @@ Witnesses, not runtime ids, count: a runtime id belongs to the credential that r
 one credential may register many ids (enough to land some in the canary group), so the robust
 rules count the credentials that posted the tokens (`ShadowEvidence.witnesses`). From
 `min_runtimes` member witnesses up, a failure must show, and a clean window's bound hold, without
-each one witness's tokens (`calibration.evidence.leave_one_out`). A window that would be clean on
+each one witness's tokens (`stats.robust_evidence.leave_one_out`). A window that would be clean on
 fewer witnesses is not counted as clean: no one could check them against a fleet, so the canary
 pauses at once for an operator. A failure on fewer witnesses still reverts: reverting only
 returns the canary runtimes to the stable set.
@@ -64,11 +64,10 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, fire
-from controlplane.calibration.evidence import leave_one_out
 from controlplane.calibration.models import CalibrationJob, CanaryRun
-from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.segments import known_segments
 from controlplane.deployments.service import (
     aliases_of,
@@ -83,6 +82,7 @@ from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, NotFound
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
+from controlplane.stats.robust_evidence import leave_one_out
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_evidence
 from exitplane.wire import DEFAULT_SEGMENT
@@ -255,7 +255,7 @@ def window_quality(*, session: Session, deployment: Deployment, version: int,
     """The policy's disagreement on the canary members' shadow tokens of one version in a window
     (of one traffic segment when given), clustered by request (the unit the quality test
     counts); then the same without each one witness's tokens when `min_runtimes` or more
-    witnesses report (`calibration.evidence`). Non-members' tokens and excluded runtimes'
+    witnesses report (`stats.robust_evidence`). Non-members' tokens and excluded runtimes'
     (`exclude`, None: the deployment's) count for nothing."""
     found = shadow_evidence(session=session, deployment=deployment, since=since, until=until,
                             version=version, segment=segment, exclude=exclude)

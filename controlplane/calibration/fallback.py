@@ -44,15 +44,15 @@ from controlplane.alerts import reactions
 from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
 from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.last_good import last_good_version
-from controlplane.calibration.segment_sets import (
-    has_own_map,
-    replace_segment_map,
-    thresholds_for,
-)
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
 from controlplane.db import utcnow
 from controlplane.deployments.locks import DEPLOYMENT_LOCK
 from controlplane.deployments.models import AuditEvent, Deployment, ThresholdSet
+from controlplane.deployments.segment_sets import (
+    has_own_map,
+    replace_segment_map,
+    thresholds_for,
+)
 from controlplane.deployments.service import aliases_of, get_threshold_set, move_alias, publish
 from controlplane.settings import get_settings
 from controlplane.telemetry.service import shadow_samples

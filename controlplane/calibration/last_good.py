@@ -18,8 +18,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.calibration.learn_then_test import policy_disagreement
-from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.deployments.models import AuditEvent, Deployment, ThresholdSet
+from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_samples

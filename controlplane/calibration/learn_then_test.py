@@ -20,7 +20,6 @@ from scipy.special import expit, rel_entr
 from scipy.stats import beta, binom, binomtest
 from sklearn.isotonic import IsotonicRegression
 
-from controlplane.calibration.evidence import holdout_runtimes, robust_p_values, runtime_count
 from controlplane.stats.clustered import (
     binomial_lower_tail,
     binomial_upper_tail,
@@ -28,6 +27,7 @@ from controlplane.stats.clustered import (
     few_clusters_factor,
     null_design_effect,
 )
+from controlplane.stats.robust_evidence import holdout_runtimes, robust_p_values, runtime_count
 
 NEVER_EXIT = 1.0
 
@@ -761,9 +761,9 @@ def calibrate_thresholds(
     unchanged. `runtimes`: each
     sample's runtime; with two or more, the holdout part is whole runtimes (the cross-runtime
     check: every step must be certified on runtimes it did not learn from as well as on the
-    test part, `calibration.evidence`), and with at least
+    test part, `stats.robust_evidence`), and with at least
     `robust_min_runtimes` in the test part each step must be certified without any one
-    runtime's tokens (`calibration.evidence`). Raises NotEnoughShadowData below
+    runtime's tokens (`stats.robust_evidence`). Raises NotEnoughShadowData below
     `min_samples_per_layer` samples on any layer, ValueError on malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)

@@ -1,6 +1,6 @@
 """Bounds on automatic promotion: how far a recalibrated set may move without an operator.
 
-Robust evidence (`calibration.evidence`) keeps one runtime from deciding a verdict in a fleet;
+Robust evidence (`stats.robust_evidence`) keeps one runtime from deciding a verdict in a fleet;
 these bounds hold whatever the evidence says, and are what is left with a single runtime:
 
 - a candidate that lowers any threshold the active set exits on (of any segment's map) by more
@@ -32,8 +32,8 @@ from sqlalchemy import case, func, literal, select
 from sqlalchemy.orm import Session
 
 from controlplane.calibration.last_good import last_good_version
-from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.runtimes.outliers import excluded_runtime_ids, excluded_witnesses
 from controlplane.runtimes.witnesses import RUNTIME_PREFIX
 from controlplane.telemetry.models import ShadowSampleRow

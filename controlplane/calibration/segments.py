@@ -117,7 +117,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from controlplane.calibration.evidence import robust_p_values, runtime_count
 from controlplane.calibration.learn_then_test import (
     NEVER_EXIT,
     CalibrationResult,
@@ -129,6 +128,7 @@ from controlplane.calibration.learn_then_test import (
     simulate_policy,
 )
 from controlplane.stats.clustered import cluster_codes
+from controlplane.stats.robust_evidence import robust_p_values, runtime_count
 from exitplane.wire import DEFAULT_SEGMENT
 
 Source = Literal["segment", "pooled", "conservative"]

@@ -50,7 +50,6 @@ from controlplane.calibration.canary import (
     running_canary,
     start_canary,
 )
-from controlplane.calibration.evidence import EvidencePolicy, cap_runtime_share
 from controlplane.calibration.learn_then_test import (
     CalibrationResult,
     NotEnoughShadowData,
@@ -58,7 +57,6 @@ from controlplane.calibration.learn_then_test import (
 )
 from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob, CanaryRun
 from controlplane.calibration.promotion import PromotionBounds, promotion_hold
-from controlplane.calibration.segment_sets import replace_segment_map
 from controlplane.calibration.segments import (
     SegmentedCalibration,
     calibrate_segments,
@@ -67,6 +65,7 @@ from controlplane.calibration.segments import (
 )
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segment_sets import replace_segment_map
 from controlplane.deployments.segments import known_segments
 from controlplane.deployments.service import (
     aliases_of,
@@ -81,6 +80,7 @@ from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.outbox import enqueue_task
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.settings import get_settings
+from controlplane.stats.robust_evidence import EvidencePolicy, cap_runtime_share
 from controlplane.telemetry.service import shadow_evidence
 from exitplane.wire import DEFAULT_SEGMENT, Origin
 
@@ -217,7 +217,7 @@ class ShadowWindow:
     borrowed: tuple[np.ndarray, np.ndarray] | None = None
     # each token's witness (the credential that posted it, `runtimes.witnesses`): no witness
     # holds more than its share, and the set must hold on witnesses it did not learn from
-    # (`calibration.evidence`)
+    # (`stats.robust_evidence`)
     witnesses: np.ndarray | None = None
     # the job's random seed (recorded in its summary): which witnesses and requests are held
     # out cannot be computed in advance
@@ -352,7 +352,7 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
     """Threshold selection on the window, outside any transaction (it takes seconds): each
     segment its own Learn-Then-Test at its share of ε when the window is segmented
     (`calibrate_segments`), else one set. No runtime holds more than its share of the tokens,
-    and the set must hold on runtimes it did not learn from (`calibration.evidence`)."""
+    and the set must hold on runtimes it did not learn from (`stats.robust_evidence`)."""
     window = _capped(window, policy)
     robust = dict(runtimes=window.witnesses,
                   robust_min_runtimes=policy.evidence.robust_min_runtimes)

@@ -53,9 +53,9 @@ from sqlalchemy.orm import Session
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, Reconciled, jsonable, open_alerts, reconcile
 from controlplane.calibration.fallback import recheck_spike
-from controlplane.calibration.segment_sets import thresholds_for
 from controlplane.db import utcnow
 from controlplane.deployments.models import Alias, Deployment
+from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.segments import known_segments
 from controlplane.deployments.service import aliases_of, get_threshold_set
 from controlplane.drift.detectors import (

@@ -44,7 +44,6 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 
 from controlplane.alerts.service import Condition
-from controlplane.calibration.evidence import leave_one_out
 from controlplane.drift.detectors import (
     DISTRIBUTION_DRIFT,
     DISTRIBUTION_DRIFT_ESCALATED,
@@ -70,6 +69,7 @@ from controlplane.stats.clustered import (
     scale_design_effect,
     weighted_cluster_size,
 )
+from controlplane.stats.robust_evidence import leave_one_out
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from exitplane.wire import DEFAULT_SEGMENT
 
@@ -400,7 +400,7 @@ def _window_rates(inputs: WindowInputs, options: DriftOptions
                   ) -> list[tuple[float, list[ClusteredProportion]]]:
     """Per sliding quality window: its clustered disagreement, then the same without each one
     runtime's tokens when the window holds `robust_min_runtimes` runtimes or more
-    (`calibration.evidence.leave_one_out`)."""
+    (`stats.robust_evidence.leave_one_out`)."""
     requests = cluster_codes(inputs.shadow_requests)
     _, disagree = policy_outcomes(inputs.shadow_signals, inputs.shadow_matched,
                                   inputs.thresholds)

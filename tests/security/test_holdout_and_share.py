@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
-from controlplane.calibration.evidence import cap_runtime_share, holdout_runtimes
+from controlplane.stats.robust_evidence import cap_runtime_share, holdout_runtimes
 from controlplane.calibration.learn_then_test import calibrate_thresholds, policy_disagreement
 
 LAYERS = [3, 6, 9]

@@ -22,7 +22,7 @@ from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
 from controlplane.calibration import service as calibration
 from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
-from controlplane.calibration.evidence import cap_runtime_share
+from controlplane.stats.robust_evidence import cap_runtime_share
 from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.learn_then_test import calibrate_thresholds, policy_disagreement
 from controlplane.calibration.models import CalibrationJob
