@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
-from controlplane.stats.robust_evidence import cap_runtime_share, holdout_runtimes
 from controlplane.calibration.learn_then_test import calibrate_thresholds, policy_disagreement
+from controlplane.stats.robust_evidence import cap_runtime_share, holdout_runtimes
 
 LAYERS = [3, 6, 9]
 CENTRES = np.array([0.75, 0.65, 0.55])  # honest P(match) = 1/2 at these signals
