@@ -1,26 +1,14 @@
 """Drift detectors on exit behaviour: per-layer exit-rate change and shadow disagreement vs δ.
 
-Exit rate at exit layer k always means the *conditional* rate: tokens that exited at k divided by
-tokens that reached k (did not exit earlier). A collapse at an early layer then does not show up
-as a spurious spike at the next one. `layer_counts_from_exits` converts "exits per layer + total
-tokens" rollups into reached/exited counts, and `conditional_exit_rates` converts a calibration's
-expected share of tokens exiting per layer into conditional rates.
-
-Two entry points share one confirming test (two-proportion z-test against the reference, a
-minimum absolute effect, Holm or Bonferroni across layers):
-
-- `check_exit_rates`: one window of counts (per-minute rollups summed) against the reference.
-- `ExitRateMonitor`: a token stream (or replayed rollups, `detect_exit_rate_drift`); river's
-  ADWIN on each layer's exit indicator raises a suspicion, confirmed on *fresh* tokens after the
-  suspicion, plus tumbling windows that catch slow drift and a reference that was wrong from
-  the start.
-
-Tokens come in requests, so every test here takes a per-layer *design effect* (see
-`controlplane.stats.clustered`, which explains the choice): the z-test's standard error grows by its
-square root, and the quality test runs on request-clustered shadow tokens. A design effect of 1
-(the default) is the token-independent test, what synthetic i.i.d. streams need.
-
-Findings are JSON-ready (`DriftFinding.to_dict`), kinds as in the alert model.
+Exit rate at exit layer k is the *conditional* rate (exits at k / tokens that reached k), so a
+collapse at an early layer does not show as a spike at the next one. `check_exit_rates` tests
+one window of counts against the reference; `ExitRateMonitor` (and `detect_exit_rate_drift`,
+which replays rollups through it) confirms ADWIN suspicions on fresh tokens and tests tumbling
+windows. Both share one confirming test: a two-proportion z-test with a minimum absolute effect,
+Holm or Bonferroni across layers, its standard error widened by each layer's design effect
+(`controlplane.stats.clustered`; 1, the default, for i.i.d. streams). Findings are JSON-ready
+(`DriftFinding.to_dict`), kinds as in the alert model. The detectors in detail:
+docs/concepts/statistics.md, "Drift detection in detail".
 """
 
 from __future__ import annotations
@@ -288,24 +276,16 @@ class ExitRateMonitor:
 
     Fed rollups (`update_counts`), a tumbling window also closes by time: after
     `window_rollups` rollups (minutes with traffic), once it holds the tokens a confirming test
-    needs (`min_tokens`, or `min_expected_events` as below). Without it a layer reached by
-    fewer than `window_tokens` per lookback (5,000 in 30 minutes: under 2.8 tokens/s) never
-    had its window tested, and a reference that was wrong from the start (no change inside the
-    stream for ADWIN to see) never paged; at busier layers the token count closes the window
-    first, so the looks per hour at low traffic stay fewer than at high traffic.
-    `design_effect` {layer: d} widens each layer's confirming test for clustered tokens;
-    `min_expected_events` > 0 also holds a confirming test back until the fresh tokens' effective
-    count would expect that many exits and stays at the reference rate (the z-test's normal
-    approximation is poor on a handful of rare exits).
+    needs (`min_tokens`, or `min_expected_events` as below), so a thinly reached layer still
+    gets its window tested. `design_effect` {layer: d} widens each layer's confirming test for
+    clustered tokens; `min_expected_events` > 0 also holds a confirming test back until the
+    fresh tokens' effective count would expect that many exits at the reference rate (the
+    z-test's normal approximation is poor on a handful of rare exits).
 
     `update_counts` (one rollup at a time) shows ADWIN at most `adwin_max_per_rollup` evenly
     spread indicators per rollup and layer, each standing for its share of the rollup's tokens;
-    the reference, tumbling window and confirming counts stay exact. Feeding every token of a
-    busy minute costs O(tokens) Python calls per check (seconds per check at a few hundred
-    tokens/s, replayed over the whole lookback each cycle) and adds nothing: once a minute
-    holds more than `window_tokens` tokens, the tumbling-window test on its exact counts tests
-    each minute against the reference anyway, so the suspicion is only needed, and is exact,
-    on thin traffic (below the cap).
+    the reference, tumbling window and confirming counts stay exact (why that loses nothing:
+    docs/concepts/statistics.md, "Drift detection in detail").
     """
 
     def __init__(

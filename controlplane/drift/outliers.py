@@ -2,49 +2,12 @@
 shadow evidence differs from the rest of its fleet beyond chance is set aside (`runtime_outlier`)
 until an operator clears it.
 
-Every drift cycle, for each traffic segment checked, the window's shadow tokens of the active
-version are grouped by witness, and each witness is compared with the rest of the fleet (the
-others pooled) on what a lying, buggy or mismatched witness cannot hide:
-
-- per exit layer, the share of its shadow tokens whose top-1 matched full depth there (its
-  shadow disagreement at that exit point, whatever the thresholds): a forged all-matched or
-  all-mismatched witness, a broken match check;
-- per exit layer, the share whose signal is above the rest's median signal there (its exit
-  behaviour under a threshold that does not depend on the active set, so a conservative set
-  that exits nowhere still shows it): shifted signals, other heads;
-- per exit layer and signal band (the rest's quartiles of that layer's signals), the share that
-  matched and lies in the band: agreement *by signal*, which a camouflaged liar that keeps the
-  honest agreement rate and signal distribution of each layer but moves its mismatches to the
-  lowest signals (so low thresholds look safe) cannot keep; an unobserved layer (NaN signal)
-  lies in no band;
-- the active policy's disagreement on its shadow tokens (skipped without `thresholds`: evidence
-  that mixes versions has no one active policy).
-
-Each comparison is a request-clustered test of the witness's rates against the rest's, all
-columns of a family at once (a chi-square on the per-column z's: a liar that moves every
-layer a little is seen as soon as one that moves one layer a lot). Each column's z puts the
-pooled rate p on both sides, with variance p(1-p) n d / n^2 and d each side's design effect
-(`stats.clustered.null_design_effect`, centred at that side's own rate so that the difference
-under test does not inflate it; a witness's own d is at least the rest's, so a few requests
-that happen to look unclustered do not make it certain). The columns' correlation is the
-request-level (sandwich) one of the difference, and the test takes the weaker of that and the
-rest's own correlation, so an honest witness is not flagged for a correlation its few requests
-misstate; a column nobody's tokens vary in (an empty band) is left out. The tests share the
-drift false-alarm budget: each check spends `quality_alpha_per_hour x check_interval_s / 3600`,
-split (Bonferroni) over the segments, witnesses and families tested. Each check reads the
-segment's shadow tokens of the active version since it was activated (at most `recent_s` back),
-so evidence accumulates over checks. A witness is tested once it and the rest have
-`outlier_min_requests` requests each, and only in a fleet of at least `robust_min_runtimes`
-(with two there is no majority to tell which one is off).
-
-The rest is the judge, so it must be a clear majority. The most significant witness is peeled
-off (it judges no longer) while any differs beyond chance from the rest of those left, so one
-blatant liar does not make the honest look off against a rest that includes it (each round is
-at the level: an all-honest fleet is flagged at most `alpha` of the time, and after r witnesses
-are peeled an honest one has been at risk r + 1 times). When more than a minority of the
-witnesses tested would be peeled, nobody is set aside and the screen says why (`refused`).
-Otherwise the first peeled are set aside, and never more than a minority of the deployment's
-witnesses in total, counting those already set aside (`already_set_aside`).
+Each drift cycle compares every witness with the rest pooled, per segment, on families of
+request-clustered rates it cannot hide (agreement per layer, signal above the rest's median,
+agreement by signal band, the active policy's disagreement), a chi-square per family at the
+drift false-alarm budget. The most significant witness is peeled off while any differs from the
+rest of those left; with no clear majority nobody is set aside. The tests, and why each family:
+docs/concepts/statistics.md, "Outlier witnesses".
 """
 
 from __future__ import annotations
@@ -186,7 +149,7 @@ def clustered_difference(codes: np.ndarray, events: np.ndarray, inside: np.ndarr
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int]:
     """Inside vs outside on k 0/1 `events` columns over tokens clustered by request `codes`:
     (rates inside (k,), rates outside (k,), z (k,), chi-square p of all k together, the
-    degrees of freedom tested); see the module docstring."""
+    degrees of freedom tested); docs/concepts/statistics.md, "Outlier witnesses", derives it."""
     rate_in, rate_out, z, statistic, df = _chi_square(codes, events, inside)
     p = float(chi2.sf(statistic, df=df)) if df else 1.0
     return rate_in, rate_out, z, p, df

@@ -15,14 +15,11 @@ layer saw `reference_tokens` tokens:
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
 - runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
 
-Tokens are clustered by request (the statistics are in `controlplane.stats.clustered`):
-the quality test runs on the window's shadow tokens grouped by their request id; each exit
-layer's design effect is measured on the same shadow tokens under the active policy and widens
-that layer's exit-rate test (rollups carry no per-request counts, so the design effect travels
-to them; without enough shadow requests to measure it, `default_design_effect` applies); the
-distribution test sees only as many rows as the effective sample size. Every read is filtered to
-the active version, so a window is never compared with one of another version, and tokens whose
-exits were not checked carry no signal and are not in the histograms.
+Tokens are clustered by request (`controlplane.stats.clustered`): each exit layer's design
+effect, measured on the window's shadow tokens, widens that layer's exit-rate test
+(`default_design_effect` without enough shadow requests), and the distribution test sees only
+as many rows as the effective sample size. Every read is filtered to the active version, so a
+window is never compared with one of another version.
 
 Distribution drift alone is an `info` finding with its Evidently report (no page); a second,
 `warning` finding (subject "escalated") joins it when an exit-rate or quality condition fires in
@@ -36,7 +33,8 @@ knows that has traffic of the active version in the window (`segments_to_check`)
 is tested on its own rows with the thresholds it applies (its own map, else the set's), against
 its own reference (the calibration's expected metrics under `segments`, else its first window),
 and the segments split the false-alarm budget (`window_checks.evaluate_segments`). Alerts name
-their segment; a 'default' alert reads exactly as before segments existed.
+their segment; a 'default' alert reads as a deployment without segments has it. The statistics
+in detail: docs/concepts/statistics.md, "Drift detection in detail".
 """
 
 from __future__ import annotations

@@ -3,36 +3,10 @@
 `controlplane.drift.service` reads the windows from the store (rollups, signal histograms,
 shadow samples with request ids) and reconciles the alerts; `bench/drift_real.py` builds the
 same windows from replayed records. Both run `evaluate`, so the benchmark measures the
-detectors the service runs.
-The statistics and why they are request-clustered: `controlplane.stats.clustered`.
-
-The quality test looks at several sliding windows of the latest shadow tokens at every check
-(`quality_windows_s`, e.g. the last 1, 3 and 10 minutes): a shift shows in the short window
-minutes before it dominates the long one, and the long one still sees a small excess. Checking
-often and on several windows must not page more often, so the looks share one false-alarm
-budget per hour: each window of each check is tested at
-
-    alpha = quality_alpha_per_hour * check_interval_s / 3600 / len(quality_windows_s)
-
-(Bonferroni over the looks of an hour, i.e. alpha spent at a constant rate). Bonferroni and not
-a confidence sequence or a Pocock-type boundary: the looks are heavily dependent (overlapping
-windows, the same requests read again every 30 s) and the detector is stateless (each check
-re-reads its windows), so a union bound over the looks is the correction that stays valid under
-any dependence without carrying state between checks; its price is a stricter per-look
-threshold (z about 4 instead of 3), which the short windows more than pay back at production
-token rates. At the δ boundary the chance of any quality page in an hour is at most
-`quality_alpha_per_hour`, whatever the cadence.
-
-Traffic segments share the same budget. A deployment whose check covers k segments
-('default' plus each known segment with traffic in the window) runs k families of tests per
-check; testing each at the one-segment levels would let the chance of a false page grow up to
-k-fold with the number of segments. `evaluate_segments` therefore tests every segment at 1/k
-of each level (Bonferroni again, valid under any dependence between segments, as ε is split
-across segments in calibration, `controlplane.calibration.segments`): the quality looks at
-`quality_alpha_per_hour / k` per hour, the exit-rate tests at `exit_rate_alpha / k`, the
-distribution test at `distribution_p_value / k`. With stationary traffic at the δ boundary on
-every segment the chance of any quality page in an hour stays at most `quality_alpha_per_hour`
-whatever k is; a deployment with no segments (k = 1) is tested exactly as before.
+detectors the service runs. The quality test looks at several sliding windows at every check,
+all looks of an hour sharing one false-alarm budget (Bonferroni), and a check covering k
+segments tests each at 1/k of every level (`evaluate_segments`). Why a union bound, and what
+it guarantees: docs/concepts/statistics.md, "Drift detection in detail".
 """
 
 from __future__ import annotations
