@@ -46,7 +46,7 @@ stream_lag = Gauge("exitplane_stream_lag_entries",
                    "Stream entries not yet ingested by the consumer group (group-wide)",
                    ["deployment"], registry=registry)
 # The fleet view (per-runtime applied version, spool, drops, and the exit-behaviour gauges) is
-# read from the store at scrape time: controlplane/alerts/exporter.py.
+# read from the store at scrape time: controlplane/telemetry/gauges.py.
 
 # The names `refused` (controlplane/telemetry/api.py) counts a telemetry batch under: the
 # DomainError class that refused it. Their series exist at 0 from the start.

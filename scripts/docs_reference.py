@@ -149,7 +149,7 @@ METRIC_SOURCES = (
      "every process (API, ingest worker, Celery worker, beat, runtime server)"),
     ("controlplane.metrics", "API, ingest worker"),
     ("controlplane.observability", "API"),
-    ("controlplane.alerts.exporter", "API (read from the store at scrape time)"),
+    ("controlplane.telemetry.gauges", "API (read from the store at scrape time)"),
     ("workers.observability", "Celery worker"),
     ("runtime.server_metrics", "runtime server"),
 )
@@ -200,8 +200,8 @@ def _families(module_name: str) -> list[tuple[str, str, tuple[str, ...], str]]:
         collectors = [c for c in registry._collector_to_names
                       if not isinstance(c, everywhere)
                       and getattr(c, "_name", None) != "exitplane_build_info"]
-    elif module_name == "controlplane.alerts.exporter":
-        from controlplane.alerts.exporter import store_collector
+    elif module_name == "controlplane.telemetry.gauges":
+        from controlplane.telemetry.gauges import store_collector
 
         collectors = [store_collector]
     else:

@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException
 
 from controlplane import collector, metrics, observability
 from controlplane.alerts.api import router as alerts_router
-from controlplane.alerts.exporter import store_collector
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
 from controlplane.calibration import fallback
@@ -67,6 +66,7 @@ from controlplane.runtimes.witnesses import ClaimCache
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import DecodeBudget
 from controlplane.telemetry.api import router as telemetry_router
+from controlplane.telemetry.gauges import store_collector
 from controlplane.telemetry.service import ensure_partitions
 from exitplane import __version__
 from exitplane.kit import tracing

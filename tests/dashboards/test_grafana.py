@@ -17,7 +17,7 @@ def _exposed_names() -> dict[str, str]:
     """Exposed series name -> the metric it belongs to (counters gain `_total`), for every
     process the dashboard reads: control plane (own, HTTP and store gauges), runtime, worker."""
     from controlplane import observability  # noqa: F401  (registers the HTTP histogram)
-    from controlplane.alerts.exporter import store_collector
+    from controlplane.telemetry.gauges import store_collector
     from runtime.server_metrics import ServeMetrics
     from workers.observability import registry as worker_registry
 
@@ -97,7 +97,7 @@ def test_no_query_sums_or_counts_a_figure_shared_by_replicas():
 
 def test_the_deployment_picker_reads_a_metric_of_the_api():
     """The API exports it in either telemetry mode (the ingest worker's are Redis-only)."""
-    from controlplane.alerts.exporter import store_collector
+    from controlplane.telemetry.gauges import store_collector
 
     variable = next(v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]
                     if v["name"] == "deployment")

@@ -15,11 +15,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 from sqlalchemy.orm import Session
 
-from controlplane.alerts.exporter import store_collector
 from controlplane.auth.service import create_token
 from controlplane.db import utcnow
 from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.models import Runtime
+from controlplane.telemetry.gauges import store_collector
 from exitplane.app import create_app
 from tests.conftest import free_port, wait_until
 

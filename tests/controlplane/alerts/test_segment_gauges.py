@@ -128,7 +128,7 @@ def test_rules_and_dashboard_pick_the_whole_deployment_or_the_segments():
     import json
     from pathlib import Path
 
-    from controlplane.alerts.exporter import _families
+    from controlplane.telemetry.gauges import _families
 
     labelled = {family.name for family in _families().values()
                 if "segment" in family._labelnames}
