@@ -1,20 +1,10 @@
-"""The API process's garbage-collection policy (the pull tail at fleet load).
+"""The API process's garbage-collection policy, for a short pull tail at fleet load.
 
-CPython's collector stops every thread while it runs, and a full (generation 2) pass costs in
-proportion to everything the process holds. Measured at fleet load (bench/fleet.py, 1,000
-runtimes, 2 API processes on 2 cores; `exitplane_gc_pause_seconds`): with the default policy
-each API process ran a full pass every ~5 s, each pausing it 30-400 ms (the startup objects:
-~256,000; what a thousand held long-polls and the requests in flight keep: ~80,000 after the
-pull fast path), which was the tail of every request that arrived meanwhile.
-
-Two changes, both made once the app has started:
-- `gc.freeze()` moves what is alive then (modules, routes, schemas: most of the process) out
-  of the collector's view for good; it is never garbage.
-- With `interval_s` > 0 automatic full passes are turned off (the third threshold out of
-  reach) and one runs every `interval_s` seconds instead: the young generations are still
-  collected as usual, so only cycles that survived into the old generation wait, at most
-  `interval_s`, for it. One pause a minute instead of a dozen touches ~0.2% of requests
-  rather than a few percent. 0 keeps Python's own policy.
+A full collection stops every thread for a time proportional to what the process holds, so
+once the app has started `freeze_startup` moves what is alive then out of the collector's view,
+and `scheduled_full_collections` replaces automatic full passes with one every `interval_s`
+seconds (0 keeps Python's own policy). Why, and what the pauses cost:
+docs/concepts/api-process.md.
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ def freeze_startup() -> None:
 @contextlib.asynccontextmanager
 async def scheduled_full_collections(interval_s: float):
     """For the life of the block: full collections every `interval_s` seconds instead of
-    Python's automatic ones (module docstring); the previous thresholds come back when the
+    Python's automatic ones; the previous thresholds come back when the
     last such block of the process ends."""
     global _scheduled, _previous
     if interval_s <= 0:

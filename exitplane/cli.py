@@ -622,8 +622,8 @@ def serve_api(*, host: str | None, port: int | None, migrate: bool) -> None:
         "store: %s)", host, port, host, port, _redact(settings.effective_database_url))
     app = create_app(settings)
     # What is alive now (modules, ORM metadata, routes) lives as long as the process. Frozen,
-    # it is no longer walked by every full collection (200 ms each with the stack imported)
-    # while requests allocate, e.g. telemetry decoding ~25,000 objects per 2,000 records.
+    # it is not walked by every full collection while requests allocate
+    # (docs/concepts/api-process.md).
     gc.freeze()
     # Our handler and the request-context middleware log access lines (with request ids);
     # uvicorn's own config would install a second, differently shaped handler.
