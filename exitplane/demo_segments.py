@@ -29,17 +29,8 @@ import click
 from exitplane.demo import PhaseStats, _wait, _wait_job, hold_ui
 
 SEGMENTS = ("chat", "code")
-# The segment whose traffic drifts, and the one that must not notice. Measured offline on the
-# real model's shadow records (`bench/demo_segments.py`: every token at every exit layer, the
-# full model's own text): code's map disagrees on 1.5-3.3% of code requests and on 2.3-5.5% of
-# pasted raw source (the heads' confidence is as good on source as on the requests: no drift,
-# which is why pasting source into chat never crossed δ). The drift is checksum manifests alone:
-# served in a real run (code's shadow tokens split by request), they exited 49% of tokens under
-# code's map (layer 21: 5% expected, 28% seen) at 5.4% disagreement, alike across requests
-# (design effect 1.0-1.6), while base64 text, the other half of the earlier payloads, exited 24%
-# at 4.2% and so unevenly across requests (design effect 10 at layer 24) that, mixed with the
-# checksums, no exit-rate test could tell the spike from the calibration's expected rates
-# (known from ~250 test tokens): z at most 2.6 however long the drift lasted.
+# The segment whose traffic drifts (checksum manifests, which exit often and alike across
+# requests), and the one that must not notice. Why this drift: docs/concepts/segments.md.
 DRIFTING, STEADY = "code", "chat"
 # The share of code in the mix from the shift on (phases 3-6).
 MIX_AFTER_SHIFT = 0.8
@@ -113,9 +104,8 @@ def segments_story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delt
     new_tokens = 48 if quick else 64
     phase_tokens = 300 if quick else 600
     # The mix phases are the drift detectors' baseline, by tokens and by time: ADWIN cuts a
-    # change only after it saw the version's rollups (one per minute) before it. Replayed at the
-    # demo's rates, a drift after one minute of rollups waited for a
-    # tumbling window to close (4 minutes), one after two or three was confirmed within 2.
+    # change only after it saw the version's rollups (one per minute) before it
+    # (docs/concepts/segments.md).
     baseline_tokens, baseline_s = 2 * phase_tokens, BASELINE_S
     phases: list[SegmentPhase] = []
     checks: dict[str, tuple[bool, str]] = {}
