@@ -9,7 +9,7 @@ an `exitplane.client.aggregate.Aggregator` fed vectorised synthetic token stream
 exit-layer mix, signal histograms per layer, 1% shadow tokens, 1% raw sample), cuts one
 `IntervalBatch` per interval, as the shipper does (the counts and the shadow and sampled
 records as columns; `--pair`: an `AggregateBatch` and a record batch with `aggregated: true`,
-as before interval batches) encoded by the shipper's codec
+the pair an interval batch stands for) encoded by the shipper's codec
 (`exitplane.client.codec`: msgpack of the wire models), POSTs them with the
 protocol's content types, retries with the same batch id on 429/503/errors (in memory: no
 disk spool), long-polls its threshold set with its ETag, and heartbeats, each over its own

@@ -123,7 +123,7 @@ class SegmentRows:
         maps = [policy.thresholds, *policy.segments.values()]
         served_layers = tuple(_served(by_layer, policy.signal) for by_layer in maps)
         # float32 like the signals: the comparison rounds each threshold as a scalar
-        # threshold would be rounded, so an all-default batch exits exactly as before.
+        # threshold would be rounded, so an all-default batch exits as a scalar check would.
         limits = np.array([[by_layer.get(k, NEVER_EXIT) for k in layers] for by_layer in maps],
                           dtype=np.float32).reshape(len(maps), len(layers))
         served = np.array([[k in live for k in layers] for live in served_layers],

@@ -98,7 +98,8 @@ def _iso(moment: datetime | None) -> str | None:
 def snapshot(*, alert, deployment: str, base_url: str) -> dict[str, Any]:
     """The alert as every payload sees it (JSON-ready)."""
     base = base_url.rstrip("/")
-    # A segment's alert names it; a 'default' one reads exactly as before segments.
+    # A segment's alert names it; a 'default' one has no segment field, like any alert of a
+    # deployment without segments.
     segment = getattr(alert, "segment", None)
     named = {"segment": segment} if segment and segment != "default" else {}
     return named | {

@@ -52,7 +52,7 @@ class Condition:
     segment: str = DEFAULT_SEGMENT
 
     def dedup_key(self, deployment: Deployment) -> str:
-        # A 'default' key reads as it did before segments existed (open alerts keep matching).
+        # A 'default' key names no segment: a deployment without segments keys its alerts so.
         if self.segment == DEFAULT_SEGMENT:
             return f"{deployment.name}:{self.kind}:{self.subject}"
         return f"{deployment.name}:{self.segment}:{self.kind}:{self.subject}"

@@ -73,7 +73,7 @@ class ThresholdSet(Base):
     signal: Mapped[str] = mapped_column(String(20))
     thresholds: Mapped[dict] = mapped_column()  # {"<exit layer>": threshold}: `default`
     # {"<segment>": {"<exit layer>": threshold}} for segments with their own thresholds;
-    # NULL when none has (the set is then exactly what it was before segments existed).
+    # NULL when none has (every segment then applies `thresholds`).
     segments: Mapped[dict | None] = mapped_column()
     origin: Mapped[str] = mapped_column(String(20))
     parent_version: Mapped[int | None]

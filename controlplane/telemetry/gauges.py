@@ -59,7 +59,7 @@ log = logging.getLogger("exitplane.metrics")
 
 WINDOW = timedelta(minutes=5)
 # The segment label of a series about the whole deployment: empty, which Prometheus treats as
-# no label, so a rule written before segments (or one selecting {segment=""}) reads it.
+# no label, so a rule that names no segment (or selects {segment=""}) reads it.
 WHOLE_DEPLOYMENT = ""
 
 
@@ -200,7 +200,7 @@ def _fill_exit_behaviour(session, families: dict[str, GaugeMetricFamily],
                          aliases: dict[int, dict[str, int]], now) -> None:
     """The exit-behaviour gauges of each deployment's active version over the last WINDOW:
     the whole deployment under segment="" (Prometheus stores an empty label as no label, so
-    these are the very series exported before segments existed) and, for a deployment that
+    these are the series a deployment without segments exports) and, for a deployment that
     knows segments, one series per registered segment and `default`. Rollup rows of any other
     name count only in the whole-deployment series, so the cardinality is bounded by the
     registry cap."""

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-# A seed past 2**63-1 used to surface as "Overflow when unpacking" from torch.
+# A seed past 2**63-1 would surface as "Overflow when unpacking" from torch.
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 SEED_MAX = 2**63 - 1
