@@ -343,11 +343,9 @@ def _fit_logistic(features: np.ndarray, y: np.ndarray, *, penalty: float = 1.0,
                   prior_weight: float = 0.0) -> tuple[float, np.ndarray]:
     """(intercept, weights) minimising the log-loss sum + penalty/2 |weights|^2 (sklearn's
     LogisticRegression at C = 1/penalty: the mild L2 keeps a small or separable sample from an
-    extreme slope), by Newton's method on a few parameters: milliseconds where lbfgs takes tens
-    of them per layer. With `prior` (intercept, weights) the penalty is instead
-    prior_weight/2 |beta - prior|^2 on every coefficient, the intercept included: the fit is
-    shrunk towards the prior's, as much as `prior_weight` against the sample's evidence (a
-    Gaussian prior centred there; partial pooling when the prior is fitted on other tokens)."""
+    extreme slope), by Newton's method, which is quicker than lbfgs on a few parameters. With
+    `prior` (intercept, weights) the penalty is instead prior_weight/2 |beta - prior|^2 on
+    every coefficient, the intercept included: the fit is shrunk towards the prior's."""
     x = np.column_stack([np.ones(len(features)), features])
     if prior is None:
         ridge = np.diag([0.0] + [penalty] * features.shape[1])
@@ -450,11 +448,9 @@ def default_levels() -> np.ndarray:
 
 def _path_levels(signals: np.ndarray, models: list, per_layer: int = 64) -> np.ndarray:
     """`default_levels` plus each layer's fitted P(match) at `per_layer` quantiles of its learn
-    signals, descending. A smooth fit can be nearly flat over a wide band of signals (a
-    plateau); the fixed levels would then cross it in one step that adds a large share of
-    exits at once, and the first such step can fail where smaller ones pass. Levels read off
-    the fit at signal quantiles make each step add about 1/`per_layer` of a layer's tokens.
-    They come from the learn part only, so the path stays fixed before the test."""
+    signals, descending: each step adds about 1/`per_layer` of a layer's tokens, where the
+    fixed levels could cross a flat stretch of the fit in one step that fails. From the learn
+    part only, so the path stays fixed before the test."""
     extra = []
     for j, model in enumerate(models):
         seen = signals[~np.isnan(signals[:, j]), j]
@@ -604,7 +600,7 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
     are independent draws); `reference`: (signals, matched, codes) of the requests outside the
     test, where each step's design effect is read as well; `runtimes`: the test tokens'
     runtimes: each step's p-value is then the largest over the test without each one runtime
-    (`evidence.robust_p_values`); `held_out`: (signals, matched, codes or None, runtimes) of
+    (`robust_evidence.robust_p_values`); `held_out`: (signals, matched, codes or None, runtimes) of
     the runtimes held out of the path and the test: each step's p-value is then also the
     larger of the test's and theirs (`_held_out_p_values`)."""
     n, n_layers = signals.shape
@@ -655,7 +651,7 @@ def _held_out_p_values(path, signals, matched, codes, runtimes=None, *, delta, e
     test (the cross-runtime holdout), by the test's own kind: request-level with `codes`, the
     design effect read as well on `reference` (the test's per-request losses and tokens), which
     is independent of the held-out outcome. With `min_runtimes` held-out `runtimes`, the
-    largest over them without each one (`evidence.robust_p_values`): no held-out runtime
+    largest over them without each one (`robust_evidence.robust_p_values`): no held-out runtime
     decides alone."""
     disagreements = [simulate_policy(signals, matched, thresholds)[1] for thresholds in path]
 
@@ -758,13 +754,12 @@ def calibrate_thresholds(
     every request one token: tokens are independent draws. `borrowed`: (signals, matched) of
     tokens from *other* requests (never these samples'), which help draw the path only
     (`prior_weight` the shrink towards them); the split, the test and its level are
-    unchanged. `runtimes`: each
-    sample's runtime; with two or more, the holdout part is whole runtimes (the cross-runtime
-    check: every step must be certified on runtimes it did not learn from as well as on the
-    test part, `stats.robust_evidence`), and with at least
-    `robust_min_runtimes` in the test part each step must be certified without any one
-    runtime's tokens (`stats.robust_evidence`). Raises NotEnoughShadowData below
-    `min_samples_per_layer` samples on any layer, ValueError on malformed input.
+    unchanged. `runtimes`: each sample's runtime; with two or more, the holdout part is whole
+    runtimes (every step must be certified on runtimes it did not learn from as well as on the
+    test part), and with at least `robust_min_runtimes` in the test part each step must be
+    certified without any one runtime's tokens (`stats.robust_evidence`). Raises
+    NotEnoughShadowData below `min_samples_per_layer` samples on any layer, ValueError on
+    malformed input.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
     layers = np.asarray(exit_layers, dtype=int)
