@@ -25,7 +25,7 @@ the raw series would count each value once per API replica.
 
 The exit-behaviour gauges (exit_rate, tokens_checked, shadow_disagreement, shadow_tokens,
 mean_exit_depth, estimated_speedup) carry a `segment` label: segment="" is the whole
-deployment (Prometheus drops empty labels, so it is the series these gauges always exported),
+deployment (Prometheus drops empty labels, so rules that name no segment read it),
 and a deployment that knows traffic segments also gets one series per registered segment and
 `default`, at most EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT + 1 of them. The rules select
 {segment=""} for the deployment and {segment!=""} for its segments.
