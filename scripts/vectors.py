@@ -31,7 +31,7 @@ def checksums() -> list[dict]:
          "shortest round-trip float repr"),
     ]
     # Per-segment thresholds: the map enters the canonical JSON, sorted at every
-    # level; the sets above have none and keep the checksum they always had.
+    # level; the sets above have none, so their checksum leaves the field out.
     segmented = ("mixed", 4, "learned", {12: 0.9, 6: 0.95},
                  "segments: sorted names and layers; 'default' is `thresholds`",
                  {"code": {6: 1, 12: 0.99}, "chat": {12: 0.8, 6: 0.875}})

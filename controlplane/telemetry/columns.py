@@ -6,7 +6,7 @@ pydantic validator made from the wire model's own field (the wire schema stays t
 definition). What a field cannot say (the models' own validators, listed in MODEL_RULES) is
 only guarded here: a payload that might break one of those rules, or that this path does not
 take (a bad value, a missing field, an odd type), is handed to `TelemetryBatch` itself, which
-then accepts it or names the first bad record exactly as it always has.
+then accepts it or names the first bad record.
 """
 
 from __future__ import annotations
