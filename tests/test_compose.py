@@ -3,44 +3,9 @@ the services and health checks, that no secret is baked in, and that every `exit
 command a service runs exists in the CLI and accepts its options."""
 
 import re
-import shlex
 from pathlib import Path
 
-import click
-import yaml
-
-from exitplane.cli import main
-
-COMPOSE = yaml.safe_load((Path(__file__).parent.parent / "docker-compose.yml").read_text())
-
-
-def _exitplane_invocations(command) -> list[list[str]]:
-    text = command if isinstance(command, str) else shlex.join(command)
-    if isinstance(command, list) and command[:2] == ["sh", "-c"]:
-        text = command[2]
-    found = []
-    for part in re.split(r"&&|;", text):
-        words = [w for w in shlex.split(part) if w != "exec"]
-        if words and words[0] == "exitplane":
-            found.append(words[1:])
-    return found
-
-
-def _parse(args: list[str]) -> click.Command:
-    """Resolve args to a command and parse its options, without running it."""
-    command: click.Command = main
-    ctx = click.Context(main, info_name="exitplane")
-    while isinstance(command, click.Group):
-        name, args = args[0], args[1:]
-        sub = command.get_command(ctx, name)
-        assert sub is not None, f"exitplane has no command {name!r}"
-        ctx = click.Context(sub, info_name=name, parent=ctx)
-        command = sub
-    # Values from the environment take their compose defaults, or a placeholder.
-    args = [re.sub(r"\$\{[^}]+\}", "x", re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a))
-            for a in args]
-    command.make_context(command.name, list(args), parent=ctx.parent)
-    return command
+from tests.support.compose import COMPOSE, exitplane_invocations, parse_invocation
 
 
 def test_the_production_services_are_all_there_with_health_checks():
@@ -91,7 +56,7 @@ def test_the_runtime_starts_from_nothing():
 def test_every_service_command_exists_in_the_cli():
     seen = set()
     for service in COMPOSE["services"].values():
-        for args in _exitplane_invocations(service.get("command", [])):
-            seen.add(_parse(args).name)
+        for args in exitplane_invocations(service.get("command", [])):
+            seen.add(parse_invocation(args).name)
     assert seen >= {"upgrade", "up", "ingest", "worker", "beat", "serve", "ensure", "create",
                     "provision"}

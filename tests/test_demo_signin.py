@@ -16,7 +16,7 @@ from exitplane.demo import (
     ControlPlane,
     write_password_file,
 )
-from tests.dashboards.conftest import sign_in
+from tests.support.people import sign_in
 
 
 def test_the_password_file_is_created_owner_only(tmp_path):

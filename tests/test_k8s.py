@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.test_compose import COMPOSE, _exitplane_invocations, _parse
+from tests.support.compose import COMPOSE, exitplane_invocations, parse_invocation
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -420,8 +420,8 @@ def _k8s_invocations(docs: list[dict]) -> set[str]:
     for doc in _workloads(docs):
         for container in _containers(_pod(doc)):
             words = [HOSTS.get(word, word) for word in _command(container, docs)]
-            for args in _exitplane_invocations(words):
-                _parse(list(args))  # a real command with real options
+            for args in exitplane_invocations(words):
+                parse_invocation(list(args))  # a real command with real options
                 found.add(shlex.join(args))
     return found
 
@@ -432,7 +432,7 @@ def _compose_invocations() -> set[str]:
         command = service.get("command", [])
         if isinstance(command, list):  # compose's ${NAME:-default} with its defaults
             command = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word) for word in command]
-        for args in _exitplane_invocations(command):
+        for args in exitplane_invocations(command):
             found.add(shlex.join(args))
     return found
 

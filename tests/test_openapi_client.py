@@ -22,8 +22,9 @@ from sqlalchemy.orm import Session
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
-from tests.conftest import free_port, wait_until
-from tests.observability.processes import answers
+from tests.support.network import free_port
+from tests.support.processes import answers
+from tests.support.waiting import wait_until
 
 # slow: generates a client, starts `exitplane up`
 pytestmark = pytest.mark.slow

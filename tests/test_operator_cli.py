@@ -27,7 +27,9 @@ from sqlalchemy.orm import Session
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
 from exitplane.cli import main
-from tests.conftest import free_port, stop_process, wait_until
+from tests.support.network import free_port
+from tests.support.processes import stop_process
+from tests.support.waiting import wait_until
 
 # slow: every test runs `exitplane` processes against a running `exitplane up`
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.deployments import service as thresholds
-from tests.dashboards.conftest import csrf_of
+from tests.support.people import csrf_of
 
 pytestmark = pytest.mark.usefixtures("seeded")
 

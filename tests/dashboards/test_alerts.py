@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import delivery_service, hook_service
 from controlplane.alerts import service as alerts
-from tests.dashboards.conftest import csrf_of
+from tests.support.people import csrf_of
 
 
 def _post(client, path: str, form: dict, page: str):

@@ -13,7 +13,7 @@ from selenium.webdriver.common.keys import Keys
 from sqlalchemy.orm import Session
 
 from controlplane.deployments import service as thresholds
-from tests.dashboards.browser import (
+from tests.support.browser import (
     check_page_quality,
     console_errors,
     navigate,
@@ -22,7 +22,7 @@ from tests.dashboards.browser import (
     wait,
     wait_for,
 )
-from tests.dashboards.conftest import PASSWORD
+from tests.support.people import PASSWORD
 
 # slow: headless Chromium
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -124,7 +124,7 @@ def test_operator_reads_charts_and_rolls_back(browser, engine, seeded):
 def test_deployment_page_refreshes_itself(browser, app, engine, seeded):
     """New telemetry shows up without a reload (the page polls charts.json)."""
     from controlplane.telemetry.service import ingest
-    from tests.dashboards.conftest import _batch
+    from tests.support.dashboards import seeded_batch
 
     ui = next(r.app for r in app.routes if getattr(r, "path", "") == "/ui")
     ui.state.refresh_s = 1
@@ -136,7 +136,7 @@ def test_deployment_page_refreshes_itself(browser, app, engine, seeded):
     before = int(tokens.text.replace(",", ""))
     with Session(engine) as session:
         deployment = thresholds.get_deployment(session=session, name="chat")
-        ingest(session=session, deployment=deployment, batches=[_batch(
+        ingest(session=session, deployment=deployment, batches=[seeded_batch(
             random.Random(3), name="chat", version=3, start=time.time() - 5, n=100,
             runtime_id="rt-a", seq=999, exit_bias=0.5)])
         session.commit()
@@ -320,7 +320,7 @@ def test_admin_manages_tokens_and_users(browser):
 
 def test_the_contrast_check_catches_faint_text(browser):
     """The readability check above is real: faint grey on white is flagged."""
-    from tests.dashboards.browser import LOW_CONTRAST
+    from tests.support.browser import LOW_CONTRAST
 
     browser.get(f"{browser.base}/ui/login")
     wait_for(browser, "form input#username")
@@ -336,7 +336,7 @@ def test_operator_sees_per_segment_exit_rates(browser, app, engine, seeded):
     disagreement (table and charts), and the table follows new telemetry without a reload."""
     from datetime import timedelta
 
-    from tests.dashboards.test_segment_traffic import CODE, add_segment_traffic, write_rollups
+    from tests.support.dashboards import CODE_ROLLUPS, add_segment_traffic, write_rollups
 
     now = add_segment_traffic(engine)
     ui = next(r.app for r in app.routes if getattr(r, "path", "") == "/ui")
@@ -368,7 +368,7 @@ def test_operator_sees_per_segment_exit_rates(browser, app, engine, seeded):
         deployment = thresholds.get_deployment(session=session, name="chat")
         write_rollups(session, deployment.id, "code",
                       now - timedelta(minutes=3),
-                      {**CODE, 3: (100, 90, 40, 4, 4), 6: (10, 0, 40, 2, 2),
+                      {**CODE_ROLLUPS, 3: (100, 90, 40, 4, 4), 6: (10, 0, 40, 2, 2),
                        9: (10, 0, 40, 0, 0), 12: (10, 10, 40, 0, 0)})
         session.commit()
     # ... the row reads (5 + 5) * 2 + 90 = 110 early exits of 300 tokens without a reload.

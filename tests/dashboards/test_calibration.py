@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration import service as calibration
 from controlplane.deployments import service as thresholds
-from tests.dashboards.conftest import csrf_of
+from tests.support.people import csrf_of
 
 
 def _post(client, path: str, form: dict, page: str):
@@ -70,7 +70,7 @@ def test_start_a_recalibration(as_role, engine, seeded, outbox):
 
 
 def test_canary_actions_go_through_the_canary_service(as_role, engine, seeded):
-    from controlplane.calibration.canary import running_canary
+    from controlplane.flows.canary import running_canary
 
     client = as_role("operator")
     versions = "/ui/deployments/chat/versions"

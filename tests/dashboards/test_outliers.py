@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.deployments import service as thresholds
 from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
-from tests.dashboards.conftest import csrf_of
+from tests.support.people import csrf_of
 
 EVIDENCE = {"statistic": "signal_above_median", "layer": 6, "runtime_rate": 0.211,
             "fleet_rate": 0.5, "z": -4.9, "p_value": 1.5e-10, "level": 6.9e-6, "tokens": 76,

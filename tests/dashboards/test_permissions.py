@@ -17,18 +17,14 @@ from controlplane.auth import users
 from controlplane.auth.models import User
 from controlplane.db import make_engine
 from controlplane.deployments.models import AuditEvent
-from tests.conftest import quick_hasher
-from tests.dashboards.conftest import (
-    PASSWORD,
+from tests.support.dashboards import (
     Seeded,
     create_dead_hook,
-    create_people,
-    csrf_of,
     fire_drift_alert,
     queue_calibration,
     seed_deployment,
-    sign_in,
 )
+from tests.support.people import PASSWORD, create_people, csrf_of, quick_hasher, sign_in
 
 # (route template, concrete path, form, weakest role allowed)
 ACTIONS = [

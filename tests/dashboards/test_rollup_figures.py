@@ -14,7 +14,7 @@ from controlplane.deployments.segments import declare_segment
 from controlplane.telemetry import reads
 from controlplane.telemetry import service as telemetry
 from dashboards import charts
-from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+from tests.support.alerts import Phase, make_deployment, send_traffic
 
 SEGMENTS = ("default", "chat", "code")
 

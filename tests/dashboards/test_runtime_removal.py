@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.deployments.models import AuditEvent
 from controlplane.runtimes.models import Runtime
-from tests.dashboards.conftest import csrf_of
+from tests.support.people import csrf_of
 
 REMOVE = "/ui/deployments/chat/runtimes/rt-a/remove"
 

@@ -9,57 +9,15 @@ token as 'default'); the seeded deployment's own traffic is the default segment'
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.calibration.models import CalibrationJob
-from controlplane.db import utcnow
 from controlplane.deployments import service as thresholds
-from controlplane.deployments.segments import admit_segments
-from controlplane.telemetry.models import Rollup
+from tests.support.dashboards import FULL, add_segment_traffic
 
 pytestmark = pytest.mark.usefixtures("seeded")
-
-FULL = 12
-# layer -> (tokens, exits, shadow_total, policy_exits, policy_mismatches)
-CODE = {3: (100, 5, 40, 4, 4), 6: (95, 5, 40, 2, 2), 9: (90, 0, 40, 0, 0),
-        FULL: (90, 90, 40, 0, 0)}  # 10% early exits, 6/40 = 15% disagreement (δ is 5%)
-CHAT = {3: (200, 80, 50, 10, 1), 6: (120, 40, 50, 5, 0), 9: (80, 0, 50, 0, 0),
-        FULL: (80, 80, 50, 0, 0)}  # 60% early exits, 1/50 = 2% disagreement
-
-
-def write_rollups(session: Session, deployment_id: int, segment: str, minute,
-                  layers: dict, version: int = 3) -> None:
-    for layer, (tokens, exits, shadow, policy_exits, mismatches) in layers.items():
-        session.add(Rollup(deployment_id=deployment_id, version=version, runtime_id="rt-a",
-                           minute=minute, segment=segment, layer=layer, tokens=tokens,
-                           exits=exits, shadow_total=shadow, shadow_matches=shadow - mismatches,
-                           policy_exits=policy_exits, policy_mismatches=mismatches))
-
-
-def add_segment_traffic(engine, *, minutes: int = 2) -> datetime:
-    """`chat` (the deployment) learns segments chat and code, with `minutes` of rollups each
-    before the current minute (returned), and v5 (active) gives code a map of its own (chat
-    applies the default one)."""
-    with Session(engine) as session:
-        deployment = thresholds.get_deployment(session=session, name="chat")
-        admit_segments(session=session, deployment_id=deployment.id, names=["chat", "code"],
-                       auto=True)
-        now = utcnow().replace(second=0, microsecond=0)
-        for back in range(1, minutes + 1):
-            write_rollups(session, deployment.id, "code", now - timedelta(minutes=back), CODE)
-            write_rollups(session, deployment.id, "chat", now - timedelta(minutes=back), CHAT)
-        v5 = thresholds.publish(session=session, deployment=deployment,
-                                thresholds={3: 0.9, 6: 0.85, 9: 0.7},
-                                segments={"code": {3: 1.0, 6: 0.97, 9: 0.95}},
-                                reason="code exits less", actor="user:seed")
-        thresholds.move_alias(session=session, deployment=deployment, alias="active",
-                              version=v5.version, actor="user:seed", reason="segments")
-        session.commit()
-    return now
-
 
 @pytest.fixture
 def segment_traffic(engine) -> None:

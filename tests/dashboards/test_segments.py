@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.deployments import service as thresholds
 from controlplane.settings import Settings
-from tests.dashboards.conftest import csrf_of
+from tests.support.people import csrf_of
 
 pytestmark = pytest.mark.usefixtures("seeded")
 

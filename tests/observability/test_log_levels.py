@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import stop_process, wait_until
-from tests.observability.processes import EXITPLANE, spawn
+from tests.support.processes import EXITPLANE, spawn, stop_process
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # worker and beat processes
 

@@ -18,15 +18,8 @@ import yaml
 from sqlalchemy.orm import Session
 
 from controlplane.db import make_engine
-from tests.conftest import (
-    POSTGRES_URL,
-    REDIS_URL,
-    empty_postgres,
-    free_port,
-    stop_processes,
-    wait_until,
-)
-from tests.observability.processes import (
+from tests.support.network import free_port
+from tests.support.processes import (
     EXITPLANE,
     PROMETHEUS,
     ROOT,
@@ -36,7 +29,10 @@ from tests.observability.processes import (
     provision_chat,
     spawn,
     start_prometheus,
+    stop_processes,
 )
+from tests.support.services import POSTGRES_URL, REDIS_URL, empty_postgres
+from tests.support.waiting import wait_until
 
 # slow: a real Prometheus scraping real processes
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.controlplane.deployments.test_api import _runtime_token, tuned_deployment
+from tests.support.deployments import mint_runtime_token, tuned_deployment
 
 ROUTE = "/v1/deployments/{name}/thresholds"
 WAIT_S = 1.5
@@ -35,7 +35,7 @@ def _figures(http: httpx.Client) -> dict[str, float]:
 def test_long_poll_waits_have_their_own_histogram(live_server, tokens, engine):
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
         _, warm, etag = tuned_deployment(http, tokens, engine, runtime_id="rt-warm")
-        cold = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+        cold = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
         for headers in (warm, cold):  # the fast path, then the full route
             before = _figures(http)
             answer = http.get("/v1/deployments/chat/thresholds",

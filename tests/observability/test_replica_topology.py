@@ -33,14 +33,8 @@ from controlplane.db import make_engine
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.stream import GROUP, STREAM_PREFIX, STREAMS_KEY
-from tests.conftest import (
-    REDIS_URL,
-    free_port,
-    migrated_postgres_database,
-    stop_processes,
-    wait_until,
-)
-from tests.observability.processes import (
+from tests.support.network import free_port
+from tests.support.processes import (
     EXITPLANE,
     PROMETHEUS,
     ROOT,
@@ -48,8 +42,11 @@ from tests.observability.processes import (
     print_tails,
     spawn,
     start_prometheus,
+    stop_processes,
 )
-from tests.observability.simulated_runtime import EXIT_LAYERS, NUM_LAYERS, pattern
+from tests.support.services import REDIS_URL, migrated_postgres_database
+from tests.support.simulated_runtime import EXIT_LAYERS, NUM_LAYERS, pattern
+from tests.support.waiting import wait_until
 
 # slow: twelve processes and a Prometheus
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.integration]

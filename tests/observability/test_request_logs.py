@@ -16,15 +16,10 @@ import pytest
 import redis
 
 from controlplane.db import make_engine
-from tests.conftest import (
-    POSTGRES_URL,
-    REDIS_URL,
-    empty_postgres,
-    free_port,
-    stop_processes,
-    wait_until,
-)
-from tests.observability.processes import EXITPLANE, answers, cli, print_tails, spawn
+from tests.support.network import free_port
+from tests.support.processes import EXITPLANE, answers, cli, print_tails, spawn, stop_processes
+from tests.support.services import POSTGRES_URL, REDIS_URL, empty_postgres
+from tests.support.waiting import wait_until
 
 # slow: service processes
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]

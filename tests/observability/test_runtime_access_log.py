@@ -10,8 +10,8 @@ import logging
 import httpx
 import pytest
 
-from tests.conftest import wait_until
-from tests.runtime_server.serving import served_on_a_port, tiny_state
+from tests.support.runtime_server import served_on_a_port, tiny_state
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture

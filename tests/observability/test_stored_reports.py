@@ -21,17 +21,11 @@ from controlplane.alerts.reports import report_html
 from controlplane.auth.service import create_token
 from controlplane.celery_app import QUEUE
 from controlplane.db import make_engine, utcnow
-from tests.conftest import (
-    POSTGRES_URL,
-    REDIS_URL,
-    empty_postgres,
-    free_port,
-    patient_get,
-    stop_processes,
-    wait_until,
-)
-from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
-from tests.observability.processes import EXITPLANE, answers, print_tails, spawn
+from tests.support.alerts import Phase, make_deployment, send_traffic
+from tests.support.network import free_port
+from tests.support.processes import EXITPLANE, answers, print_tails, spawn, stop_processes
+from tests.support.services import POSTGRES_URL, REDIS_URL, empty_postgres
+from tests.support.waiting import patient_get, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

@@ -17,15 +17,17 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import (
-    POSTGRES_URL,
-    REDIS_URL,
-    empty_postgres,
-    free_port,
+from tests.support.network import free_port
+from tests.support.processes import (
+    EXITPLANE,
+    answers,
+    print_tails,
+    provision_chat,
+    spawn,
     stop_processes,
-    wait_until,
 )
-from tests.observability.processes import EXITPLANE, answers, print_tails, provision_chat, spawn
+from tests.support.services import POSTGRES_URL, REDIS_URL, empty_postgres
+from tests.support.waiting import wait_until
 
 PROCESSES = ("api", "ingest", "worker", "beat", "runtime")
 

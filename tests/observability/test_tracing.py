@@ -20,12 +20,8 @@ from controlplane.db import dispose_engines, make_engine, session_scope, utcnow
 from controlplane.deployments.service import get_deployment, move_alias, publish
 from controlplane.settings import Settings, get_settings
 from exitplane.kit import tracing
-from tests.conftest import wait_until
-from tests.controlplane.calibration.support import (
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")

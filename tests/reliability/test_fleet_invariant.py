@@ -23,8 +23,9 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.wire import ShadowPoint, TokenRecord
-from tests.conftest import free_port, wait_until
-from tests.reliability.processes import EXITPLANE, Processes
+from tests.support.network import free_port
+from tests.support.processes import EXITPLANE, Processes
+from tests.support.waiting import wait_until
 
 # slow: service processes killed and restarted
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import pytest
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
 from controlplane.settings import Settings
-from tests.conftest import wait_until
-from tests.reliability.processes import RecordProducer, serve_deployment
+from tests.support.served_api import RecordProducer, serve_deployment
+from tests.support.waiting import wait_until
 
 # slow: a private PostgreSQL stopped and restarted
 pytestmark = pytest.mark.slow

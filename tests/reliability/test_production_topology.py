@@ -29,8 +29,10 @@ from sqlalchemy.engine import make_url
 
 from controlplane.db import make_engine
 from controlplane.stats.clustered import clopper_pearson
-from tests.conftest import POSTGRES_URL, free_port, patient_get, wait_until
-from tests.reliability.processes import EXITPLANE, ROOT, Processes
+from tests.support.network import free_port
+from tests.support.processes import EXITPLANE, ROOT, Processes
+from tests.support.services import POSTGRES_URL
+from tests.support.waiting import patient_get, wait_until
 
 # slow: every service as its own process
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.postgres]

@@ -13,8 +13,8 @@ from controlplane.db import make_engine
 from controlplane.migrate import upgrade
 from controlplane.settings import Settings
 from exitplane.app import create_app
-from tests.conftest import wait_until
-from tests.reliability.processes import serve_deployment
+from tests.support.served_api import serve_deployment
+from tests.support.waiting import wait_until
 
 # slow: a private PostgreSQL stopped and restarted
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

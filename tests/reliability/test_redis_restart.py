@@ -13,13 +13,9 @@ from controlplane.celery_app import make_celery
 from controlplane.db import make_engine
 from controlplane.settings import Settings
 from controlplane.telemetry.stream import GROUP, stream_key
-from tests.conftest import wait_until
-from tests.reliability.processes import (
-    EXITPLANE,
-    Processes,
-    RecordProducer,
-    serve_deployment,
-)
+from tests.support.processes import EXITPLANE, Processes
+from tests.support.served_api import RecordProducer, serve_deployment
+from tests.support.waiting import wait_until
 
 # slow: a private Redis and Celery workers
 pytestmark = pytest.mark.slow

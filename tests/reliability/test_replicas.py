@@ -22,9 +22,10 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.db import make_engine
-from tests.conftest import migrated_postgres_database, wait_until
-from tests.reliability.conftest import PrivateRedis
-from tests.reliability.processes import EXITPLANE, ROOT, Processes, start_api
+from tests.support.processes import EXITPLANE, ROOT, Processes, start_api
+from tests.support.redis import PrivateRedis
+from tests.support.services import migrated_postgres_database
+from tests.support.waiting import wait_until
 
 # slow: API replicas as processes
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.postgres]

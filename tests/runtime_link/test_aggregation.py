@@ -5,7 +5,6 @@ says records are sampled."""
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 
@@ -17,53 +16,19 @@ from sqlalchemy import text
 from exitplane.app import create_app
 from exitplane.client.aggregate import Aggregator
 from exitplane.client.shipper import TelemetryShipper
-from exitplane.wire import AGGREGATE_MSGPACK, ShadowPoint, TokenRecord
-from tests.conftest import free_port, patient_get
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, ControlPlane, publish
-
-ROLLUP = ("version, minute, layer, tokens, exits, shadow_total, shadow_matches, policy_exits, "
-          "policy_mismatches")
-
-
-def token_stream(count: int, *, versions: list[int], seed: int = 7,
-                 start: float | None = None) -> list[TokenRecord]:
-    """A realistic mix: most tokens exit at 2 or 4, some run to full depth, 5% are shadow
-    tokens (full depth, labelled at every exit layer), spread over three minutes."""
-    rng = random.Random(seed)
-    start = start if start is not None else (time.time() // 60 - 3) * 60
-    records = []
-    for index in range(count):
-        shadow = rng.random() < 0.05
-        exit_layer = NUM_LAYERS if shadow else rng.choices([*EXIT_LAYERS, NUM_LAYERS],
-                                                           [5, 3, 2])[0]
-        points = [ShadowPoint(layer=layer, signal=rng.random(), matched=rng.random() < 0.7)
-                  for layer in EXIT_LAYERS] if shadow else None
-        records.append(TokenRecord(
-            threshold_version=rng.choice(versions), request_id=f"r{index // 20}",
-            position=index % 20, exit_layer=exit_layer,
-            signal_value=1.0 if index % 97 == 0 else rng.random(), latency_us=100,
-            ts=start + 180 * index / count, shadow=points))
-    return records
-
-
-def _rollups(engine, runtime_id: str) -> tuple[list, list]:
-    with engine.connect() as connection:
-        rollups = connection.execute(text(
-            f"SELECT {ROLLUP} FROM rollups WHERE runtime_id = :r ORDER BY version, minute, layer"),
-            {"r": runtime_id}).all()
-        histogram = connection.execute(text(
-            "SELECT version, minute, layer, bin, count FROM rollup_histograms "
-            "WHERE runtime_id = :r ORDER BY version, minute, layer, bin"),
-            {"r": runtime_id}).all()
-    return [tuple(row) for row in rollups], [tuple(row) for row in histogram]
-
-
-def _shipper(url: str, token: str, spool, runtime_id: str, **options) -> TelemetryShipper:
-    return TelemetryShipper(base_url=url, token=token, deployment=DEPLOYMENT,
-                            runtime_id=runtime_id, num_layers=NUM_LAYERS, spool_dir=spool,
-                            **{"batch_records": 500, "batch_interval_s": 0.05,
-                               "backoff_initial_s": 0.05, "backoff_max_s": 0.2, "fsync": False,
-                               **options})
+from exitplane.wire import AGGREGATE_MSGPACK
+from tests.support.network import free_port
+from tests.support.runtime_link import (
+    DEPLOYMENT,
+    EXIT_LAYERS,
+    NUM_LAYERS,
+    ControlPlane,
+    fast_shipper,
+    publish,
+    stored_rollups,
+    token_stream,
+)
+from tests.support.waiting import patient_get
 
 
 @pytest.mark.parametrize("bundle", [True, False], ids=["interval", "pair"])
@@ -73,8 +38,8 @@ def test_aggregates_give_the_rollups_records_give(control_plane, operator, runti
     aggregate batch and a sampled record batch store the same."""
     versions = [publish(operator, {2: 0.6, 4: 0.3}), publish(operator, {2: 0.9, 4: 0.5})]
     stream = token_stream(4000, versions=[0, *versions])
-    plain = _shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
-    edge = _shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
+    plain = fast_shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
+    edge = fast_shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
                     raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
                     aggregate_interval_s=0.2, bundle=bundle).start()
     for record in stream:
@@ -83,7 +48,7 @@ def test_aggregates_give_the_rollups_records_give(control_plane, operator, runti
     assert plain.flush(60) and edge.flush(60)
     assert plain.wait_replayed(60) and edge.wait_replayed(60)
 
-    expected, aggregated = _rollups(engine, "rt-records"), _rollups(engine, "rt-edge")
+    expected, aggregated = stored_rollups(engine, "rt-records"), stored_rollups(engine, "rt-edge")
     assert expected[0] and expected[1]  # something to compare
     assert sum(row[3] for row in expected[0] if row[2] == EXIT_LAYERS[0]) == len(stream)
     assert any(row[7] for row in expected[0])  # the policy exits some shadow tokens
@@ -154,7 +119,7 @@ def test_split_and_spooled_aggregates_count_once(settings, engine, operator, run
     plane = ControlPlane(make_app=lambda: create_app(small, engine=engine), port=free_port())
     plane.start()
     try:
-        edge = _shipper(plane.url, runtime_token, tmp_path / "spool", "rt-edge",
+        edge = fast_shipper(plane.url, runtime_token, tmp_path / "spool", "rt-edge",
                         raw_sample_rate=0.0, exit_layers=EXIT_LAYERS, aggregate_interval_s=60,
                         max_attempts=1).start()
         stream = token_stream(2000, versions=[1], start=(time.time() // 60 - 30) * 60)
@@ -186,8 +151,8 @@ def test_the_engine_s_tokens_aggregate_exactly(control_plane, operator, runtime_
                                                make_engine, engine, tmp_path):
     """The real engine (tiny model, 30% shadow) feeding both shippers: same rollups."""
     version = publish(operator, {2: 0.2, 4: 0.1})
-    plain = _shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
-    edge = _shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
+    plain = fast_shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
+    edge = fast_shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
                     raw_sample_rate=0.0, exit_layers=EXIT_LAYERS).start()
 
     def both(record) -> None:
@@ -206,10 +171,10 @@ def test_the_engine_s_tokens_aggregate_exactly(control_plane, operator, runtime_
             shadow += out.record.shadow is not None
     assert plain.flush(30) and edge.flush(30)
     assert plain.wait_replayed(30) and edge.wait_replayed(30)
-    expected = _rollups(engine, "rt-records")
+    expected = stored_rollups(engine, "rt-records")
     assert sum(row[3] for row in expected[0] if row[2] == EXIT_LAYERS[0]) == produced == 96
     assert 0 < shadow < produced and any(row[4] for row in expected[0] if row[2] < NUM_LAYERS)
-    assert _rollups(engine, "rt-edge") == expected
+    assert stored_rollups(engine, "rt-edge") == expected
     assert edge.counters["sent_records"] == shadow  # raw_sample_rate 0: shadow tokens only
     assert plain.close(10) and edge.close(10)
 

@@ -16,8 +16,8 @@ from controlplane.telemetry.models import ShadowSampleRow, TokenRecordRow
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.thresholds import ThresholdClient
 from runtime.engine import Engine
-from tests.conftest import patient_get, wait_until
-from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, publish
+from tests.support.runtime_link import DEPLOYMENT, NUM_LAYERS, publish
+from tests.support.waiting import patient_get, wait_until
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry.models import ShadowSampleRow
-from tests.conftest import patient_get
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, publish
+from tests.support.runtime_link import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, publish
+from tests.support.waiting import patient_get
 
 ROOT = Path(__file__).resolve().parents[2]
 

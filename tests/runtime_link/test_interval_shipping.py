@@ -22,9 +22,17 @@ from exitplane.wire import (
     RecordColumns,
     TelemetryBatch,
 )
-from tests.conftest import free_port
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, ControlPlane, publish
-from tests.runtime_link.test_aggregation import _rollups, _shipper, token_stream
+from tests.support.network import free_port
+from tests.support.runtime_link import (
+    DEPLOYMENT,
+    EXIT_LAYERS,
+    NUM_LAYERS,
+    ControlPlane,
+    fast_shipper,
+    publish,
+    stored_rollups,
+    token_stream,
+)
 
 
 def _kinds(engine, runtime_id: str) -> dict:
@@ -53,8 +61,8 @@ def test_an_older_control_plane_gets_the_pair_from_then_on(settings, engine, ope
     plane.start()
     try:
         stream = token_stream(3000, versions=[1])
-        plain = _shipper(plane.url, runtime_token, tmp_path / "a", "rt-records").start()
-        edge = _shipper(plane.url, runtime_token, tmp_path / "b", "rt-edge",
+        plain = fast_shipper(plane.url, runtime_token, tmp_path / "a", "rt-records").start()
+        edge = fast_shipper(plane.url, runtime_token, tmp_path / "b", "rt-edge",
                         raw_sample_rate=0.2, exit_layers=EXIT_LAYERS,
                         aggregate_interval_s=0.2).start()
         assert edge.bundle
@@ -66,7 +74,7 @@ def test_an_older_control_plane_gets_the_pair_from_then_on(settings, engine, ope
         assert not edge.bundle  # the 415 turned it to the pair
         assert edge.counters["rejected_batches"] == 0
         assert edge.counters["sent_aggregate_tokens"] == len(stream)
-        assert _rollups(engine, "rt-edge") == _rollups(engine, "rt-records")
+        assert stored_rollups(engine, "rt-edge") == stored_rollups(engine, "rt-records")
         assert set(_kinds(engine, "rt-edge")) == {"aggregate", "sampled"}
         assert _records(engine, "rt-edge") == edge.counters["sent_records"] > 0
         with engine.connect() as connection:
@@ -90,9 +98,9 @@ def test_split_interval_batches_store_everything_once(settings, engine, operator
     plane.start()
     try:
         stream = token_stream(2000, versions=[1])
-        plain = _shipper(plane.url, runtime_token, tmp_path / "a", "rt-records",
+        plain = fast_shipper(plane.url, runtime_token, tmp_path / "a", "rt-records",
                          batch_records=20).start()
-        edge = _shipper(plane.url, runtime_token, tmp_path / "b", "rt-edge",
+        edge = fast_shipper(plane.url, runtime_token, tmp_path / "b", "rt-edge",
                         raw_sample_rate=0.3, exit_layers=EXIT_LAYERS, aggregate_interval_s=60,
                         max_attempts=1).start()
         for record in stream:
@@ -102,7 +110,7 @@ def test_split_interval_batches_store_everything_once(settings, engine, operator
         assert edge.wait_replayed(60) and plain.wait_replayed(60)
         assert edge.counters["splits"] >= 2 and edge.counters["rejected_batches"] == 0
         assert edge.counters["sent_aggregate_tokens"] == len(stream)
-        assert _rollups(engine, "rt-edge") == _rollups(engine, "rt-records")
+        assert stored_rollups(engine, "rt-edge") == stored_rollups(engine, "rt-records")
         assert _records(engine, "rt-edge") == edge.counters["sent_records"] > 300
         assert set(_kinds(engine, "rt-edge")) == {"aggregate"}
         assert plain.close(10) and edge.close(10)

@@ -20,8 +20,8 @@ from controlplane.deployments.service import get_deployment
 from controlplane.drift.service import check_runtimes
 from exitplane.client import AsyncRuntime, RefusedThresholdSet, Runtime
 from exitplane.wire import ThresholdSetWire
-from tests.conftest import wait_until
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, publish
+from tests.support.runtime_link import DEPLOYMENT, EXIT_LAYERS, NUM_LAYERS, publish
+from tests.support.waiting import wait_until
 
 FAST = {"long_poll_s": 0.5, "heartbeat_interval_s": 0.5, "backoff_initial_s": 0.05,
         "backoff_max_s": 0.3}

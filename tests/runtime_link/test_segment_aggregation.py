@@ -8,8 +8,7 @@ from collections import Counter
 
 from sqlalchemy import text
 
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS
-from tests.runtime_link.test_aggregation import ROLLUP, _shipper, token_stream
+from tests.support.runtime_link import DEPLOYMENT, EXIT_LAYERS, ROLLUP, fast_shipper, token_stream
 
 SEGMENTS = ("default", "chat", "code")
 
@@ -40,8 +39,8 @@ def test_segmented_aggregates_give_the_rollups_segmented_records_give(
     version = published.json()["version"]
     stream = [record.model_copy(update={"segment": SEGMENTS[index % 3]})
               for index, record in enumerate(token_stream(3000, versions=[0, version]))]
-    plain = _shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
-    edge = _shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
+    plain = fast_shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
+    edge = fast_shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
                     raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
                     aggregate_interval_s=0.2).start()
     for record in stream:

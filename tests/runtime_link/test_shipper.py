@@ -16,8 +16,9 @@ from exitplane.client.codec import EncodedBatch
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.spool import Spool
 from exitplane.wire import TokenRecord
-from tests.conftest import free_port, patient_get, wait_until
-from tests.runtime_link.conftest import DEPLOYMENT, NUM_LAYERS, ControlPlane
+from tests.support.network import free_port
+from tests.support.runtime_link import DEPLOYMENT, NUM_LAYERS, ControlPlane
+from tests.support.waiting import patient_get, wait_until
 
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

@@ -12,8 +12,9 @@ import pytest
 
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import ThresholdSetWire, threshold_checksum
-from tests.conftest import patient_get, serve_in_thread, wait_until
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
+from tests.support.network import serve_in_thread
+from tests.support.runtime_link import DEPLOYMENT, EXIT_LAYERS, publish
+from tests.support.waiting import patient_get, wait_until
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from exitplane.client.thresholds import ThresholdClient
-from tests.conftest import serve_in_thread, wait_until
-from tests.runtime_link.conftest import DEPLOYMENT
+from tests.support.network import serve_in_thread
+from tests.support.runtime_link import DEPLOYMENT
+from tests.support.waiting import wait_until
 
 
 class RefusingHandler(BaseHTTPRequestHandler):

@@ -15,8 +15,8 @@ from exitplane.client.thresholds import (
     check_threshold_set,
 )
 from exitplane.wire import ThresholdSetWire
-from tests.conftest import patient_get, wait_until
-from tests.runtime_link.conftest import DEPLOYMENT, EXIT_LAYERS, publish
+from tests.support.runtime_link import DEPLOYMENT, EXIT_LAYERS, publish
+from tests.support.waiting import patient_get, wait_until
 
 FAST = {"long_poll_s": 0.2, "heartbeat_interval_s": 0.2, "backoff_initial_s": 0.05,
         "backoff_max_s": 0.5}
@@ -132,7 +132,7 @@ def test_a_segment_travels_from_the_engine_row_to_the_store(control_plane, opera
     rollups per segment."""
     from sqlalchemy import text
 
-    from tests.runtime_link.test_aggregation import _shipper
+    from tests.support.runtime_link import fast_shipper
 
     created = operator.post(f"/v1/deployments/{DEPLOYMENT}/threshold-sets", json={
         "thresholds": {"2": 1.0, "4": 1.0}, "segments": {"code": {"2": 0.0, "4": 1.0}},
@@ -142,7 +142,7 @@ def test_a_segment_travels_from_the_engine_row_to_the_store(control_plane, opera
     runtime = make_engine(runtime_id="rt-e2e")
     client = ThresholdClient(runtime, base_url=control_plane.url, deployment=DEPLOYMENT,
                              token=runtime_token, **FAST).start()
-    shipper = _shipper(control_plane.url, runtime_token, tmp_path / "spool", "rt-e2e",
+    shipper = fast_shipper(control_plane.url, runtime_token, tmp_path / "spool", "rt-e2e",
                        raw_sample_rate=1.0, exit_layers=EXIT_LAYERS,
                        aggregate_interval_s=0.2).start()
     try:

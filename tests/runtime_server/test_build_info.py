@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exitplane import __version__
 from runtime.server import build_state
 from runtime.testing import ascii_tokenizer
-from tests.runtime_server.serving import never_exit, served_on_a_port, tiny_engine
+from tests.support.runtime_server import never_exit, served_on_a_port, tiny_engine
 
 
 def test_healthz_metrics_and_openapi_report_the_version():

@@ -9,8 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.server import build_state
 from runtime.testing import ascii_tokenizer
-from tests.conftest import free_port, wait_until
-from tests.runtime_server.serving import served_on_a_port, tiny_engine
+from tests.support.network import free_port
+from tests.support.runtime_server import served_on_a_port, tiny_engine
+from tests.support.waiting import wait_until
 
 CLIENT_STATE = {
     "exitplane_runtime_applied_version": "gauge", "exitplane_runtime_degraded": "gauge",

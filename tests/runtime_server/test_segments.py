@@ -18,13 +18,7 @@ from runtime.cli import runtime_cli
 from runtime.server import build_state
 from runtime.serving.segments import SegmentRules, key_digest
 from runtime.testing import ascii_tokenizer
-from tests.runtime_server.serving import (
-    EXIT_LAYERS,
-    Served,
-    serve,
-    served_on_a_port,
-    tiny_engine,
-)
+from tests.support.runtime_server import EXIT_LAYERS, Served, serve, served_on_a_port, tiny_engine
 
 KEY, CODE_KEY = "k" * 24, "c" * 24
 # default never exits; code leaves every token at the first exit layer, chat at the second

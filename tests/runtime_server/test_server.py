@@ -12,10 +12,10 @@ import pytest
 from exitplane.wire import ThresholdSetWire
 from runtime.server import build_state
 from runtime.testing import ascii_tokenizer
-from tests.conftest import free_port
-from tests.runtime_server.serving import EXIT_LAYERS, Served, tiny_state
-from tests.runtime_server.serving import serve as _serve
-from tests.runtime_server.serving import tiny_engine as _engine
+from tests.support.network import free_port
+from tests.support.runtime_server import EXIT_LAYERS, Served, tiny_state
+from tests.support.runtime_server import serve as _serve
+from tests.support.runtime_server import tiny_engine as _engine
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.server import build_state
 from runtime.testing import ascii_tokenizer
-from tests.runtime_server.serving import never_exit, served_on_a_port, tiny_engine
+from tests.support.runtime_server import never_exit, served_on_a_port, tiny_engine
 
 
 def _samples(url: str) -> dict[tuple[str, tuple], float]:

@@ -16,8 +16,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth import users
 from controlplane.auth.models import User
-from tests.dashboards.conftest import PASSWORD, csrf_of, sign_in
-from tests.security.test_signin_flood import ADMIN, HeldHasher, _browser
+from tests.support.people import ADMIN, PASSWORD, HeldHasher, csrf_of, sign_in, ui_browser
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -71,7 +70,7 @@ def test_an_admin_hashes_a_new_password_outside_any_transaction(app, engine, db_
                                   role="viewer")
         session.commit()
         spare_id = spare.id
-    with _browser(app, client=ADMIN) as browser:
+    with ui_browser(app, client=ADMIN) as browser:
         assert sign_in(browser, "admin").status_code == 200
         token = csrf_of(browser.get("/ui/users").text)
         new_password = PASSWORD + " two"
@@ -115,7 +114,7 @@ def test_create_user_from_a_fresh_session_hashes_before_its_transaction(engine, 
 def test_a_short_password_is_refused_before_it_is_hashed(app, admin_user, monkeypatch):
     hashed: list[str] = []
     monkeypatch.setattr(users, "hash_password", lambda password: hashed.append(password))
-    with _browser(app, client=ADMIN) as browser:
+    with ui_browser(app, client=ADMIN) as browser:
         assert sign_in(browser, "admin").status_code == 200
         token = csrf_of(browser.get("/ui/users").text)
         answer = browser.post("/ui/users", data={"username": "short", "password": "too short",

@@ -15,13 +15,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import ShadowSampleRow, TelemetryBatchRow, TokenRecordRow
-from tests.conftest import REDIS_URL, patient_get
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.deployments import deploy_for_telemetry
+from tests.support.services import REDIS_URL
+from tests.support.waiting import patient_get
 
 
 def _twins(seed: int = 1) -> tuple[dict, dict]:
     """The same batch (id, records, times) sent by deployment a's runtime and by b's."""
-    batch = make_batch(random.Random(seed), n=40, deployment="a", shadow_rate=0.5)
+    batch = random_batch(random.Random(seed), n=40, deployment="a", shadow_rate=0.5)
     return batch, {**batch, "deployment": "b"}
 
 
@@ -35,8 +37,8 @@ def _stored(engine, name: str) -> tuple[int, int, int]:
 
 
 def test_a_batch_id_reused_by_another_deployment_is_stored_for_both(client, tokens, engine):
-    runtime_a = _deploy(client, tokens, engine, name="a")
-    runtime_b = _deploy(client, tokens, engine, name="b")
+    runtime_a = deploy_for_telemetry(client, tokens, engine, name="a")
+    runtime_b = deploy_for_telemetry(client, tokens, engine, name="b")
     batch_a, batch_b = _twins()
     first = client.post("/v1/telemetry", json=batch_a, headers=runtime_a)
     assert first.status_code == 202 and first.json()["duplicate"] is False
@@ -84,8 +86,8 @@ def test_the_stream_path_keeps_a_reused_batch_id_per_deployment(settings, engine
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
     with TestClient(app) as client:
-        runtime_a = _deploy(client, tokens, engine, name="a")
-        runtime_b = _deploy(client, tokens, engine, name="b")
+        runtime_a = deploy_for_telemetry(client, tokens, engine, name="a")
+        runtime_b = deploy_for_telemetry(client, tokens, engine, name="b")
         batch_a, batch_b = _twins(2)
         for batch, runtime in ((batch_a, runtime_a), (batch_b, runtime_b)):
             answer = client.post("/v1/telemetry", json=batch, headers=runtime).json()

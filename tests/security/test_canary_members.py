@@ -13,12 +13,6 @@ from itertools import count, islice
 
 import numpy as np
 
-from controlplane.calibration.canary import (
-    CanaryPolicy,
-    evaluate_canary,
-    promote_canary,
-    start_canary,
-)
 from controlplane.calibration.learn_then_test import policy_disagreement
 from controlplane.calibration.models import CanaryRun
 from controlplane.db import session_scope, utcnow
@@ -29,16 +23,17 @@ from controlplane.deployments.service import (
     move_alias,
     publish,
 )
+from controlplane.flows.canary import (
+    CanaryPolicy,
+    evaluate_canary,
+    promote_canary,
+    start_canary,
+)
 from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest, shadow_evidence
 from exitplane.wire import Heartbeat
-from tests.controlplane.calibration import support
-from tests.controlplane.calibration.support import (
-    LAYERS,
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from tests.support import calibration as calibration_support
+from tests.support.calibration import LAYERS, make_deployment, separable_samples, write_traffic
 
 FRACTION = 0.1
 STABLE = {3: 0.9, 6: 0.9, 9: 0.9}
@@ -180,7 +175,7 @@ def test_one_credential_behind_three_member_ids_is_one_witness(engine, outbox, m
         return ingest(session=session, deployment=deployment, batches=batches,
                       witnesses=["token:7"] * len(batches))
 
-    monkeypatch.setattr(support, "ingest", ingest_as_one_token)
+    monkeypatch.setattr(calibration_support, "ingest", ingest_as_one_token)
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         for index, runtime_id in enumerate(MEMBERS):

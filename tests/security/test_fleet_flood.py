@@ -21,7 +21,8 @@ from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.gauges import store_collector
 from exitplane.app import create_app
-from tests.conftest import free_port, wait_until
+from tests.support.network import free_port
+from tests.support.waiting import wait_until
 
 
 def _serve(settings, engine, tokens, **overrides):

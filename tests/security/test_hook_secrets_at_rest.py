@@ -16,7 +16,7 @@ from controlplane.db import make_engine
 from controlplane.keys import ENCRYPTED_PREFIX, Vault, vault
 from controlplane.migrate import downgrade, upgrade
 from controlplane.settings import Settings
-from tests.controlplane.alerts.support import Receiver, make_deployment
+from tests.support.alerts import Receiver, make_deployment
 
 SLACK_PATH = "/services/T0SECRET/B0SECRET/slackkeyslackkeyslackkey"
 HMAC_SECRET = "hmac-secret-hmac-secret-hmac-secret"
@@ -80,7 +80,7 @@ def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, o
                 "enabled, created_by, created_at) VALUES ('old', 'webhook', :url, :secret, "
                 "NULL, 'info', true, 'test', CURRENT_TIMESTAMP)"),
                 {"url": receiver.url + "/old-hook", "secret": HMAC_SECRET})
-            # What deliveries used to log: the receiver's answer, the network error's text.
+            # What schema 0005's deliveries logged: the receiver's answer, the network error's text.
             for code, error in ((500, "HTTP 500: FATAL: password authentication failed"),
                                 (None, "ConnectError: [Errno 111] Connection refused")):
                 connection.execute(text(

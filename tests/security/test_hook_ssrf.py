@@ -20,8 +20,9 @@ from controlplane.alerts import delivery_service, hook_service, hooks
 from controlplane.alerts.guard import AllowList, HookGuard
 from controlplane.keys import vault
 from controlplane.settings import Settings
-from tests.conftest import free_port, patient_get, serve_in_thread
-from tests.controlplane.alerts.support import make_deployment
+from tests.support.alerts import make_deployment
+from tests.support.network import free_port, serve_in_thread
+from tests.support.waiting import patient_get
 
 BASE = "http://exitplane.test"
 INWARD = [

@@ -13,12 +13,13 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from controlplane.flows import recalibration
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
 from controlplane.calibration import service as calibration
-from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import Deployment
@@ -30,24 +31,18 @@ from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.service import ingest
 from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import Heartbeat, TelemetryBatch
-from tests.conftest import patient_get, wait_until
-from tests.controlplane.alerts.support import Phase, send_traffic
-from tests.controlplane.alerts.support import make_deployment as make_drift_deployment
-from tests.controlplane.calibration.support import (
+from tests.support.alerts import Phase, send_traffic
+from tests.support.alerts import make_deployment as make_drift_deployment
+from tests.support.calibration import (
     FULL,
     LAYERS,
     make_deployment,
     separable_samples,
     write_traffic,
 )
-from tests.runtime_link.conftest import (  # noqa: F401 (fixtures)
-    DEPLOYMENT,
-    EXIT_LAYERS,
-    control_plane,
-    operator,
-    runtime_token,
-)
-from tests.runtime_link.conftest import publish as publish_over_http
+from tests.support.runtime_link import DEPLOYMENT, EXIT_LAYERS
+from tests.support.runtime_link import publish as publish_over_http
+from tests.support.waiting import patient_get, wait_until
 
 HEADS = "a" * 64  # the deployment's exit heads
 OTHER_HEADS = "b" * 64
@@ -93,7 +88,7 @@ def _certified(engine, name: str) -> dict:
     with session_scope(engine) as session:
         calibration.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        calibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                     policy=POLICY)
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
@@ -283,8 +278,8 @@ class HeadsRuntime:
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_a_runtime_refuses_a_set_made_for_other_heads(control_plane, operator,  # noqa: F811
-                                                      runtime_token):  # noqa: F811
+def test_a_runtime_refuses_a_set_made_for_other_heads(control_plane, operator,
+                                                      runtime_token):
     patched = operator.patch(f"/v1/deployments/{DEPLOYMENT}",
                              json={"head_digest": HEADS, "model_revision": MODEL})
     assert patched.status_code == 200, patched.text
@@ -336,8 +331,8 @@ def test_a_runtime_refuses_a_set_made_for_other_heads(control_plane, operator,  
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_lineage_is_checked_where_it_enters(control_plane, operator,  # noqa: F811
-                                            runtime_token):  # noqa: F811
+def test_lineage_is_checked_where_it_enters(control_plane, operator,
+                                            runtime_token):
     bad = operator.post("/v1/deployments", json={
         "name": "bad-heads", "model_ref": "m", "num_layers": 6, "head_digest": "no spaces"})
     assert bad.status_code == 422 and "head_digest" in bad.text
@@ -354,12 +349,12 @@ def test_lineage_is_checked_where_it_enters(control_plane, operator,  # noqa: F8
 @pytest.mark.parametrize("options", [{}, {"raw_sample_rate": 0.5, "exit_layers": EXIT_LAYERS,
                                           "aggregate_interval_s": 0.1}],
                          ids=["records", "interval"])
-def test_the_shipper_carries_the_lineage_it_is_given(control_plane, operator,  # noqa: F811
-                                                     runtime_token, engine, tmp_path,  # noqa: F811
+def test_the_shipper_carries_the_lineage_it_is_given(control_plane, operator,
+                                                     runtime_token, engine, tmp_path,
                                                      options):
     from exitplane.client.shipper import TelemetryShipper
     from exitplane.wire import TokenRecord
-    from tests.runtime_link.conftest import NUM_LAYERS
+    from tests.support.runtime_link import NUM_LAYERS
 
     patched = operator.patch(f"/v1/deployments/{DEPLOYMENT}", json={"head_digest": HEADS})
     assert patched.status_code == 200, patched.text

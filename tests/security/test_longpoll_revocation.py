@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 from controlplane.auth.models import ApiToken
 from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
-from tests.conftest import wait_until
-from tests.controlplane.deployments.test_api import tuned_deployment
+from tests.support.deployments import tuned_deployment
+from tests.support.waiting import wait_until
 
 PULL = "/v1/deployments/chat/thresholds"
 

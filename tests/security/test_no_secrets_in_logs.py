@@ -35,7 +35,8 @@ from controlplane.alerts.models import AlertHook
 from controlplane.auth.users import create_user
 from controlplane.db import make_engine
 from controlplane.settings import Settings
-from tests.conftest import BACKENDS, free_port, serve_in_thread
+from tests.support.network import free_port, serve_in_thread
+from tests.support.services import BACKENDS
 
 pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 

@@ -21,8 +21,6 @@ from sqlalchemy import select
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
 from controlplane.calibration import service as calibration
-from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
-from controlplane.stats.robust_evidence import cap_runtime_share
 from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.learn_then_test import calibrate_thresholds, policy_disagreement
 from controlplane.calibration.models import CalibrationJob
@@ -38,14 +36,12 @@ from controlplane.deployments.service import (
 )
 from controlplane.drift.outliers import screen_witnesses
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
+from controlplane.flows import recalibration
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.runtimes.outliers import excluded_runtime_ids, set_aside
+from controlplane.stats.robust_evidence import cap_runtime_share
 from controlplane.telemetry.service import shadow_evidence
-from tests.controlplane.calibration.support import (
-    LAYERS,
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from tests.support.calibration import LAYERS, make_deployment, separable_samples, write_traffic
 
 POLICY = calibration.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 HONEST = ("rt-a", "rt-b", "rt-c")
@@ -82,7 +78,7 @@ def _calibrate(engine, since) -> CalibrationJob:
                                                  actor="test", since=since, policy=POLICY)
         job_id = job.id
     with session_scope(engine) as session:
-        calibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                     policy=POLICY)
     with session_scope(engine) as session:
         return session.get(CalibrationJob, job_id)

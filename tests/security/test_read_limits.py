@@ -14,20 +14,11 @@ from sqlalchemy.orm import Session
 from controlplane.auth.service import create_token
 from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.deployments.service import create_deployment, get_deployment
-from controlplane.deps import HEAVY_READ_COST, HEAVY_READS, OWN_BUCKET_READS
-from tests.conftest import wait_until
-from tests.reliability.conftest import PrivateRedis
+from controlplane.guards.policy import HEAVY_READ_COST
+from tests.support.waiting import wait_until
 
 HEAVY = "/v1/deployments/chat/telemetry/count"
 LIGHT = "/v1/deployments/chat"
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.cleanup()
 
 
 @pytest.fixture
@@ -89,10 +80,10 @@ def test_the_default_read_limit_holds_one_token_to_20_heavy_reads_a_second(serve
 
 
 def test_reads_are_weighted_by_cost(serve, chat, engine, monkeypatch):
-    from controlplane import deps
+    from controlplane.guards import reads
 
     for unit in ("READ_UNIT_S", "HEAVY_READ_UNIT_S"):  # the declared costs only: no time owed
-        monkeypatch.setattr(deps, unit, 1e9)
+        monkeypatch.setattr(reads, unit, 1e9)
     client = serve(rate_limit_read_per_s=10.0)  # a burst of 20 units, 10 a second after
     heavy, _, heavy_s = _until_refused(client, HEAVY, _token(engine))
     light, refusal, light_s = _until_refused(client, LIGHT, _token(engine))
@@ -120,18 +111,11 @@ def test_a_token_read_bucket_is_shared_by_every_api_process(serve, chat, engine,
     assert answers.count(200) <= 4 + 2 * elapsed + 1, (answers, elapsed)
 
 
-def test_the_cost_table_names_real_read_routes(serve):
-    reads = {path for path, operations in serve().app.openapi()["paths"].items()
-             if "get" in operations}
-    assert reads >= HEAVY_READS, HEAVY_READS - reads
-    assert reads >= OWN_BUCKET_READS
-
-
 def test_a_token_looping_on_its_refusals_is_held_not_served_faster(serve, chat, engine):
-    """Refusals used to be answered at once: eight connections looping on them made hundreds
-    of requests a second for the process to refuse. Each refusal is now held (1 s here), on
-    the event loop: other tokens are answered meanwhile, and the loop makes about one request
-    per connection per second."""
+    """Each refusal is held (1 s here), on the event loop: eight connections looping on their
+    refusals make about one request per connection per second, where refusals answered at once
+    would make hundreds a second for the process to refuse; other tokens are answered
+    meanwhile."""
     # One read every 2 s (a burst of 1): a 1 s hold never sees the bucket refilled.
     client = serve(rate_limit_read_per_s=0.5, rate_limit_hold_s=1.0)
     auth, other = _token(engine), _token(engine)
@@ -201,7 +185,7 @@ def test_a_read_owes_the_time_it_kept_the_api_busy(serve, chat, engine, monkeypa
     store, a wide window): a token's heavy reads keep an API busy for about a quarter second a
     second at the default rate, whatever they ask for. One heavy read of 0.6 s owes 240 units;
     at 10 a second the token waits."""
-    from controlplane.deps import HEAVY_READ_UNIT_S
+    from controlplane.guards.reads import HEAVY_READ_UNIT_S
 
     client = serve(rate_limit_read_per_s=10.0, rate_limit_hold_s=0)
     _slow_counts(monkeypatch, 0.6)
@@ -232,11 +216,11 @@ def test_heavy_reads_of_one_token_take_turns_and_a_full_queue_is_refused(serve, 
     many threads and as much of the store as it opened connections. A token now runs
     HEAVY_READS_AT_ONCE per process and queues HEAVY_READS_WAITING (served in turn), past them
     429; another token's heavy read runs beside them."""
-    from controlplane import deps
-    from controlplane.deps import HEAVY_READS_AT_ONCE, HEAVY_READS_WAITING
+    from controlplane.guards import reads
+    from controlplane.guards.reads import HEAVY_READS_AT_ONCE, HEAVY_READS_WAITING
 
     for unit in ("READ_UNIT_S", "HEAVY_READ_UNIT_S"):  # turns only: no time owed
-        monkeypatch.setattr(deps, unit, 1e9)
+        monkeypatch.setattr(reads, unit, 1e9)
     # Tokens stay known while the first read is held: on SQLite that read holds the store,
     # and a token lookup would wait for it.
     client = serve(rate_limit_read_per_s=1000.0, rate_limit_hold_s=0, token_cache_ttl_s=120)

@@ -11,7 +11,7 @@ import click
 import yaml
 
 from exitplane.cli import main
-from tests.test_compose import _exitplane_invocations
+from tests.support.compose import exitplane_invocations
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -39,7 +39,7 @@ def test_publishing_the_port_requires_a_key_from_a_secret(tmp_path, monkeypatch)
     key_file = tmp_path / "runtime_api_keys"
     key_file.write_text("k-" + "0123456789abcdef" * 2 + "\n")
     monkeypatch.setenv("EXITPLANE_RUNTIME_API_KEY_FILE", str(key_file))
-    (args,) = _exitplane_invocations(BASE["services"]["runtime"]["command"])
+    (args,) = exitplane_invocations(BASE["services"]["runtime"]["command"])
     ctx = click.Context(main, info_name="exitplane")
     group = main.get_command(ctx, args[0])
     serve = group.get_command(ctx, args[1])

@@ -18,8 +18,9 @@ import pytest
 
 from runtime.serving.schemas import MAX_STOP_CHARS
 from runtime.testing import ascii_tokenizer
-from tests.conftest import free_port, wait_until
-from tests.runtime_server.serving import served_on_a_port, tiny_engine, tiny_state
+from tests.support.network import free_port
+from tests.support.runtime_server import served_on_a_port, tiny_engine, tiny_state
+from tests.support.waiting import wait_until
 
 KEY = "k-" + "a1b2c3d4" * 4
 OTHER_KEY = "k-" + "z9y8x7w6" * 4

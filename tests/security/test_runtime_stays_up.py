@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from runtime.server import exit_when_engine_dies
-from tests.conftest import wait_until
-from tests.runtime_server.serving import served_on_a_port, tiny_state
+from tests.support.runtime_server import served_on_a_port, tiny_state
+from tests.support.waiting import wait_until
 
 POISON = "POISON"
 INTERNAL = "device-side assert at /build/secret/kernel.cu:42"
@@ -197,7 +197,7 @@ def test_after_a_failed_step_the_engine_generates_what_a_fresh_one_does(threshol
     slots; nothing stale leaks into the next request on those slots."""
     from exitplane.wire import Signal
     from runtime.engine import ExitPolicy, StepFailed
-    from tests.runtime_server.serving import tiny_engine
+    from tests.support.runtime_server import tiny_engine
 
     def engine_with_policy():
         engine = tiny_engine(max_batch=2)

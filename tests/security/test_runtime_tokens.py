@@ -22,8 +22,9 @@ from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import RuntimeCaps, record_heartbeat
 from exitplane.wire import Heartbeat
-from tests.conftest import patient_get
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.deployments import deploy_for_telemetry
+from tests.support.waiting import patient_get
 
 BEATS = "/v1/deployments/{}/heartbeats"
 
@@ -49,12 +50,12 @@ def _runtime_ids(engine) -> set[str]:
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_a_runtime_token_cannot_tell_which_deployments_exist(serve, tokens, engine, fast_path):
     client = serve(telemetry_fast_path=fast_path)
-    auth = _deploy(client, tokens, engine, "chat")
-    _deploy(client, tokens, engine, "other")
+    auth = deploy_for_telemetry(client, tokens, engine, "chat")
+    deploy_for_telemetry(client, tokens, engine, "other")
     rng = random.Random(3)
 
     def answers(name: str) -> list[tuple[int, str]]:
-        batch = make_batch(rng, n=5, deployment=name)
+        batch = random_batch(rng, n=5, deployment=name)
         found = [
             client.get(f"/v1/deployments/{name}", headers=auth),
             _beat(client, auth, "rt-1", deployment=name),
@@ -77,7 +78,7 @@ def test_a_runtime_token_cannot_tell_which_deployments_exist(serve, tokens, engi
 
 def test_one_token_cannot_take_the_deployment_s_whole_cap(serve, tokens, engine):
     client = serve(max_runtimes_per_deployment=5, max_runtimes_per_token=2)
-    leaked = _deploy(client, tokens, engine)
+    leaked = deploy_for_telemetry(client, tokens, engine)
     honest = _runtime_token(engine)
     assert [_beat(client, leaked, f"junk-{i}").status_code for i in range(2)] == [200, 200]
     refused = _beat(client, leaked, "junk-2")
@@ -97,7 +98,7 @@ def test_one_token_cannot_take_the_deployment_s_whole_cap(serve, tokens, engine)
 def test_runtimes_heard_from_once_are_forgotten_quickly(serve, tokens, engine):
     client = serve(max_runtimes_per_token=2, runtime_single_beat_forget_s=600,
                    heartbeat_flush_s=0)
-    auth = _deploy(client, tokens, engine)
+    auth = deploy_for_telemetry(client, tokens, engine)
     assert _beat(client, auth, "probe").status_code == 200  # never heard from again
     assert _beat(client, auth, "steady").status_code == 200
     assert _beat(client, auth, "steady").status_code == 200  # a second beat: a real runtime
@@ -116,7 +117,7 @@ def test_runtimes_heard_from_once_are_forgotten_quickly(serve, tokens, engine):
 def test_operators_remove_runtimes_and_a_removed_one_registers_again(serve, tokens, engine):
     client = serve(max_runtimes_per_token=2)
     peer = serve(max_runtimes_per_token=2)  # another API process on the same store
-    auth = _deploy(client, tokens, engine)
+    auth = deploy_for_telemetry(client, tokens, engine)
     operator = tokens.headers(tokens.operator)
     for runtime_id in ("rt-1", "rt-2"):
         assert _beat(peer, auth, runtime_id).status_code == 200  # the peer has them on record
@@ -196,7 +197,7 @@ def test_concurrent_first_heartbeats_of_one_runtime_upsert_on_postgresql(engine,
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_burst_of_first_heartbeats_answers_no_500(app, tokens, engine, live_server):
     client = TestClient(app)
-    auth = _deploy(client, tokens, engine)
+    auth = deploy_for_telemetry(client, tokens, engine)
 
     def beat(i: int) -> int:
         return httpx.post(live_server.url + BEATS.format("chat"), headers=auth, timeout=30,

@@ -10,21 +10,18 @@ import hmac
 import json
 import os
 import secrets
-import signal
 import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 
 from controlplane.keys import weak_secret_problem
 from controlplane.settings import Settings
-from tests.conftest import free_port
+from tests.support.network import free_port
+from tests.support.processes import ROOT, ExitplaneUp, run_cli, shipped_env
 
-ROOT = Path(__file__).resolve().parents[2]
 OLD_CONSTANT = "exitplane-embedded-default-secret"
 
 
@@ -42,61 +39,19 @@ def _session_cookie(secret: str, user_id: int = 1) -> str:
     return f"{body}.{_b64(mac)}"
 
 
-def _env(var_dir: Path, **extra: str) -> dict[str, str]:
-    # Nothing of the test session's EXITPLANE_* settings: the embedded default, as shipped.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXITPLANE_")}
-    return env | {"EXITPLANE_VAR_DIR": str(var_dir), "EXITPLANE_LOG_LEVEL": "warning", **extra}
-
-
-def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exitplane.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
-class Up:
-    """A real `exitplane up` (API only) on a free loopback port."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "exitplane.cli", "up", "--no-workers", "--port",
-             str(self.port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-            stderr=log.open("w"))
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "the API did not come up"
-            time.sleep(0.3)
-
-    def page(self, cookie: str) -> httpx.Response:
-        return httpx.get(f"{self.url}/ui/tokens", cookies={"exitplane_session": cookie},
-                         follow_redirects=False, timeout=10)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-
-
 @pytest.mark.slow
 def test_a_cookie_signed_with_the_old_constant_is_refused_and_the_key_survives_restart(
         tmp_path):
     var_dir = tmp_path / "var"
-    env = _env(var_dir)
-    assert _cli(["db", "upgrade"], env).returncode == 0
+    env = shipped_env(var_dir)
+    assert run_cli(["db", "upgrade"], env).returncode == 0
     password_file = tmp_path / "password"
     password_file.write_text(secrets.token_urlsafe(16) + "\n")
-    made = _cli(["user", "create", "--username", "root", "--role", "admin",
-                 "--password-file", str(password_file)], env)
+    made = run_cli(["user", "create", "--username", "root", "--role", "admin",
+                    "--password-file", str(password_file)], env)
     assert made.returncode == 0, made.stderr
 
-    up = Up(env, tmp_path / "up.log")
+    up = ExitplaneUp(env, tmp_path / "up.log")
     try:
         forged = up.page(_session_cookie(OLD_CONSTANT))
         assert forged.status_code == 303 and "/ui/login" in forged.headers["location"]
@@ -109,7 +64,7 @@ def test_a_cookie_signed_with_the_old_constant_is_refused_and_the_key_survives_r
     finally:
         up.stop()
 
-    again = Up(env, tmp_path / "up-again.log")
+    again = ExitplaneUp(env, tmp_path / "up-again.log")
     try:
         assert key_file.read_text().strip() == key
         assert again.page(_session_cookie(key)).status_code == 200
@@ -121,8 +76,8 @@ def test_a_cookie_signed_with_the_old_constant_is_refused_and_the_key_survives_r
 
 @pytest.mark.slow  # runs the CLI's process
 def test_a_short_secret_on_a_public_address_refuses_to_start(tmp_path):
-    refused = _cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
-                   _env(tmp_path / "var", EXITPLANE_SECRET_KEY="too-short"))
+    refused = run_cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
+                      shipped_env(tmp_path / "var", EXITPLANE_SECRET_KEY="too-short"))
     assert refused.returncode != 0
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr
@@ -163,8 +118,9 @@ def test_processes_starting_together_share_one_generated_key(tmp_path):
     script = ("from controlplane.keys import secret_key\n"
               "from controlplane.settings import Settings\n"
               "print(secret_key(Settings()))")
-    processes = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=_env(var_dir),
-                                  stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    processes = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,
+                                  env=shipped_env(var_dir), stdout=subprocess.PIPE, text=True)
+                 for _ in range(6)]
     keys = {process.communicate(timeout=60)[0].strip() for process in processes}
     assert all(process.returncode == 0 for process in processes)
     assert keys == {(var_dir / "secret_key").read_text().strip()}
@@ -217,8 +173,8 @@ def test_generated_and_test_keys_have_entropy_enough(tmp_path):
 
 @pytest.mark.slow  # runs the CLI's process
 def test_exitplane_up_refuses_a_patterned_key_off_loopback_in_one_line(tmp_path):
-    refused = _cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
-                   _env(tmp_path / "var", EXITPLANE_SECRET_KEY="a" * 32))
+    refused = run_cli(["up", "--no-workers", "--host", "0.0.0.0", "--port", str(free_port())],
+                      shipped_env(tmp_path / "var", EXITPLANE_SECRET_KEY="a" * 32))
     assert refused.returncode != 0
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr

@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import admission, service
 from exitplane.wire import AGGREGATE_MSGPACK, TelemetryBatch
-from tests.conftest import patient_get
-from tests.controlplane.telemetry.test_ingest import FULL, _deploy
+from tests.support.deployments import FULL, deploy_for_telemetry
+from tests.support.waiting import patient_get
 
 CAP = 16  # EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT's default: a batch may carry 33 names
 
@@ -53,7 +53,7 @@ def _aggregate(names: list[str]) -> bytes:
 
 def test_a_batch_with_more_distinct_names_than_a_runtime_can_send_is_422(client, tokens,
                                                                          engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     within = [f"n{index}" for index in range(2 * CAP)] + ["default"]  # 33: what fits
     assert client.post("/v1/telemetry", json=_batch(within), headers=runtime).status_code == 202
     over = [f"m{index}" for index in range(2 * CAP + 2)]
@@ -73,7 +73,7 @@ def test_the_cache_keeps_names_in_use_only_and_logs_once_per_interval(
         client, tokens, engine, caplog, monkeypatch, auto):
     """1,200 new names in 40 batches, opted in to registering names or not: the cache holds at
     most the cap, and one line says how many tokens went to `default`."""
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     monkeypatch.setattr(admission, "_undeclared", {}, raising=False)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
@@ -99,7 +99,7 @@ def test_the_cache_keeps_names_in_use_only_and_logs_once_per_interval(
 def test_the_ingest_worker_checks_the_names_per_batch_too(engine, client, tokens):
     """A batch the API would refuse, found in the stream (an older API queued it): the worker
     refuses it too instead of caching or storing its names."""
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     over = TelemetryBatch.model_validate(_batch([f"w{index}" for index in range(40)]))
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")

@@ -27,9 +27,9 @@ from controlplane.deployments.service import get_deployment
 from controlplane.settings import get_settings
 from controlplane.telemetry.models import TokenRecordRow
 from exitplane.cli import main
-from tests.conftest import patient_get
-from tests.controlplane.telemetry.test_ingest import FULL, LAYERS, _deploy
-from tests.dashboards.conftest import create_people, csrf_of, sign_in
+from tests.support.deployments import FULL, LAYERS, deploy_for_telemetry
+from tests.support.people import create_people, csrf_of, sign_in
+from tests.support.waiting import patient_get
 
 SQUATTERS = [f"squat{index:02d}" for index in range(16)]  # the default cap
 CODE_SET = {"thresholds": {"3": 0.9, "6": 0.8, "9": 0.7}, "reason": "code exits less",
@@ -71,7 +71,7 @@ def _traffic(names: list[str], seq: int = 0, per_name: int = 3) -> dict:
 
 
 def test_undeclared_names_are_stored_as_default_and_counted(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     op = tokens.headers(tokens.operator)
     answer = client.post("/v1/telemetry", json=_traffic(SQUATTERS), headers=runtime)
     assert answer.status_code == 202, answer.text
@@ -90,7 +90,7 @@ def test_undeclared_names_are_stored_as_default_and_counted(client, tokens, engi
 
 
 def test_an_operator_removes_a_squatter_and_publishes_the_real_segment(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     op = tokens.headers(tokens.operator)
     # A deployment that registers names from telemetry: a runtime token filled the registry.
     client.patch("/v1/deployments/chat", headers=op, json={"auto_segments": True})
@@ -129,7 +129,7 @@ def test_an_operator_removes_a_squatter_and_publishes_the_real_segment(client, t
 def test_operators_declare_and_remove_from_the_cli_and_the_ui(client, tokens, engine, db_url,
                                                                  tmp_path, monkeypatch,
                                                                  sign_in_as):
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     monkeypatch.setenv("EXITPLANE_DATABASE_URL", db_url)
     monkeypatch.setenv("EXITPLANE_VAR_DIR", str(tmp_path / "var"))
     get_settings.cache_clear()
@@ -168,7 +168,7 @@ def test_an_anonymous_header_through_a_keyless_runtime_server_never_names_a_segm
     deployment's opt-in; the operator's real segment is published."""
     from runtime.server import build_state
     from runtime.testing import ascii_tokenizer
-    from tests.runtime_server.serving import EXIT_LAYERS, serve, tiny_engine
+    from tests.support.runtime_server import EXIT_LAYERS, serve, tiny_engine
 
     op = tokens.headers(tokens.operator)
     assert httpx.post(f"{live_server.url}/v1/deployments", headers=op, json={

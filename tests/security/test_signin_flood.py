@@ -7,21 +7,16 @@ keyed by their /64, and password changes are throttled as sign-ins are."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import secrets
 import sqlite3
 import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 from argon2 import PasswordHasher
-from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
 from controlplane.auth import users
@@ -30,12 +25,18 @@ from controlplane.auth.users import create_user
 from controlplane.guards import signin_throttle as throttle
 from controlplane.settings import parse_networks
 from exitplane.app import create_app
-from tests.conftest import free_port
-from tests.dashboards.conftest import CSRF_FIELD, PASSWORD, csrf_of, sign_in
-from tests.reliability.conftest import PrivateRedis
+from tests.support.network import serving
+from tests.support.people import (
+    ADMIN,
+    CSRF_FIELD,
+    PASSWORD,
+    HeldHasher,
+    csrf_of,
+    sign_in,
+    ui_browser,
+)
+from tests.support.processes import ExitplaneUp, run_cli, shipped_env
 
-ATTACKER = ("203.0.113.9", 40000)
-ADMIN = ("198.51.100.7", 40001)
 PROXY = ("10.1.2.3", 40002)
 
 
@@ -45,10 +46,6 @@ def admin_user(engine, quick_hashing) -> str:
         create_user(session=session, username="admin", password=PASSWORD, role="admin")
         session.commit()
     return "admin"
-
-
-def _browser(app, client=ATTACKER) -> TestClient:
-    return TestClient(app, base_url="https://testserver", client=client)
 
 
 def _post_login(browser, username: str, password: str, **headers: str) -> httpx.Response:
@@ -69,12 +66,12 @@ def unheld_app(settings, engine):
 
 
 def test_random_usernames_from_one_address_are_throttled(unheld_app, admin_user):
-    """Each try with a new name used to be a fresh (name, address) pair: never throttled,
-    each one an argon2id check. Now the address runs out after its free failures, whatever
-    names it tries or X-Forwarded-For it writes (no proxy is trusted)."""
+    """An address runs out after its free failures, whatever names it tries or X-Forwarded-For
+    it writes (no proxy is trusted): counted per (name, address) pair alone, each try with a
+    new name would be a fresh pair, never throttled, each one an argon2id check."""
     app = unheld_app
     statuses = []
-    with _browser(app) as attacker:
+    with ui_browser(app) as attacker:
         for _ in range(25):
             answer = _post_login(attacker, f"user-{secrets.token_hex(4)}", "guess guess guess",
                                  **{"X-Forwarded-For": f"192.0.2.{secrets.randbelow(250)}"})
@@ -82,7 +79,7 @@ def test_random_usernames_from_one_address_are_throttled(unheld_app, admin_user)
     free = throttle.FREE_FAILURES_PER_ADDRESS
     assert statuses[:free] == [401] * free
     assert set(statuses[free:]) == {429}
-    with _browser(app, client=ADMIN) as admin:  # another address is not held back
+    with ui_browser(app, client=ADMIN) as admin:  # another address is not held back
         assert sign_in(admin, "admin").status_code == 200
 
 
@@ -113,7 +110,7 @@ def test_ipv6_clients_are_keyed_by_their_64():
 
 
 def test_forwarded_for_from_an_untrusted_peer_does_not_pick_the_key(app, admin_user):
-    with _browser(app) as attacker:
+    with ui_browser(app) as attacker:
         for index in range(5):
             _post_login(attacker, "admin", "guess guess guess",
                         **{"X-Forwarded-For": f"198.51.100.{index}"})
@@ -122,14 +119,14 @@ def test_forwarded_for_from_an_untrusted_peer_does_not_pick_the_key(app, admin_u
 
 
 def test_forwarded_for_from_a_trusted_proxy_names_the_client(settings, engine, admin_user):
-    """Behind a proxy every client used to share the proxy's key: five failures by one
-    client locked everyone out. With the proxy trusted, each client counts for itself."""
+    """With the proxy trusted, each client behind it counts for itself: keyed by the proxy's
+    address, five failures by one client would lock everyone out."""
     # Answered at once (test_signin_gate.py holds them): a hold as long as the lock would let
     # the next try through to the throttle after it.
     app = create_app(settings.model_copy(update={"trusted_proxies": "10.0.0.0/8",
                                                  "sign_in_hold_s": 0}), engine=engine)
     try:
-        with _browser(app, client=PROXY) as proxy:
+        with ui_browser(app, client=PROXY) as proxy:
             for _ in range(5):
                 answer = _post_login(proxy, "admin", "guess guess guess",
                                      **{"X-Forwarded-For": "203.0.113.9"})
@@ -148,11 +145,11 @@ def test_forwarded_for_from_a_trusted_proxy_names_the_client(settings, engine, a
 
 def test_rotating_through_one_ipv6_64_does_not_escape_the_lock(app, admin_user):
     for index in range(1, 6):
-        with _browser(app, client=(f"2001:db8:1:2::{index:x}", 40000)) as attacker:
+        with ui_browser(app, client=(f"2001:db8:1:2::{index:x}", 40000)) as attacker:
             assert _post_login(attacker, "admin", "guess guess guess").status_code == 401
-    with _browser(app, client=("2001:db8:1:2:dead:beef:0:1", 40000)) as attacker:
+    with ui_browser(app, client=("2001:db8:1:2:dead:beef:0:1", 40000)) as attacker:
         assert _post_login(attacker, "admin", PASSWORD).status_code == 429
-    with _browser(app, client=("2001:db8:1:3::1", 40000)) as elsewhere:
+    with ui_browser(app, client=("2001:db8:1:3::1", 40000)) as elsewhere:
         assert _post_login(elsewhere, "admin", PASSWORD).status_code == 303
 
 
@@ -163,10 +160,10 @@ def test_guesses_spread_over_addresses_lock_the_name_but_not_its_known_browsers(
     app = create_app(settings.model_copy(update={"trusted_proxies": "10.0.0.0/8"}),
                      engine=engine)
     try:
-        with _browser(app, client=ADMIN) as known:
+        with ui_browser(app, client=ADMIN) as known:
             assert sign_in(known, "admin").status_code == 200  # this browser is remembered
             known.cookies.delete("exitplane_session")
-            with _browser(app, client=PROXY) as proxy:
+            with ui_browser(app, client=PROXY) as proxy:
                 for index in range(throttle.FREE_FAILURES_PER_USER):
                     answer = _post_login(proxy, "admin", "guess guess guess",
                                          **{"X-Forwarded-For": f"192.0.2.{index}"})
@@ -190,7 +187,7 @@ def _change_password(browser, current: str, new: str) -> httpx.Response:
 
 
 def test_password_change_is_throttled(app, engine, admin_user):
-    with _browser(app) as browser:
+    with ui_browser(app) as browser:
         assert sign_in(browser, "admin").status_code == 200
         browser.cookies.delete("exitplane_device")  # a stolen session, on another browser
         for _ in range(throttle.FREE_FAILURES):
@@ -205,46 +202,6 @@ def test_password_change_is_throttled(app, engine, admin_user):
 
 
 # -- a bounded number of checks per process, none inside a transaction ----------------------
-
-class HeldHasher:
-    """Argon2 whose checks wait until released, so a test can look at the server while
-    checks are under way."""
-
-    def __init__(self) -> None:
-        self._inner = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
-        self.checking = threading.Semaphore(0)
-        self.release = threading.Event()
-
-    def verify(self, password_hash: str, password: str) -> bool:
-        self.checking.release()
-        assert self.release.wait(30), "never released"
-        return self._inner.verify(password_hash, password)
-
-    def hash(self, password: str) -> str:
-        return self._inner.hash(password)
-
-    def check_needs_rehash(self, password_hash: str) -> bool:
-        return False
-
-
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """`app` on a real uvicorn in a thread; yields its URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
 
 def _login_form(client: httpx.Client) -> str:
     match = CSRF_FIELD.search(client.get("/ui/login").text)
@@ -300,11 +257,12 @@ def test_checks_past_the_per_process_limit_are_answered_429_at_once(settings, en
 @pytest.mark.parametrize("action", ["sign in", "change password"])
 def test_no_transaction_is_open_while_a_password_is_checked(app, db_url, admin_user,
                                                             monkeypatch, action):
-    """On SQLite every transaction holds the store's write lock. A sign-in used to check the
-    password inside the request's transaction: heartbeats and token lookups waited for every
-    check under way (23 s under a flood), and past the busy timeout failed."""
+    """On SQLite every transaction holds the store's write lock, so a sign-in checks the
+    password outside the request's transaction: checked inside it, heartbeats and token
+    lookups would wait for every check under way (23 s under a flood), and past the busy
+    timeout fail."""
     held = HeldHasher()
-    with _browser(app) as browser:
+    with ui_browser(app) as browser:
         if action == "change password":
             assert sign_in(browser, "admin").status_code == 200
         monkeypatch.setattr(users, "_hasher", held)
@@ -329,14 +287,6 @@ def test_no_transaction_is_open_while_a_password_is_checked(app, db_url, admin_u
 
 
 # -- concurrent wrong passwords, real servers ------------------------------------------------
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.cleanup()
-
 
 @pytest.mark.slow  # two real servers, 30 clients
 @pytest.mark.parametrize("shared", ["store", "redis"])
@@ -387,13 +337,11 @@ def test_concurrent_wrong_passwords_stop_at_the_limit(request, settings, engine,
 
 @pytest.mark.slow  # a real `exitplane up`, argon2id at its shipped cost
 def test_exitplane_up_throttles_a_flood_by_its_peer_and_keeps_answering_runtimes(tmp_path):
-    """uvicorn reads X-Forwarded-For from any loopback peer unless told not to: a flood
-    writing a new address in each request escaped every throttle. Here the flood comes from
+    """uvicorn reads X-Forwarded-For from any loopback peer unless told not to, and a flood
+    writing a new address in each request would escape every throttle. Here the flood comes from
     one untrusted peer: after the address's free failures it is answered 429 whatever it
     writes, and runtimes' heartbeats are answered all along (no 5xx to anyone)."""
-    from tests.security.test_secret_key import Up, _cli, _env
-
-    env = _env(tmp_path / "var")
+    env = shipped_env(tmp_path / "var")
     password_file = tmp_path / "password"
     password_file.write_text(secrets.token_urlsafe(16) + "\n")
     for args in (["db", "upgrade"],
@@ -401,12 +349,12 @@ def test_exitplane_up_throttles_a_flood_by_its_peer_and_keeps_answering_runtimes
                   "--password-file", str(password_file)],
                  ["deployment", "ensure", "--name", "chat", "--model-ref", "m",
                   "--num-layers", "12", "--exit-layers", "3,6,9"]):
-        assert _cli(args, env).returncode == 0
-    made = _cli(["token", "create", "--name", "rt", "--scope", "runtime", "--deployment",
-                 "chat"], env)
+        assert run_cli(args, env).returncode == 0
+    made = run_cli(["token", "create", "--name", "rt", "--scope", "runtime", "--deployment",
+                    "chat"], env)
     assert made.returncode == 0, made.stderr
     runtime = {"Authorization": f"Bearer {made.stdout.strip()}"}
-    up = Up(env, tmp_path / "up.log")
+    up = ExitplaneUp(env, tmp_path / "up.log")
     beats: Counter = Counter()
     stop = threading.Event()
 

@@ -19,9 +19,8 @@ from controlplane.auth.clients import throttle_key
 from controlplane.auth.users import create_user
 from controlplane.guards import signin_throttle as throttle
 from exitplane.app import create_app
-from tests.dashboards.conftest import PASSWORD, csrf_of
-from tests.security.test_signin_flood import serving
-from tests.security.test_telemetry_bounds import raw_response
+from tests.support.network import raw_response, serving
+from tests.support.people import PASSWORD, csrf_of
 
 ATTACKER = "203.0.113.9"
 ADMIN = "198.51.100.7"

@@ -12,19 +12,7 @@ from controlplane.auth.users import create_user
 from controlplane.guards import signin_throttle as throttle
 from controlplane.guards.signin_throttle import SignInThrottle, lock_seconds
 from exitplane.app import create_app
-from tests.dashboards.conftest import PASSWORD, sign_in
-from tests.reliability.conftest import PrivateRedis
-
-ATTACKER = ("203.0.113.9", 40000)
-ADMIN = ("198.51.100.7", 40001)
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.cleanup()
+from tests.support.people import ADMIN, ATTACKER, PASSWORD, sign_in
 
 
 @pytest.fixture

@@ -34,8 +34,9 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from exitplane.app import create_app
 from exitplane.wire import INTERVAL_JSON, RECORDS_JSON, RECORDS_MSGPACK
-from tests.conftest import free_port
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.deployments import deploy_for_telemetry
+from tests.support.network import free_port, raw_response
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -75,21 +76,6 @@ def _head(path: str, port: int, length: int, headers: dict[str, str],
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def raw_response(connection: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of the answer on `connection`; socket.timeout if none comes."""
-    received = b""
-    while b"\r\n\r\n" not in received:
-        chunk = connection.recv(65536)
-        assert chunk, "the server closed the connection without an answer"
-        received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
-    headers = {line.split(b":", 1)[0].decode().lower(): line.split(b":", 1)[1].strip().decode()
-               for line in head.split(b"\r\n")[1:]}
-    while len(body) < int(headers["content-length"]):
-        body += connection.recv(65536)
-    return int(head.split()[1]), headers, body
-
-
 def _response(connection: socket.socket) -> tuple[int, dict, dict]:
     """(status, JSON body, headers) of the answer on `connection`."""
     status, headers, body = raw_response(connection)
@@ -112,13 +98,13 @@ def partial_post(port: int, path: str, *, length: int, sent: bytes, headers: dic
 
 def _records_msgpack(rng: random.Random, n: int, **kwargs) -> bytes:
     # Timed in the past: a batch's tokens are 0.7 s apart, and the API refuses the future.
-    return msgpack.packb(make_batch(rng, n=n, ts=time.time() - n, **kwargs), use_bin_type=True)
+    return msgpack.packb(random_batch(rng, n=n, ts=time.time() - n, **kwargs), use_bin_type=True)
 
 
 def test_telemetry_refuses_by_the_headers_before_reading_the_body(settings, engine, tokens):
     # A burst of one, then one batch every 20 s: the second batch is past the rate.
     with serving(settings, engine, rate_limit_ingest_per_s=0.05) as (port, client):
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         # 15 MiB declared (within EXITPLANE_MAX_BODY_BYTES), 64 KiB sent, then silence: only
         # a server that answers before reading the body answers at all.
         for headers, status in (({}, 401), ({"Authorization": "Bearer ept_unknown"}, 401)):
@@ -138,7 +124,7 @@ def test_telemetry_refuses_by_the_headers_before_reading_the_body(settings, engi
 
 def test_heartbeats_refuse_by_the_headers_before_reading_the_body(settings, engine, tokens):
     with serving(settings, engine) as (port, client):
-        _deploy(client, tokens, engine)
+        deploy_for_telemetry(client, tokens, engine)
         with partial_post(port, "/v1/deployments/chat/heartbeats", length=60_000,
                           sent=b"[" * 1000, headers={}) as connection:
             status, body, headers = _response(connection)
@@ -151,8 +137,8 @@ def test_a_batch_past_the_value_budget_is_413_and_its_halves_pass(tokens, engine
     app = create_app(settings.model_copy(update={"telemetry_max_batch_items": 10_000}),
                      engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine)
-        batch = make_batch(random.Random(2), n=2000, shadow_rate=0,  # ~16,000 values
+        runtime = deploy_for_telemetry(client, tokens, engine)
+        batch = random_batch(random.Random(2), n=2000, shadow_rate=0,  # ~16,000 values
                            ts=time.time() - 1500)
         encode = (lambda b: msgpack.packb(b, use_bin_type=True)) if "msgpack" in content_type \
             else (lambda b: json.dumps(b).encode())
@@ -183,7 +169,7 @@ def _peak_mib(act) -> float:
 def test_an_expanding_body_costs_no_more_than_its_bytes(client, tokens, engine, content_type):
     """A 6 MiB body of tiny values (what decodes to the most objects per byte) costs about
     what a 6 MiB body refused at its first byte costs: the decode stops at the value budget."""
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     headers = {**runtime, "Content-Type": content_type}
     size = 6 * MIB
     if "msgpack" in content_type:  # 6,000 lists of 1,000 zeros (1 byte each): 6M values
@@ -215,7 +201,7 @@ def test_an_expanding_body_costs_no_more_than_its_bytes(client, tokens, engine, 
 def test_large_bodies_past_the_decode_slots_get_429_before_they_are_read(settings, engine,
                                                                           tokens):
     with serving(settings, engine, telemetry_max_decodes=1) as (port, client):
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         large = _records_msgpack(random.Random(3), 2000, shadow_rate=0)
         assert len(large) > 64 * 1024
         with partial_post(port, "/v1/telemetry", length=len(large), sent=large[:4096],
@@ -251,7 +237,7 @@ def test_deeply_nested_json_is_4xx_on_every_route(settings, engine, tokens, fast
                      engine=engine)
     failures = []
     with TestClient(app, raise_server_exceptions=False) as client:
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         spec = client.get("/openapi.json").json()
         targets = []
         for path, operations in spec["paths"].items():
@@ -285,7 +271,7 @@ def test_large_bodies_past_the_decode_budget_get_429_before_they_are_read(settin
     one 1.5 MiB body under way leaves no room for another, whatever slots are free."""
     with serving(settings, engine, telemetry_max_decodes=8,
                  telemetry_decode_budget_mib=4) as (port, client):
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         length = 3 * MIB // 2
         with partial_post(port, "/v1/telemetry", length=length, sent=b"\x80" * 4096,
                           headers=runtime, content_type=RECORDS_MSGPACK):
@@ -313,9 +299,9 @@ def test_a_batch_needing_more_than_the_whole_budget_is_413_and_its_halves_pass(
     app = create_app(settings.model_copy(update={"telemetry_decode_budget_mib": 4}),
                      engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         # 4,000 records of 7 fields: ~60,000 values with the keys, ~6 MB at 100 bytes each.
-        batch = make_batch(random.Random(7), n=4000, shadow_rate=0, ts=time.time() - 3000)
+        batch = random_batch(random.Random(7), n=4000, shadow_rate=0, ts=time.time() - 3000)
         headers = {**runtime, "Content-Type": RECORDS_MSGPACK}
         whole = client.post("/v1/telemetry", headers=headers,
                             content=msgpack.packb(batch, use_bin_type=True))
@@ -347,7 +333,7 @@ def test_decode_memory_is_bounded_by_bytes_whatever_the_bodies_hold(settings, en
     budget = 16
     with serving(settings, engine, telemetry_max_decodes=8,
                  telemetry_decode_budget_mib=budget) as (port, client):
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         bodies = [_keyed_maps(2 * MIB) for _ in range(8)]
         headers = {**runtime, "Content-Type": RECORDS_MSGPACK}
         statuses: list[int] = []
@@ -380,7 +366,7 @@ def test_an_answer_before_the_body_closes_the_connection(settings, engine, token
     disconnected: the rest of its body is never read, where keeping the connection would read
     and discard up to EXITPLANE_MAX_BODY_BYTES on the event loop every pull waits for."""
     with serving(settings, engine, telemetry_max_decodes=1) as (port, client):
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         large = _records_msgpack(random.Random(8), 2000, shadow_rate=0)
         with partial_post(port, "/v1/telemetry", length=len(large), sent=large[:4096],
                           headers=runtime, content_type=RECORDS_MSGPACK) as holding:
@@ -398,12 +384,12 @@ def test_an_answer_before_the_body_closes_the_connection(settings, engine, token
 
 def test_a_batch_too_large_to_decode_costs_its_token_what_it_cost_to_read(settings, engine,
                                                                            tokens):
-    """A body refused only while decoding was read and partly decoded; repeating it used to
-    cost the token one request of its rate each time. Now the token owes one ingest unit per
-    64 KiB of it: its next batch waits (429), another token's does not."""
+    """A body refused only while decoding has been read and partly decoded: the token owes
+    one ingest unit per 64 KiB of it (at one request of its rate, repeating it would cost next
+    to nothing), so its next batch waits (429) and another token's does not."""
     with serving(settings, engine, telemetry_decode_budget_mib=16,
                  rate_limit_ingest_per_s=10) as (_port, client):  # bursts of 20 units
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         with Session(engine) as session:
             deployment = get_deployment(session=session, name="chat")
             _, other = create_token(session=session, name="rt-other", scope="runtime",

@@ -31,17 +31,14 @@ from controlplane.calibration.segments import calibrate_segments
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import ThresholdSet
 from controlplane.deployments.service import get_deployment
+from controlplane.flows import recalibration
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import Runtime
 from controlplane.telemetry.models import ShadowSampleRow
 from controlplane.telemetry.service import shadow_evidence
-from tests.controlplane.calibration.support import (
-    LAYERS,
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.calibration import LAYERS, make_deployment, separable_samples, write_traffic
+from tests.support.deployments import deploy_for_telemetry
 
 BEATS = "/v1/deployments/{}/heartbeats"
 
@@ -74,7 +71,7 @@ def test_a_token_reports_only_under_the_runtime_ids_it_registered(serve, tokens,
     under rt-a are refused with 403 (twice: the second may come from a process cache), while
     A keeps reporting and an operator may still remove it."""
     client = serve(telemetry_fast_path=fast_path)
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     a_id, a = _token(engine)
     _, b = _token(engine)
     assert client.post(BEATS.format("chat"), headers=a,
@@ -86,13 +83,13 @@ def test_a_token_reports_only_under_the_runtime_ids_it_registered(serve, tokens,
         assert beat.status_code == 403, beat.text
         assert "registered by another token" in beat.json()["detail"]
         posted = client.post("/v1/telemetry", headers=b,
-                             json=make_batch(rng, n=10, runtime_id="rt-a"))
+                             json=random_batch(rng, n=10, runtime_id="rt-a"))
         assert posted.status_code == 403, posted.text
         assert "registered by another token" in posted.json()["detail"]
     left = client.post("/v1/deployments/chat/runtimes/rt-a/leave", headers=b)
     assert left.status_code == 403, left.text
     assert client.post("/v1/telemetry", headers=a,
-                       json=make_batch(rng, n=10, runtime_id="rt-a")).status_code == 202
+                       json=random_batch(rng, n=10, runtime_id="rt-a")).status_code == 202
     assert client.post(BEATS.format("chat"), headers=a,
                        json={"runtime_id": "rt-a"}).status_code == 200
     assert _owner(engine, "rt-a") == a_id
@@ -106,16 +103,16 @@ def test_telemetry_registers_a_new_runtime_id_under_the_caps(serve, tokens, engi
     against the caps as a first heartbeat is: with one runtime per token, a second made-up id
     is refused (409), so one token cannot report as many runtimes without heartbeats."""
     client = serve(max_runtimes_per_token=1)
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     token_id, auth = _token(engine)
     rng = random.Random(3)
-    first = client.post("/v1/telemetry", headers=auth, json=make_batch(rng, runtime_id="rt-x"))
+    first = client.post("/v1/telemetry", headers=auth, json=random_batch(rng, runtime_id="rt-x"))
     assert first.status_code == 202, first.text
     assert _owner(engine, "rt-x") == token_id
-    second = client.post("/v1/telemetry", headers=auth, json=make_batch(rng, runtime_id="rt-y"))
+    second = client.post("/v1/telemetry", headers=auth, json=random_batch(rng, runtime_id="rt-y"))
     assert second.status_code == 409, second.text
     assert _owner(engine, "rt-y") is None
-    again = client.post("/v1/telemetry", headers=auth, json=make_batch(rng, runtime_id="rt-x"))
+    again = client.post("/v1/telemetry", headers=auth, json=random_batch(rng, runtime_id="rt-x"))
     assert again.status_code == 202
 
 
@@ -123,7 +120,7 @@ def test_a_token_cannot_frame_another_runtime_with_a_foreign_lineage(serve, toke
     """B posts a batch under A's runtime id naming other exit heads: refused before its
     lineage is read, so A is never marked as serving other heads."""
     client = serve()
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     with Session(engine) as session:
         get_deployment(session=session, name="chat").head_digest = "sha256:" + "a" * 64
         session.commit()
@@ -131,7 +128,7 @@ def test_a_token_cannot_frame_another_runtime_with_a_foreign_lineage(serve, toke
     _, b = _token(engine)
     assert client.post(BEATS.format("chat"), headers=a, json={
         "runtime_id": "rt-a", "head_digest": "sha256:" + "a" * 64}).status_code == 200
-    framed = make_batch(random.Random(5), n=5, runtime_id="rt-a")
+    framed = random_batch(random.Random(5), n=5, runtime_id="rt-a")
     framed["head_digest"] = "sha256:" + "b" * 64
     assert client.post("/v1/telemetry", headers=b, json=framed).status_code == 403
     with Session(engine) as session:
@@ -143,7 +140,7 @@ def test_a_revoked_token_s_runtime_ids_may_be_registered_again(serve, tokens, en
     """Rotation: once the old token is revoked, the runtime reports under its id with the new
     token, which then owns it."""
     client = serve()
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     old_id, old = _token(engine)
     new_id, new = _token(engine)
     assert client.post(BEATS.format("chat"), headers=old,
@@ -153,7 +150,7 @@ def test_a_revoked_token_s_runtime_ids_may_be_registered_again(serve, tokens, en
     with Session(engine) as session:
         session.get(ApiToken, old_id).revoked_at = utcnow()
         session.commit()
-    assert client.post("/v1/telemetry", headers=new, json=make_batch(
+    assert client.post("/v1/telemetry", headers=new, json=random_batch(
         random.Random(2), runtime_id="rt-a")).status_code == 202
     assert _owner(engine, "rt-a") == new_id
 
@@ -162,19 +159,19 @@ def test_every_runtime_id_of_one_token_is_one_witness(serve, tokens, engine):
     """Three ids posted by one token are one witness in the evidence every decision reads;
     the two other tokens' ids are a witness each."""
     client = serve()
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     rng = random.Random(11)
     sybil_id, sybil = _token(engine)
     for runtime_id in ("rt-s1", "rt-s2", "rt-s3"):
         _applies(client, sybil, runtime_id, 2)
-        assert client.post("/v1/telemetry", headers=sybil, json=make_batch(
+        assert client.post("/v1/telemetry", headers=sybil, json=random_batch(
             rng, shadow_rate=1.0, runtime_id=runtime_id)).status_code == 202
     honest = []
     for runtime_id in ("rt-h1", "rt-h2"):
         token_id, auth = _token(engine)
         honest.append(token_id)
         _applies(client, auth, runtime_id, 2)
-        assert client.post("/v1/telemetry", headers=auth, json=make_batch(
+        assert client.post("/v1/telemetry", headers=auth, json=random_batch(
             rng, shadow_rate=1.0, runtime_id=runtime_id)).status_code == 202
     with Session(engine) as session:
         found = shadow_evidence(session=session, deployment=get_deployment(
@@ -189,12 +186,12 @@ def test_evidence_posted_long_after_its_timestamp_does_not_count(serve, tokens, 
     """Shadow tokens a runtime token stamps two hours before it posts them are stored, but no
     decision reads them (EXITPLANE_EVIDENCE_MAX_DELAY_S, an hour); fresh ones are read."""
     client = serve()
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     _, auth = _token(engine)
     _applies(client, auth, "rt-a", 2)
     rng = random.Random(13)
-    old = make_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a", ts=time.time() - 7200)
-    fresh = make_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a")
+    old = random_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a", ts=time.time() - 7200)
+    fresh = random_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a")
     for batch in (old, fresh):
         assert client.post("/v1/telemetry", headers=auth, json=batch).status_code == 202
     with Session(engine) as session:
@@ -212,9 +209,9 @@ def test_evidence_stamped_with_a_version_its_runtime_never_applied_does_not_coun
     heartbeat says it applies version 2 (and version 0, the built-in set, always does): a
     token cannot slip evidence under a version its runtime never served."""
     client = serve()
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     _, auth = _token(engine)
-    batch = make_batch(random.Random(17), n=40, shadow_rate=1.0, runtime_id="rt-a")
+    batch = random_batch(random.Random(17), n=40, shadow_rate=1.0, runtime_id="rt-a")
     assert client.post("/v1/telemetry", headers=auth, json=batch).status_code == 202
     stamped = [record["threshold_version"] for record in batch["records"]]
 
@@ -245,7 +242,7 @@ def _calibrate_from_never_exit(engine, runtimes: list[str]) -> CalibrationJob:
                                                  actor="test", since=start, enqueue=False)
         job_id = job.id
     with session_scope(engine) as session:
-        job = calibration.run_calibration(
+        job = recalibration.run_calibration(
             session=session, job=session.get(CalibrationJob, job_id),
             policy=calibration.CalibrationPolicy(min_samples_per_layer=500, seed=0))
         session.expunge(job)

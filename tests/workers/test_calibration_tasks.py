@@ -3,10 +3,8 @@ stack (SQLite store, SQLite broker) and the production one (PostgreSQL store, Re
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -15,62 +13,21 @@ from sqlalchemy.orm import Session
 from controlplane.alerts.models import Alert
 from controlplane.alerts.service import Condition, fire
 from controlplane.calibration import service
-from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
-from controlplane.celery_app import make_celery
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import ThresholdSet
 from controlplane.deployments.service import aliases_of, get_deployment, move_alias, publish
-from controlplane.settings import Settings
-from tests.conftest import REDIS_URL
-from tests.controlplane.calibration.support import (
+from controlplane.flows.canary import start_canary
+from tests.support.calibration import (
     make_deployment,
     separable_samples,
+    wait_for_job,
     write_fleet_traffic,
     write_traffic,
 )
 
 # slow: a real Celery worker process
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _redis_db(url: str, db: int = 11) -> str:
-    """A Redis database of our own, so other suites' workers never take our tasks."""
-    return url.rsplit("/", 1)[0] + f"/{db}"
-
-
-@pytest.fixture
-def stack(db_url, tmp_path, monkeypatch, celery_worker):
-    """(celery app of this test, worker): SQLite broker for SQLite, Redis for PostgreSQL."""
-    redis_url = _redis_db(REDIS_URL) if db_url.startswith("postgresql") and REDIS_URL else ""
-    if redis_url:
-        import redis
-
-        redis.Redis.from_url(redis_url).flushdb()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "EXITPLANE_DATABASE_URL": db_url,
-           "EXITPLANE_VAR_DIR": str(tmp_path / "var"), "EXITPLANE_REDIS_URL": redis_url,
-           "EXITPLANE_CALIBRATION_MIN_SAMPLES": "500", "EXITPLANE_CALIBRATION_RETRY_S": "1"}
-    app = make_celery(Settings(database_url=db_url, var_dir=tmp_path / "var",
-                               redis_url=redis_url))
-    monkeypatch.setattr("controlplane.outbox.send_task",
-                        lambda name, args: app.send_task(name, args=args))
-    worker = celery_worker(env).wait_ready()
-    yield app, worker
-    worker.stop()
-
-
-def _wait_for(engine, job_id: int, statuses=("succeeded", "failed"), timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with Session(engine) as session:
-            job = session.get(CalibrationJob, job_id)
-            if job.status in statuses:
-                return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} stayed {job.status}: {job.status_reason}")
-
 
 def test_alert_fallback_then_recalibration_on_the_worker(engine, stack):
     _, worker = stack
@@ -95,7 +52,7 @@ def test_alert_fallback_then_recalibration_on_the_worker(engine, stack):
         alert_id = alert.id
     with Session(engine) as session:
         job_id = session.scalars(select(CalibrationJob.id)).one()
-    job = _wait_for(engine, job_id)  # the worker got calibration.run after the commit
+    job = wait_for_job(engine, job_id)  # the worker got calibration.run after the commit
     assert job.status == "succeeded", f"{job.status_reason}\n{worker.log.read_text()[-3000:]}"
     assert job.alert_id == alert_id and job.summary["samples"]["total"] == 3000
     with Session(engine) as session:
@@ -118,7 +75,7 @@ def test_a_job_waiting_for_data_is_retried_until_the_samples_arrive(engine, stac
             session=session, deployment=get_deployment(session=session, name="chat"),
             actor="ops", since=since)
         job_id = job.id
-    job = _wait_for(engine, job_id, statuses=("waiting_for_data",))
+    job = wait_for_job(engine, job_id, statuses=("waiting_for_data",))
     assert job.summary["required"] == 500
     # It keeps looking past Celery's retry limit (5): waiting is bounded by wait_max only.
     deadline = time.monotonic() + 120
@@ -128,11 +85,11 @@ def test_a_job_waiting_for_data_is_retried_until_the_samples_arrive(engine, stac
         with Session(engine) as session:
             job = session.get(CalibrationJob, job_id)
     # read between attempts: an attempt in progress shows the job as running
-    assert _wait_for(engine, job_id, statuses=("waiting_for_data",)).status == "waiting_for_data"
+    assert wait_for_job(engine, job_id, statuses=("waiting_for_data",)).status == "waiting_for_data"
     with session_scope(engine) as session:
         write_traffic(session, "chat", signals[200:], matched[200:],
                       start=since + timedelta(minutes=10))
-    job = _wait_for(engine, job_id)
+    job = wait_for_job(engine, job_id)
     assert job.status == "succeeded" and job.attempts >= 2
     assert job.summary["samples"]["total"] == 3000
 

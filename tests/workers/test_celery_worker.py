@@ -17,8 +17,9 @@ from controlplane.celery_app import make_celery
 from controlplane.db import make_engine, utcnow
 from controlplane.models import Base
 from controlplane.settings import Settings
-from tests.conftest import POSTGRES_URL, REDIS_URL, wait_until
-from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+from tests.support.alerts import Phase, make_deployment, send_traffic
+from tests.support.services import POSTGRES_URL, REDIS_URL
+from tests.support.waiting import wait_until
 
 # slow: a real Celery worker process
 pytestmark = pytest.mark.slow

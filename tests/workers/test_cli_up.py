@@ -19,8 +19,8 @@ from controlplane.celery_app import make_celery
 from controlplane.db import make_engine, utcnow
 from controlplane.migrate import upgrade
 from controlplane.settings import Settings
-from tests.conftest import free_port
-from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+from tests.support.alerts import Phase, make_deployment, send_traffic
+from tests.support.network import free_port
 
 # slow: `exitplane up` with its worker and beat processes
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from exitplane.kit.heartbeat import main, problem, promise
-from tests.conftest import ROOT, stop_process, wait_until
+from tests.support.processes import ROOT, stop_process
+from tests.support.waiting import wait_until
 
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 

@@ -20,14 +20,12 @@ from controlplane.deployments.service import (
     move_alias,
     publish,
 )
-from tests.controlplane.calibration.support import (
+from tests.support.calibration import (
     make_deployment,
     separable_samples,
+    wait_for_job,
     write_fleet_traffic,
 )
-from tests.workers.test_calibration_tasks import _wait_for, stack
-
-__all__ = ["stack"]
 
 pytestmark = pytest.mark.slow  # a real Celery worker process
 
@@ -61,7 +59,7 @@ def test_a_code_regression_recalibrates_code_alone_on_the_worker(engine, stack):
             3: 1.0, 6: 1.0, 9: 1.0}
     with Session(engine) as session:
         job_id = session.scalars(select(CalibrationJob.id)).one()
-    job = _wait_for(engine, job_id)
+    job = wait_for_job(engine, job_id)
     assert job.status == "succeeded", f"{job.status_reason}\n{worker.log.read_text()[-3000:]}"
     assert job.segment == "code" and job.summary["samples"]["total"] == 3000
     with Session(engine) as session:

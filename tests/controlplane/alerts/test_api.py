@@ -6,8 +6,8 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import service
 from controlplane.alerts.service import Condition
 from controlplane.deployments.service import get_deployment
-from tests.conftest import patient_get
-from tests.controlplane.alerts.support import make_deployment
+from tests.support.alerts import make_deployment
+from tests.support.waiting import patient_get
 
 
 def _alert(engine, condition=None, report_html=None):

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import delivery_service, hook_service, hooks, service
 from controlplane.alerts.service import Condition
 from controlplane.db import utcnow
-from tests.conftest import free_port
-from tests.controlplane.alerts.support import make_deployment
+from tests.support.alerts import make_deployment
+from tests.support.network import free_port
 
 BASE = "http://exitplane.test:8000"
 QUALITY = Condition(kind="quality_regression", severity="critical",

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from controlplane.db import utcnow
 from controlplane.runtimes.service import record_heartbeat
 from exitplane.wire import Heartbeat
-from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+from tests.support.alerts import Phase, make_deployment, send_traffic
 
 RULES = Path(__file__).resolve().parents[3] / "dashboards" / "prometheus"
 
@@ -116,7 +116,7 @@ def test_metrics_the_rules_read_are_exported_from_the_store(client, engine, outb
     assert abs(_sample(text, "exitplane_last_ingest_timestamp_seconds", deployment="chat")
                - now.timestamp()) < 600
     # Mean exit depth and speed-up agree with the per-layer gauges.
-    from tests.controlplane.alerts.support import FULL, LAYERS
+    from tests.support.alerts import FULL, LAYERS
 
     tokens = _sample(text, "exitplane_tokens_checked", deployment="chat", layer=str(LAYERS[0]))
     exits = {layer: _sample(text, "exitplane_exit_rate", deployment="chat", layer=str(layer))

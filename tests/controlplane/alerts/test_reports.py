@@ -17,7 +17,7 @@ from controlplane.alerts.service import Condition, fire
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment
 from controlplane.errors import NotFound
-from tests.controlplane.alerts.support import make_deployment
+from tests.support.alerts import make_deployment
 
 HTML = "<html><body>" + "<p>drift at layer 6</p>" * 5000 + "</body></html>"
 

@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import delivery_service, hook_service, service
 from controlplane.alerts.service import Condition
-from tests.controlplane.alerts.support import make_deployment
+from tests.support.alerts import make_deployment
 
 BASE = "http://exitplane.test:8000"
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from controlplane.db import utcnow
 from controlplane.deployments.segments import admit_segments
 from controlplane.telemetry.models import Rollup
-from tests.controlplane.alerts.support import FULL, LAYERS, Phase, make_deployment, send_traffic
+from tests.support.alerts import FULL, LAYERS, Phase, make_deployment, send_traffic
 
 CAP = 2
 SEGMENTED = ("exitplane_exit_rate", "exitplane_tokens_checked", "exitplane_shadow_disagreement",

@@ -11,7 +11,7 @@ from controlplane.alerts.models import AlertDelivery
 from controlplane.alerts.service import Condition
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Invalid
-from tests.controlplane.alerts.support import make_deployment
+from tests.support.alerts import make_deployment
 
 SPIKE = Condition(kind="exit_rate_spike", severity="critical", subject="8", layer=8,
                   summary="exit rate at layer 8 rose", evidence={"p_value": 1e-9,

@@ -7,16 +7,13 @@ from datetime import timedelta
 from sqlalchemy.orm import Session
 
 from controlplane.calibration import service
-from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.service import aliases_of, audit_log, get_deployment, publish
-from tests.conftest import patient_get
-from tests.controlplane.calibration.support import (
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from controlplane.flows import recalibration
+from controlplane.flows.canary import start_canary
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
+from tests.support.waiting import patient_get
 
 
 def test_start_list_show_and_approve(client, tokens, engine, outbox):
@@ -40,7 +37,7 @@ def test_start_list_show_and_approve(client, tokens, engine, outbox):
         row = session.get(CalibrationJob, job["id"])
         service.start_job(session=session, job=row)
     with session_scope(engine) as session:
-        service.run_calibration(session=session, job=session.get(CalibrationJob, job["id"]),
+        recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job["id"]),
                                 policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
 
     listed = patient_get(client, "/v1/deployments/chat/calibrations", headers=op).json()

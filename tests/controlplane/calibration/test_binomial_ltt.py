@@ -17,8 +17,8 @@ from sklearn.linear_model import LogisticRegression
 from controlplane.calibration import learn_then_test as cal
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
-from tests.controlplane.calibration.support import LAYERS as SUPPORT_LAYERS
-from tests.controlplane.calibration.support import separable_samples
+from tests.support.calibration import LAYERS as SUPPORT_LAYERS
+from tests.support.calibration import separable_samples
 
 DELTA, EPSILON = 0.05, 0.1
 

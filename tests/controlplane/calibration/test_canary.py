@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
 from controlplane.calibration import service
-from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.service import (
@@ -25,11 +24,9 @@ from controlplane.deployments.service import (
     move_alias,
     publish,
 )
-from tests.controlplane.calibration.support import (
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from controlplane.flows import recalibration
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
 
 STABLE = {3: 0.9, 6: 0.9, 9: 0.9}
 # runtime ids served the canary at the deployment's canary fraction (0.1 by default)
@@ -132,7 +129,7 @@ def test_inconclusive_windows_pause_for_an_operator_who_approves(engine, outbox)
         deployment = get_deployment(session=session, name="chat")
         job, _ = service.request_calibration(session=session, deployment=deployment,
                                              actor="ops", since=since)
-        service.run_calibration(session=session, job=job,
+        recalibration.run_calibration(session=session, job=job,
                                 policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
         assert job.promotion == "canary"
         assert aliases_of(session=session, deployment=deployment)["canary"] == 2
@@ -145,7 +142,7 @@ def test_inconclusive_windows_pause_for_an_operator_who_approves(engine, outbox)
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         job = session.get(CalibrationJob, job_id)
-        service.approve(session=session, deployment=deployment, job=job, actor="ops",
+        recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
                         reason="traffic too thin; checked by hand")
         assert job.promotion == "canary_promoted"
         assert aliases_of(session=session, deployment=deployment) == {

@@ -9,7 +9,6 @@ from itertools import count, islice
 
 from sqlalchemy.orm import Session
 
-from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.service import (
     aliases_of,
@@ -18,11 +17,8 @@ from controlplane.deployments.service import (
     move_alias,
     publish,
 )
-from tests.controlplane.calibration.support import (
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
 
 STABLE = {3: 0.9, 6: 0.9, 9: 0.9}
 # runtime ids served the canary at the deployment's canary fraction (0.1 by default)

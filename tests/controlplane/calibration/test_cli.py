@@ -11,11 +11,7 @@ from click.testing import CliRunner
 from controlplane.db import dispose_engines, session_scope, utcnow
 from controlplane.settings import get_settings
 from exitplane.cli import _moment, main
-from tests.controlplane.calibration.support import (
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
 
 
 @pytest.fixture

@@ -10,9 +10,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.alerts.models import Alert
-from controlplane.alerts.service import Condition, fire
-from controlplane.calibration import fallback
-from controlplane.calibration.canary import start_canary
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import AuditEvent, ThresholdSet
@@ -23,14 +20,16 @@ from controlplane.deployments.service import (
     move_alias,
     publish,
 )
-from tests.controlplane.calibration.support import (
+from controlplane.flows import fallback
+from controlplane.flows.canary import start_canary
+from tests.support.calibration import (
+    BAD,
+    GOOD,
+    fire_alert,
     make_deployment,
     separable_samples,
     write_traffic,
 )
-
-GOOD = {3: 0.9, 6: 0.8, 9: 0.7}
-BAD = {3: 0.1, 6: 0.1, 9: 0.1}
 
 
 def _activate(session, thresholds, reason="tuned"):
@@ -42,21 +41,11 @@ def _activate(session, thresholds, reason="tuned"):
     return version
 
 
-def _fire(engine, kind="quality_regression", evidence: dict | None = None) -> int:
-    with session_scope(engine) as session:
-        deployment = get_deployment(session=session, name="chat")
-        alert, created = fire(session=session, deployment=deployment, condition=Condition(
-            kind=kind, severity="critical", summary=f"{kind} on chat",
-            evidence=evidence or {"disagreement_rate": 0.2}))
-        assert created
-        return alert.id
-
-
 def test_quality_regression_makes_the_conservative_set_active_at_once(engine, outbox):
     with session_scope(engine) as session:
         make_deployment(session)
         assert _activate(session, GOOD) == 2
-    alert_id = _fire(engine)
+    alert_id = fire_alert(engine)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
@@ -78,7 +67,7 @@ def test_exit_rate_spike_falls_back_too_and_a_second_call_changes_nothing(engine
     with session_scope(engine) as session:
         make_deployment(session)
         _activate(session, GOOD)
-    alert_id = _fire(engine, kind="exit_rate_spike")
+    alert_id = fire_alert(engine, kind="exit_rate_spike")
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         again = fallback.engage_fallback(session=session, deployment=deployment,
@@ -101,7 +90,7 @@ def test_last_good_republishes_the_last_version_within_delta_with_a_margin(engin
         bad = _activate(session, BAD, reason="too aggressive")
         write_traffic(session, "chat", signals, matched, start=start + timedelta(hours=1),
                       version=bad, thresholds=BAD, shadow_every=2)
-    alert_id = _fire(engine)
+    alert_id = fire_alert(engine)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         active = aliases_of(session=session, deployment=deployment)["active"]
@@ -118,7 +107,7 @@ def test_last_good_without_a_qualifying_version_uses_the_conservative_set(engine
         make_deployment(session, fallback_mode="last_good")
         _activate(session, GOOD)  # never saw traffic: not known to be good
         _activate(session, BAD)
-    _fire(engine)
+    fire_alert(engine)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
@@ -128,7 +117,7 @@ def test_exit_rate_collapse_only_queues_a_recalibration(engine, outbox):
     with session_scope(engine) as session:
         make_deployment(session)
         _activate(session, GOOD)
-    alert_id = _fire(engine, kind="exit_rate_collapse")
+    alert_id = fire_alert(engine, kind="exit_rate_collapse")
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 2
@@ -144,7 +133,7 @@ def test_fallback_stops_a_running_canary(engine, outbox):
         candidate = publish(session=session, deployment=deployment, thresholds=BAD,
                             reason="candidate", actor="ops").version
         start_canary(session=session, deployment=deployment, version=candidate, actor="ops")
-    _fire(engine)
+    fire_alert(engine)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment) == {
@@ -160,7 +149,7 @@ def test_a_failing_reaction_still_fires_the_alert_and_says_so(engine, outbox, mo
         raise RuntimeError("store hiccup")
 
     monkeypatch.setattr(fallback, "engage_fallback", broken)
-    alert_id = _fire(engine)
+    alert_id = fire_alert(engine)
     with Session(engine) as session:
         alert = session.get(Alert, alert_id)
         assert alert.status == "firing"
@@ -180,7 +169,7 @@ def test_last_good_skips_a_version_that_fails_on_the_traffic_that_fired(engine, 
         # The new traffic: only near-certain early answers match, so GOOD's exits go wrong.
         write_traffic(session, "chat", new_signals, new_matched, version=bad, thresholds=BAD,
                       start=now - timedelta(minutes=5), spacing_s=0.2)
-    _fire(engine)
+    fire_alert(engine)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
@@ -202,7 +191,7 @@ def test_spike_whose_shadow_tokens_stay_within_delta_keeps_the_active_set(engine
     with session_scope(engine) as session:
         make_deployment(session)
         _activate(session, GOOD)
-    alert_id = _fire(engine, kind="exit_rate_spike",
+    alert_id = fire_alert(engine, kind="exit_rate_spike",
                      evidence=_gate(tokens=1158, requests=40, disagreements=9,
                                     upper_bound=0.021))
     with Session(engine) as session:
@@ -232,7 +221,7 @@ def test_spike_without_shadow_evidence_of_quality_falls_back(engine, outbox, gat
     with session_scope(engine) as session:
         make_deployment(session)
         _activate(session, GOOD)
-    alert_id = _fire(engine, kind="exit_rate_spike", evidence=gate)
+    alert_id = fire_alert(engine, kind="exit_rate_spike", evidence=gate)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
@@ -244,7 +233,7 @@ def test_a_kept_spike_falls_back_once_a_later_window_cannot_show_quality(engine,
     with session_scope(engine) as session:
         make_deployment(session)
         _activate(session, GOOD)
-    alert_id = _fire(engine, kind="exit_rate_spike",
+    alert_id = fire_alert(engine, kind="exit_rate_spike",
                      evidence=_gate(tokens=1158, requests=40, disagreements=9,
                                     upper_bound=0.021))
     with session_scope(engine) as session:

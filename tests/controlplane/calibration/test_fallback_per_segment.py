@@ -23,11 +23,7 @@ from controlplane.deployments.service import (
     publish,
     to_wire,
 )
-from tests.controlplane.calibration.support import (
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
 
 GOOD = {3: 0.9, 6: 0.8, 9: 0.7}
 BAD = {3: 0.1, 6: 0.1, 9: 0.1}

@@ -18,12 +18,14 @@ from controlplane.deployments.service import (
     publish,
     to_wire,
 )
-from tests.controlplane.calibration.support import (
+from tests.support.calibration import (
+    BAD,
+    GOOD,
+    fire_alert,
     make_deployment,
     separable_samples,
     write_traffic,
 )
-from tests.controlplane.calibration.test_fallback import BAD, GOOD, _fire
 
 CODE = {3: 1.0, 6: 0.97, 9: 0.9}
 
@@ -46,7 +48,7 @@ def test_last_good_keeps_and_raises_the_segment_map(engine, outbox):
                    actor="ops", reason="too aggressive")
         write_traffic(session, "chat", signals, matched, start=start + timedelta(hours=1),
                       version=bad, thresholds=BAD, shadow_every=2)
-    _fire(engine)
+    fire_alert(engine)
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         active = aliases_of(session=session, deployment=deployment)["active"]

@@ -21,13 +21,15 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope
 from controlplane.deployments.service import aliases_of, get_deployment
 from controlplane.drift.service import DriftOptions, check_deployment
+from controlplane.flows import recalibration
 from controlplane.telemetry.service import disagreement, exit_rates
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.thresholds import ThresholdClient
 from runtime.engine import Engine, EngineConfig
 from runtime.model import tiny_llama
-from tests.conftest import free_port, wait_until
-from tests.runtime_link.conftest import ControlPlane
+from tests.support.network import free_port
+from tests.support.runtime_link import ControlPlane
+from tests.support.waiting import wait_until
 
 # slow: the whole loop end to end, minutes
 pytestmark = [pytest.mark.slow, pytest.mark.integration,
@@ -121,7 +123,7 @@ def test_domain_shift_fallback_recalibration_and_recovery(plane, tokens, engine,
             job = session.scalars(select(CalibrationJob)).one()
             assert job.trigger == "alert" and service.start_job(session=session, job=job)
         with session_scope(engine) as session:
-            job = service.run_calibration(
+            job = recalibration.run_calibration(
                 session=session, job=session.get(CalibrationJob, job.id),
                 policy=service.CalibrationPolicy(min_samples_per_layer=300, seed=0))
             assert job.status == "succeeded", job.status_reason
@@ -129,7 +131,7 @@ def test_domain_shift_fallback_recalibration_and_recovery(plane, tokens, engine,
             if job.promotion == "awaiting_approval":
                 # one runtime is one witness: reopening exits from never-exit with no last
                 # good version to bound it waits for an operator, who approves here
-                service.approve(session=session, deployment=get_deployment(
+                recalibration.approve(session=session, deployment=get_deployment(
                     session=session, name=NAME), job=job, actor="ops", reason="checked")
         wait_until(lambda: runtime.applies(recalibrated),
                    message="the runtime applies the recalibrated set")

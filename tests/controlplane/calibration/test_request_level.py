@@ -19,7 +19,7 @@ from controlplane.stats.clustered import (
     null_design_effect,
 )
 from controlplane.stats.synthetic import correlated_requests
-from tests.controlplane.calibration.support import LAYERS, separable_samples
+from tests.support.calibration import LAYERS, separable_samples
 
 DELTA, EPSILON = 0.05, 0.1
 SIZE = 32  # tokens per simulated request

@@ -15,10 +15,9 @@ from controlplane.calibration.segments import (
     own_test_level,
     recalibration_level,
 )
-from tests.controlplane.calibration.test_segment_power import _requests
+from tests.support.simulated_requests import LAYERS, NUM_LAYERS, simulated_requests
 
 DELTA, EPSILON = 0.05, 0.1
-LAYERS, NUM_LAYERS = [8, 16, 24], 30
 
 
 @pytest.mark.parametrize("k", [2, 3, 5])
@@ -70,9 +69,9 @@ def _mix(parts: dict[str, tuple]) -> dict:
 def test_a_path_borrows_only_from_larger_segments():
     """Largest first: it borrows nothing; the middle one only the largest's tokens (not the
     smallest's, which it would under 'every other segment'); the smallest both of theirs."""
-    parts = {"chat": _requests(150, seed=1, first_id=0),
-             "docs": _requests(60, seed=2, first_id=10_000),
-             "code": _requests(40, seed=3, first_id=20_000)}
+    parts = {"chat": simulated_requests(150, seed=1, first_id=0),
+             "docs": simulated_requests(60, seed=2, first_id=10_000),
+             "code": simulated_requests(40, seed=3, first_id=20_000)}
     result = calibrate_segments(**_mix(parts), exit_layers=LAYERS, num_layers=NUM_LAYERS,
                                 delta=DELTA, epsilon=EPSILON, min_samples_per_layer=200)
     borrowed = {name: seg.result.samples.get("borrowed", 0)
@@ -86,9 +85,9 @@ def test_which_segments_run_their_own_test_is_decided_by_size_before_any_test():
     """A segment with many tokens but a layer seen too rarely is small (the LTT's own size
     rule): it keeps a pooled check at ε/k, while the two large ones share the rest by Šidák
     and hold no pooled-check reserve."""
-    chat = _requests(150, seed=4, first_id=0)
-    code = _requests(100, seed=5, first_id=10_000)
-    rare = _requests(100, seed=6, first_id=20_000)
+    chat = simulated_requests(150, seed=4, first_id=0)
+    code = simulated_requests(100, seed=5, first_id=10_000)
+    rare = simulated_requests(100, seed=6, first_id=20_000)
     rare[0][32:, 2] = np.nan  # layer 24 observed on one request only
     result = calibrate_segments(**_mix({"chat": chat, "code": code, "rare": rare}),
                                 exit_layers=LAYERS, num_layers=NUM_LAYERS, delta=DELTA,
@@ -145,8 +144,8 @@ def test_at_the_null_the_joint_violation_stays_within_epsilon(k):
 
 
 def test_the_former_scheme_stays_available_for_comparison():
-    parts = {"chat": _requests(150, seed=7, first_id=0),
-             "code": _requests(60, seed=8, first_id=10_000)}
+    parts = {"chat": simulated_requests(150, seed=7, first_id=0),
+             "code": simulated_requests(60, seed=8, first_id=10_000)}
     result = calibrate_segments(**_mix(parts), exit_layers=LAYERS, num_layers=NUM_LAYERS,
                                 delta=DELTA, epsilon=EPSILON, min_samples_per_layer=200,
                                 pooled_check_share=0.1)

@@ -25,12 +25,8 @@ from controlplane.deployments.service import (
     publish,
 )
 from controlplane.errors import Invalid
-from tests.controlplane.calibration.support import (
-    LAYERS,
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from controlplane.flows import recalibration
+from tests.support.calibration import LAYERS, make_deployment, separable_samples, write_traffic
 
 POLICY = service.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 DEFAULT_MAP = {3: 0.95, 6: 0.9, 9: 0.85}
@@ -58,7 +54,7 @@ def _run(engine, *, since, segment=None) -> int:
     with session_scope(engine) as session:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                 policy=POLICY)
     return job_id
 
@@ -101,7 +97,7 @@ def test_recalibrating_code_reads_code_tokens_only_and_replaces_only_its_map(eng
         # code opens from never-exit on one runtime's word, with no last good version: an
         # operator approves it
         assert job.promotion == "awaiting_approval"
-        service.approve(session=session, deployment=deployment, job=job, actor="ops",
+        recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
                         reason="checked")
         assert aliases_of(session=session, deployment=deployment)["active"] == published.version
         segments = published.segments_by_layer()
@@ -202,7 +198,7 @@ def test_an_automatic_segmented_job_with_too_few_samples_waits_a_manual_one_fail
         automatic_id = automatic.id
     with session_scope(engine) as session:
         job = session.get(CalibrationJob, automatic_id)
-        service.run_calibration(session=session, job=job, policy=POLICY)
+        recalibration.run_calibration(session=session, job=job, policy=POLICY)
         assert job.status == "waiting_for_data", job.status_reason
         assert "no segment could be certified" in job.status_reason
         assert set(job.summary["segments"]) == {"chat", "code"}

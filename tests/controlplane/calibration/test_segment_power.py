@@ -23,29 +23,11 @@ from controlplane.calibration.segments import calibrate_segments, recalibration_
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.segments import declare_segment
 from controlplane.deployments.service import get_deployment
-from tests.controlplane.calibration.support import make_deployment, separable_samples, write_traffic
+from controlplane.flows import recalibration
+from tests.support.calibration import make_deployment, separable_samples, write_traffic
+from tests.support.simulated_requests import LAYERS, NUM_LAYERS, TOKENS, simulated_requests
 
 DELTA, EPSILON = 0.05, 0.1
-LAYERS, NUM_LAYERS = [8, 16, 24], 30
-TOKENS = 32
-
-
-def _requests(count: int, *, seed: int, overconfidence: float = 0.0, first_id: int = 0,
-              spread: float = 0.15):
-    """(signals (n, 3), matched (n, 3), request ids) of `count` requests of 32 tokens: a token
-    of difficulty d matches full depth at layer k with probability sigmoid(8 k / 30 - 6 d - 1 -
-    `overconfidence`), its difficulty a request's (Beta(3, 2)) plus N(0, `spread`) of its own
-    (so a request's tokens agree together), the signal a noisy view that does not see
-    `overconfidence`: the same signal means less match in a segment with a larger one."""
-    rng = np.random.default_rng(seed)
-    request_difficulty = np.repeat(rng.beta(3.0, 2.0, size=count), TOKENS)
-    n = count * TOKENS
-    difficulty = np.clip(request_difficulty + spread * rng.standard_normal(n), 0.0, 1.0)[:, None]
-    depth = np.asarray(LAYERS, dtype=float)[None, :] / NUM_LAYERS
-    seen = 8.0 * depth - 6.0 * difficulty - 1.0  # (n, L)
-    matched = rng.random(seen.shape) < 1.0 / (1.0 + np.exp(-(seen - overconfidence)))
-    signals = 1.0 / (1.0 + np.exp(-(1.3 * seen + 0.5 + rng.standard_normal(seen.shape))))
-    return signals, matched, np.repeat(np.arange(first_id, first_id + count), TOKENS)
 
 
 def _mix(chat, code):
@@ -83,8 +65,8 @@ def test_a_fit_shrunk_towards_a_prior_lies_between_the_prior_and_its_own_tokens(
 
 
 def test_borrowed_tokens_draw_the_path_but_never_join_the_test():
-    code = _requests(60, seed=1)
-    chat = _requests(240, seed=2, first_id=1000)
+    code = simulated_requests(60, seed=1)
+    chat = simulated_requests(240, seed=2, first_id=1000)
     own = calibrate_thresholds(signals=code[0], matched=code[1], requests=code[2],
                                exit_layers=LAYERS, num_layers=NUM_LAYERS, delta=DELTA,
                                epsilon=0.045, min_samples_per_layer=200, seed=3,
@@ -107,11 +89,11 @@ def test_a_small_segment_certifies_more_exits_with_a_borrowed_path_on_the_same_d
     """Same mixes, same seeds: the small segment (40 requests against 240) exits more on fresh
     traffic of its kind when its path borrows the large segment's tokens than when it is drawn
     from its own dozen learn requests, and stays within δ."""
-    fresh = _requests(3000, seed=99_999, spread=0.3)
+    fresh = simulated_requests(3000, seed=99_999, spread=0.3)
     exits = {"borrowed": [], "own": []}
     for trial in range(30):
-        chat = _requests(240, seed=2 * trial, first_id=10_000)
-        code = _requests(40, seed=2 * trial + 1, spread=0.3)
+        chat = simulated_requests(240, seed=2 * trial, first_id=10_000)
+        code = simulated_requests(40, seed=2 * trial + 1, spread=0.3)
         for kind, options in (("borrowed", {}), ("own", {"borrow_path": False})):
             result = _calibrate(chat, code, seed=trial, **options)
             thresholds = result.segments["code"].thresholds
@@ -123,8 +105,8 @@ def test_a_small_segment_certifies_more_exits_with_a_borrowed_path_on_the_same_d
 
 
 def test_the_result_says_which_segment_borrowed_its_path():
-    chat = _requests(240, seed=5, first_id=10_000)
-    code = _requests(40, seed=6, spread=0.3)
+    chat = simulated_requests(240, seed=5, first_id=10_000)
+    code = simulated_requests(40, seed=6, spread=0.3)
     result = _calibrate(chat, code, seed=0)
     small, large = result.segments["code"], result.segments["chat"]
     assert small.source == large.source == "segment"
@@ -148,12 +130,12 @@ def test_a_misleading_borrowed_path_keeps_every_segment_within_delta_jointly():
     stays <= ε (+ slack for 80 trials), and the check is not vacuous: the small segment exits,
     and the pooled set (drawn and tested mostly on the other segment) breaks δ on it."""
     trials, slack = 80, 0.05
-    fresh = {"chat": _requests(3000, seed=77_777),
-             "code": _requests(3000, seed=88_888, overconfidence=1.5)}
+    fresh = {"chat": simulated_requests(3000, seed=77_777),
+             "code": simulated_requests(3000, seed=88_888, overconfidence=1.5)}
     joint, code_over, code_exits, pooled_over = 0, 0, 0, 0
     for trial in range(trials):
-        chat = _requests(240, seed=3 * trial, first_id=10_000)
-        code = _requests(60, seed=3 * trial + 1, overconfidence=1.5)
+        chat = simulated_requests(240, seed=3 * trial, first_id=10_000)
+        code = simulated_requests(60, seed=3 * trial + 1, overconfidence=1.5)
         result = _calibrate(chat, code, seed=trial)
         over = {}
         for name, seg in result.segments.items():
@@ -201,7 +183,7 @@ def test_a_one_segment_recalibration_borrows_the_other_segments_tokens_of_its_wi
     for name in ("code", "default"):
         job_id = _window_job(engine, segment=name)
         with session_scope(engine) as session:
-            window = service.read_window(session=session, job=session.get(CalibrationJob, job_id))
+            window = recalibration.read_window(session=session, job=session.get(CalibrationJob, job_id))
         outcomes[name] = (window, service.calibrate_window(window, policy))
     code_window, code = outcomes["code"]
     assert len(code_window.signals) == 1000 and len(code_window.borrowed[0]) == 4000

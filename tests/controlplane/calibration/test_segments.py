@@ -12,7 +12,7 @@ from controlplane.calibration.learn_then_test import NEVER_EXIT, policy_disagree
 from controlplane.calibration.segments import calibrate_segments
 from controlplane.deployments.service import publish, to_wire
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
-from tests.controlplane.calibration.support import LAYERS, make_deployment
+from tests.support.calibration import LAYERS, make_deployment
 
 DELTA, EPSILON = 0.05, 0.1
 SYN_LAYERS = list(DEFAULT_EXIT_LAYERS)

@@ -22,12 +22,8 @@ from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import AuditEvent, ThresholdSet
 from controlplane.deployments.service import aliases_of, get_deployment
 from controlplane.errors import Conflict
-from tests.controlplane.calibration.support import (
-    LAYERS,
-    make_deployment,
-    separable_samples,
-    write_traffic,
-)
+from controlplane.flows import recalibration
+from tests.support.calibration import LAYERS, make_deployment, separable_samples, write_traffic
 
 POLICY = service.CalibrationPolicy(min_samples_per_layer=500, seed=0)
 
@@ -51,7 +47,7 @@ def _run(engine, *, since, policy=POLICY, now=None, trigger="manual") -> int:
     with session_scope(engine) as session:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                 policy=policy, now=now)
     return job_id
 
@@ -101,7 +97,7 @@ def test_publishes_what_the_statistics_choose_and_promotes(engine, outbox):
         assert job.summary["holdout"]["passed"] is True
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
-        service.approve(session=session, deployment=deployment,
+        recalibration.approve(session=session, deployment=deployment,
                         job=session.get(CalibrationJob, job_id), actor="ops", reason="checked")
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
@@ -142,7 +138,7 @@ def test_an_automatic_job_that_certifies_nothing_waits_for_the_window_to_grow(en
     with session_scope(engine) as session:  # the retried task
         assert service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        job = service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                       policy=POLICY)
         assert job.status == "succeeded", job.status_reason
         assert job.attempts == 2 and job.result_version == 2
@@ -172,7 +168,7 @@ def test_not_enough_data_waits_then_continues_with_the_new_samples(engine, outbo
         job = session.get(CalibrationJob, job_id)
         assert service.start_job(session=session, job=job)
     with session_scope(engine) as session:
-        job = service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                       policy=POLICY)
         assert job.status == "succeeded" and job.attempts == 2
         assert job.summary["samples"]["total"] == 2300
@@ -200,7 +196,7 @@ def test_one_open_job_per_deployment_and_reruns_are_no_ops(engine, outbox):
     assert outbox == [("calibration.run", [job_id])]  # sent once, after the commit
     for _ in range(2):
         with session_scope(engine) as session:
-            service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+            recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                     policy=POLICY)
     with Session(engine) as session:
         assert len(_calibration_versions(session)) == 1
@@ -213,7 +209,7 @@ def test_exception_between_publish_and_commit_leaves_no_version(engine, outbox, 
     def crash(**kwargs):
         raise RuntimeError("worker lost between publish and commit")
 
-    monkeypatch.setattr(service, "_apply_policy", crash)
+    monkeypatch.setattr(recalibration, "_apply_policy", crash)
     with pytest.raises(RuntimeError):
         _run(engine, since=start)
     with Session(engine) as session:
@@ -225,7 +221,7 @@ def test_exception_between_publish_and_commit_leaves_no_version(engine, outbox, 
         job_id = job.id
     monkeypatch.undo()
     with session_scope(engine) as session:  # the rerun restarts cleanly
-        job = service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                       policy=POLICY)
         assert job.status == "succeeded" and job.result_version == 2
 
@@ -235,21 +231,23 @@ KILL_MID_JOB = textwrap.dedent("""
     from controlplane.calibration import service
     from controlplane.calibration.models import CalibrationJob
     from controlplane.db import make_engine, session_scope
+    from controlplane.flows import recalibration
 
-    publish = service.publish
+    publish = recalibration.publish
 
     def publish_then_die(**kwargs):
         published = publish(**kwargs)  # flushed inside the open transaction
         os.kill(os.getpid(), signal.SIGKILL)
         return published
 
-    service.publish = publish_then_die
+    recalibration.publish = publish_then_die
     engine = make_engine(sys.argv[1])
     with session_scope(engine) as session:
         service.start_job(session=session, job=session.get(CalibrationJob, int(sys.argv[2])))
     with session_scope(engine) as session:
-        service.run_calibration(session=session, job=session.get(CalibrationJob, int(sys.argv[2])),
-                                policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
+        recalibration.run_calibration(
+            session=session, job=session.get(CalibrationJob, int(sys.argv[2])),
+            policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
 """)
 
 
@@ -273,7 +271,7 @@ def test_worker_killed_mid_job_leaves_no_partial_version_and_rerun_succeeds(
     with session_scope(engine) as session:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        job = service.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
+        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
                                       policy=POLICY)
         assert job.status == "succeeded" and job.attempts == 2
     with Session(engine) as session:
@@ -288,12 +286,12 @@ def test_approval_policy_waits_for_an_operator(engine, outbox):
         job = session.get(CalibrationJob, first)
         assert job.status == "succeeded" and job.promotion == "awaiting_approval"
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
-        service.approve(session=session, deployment=deployment, job=job, actor="ops",
+        recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
                         reason="looks right")
         assert aliases_of(session=session, deployment=deployment)["active"] == job.result_version
         assert job.promotion == "approved" and job.decided_by == "ops"
         with pytest.raises(Conflict):
-            service.reject(session=session, deployment=deployment, job=job, actor="ops",
+            recalibration.reject(session=session, deployment=deployment, job=job, actor="ops",
                            reason="too late")
     second = _run(engine, since=start)
     third = _run(engine, since=start)
@@ -301,12 +299,12 @@ def test_approval_policy_waits_for_an_operator(engine, outbox):
         deployment = get_deployment(session=session, name="chat")
         assert session.get(CalibrationJob, second).promotion == "superseded"
         job = session.get(CalibrationJob, third)
-        service.reject(session=session, deployment=deployment, job=job, actor="ops",
+        recalibration.reject(session=session, deployment=deployment, job=job, actor="ops",
                        reason="not now")
         assert job.promotion == "rejected"
         assert aliases_of(session=session, deployment=deployment)["active"] == 2
         with pytest.raises(Conflict):
-            service.approve(session=session, deployment=deployment, job=job, actor="ops",
+            recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
                             reason="changed my mind")
         actions = session.scalars(select(AuditEvent.action)).all()
         assert "candidate.reject" in actions
@@ -334,14 +332,14 @@ def test_two_workers_racing_on_one_job_publish_one_version(engine, outbox):
     outcomes = []
     for _ in range(2):  # both read and calibrate before either applies
         with session_scope(engine) as session:
-            window = service.read_window(session=session, job=session.get(CalibrationJob, job_id))
+            window = recalibration.read_window(session=session, job=session.get(CalibrationJob, job_id))
         outcomes.append(service.calibrate_window(window, POLICY))
     for outcome in outcomes:
         with session_scope(engine) as session:
-            service.apply_outcome(session=session, job=session.get(CalibrationJob, job_id),
+            recalibration.apply_outcome(session=session, job=session.get(CalibrationJob, job_id),
                                   outcome=outcome, policy=POLICY)
     with Session(engine) as session:
         assert [s.version for s in _calibration_versions(session)] == [2]
         assert session.get(CalibrationJob, job_id).status == "succeeded"
-        assert service.read_window(session=session,
+        assert recalibration.read_window(session=session,
                                    job=session.get(CalibrationJob, job_id)) is None

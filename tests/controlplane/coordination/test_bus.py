@@ -10,16 +10,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.coordination.bus import Bus, notify_after_commit
-from tests.conftest import wait_until
-from tests.reliability.conftest import PrivateRedis
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.cleanup()
+from tests.support.waiting import wait_until
 
 
 class Heard:
@@ -83,7 +74,7 @@ def test_long_polls_reread_the_store_while_redis_is_away(settings, engine, token
     from fastapi.testclient import TestClient
 
     from exitplane.app import create_app
-    from tests.reliability.processes import ROOT
+    from tests.support.processes import ROOT
 
     app = create_app(settings.model_copy(update={"redis_url": private_redis.url,
                                                  "config_cache_ttl_s": 0.2}), engine=engine)

@@ -6,19 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 import redis.asyncio
 
 from controlplane.guards.buckets import LocalRateLimiter, RedisRateLimiter
-from tests.reliability.conftest import PrivateRedis
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.cleanup()
 
 
 def _limiter(url: str, rate: float) -> RedisRateLimiter:

@@ -11,30 +11,17 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from exitplane import __version__
 from exitplane.wire import ThresholdSetWire
-from tests.conftest import patient_get
-
-DEPLOYMENT = {"name": "chat", "model_ref": "smollm2-135m", "num_layers": 12,
-              "exit_layers": [3, 6, 9]}
-
-
-def _setup(client, tokens, name="chat"):
-    op = tokens.headers(tokens.operator)
-    response = client.post("/v1/deployments", json={**DEPLOYMENT, "name": name}, headers=op)
-    assert response.status_code == 201, response.text
-    return op
-
-
-def _runtime_token(engine, deployment: str) -> str:
-    with Session(engine) as session:
-        target = get_deployment(session=session, name=deployment)
-        _, secret = create_token(session=session, name=f"rt-{deployment}", scope="runtime",
-                                 deployment=target)
-        session.commit()
-    return secret
+from tests.support.deployments import (
+    DEPLOYMENT,
+    mint_runtime_token,
+    post_deployment,
+    tuned_deployment,
+)
+from tests.support.waiting import patient_get
 
 
 def test_full_registry_session(client, tokens, engine):
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     created = client.get("/v1/deployments/chat", headers=op).json()
     assert created["aliases"] == {"active": 1, "conservative": 1}
 
@@ -47,7 +34,7 @@ def test_full_registry_session(client, tokens, engine):
         "activate": True})
     assert v3.json()["aliases"] == ["active"]
 
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     pulled = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-1"},
                         headers=runtime)
     assert pulled.status_code == 200
@@ -85,7 +72,7 @@ def test_full_registry_session(client, tokens, engine):
 def test_invalid_threshold_sets_get_422_with_a_message(client, tokens, body, status, message):
     import re
 
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     response = client.post("/v1/deployments/chat/threshold-sets", headers=op, json=body)
     assert response.status_code == status
     assert re.search(message, response.json()["detail"]), response.json()
@@ -104,9 +91,9 @@ def test_invalid_deployment_gets_422(client, tokens):
 
 
 def test_auth_scopes_and_deployment_isolation(client, tokens, engine):
-    op = _setup(client, tokens, "chat")
-    _setup(client, tokens, "code")
-    chat_runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    op = post_deployment(client, tokens, "chat")
+    post_deployment(client, tokens, "code")
+    chat_runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
 
     assert client.get("/v1/deployments").status_code == 401
     bad = client.get("/v1/deployments", headers={"Authorization": "Bearer nope"})
@@ -140,8 +127,8 @@ def test_auth_scopes_and_deployment_isolation(client, tokens, engine):
 
 
 def test_heartbeats_record_applied_version(client, tokens, engine):
-    op = _setup(client, tokens)
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    op = post_deployment(client, tokens)
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     beat = client.post("/v1/deployments/chat/heartbeats", headers=runtime,
                        json={"runtime_id": "rt-1", "applied_version": 1, "ready": True})
     assert beat.status_code == 200, beat.text
@@ -151,19 +138,6 @@ def test_heartbeats_record_applied_version(client, tokens, engine):
     fleet = client.get("/v1/deployments/chat/runtimes", headers=op).json()
     assert len(fleet) == 1
     assert fleet[0]["ready"] is False and "checksum mismatch" in fleet[0]["error"]
-
-
-def tuned_deployment(http: httpx.Client, tokens, engine, runtime_id: str = "r"):
-    """'chat' with a second, inactive set (v2) and a runtime token that pulled once: the
-    operator's headers, the runtime's headers and the ETag it holds."""
-    op = tokens.headers(tokens.operator)
-    assert http.post("/v1/deployments", json=DEPLOYMENT, headers=op).status_code == 201
-    http.post("/v1/deployments/chat/threshold-sets", headers=op, json={
-        "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "tuned"})
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
-    first = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": runtime_id},
-                     headers=runtime)
-    return op, runtime, first.headers["etag"]
 
 
 def test_long_poll_wakes_on_alias_move(live_server, tokens, engine):
@@ -196,7 +170,7 @@ def test_long_poll_times_out_with_304(live_server, tokens, engine):
     op = tokens.headers(tokens.operator)
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
         http.post("/v1/deployments", json=DEPLOYMENT, headers=op)
-        runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+        runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
         etag = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": "r"},
                         headers=runtime).headers["etag"]
         response = http.get("/v1/deployments/chat/thresholds",
@@ -206,13 +180,13 @@ def test_long_poll_times_out_with_304(live_server, tokens, engine):
 
 
 def test_canary_alias_serves_a_sticky_fraction(client, tokens, engine):
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     client.patch("/v1/deployments/chat", headers=op, json={"canary_fraction": 0.5})
     client.post("/v1/deployments/chat/threshold-sets", headers=op, json={
         "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "candidate"})
     assert client.put("/v1/deployments/chat/aliases/canary", headers=op,
                       json={"version": 2, "reason": "try it"}).status_code == 200
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     time.sleep(0.25)
     seen = {}
     for i in range(40):
@@ -235,10 +209,10 @@ def test_health_and_readiness(client):
 
 
 def test_cached_304_path_still_enforces_deployment_isolation(client, tokens, engine):
-    _setup(client, tokens, "chat")
-    _setup(client, tokens, "code")
-    chat = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
-    code = {"Authorization": f"Bearer {_runtime_token(engine, 'code')}"}
+    post_deployment(client, tokens, "chat")
+    post_deployment(client, tokens, "code")
+    chat = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
+    code = {"Authorization": f"Bearer {mint_runtime_token(engine, 'code')}"}
     params = {"runtime_id": "rt"}
     etag = client.get("/v1/deployments/chat/thresholds", params=params,
                       headers=chat).headers["etag"]
@@ -281,8 +255,8 @@ def test_pull_and_ingest_are_rate_limited_per_token(settings, engine, tokens):
                                                      "rate_limit_hold_s": 0}),
                          engine=engine)
     with TestClient(limited) as client:
-        _setup(client, tokens)
-        first = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+        post_deployment(client, tokens)
+        first = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
         statuses = [client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "a"},
                                headers=first).status_code for _ in range(4)]
         assert statuses[:2] == [200, 200] and statuses[-1] == 429
@@ -309,8 +283,8 @@ def test_pull_and_ingest_are_rate_limited_per_token(settings, engine, tokens):
 
 
 def test_numbers_beyond_the_store_get_422_not_500(client, tokens, engine):
-    op = _setup(client, tokens)
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    op = post_deployment(client, tokens)
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     beat = client.post("/v1/deployments/chat/heartbeats", headers=runtime,
                        json={"runtime_id": "r", "dropped_records": 10524813163201822696})
     assert beat.status_code == 422 and "dropped_records" in beat.json()["detail"]
@@ -320,7 +294,7 @@ def test_numbers_beyond_the_store_get_422_not_500(client, tokens, engine):
 
 
 def test_a_state_serialises_each_set_once(client, app, tokens, engine):
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     client.post("/v1/deployments/chat/threshold-sets", headers=op, json={
         "thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "candidate"})
     assert client.put("/v1/deployments/chat/aliases/canary", headers=op,
@@ -330,7 +304,7 @@ def test_a_state_serialises_each_set_once(client, app, tokens, engine):
         body = state.body(wire)
         assert state.body(wire) is body  # the same string for every waiting poll
         assert ThresholdSetWire.model_validate_json(body) == wire
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     pulled = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-1"},
                         headers=runtime)
     assert pulled.text in (state.active_json, state.canary_json)

@@ -12,8 +12,10 @@ from controlplane.deployments.cache import DeploymentCache
 from controlplane.errors import NotFound
 from controlplane.telemetry import stream
 from exitplane.wire import RECORDS_MSGPACK
-from tests.conftest import REDIS_URL, patient_get
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.deployments import deploy_for_telemetry
+from tests.support.services import REDIS_URL
+from tests.support.waiting import patient_get
 
 # A database number of its own: the test Redis is shared with other suites.
 OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/13" if REDIS_URL else ""
@@ -50,13 +52,13 @@ def _statements_on(engine, tables: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.redis
 def test_the_stream_path_checks_batches_without_reading_the_store(stream_app, tokens, engine):
-    runtime = _deploy(stream_app, tokens, engine)
+    runtime = deploy_for_telemetry(stream_app, tokens, engine)
     rng = random.Random(14)
-    assert stream_app.post("/v1/telemetry", json=make_batch(rng, n=20),
+    assert stream_app.post("/v1/telemetry", json=random_batch(rng, n=20),
                            headers=runtime).status_code == 202  # fills the cache
     reads = _statements_on(engine, ("deployments", "threshold_sets"))
     for seq in range(1, 4):
-        response = stream_app.post("/v1/telemetry", json=make_batch(rng, n=20, seq=seq),
+        response = stream_app.post("/v1/telemetry", json=random_batch(rng, n=20, seq=seq),
                                    headers=runtime)
         assert response.status_code == 202, response.text
     assert reads == []
@@ -66,12 +68,12 @@ def test_the_stream_path_checks_batches_without_reading_the_store(stream_app, to
     published = stream_app.post("/v1/deployments/chat/threshold-sets", headers=op, json={
         "thresholds": {"3": 0.95, "6": 0.9, "9": 0.8}, "reason": "newer"})
     assert published.status_code == 201, published.text
-    newer = make_batch(rng, n=5, seq=10)
+    newer = random_batch(rng, n=5, seq=10)
     for record in newer["records"]:
         record["threshold_version"] = published.json()["version"]
     assert stream_app.post("/v1/telemetry", json=newer, headers=runtime).status_code == 202
     # A version never published is still refused, naming the record.
-    unknown = make_batch(rng, n=5, seq=11)
+    unknown = random_batch(rng, n=5, seq=11)
     unknown["records"][2]["threshold_version"] = 99
     refused = stream_app.post("/v1/telemetry", json=unknown, headers=runtime)
     assert refused.status_code == 422
@@ -79,7 +81,7 @@ def test_the_stream_path_checks_batches_without_reading_the_store(stream_app, to
 
 
 def test_targets_reload_only_for_unknown_versions(client, tokens, engine):
-    _deploy(client, tokens, engine)
+    deploy_for_telemetry(client, tokens, engine)
     targets = DeploymentCache(sessionmaker(engine))
     first = targets.get("chat", [0, 2])
     assert (first.num_layers, first.exit_layers, first.versions) == (12, (3, 6, 9),
@@ -94,8 +96,8 @@ def test_targets_reload_only_for_unknown_versions(client, tokens, engine):
 def test_a_msgpack_body_travels_the_stream_as_it_came(stream_app, tokens, engine):
     import redis as redis_client
 
-    runtime = _deploy(stream_app, tokens, engine)
-    batch = make_batch(random.Random(3), n=30)
+    runtime = deploy_for_telemetry(stream_app, tokens, engine)
+    batch = random_batch(random.Random(3), n=30)
     body = msgpack.packb(batch, use_bin_type=True)
     response = stream_app.post("/v1/telemetry", content=body, headers={
         **runtime, "Content-Type": RECORDS_MSGPACK})

@@ -9,20 +9,10 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 from fastapi.testclient import TestClient
 
 from exitplane.app import create_app
-from tests.conftest import wait_until
-from tests.reliability.conftest import PrivateRedis
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.cleanup()
+from tests.support.waiting import wait_until
 
 
 class HeldRead:

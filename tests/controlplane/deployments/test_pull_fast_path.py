@@ -11,7 +11,7 @@ import types
 import httpx
 import pytest
 
-from tests.controlplane.deployments.test_api import tuned_deployment
+from tests.support.deployments import tuned_deployment
 
 POLLS = 40
 

@@ -13,11 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, text
 
-from controlplane.deployments.delivery import NotModifiedFastPath
 from controlplane.deployments.service import in_canary
+from controlplane.edge.pull_fast_path import NotModifiedFastPath
 from controlplane.observability import http_request_duration
 from exitplane.app import create_app
-from tests.controlplane.deployments.test_api import DEPLOYMENT
+from tests.support.deployments import DEPLOYMENT
 
 PULL = "/v1/deployments/chat/thresholds"
 ROUTE = "/v1/deployments/{name}/thresholds"

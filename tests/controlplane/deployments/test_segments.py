@@ -14,7 +14,7 @@ from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.errors import Invalid
 from controlplane.settings import Settings
 from exitplane.wire import ThresholdSetWire, threshold_checksum
-from tests.controlplane.deployments.test_api import _runtime_token, _setup
+from tests.support.deployments import mint_runtime_token, post_deployment
 
 DEFAULT = {"3": 0.9, "6": 0.8, "9": 0.7}
 SEGMENTS = {"code": {"3": 1.0, "6": 0.95, "9": 0.9}, "chat": {"3": 0.85, "6": 0.75, "9": 0.6}}
@@ -27,7 +27,7 @@ def _publish(client, op, **body):
 
 def test_a_segmented_version_is_stored_read_and_pulled_as_one_checksummed_set(
         client, tokens, engine):
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     created = _publish(client, op, segments=SEGMENTS, activate=True)
     assert created.status_code == 201, created.text
     read = created.json()
@@ -41,7 +41,7 @@ def test_a_segmented_version_is_stored_read_and_pulled_as_one_checksummed_set(
     shown = client.get("/v1/deployments/chat/threshold-sets/2", headers=op).json()
     assert shown["segments"] == read["segments"] and shown["checksum"] == read["checksum"]
 
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     pulled = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-1"},
                         headers=runtime)
     assert pulled.status_code == 200
@@ -59,13 +59,13 @@ def test_a_segmented_version_is_stored_read_and_pulled_as_one_checksummed_set(
 
 def test_a_set_without_segments_is_pulled_and_checksummed_exactly_as_before(
         client, tokens, engine):
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     created = _publish(client, op, activate=True)
     assert created.status_code == 201 and created.json()["segments"] is None
     # the checksum rule of protocol v1, written out: no segment key in the canonical JSON
     assert created.json()["checksum"] == threshold_checksum(
         deployment="chat", version=2, signal="learned", thresholds={3: 0.9, 6: 0.8, 9: 0.7})
-    runtime = {"Authorization": f"Bearer {_runtime_token(engine, 'chat')}"}
+    runtime = {"Authorization": f"Bearer {mint_runtime_token(engine, 'chat')}"}
     pulled = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-1"},
                         headers=runtime)
     assert set(pulled.json()) == {"deployment", "version", "signal", "thresholds", "checksum"}
@@ -84,7 +84,7 @@ def test_a_set_without_segments_is_pulled_and_checksummed_exactly_as_before(
     ({"code": {**DEFAULT, "9": "x"}}, "segments.code.9"),
 ])
 def test_invalid_segments_get_422_and_nothing_is_stored(client, tokens, segments, message):
-    op = _setup(client, tokens)
+    op = post_deployment(client, tokens)
     response = _publish(client, op, segments=segments)
     assert response.status_code == 422
     assert re.search(message, response.json()["detail"]), response.json()
@@ -102,7 +102,7 @@ def test_the_segment_cap_is_the_setting_and_overflow_gets_422(tokens, engine, db
     app = create_app(settings, engine=engine)
     try:
         with TestClient(app) as client:
-            op = _setup(client, tokens)
+            op = post_deployment(client, tokens)
             two = {name: DEFAULT for name in ("chat", "code")}
             assert _publish(client, op, segments=two).status_code == 201
             three = {**two, "tools": DEFAULT}

@@ -18,7 +18,7 @@ from controlplane.deployments.models import Alias
 from controlplane.deployments.service import aliases_of, get_threshold_set, move_alias, publish
 from controlplane.drift.service import DriftOptions, check_deployment, segments_to_check
 from controlplane.drift.window_checks import WindowInputs, evaluate_segments
-from tests.controlplane.alerts.support import THRESHOLDS, Phase, make_deployment, send_traffic
+from tests.support.alerts import THRESHOLDS, Phase, make_deployment, send_traffic
 
 BASE_RATES = (0.25, 0.4, 0.3)
 # Shadow tokens carry signal 0.95 at layer 4 (the helper): every map here exits them there.

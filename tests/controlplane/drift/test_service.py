@@ -18,7 +18,7 @@ from controlplane.drift.service import (
 )
 from controlplane.runtimes.service import record_heartbeat
 from exitplane.wire import Heartbeat
-from tests.controlplane.alerts.support import Phase, make_deployment, send_traffic
+from tests.support.alerts import Phase, make_deployment, send_traffic
 
 BASE_RATES = (0.25, 0.4, 0.3)
 

@@ -21,8 +21,8 @@ from controlplane.db import utcnow
 from controlplane.deployments.service import aliases_of, move_alias, publish
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
 from controlplane.telemetry.service import exit_rates
-from tests.controlplane.alerts.support import LAYERS, make_deployment
-from tests.controlplane.drift.clustered_traffic import Requests, send_requests
+from tests.support.alerts import LAYERS, make_deployment
+from tests.support.clustered_traffic import Requests, send_requests
 
 
 def _setup(session, minutes=30, **options):

@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from exitplane.app import create_app
 from exitplane.wire import AGGREGATE_MSGPACK, INTERVAL_MSGPACK
-from tests.conftest import patient_get
-from tests.controlplane.telemetry.test_interval_batches import _post
-from tests.controlplane.telemetry.test_segment_ingest import FULL, LAYERS, _deploy, _records
+from tests.support.batches import post_telemetry, segment_records
+from tests.support.deployments import FULL, LAYERS, deploy_with_segments
+from tests.support.waiting import patient_get
 
 
 def _batch(records: list[dict]) -> dict:
@@ -37,16 +37,16 @@ def _aggregate(minute: int, **fields) -> dict:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_tokens_timed_past_the_apis_clock_are_refused_and_late_ones_taken(client, tokens,
                                                                           engine):
-    headers = _deploy(client, tokens, engine)
+    headers = deploy_with_segments(client, tokens, engine)
     now = time.time()
     minute = int(now) // 60 * 60
 
     def post(payload: dict, content_type: str | None = None):
         if content_type is None:
             return client.post("/v1/telemetry", headers=headers, json=payload)
-        return _post(client, headers, payload, content_type)
+        return post_telemetry(client, headers, payload, content_type)
 
-    records = _records(random.Random(4), 5, ts=now)
+    records = segment_records(random.Random(4), 5, ts=now)
     records[3]["ts"] = now + 3600  # one token an hour ahead
     ahead = post(_batch(records))
     assert ahead.status_code == 422, ahead.text
@@ -61,8 +61,8 @@ def test_tokens_timed_past_the_apis_clock_are_refused_and_late_ones_taken(client
     assert carried.status_code == 422 and "check the runtime's clock" in carried.text
 
     # A few minutes of skew, and timestamps days late (a spool replayed), are taken.
-    assert post(_batch(_records(random.Random(5), 5, ts=now + 240))).status_code == 202
-    assert post(_batch(_records(random.Random(6), 5, ts=now - 3 * 86400))).status_code == 202
+    assert post(_batch(segment_records(random.Random(5), 5, ts=now + 240))).status_code == 202
+    assert post(_batch(segment_records(random.Random(6), 5, ts=now - 3 * 86400))).status_code == 202
     assert post(_aggregate(minute + 300), AGGREGATE_MSGPACK).status_code == 202
     counts = patient_get(client, "/v1/deployments/mix/telemetry/count", headers=headers).json()
     assert counts["records"] == 10 and counts["tokens"] == 13
@@ -72,8 +72,8 @@ def test_tokens_timed_past_the_apis_clock_are_refused_and_late_ones_taken(client
 def test_the_clock_check_can_be_turned_off(settings, engine, tokens):
     app = create_app(settings.model_copy(update={"telemetry_max_future_s": 0}), engine=engine)
     with TestClient(app) as client:
-        headers = _deploy(client, tokens, engine)
+        headers = deploy_with_segments(client, tokens, engine)
         answer = client.post("/v1/telemetry", headers=headers, json=_batch(
-            _records(random.Random(7), 3, ts=time.time() + 86400)))
+            segment_records(random.Random(7), 3, ts=time.time() + 86400)))
         assert answer.status_code == 202, answer.text
     app.state.config_delivery.close()

@@ -20,7 +20,8 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from controlplane.observability import http_request_duration
 from exitplane.app import create_app
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.deployments import deploy_for_telemetry
 
 COMPARED_HEADERS = ("content-type", "www-authenticate", "retry-after")
 
@@ -83,34 +84,34 @@ def test_the_fast_path_answers_as_the_route_does(pair, tokens, engine):
     apps = pair()
     fast_app, fast = apps[True]
     route_app, route = apps[False]
-    runtime = _deploy(fast, tokens, engine)
-    other = _deploy(fast, tokens, engine, name="code")
+    runtime = deploy_for_telemetry(fast, tokens, engine)
+    other = deploy_for_telemetry(fast, tokens, engine, name="code")
     operator = tokens.headers(tokens.operator)
     rng = random.Random(14)
     counted_before = _duration_count("202")
 
     def cases():
         """(headers, body kwargs) per request; a fresh batch each call, replays included."""
-        batch = make_batch(rng, n=10)
-        bad = make_batch(rng, n=10)
+        batch = random_batch(rng, n=10)
+        bad = random_batch(rng, n=10)
         bad["records"][3]["exit_layer"] = 7
-        packed = make_batch(rng, n=10)
+        packed = random_batch(rng, n=10)
         return [
             (runtime, {"json": batch}),
             (runtime, {"json": batch}),  # replay: duplicate=true
             (runtime, {"content": msgpack.packb(packed),
                        "headers": {"Content-Type": "application/msgpack"}}),
-            (operator, {"json": make_batch(rng, n=3)}),  # operators may ship too
+            (operator, {"json": random_batch(rng, n=3)}),  # operators may ship too
             (runtime, {"json": bad}),
             (runtime, {"content": b"\xc1\x00",
                        "headers": {"Content-Type": "application/msgpack"}}),
             (runtime, {"content": b"{}",
                        "headers": {"Content-Type": "application/vnd.exitplane.future+json"}}),
             (runtime, {"content": b"not json"}),  # no content type: JSON, as the route reads it
-            (other, {"json": make_batch(rng, n=3)}),  # another deployment's token
-            ({}, {"json": make_batch(rng, n=3)}),
-            ({"Authorization": "Bearer ept_unknown"}, {"json": make_batch(rng, n=3)}),
-            ({"Authorization": "Basic abc"}, {"json": make_batch(rng, n=3)}),
+            (other, {"json": random_batch(rng, n=3)}),  # another deployment's token
+            ({}, {"json": random_batch(rng, n=3)}),
+            ({"Authorization": "Bearer ept_unknown"}, {"json": random_batch(rng, n=3)}),
+            ({"Authorization": "Basic abc"}, {"json": random_batch(rng, n=3)}),
         ]
 
     answers = {}
@@ -139,12 +140,12 @@ def test_the_fast_path_rate_limits_as_the_route_does(pair, tokens, engine):
     apps = pair(rate_limit_ingest_per_s=0.05)
     _, fast = apps[True]
     _, route = apps[False]
-    runtime = _deploy(fast, tokens, engine)
+    runtime = deploy_for_telemetry(fast, tokens, engine)
     rng = random.Random(15)
     answers = {}
     for fast_on, client in ((True, fast), (False, route)):
         answers[fast_on] = [_shape(client.post("/v1/telemetry", headers=runtime,
-                                               json=make_batch(rng, n=5))) for _ in range(2)]
+                                               json=random_batch(rng, n=5))) for _ in range(2)]
     # The detail's tenths of a second follow the clock between the two requests (19.9 on a
     # loaded machine): compared rounded, as the Retry-After header is.
     for answer in (*answers[True], *answers[False]):
@@ -160,7 +161,7 @@ def test_the_fast_path_rate_limits_as_the_route_does(pair, tokens, engine):
 def test_a_revoked_token_stops_on_the_fast_path(pair, tokens, engine):
     apps = pair(token_cache_ttl_s=30)  # long: only the revocation notice can stop it
     fast_app, fast = apps[True]
-    _deploy(fast, tokens, engine)
+    deploy_for_telemetry(fast, tokens, engine)
     with Session(engine) as session:
         token, secret = create_token(session=session, name="rt-revoked", scope="runtime",
                                      deployment=get_deployment(session=session, name="chat"))
@@ -169,12 +170,12 @@ def test_a_revoked_token_stops_on_the_fast_path(pair, tokens, engine):
     runtime = {"Authorization": f"Bearer {secret}"}
     rng = random.Random(16)
     assert fast.post("/v1/telemetry", headers=runtime,
-                     json=make_batch(rng, n=3)).status_code == 202  # now cached
+                     json=random_batch(rng, n=3)).status_code == 202  # now cached
     revoked = fast.delete(f"/v1/tokens/{token_id}", headers=tokens.headers(tokens.admin))
     assert revoked.status_code in (200, 204), revoked.text
     deadline = time.monotonic() + 5
     while True:
-        answer = fast.post("/v1/telemetry", headers=runtime, json=make_batch(rng, n=3))
+        answer = fast.post("/v1/telemetry", headers=runtime, json=random_batch(rng, n=3))
         if answer.status_code == 401 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -195,8 +196,8 @@ def test_heartbeats_are_answered_as_the_route_does(pair, tokens, engine):
     apps = pair()
     fast_app, fast = apps[True]
     route_app, route = apps[False]
-    runtime = _deploy(fast, tokens, engine)
-    other = _deploy(fast, tokens, engine, name="code")
+    runtime = deploy_for_telemetry(fast, tokens, engine)
+    other = deploy_for_telemetry(fast, tokens, engine, name="code")
     operator = tokens.headers(tokens.operator)
     beat = {"runtime_id": "rt-1", "applied_version": 2, "applied_checksum": "ab" * 32,
             "spooled_batches": 3}
@@ -260,7 +261,7 @@ def test_a_known_runtimes_heartbeat_is_held_and_written_in_bulk(pair, tokens, en
     event loop without a statement and written together, one statement per flush."""
     apps = pair(heartbeat_flush_s=60.0)  # flushed by hand below
     fast_app, fast = apps[True]
-    runtime = _deploy(fast, tokens, engine)
+    runtime = deploy_for_telemetry(fast, tokens, engine)
     # Heartbeats name published versions only: v2 is the active set, v3 is published here.
     assert fast.post("/v1/deployments/chat/threshold-sets", headers=tokens.headers(
         tokens.operator), json={"thresholds": {"3": 0.8, "6": 0.7, "9": 0.6},
@@ -307,7 +308,7 @@ def test_a_known_runtimes_heartbeat_is_held_and_written_in_bulk(pair, tokens, en
 def test_with_no_flush_interval_a_known_runtimes_beat_is_one_statement(pair, tokens, engine):
     apps = pair(heartbeat_flush_s=0)
     _, fast = apps[True]
-    runtime = _deploy(fast, tokens, engine)
+    runtime = deploy_for_telemetry(fast, tokens, engine)
     path = "/v1/deployments/chat/heartbeats"
     assert fast.post(path, headers=runtime, json={"runtime_id": "rt-1",
                                                   "applied_version": 2}).status_code == 200
@@ -322,7 +323,7 @@ def test_heartbeats_are_rate_limited_as_the_route_does(pair, tokens, engine):
     apps = pair(rate_limit_heartbeat_per_s=0.05)  # a 20 s wait: see the telemetry case
     _, fast = apps[True]
     _, route = apps[False]
-    runtime = _deploy(fast, tokens, engine)
+    runtime = deploy_for_telemetry(fast, tokens, engine)
     answers = {}
     for fast_on, client in ((True, fast), (False, route)):
         answers[fast_on] = [_beat_shape(client.post(
@@ -356,14 +357,14 @@ def test_telemetry_cannot_take_the_threads_the_routes_need(settings, engine, tok
 
     app = create_app(settings.model_copy(update={"telemetry_threads": 4}), engine=engine)
     with TestClient(app, raise_server_exceptions=False) as client:
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         monkeypatch.setattr(fast_path, "store_batch", stuck)
         shared = anyio.to_thread.current_default_thread_limiter
         burst = 50  # over the shared pool's 40 threads
         pool = ThreadPoolExecutor(burst)
         try:
             posts = [pool.submit(client.post, "/v1/telemetry", headers=runtime,
-                                 json=make_batch(random.Random(i), n=2)) for i in range(burst)]
+                                 json=random_batch(random.Random(i), n=2)) for i in range(burst)]
             assert all(entered.acquire(timeout=10) for _ in range(4))  # its threads are busy
             assert not entered.acquire(timeout=0.3)  # and the others wait, holding none
             # The routes' pool is untouched: every one of its threads is free.

@@ -18,8 +18,8 @@ from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.schemas import RuntimeRead
 from exitplane.app import create_app
 from exitplane.wire import Heartbeat
-from tests.conftest import wait_until
-from tests.controlplane.telemetry.test_ingest import _deploy
+from tests.support.deployments import deploy_for_telemetry
+from tests.support.waiting import wait_until
 
 
 def _stored(engine, runtime_id: str) -> Runtime:
@@ -41,7 +41,7 @@ def _recorded(engine, runtime_id: str) -> tuple[int, RuntimeRead]:
 def test_the_flusher_writes_held_beats_on_its_own(settings, engine, tokens):
     app = create_app(settings.model_copy(update={"heartbeat_flush_s": 0.2}), engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine)
+        runtime = deploy_for_telemetry(client, tokens, engine)
         path = "/v1/deployments/chat/heartbeats"
         assert client.post(path, headers=runtime, json={"runtime_id": "rt-1"}).status_code == 200
         told = client.post(path, headers=runtime, json={"runtime_id": "rt-1",
@@ -57,7 +57,7 @@ def test_the_flusher_writes_held_beats_on_its_own(settings, engine, tokens):
 def test_a_held_beat_never_overwrites_a_newer_stored_one(engine, tokens, settings):
     app = create_app(settings, engine=engine)
     with TestClient(app) as client:
-        _deploy(client, tokens, engine)
+        deploy_for_telemetry(client, tokens, engine)
     deployment_id, first = _recorded(engine, "rt-1")
     buffer = HeartbeatBuffer(session_factory(engine), interval_s=60)
     buffer.remember(deployment_id, first, None)
@@ -84,7 +84,7 @@ def test_beats_held_through_a_store_outage_are_written_once_it_is_back(engine, t
                                                                         settings):
     app = create_app(settings, engine=engine)
     with TestClient(app) as client:
-        _deploy(client, tokens, engine)
+        deploy_for_telemetry(client, tokens, engine)
     deployment_id, first = _recorded(engine, "rt-1")
     factory = session_factory(engine)
     away = {"now": True}

@@ -3,7 +3,6 @@ shadow samples for the calibrator, Redis Streams with consumer crash and reclaim
 
 import random
 import time
-import uuid
 from collections import Counter
 
 import msgpack
@@ -12,48 +11,15 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import service, stream
 from controlplane.telemetry.models import Rollup, RollupHistogram, TokenRecordRow
-from tests.conftest import REDIS_URL, patient_get
+from tests.support.batches import random_batch
+from tests.support.deployments import FULL, LAYERS, deploy_for_telemetry
+from tests.support.services import REDIS_URL
+from tests.support.waiting import patient_get
 
-LAYERS = [3, 6, 9]
-FULL = 12
 OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/14" if REDIS_URL else ""
-
-
-def _deploy(client, tokens, engine, name="chat"):
-    op = tokens.headers(tokens.operator)
-    assert client.post("/v1/deployments", headers=op, json={
-        "name": name, "model_ref": "tiny", "num_layers": FULL,
-        "exit_layers": LAYERS}).status_code == 201
-    client.post(f"/v1/deployments/{name}/threshold-sets", headers=op, json={
-        "thresholds": {"3": 0.9, "6": 0.8, "9": 0.7}, "reason": "tuned", "activate": True})
-    with Session(engine) as session:
-        deployment = get_deployment(session=session, name=name)
-        _, secret = create_token(session=session, name=f"rt-{name}", scope="runtime",
-                                 deployment=deployment)
-        session.commit()
-    return {"Authorization": f"Bearer {secret}"}
-
-
-def make_batch(rng: random.Random, n: int = 50, deployment: str = "chat", seq: int = 0,
-               shadow_rate: float = 0.3, runtime_id: str = "rt-1", ts: float | None = None):
-    records = []
-    now = ts or time.time()
-    for i in range(n):
-        exit_layer = rng.choice([*LAYERS, FULL])
-        record = {"threshold_version": rng.choice([0, 2]), "request_id": f"r{i % 5}",
-                  "position": i, "exit_layer": exit_layer, "signal_value": rng.random(),
-                  "latency_us": rng.randint(100, 5000), "ts": now + i * 0.7}
-        if rng.random() < shadow_rate:
-            record["exit_layer"] = FULL
-            record["shadow"] = [{"layer": k, "signal": rng.random(), "matched": rng.random() < 0.8}
-                                for k in LAYERS]
-        records.append(record)
-    return {"batch_id": uuid.uuid4().hex, "deployment": deployment, "runtime_id": runtime_id,
-            "seq": seq, "num_layers": FULL, "records": records}
 
 
 def _count(client, runtime):
@@ -62,14 +28,14 @@ def _count(client, runtime):
 
 
 def test_batches_are_stored_once_in_json_and_msgpack(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     rng = random.Random(1)
-    first = make_batch(rng)
+    first = random_batch(rng)
     response = client.post("/v1/telemetry", json=first, headers=runtime)
     assert response.status_code == 202, response.text
     assert response.json() == {"batch_id": first["batch_id"], "accepted": 50,
                                "duplicate": False, "queued": False}
-    second = make_batch(rng, seq=1)
+    second = random_batch(rng, seq=1)
     packed = client.post("/v1/telemetry", content=msgpack.packb(second), headers={
         **runtime, "Content-Type": "application/msgpack"})
     assert packed.status_code == 202 and packed.json()["duplicate"] is False
@@ -87,8 +53,8 @@ def test_batches_are_stored_once_in_json_and_msgpack(client, tokens, engine):
      "record 2: shadow points must cover exactly"),
 ])
 def test_a_bad_record_refuses_the_whole_batch(client, tokens, engine, index, change, message):
-    runtime = _deploy(client, tokens, engine)
-    batch = make_batch(random.Random(2), n=10)
+    runtime = deploy_for_telemetry(client, tokens, engine)
+    batch = random_batch(random.Random(2), n=10)
     batch["records"][index] = {**batch["records"][index], **change}
     response = client.post("/v1/telemetry", json=batch, headers=runtime)
     assert response.status_code == 422
@@ -96,14 +62,14 @@ def test_a_bad_record_refuses_the_whole_batch(client, tokens, engine, index, cha
     assert response.json()["index"] == index
     assert _count(client, runtime) == {"records": 0, "batches": 0, "shadow_samples": 0}
     # The id was not used up: the corrected batch is accepted.
-    batch["records"][index] = make_batch(random.Random(3), n=1)["records"][0]
+    batch["records"][index] = random_batch(random.Random(3), n=1)["records"][0]
     assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
 
 
 def test_malformed_bodies_and_foreign_deployments_are_refused(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
-    other = _deploy(client, tokens, engine, name="code")
-    batch = make_batch(random.Random(4), n=3)
+    runtime = deploy_for_telemetry(client, tokens, engine)
+    other = deploy_for_telemetry(client, tokens, engine, name="code")
+    batch = random_batch(random.Random(4), n=3)
     garbage = client.post("/v1/telemetry", content=b"\xc1\x00",
                           headers={**runtime, "Content-Type": "application/msgpack"})
     assert garbage.status_code == 422 and "not valid msgpack" in garbage.json()["detail"]
@@ -119,10 +85,10 @@ def test_malformed_bodies_and_foreign_deployments_are_refused(client, tokens, en
 
 
 def test_rollups_equal_a_recount_of_raw_rows(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     rng = random.Random(5)
     base = time.time() - 600
-    sent = [make_batch(rng, n=80, seq=s, ts=base + s * 40, runtime_id=f"rt-{s % 2}")
+    sent = [random_batch(rng, n=80, seq=s, ts=base + s * 40, runtime_id=f"rt-{s % 2}")
             for s in range(12)]
     for batch in sent:
         assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
@@ -179,11 +145,11 @@ def test_rollups_equal_a_recount_of_raw_rows(client, tokens, engine):
 
 
 def test_shadow_samples_read_back_in_exit_layer_order(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     # its runtime applied version 2 (the batch's tokens are stamped 0 or 2): all of them count
     assert client.post("/v1/deployments/chat/heartbeats", headers=runtime, json={
         "runtime_id": "rt-1", "applied_version": 2}).status_code == 200
-    batch = make_batch(random.Random(6), n=40, shadow_rate=0.5)
+    batch = random_batch(random.Random(6), n=40, shadow_rate=0.5)
     client.post("/v1/telemetry", json=batch, headers=runtime)
     sent = [r["shadow"] for r in batch["records"] if "shadow" in r]
     with Session(engine) as session:
@@ -200,9 +166,9 @@ def test_shadow_samples_read_back_in_exit_layer_order(client, tokens, engine):
 def test_purge_removes_old_rows_and_keeps_recent(client, tokens, engine):
     from datetime import UTC, datetime, timedelta
 
-    runtime = _deploy(client, tokens, engine)
-    old = make_batch(random.Random(7), n=20, ts=time.time() - 10 * 86400)
-    new = make_batch(random.Random(8), n=20, seq=1)
+    runtime = deploy_for_telemetry(client, tokens, engine)
+    old = random_batch(random.Random(7), n=20, ts=time.time() - 10 * 86400)
+    new = random_batch(random.Random(8), n=20, seq=1)
     for batch in (old, new):
         client.post("/v1/telemetry", json=batch, headers=runtime)
     with Session(engine) as session:
@@ -214,8 +180,8 @@ def test_purge_removes_old_rows_and_keeps_recent(client, tokens, engine):
 
 
 def test_metrics_count_ingestion(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
-    client.post("/v1/telemetry", json=make_batch(random.Random(9), n=7), headers=runtime)
+    runtime = deploy_for_telemetry(client, tokens, engine)
+    client.post("/v1/telemetry", json=random_batch(random.Random(9), n=7), headers=runtime)
     text = client.get("/metrics").text
     assert 'exitplane_ingested_records_total{deployment="chat"}' in text
 
@@ -249,9 +215,9 @@ def redis_app(settings, engine, redis_client):
 def test_stream_path_with_consumer_crash_and_reclaim(redis_app, redis_client, tokens, engine):
     from sqlalchemy.orm import sessionmaker
 
-    runtime = _deploy(redis_app, tokens, engine)
+    runtime = deploy_for_telemetry(redis_app, tokens, engine)
     rng = random.Random(10)
-    batches = [make_batch(rng, n=25, seq=s) for s in range(6)]
+    batches = [random_batch(rng, n=25, seq=s) for s in range(6)]
     for batch in batches:
         response = redis_app.post("/v1/telemetry", json=batch, headers=runtime)
         assert response.status_code == 202 and response.json()["queued"] is True
@@ -296,12 +262,12 @@ def test_postgres_daily_partitions_take_rows_and_retention_drops_them(client, to
 
     from sqlalchemy import text
 
-    runtime = _deploy(client, tokens, engine)
+    runtime = deploy_for_telemetry(client, tokens, engine)
     day = datetime.now(UTC) - timedelta(days=5)
     with Session(engine) as session:
         service.ensure_partitions(session=session, day=day, days_ahead=0)
         session.commit()
-    client.post("/v1/telemetry", json=make_batch(random.Random(11), n=15, ts=day.timestamp()),
+    client.post("/v1/telemetry", json=random_batch(random.Random(11), n=15, ts=day.timestamp()),
                 headers=runtime)
     name = f"token_records_p{day:%Y%m%d}"
     with Session(engine) as session:

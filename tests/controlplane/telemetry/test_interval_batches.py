@@ -3,11 +3,9 @@ The control plane stores one exactly as the aggregate batch and the `aggregated`
 it stands for (same rollups, rows and shadow samples), once per batch id, over HTTP and
 through the Redis stream; a bad one is refused whole, naming what is wrong."""
 
-import json
 import random
 import uuid
 
-import msgpack
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -25,20 +23,16 @@ from exitplane.wire import (
     RecordColumns,
     TokenRecord,
 )
-from tests.conftest import REDIS_URL, patient_get
-from tests.controlplane.telemetry.test_segment_ingest import (
-    FULL,
-    LAYERS,
-    _deploy,
-    _expected_exits,
-    _records,
-)
+from tests.support.batches import expected_exits, post_telemetry, segment_records
+from tests.support.deployments import FULL, LAYERS, deploy_with_segments
+from tests.support.services import REDIS_URL
+from tests.support.waiting import patient_get
 
 
 def _traffic(seed: int = 3, count: int = 150):
     """A runtime's interval: every token (three segments, 30% shadow) and what it ships of
     them as records (every shadow token and every fourth of the others)."""
-    records = _records(random.Random(seed), count)
+    records = segment_records(random.Random(seed), count)
     carried = [record for index, record in enumerate(records)
                if record.get("shadow") or index % 4 == 0]
     aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
@@ -53,12 +47,6 @@ def _interval(deployment: str, cells, carried: list[dict], **fields) -> dict:
     return IntervalBatch(batch_id=uuid.uuid4().hex, deployment=deployment,
                          runtime_id="rt-1", seq=0, num_layers=FULL, raw_sample_rate=0.25,
                          cells=cells, records=columns, **fields).model_dump(mode="json")
-
-
-def _post(client, headers, payload: dict, content_type: str = INTERVAL_MSGPACK):
-    body = msgpack.packb(payload) if "msgpack" in content_type else json.dumps(payload).encode()
-    return client.post("/v1/telemetry", content=body,
-                       headers={**headers, "Content-Type": content_type})
 
 
 def _stored(engine, name: str) -> dict:
@@ -85,12 +73,12 @@ def _stored(engine, name: str) -> dict:
 
 
 def test_an_interval_batch_stores_what_its_pair_stores_once(client, tokens, engine):
-    headers = _deploy(client, tokens, engine, name="mix")
-    other = _deploy(client, tokens, engine, name="pair")
+    headers = deploy_with_segments(client, tokens, engine, name="mix")
+    other = deploy_with_segments(client, tokens, engine, name="pair")
     records, carried, cells = _traffic()
 
     interval = _interval("mix", cells, carried)
-    answers = [_post(client, headers, interval) for _ in range(2)]
+    answers = [post_telemetry(client, headers, interval) for _ in range(2)]
     assert [a.status_code for a in answers] == [202, 202], answers[0].text
     assert [a.json()["duplicate"] for a in answers] == [False, True]
     assert answers[0].json()["accepted"] == len(records)  # tokens, as an aggregate batch
@@ -98,10 +86,10 @@ def test_an_interval_batch_stores_what_its_pair_stores_once(client, tokens, engi
     # The pair it stands for, to another deployment with the same thresholds.
     pair_cells = {**interval, "deployment": "pair", "batch_id": uuid.uuid4().hex}
     del pair_cells["records"]
-    assert _post(client, other, pair_cells, AGGREGATE_MSGPACK).status_code == 202
+    assert post_telemetry(client, other, pair_cells, AGGREGATE_MSGPACK).status_code == 202
     sampled = {"batch_id": uuid.uuid4().hex, "deployment": "pair", "runtime_id": "rt-1",
                "seq": 1, "num_layers": FULL, "records": carried, "aggregated": True}
-    assert _post(client, other, sampled, RECORDS_MSGPACK).status_code == 202
+    assert post_telemetry(client, other, sampled, RECORDS_MSGPACK).status_code == 202
 
     mine, theirs = _stored(engine, "mix"), _stored(engine, "pair")
     assert mine == theirs
@@ -112,7 +100,7 @@ def test_an_interval_batch_stores_what_its_pair_stores_once(client, tokens, engi
         reached[(row[2], row[3])] = reached.get((row[2], row[3]), (0, 0))
         reached[(row[2], row[3])] = (reached[(row[2], row[3])][0] + row[4],
                                      reached[(row[2], row[3])][1] + row[5])
-    assert reached == {key: value for key, value in _expected_exits(records).items() if value[0]}
+    assert reached == {key: value for key, value in expected_exits(records).items() if value[0]}
     # shadow labels once, from the records: every shadow token at the first exit layer
     assert sum(row[6] for row in mine["rollups"] if row[3] == LAYERS[0]) == mine["shadows"]
     counts = patient_get(client, "/v1/deployments/mix/telemetry/count", headers=headers).json()
@@ -122,11 +110,12 @@ def test_an_interval_batch_stores_what_its_pair_stores_once(client, tokens, engi
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_records_alone_or_counts_alone_and_json(client, tokens, engine):
-    headers = _deploy(client, tokens, engine, name="mix")
+    headers = deploy_with_segments(client, tokens, engine, name="mix")
     records, carried, cells = _traffic(seed=5, count=60)
-    assert _post(client, headers, _interval("mix", [], carried), INTERVAL_JSON).json()[
+    assert post_telemetry(client, headers, _interval("mix", [], carried), INTERVAL_JSON).json()[
         "accepted"] == 0
-    assert _post(client, headers, _interval("mix", cells, [])).json()["accepted"] == len(records)
+    assert post_telemetry(client, headers,
+                          _interval("mix", cells, [])).json()["accepted"] == len(records)
     stored = _stored(engine, "mix")
     assert len(stored["rows"]) == len(carried)
     assert sum(row[4] for row in stored["rollups"] if row[3] == LAYERS[0]) == len(records)
@@ -134,14 +123,14 @@ def test_records_alone_or_counts_alone_and_json(client, tokens, engine):
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_bad_interval_batch_is_refused_whole(client, tokens, engine):
-    headers = _deploy(client, tokens, engine, name="mix")
+    headers = deploy_with_segments(client, tokens, engine, name="mix")
     _, carried, cells = _traffic(seed=9, count=40)
     good = _interval("mix", cells, carried)
     columns = good["records"]
     shadowed = columns["shadow_record"][0]
 
     def refused(payload: dict, needle: str) -> None:
-        answer = _post(client, headers, {**payload, "batch_id": uuid.uuid4().hex})
+        answer = post_telemetry(client, headers, {**payload, "batch_id": uuid.uuid4().hex})
         assert answer.status_code == 422, answer.text
         assert needle in answer.json()["detail"], answer.json()
 
@@ -200,10 +189,10 @@ def test_the_stream_path_stores_an_interval_batch_once(settings, engine, tokens,
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
     try:
         with TestClient(app) as client:
-            headers = _deploy(client, tokens, engine, name="mix")
+            headers = deploy_with_segments(client, tokens, engine, name="mix")
             records, carried, cells = _traffic(seed=11)
             interval = _interval("mix", cells, carried)
-            answers = [_post(client, headers, interval) for _ in range(2)]
+            answers = [post_telemetry(client, headers, interval) for _ in range(2)]
             assert [a.json()["queued"] for a in answers] == [True, True]
             assert [a.json()["duplicate"] for a in answers] == [False, True]
             [(_, [(_, fields)])] = redis_client.xread({stream.stream_key("mix"): "0"})

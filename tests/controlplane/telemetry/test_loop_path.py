@@ -16,8 +16,9 @@ from controlplane.edge import telemetry_fast_path as fast_path
 from controlplane.telemetry import stream
 from exitplane.app import create_app
 from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, RECORDS_MSGPACK
-from tests.conftest import REDIS_URL
-from tests.controlplane.telemetry.test_ingest import _deploy, make_batch
+from tests.support.batches import random_batch
+from tests.support.deployments import deploy_for_telemetry
+from tests.support.services import REDIS_URL
 
 pytestmark = pytest.mark.redis
 
@@ -92,8 +93,8 @@ def _limited_shape(response) -> tuple:
 def test_the_loop_path_answers_as_the_route_does(apps, tokens, engine, threads):
     start, own = apps
     loop, route = start()
-    runtime = _deploy(loop, tokens, engine)
-    other = _deploy(loop, tokens, engine, name="code")
+    runtime = deploy_for_telemetry(loop, tokens, engine)
+    other = deploy_for_telemetry(loop, tokens, engine, name="code")
     operator = tokens.headers(tokens.operator)
     # Fills this process's token and deployment caches (a cold cache reads on a thread).
     warm = loop.post("/v1/telemetry", content=_aggregate(uuid.uuid4().hex), headers={
@@ -101,7 +102,7 @@ def test_the_loop_path_answers_as_the_route_does(apps, tokens, engine, threads):
     assert warm.status_code == 202 and len(threads) == 1
     threads.clear()
     ids = [uuid.uuid4().hex for _ in range(3)]
-    records = make_batch(random.Random(5), n=40)
+    records = random_batch(random.Random(5), n=40)
     cases = [
         (runtime, AGGREGATE_MSGPACK, _aggregate(ids[0])),
         (runtime, AGGREGATE_MSGPACK, _aggregate(ids[0])),  # a replay: duplicate
@@ -136,12 +137,12 @@ def test_the_loop_path_answers_as_the_route_does(apps, tokens, engine, threads):
 def test_a_large_body_or_a_cold_cache_goes_to_a_worker_thread(apps, tokens, engine, threads):
     start, own = apps
     loop, _ = start()
-    runtime = _deploy(loop, tokens, engine)
+    runtime = deploy_for_telemetry(loop, tokens, engine)
     headers = {**runtime, "Content-Type": RECORDS_MSGPACK}
-    small = msgpack.packb(make_batch(random.Random(1), n=20), use_bin_type=True)
-    large = msgpack.packb(make_batch(random.Random(2), n=600, seq=1), use_bin_type=True)
+    small = msgpack.packb(random_batch(random.Random(1), n=20), use_bin_type=True)
+    large = msgpack.packb(random_batch(random.Random(2), n=600, seq=1), use_bin_type=True)
     assert len(small) < fast_path.SMALL_BODY_BYTES < len(large)
-    for body in (small, large, msgpack.packb(make_batch(random.Random(3), n=20, seq=2),
+    for body in (small, large, msgpack.packb(random_batch(random.Random(3), n=20, seq=2),
                                              use_bin_type=True)):
         assert loop.post("/v1/telemetry", content=body, headers=headers).status_code == 202
     assert threads == [small, large]  # the cold first and the large one
@@ -152,7 +153,7 @@ def test_the_loop_path_and_the_threads_take_from_one_rate_bucket(apps, tokens, e
                                                                  threads):
     start, own = apps
     loop, route = start(rate_limit_ingest_per_s=0.05)  # a burst of 1, then one per 20 s
-    runtime = _deploy(loop, tokens, engine)
+    runtime = deploy_for_telemetry(loop, tokens, engine)
     headers = {**runtime, "Content-Type": AGGREGATE_MSGPACK}
     first = loop.post("/v1/telemetry", content=_aggregate(uuid.uuid4().hex), headers=headers)
     assert first.status_code == 202 and len(threads) == 1  # cold: on a thread

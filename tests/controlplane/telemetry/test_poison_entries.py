@@ -31,9 +31,9 @@ from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import Rollup
 from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, INT63, MAX_BATCH_TOKENS
-from tests.conftest import REDIS_URL
-from tests.controlplane.telemetry.test_interval_batches import _post
-from tests.controlplane.telemetry.test_segment_ingest import FULL, LAYERS, _deploy, _records
+from tests.support.batches import post_telemetry, segment_records
+from tests.support.deployments import FULL, LAYERS, deploy_with_segments
+from tests.support.services import REDIS_URL
 
 OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/9" if REDIS_URL else ""
 NOW = int(time.time()) // 60 * 60
@@ -73,10 +73,10 @@ def queue(settings, engine, tokens):
     client.flushdb()
     app = create_app(settings.model_copy(update={"redis_url": OWN_REDIS_URL}), engine=engine)
     with TestClient(app) as api:
-        headers = _deploy(api, tokens, engine)
+        headers = deploy_with_segments(api, tokens, engine)
 
         def post(payload: dict) -> None:
-            answer = _post(api, headers, payload, AGGREGATE_MSGPACK)
+            answer = post_telemetry(api, headers, payload, AGGREGATE_MSGPACK)
             assert answer.status_code == 202 and answer.json()["queued"], answer.text
 
         worker = stream.StreamIngestor(client, sessionmaker(bind=engine), name="w", count=10,
@@ -248,10 +248,10 @@ def test_when_every_batch_fails_or_the_store_is_away_nothing_is_dead_lettered(
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_batch_may_not_account_for_more_tokens_than_the_cap(client, tokens, engine):
-    headers = _deploy(client, tokens, engine)
+    headers = deploy_with_segments(client, tokens, engine)
 
     def answer(payload: dict):
-        return _post(client, headers, payload, AGGREGATE_MSGPACK)
+        return post_telemetry(client, headers, payload, AGGREGATE_MSGPACK)
 
     half = MAX_BATCH_TOKENS // 2
     assert answer(_aggregate(QUIET, half, half)).status_code == 202  # exactly the cap
@@ -272,7 +272,7 @@ def test_one_runtimes_heartbeat_cannot_keep_the_others_from_the_store(settings, 
 
     from controlplane.runtimes.models import Runtime
     from exitplane.app import create_app
-    from tests.conftest import wait_until
+    from tests.support.waiting import wait_until
 
     app = create_app(settings.model_copy(update={"heartbeat_flush_s": 0.2}), engine=engine)
     path = "/v1/deployments/mix/heartbeats"
@@ -282,7 +282,7 @@ def test_one_runtimes_heartbeat_cannot_keep_the_others_from_the_store(settings, 
             return session.scalars(select(Runtime).where(Runtime.runtime_id == runtime_id)).one()
 
     with TestClient(app) as client:
-        headers = _deploy(client, tokens, engine)
+        headers = deploy_with_segments(client, tokens, engine)
         # first beats: the store path; later ones naming the same applied version are held
         for runtime_id in ("rt-1", "rt-2"):
             assert client.post(path, headers=headers, json={
@@ -315,8 +315,8 @@ def test_one_runtimes_heartbeat_cannot_keep_the_others_from_the_store(settings, 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_request_id_with_nul_is_refused_by_the_api(client, tokens, engine):
-    headers = _deploy(client, tokens, engine)
-    records = _records(random.Random(1), 3)
+    headers = deploy_with_segments(client, tokens, engine)
+    records = segment_records(random.Random(1), 3)
     records[1]["request_id"] = "req\x00-1"
     answer = client.post("/v1/telemetry", headers=headers, json={
         "batch_id": uuid.uuid4().hex, "deployment": "mix", "runtime_id": "rt-1", "seq": 0,
@@ -369,13 +369,13 @@ def test_the_api_tells_an_outage_from_a_bad_batch_and_from_a_fault(client, token
     answer must say which it is, whichever layer raised the store's or Redis's error."""
     from controlplane.telemetry import service
 
-    headers = _deploy(client, tokens, engine)
+    headers = deploy_with_segments(client, tokens, engine)
 
     def ingest(**_kwargs):
         raise error
 
     monkeypatch.setattr(service, "ingest", ingest)
-    answer = _post(client, headers, _aggregate(QUIET, 1, 1), AGGREGATE_MSGPACK)
+    answer = post_telemetry(client, headers, _aggregate(QUIET, 1, 1), AGGREGATE_MSGPACK)
     assert answer.status_code == status, answer.text
     if status == 503:
         assert answer.headers["retry-after"] == "2"

@@ -16,7 +16,6 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane import metrics
-from controlplane.auth.service import create_token
 from controlplane.deployments.segments import admit_segments, declare_segment, known_segments
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import admission, service, stream
@@ -28,65 +27,14 @@ from controlplane.telemetry.models import (
 )
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import AGGREGATE_MSGPACK, AggregateBatch, TelemetryBatch, TokenRecord
-from tests.conftest import REDIS_URL
-
-LAYERS = [3, 6, 9]
-FULL = 12
-DEFAULT_MAP = {"3": 0.9, "6": 0.8, "9": 0.7}
-CODE_MAP = {"3": 0.1, "6": 0.1, "9": 0.1}  # code exits early: its own, far lower thresholds
-SEGMENTS = ("default", "chat", "code")
+from tests.support.batches import expected_exits, segment_of, segment_records, telemetry_batch
+from tests.support.deployments import FULL, LAYERS, SEGMENTS, deploy_with_segments
+from tests.support.services import REDIS_URL
 
 
-def _deploy(client, tokens, engine, name="mix", declare=("chat",), auto=False):
-    """A deployment whose version 2 gives `code` a map of its own (declaring `code`), with the
-    segments `declare` declared; `auto`: it registers names from telemetry."""
-    op = tokens.headers(tokens.operator)
-    assert client.post("/v1/deployments", headers=op, json={
-        "name": name, "model_ref": "tiny", "num_layers": FULL, "auto_segments": auto,
-        "exit_layers": LAYERS}).status_code == 201
-    for segment in declare:
-        declared = client.put(f"/v1/deployments/{name}/declared-segments/{segment}", headers=op)
-        assert declared.status_code == 200, declared.text
-    published = client.post(f"/v1/deployments/{name}/threshold-sets", headers=op, json={
-        "thresholds": DEFAULT_MAP, "segments": {"code": CODE_MAP}, "reason": "per segment",
-        "activate": True})
-    assert published.status_code == 201, published.text
-    assert published.json()["version"] == 2
-    with Session(engine) as session:
-        deployment = get_deployment(session=session, name=name)
-        _, secret = create_token(session=session, name=f"rt-{name}", scope="runtime",
-                                 deployment=deployment)
-        session.commit()
-    return {"Authorization": f"Bearer {secret}"}
-
-
-def _records(rng: random.Random, n: int, segments=SEGMENTS, shadow_rate: float = 0.3,
-             ts: float | None = None) -> list[dict]:
-    now = ts or time.time()
-    records = []
-    for i in range(n):
-        record = {"threshold_version": 2, "request_id": f"r{i % 7}", "position": i,
-                  "exit_layer": rng.choice([*LAYERS, FULL]), "signal_value": rng.random(),
-                  "latency_us": 100, "ts": now + i * 0.9}
-        segment = segments[i % len(segments)]
-        if segment != "default":  # as a runtime sends it: 'default' is left off the wire
-            record["segment"] = segment
-        if rng.random() < shadow_rate:
-            record["exit_layer"] = FULL
-            record["shadow"] = [{"layer": k, "signal": rng.random(), "matched": rng.random() < 0.8}
-                                for k in LAYERS]
-        records.append(record)
-    return records
-
-
-def _batch(records: list[dict], deployment: str = "mix", seq: int = 0,
-           runtime_id: str = "rt-1") -> dict:
-    return {"batch_id": uuid.uuid4().hex, "deployment": deployment, "runtime_id": runtime_id,
-            "seq": seq, "num_layers": FULL, "records": records}
-
-
-def _segment_of(record: dict) -> str:
-    return record.get("segment", "default")
+def _batch(records: list[dict], **fields) -> dict:
+    """A record batch of deployment `mix` (unless `fields` names another)."""
+    return telemetry_batch(records, **{"deployment": "mix", **fields})
 
 
 def _rollups(engine) -> dict[tuple[str, int], tuple[int, ...]]:
@@ -114,35 +62,24 @@ def _stored_segments(engine, model) -> Counter:
             select(model.segment, func.count()).group_by(model.segment)).all()))
 
 
-def _expected_exits(records: list[dict]) -> dict[tuple[str, int], tuple[int, int]]:
-    """(segment, layer) -> (tokens that reached it, tokens that exited there), recounted."""
-    out = {}
-    for segment in {_segment_of(record) for record in records}:
-        mine = [record for record in records if _segment_of(record) == segment]
-        for layer in [*LAYERS, FULL]:
-            out[(segment, layer)] = (sum(r["exit_layer"] >= layer for r in mine),
-                                     sum(r["exit_layer"] == layer for r in mine))
-    return out
-
-
 def test_a_mixed_segment_record_batch_lands_per_segment_and_a_replay_adds_nothing(
         client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
-    records = _records(random.Random(3), 150)
+    runtime = deploy_with_segments(client, tokens, engine)
+    records = segment_records(random.Random(3), 150)
     batch = _batch(records)
     response = client.post("/v1/telemetry", content=msgpack.packb(batch), headers={
         **runtime, "Content-Type": "application/msgpack"})
     assert response.status_code == 202, response.text
 
     rollups = _rollups(engine)
-    for key, (reached, exits) in _expected_exits(records).items():
+    for key, (reached, exits) in expected_exits(records).items():
         assert rollups[key][:2] == (reached, exits), key
-    per_segment = Counter(_segment_of(record) for record in records)
+    per_segment = Counter(segment_of(record) for record in records)
     assert {segment: rollups[(segment, LAYERS[0])][0] for segment in SEGMENTS} == per_segment
     assert sum(rollups[(segment, LAYERS[0])][0] for segment in SEGMENTS) == len(records)
     assert _stored_segments(engine, TokenRecordRow) == per_segment
     assert _stored_segments(engine, ShadowSampleRow) == Counter(
-        _segment_of(record) for record in records if "shadow" in record)
+        segment_of(record) for record in records if "shadow" in record)
     assert sum(_histograms(engine).values()) == len(records)  # every token has a signal here
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="mix")
@@ -155,8 +92,8 @@ def test_a_mixed_segment_record_batch_lands_per_segment_and_a_replay_adds_nothin
 
 
 def test_an_aggregate_batch_lands_per_segment_exactly(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine)
-    records = _records(random.Random(4), 120, shadow_rate=0.0)
+    runtime = deploy_with_segments(client, tokens, engine)
+    records = segment_records(random.Random(4), 120, shadow_rate=0.0)
     aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
     for record in records:
         assert aggregator.add(TokenRecord.model_validate(record))
@@ -170,7 +107,7 @@ def test_an_aggregate_batch_lands_per_segment_exactly(client, tokens, engine):
     assert response.status_code == 202 and response.json()["accepted"] == len(records)
 
     rollups = _rollups(engine)
-    for key, (reached, exits) in _expected_exits(records).items():
+    for key, (reached, exits) in expected_exits(records).items():
         assert rollups[key][:2] == (reached, exits), key
     histograms = _histograms(engine)
     for segment in SEGMENTS:
@@ -183,7 +120,7 @@ def test_an_aggregate_batch_lands_per_segment_exactly(client, tokens, engine):
 
 
 def test_policy_counts_use_the_shadow_tokens_segment_map(session, engine, client, tokens):
-    _deploy(client, tokens, engine)
+    deploy_with_segments(client, tokens, engine)
     deployment = get_deployment(session=session, name="mix")
     now = time.time()
 
@@ -213,13 +150,13 @@ def test_policy_counts_use_the_shadow_tokens_segment_map(session, engine, client
 def test_names_not_in_use_are_stored_as_default_and_logged_once_per_interval(
         session, engine, client, tokens, caplog, monkeypatch):
     monkeypatch.setattr(admission, "_undeclared", {})  # no line of an earlier test counts
-    _deploy(client, tokens, engine, declare=())  # declares `code`
+    deploy_with_segments(client, tokens, engine, declare=())  # declares `code`
     deployment = get_deployment(session=session, name="mix")
     for index in range(15):  # 16 with `code`: the default cap
         declare_segment(session=session, deployment=deployment, name=f"s{index:02d}",
                         actor="test")
     session.commit()
-    records = _records(random.Random(5), 60, segments=("default", "late", "code", "s07"))
+    records = segment_records(random.Random(5), 60, segments=("default", "late", "code", "s07"))
     first, second = _batch(records[:30]), _batch(records[30:], seq=1)
     with caplog.at_level(logging.WARNING, logger="exitplane.telemetry"):
         for batch in (first, second):
@@ -227,12 +164,12 @@ def test_names_not_in_use_are_stored_as_default_and_logged_once_per_interval(
                            batches=[TelemetryBatch.model_validate(batch)])
             session.commit()
     lines = [r.getMessage() for r in caplog.records if "'default'" in r.getMessage()]
-    late = sum(_segment_of(record) == "late" for record in records[:30])
+    late = sum(segment_of(record) == "late" for record in records[:30])
     assert lines == [f"deployment {deployment.id}: {late} tokens in 1 batches were stored as "
                      "segment 'default' since the last such line: their segments are not in use "
                      "(up to 1 such names in one batch, e.g. 'late'); declare the ones you want "
                      "(exitplane segment declare)"]
-    sent = Counter(_segment_of(record) for record in records)
+    sent = Counter(segment_of(record) for record in records)
     stored = {"default": sent["default"] + sent["late"], "code": sent["code"], "s07": sent["s07"]}
     assert _stored_segments(engine, TokenRecordRow) == stored
     rollups = _rollups(engine)
@@ -258,10 +195,10 @@ def test_names_not_in_use_are_stored_as_default_and_logged_once_per_interval(
 
 def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
         session, engine, client, tokens):
-    _deploy(client, tokens, engine, declare=(), auto=True)
+    deploy_with_segments(client, tokens, engine, declare=(), auto=True)
     deployment = get_deployment(session=session, name="mix")
     rng = random.Random(6)
-    batch = TelemetryBatch.model_validate(_batch(_records(rng, 20, segments=("chat",))))
+    batch = TelemetryBatch.model_validate(_batch(segment_records(rng, 20, segments=("chat",))))
     savepoint = session.begin_nested()
     service.ingest(session=session, deployment=deployment, batches=[batch])
     savepoint.commit()  # a savepoint's commit is not the transaction's
@@ -277,7 +214,8 @@ def test_known_names_read_nothing_and_a_rolled_back_admission_is_not_remembered(
         listener = lambda *args: statements.append(args[2])  # noqa: E731
         event.listen(engine, "before_cursor_execute", listener)
         try:
-            again = TelemetryBatch.model_validate(_batch(_records(rng, 20, segments=segments)))
+            again = TelemetryBatch.model_validate(
+                _batch(segment_records(rng, 20, segments=segments)))
             service.ingest(session=session, deployment=deployment, batches=[again])
             session.commit()
         finally:
@@ -317,17 +255,17 @@ def _aggregate_of(records: list[dict], seq: int, runtime_id: str = "rt-1") -> Ag
 
 
 def test_tokens_past_the_cap_are_counted_in_prometheus_once_each(client, tokens, engine):
-    runtime = _deploy(client, tokens, engine, declare=(), auto=True)
+    runtime = deploy_with_segments(client, tokens, engine, declare=(), auto=True)
     _fill_the_cap(engine)
     before = _overflow_counted()
-    records = _records(random.Random(8), 60, segments=("default", "late", "code", "later"))
-    past_cap = sum(_segment_of(record) in {"late", "later"} for record in records)
+    records = segment_records(random.Random(8), 60, segments=("default", "late", "code", "later"))
+    past_cap = sum(segment_of(record) in {"late", "later"} for record in records)
     batch = _batch(records)
     assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
     assert _overflow_counted() - before == past_cap == 30
     # a replay stores nothing and counts nothing; names within the cap never count
     assert client.post("/v1/telemetry", json=batch, headers=runtime).json()["duplicate"]
-    within = _batch(_records(random.Random(9), 20, segments=("code", "s03")), seq=1)
+    within = _batch(segment_records(random.Random(9), 20, segments=("code", "s03")), seq=1)
     assert client.post("/v1/telemetry", json=within, headers=runtime).status_code == 202
     assert _overflow_counted() - before == past_cap
 
@@ -347,11 +285,11 @@ def test_tokens_past_the_cap_are_counted_in_prometheus_once_each(client, tokens,
 def test_a_deployment_s_overflow_series_exists_at_zero_from_its_first_batch(
         client, tokens, engine):
     name = f"calm-{uuid.uuid4().hex[:8]}"  # a series no other test of this process touched
-    runtime = _deploy(client, tokens, engine, name=name)
+    runtime = deploy_with_segments(client, tokens, engine, name=name)
     samples = lambda: metrics.registry.get_sample_value(  # noqa: E731
         "exitplane_segment_overflow_tokens_total", {"deployment": name})
     assert samples() is None
-    batch = _batch(_records(random.Random(12), 10), deployment=name)
+    batch = _batch(segment_records(random.Random(12), 10), deployment=name)
     assert client.post("/v1/telemetry", json=batch, headers=runtime).status_code == 202
     assert samples() == 0.0  # so a rate over it sees the first overflow
 
@@ -387,11 +325,11 @@ def test_the_stream_path_stores_segments_in_the_ingest_worker(
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine, declare=(), auto=True)
+        runtime = deploy_with_segments(client, tokens, engine, declare=(), auto=True)
         rng = random.Random(7)
-        records = _records(rng, 90, segments=("default", "chat", "code", "tools"))
+        records = segment_records(rng, 90, segments=("default", "chat", "code", "tools"))
         batches = [_batch(records[:45]), _batch(records[45:], seq=1)]
-        counted = _records(rng, 40, segments=("tools", "default"), shadow_rate=0.0)
+        counted = segment_records(rng, 40, segments=("tools", "default"), shadow_rate=0.0)
         aggregator = Aggregator(exit_layers=LAYERS, num_layers=FULL)
         for record in counted:
             aggregator.add(TokenRecord.model_validate(record))
@@ -424,11 +362,11 @@ def test_the_stream_path_stores_segments_in_the_ingest_worker(
 
     everything = records + counted
     rollups = _rollups(engine)
-    for key, (reached, exits) in _expected_exits(everything).items():
+    for key, (reached, exits) in expected_exits(everything).items():
         assert rollups[key][:2] == (reached, exits), key
     assert sum(rollups[(segment, LAYERS[0])][0] for segment in ("default", "chat", "code",
                                                                 "tools")) == len(everything)
-    assert _stored_segments(engine, TokenRecordRow) == Counter(map(_segment_of, records))
+    assert _stored_segments(engine, TokenRecordRow) == Counter(map(segment_of, records))
 
 
 @pytest.mark.postgres
@@ -438,14 +376,14 @@ def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, to
     every name's traffic is stored as itself exactly when it was registered."""
     import threading
 
-    _deploy(client, tokens, engine, declare=(), auto=True)  # declares `code`
+    deploy_with_segments(client, tokens, engine, declare=(), auto=True)  # declares `code`
     with Session(engine) as session:
         deployment_id = get_deployment(session=session, name="mix").id
         admit_segments(session=session, deployment_id=deployment_id, auto=True,
                        names=[f"s{index:02d}" for index in range(12)])  # 13 of 16 taken
         session.commit()
     names = {writer: (f"w{writer}a", f"w{writer}b", "code") for writer in range(4)}
-    payloads = [_batch(_records(random.Random(writer), 30, segments=names[writer]),
+    payloads = [_batch(segment_records(random.Random(writer), 30, segments=names[writer]),
                        runtime_id=f"rt-{writer}") for writer in names]
     start, errors = threading.Barrier(len(payloads)), []
 
@@ -471,7 +409,7 @@ def test_concurrent_writers_with_new_names_keep_the_cap_exact(engine, client, to
     assert len(known) == 16
     new = {name for writer in names for name in names[writer][:2]}
     assert len(new & set(known)) == 3
-    sent = Counter(_segment_of(record) for payload in payloads for record in payload["records"])
+    sent = Counter(segment_of(record) for payload in payloads for record in payload["records"])
     expected = Counter()
     for name, count in sent.items():
         expected[name if name in known or name == "default" else "default"] += count
@@ -490,10 +428,11 @@ def test_the_ingest_worker_counts_tokens_past_the_cap(settings, engine, tokens, 
     url, redis_client = own_redis
     app = create_app(settings.model_copy(update={"redis_url": url}), engine=engine)
     with TestClient(app) as client:
-        runtime = _deploy(client, tokens, engine, declare=(), auto=True)
+        runtime = deploy_with_segments(client, tokens, engine, declare=(), auto=True)
         _fill_the_cap(engine)
-        records = _records(random.Random(10), 40, segments=("late", "code", "default", "late"))
-        counted = _records(random.Random(11), 30, segments=("later", "s01"), shadow_rate=0.0)
+        records = segment_records(random.Random(10), 40,
+                                  segments=("late", "code", "default", "late"))
+        counted = segment_records(random.Random(11), 30, segments=("later", "s01"), shadow_rate=0.0)
         batch, aggregate = _batch(records), _aggregate_of(counted, seq=0, runtime_id="rt-2")
         before = _overflow_counted()
         assert client.post("/v1/telemetry", json=batch, headers=runtime).json()["queued"]

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 from controlplane.deployments.segments import admit_segments
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry.models import Rollup
-from tests.conftest import patient_get
-from tests.controlplane.telemetry.test_ingest import FULL, _deploy
+from tests.support.deployments import FULL, deploy_for_telemetry
+from tests.support.waiting import patient_get
 
 CAP = 2
 
@@ -50,8 +50,8 @@ def segmented(client, tokens, engine) -> dict[str, str]:
     """`chat` knows segments chat and code (the cap, 2); `spam` arrived past the cap. Rollups:
     code and chat in the window (two runtimes for chat), code an hour before it, rows under
     the unregistered `spam`, and default's traffic as a posted aggregate batch."""
-    runtime = _deploy(client, tokens, engine)
-    other = _deploy(client, tokens, engine, name="code")
+    runtime = deploy_for_telemetry(client, tokens, engine)
+    other = deploy_for_telemetry(client, tokens, engine, name="code")
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         admitted = admit_segments(session=session, deployment_id=deployment.id, auto=True,

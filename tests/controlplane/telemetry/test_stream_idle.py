@@ -1,5 +1,5 @@
 """An ingest worker with no telemetry stream yet waits like a blocking read instead of spinning
-on Redis (it used to loop on SMEMBERS as fast as Redis answered, taking a core from the API)."""
+on Redis (a loop on SMEMBERS as fast as Redis answers would take a core from the API)."""
 
 import threading
 import time
@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from controlplane.telemetry.stream import StreamIngestor
-from tests.conftest import REDIS_URL
+from tests.support.services import REDIS_URL
 
 # A database number of its own: the test Redis is shared with other suites.
 OWN_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/15" if REDIS_URL else ""

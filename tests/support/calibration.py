@@ -1,14 +1,18 @@
-"""Helpers for the calibration tests: deployments and runtime-like shadow telemetry written
-through the real ingestion service."""
+"""Deployments for the calibration tests, runtime-like shadow telemetry written through the real
+ingestion service, and the alerts that make a deployment fall back."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import UTC, datetime
 
 import numpy as np
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.service import Condition, fire
+from controlplane.calibration.models import CalibrationJob
+from controlplane.db import session_scope
 from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.deployments.service import create_deployment, get_deployment
 from controlplane.telemetry.service import ingest
@@ -16,6 +20,8 @@ from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
 
 LAYERS = [3, 6, 9]
 FULL = 12
+GOOD = {3: 0.9, 6: 0.8, 9: 0.7}  # thresholds that keep quality
+BAD = {3: 0.1, 6: 0.1, 9: 0.1}  # thresholds that exit nearly every token at layer 3
 
 
 def make_deployment(session: Session, name: str = "chat", **overrides):
@@ -24,6 +30,17 @@ def make_deployment(session: Session, name: str = "chat", **overrides):
     deployment = create_deployment(session=session, spec=DeploymentCreate(**spec), actor="test")
     session.flush()
     return deployment
+
+
+def fire_alert(engine, kind: str = "quality_regression", evidence: dict | None = None) -> int:
+    """A critical `kind` alert fired on deployment `chat` (and committed); its id."""
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        alert, created = fire(session=session, deployment=deployment, condition=Condition(
+            kind=kind, severity="critical", summary=f"{kind} on chat",
+            evidence=evidence or {"disagreement_rate": 0.2}))
+        assert created
+        return alert.id
 
 
 def separable_samples(n: int, *, seed: int, mismatch_below: float = 0.5,
@@ -100,3 +117,15 @@ def write_fleet_traffic(session: Session, deployment_name: str, signals: np.ndar
         if high > low:
             write_traffic(session, deployment_name, signals[low:high], matched[low:high],
                           runtime_id=runtime_id, **options)
+
+
+def wait_for_job(engine, job_id: int, statuses=("succeeded", "failed"), timeout=120):
+    """The calibration job once its status is one of `statuses`; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with Session(engine) as session:
+            job = session.get(CalibrationJob, job_id)
+            if job.status in statuses:
+                return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} stayed {job.status}: {job.status_reason}")

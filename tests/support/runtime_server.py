@@ -16,7 +16,7 @@ from runtime.engine import Engine, EngineConfig
 from runtime.model import tiny_llama
 from runtime.server import ServeState, build_state, create_serve_app
 from runtime.testing import ascii_tokenizer
-from tests.conftest import free_port
+from tests.support.network import free_port
 
 EXIT_LAYERS = [2, 4]
 

@@ -1,5 +1,5 @@
-"""Helpers for the alert and worker tests: deployments, telemetry through the real ingestion,
-and a real HTTP receiver on loopback that records what hooks send."""
+"""Deployments, telemetry through the real ingestion, and a real HTTP receiver on loopback that
+records what hooks send (`receiver`): for the alert, drift and worker tests."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -19,7 +20,7 @@ from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.deployments.service import create_deployment, move_alias, publish
 from controlplane.telemetry.service import ingest
 from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
-from tests.conftest import serve_in_thread
+from tests.support.network import serve_in_thread
 
 LAYERS = [4, 8, 12]
 FULL = 16
@@ -147,3 +148,11 @@ class Receiver:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    """A real HTTP receiver on loopback, recording what hooks send; stopped after the test."""
+    server = Receiver().start()
+    yield server
+    server.stop()

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from controlplane.deployments.models import Deployment
 from controlplane.telemetry.service import ingest
 from exitplane.wire import TelemetryBatch
-from tests.controlplane.alerts.support import FULL, LAYERS, THRESHOLDS
+from tests.support.alerts import FULL, LAYERS, THRESHOLDS
 
 LIFT = np.array([0.0, 0.12, 0.22])  # deeper layers are more confident
 

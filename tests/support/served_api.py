@@ -1,16 +1,14 @@
-"""What the reliability tests share: service processes started the way an operator starts them,
-the API serving one deployment to a runtime's shipper, and a producer of token records."""
+"""The API (uvicorn in a thread) serving one deployment to a runtime's shipper, and a producer
+of token records: what a runtime's telemetry path meets, for tests that break the services under
+it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import uvicorn
@@ -20,38 +18,8 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from exitplane.app import create_app
 from exitplane.client.shipper import TelemetryShipper
-from tests.conftest import CeleryWorker, free_port, patient_get, stop_process, wait_until
-
-ROOT = Path(__file__).resolve().parents[2]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-
-
-class Processes:
-    """Service processes of the test (ingest worker, Celery workers), stopped at the end."""
-
-    def __init__(self, env: dict, logs: Path) -> None:
-        self.env, self.logs, self.running = env, logs, []
-
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        with (self.logs / f"{name}.log").open("a") as out:
-            process = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        self.running.append(process)
-        return process
-
-    def stop(self, process: subprocess.Popen) -> None:
-        stop_process(process)
-
-    def close(self) -> None:
-        for process in self.running:
-            if process.poll() is None:
-                self.stop(process)
-
-    def celery_worker(self, name: str) -> subprocess.Popen:
-        """A Celery worker (tests/conftest.py's launcher) logging to <logs>/<name>.log."""
-        process = CeleryWorker(env=self.env, log=self.logs / f"{name}.log", name=name).process
-        self.running.append(process)
-        return process
+from tests.support.network import free_port
+from tests.support.waiting import patient_get, wait_until
 
 
 class RecordProducer:
@@ -145,23 +113,3 @@ def serve_deployment(settings, engine) -> ServedDeployment:
                                   deployment=get_deployment(session=session, name="chat"))
         session.commit()
     return ServedDeployment(base=base, runtime_token=runtime, server=server)
-
-
-def start_api(processes: Processes, name: str) -> str:
-    """One API process as compose runs it (`exitplane up --no-workers`, the schema already
-    migrated) on a free loopback port; returns its base URL once it answers /readyz."""
-    port = free_port()
-    process = processes.start(name, [EXITPLANE, "up", "--host", "127.0.0.1", "--port", str(port),
-                                     "--no-migrate", "--no-workers"])
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"{name} exited: see {processes.logs / (name + '.log')}")
-        try:
-            return httpx.get(f"{base}/readyz", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, 90, f"{name} to be ready")
-    return base

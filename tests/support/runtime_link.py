@@ -1,8 +1,9 @@
-"""Fixtures for the runtime <-> control plane link: a control plane that can be stopped and
+"""The runtime <-> control plane link: a control plane that can be stopped and
 started again on the same port, a deployment matching the tiny test model, runtime tokens."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,11 +11,14 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
-from tests.conftest import free_port
+from exitplane.client.shipper import TelemetryShipper
+from exitplane.wire import ShadowPoint, TokenRecord
+from tests.support.network import free_port
 
 DEPLOYMENT = "tiny"
 NUM_LAYERS = 6
@@ -110,6 +114,54 @@ def publish(http: httpx.Client, thresholds: dict[int, float], *, activate: bool 
         "activate": activate})
     assert response.status_code == 201, response.text
     return response.json()["version"]
+
+
+# The rollup columns a test compares, in the order it reads them.
+ROLLUP = ("version, minute, layer, tokens, exits, shadow_total, shadow_matches, policy_exits, "
+          "policy_mismatches")
+
+
+def token_stream(count: int, *, versions: list[int], seed: int = 7,
+                 start: float | None = None) -> list[TokenRecord]:
+    """A realistic mix: most tokens exit at 2 or 4, some run to full depth, 5% are shadow
+    tokens (full depth, labelled at every exit layer), spread over three minutes."""
+    rng = random.Random(seed)
+    start = start if start is not None else (time.time() // 60 - 3) * 60
+    records = []
+    for index in range(count):
+        shadow = rng.random() < 0.05
+        exit_layer = NUM_LAYERS if shadow else rng.choices([*EXIT_LAYERS, NUM_LAYERS],
+                                                           [5, 3, 2])[0]
+        points = [ShadowPoint(layer=layer, signal=rng.random(), matched=rng.random() < 0.7)
+                  for layer in EXIT_LAYERS] if shadow else None
+        records.append(TokenRecord(
+            threshold_version=rng.choice(versions), request_id=f"r{index // 20}",
+            position=index % 20, exit_layer=exit_layer,
+            signal_value=1.0 if index % 97 == 0 else rng.random(), latency_us=100,
+            ts=start + 180 * index / count, shadow=points))
+    return records
+
+
+def stored_rollups(engine, runtime_id: str) -> tuple[list, list]:
+    """(rollup rows, histogram rows) the store holds of runtime `runtime_id`, in key order."""
+    with engine.connect() as connection:
+        rollups = connection.execute(text(
+            f"SELECT {ROLLUP} FROM rollups WHERE runtime_id = :r ORDER BY version, minute, layer"),
+            {"r": runtime_id}).all()
+        histogram = connection.execute(text(
+            "SELECT version, minute, layer, bin, count FROM rollup_histograms "
+            "WHERE runtime_id = :r ORDER BY version, minute, layer, bin"),
+            {"r": runtime_id}).all()
+    return [tuple(row) for row in rollups], [tuple(row) for row in histogram]
+
+
+def fast_shipper(url: str, token: str, spool, runtime_id: str, **options) -> TelemetryShipper:
+    """A shipper for the tiny deployment that batches and retries quickly (`options` override)."""
+    return TelemetryShipper(base_url=url, token=token, deployment=DEPLOYMENT,
+                            runtime_id=runtime_id, num_layers=NUM_LAYERS, spool_dir=spool,
+                            **{"batch_records": 500, "batch_interval_s": 0.05,
+                               "backoff_initial_s": 0.05, "backoff_max_s": 0.2, "fsync": False,
+                               **options})
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,0 @@
-"""Drift detector tests share the alert tests' real HTTP receiver."""
-
-from tests.controlplane.alerts.conftest import receiver
-
-__all__ = ["receiver"]
