@@ -65,14 +65,16 @@ def test_the_product_carries_no_account_of_how_it_was_made():
 
 
 @pytest.mark.parametrize("line", [
-    "# Issue 14: telemetry runs on threads of its own",
-    "measured on main at 9de5f49, tokens as independent",
-    "the tenth session's runs, after interval batches",
-    "Tried and not kept: a 1 ms GIL switch interval",
-    "earlier attempts (seventh session): no gain",
-    "Runs on the helper's branch before that merge",
-    "run 2 closed the loop",
-    "(git archive 480d12d there)",
+    "# Issue 14: the teapot whistles when the water boils",
+    "measured on main at 3fa9c1e, the teapot pours faster",
+    "the tenth session's pots, after the new spout",
+    "Tried and not kept: a copper lid for the teapot",
+    "earlier attempts (seventh session): no warmer tea",
+    "Poured on the helper's branch before that merge",
+    "run 2 closed the teapot's lid",
+    "(git archive 7c0ffee there)",
+    "the lid rattled in previous runs",
+    "the handle was fixed in the second round",
 ])
 def test_each_kind_of_marker_is_found(line):
     assert history_markers(line), line

@@ -1,4 +1,4 @@
-"""Edge aggregation is exact: the same token stream shipped as records (today's path) and
+"""Edge aggregation is exact: the same token stream shipped as records (the record path) and
 through the aggregating shipper (aggregates + shadow tokens + a 10% sample) leaves identical
 rollups and histograms; a replayed or split aggregate batch never double-counts; the read API
 says records are sampled."""

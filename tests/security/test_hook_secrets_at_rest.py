@@ -118,7 +118,7 @@ def test_the_migration_encrypts_existing_rows_and_delivery_still_signs(db_url, o
                                       body=request.body,
                                       signature=request.headers["X-Exitplane-Signature"])
 
-        downgrade(db_url, "0005")  # and back: the old code could read its rows again
+        downgrade(db_url, "0005")  # and back: schema 0005's code can read its rows again
         [(url, secret, _)] = _stored(engine)
         assert (url, secret) == (receiver.url + "/old-hook", HMAC_SECRET)
     finally:

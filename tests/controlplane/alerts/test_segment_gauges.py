@@ -62,7 +62,7 @@ CHAT = {4: (300, 150, 100, 1), 8: (150, 50, 100, 0), 12: (100, 0, 100, 0),
 @pytest.fixture
 def mixed(engine) -> None:
     """`mix` knows chat and code (the cap, 2); rows also exist under `spam`, kept out by the cap,
-    and under an old version. `plain` knows no segment: its traffic is ingested as today."""
+    and under an old version. `plain` knows no segment: all its traffic is in `default`."""
     now = utcnow()
     minute = (now - timedelta(minutes=2)).replace(second=0, microsecond=0)
     with Session(engine) as session:
