@@ -31,6 +31,7 @@ services-stop:
 test: $(STAMP) services
 	$(VENV)/bin/ruff check .
 	$(PY) -m scripts.import_graph
+	$(PY) -m scripts.layers
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir var/site
 	. var/services/env && $(VENV)/bin/pytest $(PYTEST_ARGS)
 	. var/services/env && scripts/test_matrix.sh $(MATRIX_PYTHONS)
