@@ -31,7 +31,7 @@ real detectors.
 3. The detectors: every `--check-every-s` the same code as the `drift.detect` task
    (`controlplane.drift.service.evaluate`, on in-memory windows instead of SQL reads) and the
    same fallback
-   rule (`controlplane.calibration.fallback.decide`) run over the lookback, and alerts open,
+   rule (`controlplane.flows.fallback.decide`) run over the lookback, and alerts open,
    refresh and clear as `controlplane.alerts.service.reconcile` does.
 
 Episodes: stationary stretches of each source under its own set (`--hours` in all, replayed in
@@ -530,7 +530,7 @@ class Episode:
         from types import SimpleNamespace
 
         from controlplane.alerts.kinds import QUALITY_AT_RISK
-        from controlplane.calibration.fallback import SpikeGate, decide
+        from controlplane.flows.fallback import SpikeGate, decide
         from controlplane.settings import get_settings
 
         now = self.start + timedelta(seconds=t)

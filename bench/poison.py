@@ -47,7 +47,7 @@ Attacks (`--attacks`; all by default), each on a deployment of its own:
 Each run runs the real code over the real store: a drift cycle (`drift.service.check_deployment`)
 every `--drift-interval-s` of simulated time (canary runs: `evaluate_canary` each minute, the
 runtimes in the canary group at `in_canary` serving the candidate), then a recalibration job on
-the window (`calibration.service.run_calibration`, policy auto, seeded per run so a run
+the window (`flows.recalibration.run_calibration`, policy auto, seeded per run so a run
 replays). It reports the active set's true disagreement on honest traffic (the worst of its
 maps), the refused posts and beats, and which witnesses were ever set aside (drift cycle, canary
 or the calibration's screen).
@@ -89,8 +89,6 @@ from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
 from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
-from controlplane.calibration.canary import CanaryPolicy, evaluate_canary, start_canary
-from controlplane.calibration.fallback import install
 from controlplane.calibration.learn_then_test import simulate_policy
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import make_engine, session_scope, utcnow
@@ -108,6 +106,9 @@ from controlplane.deployments.service import (
 )
 from controlplane.drift.service import DriftOptions, check_deployment
 from controlplane.errors import CapReached, Forbidden
+from controlplane.flows import recalibration
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
+from controlplane.flows.fallback import install
 from controlplane.migrate import upgrade
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.models import RuntimeOutlier
@@ -343,8 +344,8 @@ def finish(engine, name: str, since, fleet: list[Sim], tokens: dict[str, int], t
     policy = replace(calibration.CalibrationPolicy.from_settings(get_settings()),
                      seed=seed_of(name, "calibration"))
     with session_scope(engine) as session:
-        job = calibration.run_calibration(session=session, policy=policy,
-                                          job=session.get(CalibrationJob, job_id))
+        job = recalibration.run_calibration(session=session, policy=policy,
+                                            job=session.get(CalibrationJob, job_id))
         deployment = get_deployment(session=session, name=name)
         active = get_threshold_set(session=session, deployment=deployment,
                                    version=aliases_of(session=session,

@@ -539,15 +539,14 @@ def calibrate(deployment: str, since: str | None, until: str | None, reason: str
     from controlplane.calibration.models import CalibrationJob
     from controlplane.calibration.service import (
         CalibrationPolicy,
-        apply_outcome,
         calibrate_window,
-        read_window,
         request_calibration,
         start_job,
     )
     from controlplane.db import session_scope
     from controlplane.deployments.service import get_deployment
     from controlplane.errors import DomainError
+    from controlplane.flows.recalibration import apply_outcome, read_window
     from controlplane.settings import get_settings
 
     settings = get_settings()

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from celery import signals
 
-from controlplane.calibration import fallback
 from controlplane.celery_app import app
+from controlplane.flows import fallback
 from workers import observability  # noqa: F401  (logging, request ids and metrics signals)
 from workers.heartbeat import install as install_heartbeats
 

@@ -1,11 +1,12 @@
-"""What the system does by itself when an alert fires: alert kind -> reactions.
+"""What the system does by itself when an alert fires, or is seen again: alert kind ->
+reactions and rechecks.
 
-The alerts domain only fires; the domains that answer register here (the calibration fallback:
-`controlplane.calibration.fallback.install`). Every process that fires alerts installs its
-reactions when it starts: `create_api` for the API, `workers.app` for the Celery worker and
-beat. The arrow therefore goes from calibration to alerts, never back, and the safety path
-(quality at risk -> conservative set) shows in the import graph instead of hiding in a
-function-level import.
+The alerts domain and the detectors only fire and observe; the flows that answer register here
+(the automatic fallback: `controlplane.flows.fallback.install`). Every process that fires
+alerts installs its reactions when it starts: `create_api` for the API, `workers.app` for the
+Celery worker and beat. The arrow therefore goes from the flows to alerts, never back, and the
+safety path (quality at risk -> conservative set) shows in the import graph instead of hiding
+in a function-level import.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ log = logging.getLogger("exitplane.alerts")
 Reaction = Callable[..., object]
 
 _registry: dict[AlertKind, list[Reaction]] = {}
+# Called as recheck(session=..., alert=..., **evidence) when a check sees an open alert's
+# condition again; `evidence` is what that check measured this time.
+_rechecks: dict[AlertKind, list[Reaction]] = {}
 
 
 def register(reaction: Reaction, *, kinds: Iterable[AlertKind | str]) -> None:
@@ -40,9 +44,19 @@ def reactions_for(kind: AlertKind | str) -> list[Reaction]:
     return list(_registry.get(AlertKind(kind), ()))
 
 
+def register_recheck(recheck: Reaction, *, kinds: Iterable[AlertKind | str]) -> None:
+    """Run `recheck` when a check sees an open alert of one of `kinds` again (once, however
+    often registered)."""
+    for kind in kinds:
+        registered = _rechecks.setdefault(AlertKind(kind), [])
+        if recheck not in registered:
+            registered.append(recheck)
+
+
 def clear() -> None:
     """Forget every registration (a test that checks what a process start installs)."""
     _registry.clear()
+    _rechecks.clear()
 
 
 def react(*, session: Session, alert: Alert) -> None:
@@ -54,3 +68,10 @@ def react(*, session: Session, alert: Alert) -> None:
                   alert.dedup_key)
     for reaction in reactions_for(alert.kind):
         reaction(session=session, alert=alert)
+
+
+def recheck(*, session: Session, alert: Alert, **evidence) -> None:
+    """Run the rechecks registered for the alert's kind on an open alert seen again, with what
+    the check measured this time."""
+    for reaction in list(_rechecks.get(AlertKind(alert.kind), ())):
+        reaction(session=session, alert=alert, **evidence)

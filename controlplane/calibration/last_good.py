@@ -6,7 +6,7 @@ set aside as outliers or serving other heads or another model
 (`runtimes.outliers.excluded_runtime_ids`) count for nothing, so one runtime's forged
 agreement cannot make a set "good" and its forged disagreement cannot disqualify one.
 
-Fallback (`calibration.fallback`, `last_good` mode) returns to it; the automatic promotion bounds
+Fallback (`flows.fallback`, `last_good` mode) returns to it; the automatic promotion bounds
 (`calibration.promotion`) keep a single-runtime recalibration from going more aggressive than it.
 """
 

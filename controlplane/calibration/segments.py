@@ -42,7 +42,7 @@ Measured on bench/segments.py (`--requests 480`, 100 trials): the per-segment se
 rate 0.2149 (0.9 ε/k and the reserve) -> 0.2163 (ε/k, no reserve) -> 0.2165 (Šidák), against
 0.2408 for the recalibrated pool: 0.892x -> 0.899x (bench/segments.py's table).
 
-A later one-segment recalibration (a segment that fell back alone, `calibration.service`)
+A later one-segment recalibration (a segment that fell back alone, `flows.recalibration`)
 replaces one segment's set and must keep the joint statement with the sets the others hold.
 Those came from other data, and its window may overlap theirs (its borrowed tokens, its own
 tokens), so it does not lean on independence: it runs at b = a (1-a)^(k-1), a = 1-(1-ε)^(1/k)
@@ -162,7 +162,7 @@ def path_borrowing(own_tokens: int, borrowed: tuple[np.ndarray, np.ndarray] | No
     """`calibrate_thresholds` options that let a segment of `own_tokens` shadow tokens draw its
     path with `borrowed` (signals, matched) of the other segments' requests, when those
     outnumber its own (module docstring); {} otherwise. Used by `calibrate_segments` and by a
-    one-segment recalibration (`calibration.service`), so both decide alike."""
+    one-segment recalibration (`flows.recalibration`), so both decide alike."""
     if borrowed is None or len(borrowed[0]) <= own_tokens:
         return {}
     return {"borrowed": borrowed, "prior_weight": prior_weight}

@@ -25,8 +25,8 @@ Distribution drift alone is an `info` finding with its Evidently report (no page
 `warning` finding (subject "escalated") joins it when an exit-rate or quality condition fires in
 the same check, or when the info finding persisted over `distribution_persist_windows`
 consecutive recent windows. Each exit-rate spike carries the window's clustered shadow
-disagreement (`quality_gate`), from which the fallback decides (`controlplane.calibration.
-fallback`).
+disagreement (`quality_gate`), from which the fallback decides (`controlplane.flows.
+fallback`, through the rechecks registered in `controlplane.alerts.reactions`).
 
 Traffic segments: every check covers 'default' and each segment the deployment
 knows that has traffic of the active version in the window (`segments_to_check`); each segment
@@ -48,9 +48,9 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.alerts import reactions
 from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.service import Condition, Reconciled, jsonable, open_alerts, reconcile
-from controlplane.calibration.fallback import recheck_spike
 from controlplane.db import utcnow
 from controlplane.deployments.models import Alias, Deployment
 from controlplane.deployments.segment_sets import thresholds_for
@@ -356,12 +356,13 @@ def check_deployment(*, session: Session, deployment: Deployment, options: Drift
         result.refreshed += found.refreshed
         result.resolved += found.resolved
         # A spike that kept the set is re-judged on each window's shadow evidence while it
-        # lasts.
+        # lasts (the fallback registers that recheck).
         gates = {c.dedup_key(deployment): c.evidence["quality_gate"] for c in conditions
                  if "quality_gate" in c.evidence}
         for alert in found.refreshed:
             if alert.dedup_key in gates:
-                recheck_spike(session=session, alert=alert, quality_gate=gates[alert.dedup_key])
+                reactions.recheck(session=session, alert=alert,
+                                  quality_gate=gates[alert.dedup_key])
     return result
 
 

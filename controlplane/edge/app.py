@@ -24,8 +24,6 @@ from controlplane import collector, metrics, observability
 from controlplane.alerts.api import router as alerts_router
 from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
-from controlplane.calibration import fallback
-from controlplane.calibration.api import router as calibration_router
 from controlplane.coordination.bus import Bus
 from controlplane.db import (
     get_engine,
@@ -55,6 +53,8 @@ from controlplane.errors import (
     Unauthorized,
     error_answer,
 )
+from controlplane.flows import fallback
+from controlplane.flows.api import router as calibration_router
 from controlplane.guards.buckets import RefusalHold, Turns, make_rate_limiters
 from controlplane.health import Readiness
 from controlplane.keys import weak_secret_problem

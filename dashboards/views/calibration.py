@@ -10,11 +10,12 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import Response
 
 from controlplane.calibration import service as calibration
-from controlplane.calibration.canary import running_canary
 from controlplane.db import utcnow
 from controlplane.deployments import service as thresholds
 from controlplane.deps import SessionDep
 from controlplane.errors import Invalid
+from controlplane.flows import recalibration
+from controlplane.flows.canary import running_canary
 from dashboards import charts
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import segment_outcome
@@ -87,7 +88,7 @@ def decide(name: str, job_id: int, decision: str, request: Request, session: Ses
         if not reason.strip():
             raise Invalid("give a reason: it goes into the audit log")
         job = calibration.get_job(session=session, deployment=deployment, job_id=job_id)
-        decide_with = calibration.approve if decision == "approve" else calibration.reject
+        decide_with = recalibration.approve if decision == "approve" else recalibration.reject
         decide_with(session=session, deployment=deployment, job=job, actor=actor(user),
                     reason=reason.strip())
         outcome = "approved: it is active" if decision == "approve" else "rejected"

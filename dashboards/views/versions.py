@@ -16,13 +16,13 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
-from controlplane.calibration import canary as canary_service
-from controlplane.calibration.canary import running_canary
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.models import Deployment, ThresholdSet
 from controlplane.deployments.schemas import DeploymentUpdate
 from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid, NotFound
+from controlplane.flows import canary as canary_service
+from controlplane.flows.canary import running_canary
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import (
     SegmentDiff,

@@ -131,8 +131,9 @@ def calibrated(engine, seeded) -> int:
             session=session, deployment=deployment, actor="user:seed", enqueue=False,
             since=datetime.fromtimestamp(time.time() - 3600, UTC), reason="nightly")
         calibration.start_job(session=session, job=job)
-        recalibration.run_calibration(session=session, job=job, policy=calibration.CalibrationPolicy(
-            min_samples_per_layer=50, seed=0))
+        recalibration.run_calibration(session=session, job=job,
+                                      policy=calibration.CalibrationPolicy(
+                                          min_samples_per_layer=50, seed=0))
         session.commit()
         assert (job.status, job.promotion) == ("succeeded", "awaiting_approval"), \
             job.status_reason

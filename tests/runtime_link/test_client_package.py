@@ -29,6 +29,7 @@ from controlplane.calibration import service as calibration
 from controlplane.db import session_scope
 from controlplane.deployments.models import ThresholdSet
 from controlplane.deployments.service import get_deployment
+from controlplane.flows import recalibration
 from controlplane.telemetry.models import ShadowSampleRow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +196,7 @@ def test_the_guide_s_example_joins_ships_shadow_tokens_calibrates_and_leaves(
             session=session, deployment=get_deployment(session=session, name=name),
             actor="test", reason="the guide's runtime", enqueue=False)
         assert calibration.start_job(session=session, job=job)
-        job = calibration.run_calibration(
+        job = recalibration.run_calibration(
             session=session, job=job,
             policy=calibration.CalibrationPolicy(min_samples_per_layer=400, seed=0))
         assert job.status == "succeeded", job.status_reason

@@ -37,11 +37,11 @@ from controlplane.alerts.hook_service import create_hook
 from controlplane.alerts.service import Condition, fire
 from controlplane.auth.service import create_token, revoke_token
 from controlplane.auth.users import create_user
-from controlplane.calibration.canary import start_canary
 from controlplane.calibration.service import request_calibration
 from controlplane.deployments import segments
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.schemas import DeploymentCreate
+from controlplane.flows.canary import start_canary
 from controlplane.models import Base
 from controlplane.runtimes.outliers import set_aside
 from controlplane.runtimes.service import record_heartbeat

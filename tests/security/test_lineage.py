@@ -89,7 +89,7 @@ def _certified(engine, name: str) -> dict:
         calibration.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
         recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                    policy=POLICY)
+                                      policy=POLICY)
     with Session(engine) as session:
         job = session.get(CalibrationJob, job_id)
         return {"status": job.status, "thresholds": (job.summary or {}).get("thresholds"),

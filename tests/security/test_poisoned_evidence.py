@@ -79,7 +79,7 @@ def _calibrate(engine, since) -> CalibrationJob:
         job_id = job.id
     with session_scope(engine) as session:
         recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                    policy=POLICY)
+                                      policy=POLICY)
     with session_scope(engine) as session:
         return session.get(CalibrationJob, job_id)
 

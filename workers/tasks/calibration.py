@@ -4,8 +4,8 @@
 transaction, then publishes and promotes in one last transaction; a worker killed before that
 commit leaves the job `running` with no version, and the redelivered task (acks_late) or the
 sweep runs it again from the start. A job with a `segment` reads and replaces that segment
-alone; a whole-deployment job over segmented traffic calibrates every segment (both
-in `controlplane.calibration.service`).
+alone; a whole-deployment job over segmented traffic calibrates every segment (the flow is
+`controlplane.flows.recalibration`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,17 @@ from datetime import timedelta
 from celery import shared_task
 from sqlalchemy import select
 
-from controlplane.calibration.canary import CanaryPolicy, evaluate_canary
 from controlplane.calibration.models import CalibrationJob, CanaryRun
 from controlplane.calibration.service import (
     CalibrationPolicy,
-    apply_outcome,
     calibrate_window,
     queued_job_ids,
-    read_window,
     start_job,
 )
 from controlplane.db import get_engine, session_scope, utcnow
 from controlplane.deployments.models import Deployment
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary
+from controlplane.flows.recalibration import apply_outcome, read_window
 from controlplane.settings import get_settings
 from workers.tasks import RETRY_ON_STORE_ERRORS
 

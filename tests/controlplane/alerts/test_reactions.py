@@ -22,7 +22,7 @@ PROBE = """
 import json, sys
 from controlplane.alerts import reactions
 from controlplane.alerts.kinds import AlertKind
-from controlplane.calibration.fallback import react_to_alert
+from controlplane.flows.fallback import react_to_alert
 before = {{k.value: len(reactions.reactions_for(k)) for k in AlertKind}}
 {build}
 print(json.dumps({{"before": before, "after": {{k.value: [f is react_to_alert

@@ -37,8 +37,9 @@ def test_start_list_show_and_approve(client, tokens, engine, outbox):
         row = session.get(CalibrationJob, job["id"])
         service.start_job(session=session, job=row)
     with session_scope(engine) as session:
-        recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job["id"]),
-                                policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
+        recalibration.run_calibration(
+            session=session, job=session.get(CalibrationJob, job["id"]),
+            policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
 
     listed = patient_get(client, "/v1/deployments/chat/calibrations", headers=op).json()
     assert [j["id"] for j in listed] == [job["id"]] and "curve" not in listed[0]

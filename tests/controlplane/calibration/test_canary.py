@@ -129,8 +129,9 @@ def test_inconclusive_windows_pause_for_an_operator_who_approves(engine, outbox)
         deployment = get_deployment(session=session, name="chat")
         job, _ = service.request_calibration(session=session, deployment=deployment,
                                              actor="ops", since=since)
-        recalibration.run_calibration(session=session, job=job,
-                                policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
+        recalibration.run_calibration(
+            session=session, job=job,
+            policy=service.CalibrationPolicy(min_samples_per_layer=500, seed=0))
         assert job.promotion == "canary"
         assert aliases_of(session=session, deployment=deployment)["canary"] == 2
         job_id = job.id
@@ -143,7 +144,7 @@ def test_inconclusive_windows_pause_for_an_operator_who_approves(engine, outbox)
         deployment = get_deployment(session=session, name="chat")
         job = session.get(CalibrationJob, job_id)
         recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
-                        reason="traffic too thin; checked by hand")
+                              reason="traffic too thin; checked by hand")
         assert job.promotion == "canary_promoted"
         assert aliases_of(session=session, deployment=deployment) == {
             "active": 2, "conservative": 1}

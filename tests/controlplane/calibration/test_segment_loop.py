@@ -55,7 +55,7 @@ def _run(engine, *, since, segment=None) -> int:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
         recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                policy=POLICY)
+                                      policy=POLICY)
     return job_id
 
 
@@ -98,7 +98,7 @@ def test_recalibrating_code_reads_code_tokens_only_and_replaces_only_its_map(eng
         # operator approves it
         assert job.promotion == "awaiting_approval"
         recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
-                        reason="checked")
+                              reason="checked")
         assert aliases_of(session=session, deployment=deployment)["active"] == published.version
         segments = published.segments_by_layer()
         assert segments["code"] == pytest.approx(alone.thresholds)

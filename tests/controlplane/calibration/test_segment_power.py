@@ -183,7 +183,8 @@ def test_a_one_segment_recalibration_borrows_the_other_segments_tokens_of_its_wi
     for name in ("code", "default"):
         job_id = _window_job(engine, segment=name)
         with session_scope(engine) as session:
-            window = recalibration.read_window(session=session, job=session.get(CalibrationJob, job_id))
+            window = recalibration.read_window(session=session,
+                                               job=session.get(CalibrationJob, job_id))
         outcomes[name] = (window, service.calibrate_window(window, policy))
     code_window, code = outcomes["code"]
     assert len(code_window.signals) == 1000 and len(code_window.borrowed[0]) == 4000

@@ -48,7 +48,7 @@ def _run(engine, *, since, policy=POLICY, now=None, trigger="manual") -> int:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
         recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                policy=policy, now=now)
+                                      policy=policy, now=now)
     return job_id
 
 
@@ -98,7 +98,8 @@ def test_publishes_what_the_statistics_choose_and_promotes(engine, outbox):
     with session_scope(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         recalibration.approve(session=session, deployment=deployment,
-                        job=session.get(CalibrationJob, job_id), actor="ops", reason="checked")
+                              job=session.get(CalibrationJob, job_id), actor="ops",
+                              reason="checked")
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 2
@@ -138,8 +139,8 @@ def test_an_automatic_job_that_certifies_nothing_waits_for_the_window_to_grow(en
     with session_scope(engine) as session:  # the retried task
         assert service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                      policy=POLICY)
+        job = recalibration.run_calibration(
+            session=session, job=session.get(CalibrationJob, job_id), policy=POLICY)
         assert job.status == "succeeded", job.status_reason
         assert job.attempts == 2 and job.result_version == 2
 
@@ -168,8 +169,8 @@ def test_not_enough_data_waits_then_continues_with_the_new_samples(engine, outbo
         job = session.get(CalibrationJob, job_id)
         assert service.start_job(session=session, job=job)
     with session_scope(engine) as session:
-        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                      policy=POLICY)
+        job = recalibration.run_calibration(
+            session=session, job=session.get(CalibrationJob, job_id), policy=POLICY)
         assert job.status == "succeeded" and job.attempts == 2
         assert job.summary["samples"]["total"] == 2300
 
@@ -197,7 +198,7 @@ def test_one_open_job_per_deployment_and_reruns_are_no_ops(engine, outbox):
     for _ in range(2):
         with session_scope(engine) as session:
             recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                    policy=POLICY)
+                                          policy=POLICY)
     with Session(engine) as session:
         assert len(_calibration_versions(session)) == 1
         assert not service.start_job(session=session, job=session.get(CalibrationJob, job_id))
@@ -221,8 +222,8 @@ def test_exception_between_publish_and_commit_leaves_no_version(engine, outbox, 
         job_id = job.id
     monkeypatch.undo()
     with session_scope(engine) as session:  # the rerun restarts cleanly
-        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                      policy=POLICY)
+        job = recalibration.run_calibration(
+            session=session, job=session.get(CalibrationJob, job_id), policy=POLICY)
         assert job.status == "succeeded" and job.result_version == 2
 
 
@@ -271,8 +272,8 @@ def test_worker_killed_mid_job_leaves_no_partial_version_and_rerun_succeeds(
     with session_scope(engine) as session:
         service.start_job(session=session, job=session.get(CalibrationJob, job_id))
     with session_scope(engine) as session:
-        job = recalibration.run_calibration(session=session, job=session.get(CalibrationJob, job_id),
-                                      policy=POLICY)
+        job = recalibration.run_calibration(
+            session=session, job=session.get(CalibrationJob, job_id), policy=POLICY)
         assert job.status == "succeeded" and job.attempts == 2
     with Session(engine) as session:
         assert [s.version for s in _calibration_versions(session)] == [2]
@@ -287,12 +288,12 @@ def test_approval_policy_waits_for_an_operator(engine, outbox):
         assert job.status == "succeeded" and job.promotion == "awaiting_approval"
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
         recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
-                        reason="looks right")
+                              reason="looks right")
         assert aliases_of(session=session, deployment=deployment)["active"] == job.result_version
         assert job.promotion == "approved" and job.decided_by == "ops"
         with pytest.raises(Conflict):
             recalibration.reject(session=session, deployment=deployment, job=job, actor="ops",
-                           reason="too late")
+                                 reason="too late")
     second = _run(engine, since=start)
     third = _run(engine, since=start)
     with session_scope(engine) as session:
@@ -300,12 +301,12 @@ def test_approval_policy_waits_for_an_operator(engine, outbox):
         assert session.get(CalibrationJob, second).promotion == "superseded"
         job = session.get(CalibrationJob, third)
         recalibration.reject(session=session, deployment=deployment, job=job, actor="ops",
-                       reason="not now")
+                             reason="not now")
         assert job.promotion == "rejected"
         assert aliases_of(session=session, deployment=deployment)["active"] == 2
         with pytest.raises(Conflict):
             recalibration.approve(session=session, deployment=deployment, job=job, actor="ops",
-                            reason="changed my mind")
+                                  reason="changed my mind")
         actions = session.scalars(select(AuditEvent.action)).all()
         assert "candidate.reject" in actions
 
@@ -332,14 +333,15 @@ def test_two_workers_racing_on_one_job_publish_one_version(engine, outbox):
     outcomes = []
     for _ in range(2):  # both read and calibrate before either applies
         with session_scope(engine) as session:
-            window = recalibration.read_window(session=session, job=session.get(CalibrationJob, job_id))
+            window = recalibration.read_window(session=session,
+                                               job=session.get(CalibrationJob, job_id))
         outcomes.append(service.calibrate_window(window, POLICY))
     for outcome in outcomes:
         with session_scope(engine) as session:
             recalibration.apply_outcome(session=session, job=session.get(CalibrationJob, job_id),
-                                  outcome=outcome, policy=POLICY)
+                                        outcome=outcome, policy=POLICY)
     with Session(engine) as session:
         assert [s.version for s in _calibration_versions(session)] == [2]
         assert session.get(CalibrationJob, job_id).status == "succeeded"
         assert recalibration.read_window(session=session,
-                                   job=session.get(CalibrationJob, job_id)) is None
+                                         job=session.get(CalibrationJob, job_id)) is None

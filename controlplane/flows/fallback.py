@@ -42,7 +42,6 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import reactions
 from controlplane.alerts.kinds import QUALITY_AT_RISK, AlertKind
-from controlplane.calibration.canary import abort_canary
 from controlplane.calibration.last_good import last_good_version
 from controlplane.calibration.service import CalibrationPolicy, request_calibration
 from controlplane.db import utcnow
@@ -54,6 +53,7 @@ from controlplane.deployments.segment_sets import (
     thresholds_for,
 )
 from controlplane.deployments.service import aliases_of, get_threshold_set, move_alias, publish
+from controlplane.flows.canary import abort_canary
 from controlplane.settings import get_settings
 from controlplane.telemetry.service import shadow_samples
 from exitplane.kit import tracing
@@ -385,6 +385,8 @@ def react_to_alert(*, session: Session, alert,
 
 
 def install() -> None:
-    """Register `react_to_alert` for the kinds it answers; every process that fires alerts
-    calls this when it starts (`create_api`, `workers.app`)."""
+    """Register `react_to_alert` for the kinds it answers and `recheck_spike` for a spike seen
+    again; every process that fires alerts calls this when it starts (`create_api`,
+    `workers.app`)."""
     reactions.register(react_to_alert, kinds=REACTS_TO)
+    reactions.register_recheck(recheck_spike, kinds=[AlertKind.EXIT_RATE_SPIKE])

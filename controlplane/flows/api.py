@@ -1,5 +1,6 @@
-"""Thin routes: start a recalibration, list / show jobs, approve / reject a candidate; start,
-show, promote and revert a canary."""
+"""Thin routes of calibration: start a recalibration, list / show jobs, approve / reject a
+candidate; start, show, promote and revert a canary. They live with the flows they set off
+(`flows.recalibration`, `flows.canary`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from controlplane.calibration import canary, service
-from controlplane.calibration.canary import promote_canary, revert_canary, running_canary
+from controlplane.calibration import service
 from controlplane.calibration.schemas import (
     CalibrationCreate,
     CalibrationJobDetail,
@@ -21,6 +21,8 @@ from controlplane.calibration.schemas import (
 from controlplane.deployments.service import get_deployment
 from controlplane.deps import MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.errors import Conflict, NotFound, error_answer
+from controlplane.flows import canary, recalibration
+from controlplane.flows.canary import promote_canary, revert_canary, running_canary
 
 router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"], route_class=MeteredRoute)
 
@@ -71,8 +73,8 @@ def approve(name: str, job_id: int, decision: Decision, session: SessionDep,
     """Promote a candidate waiting for approval (or whose canary paused) to active."""
     deployment = get_deployment(session=session, name=name, lock=True)
     job = service.get_job(session=session, deployment=deployment, job_id=job_id)
-    service.approve(session=session, deployment=deployment, job=job, actor=principal.actor,
-                    reason=decision.reason)
+    recalibration.approve(session=session, deployment=deployment, job=job, actor=principal.actor,
+                          reason=decision.reason)
     return CalibrationJobRead.model_validate(job)
 
 
@@ -83,8 +85,8 @@ def reject(name: str, job_id: int, decision: Decision, session: SessionDep,
     """Refuse a candidate waiting for approval, or revert its canary."""
     deployment = get_deployment(session=session, name=name, lock=True)
     job = service.get_job(session=session, deployment=deployment, job_id=job_id)
-    service.reject(session=session, deployment=deployment, job=job, actor=principal.actor,
-                   reason=decision.reason)
+    recalibration.reject(session=session, deployment=deployment, job=job, actor=principal.actor,
+                         reason=decision.reason)
     return CalibrationJobRead.model_validate(job)
 
 

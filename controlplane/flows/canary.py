@@ -1,7 +1,7 @@
 """Canary with automatic revert (Flagger / Argo Rollouts style), as plain functions.
 
 A candidate on the `canary` alias is served to a hash-sticky fraction of runtimes
-(`thresholds.service.in_canary` at the deployment's `canary_fraction`): those runtime ids are the
+(`deployments.service.in_canary` at the deployment's `canary_fraction`): those runtime ids are the
 canary's members. Every `interval` the last whole-minute window of the members' telemetry at the
 canary version (rollups and shadow tokens with `version == canary`) is checked, beside the stable
 group (`version == active`):
