@@ -5,9 +5,6 @@ class DomainError(Exception):
     """Base of every error a user can meet; the message says what was wrong and what to do."""
 
     status_code = 400
-    # A refusal that a client looping on it would repeat at once (a rate or a cap reached):
-    # answered after the API's refusal hold (EXITPLANE_RATE_LIMIT_HOLD_S).
-    held = False
 
     @property
     def extra(self) -> dict:
@@ -24,11 +21,17 @@ class Conflict(DomainError):
 
 
 class CapReached(Conflict):
-    """A cap of live things reached (runtimes of a deployment or of a token): held like a
-    rate refusal, since a client making up new ones would otherwise be refused as fast as it
-    asks."""
+    """A cap of live things reached (runtimes of a deployment or of a token). Where the route's
+    policy holds refusals, its answer waits out the refusal hold as a rate refusal does
+    (controlplane/guards/holds.py)."""
 
-    held = True
+
+class BatchTooLarge(DomainError):
+    """A body that decodes to more values than EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS, or to more
+    memory than the process's whole decode budget: the runtime splits it, as for a body over
+    the byte limit."""
+
+    status_code = 413
 
 
 class Invalid(DomainError):

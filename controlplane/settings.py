@@ -204,7 +204,7 @@ class Settings(BaseSettings):
         " 429 with `Retry-After`. With Redis one bucket per token is shared by every "
         "API process")
     # Units per second per token on API reads (GET): a lookup takes 1, a read that scans
-    # telemetry, logs or history takes 5 (controlplane/deps.py: HEAVY_READS); bursts of twice.
+    # telemetry, logs or history takes 5 (controlplane/guards/policy.py: heavy); bursts of twice.
     rate_limit_read_per_s: float = Field(
         default=100.0, ge=0,
         description="units per second per token on API reads (`GET`), bursts of twice that (0 = no "

@@ -16,9 +16,9 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from controlplane.auth.passwords import PasswordChecks
 from controlplane.errors import DomainError
-from controlplane.guards.buckets import RefusalHold
+from controlplane.guards.holds import RefusalHold
+from controlplane.guards.password_checks import PasswordChecks
 from controlplane.guards.signin_gate import SignInGate
 from controlplane.guards.signin_throttle import SignInThrottle
 from controlplane.settings import parse_networks

@@ -80,7 +80,8 @@ def create_user(*, session: Session, username: str, role: str, password: str | N
 @dataclass(frozen=True)
 class Credentials:
     """What checking a user's password needs, read in a transaction that ends before the check
-    (controlplane/auth/passwords.py: on SQLite a transaction holds the store's write lock)."""
+    (controlplane/guards/password_checks.py: on SQLite a transaction holds the store's write
+    lock)."""
 
     user_id: int
     username: str
@@ -146,7 +147,8 @@ def record_sign_in(*, session: Session, credentials: Credentials,
 def authenticate_user(*, session: Session, username: str, password: str) -> User:
     """The enabled user with this username and password, or Unauthorized (same message for all
     failures, so the form does not reveal which usernames exist). In one transaction: the
-    admin UI runs the same steps with the check outside any (controlplane/auth/passwords.py)."""
+    admin UI runs the same steps with the check outside any
+    (controlplane/guards/password_checks.py)."""
     credentials = find_credentials(session=session, username=username)
     if not password_matches(credentials.password_hash if credentials else None, password) \
             or credentials is None or credentials.disabled:

@@ -1,5 +1,5 @@
 """Per-key rate limits: `rate` units per second with bursts of 2 x rate; a request takes one unit
-unless it says it costs more (reads weighted by cost: controlplane/deps.py).
+unless it says it costs more (each route's cost: controlplane/guards/policy.py).
 
 With Redis configured, one GCRA bucket per key lives in Redis (a Lua script, atomic, timed by the
 Redis server's clock), so every API process draws from the same bucket whichever one answers.
@@ -12,7 +12,6 @@ traffic: a Redis outage must not stop runtimes from pulling their thresholds.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -207,79 +206,10 @@ class RedisRateLimiter:
         return self._local.take(key, cost)
 
 
-class RefusalHold:
-    """Holds a refused request on the event loop before its answer (nothing but its connection
-    and a timer), so that a client that retries as soon as it is answered makes a request per
-    connection per hold instead of as many as the process can refuse. At most `max_held` at
-    once per process; past them a refusal is answered at once."""
-
-    def __init__(self, hold_s: float, max_held: int = 256) -> None:
-        self.hold_s, self.max_held = hold_s, max_held
-        self.held = 0
-
-    async def __call__(self, at_most: float = float("inf")) -> float:
-        """Wait `hold_s` (or `at_most`, if shorter) when a place is free; the seconds held."""
-        seconds = min(self.hold_s, at_most)
-        if seconds <= 0 or self.held >= self.max_held:
-            return 0.0
-        self.held += 1
-        try:
-            await asyncio.sleep(seconds)
-        finally:
-            self.held -= 1
-        return seconds
+RateLimiter = LocalRateLimiter | RedisRateLimiter
 
 
-class Turns:
-    """Per key, at most `at_once` holders at a time in this process; up to `waiting` more wait
-    for a turn, first come first served, and past them a request is refused at once. A waiter
-    holds nothing but its connection and a place in a queue."""
-
-    def __init__(self, at_once: int = 1, waiting: int = 8) -> None:
-        self.at_once, self.waiting = at_once, waiting
-        self._keys: dict[str, _Queue] = {}
-
-    async def take(self, key: str) -> bool:
-        """Wait for one of `key`'s turns; False (at once) when its queue is full."""
-        queue = self._keys.get(key)
-        if queue is None:
-            queue = self._keys[key] = _Queue(asyncio.Semaphore(self.at_once))
-        elif queue.users >= self.at_once + self.waiting:
-            return False
-        queue.users += 1
-        try:
-            await queue.semaphore.acquire()
-        except BaseException:
-            self._leave(key)
-            raise
-        return True
-
-    def give_back(self, key: str) -> None:
-        """End a turn `take` gave."""
-        self._keys[key].semaphore.release()
-        self._leave(key)
-
-    def holders(self, key: str) -> int:
-        """Requests holding or waiting for `key`'s turns."""
-        queue = self._keys.get(key)
-        return queue.users if queue else 0
-
-    def _leave(self, key: str) -> None:
-        queue = self._keys[key]
-        queue.users -= 1
-        if not queue.users:
-            del self._keys[key]
-
-
-class _Queue:
-    __slots__ = ("semaphore", "users")
-
-    def __init__(self, semaphore: asyncio.Semaphore) -> None:
-        self.semaphore, self.users = semaphore, 0
-
-
-def make_rate_limiters(*, rates: dict[str, float], redis_url: str
-                       ) -> dict[str, LocalRateLimiter | RedisRateLimiter]:
+def make_rate_limiters(*, rates: dict[str, float], redis_url: str) -> dict[str, RateLimiter]:
     """One limiter per kind: shared through Redis when `redis_url`, else in process."""
     if not redis_url:
         return {kind: LocalRateLimiter(rate) for kind, rate in rates.items()}

@@ -27,8 +27,8 @@ import math
 from html import escape
 
 from controlplane.auth.clients import Network, client_address, throttle_key
-from controlplane.auth.passwords import RefusedAddresses
-from controlplane.guards.buckets import RefusalHold
+from controlplane.guards.holds import RefusalHold
+from controlplane.guards.password_checks import RefusedAddresses
 
 GATED_PATHS = ("/login", "/account/password")
 
