@@ -490,7 +490,7 @@ class Settings(BaseSettings):
         "read (the token and its rate limit are checked first, from the headers alone)")
     # Memory those decodes may hold together per API process: each is charged twice its
     # body's bytes when admitted and about 100 bytes a value as it decodes (controlplane/
-    # telemetry/api.py: DecodeBudget), so decode memory is bounded whatever the bodies hold.
+    # guards/budgets.py: DecodeBudget), so decode memory is bounded whatever the bodies hold.
     telemetry_decode_budget_mib: int = Field(
         default=48, ge=4, le=16384,
         description="memory (MiB) the telemetry bodies over 32 KiB that one API process is "
