@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -13,11 +14,17 @@ from sqlalchemy.orm import Session
 from controlplane.auth.models import SCOPES, ApiToken
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
-from controlplane.deployments.models import Deployment
 from controlplane.errors import Forbidden, Invalid, NotFound, Unauthorized
 
 TOKEN_PREFIX = "ept_"
 SCOPE_RANK = {"runtime": 0, "operator": 1, "admin": 2}
+
+
+class DeploymentRef(Protocol):
+    """What a token needs of the deployment it belongs to: its id. The caller looks the
+    deployment up (auth sits below the deployments domain)."""
+
+    id: int
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ def digest(secret: str) -> str:
 
 
 def create_token(*, session: Session, name: str, scope: str,
-                 deployment: Deployment | None = None) -> tuple[ApiToken, str]:
+                 deployment: DeploymentRef | None = None) -> tuple[ApiToken, str]:
     """Create a token; returns the row and the secret, which is never stored or shown again."""
     if scope not in SCOPES:
         raise Invalid(f"unknown scope {scope!r}; use one of {', '.join(SCOPES)}")

@@ -35,7 +35,6 @@ from controlplane.deps import (
     rate_limited,
 )
 from controlplane.errors import RUNTIME_ERRORS, RateLimited, error_answer
-from controlplane.telemetry.service import undeclared_tokens
 from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdSetWire
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"], route_class=MeteredRoute)
@@ -197,7 +196,7 @@ def segment_registry_read(*, session, deployment: Deployment, window_s: int,
                           limit: int) -> SegmentRegistryRead:
     """The registry and its undeclared traffic as the API, the CLI and the UI show it."""
     since = datetime.now(UTC) - timedelta(seconds=window_s)
-    by_runtime = undeclared_tokens(session=session, deployment=deployment, since=since)
+    by_runtime = segments.undeclared_tokens(session=session, deployment=deployment, since=since)
     return SegmentRegistryRead(
         deployment=deployment.name, auto_segments=deployment.auto_segments, max_segments=limit,
         segments=[DeclaredSegmentRead.model_validate(row) for row in segments.segment_registry(

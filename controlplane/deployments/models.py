@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint, false
+from sqlalchemy import BigInteger, ForeignKey, Index, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
@@ -126,3 +126,19 @@ class AuditEvent(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
     details: Mapped[dict] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class UndeclaredSegmentTokens(Base):
+    """Per minute, deployment and runtime: tokens whose segment the deployment has not
+    declared, stored as `default` (see controlplane/deployments/segments.py), and the batches
+    that carried them, as telemetry ingest counts them. Tells an operator which runtimes send
+    which share of such traffic without keeping the names (their cardinality is the sender's
+    choice)."""
+
+    __tablename__ = "undeclared_segment_tokens"
+
+    deployment_id: Mapped[int] = mapped_column(primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    batches: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -12,20 +12,28 @@ registered.
 Removing a segment keeps its row (`removed_at`): its traffic stored so far stays readable under
 its name (`readable_segments`); from then on its traffic is stored as `default`. A segment that
 an aliased threshold set maps cannot be removed: the runtimes apply that map to its traffic.
+`undeclared_tokens` reads what telemetry ingest counted of traffic stored as `default` so.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
 from controlplane.deployments.audit import record_audit
 from controlplane.deployments.locks import lock_deployment
-from controlplane.deployments.models import Alias, Deployment, DeploymentSegment, ThresholdSet
+from controlplane.deployments.models import (
+    Alias,
+    Deployment,
+    DeploymentSegment,
+    ThresholdSet,
+    UndeclaredSegmentTokens,
+)
 from controlplane.errors import Conflict, Invalid, NotFound
 from controlplane.settings import get_settings
 from exitplane.wire import DEFAULT_SEGMENT, NAME_PATTERN
@@ -202,3 +210,19 @@ def register_set_segments(*, session: Session, deployment_id: int, names: Iterab
     registry_changed(session=session, deployment_id=deployment_id)
     session.flush()
 
+
+def undeclared_tokens(*, session: Session, deployment: Deployment, since: datetime
+                      ) -> list[dict]:
+    """Per runtime since `since`: tokens stored as `default` because their segment was not in
+    use, and the batches that carried them; most tokens first."""
+    rows = session.execute(
+        select(UndeclaredSegmentTokens.runtime_id,
+               func.sum(UndeclaredSegmentTokens.tokens).label("tokens"),
+               func.sum(UndeclaredSegmentTokens.batches).label("batches"),
+               func.max(UndeclaredSegmentTokens.minute).label("last"))
+        .where(UndeclaredSegmentTokens.deployment_id == deployment.id,
+               UndeclaredSegmentTokens.minute >= since)
+        .group_by(UndeclaredSegmentTokens.runtime_id))
+    found = [{"runtime_id": row.runtime_id, "tokens": int(row.tokens or 0),
+              "batches": int(row.batches or 0), "last_minute": row.last} for row in rows]
+    return sorted(found, key=lambda item: (-item["tokens"], item["runtime_id"]))

@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException
 
 from controlplane import collector, metrics, observability
 from controlplane.alerts.api import router as alerts_router
-from controlplane.auth.api import router as auth_router
 from controlplane.auth.service import digest
 from controlplane.coordination.bus import Bus
 from controlplane.db import (
@@ -35,6 +34,7 @@ from controlplane.db import (
 from controlplane.deployments.api import router as deployments_router
 from controlplane.deployments.cache import DeploymentCache
 from controlplane.deployments.delivery import ConfigDelivery, NotModifiedFastPath
+from controlplane.deployments.tokens_api import router as auth_router
 from controlplane.deps import (
     HEAVY_READS_AT_ONCE,
     HEAVY_READS_WAITING,

@@ -144,17 +144,3 @@ class RollupHistogram(Base):
     bin: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     count: Mapped[int] = mapped_column(BigInteger, default=0)
 
-
-class UndeclaredSegmentTokens(Base):
-    """Per minute, deployment and runtime: tokens whose segment the deployment has not
-    declared, stored as `default` (see controlplane/deployments/segments.py), and the batches
-    that carried them. Tells an operator which runtimes send which share of such traffic
-    without keeping the names (their cardinality is the sender's choice)."""
-
-    __tablename__ = "undeclared_segment_tokens"
-
-    deployment_id: Mapped[int] = mapped_column(primary_key=True)
-    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    minute: Mapped[datetime] = mapped_column(primary_key=True)
-    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    batches: Mapped[int] = mapped_column(BigInteger, default=0)

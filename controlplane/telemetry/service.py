@@ -19,7 +19,7 @@ from sqlalchemy import delete, exists, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.db import dialect_insert
-from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.models import Deployment, ThresholdSet, UndeclaredSegmentTokens
 from controlplane.errors import Invalid
 from controlplane.runtimes.lineage import note_batches
 from controlplane.runtimes.models import RuntimeVersion
@@ -37,7 +37,6 @@ from controlplane.telemetry.models import (
     ShadowSampleRow,
     TelemetryBatchRow,
     TokenRecordRow,
-    UndeclaredSegmentTokens,
 )
 from controlplane.telemetry.tables import (
     ROLLUP_COUNTERS,
@@ -277,23 +276,6 @@ def _count_undeclared(*, session: Session, deployment: Deployment | CachedDeploy
         "tokens": np.array([by_runtime[r][0] for r in runtimes], dtype=np.int64),
         "batches": np.array([by_runtime[r][1] for r in runtimes], dtype=np.int64)},
         ("tokens", "batches"))
-
-
-def undeclared_tokens(*, session: Session, deployment: Deployment, since: datetime
-                      ) -> list[dict]:
-    """Per runtime since `since`: tokens stored as `default` because their segment was not in
-    use, and the batches that carried them; most tokens first."""
-    rows = session.execute(
-        select(UndeclaredSegmentTokens.runtime_id,
-               func.sum(UndeclaredSegmentTokens.tokens).label("tokens"),
-               func.sum(UndeclaredSegmentTokens.batches).label("batches"),
-               func.max(UndeclaredSegmentTokens.minute).label("last"))
-        .where(UndeclaredSegmentTokens.deployment_id == deployment.id,
-               UndeclaredSegmentTokens.minute >= since)
-        .group_by(UndeclaredSegmentTokens.runtime_id))
-    found = [{"runtime_id": row.runtime_id, "tokens": int(row.tokens or 0),
-              "batches": int(row.batches or 0), "last_minute": row.last} for row in rows]
-    return sorted(found, key=lambda item: (-item["tokens"], item["runtime_id"]))
 
 
 def overflow_tokens(batch: BatchColumns | AggregateBatch, segment_of: dict[str, str]) -> int:

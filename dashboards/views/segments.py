@@ -14,8 +14,8 @@ from starlette.datastructures import FormData
 from controlplane.deployments import segments as registry
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.schemas import DeploymentUpdate
+from controlplane.deployments.segments import undeclared_tokens
 from controlplane.deps import SessionDep
-from controlplane.telemetry.service import undeclared_tokens
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import registry_rows
 from dashboards.templating import render

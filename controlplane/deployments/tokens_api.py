@@ -1,4 +1,5 @@
-"""Thin routes for API tokens (admin only)."""
+"""Thin routes for API tokens (admin only). The tokens are the auth domain's; the routes sit
+here, above it, because a runtime token names its one deployment, which they look up by name."""
 
 from __future__ import annotations
 
