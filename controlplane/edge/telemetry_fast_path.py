@@ -310,7 +310,7 @@ async def _beat_on_loop(state, principal: Principal, name: str,
     if first_seen is None:
         return None
     principal.require_deployment(target.id)
-    return buffer.hold(target.id, beat, utcnow(), first_seen)
+    return buffer.keep(target.id, beat, utcnow(), first_seen)
 
 
 def _plain_heartbeat(content_type: str | None, body: bytes) -> Heartbeat | None:

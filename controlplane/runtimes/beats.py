@@ -7,10 +7,10 @@ old-version alerts, the gauges) looks at them on a scale of seconds to minutes.
 So an API process answers a beat from a runtime it has recorded once (its first beat went to
 the store, where the deployment's cap on runtimes is enforced) on the event loop: it checks
 what the route checks, keeps the newest beat per runtime here, and a flusher thread writes
-what is held every `interval_s` as one statement executed for every runtime. A beat never
+what is pending every `interval_s` as one statement executed for every runtime. A beat never
 overwrites a newer one already stored (another API process's, say). The runtime listing of
 this process flushes first, so what a runtime was told is recorded is what it reads back.
-Beats held when the store is away are kept (the newest per runtime) and written once it is
+Beats pending when the store is away are kept (the newest per runtime) and written once it is
 back; a process that dies loses at most one interval of beats, which the next beats replace.
 """
 
@@ -33,7 +33,7 @@ from exitplane.wire import Heartbeat
 log = logging.getLogger("exitplane.api")
 
 _TABLE = Runtime.__table__
-# Executed once per held beat (executemany); the last_seen guard keeps a newer stored beat.
+# Executed once per pending beat (executemany); the last_seen guard keeps a newer stored beat.
 _WRITE = (update(_TABLE)
           .where(_TABLE.c.deployment_id == bindparam("beat_deployment"),
                  _TABLE.c.runtime_id == bindparam("beat_runtime"),
@@ -54,7 +54,7 @@ class HeartbeatBuffer:
         # (deployment, runtime) -> (first seen, the token that registered it, the version its
         # last stored beat applied)
         self._known: dict[tuple[int, str], tuple[datetime, int | None, int | None]] = {}
-        self._held: dict[tuple[int, str], dict] = {}
+        self._pending: dict[tuple[int, str], dict] = {}
         self._lock = threading.Lock()  # the event loop adds, the flusher and listings write
         self._write_lock = threading.Lock()  # one write at a time, in order
         self._stop = threading.Event()
@@ -78,7 +78,7 @@ class HeartbeatBuffer:
 
     def remember(self, deployment_id: int, runtime: RuntimeRead, token_id: int | None) -> None:
         """Note a runtime whose beat, sent with `token_id`, the store has just recorded: its
-        next beats with that token are held."""
+        next beats with that token are kept here for the next write."""
         if not self.enabled:
             return
         with self._lock:
@@ -93,39 +93,39 @@ class HeartbeatBuffer:
         with self._lock:
             for runtime_id in runtime_ids:
                 self._known.pop((deployment_id, runtime_id), None)
-                self._held.pop((deployment_id, runtime_id), None)
+                self._pending.pop((deployment_id, runtime_id), None)
 
-    def hold(self, deployment_id: int, beat: Heartbeat, now: datetime,
+    def keep(self, deployment_id: int, beat: Heartbeat, now: datetime,
              first_seen: datetime) -> RuntimeRead:
         """Keep the beat for the next write; the runtime as it will read once written."""
         fields = beat_fields(beat, now)
         with self._lock:
-            self._held[(deployment_id, beat.runtime_id)] = fields
+            self._pending[(deployment_id, beat.runtime_id)] = fields
         self._start()
         return RuntimeRead(runtime_id=beat.runtime_id, first_seen=first_seen, **fields)
 
     def flush(self) -> int:
-        """Write every held beat (blocking); how many. When the store is away the beats stay
-        held (a newer one of the same runtime wins) and the error is raised. When the store
+        """Write every pending beat (blocking); how many. When the store is away the beats stay
+        pending (a newer one of the same runtime wins) and the error is raised. When the store
         refuses a beat's data, the beats are written one by one and the refused one dropped,
         so one runtime's beat cannot keep every other runtime's from the store."""
         with self._write_lock:
             with self._lock:
-                held, self._held = self._held, {}
-            if not held:
+                pending, self._pending = self._pending, {}
+            if not pending:
                 return 0
             rows = [dict(fields, beat_deployment=deployment_id, beat_runtime=runtime_id,
                          beat_seen=fields["last_seen"])
-                    for (deployment_id, runtime_id), fields in held.items()]
+                    for (deployment_id, runtime_id), fields in pending.items()]
             try:
                 self._write(rows)
             except Exception as error:
                 if not store_away(error):
-                    return self._write_one_by_one(rows, held)
-                self._hold_again(held)
+                    return self._write_one_by_one(rows, pending)
+                self._keep_again(pending)
                 raise
             except BaseException:
-                self._hold_again(held)
+                self._keep_again(pending)
                 raise
             return len(rows)
 
@@ -151,11 +151,11 @@ class HeartbeatBuffer:
             for key in keys - stored:
                 self._known.pop(key, None)
 
-    def _hold_again(self, held: dict) -> None:
+    def _keep_again(self, pending: dict) -> None:
         with self._lock:
-            self._held = held | self._held
+            self._pending = pending | self._pending
 
-    def _write_one_by_one(self, rows: list[dict], held: dict) -> int:
+    def _write_one_by_one(self, rows: list[dict], pending: dict) -> int:
         written = 0
         for index, row in enumerate(rows):
             try:
@@ -163,8 +163,8 @@ class HeartbeatBuffer:
                 written += 1
             except Exception as error:
                 if store_away(error):
-                    keys = list(held)[index:]
-                    self._hold_again({key: held[key] for key in keys})
+                    keys = list(pending)[index:]
+                    self._keep_again({key: pending[key] for key in keys})
                     raise
                 log.warning("heartbeat of runtime %r dropped: the store refused it (%s: %s)",
                             row["beat_runtime"], type(error).__name__, error)
@@ -186,7 +186,7 @@ class HeartbeatBuffer:
                 log.warning("could not write held heartbeats: %s", type(error).__name__)
 
     def close(self) -> None:
-        """Stop the flusher and write what is held (best effort)."""
+        """Stop the flusher and write what is pending (best effort)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -62,7 +62,7 @@ def test_a_held_beat_never_overwrites_a_newer_stored_one(engine, tokens, setting
     buffer = HeartbeatBuffer(session_factory(engine), interval_s=60)
     buffer.remember(deployment_id, first, None)
     held_at = utcnow()
-    buffer.hold(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=2), held_at,
+    buffer.keep(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=2), held_at,
                 first.first_seen)
     # Meanwhile another API process stores a later beat of the same runtime.
     with Session(engine) as session:
@@ -73,7 +73,7 @@ def test_a_held_beat_never_overwrites_a_newer_stored_one(engine, tokens, setting
     assert buffer.flush() == 1
     assert _stored(engine, "rt-1").applied_version == 3
     # A held beat later than the stored one is written.
-    buffer.hold(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=4),
+    buffer.keep(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=4),
                 utcnow() + timedelta(seconds=1), first.first_seen)
     assert buffer.flush() == 1
     assert _stored(engine, "rt-1").applied_version == 4
@@ -96,7 +96,7 @@ def test_beats_held_through_a_store_outage_are_written_once_it_is_back(engine, t
 
     buffer = HeartbeatBuffer(store, interval_s=60)
     buffer.remember(deployment_id, first, None)
-    buffer.hold(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=2), utcnow(),
+    buffer.keep(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=2), utcnow(),
                 first.first_seen)
     try:
         buffer.flush()
@@ -105,7 +105,7 @@ def test_beats_held_through_a_store_outage_are_written_once_it_is_back(engine, t
     else:
         raise AssertionError("a flush with the store away must say so")
     # A newer beat of the same runtime replaces the one held; the store comes back.
-    buffer.hold(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=5), utcnow(),
+    buffer.keep(deployment_id, Heartbeat(runtime_id="rt-1", applied_version=5), utcnow(),
                 first.first_seen)
     away["now"] = False
     assert buffer.flush() == 1
