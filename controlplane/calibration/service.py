@@ -256,6 +256,7 @@ def expected_metrics(result: CalibrationResult) -> dict:
 
 def record_shortage(*, job: CalibrationJob, shortage: NotEnoughShadowData,
                      policy: CalibrationPolicy, now: datetime) -> None:
+    """Too few shadow samples: the job waits for more, or fails once it waited `wait_max`."""
     job.summary = {**_kept(job),
                    "counts": {str(k): v for k, v in shortage.counts.items()},
                    "required": shortage.required}
@@ -274,6 +275,7 @@ def _kept(job: CalibrationJob) -> dict:
 
 
 def record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
+    """The selection's per-layer figures, its curve and its summary, on the job."""
     job.layers = [{"layer": lc.layer, "threshold": lc.threshold, "risk": lc.risk,
                    "risk_bound": lc.risk_bound, "p_value": lc.p_value,
                    "exit_rate": lc.exit_rate, "conditional_exit_rate": lc.conditional_exit_rate,
@@ -332,5 +334,6 @@ def publish_refusal(*, result: CalibrationResult, deployment: Deployment) -> str
 
 
 def finish(job: CalibrationJob, status: str, reason: str, now: datetime) -> None:
+    """Close the job with `status` and why."""
     job.status, job.status_reason = status, reason
     job.finished_at = job.updated_at = now
