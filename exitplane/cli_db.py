@@ -8,6 +8,7 @@ import re
 
 import click
 
+from exitplane.ops.api import REFUSED
 from exitplane.ops.api import fail as _fail
 
 
@@ -118,32 +119,36 @@ def db_downgrade(revision: str, as_sql: bool, from_revision: str | None, yes: bo
     click.echo(f"database at {_redact(url)} is at {revision}")
 
 
-def _current(url: str) -> list[str]:
-    from alembic.runtime.migration import MigrationContext
-
+def _current(url: str) -> frozenset[str]:
     from controlplane.db import make_engine
+    from controlplane.migrate import stored_revisions
 
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
-            return list(MigrationContext.configure(connection).get_current_heads())
+            return stored_revisions(connection)
     finally:
         engine.dispose()
 
 
 @db.command("current")
 def db_current() -> None:
-    """The revision the configured database is at, and whether that is the newest (head)."""
+    """The revision the configured database is at, and whether that is the newest (head).
+    Exits 1 with one line when the database has no schema yet or is behind this release's
+    head (the API is not ready until `exitplane db upgrade` has run), 0 otherwise."""
+    from controlplane.migrate import head_revisions, not_migrated
+
     url = _url()
     at = _current(url)
-    heads = set(_script().get_heads())
-    if not at:
-        click.echo(f"database at {_redact(url)} has no schema yet; run `exitplane db upgrade`")
-        return
-    for revision in at:
+    heads = head_revisions()
+    for revision in sorted(at):
         click.echo(f"{revision}{' (head)' if revision in heads else ''}")
-    if set(at) != heads:
-        click.echo(f"the newest is {', '.join(sorted(heads))}: run `exitplane db upgrade`",
+    problem = not_migrated(at)
+    if problem:
+        _fail(f"database at {_redact(url)}: {problem}", REFUSED)
+    if at != heads:
+        click.echo(f"this release does not know {', '.join(sorted(at - heads))} (a newer "
+                   f"release migrated the database); its head is {', '.join(sorted(heads))}",
                    err=True)
 
 
