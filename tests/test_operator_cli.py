@@ -370,7 +370,7 @@ def test_db_commands_and_an_unreachable_database(sqlite_template, tmp_path, monk
     assert "(head)" in history[0] and history[-1].split(" <- ")[1].startswith("(base)")
     assert run("db", "current").stdout.strip() == f"{head} (head)"
     run("db", "downgrade", previous, "--yes")
-    assert run("db", "current").stdout.strip() == previous
+    assert run("db", "current", code=1).stdout.strip() == previous  # behind the head: exit 1
     run("db", "upgrade")
     assert run("db", "current").stdout.strip() == f"{head} (head)"
     run("db", "downgrade", "no-such-revision", "--yes", code=2)
