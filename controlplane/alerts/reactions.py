@@ -53,6 +53,11 @@ def register_recheck(recheck: Reaction, *, kinds: Iterable[AlertKind | str]) -> 
             registered.append(recheck)
 
 
+def rechecks_for(kind: AlertKind | str) -> list[Reaction]:
+    """The rechecks registered for `kind`, in registration order."""
+    return list(_rechecks.get(AlertKind(kind), ()))
+
+
 def clear() -> None:
     """Forget every registration (a test that checks what a process start installs)."""
     _registry.clear()
@@ -73,5 +78,5 @@ def react(*, session: Session, alert: Alert) -> None:
 def recheck(*, session: Session, alert: Alert, **evidence) -> None:
     """Run the rechecks registered for the alert's kind on an open alert seen again, with what
     the check measured this time."""
-    for reaction in list(_rechecks.get(AlertKind(alert.kind), ())):
+    for reaction in rechecks_for(alert.kind):
         reaction(session=session, alert=alert, **evidence)

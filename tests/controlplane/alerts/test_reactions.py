@@ -1,5 +1,6 @@
 """The alert reaction registry: the API and the Celery worker install the automatic
-fallback for the kinds it answers; the alerts domain runs what is registered, in order."""
+fallback for the kinds it answers and its recheck of a spike seen again; the alerts domain runs
+what is registered, in order."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ PROBE = """
 import json, sys
 from controlplane.alerts import reactions
 from controlplane.alerts.kinds import AlertKind
-from controlplane.flows.fallback import react_to_alert
-before = {{k.value: len(reactions.reactions_for(k)) for k in AlertKind}}
+from controlplane.flows.fallback import react_to_alert, recheck_spike
+before = {{k.value: len(reactions.reactions_for(k)) + len(reactions.rechecks_for(k))
+          for k in AlertKind}}
 {build}
 print(json.dumps({{"before": before, "after": {{k.value: [f is react_to_alert
-    for f in reactions.reactions_for(k)] for k in AlertKind}}}}))
+    for f in reactions.reactions_for(k)] for k in AlertKind}},
+    "rechecks": {{k.value: [f is recheck_spike for f in reactions.rechecks_for(k)]
+                 for k in AlertKind if reactions.rechecks_for(k)}}}}))
 """
 
 
@@ -47,6 +51,7 @@ def _assert_fallback_installed(found: dict) -> None:
         assert found["after"][kind] == [True]  # the fallback, once
     assert found["after"]["distribution_drift"] == []
     assert found["after"]["canary_failed"] == []
+    assert found["rechecks"] == {"exit_rate_spike": [True]}  # a spike seen again, re-judged
 
 
 @pytest.mark.slow  # a fresh Python process
@@ -63,12 +68,16 @@ def test_the_celery_worker_app_installs_the_fallback(tmp_path):
 @pytest.fixture
 def empty_registry():
     saved = {kind: reactions.reactions_for(kind) for kind in AlertKind}
+    saved_rechecks = {kind: reactions.rechecks_for(kind) for kind in AlertKind}
     reactions.clear()
     yield
     reactions.clear()
     for kind, registered in saved.items():
         for reaction in registered:
             reactions.register(reaction, kinds=[kind])
+    for kind, registered in saved_rechecks.items():
+        for recheck in registered:
+            reactions.register_recheck(recheck, kinds=[kind])
 
 
 def test_react_runs_the_reactions_of_the_alert_kind_in_order(empty_registry, caplog):
@@ -85,6 +94,18 @@ def test_react_runs_the_reactions_of_the_alert_kind_in_order(empty_registry, cap
     assert "installed no reactions" not in caplog.text
     with pytest.raises(ValueError):
         reactions.register(first, kinds=["no_such_kind"])
+
+
+def test_a_recheck_runs_for_its_kind_with_what_the_check_measured(empty_registry):
+    calls = []
+    recheck = lambda *, session, alert, **evidence: calls.append((alert.kind, evidence))  # noqa: E731
+    reactions.register_recheck(recheck, kinds=[AlertKind.EXIT_RATE_SPIKE])
+    reactions.register_recheck(recheck, kinds=[AlertKind.EXIT_RATE_SPIKE])  # again: still once
+    reactions.recheck(session=None, alert=SimpleNamespace(kind="exit_rate_spike"),
+                      quality_gate={"upper": 0.01})
+    reactions.recheck(session=None, alert=SimpleNamespace(kind="runtime_stale"),
+                      quality_gate={"upper": 0.01})
+    assert calls == [("exit_rate_spike", {"quality_gate": {"upper": 0.01}})]
 
 
 def test_an_alert_fired_where_nothing_is_installed_is_logged(empty_registry, caplog):
