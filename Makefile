@@ -56,6 +56,7 @@ test-fast: $(STAMP) services
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m scripts.import_graph
+	$(PY) -m scripts.layers
 
 clean:
 	rm -rf $(VENV) var build *.egg-info
