@@ -1,4 +1,5 @@
-"""The one definition of the database: declarative Base, engine and session factory."""
+"""The one definition of the database: declarative Base, engine, session factory and the
+request's unit of work (`SessionDep`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from fastapi import Depends, Request
 from sqlalchemy import JSON, DateTime, MetaData, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
@@ -177,3 +179,20 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One unit of work per request: commit when the route returns, roll back on error."""
+    session = request.app.state.session_factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+# scope="function": the commit happens before the response is sent, so a 2xx means stored.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from controlplane.auth import clients
 from controlplane.auth.models import User
 from controlplane.auth.users import has_role
-from controlplane.deps import SessionDep
+from controlplane.db import SessionDep
 from controlplane.errors import DomainError, Forbidden
 from controlplane.keys import secret_key
 

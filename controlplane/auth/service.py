@@ -84,7 +84,7 @@ def authenticate(*, session: Session, secret: str) -> Principal:
 
 def active_principals(*, session: Session, limit: int) -> dict[str, Principal]:
     """Digest -> principal of every token not revoked (at most `limit`, oldest first), in one
-    read: the API's token cache refreshes from it (controlplane/deps.py)."""
+    read: the API's token cache refreshes from it (controlplane/auth/deps.py)."""
     rows = session.execute(select(ApiToken.token_hash, ApiToken.id, ApiToken.name,
                                   ApiToken.scope, ApiToken.deployment_id)
                            .where(ApiToken.revoked_at.is_(None))

@@ -8,8 +8,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 
+from controlplane.auth.deps import OperatorPrincipal, get_principal
+from controlplane.db import SessionDep
 from controlplane.deployments import segments, service
-from controlplane.deployments.delivery import ConfigDelivery
+from controlplane.deployments.access import RuntimePrincipal
+from controlplane.deployments.delivery import (
+    MAX_WAIT_S,
+    ConfigDelivery,
+    etag_matches,
+    long_poll_timeout,
+    pull_headers,
+)
 from controlplane.deployments.models import Deployment, ThresholdSet
 from controlplane.deployments.schemas import (
     AliasMove,
@@ -26,18 +35,10 @@ from controlplane.deployments.schemas import (
     ThresholdSetRead,
     UndeclaredTraffic,
 )
-from controlplane.deps import (
-    MeteredRoute,
-    OperatorPrincipal,
-    RuntimePrincipal,
-    SessionDep,
-    get_principal,
-    rate_limited,
-)
 from controlplane.errors import RUNTIME_ERRORS, RateLimited, error_answer
 from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdSetWire
 
-router = APIRouter(prefix="/v1/deployments", tags=["deployments"], route_class=MeteredRoute)
+router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 
 
 def _deployment_read(session, deployment: Deployment) -> DeploymentRead:
@@ -231,21 +232,13 @@ def remove_segment(name: str, segment: SegmentPath, session: SessionDep,
     return DeclaredSegmentRead.model_validate(row)
 
 
-def _etag_matches(header: str | None, checksum: str) -> bool:
-    if not header:
-        return False
-    candidates = {tag.strip().removeprefix("W/").strip('"') for tag in header.split(",")}
-    return "*" in candidates or checksum in candidates
-
-
 @router.get("/{name}/thresholds", response_model=ThresholdSetWire,
             responses={304: {"description": "the runtime already applies this set"},
-                       **RUNTIME_ERRORS},
-            dependencies=[rate_limited("pull")])
+                       **RUNTIME_ERRORS})
 async def pull_thresholds(
     name: str, request: Request, principal: RuntimePrincipal,
     runtime_id: Annotated[str, Query(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)],
-    wait: Annotated[float, Query(ge=0, le=300, description="long-poll seconds")] = 0,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="long-poll seconds")] = 0,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """The set this runtime should apply; 304 if its ETag is current; `wait` long-polls."""
@@ -253,8 +246,8 @@ async def pull_thresholds(
     state = await delivery.current(name)
     principal.require_deployment(state.deployment_id)
     chosen = state.for_runtime(runtime_id)
-    if wait > 0 and _etag_matches(if_none_match, chosen.checksum):
-        timeout = min(wait, request.app.state.settings.long_poll_max_s)
+    if wait > 0 and etag_matches(if_none_match, chosen.checksum):
+        timeout = long_poll_timeout(wait, request.app.state.settings)
         with delivery.holding(principal.token_id) as held:
             if not held:
                 raise RateLimited(
@@ -267,9 +260,9 @@ async def pull_thresholds(
         principal = await get_principal(request)
         principal.require_deployment(state.deployment_id)
         chosen = state.for_runtime(runtime_id)
-    headers = {"ETag": f'"{chosen.checksum}"', "Cache-Control": "no-cache",
-               "X-Exitplane-Version": str(chosen.version)}
-    if _etag_matches(if_none_match, chosen.checksum):
-        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
-    return Response(content=state.body(chosen), media_type="application/json",
-                    headers=headers)
+    if etag_matches(if_none_match, chosen.checksum):
+        response = Response(status_code=status.HTTP_304_NOT_MODIFIED)
+    else:
+        response = Response(content=state.body(chosen), media_type="application/json")
+    response.raw_headers.extend(pull_headers(chosen.checksum, chosen.version))
+    return response

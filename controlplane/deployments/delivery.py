@@ -1,4 +1,6 @@
-"""Config delivery: which threshold set each runtime should apply, cached, with long-poll.
+"""Config delivery: which threshold set each runtime should apply, cached, with long-poll, and
+the rules of a pull (ETag match, headers, the wait) that the pull route and the edge's fast
+path both apply.
 
 The resolved state of a deployment (active set, canary set and fraction) is cached for
 `ttl` seconds per API process. A commit that moves an alias announces it on the notification
@@ -21,7 +23,6 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 from anyio import to_thread
 from sqlalchemy import select
@@ -30,13 +31,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.coordination.bus import Bus
 from controlplane.deployments.models import Alias, Deployment, ThresholdSet
 from controlplane.deployments.service import get_deployment, in_canary, to_wire
-from controlplane.observability import (
-    http_request_duration,
-    long_poll_waited,
-    route_template,
-)
-from exitplane.kit.logs import new_request_id, request_id_var
-from exitplane.wire import RUNTIME_ID, ThresholdSetWire
+from controlplane.observability import long_poll_waited
+from exitplane.wire import ThresholdSetWire
 
 log = logging.getLogger("exitplane.delivery")
 
@@ -252,7 +248,6 @@ class ConfigDelivery:
                 wake.set()
 
 
-
 @functools.lru_cache(maxsize=16_384)
 def _in_canary(runtime_id: str, fraction: float) -> bool:
     """`in_canary`, hashed once per runtime and fraction (a runtime pulls for its whole life)."""
@@ -267,220 +262,30 @@ def _log_failed_read(refresh: asyncio.Future) -> None:
                     type(refresh.exception()).__name__)
 
 
-class NotModifiedFastPath:
-    """Pure-ASGI answers for the hottest requests in the system: a runtime polling with its
-    current ETag, without (304 at once) or with a long-poll (`wait`: held here until its set
-    changes or the wait ends, then 200 with the new set or 304). When the caller's token and
-    the deployment's state are both in the caches, the pull never enters FastAPI; anything
-    else (a miss, a changed set, a bad token or parameter, an error while waiting) falls
-    through to the full route, which decides.
-
-    Why long-polls too: a fleet holds one per runtime at all times, and through the router each
-    held one kept ~250 objects alive (32 coroutines) for its whole wait; at 1,000 runtimes the
-    collector's full passes over them paused each API process 50-300 ms every few seconds,
-    the tail of every other request (bench/fleet.py's probe: exitplane_gc_pause_seconds).
-
-    With `front=True` the instance stands before the request context (request id, duration,
-    access line; the app places it there only while no access line is written): it answers
-    plain pulls (no `wait`) with the context's request id header and duration sample, at a
-    fraction of the context's cost per request, and hands everything else on to the context
-    (and the instance behind it, which holds the long-polls)."""
-
-    def __init__(self, app, *, delivery: ConfigDelivery, principals, digest, limiter,
-                 long_poll_max_s: float = 60.0, route=None, front: bool = False) -> None:
-        self.app = app
-        self.delivery = delivery
-        self.principals = principals
-        self.digest = digest
-        self.limiter = limiter
-        self.long_poll_max_s = long_poll_max_s
-        self.front = front
-        self._route = route  # the pull's APIRoute: metrics and logs name the route as before
-        # Query string -> (runtime id, wait), or None when the route must answer (422): a
-        # runtime repeats the same query for its whole life, so it is parsed once.
-        self._queries: dict[bytes, tuple[str, float] | None] = {}
-        self._durations: dict[str, object] = {}  # root path -> the 304's duration histogram
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET":
-            path: str = scope["path"]
-            if path.startswith("/v1/deployments/") and path.endswith("/thresholds"):
-                if self.front:
-                    if await self._answer_in_front(scope, send):
-                        return
-                else:
-                    pull = self._check(scope)
-                    if pull is not None and (self.limiter.rate <= 0
-                                             or await self._within_rate(pull)):
-                        await self._serve(pull, scope, receive, send)
-                        return
-        await self.app(scope, receive, send)
-
-    async def _answer_in_front(self, scope, send) -> bool:
-        """Answer a plain pull's 304 as the request context would (its request id header,
-        its duration sample); False when the context and what lies behind it answer."""
-        started = time.perf_counter()
-        pull = self._check(scope)
-        if pull is None or pull.wait > 0:
-            return False
-        request_id = new_request_id(pull.request_id)
-        token = request_id_var.set(request_id)  # a line logged meanwhile names the request
-        try:
-            if self.limiter.rate > 0 and not await self._within_rate(pull):
-                return False  # the route answers 429
-            await send({"type": "http.response.start", "status": 304, "headers": [
-                *_etag_headers(pull.chosen.checksum, pull.chosen.version),
-                (b"x-request-id", request_id.encode())]})
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            request_id_var.reset(token)
-        self._duration(scope).observe(time.perf_counter() - started)
-        return True
-
-    def _duration(self, scope):
-        """The duration histogram of a 304 on the pull route, as the request context labels it."""
-        root = scope.get("root_path", "")
-        child = self._durations.get(root)
-        if child is None:
-            child = http_request_duration.labels(
-                "GET", route_template({"route": self._route, "root_path": root}), "304")
-            if len(self._durations) < 16:
-                self._durations[root] = child
-        return child
-
-    async def _serve(self, pull: _Pull, scope, receive, send) -> None:
-        """Answer `pull` (held first while it long-polls), or hand it to the route."""
-        chosen, body = pull.chosen, None
-        if pull.wait > 0:
-            with self.delivery.holding(pull.token_id) as held:
-                if not held:  # past the token's cap: the route answers 429
-                    await self.app(scope, receive, send)
-                    return
-                try:
-                    state = await self.delivery.wait_for_change(
-                        pull.name, pull.runtime_id, chosen.checksum,
-                        min(pull.wait, self.long_poll_max_s))
-                except Exception:  # the store went away: the route answers
-                    await self.app(scope, receive, send)
-                    return
-            latest = state.for_runtime(pull.runtime_id)
-            if latest.checksum != chosen.checksum:
-                # The token may have been revoked (or its cached lookup aged out) while the
-                # poll was held: a new set goes out only to a caller still allowed now;
-                # otherwise the route looks the token up and answers (401 when revoked).
-                if self._allowed(pull.token_key, state) is None:
-                    await self.app(scope, receive, send)
-                    return
-                chosen, body = latest, state.body(latest).encode()
-        scope["route"] = self._route
-        await _answer(send, chosen, body)
-
-    def _allowed(self, token_key: str, state: DeliveryState):
-        """The cached principal of `token_key` if it may pull `state`'s deployment, else None.
-        peek: this path never extends a cached principal's life (revocation must hold)."""
-        principal = self.principals.peek(token_key)
-        if principal is None or (principal.scope == "runtime"
-                                 and principal.deployment_id != state.deployment_id):
-            return None
-        return principal
-
-    async def _within_rate(self, pull: _Pull) -> bool:
-        """Take the pull from its token's rate limit; False when the route must answer 429.
-        Callers skip the call while no limit is set (`rate` 0): there is nothing to take."""
-        return await self.limiter.retry_after(str(pull.token_id)) is None
-
-    def _query(self, raw: bytes) -> tuple[str, float] | None:
-        """(runtime id, wait) of a query string, or None when the route must say what is wrong
-        (remembered for short query strings, a bounded number of them)."""
-        known = self._queries.get(raw, _UNPARSED)
-        if known is not _UNPARSED:
-            return known
-        query = dict(part.partition("=")[::2]
-                     for part in raw.decode("latin-1").split("&") if part)
-        runtime_id = query.get("runtime_id", "")
-        wait = _wait_seconds(query.get("wait", "0"))
-        parsed = None if wait is None or not RUNTIME_ID.fullmatch(runtime_id) \
-            else (runtime_id, wait)
-        if len(raw) <= _QUERY_KEPT_BYTES:
-            if len(self._queries) >= _QUERIES_KEPT:
-                self._queries.clear()
-            self._queries[raw] = parsed
-        return parsed
-
-    def _check(self, scope) -> _Pull | None:
-        """The pull if this path may answer it (before the token's rate limit); None for the
-        route."""
-        name = scope["path"][len("/v1/deployments/"):-len("/thresholds")]
-        state = self.delivery.cached(name)
-        if state is None:
-            return None
-        query = self._query(scope["query_string"])
-        if query is None:
-            return None  # the route's own 422 says what is wrong
-        auth = etag = request_id = None
-        for key, value in scope["headers"]:
-            if key == b"authorization":
-                auth = value.decode("latin-1")
-            elif key == b"if-none-match":
-                etag = value.decode("latin-1")
-            elif key == b"x-request-id":
-                request_id = value.decode("latin-1")
-        if not auth or not etag or auth[:7].lower() != "bearer ":
-            return None
-        token_key = self.digest(auth[7:].strip())
-        principal = self._allowed(token_key, state)
-        if principal is None:
-            return None
-        runtime_id, wait = query
-        chosen = state.for_runtime(runtime_id)
-        if etag.strip().removeprefix("W/").strip('"') != chosen.checksum:
-            return None
-        return _Pull(name=name, runtime_id=runtime_id, chosen=chosen, wait=wait,
-                     token_id=principal.token_id, token_key=token_key, request_id=request_id)
+# The longest wait (seconds) a pull may ask for; EXITPLANE_LONG_POLL_MAX_S caps what it gets.
+MAX_WAIT_S = 300
 
 
-class _Pull(NamedTuple):
-    """A pull the fast path answers: the deployment, the runtime, the set it holds, the
-    seconds it may wait, its token's id and cache key, the request id it offered."""
-
-    name: str
-    runtime_id: str
-    chosen: ThresholdSetWire
-    wait: float
-    token_id: int
-    token_key: str
-    request_id: str | None = None
-
-
-_UNPARSED = object()
-_QUERIES_KEPT = 16_384  # query strings remembered per process (then forgotten at once)
-_QUERY_KEPT_BYTES = 256  # a runtime id is at most 128 characters
+def etag_matches(if_none_match: str | None, checksum: str) -> bool:
+    """Whether an If-None-Match value names the set of `checksum`: one entity tag or a list,
+    weak (`W/"..."`) or strong, or `*`."""
+    if not if_none_match:
+        return False
+    if "," not in if_none_match:  # one tag, as runtimes send it: no list built
+        tag = if_none_match.strip().removeprefix("W/").strip('"')
+        return tag == checksum or tag == "*"
+    tags = {tag.strip().removeprefix("W/").strip('"') for tag in if_none_match.split(",")}
+    return "*" in tags or checksum in tags
 
 
 @functools.lru_cache(maxsize=256)
-def _etag_headers(checksum: str, version: int) -> tuple[tuple[bytes, bytes], ...]:
-    """The headers of every answer for one set (built once per set, not per request)."""
+def pull_headers(checksum: str, version: int) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers of every pull answer (200 or 304) for one set: its ETag, `no-cache` and its
+    version (built once per set, not per request)."""
     return ((b"etag", f'"{checksum}"'.encode()), (b"cache-control", b"no-cache"),
             (b"x-exitplane-version", str(version).encode()))
 
 
-async def _answer(send, chosen: ThresholdSetWire, body: bytes | None) -> None:
-    """304 for `chosen` without a body, else 200 with `body` (its JSON)."""
-    headers = _etag_headers(chosen.checksum, chosen.version)
-    if body is None:
-        await send({"type": "http.response.start", "status": 304, "headers": list(headers)})
-        await send({"type": "http.response.body", "body": b""})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [
-        *headers, (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _wait_seconds(raw: str) -> float | None:
-    """The `wait` parameter as the route reads it (0 to 300 seconds), else None."""
-    try:
-        wait = float(raw) if raw else 0.0
-    except ValueError:
-        return None
-    return wait if 0 <= wait <= 300 else None
+def long_poll_timeout(wait: float, settings) -> float:
+    """How long a pull asking to `wait` seconds is held: at most EXITPLANE_LONG_POLL_MAX_S."""
+    return min(wait, settings.long_poll_max_s)

@@ -1,17 +1,17 @@
 """Pure-ASGI answers for the requests a fleet sends most: `POST /v1/telemetry` and
 `POST /v1/deployments/{name}/heartbeats`.
 
-At fleet scale the API's cost is per request, and much of it was FastAPI's routing, dependency
+At fleet scale the API's cost is per request, and much of it is FastAPI's routing, dependency
 solving and response serialisation around work the services do anyway. This layer sits inside
 the body-size gate and inside the request-id/metrics middleware, and does what the routes'
 dependencies do, in the same order and with the same functions: the bearer token
-(`resolve_principal`, the same cache), the token's rate limit (the same shared bucket), the
-runtime scope. These come from the headers alone, before a byte of the body is read: a caller
-without a valid token, past its rate or without the runtime scope is answered 401, 429 or 403
-and never has its body read (the gate counts it against the route's limit as it is read). A
-telemetry body over SMALL_BODY_BYTES, or of unknown length, then needs one of the process's
-decode slots and its share of the decode budget (`DecodeBudget`: 429 with Retry-After when
-either is taken).
+(`resolve_principal`, the same cache), the token's rate limit (the shared bucket the route's
+policy names), the runtime scope. These come from the headers alone, before a byte of the body
+is read: a caller without a valid token, past its rate or without the runtime scope is answered
+401, 429 or 403 and never has its body read (the gate counts it against the route's limit as
+it is read). A telemetry body over SMALL_BODY_BYTES, or of unknown length, then needs one of the
+process's decode slots and its share of the decode budget (`DecodeBudget`: 429 with Retry-After
+when either is taken).
 
 The route's own work follows on a worker thread of the layer's own, except that with Redis a
 small telemetry batch whose deployment this process has cached is decoded, checked and
@@ -35,23 +35,22 @@ from anyio import CapacityLimiter, to_thread
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from controlplane.auth.deps import cached_principal, resolve_principal
 from controlplane.auth.service import Principal
 from controlplane.db import utcnow
-from controlplane.deps import (
-    RATE_TAKEN,
-    cached_principal,
-    check_rate,
-    check_rate_blocking,
-    resolve_principal,
-    visible_deployment,
-)
+from controlplane.deployments.access import visible_deployment
+from controlplane.edge.answers import closing, send_json
+from controlplane.edge.body import ClientLeft, read_body, replay
+from controlplane.edge.handlers import handler_for
 from controlplane.errors import DomainError
+from controlplane.guards.budgets import SMALL_BODY_BYTES
+from controlplane.guards.policy import RoutePolicy, match, policy_for
+from controlplane.guards.rates import RATE_TAKEN, check_rate, check_rate_blocking
 from controlplane.runtimes import service as runtimes
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.telemetry import stream
 from controlplane.telemetry.api import (
-    SMALL_BODY_BYTES,
     checked_from_cache,
     queued_ack,
     refused,
@@ -62,27 +61,10 @@ from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.schemas import IngestAck
 from exitplane.wire import Heartbeat
 
-TELEMETRY_PATH = "/v1/telemetry"
-HEARTBEATS = ("/v1/deployments/", "/heartbeats")  # around the deployment's name
-
-
-def _heartbeat_name(path: str) -> str | None:
-    """The deployment's name in a heartbeat path, else None."""
-    if path.startswith(HEARTBEATS[0]) and path.endswith(HEARTBEATS[1]):
-        name = path[len(HEARTBEATS[0]):-len(HEARTBEATS[1])]
-        if name and "/" not in name:
-            return name
-    return None
-
-
-def reads_after_auth(path: str) -> bool:
-    """Whether the route at `path` (telemetry, heartbeats) checks its caller from the headers
-    before it reads the body (the body gate then counts the body as it is read)."""
-    return path == TELEMETRY_PATH or _heartbeat_name(path) is not None
-
-
-class _ClientLeft(Exception):
-    """The client disconnected before its body was complete: nobody to answer."""
+# The routes served here, by their policies (controlplane/guards/policy.py): the bucket each
+# takes from, the body read after the caller is checked.
+TELEMETRY = policy_for("POST", "/v1/telemetry")
+HEARTBEAT = policy_for("POST", "/v1/deployments/{name}/heartbeats")
 
 
 class TelemetryFastPath:
@@ -99,20 +81,21 @@ class TelemetryFastPath:
         self._limiter: tuple[object, CapacityLimiter] | None = None  # (its loop, it)
         # The routes' APIRoutes: request metrics, logs and traces name the route as before.
         [self._telemetry] = [route for route in telemetry_router.routes
-                             if route.path == TELEMETRY_PATH and "POST" in route.methods]
+                             if route.path == TELEMETRY.template and "POST" in route.methods]
         [self._heartbeat] = [route for route in runtimes_router.routes
-                             if route.path == "".join((HEARTBEATS[0], "{name}", HEARTBEATS[1]))
-                             and "POST" in route.methods]
+                             if route.path == HEARTBEAT.template and "POST" in route.methods]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path == TELEMETRY_PATH:
+        route = match("POST", scope["path"].removeprefix(scope.get("root_path", "")))
+        if route is None:
+            await self.app(scope, receive, send)
+        elif route.policy is TELEMETRY:
             await self._telemetry_post(scope, receive, send)
-        elif (name := _heartbeat_name(path)) is not None:
-            await self._heartbeat_post(scope, receive, send, name)
+        elif route.policy is HEARTBEAT:
+            await self._heartbeat_post(scope, receive, send, route.params["name"])
         else:
             await self.app(scope, receive, send)
 
@@ -124,9 +107,9 @@ class TelemetryFastPath:
         read: list[bool] = []  # the body was read whole
 
         async def serve() -> IngestAck:
-            principal = await _caller(state, authorization, "ingest", pool)
+            principal = await _caller(state, authorization, TELEMETRY, pool)
             with state.telemetry_decodes.held(length) as charge:
-                body = await _read_body(receive)
+                body = await read_body(receive)
                 read.append(True)
                 if len(body) <= SMALL_BODY_BYTES and state.redis_async is not None:
                     answer = await _serve_on_loop(state, principal, content_type, body)
@@ -144,8 +127,8 @@ class TelemetryFastPath:
         read: list[bool] = []
 
         async def serve() -> RuntimeRead | None:
-            principal = await _caller(state, authorization, "heartbeat", pool)
-            body = await _read_body(receive)
+            principal = await _caller(state, authorization, HEARTBEAT, pool)
+            body = await read_body(receive)
             read.append(True)
             beat = _plain_heartbeat(content_type, body)
             if beat is None:
@@ -158,8 +141,8 @@ class TelemetryFastPath:
         if not await _answer(scope, receive, send, 200, serve,
                              body_read=lambda: bool(read)) and refused:
             # The route parses and refuses it, with FastAPI's own 422; its rate is taken.
-            scope[RATE_TAKEN] = "heartbeat"
-            await self.app(scope, _replay(refused[0], receive), send)
+            scope[RATE_TAKEN] = HEARTBEAT.bucket
+            await self.app(scope, replay(refused[0], receive), send)
 
     def _pool(self) -> CapacityLimiter:
         """The limiter, made on the running event loop (a test may serve from several)."""
@@ -182,22 +165,24 @@ def _headers(scope) -> tuple[str, str | None, str | None]:
     return authorization or "", content_type, length
 
 
-async def _caller(state, authorization: str, kind: str, pool: CapacityLimiter) -> Principal:
+async def _caller(state, authorization: str, policy: RoutePolicy,
+                  pool: CapacityLimiter) -> Principal:
     """The caller from the headers alone, as the routes' dependencies check it and in their
-    order: its token (401), its `kind` rate (429), the runtime scope (403). On the event loop
-    when the token cache holds the token, else on a worker thread (the lookup blocks)."""
+    order: its token (401), its rate (429, as `policy` says), the runtime scope (403). On the
+    event loop when the token cache holds the token, else on a worker thread (the lookup
+    blocks)."""
     principal = cached_principal(state, authorization)
     if principal is None:
-        return await to_thread.run_sync(_caller_blocking, state, authorization, kind,
+        return await to_thread.run_sync(_caller_blocking, state, authorization, policy,
                                         limiter=pool)
-    await check_rate(state, kind, principal)
+    await check_rate(state, policy, principal)
     principal.require("runtime")
     return principal
 
 
-def _caller_blocking(state, authorization: str, kind: str) -> Principal:
+def _caller_blocking(state, authorization: str, policy: RoutePolicy) -> Principal:
     principal = resolve_principal(state, authorization)
-    check_rate_blocking(state, kind, principal)
+    check_rate_blocking(state, policy, principal)
     principal.require("runtime")
     return principal
 
@@ -212,22 +197,18 @@ async def _answer(scope, receive, send, status: int, serve,
     api = scope["app"]
     try:
         answer: BaseModel | None = await serve()
-    except _ClientLeft:
+    except ClientLeft:
         return True
     except Exception as error:
-        handler = _handler_for(api.exception_handlers, error)
+        handler = handler_for(api.exception_handlers, error)
         if handler is None:
             raise  # as in the route: the server-error middleware answers 500
         response = await handler(Request(scope, receive), error)
-        await response(scope, receive, send if body_read() else _closing(send))
+        await response(scope, receive, send if body_read() else closing(send))
         return True
     if answer is None:
         return False
-    payload = answer.model_dump_json().encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-length", str(len(payload)).encode()),
-                            (b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": payload})
+    await send_json(send, status, answer.model_dump_json().encode())
     return True
 
 
@@ -323,50 +304,3 @@ def _plain_heartbeat(content_type: str | None, body: bytes) -> Heartbeat | None:
         return Heartbeat.model_validate(payload) if isinstance(payload, dict) else None
     except (ValueError, ValidationError, RecursionError):  # nested too deep to decode
         return None
-
-
-def _replay(body: bytes, receive):
-    """A receive channel that hands `body` on once, then the client's own messages."""
-    replayed = False
-
-    async def replay():
-        nonlocal replayed
-        if replayed:
-            return await receive()
-        replayed = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
-async def _read_body(receive) -> bytes:
-    """The whole body (the gate outside counts it against the route's limit); _ClientLeft
-    when the client disconnected first."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientLeft
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _closing(send):
-    """`send` with `connection: close` on the answer's head."""
-    async def closing(message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []),
-                                              (b"connection", b"close")]}
-        await send(message)
-
-    return closing
-
-
-def _handler_for(handlers: dict, error: Exception):
-    """The app's handler for `error`'s class or its nearest base, as Starlette looks it up."""
-    for cls in type(error).__mro__:
-        if cls in handlers:
-            return handlers[cls]
-    return None

@@ -11,10 +11,10 @@ from sqlalchemy.orm import Session
 from controlplane.auth import service as tokens
 from controlplane.auth import users
 from controlplane.auth.models import ROLES, SCOPES
-from controlplane.auth.passwords import PasswordChecks
+from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
-from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid
+from controlplane.guards.password_checks import PasswordChecks
 from dashboards.security import Admin, Csrf
 from dashboards.templating import render
 from dashboards.views import attempt

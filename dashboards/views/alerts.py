@@ -15,9 +15,9 @@ from controlplane.alerts import service as alerts
 from controlplane.alerts.models import HOOK_KINDS, KINDS, SEVERITIES
 from controlplane.alerts.reports import REPORT_HEADERS, report_html
 from controlplane.alerts.schemas import HookCreate
+from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.models import Deployment
-from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid
 from dashboards.security import Admin, Csrf, Operator, Viewer, actor
 from dashboards.templating import redirect, render

@@ -10,9 +10,8 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import Response
 
 from controlplane.calibration import service as calibration
-from controlplane.db import utcnow
+from controlplane.db import SessionDep, utcnow
 from controlplane.deployments import service as thresholds
-from controlplane.deps import SessionDep
 from controlplane.errors import Invalid
 from controlplane.flows import recalibration
 from controlplane.flows.canary import running_canary

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, Response
 
 from controlplane.alerts import service as alerts
+from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
-from controlplane.deps import SessionDep
 from controlplane.errors import Invalid, NotFound
 from controlplane.runtimes.lineage import mismatched_runtime_ids
 from controlplane.runtimes.outliers import list_outliers

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import Response
 
+from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
-from controlplane.deps import SessionDep
 from controlplane.errors import Invalid
 from controlplane.runtimes import outliers
 from dashboards.security import Csrf, Operator, actor

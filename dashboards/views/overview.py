@@ -11,10 +11,9 @@ from markupsafe import Markup
 from sqlalchemy.orm import Session
 
 from controlplane.alerts import service as alerts
-from controlplane.db import utcnow
+from controlplane.db import SessionDep, utcnow
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.models import Deployment
-from controlplane.deps import SessionDep
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import list_runtimes
 from dashboards import charts

@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.datastructures import FormData
 
+from controlplane.db import SessionDep
 from controlplane.deployments import segments as registry
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.schemas import DeploymentUpdate
 from controlplane.deployments.segments import undeclared_tokens
-from controlplane.deps import SessionDep
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import registry_rows
 from dashboards.templating import render

@@ -10,9 +10,9 @@ from fastapi.responses import Response
 
 from controlplane.auth import users
 from controlplane.auth.models import User
-from controlplane.auth.passwords import PasswordChecks
-from controlplane.deps import SessionDep
+from controlplane.db import SessionDep
 from controlplane.errors import DomainError, Invalid, RateLimited, Unauthorized
+from controlplane.guards.password_checks import PasswordChecks
 from dashboards.security import (
     Csrf,
     client_address,

@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
+from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.models import Deployment, ThresholdSet
 from controlplane.deployments.schemas import DeploymentUpdate
-from controlplane.deps import SessionDep
 from controlplane.errors import DomainError, Invalid, NotFound
 from controlplane.flows import canary as canary_service
 from controlplane.flows.canary import running_canary

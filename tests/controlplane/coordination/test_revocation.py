@@ -11,11 +11,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from controlplane.auth.deps import PrincipalCache
 from controlplane.auth.models import ApiToken
 from controlplane.auth.service import Principal, create_token, digest, revoke_token
 from controlplane.coordination.models import Epoch
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import PrincipalCache
 from exitplane.app import create_app
 
 PRINCIPAL = Principal(token_id=1, name="rt", scope="runtime", deployment_id=1)

@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 from sqlalchemy.orm import Session
 
+from controlplane.auth.deps import PrincipalCache
 from controlplane.auth.models import ApiToken
 from controlplane.auth.service import Principal, create_token, digest
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import PrincipalCache
 from exitplane.app import create_app
 
 RUNTIMES = 20
