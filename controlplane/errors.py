@@ -79,7 +79,7 @@ def error_answer(description: str) -> dict:
         "$ref": "#/components/schemas/Error"}}}}
 
 
-# The app answers a request that does not validate with this body (controlplane/edge/app.py), not
+# The app answers a request that does not validate with this body (edge/handlers.py), not
 # FastAPI's default list of errors; the OpenAPI document says so wherever FastAPI put its own.
 VALIDATION_ERROR = error_answer("the request does not validate: `detail` names the first "
                                 "problem, `errors` lists them all")
