@@ -15,7 +15,7 @@ when either is taken).
 
 The route's own work follows on a worker thread of the layer's own, except that with Redis a
 small telemetry batch whose deployment this process has cached is decoded, checked and
-appended to the stream on the event loop (`_serve_on_loop`), and a heartbeat of a runtime this
+appended to the stream on the event loop (`queue_from_cache`), and a heartbeat of a runtime this
 process has recorded is held for the next bulk write (`_beat_on_loop`): the same answers
 without the thread hand-off, which cost more CPU than the work itself. An error is answered by
 the app's own exception handler for it, so status codes, messages and headers
@@ -30,7 +30,6 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
-import redis
 from anyio import CapacityLimiter, to_thread
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -42,21 +41,13 @@ from controlplane.deployments.access import visible_deployment
 from controlplane.edge.answers import closing, send_json
 from controlplane.edge.body import ClientLeft, read_body, replay
 from controlplane.edge.handlers import handler_for
-from controlplane.errors import DomainError
 from controlplane.guards.budgets import SMALL_BODY_BYTES
 from controlplane.guards.policy import RoutePolicy, match, policy_for
 from controlplane.guards.rates import RATE_TAKEN, check_rate, check_rate_blocking
 from controlplane.runtimes import service as runtimes
 from controlplane.runtimes.api import router as runtimes_router
 from controlplane.runtimes.schemas import RuntimeRead
-from controlplane.telemetry import stream
-from controlplane.telemetry.api import (
-    checked_from_cache,
-    queued_ack,
-    refused,
-    store_batch,
-    witness_of_post,
-)
+from controlplane.telemetry.api import queue_from_cache, store_batch
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.schemas import IngestAck
 from exitplane.wire import Heartbeat
@@ -112,7 +103,7 @@ class TelemetryFastPath:
                 body = await read_body(receive)
                 read.append(True)
                 if len(body) <= SMALL_BODY_BYTES and state.redis_async is not None:
-                    answer = await _serve_on_loop(state, principal, content_type, body)
+                    answer = await queue_from_cache(state, principal, body, content_type)
                     if answer is not None:
                         return answer
                 return await to_thread.run_sync(store_batch, state, principal, body,
@@ -210,31 +201,6 @@ async def _answer(scope, receive, send, status: int, serve,
         return False
     await send_json(send, status, answer.model_dump_json().encode())
     return True
-
-
-async def _serve_on_loop(state, principal: Principal, content_type: str,
-                         body: bytes) -> IngestAck | None:
-    """`store_batch` on the event loop for a small batch whose deployment this process has
-    cached; None sends it to `store_batch` on a worker thread (anything that would read the
-    store, Redis unreachable). Decoding a body of at most SMALL_BODY_BYTES holds the loop
-    well under a millisecond."""
-    try:
-        batch = checked_from_cache(state, principal, body, content_type)
-    except DomainError as error:
-        refusal = refused(error)
-    else:
-        refusal = None
-    if refusal is not None:
-        raise refusal from None  # outside the `except`: nothing holds the decoded batch
-    if batch is None:
-        return None
-    try:
-        added = await stream.append_async(state.redis_async, batch,
-                                          body if "msgpack" in content_type else None,
-                                          witness=witness_of_post(principal, batch))
-    except (redis.RedisError, OSError):
-        return None  # `store_batch` answers it: the queue's 503
-    return queued_ack(batch, added)
 
 
 def _loop_first(on_loop: Callable[..., Awaitable[BaseModel | None]],

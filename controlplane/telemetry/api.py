@@ -2,32 +2,30 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import msgpack
+import redis
 from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, status
 from pydantic import ValidationError
 
 from controlplane import metrics
 from controlplane.auth.service import Principal
+from controlplane.db import SessionDep
+from controlplane.deployments.access import RuntimePrincipal, visible_deployment
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import (
-    MeteredRoute,
-    RuntimePrincipal,
-    SessionDep,
-    rate_limited,
-    visible_deployment,
+from controlplane.errors import (
+    RUNTIME_ERRORS,
+    BatchTooLarge,
+    DomainError,
+    Invalid,
+    error_answer,
 )
-from controlplane.errors import RUNTIME_ERRORS, DomainError, Invalid, RateLimited, error_answer
 from controlplane.runtimes import service as runtime_service
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.telemetry import reads, service, stream
@@ -53,7 +51,7 @@ from exitplane.wire import (
     TelemetryBatch,
 )
 
-router = APIRouter(tags=["telemetry"], route_class=MeteredRoute)
+router = APIRouter(tags=["telemetry"])
 
 
 class UnsupportedBatchType(DomainError):
@@ -80,133 +78,15 @@ def batch_model(content_type: str) -> type[AggregateBatch] | None:
     return model
 
 
-# A telemetry body up to this size is read and decoded outside the decode budget
-# (`DecodeBudget`): a fleet's interval batches (~4 KiB: the counts and 100 sampled records as
-# columns), aggregate batches (~0.5 KiB) and sampled-record batches (~13 KiB for 100 records)
-# decode in well under a millisecond into well under a megabyte. The fast path serves them on
-# the event loop.
-SMALL_BODY_BYTES = 32 << 10
+class ValuesCharged(Protocol):
+    """What a decode reports the values it builds to: the request's share of its process's
+    decode budget (controlplane/guards/budgets.py: DecodeCharge), which stops the decode past
+    it."""
 
-# What one decoded value may hold at most, besides the bytes of the body it came from (map keys
-# count as values here). Measured on CPython 3.11 with tracemalloc over the shapes a body can
-# take that build the most per value: empty lists and maps, maps keyed by new strings, short
-# strings and byte strings, numbers past the small-int cache: at most 69 bytes a value (the
-# zeros of bench/telemetry_bounds.py's expanding batch: 8). The rest covers what validation
-# builds beside it.
-DECODED_VALUE_BYTES = 100
-# Values a decode charges the budget for at once (1 MB), so that the decoder's hooks take the
-# budget's lock once in this many values, not once per container.
-_CHARGE_STEP_VALUES = 10_000
-# What a batch refused while decoding (413) costs its token in ingest units: one per this many
-# bytes of its body, taken into debt (`_charge_refused`).
-REFUSED_BYTES_PER_UNIT = 64 * 1024
+    def values(self, count: int) -> None: ...
 
 
-class DecodersBusy(RateLimited):
-    """The decode budget of this API process is taken by other requests: retry shortly (429,
-    Retry-After). One client can fill it, so the answer is the caller's to wait out, never a
-    5xx."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retry_after=1.0)
-
-
-class BatchTooLarge(DomainError):
-    """A body that decodes to more values than EXITPLANE_TELEMETRY_MAX_BATCH_ITEMS, or to more
-    memory than the process's whole decode budget: the runtime splits it, as for a body over
-    the byte limit."""
-
-    status_code = 413
-
-
-class DecodeCharge:
-    """What one request holds of its process's `DecodeBudget`: twice its body's bytes (the body,
-    and the strings decoded from it: a string costs its bytes on the wire again once decoded)
-    and DECODED_VALUE_BYTES for each value as it is decoded."""
-
-    def __init__(self, budget: DecodeBudget) -> None:
-        self.budget = budget
-        self.held = 0  # bytes
-        self._values_left = 0  # values charged for and not decoded yet
-
-    def body(self, length: int) -> None:
-        self.budget.take(self, 2 * length)
-
-    def values(self, count: int) -> None:
-        """Charge `count` more decoded values; DecodersBusy or BatchTooLarge past the budget."""
-        self._values_left -= count
-        if self._values_left >= 0:
-            return
-        need = -self._values_left
-        step = max(need, _CHARGE_STEP_VALUES)
-        if self.held + step * DECODED_VALUE_BYTES > self.budget.size:
-            step = need  # near the whole budget: charge only what is decoded
-        self.budget.take(self, step * DECODED_VALUE_BYTES)
-        self._values_left += step
-
-
-class DecodeBudget:
-    """The telemetry bodies over SMALL_BODY_BYTES (or of unknown length) this process reads and
-    decodes at once (EXITPLANE_TELEMETRY_MAX_DECODES) and the memory they may hold together
-    (EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB), so that decoding memory is bounded by bytes per
-    process whatever shape the bodies take. A request is charged its body when it is admitted,
-    before the body is read (the declared length; the byte limit when unknown): past the slots
-    or the budget it is refused at once (429) rather than queued, as a queue would hold its
-    connection and buffers. Its values are charged as they are decoded: past the budget the
-    decode stops, with 429 while other requests hold part of it, and 413 (split it) when the
-    batch alone needs more than all of it."""
-
-    def __init__(self, *, slots: int, size_bytes: int, max_body_bytes: int) -> None:
-        self.slots, self.size, self.max_body_bytes = slots, size_bytes, max_body_bytes
-        self.used = 0  # bytes charged to requests under way
-        self._taken = 0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_settings(cls, settings) -> DecodeBudget:
-        return cls(slots=settings.telemetry_max_decodes,
-                   size_bytes=settings.telemetry_decode_budget_mib << 20,
-                   max_body_bytes=settings.max_body_bytes)
-
-    def take(self, charge: DecodeCharge, amount: int) -> None:
-        with self._lock:
-            if charge.held + amount > self.size:
-                raise BatchTooLarge(
-                    "the batch needs more memory to decode than this API process gives all "
-                    "telemetry decodes together (EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB): split "
-                    "it (ids <id>a and <id>b)")
-            if self.used + amount > self.size:
-                raise DecodersBusy("this API process is decoding as many large telemetry "
-                                   "batches as its memory allows "
-                                   "(EXITPLANE_TELEMETRY_DECODE_BUDGET_MIB); retry in 1 s")
-            self.used += amount
-            charge.held += amount
-
-    @contextlib.contextmanager
-    def held(self, content_length: str | None) -> Iterator[DecodeCharge | None]:
-        """The request's charge for as long as the block runs (None for a small body, which
-        needs none); DecodersBusy when no slot or not enough of the budget is free."""
-        known = content_length is not None and content_length.isdigit()
-        if known and int(content_length) <= SMALL_BODY_BYTES:
-            yield None
-            return
-        with self._lock:
-            if self._taken >= self.slots:
-                raise DecodersBusy(f"this API process is decoding {self.slots} large telemetry "
-                                   "batches (EXITPLANE_TELEMETRY_MAX_DECODES); retry in 1 s")
-            self._taken += 1
-        charge = DecodeCharge(self)
-        try:
-            charge.body(int(content_length) if known else self.max_body_bytes)
-            yield charge
-        finally:
-            with self._lock:
-                self._taken -= 1
-                self.used -= charge.held
-                charge.held = 0
-
-
-class _Budget:
+class _ValueCount:
     """Counts the values a msgpack decode has built (each list or map and its entries) and
     stops it past `limit`: the decoder calls `list` and `map` for every container it completes,
     so it never holds more than `limit` values and one container. With a `charge`, the values
@@ -215,7 +95,7 @@ class _Budget:
     carry the decode stops with the 422 the checks after it would give, before the rest is
     decoded and validated."""
 
-    def __init__(self, limit: int, charge: DecodeCharge | None = None) -> None:
+    def __init__(self, limit: int, charge: ValuesCharged | None = None) -> None:
         self.limit, self.left, self.charge = limit, limit, charge
         self.segments: set[str] = set()
         self.segment_limit = names_per_batch_limit()
@@ -247,7 +127,7 @@ def _too_many(limit: int) -> BatchTooLarge:
 
 
 def _decode(body: bytes, content_type: str, max_items: int | None,
-            charge: DecodeCharge | None = None):
+            charge: ValuesCharged | None = None):
     """The decoded body, never more than `max_items` values (None: no bound): msgpack counts
     as it decodes; a JSON body is refused first when it could hold more (each value but a
     container's first follows a ',', so ',', '[' and '{' bound them), and nested too deep to
@@ -258,7 +138,7 @@ def _decode(body: bytes, content_type: str, max_items: int | None,
         if msgpacked:
             if max_items is None and charge is None:
                 return msgpack.unpackb(body, raw=False)
-            budget = _Budget(max_items if max_items is not None else 1 << 62, charge)
+            budget = _ValueCount(max_items if max_items is not None else 1 << 62, charge)
             # One container holds at most the budget: refused on its header, before it is built.
             return msgpack.unpackb(body, raw=False, max_array_len=budget.limit,
                                    max_map_len=budget.limit, list_hook=budget.list,
@@ -282,7 +162,7 @@ def _decode(body: bytes, content_type: str, max_items: int | None,
 def decode_aggregate(body: bytes, content_type: str,
                      model: type[AggregateBatch] = AggregateBatch, *,
                      max_items: int | None = None,
-                     charge: DecodeCharge | None = None) -> AggregateBatch:
+                     charge: ValuesCharged | None = None) -> AggregateBatch:
     """Parse and validate an aggregate (or interval) batch; the first bad cell is named."""
     try:
         return model.model_validate(_decode(body, content_type, max_items, charge))
@@ -293,7 +173,7 @@ def decode_aggregate(body: bytes, content_type: str,
 
 
 def decode_batch(body: bytes, content_type: str, *, max_items: int | None = None,
-                 charge: DecodeCharge | None = None) -> BatchColumns:
+                 charge: ValuesCharged | None = None) -> BatchColumns:
     """Parse msgpack or JSON and validate the whole batch; the first bad record is named."""
     payload = _decode(body, content_type, max_items, charge)
     try:
@@ -324,7 +204,7 @@ def _check(state, deployment, batch, aggregate: bool, known_versions) -> None:
                             known_versions=known_versions, latest=latest)
 
 
-def _decoded(state, body: bytes, content_type: str, charge: DecodeCharge | None = None):
+def _decoded(state, body: bytes, content_type: str, charge: ValuesCharged | None = None):
     """(the batch, whether it carries token counts, the threshold versions it names)."""
     model = batch_model(content_type)
     max_items = state.settings.telemetry_max_batch_items
@@ -402,7 +282,7 @@ def refused(error: DomainError) -> DomainError:
 
 
 def store_batch(state, principal: Principal, body: bytes, content_type: str,
-                charge: DecodeCharge | None = None) -> IngestAck:
+                charge: ValuesCharged | None = None) -> IngestAck:
     """Check one POST /v1/telemetry body and queue it (Redis) or store it; blocking. The route
     and the fast path (controlplane/edge/telemetry_fast_path.py) both end here. `charge`: the
     request's share of the decode budget (None for a small body)."""
@@ -410,22 +290,13 @@ def store_batch(state, principal: Principal, body: bytes, content_type: str,
         return _store_batch(state, principal, body, content_type, charge)
     except DomainError as error:
         if isinstance(error, BatchTooLarge):
-            _charge_refused(state, principal, len(body))
+            state.telemetry_decodes.charge_refused(str(principal.token_id), len(body))
         refusal = refused(error)
     raise refusal from None  # here, the frames that held the batch are gone (`refused`)
 
 
-def _charge_refused(state, principal: Principal, size: int) -> None:
-    """A batch found too large only while decoding cost this process its reading and part of
-    its decoding: its token owes one ingest unit per REFUSED_BYTES_PER_UNIT of it, so that a
-    token repeating such batches waits instead of keeping the process busy (an honest runtime
-    splits them once)."""
-    units = math.ceil(size / REFUSED_BYTES_PER_UNIT)
-    state.rate_limiters["ingest"].charge(str(principal.token_id), units)
-
-
 def _store_batch(state, principal: Principal, body: bytes, content_type: str,
-                 charge: DecodeCharge | None) -> IngestAck:
+                 charge: ValuesCharged | None) -> IngestAck:
     batch, aggregate, versions = _decoded(state, body, content_type, charge)
     if state.redis is not None:
         # The stream path's checks use the cached target; the store is read only to register
@@ -438,7 +309,7 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
                 claim_runtime(state, session, principal, target, batch)
                 session.commit()
             state.runtime_claims.remember(target.id, principal.token_id, [batch.runtime_id])
-        added = stream.append(state.redis, batch, body if "msgpack" in content_type else None,
+        added = stream.append(state.redis, batch, _as_sent(body, content_type),
                               witness=witness_of_post(principal, batch))
         return queued_ack(batch, added)
     visible_deployment(state, principal, batch.deployment)  # a runtime token's 403 first
@@ -463,6 +334,36 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
                      duplicate=result.duplicate)
 
 
+async def queue_from_cache(state, principal: Principal, body: bytes,
+                           content_type: str) -> IngestAck | None:
+    """`store_batch` on the event loop, for a small body whose deployment this process has
+    cached: checked from the caches and appended to the stream with the asyncio Redis client.
+    None when `store_batch` must answer on a worker thread (anything that would read the
+    store, Redis unreachable). A small body (the edge's fast path sends at most
+    SMALL_BODY_BYTES) holds the loop well under a millisecond."""
+    try:
+        batch = checked_from_cache(state, principal, body, content_type)
+    except DomainError as error:
+        refusal = refused(error)
+    else:
+        refusal = None
+    if refusal is not None:
+        raise refusal from None  # outside the `except`: nothing holds the decoded batch
+    if batch is None:
+        return None
+    try:
+        added = await stream.append_async(state.redis_async, batch, _as_sent(body, content_type),
+                                          witness=witness_of_post(principal, batch))
+    except (redis.RedisError, OSError):
+        return None  # `store_batch` answers it: the queue's 503
+    return queued_ack(batch, added)
+
+
+def _as_sent(body: bytes, content_type: str) -> bytes | None:
+    """The body the stream keeps as it came (msgpack), or None (it keeps the batch encoded)."""
+    return body if "msgpack" in content_type else None
+
+
 @router.post("/v1/telemetry", status_code=status.HTTP_202_ACCEPTED, response_model=IngestAck,
              openapi_extra={"requestBody": {"content": {
                  RECORDS_JSON: {"schema": TelemetryBatch.model_json_schema()},
@@ -471,7 +372,7 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
                  AGGREGATE_MSGPACK: {"schema": {"type": "string", "format": "binary"}},
                  INTERVAL_JSON: {"schema": IntervalBatch.model_json_schema()},
                  INTERVAL_MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
-                 "required": True}}, dependencies=[rate_limited("ingest")],
+                 "required": True}},
              responses={**RUNTIME_ERRORS,
                         404: error_answer("the batch names a deployment that does not exist"),
                         409: error_answer("the batch's runtime id is new and the runtime caps "
