@@ -20,12 +20,13 @@ from controlplane.alerts.schemas import (
     HookRead,
     HookUpdate,
 )
+from controlplane.auth.deps import AdminPrincipal, OperatorPrincipal
+from controlplane.db import SessionDep
 from controlplane.deployments.models import Deployment
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import AdminPrincipal, MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.errors import error_answer
 
-router = APIRouter(prefix="/v1", tags=["alerts"], route_class=MeteredRoute)
+router = APIRouter(prefix="/v1", tags=["alerts"])
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from controlplane.auth import service
+from controlplane.auth.deps import AdminPrincipal
 from controlplane.auth.schemas import TokenCreate, TokenCreated, TokenRead
+from controlplane.db import SessionDep
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import AdminPrincipal, MeteredRoute, SessionDep
 
-router = APIRouter(prefix="/v1/tokens", tags=["auth"], route_class=MeteredRoute)
+router = APIRouter(prefix="/v1/tokens", tags=["auth"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)

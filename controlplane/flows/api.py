@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
+from controlplane.auth.deps import OperatorPrincipal
 from controlplane.calibration import service
 from controlplane.calibration.schemas import (
     CalibrationCreate,
@@ -18,13 +19,13 @@ from controlplane.calibration.schemas import (
     CanaryRead,
     Decision,
 )
+from controlplane.db import SessionDep
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.errors import Conflict, NotFound, error_answer
 from controlplane.flows import canary, recalibration
 from controlplane.flows.canary import promote_canary, revert_canary, running_canary
 
-router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"], route_class=MeteredRoute)
+router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"])
 
 
 @router.post("/calibrations", status_code=status.HTTP_202_ACCEPTED,

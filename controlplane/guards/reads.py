@@ -23,7 +23,7 @@ import time
 
 from starlette.requests import Request
 
-from controlplane.auth.deps import principal_for
+from controlplane.auth.service import Principal
 from controlplane.errors import RateLimited
 from controlplane.guards.buckets import RateLimiter
 from controlplane.guards.policy import RoutePolicy
@@ -109,11 +109,11 @@ class ReadMeter:
             await limiter.owe(self.key, owed)
 
 
-async def take_read(request: Request, policy: RoutePolicy) -> None:
-    """Take a read's heavy-read turn (heavy reads) and its cost from its token's read bucket,
-    or RateLimited (held first where the policy holds refusals); `ReadMetering` settles them."""
+async def take_read(request: Request, policy: RoutePolicy, principal: Principal) -> None:
+    """Take `principal`'s heavy-read turn (heavy reads) and the read's cost from its token's
+    read bucket, or RateLimited (held first where the policy holds refusals); `ReadMetering`
+    settles them."""
     state = request.app.state
-    principal = await principal_for(state, request.headers.get("authorization", ""))
     meter = request.scope[READ_METER] = ReadMeter(str(principal.token_id), heavy=policy.heavy)
     if policy.heavy:
         turns: Turns = state.heavy_read_turns

@@ -6,9 +6,12 @@ runs. Routes never declare a limit themselves."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import Depends, FastAPI, Request
 
-from controlplane.auth.deps import principal_for
+from controlplane.auth.deps import get_principal
+from controlplane.auth.service import Principal
 from controlplane.guards.buckets import make_rate_limiters
 from controlplane.guards.budgets import DecodeBudget
 from controlplane.guards.holds import RefusalHold
@@ -38,18 +41,16 @@ def install_guards(app: FastAPI, settings) -> None:
     app.add_middleware(ReadMetering)
 
 
-async def guard_route(request: Request) -> None:
-    """Take the request's rate from the bucket its route's policy names (401 without a valid
-    token, 429 past the rate), before the route's own dependencies run."""
+async def guard_route(request: Request,
+                      principal: Annotated[Principal, Depends(get_principal)]) -> None:
+    """Take the request's rate from the bucket its route's policy names (429 past it), before
+    the route's own dependencies run. Every route of the API's routers needs a token: the
+    caller is resolved first (401), once for the guard and the route's scope check."""
     policy = policy_for(request.method, getattr(request.scope.get("route"), "path", ""))
-    if policy.bucket is None:
-        return
     if policy.bucket == "read":
-        await take_read(request, policy)
-    elif request.scope.get(RATE_TAKEN) != policy.bucket:
-        state = request.app.state
-        principal = await principal_for(state, request.headers.get("authorization", ""))
-        await check_rate(state, policy, principal)
+        await take_read(request, policy, principal)
+    elif policy.bucket is not None and request.scope.get(RATE_TAKEN) != policy.bucket:
+        await check_rate(request.app.state, policy, principal)
 
 
 # For the API's routers: `include_router(router, dependencies=[RouteGuard])`.

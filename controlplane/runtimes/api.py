@@ -7,14 +7,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from controlplane.auth.deps import OperatorPrincipal
+from controlplane.db import SessionDep
+from controlplane.deployments.access import RuntimePrincipal
 from controlplane.deployments.service import get_deployment
-from controlplane.deps import (
-    MeteredRoute,
-    OperatorPrincipal,
-    RuntimePrincipal,
-    SessionDep,
-    rate_limited,
-)
 from controlplane.errors import RUNTIME_ERRORS, error_answer
 from controlplane.runtimes import service
 from controlplane.runtimes.schemas import RuntimeRead, RuntimesRemoved
@@ -22,14 +18,13 @@ from exitplane.wire import Heartbeat
 
 log = logging.getLogger("exitplane.api")
 
-router = APIRouter(prefix="/v1/deployments", tags=["runtimes"], route_class=MeteredRoute)
+router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 
 @router.post("/{name}/heartbeats", response_model=RuntimeRead,
              responses={409: error_answer("the deployment, or this token on it, has its "
                                           "maximum of runtimes"),
-                        **RUNTIME_ERRORS},
-             dependencies=[rate_limited("heartbeat")])
+                        **RUNTIME_ERRORS})
 def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
               principal: RuntimePrincipal) -> RuntimeRead:
     """A runtime says which set it applies, whether it is ready and what it spooled or dropped; the
@@ -47,7 +42,7 @@ def heartbeat(name: str, beat: Heartbeat, request: Request, session: SessionDep,
 
 
 @router.post("/{name}/runtimes/{runtime_id}/leave", response_model=RuntimesRemoved,
-             responses=RUNTIME_ERRORS, dependencies=[rate_limited("heartbeat")])
+             responses=RUNTIME_ERRORS)
 def leave(name: str, runtime_id: str, request: Request, session: SessionDep,
           principal: RuntimePrincipal) -> RuntimesRemoved:
     """A runtime that stops cleanly leaves the fleet: it is dropped from the fleet view and

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from controlplane.auth.deps import OperatorPrincipal
+from controlplane.db import SessionDep
 from controlplane.deployments.service import get_deployment, record_audit
-from controlplane.deps import MeteredRoute, OperatorPrincipal, SessionDep
 from controlplane.runtimes import outliers
 from controlplane.runtimes.schemas import OutlierClear, RuntimeOutlierRead
 
-router = APIRouter(prefix="/v1/deployments", tags=["runtimes"], route_class=MeteredRoute)
+router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 
 @router.get("/{name}/runtime-outliers", response_model=list[RuntimeOutlierRead])
