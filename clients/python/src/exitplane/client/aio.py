@@ -1,10 +1,11 @@
-"""`AsyncRuntime`: the `Runtime` facade for an asyncio server.
+"""`AsyncRuntime`: the `Runtime` facade for an asyncio server, with the same public surface.
 
 The pulling, shipping and file watching stay on the Runtime's threads; nothing here blocks the
-event loop. Start-up, flushes, heartbeats and close run in a worker thread
-(`asyncio.to_thread`); listeners may be coroutine functions, run on the loop that started the
-runtime; `record`, `should_shadow`, `exit_layer` and the applied set are plain, non-blocking
-calls, as on `Runtime`.
+event loop. What blocks on `Runtime` (`start`, `wait_ready`, `flush`, `heartbeat`, `close`)
+is a coroutine here, run in a worker thread (`asyncio.to_thread`); listeners may be coroutine
+functions, run on the loop that started the runtime. Everything else (the configuration, the
+applied set, `record`, `should_shadow`, `exit_layer`, `metrics`, ...) is the wrapped Runtime's
+own attribute, read and called as on `Runtime`.
 
     async with AsyncRuntime.from_env(num_layers=30, exit_layers=[8, 16, 24]) as rt:
         ...
@@ -20,8 +21,51 @@ from typing import Any
 from exitplane.client.runtime import Runtime
 
 
+class _Shared:
+    """An attribute of the wrapped Runtime, read and set through the AsyncRuntime."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        on_runtime = vars(Runtime).get(name)  # a method or property; else an instance attribute
+        self.__doc__ = on_runtime.__doc__ if on_runtime is not None else f"The Runtime's `{name}`."
+
+    def __get__(self, instance: AsyncRuntime | None, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return getattr(instance.runtime, self.name)
+
+    def __set__(self, instance: AsyncRuntime, value: Any) -> None:
+        setattr(instance.runtime, self.name, value)
+
+
 class AsyncRuntime:
     """A `Runtime` driven from asyncio; see the module docstring."""
+
+    # the Runtime's configuration and parts
+    deployment = _Shared()
+    runtime_id = _Shared()
+    num_layers = _Shared()
+    exit_layers = _Shared()
+    shadow_rate = _Shared()
+    applies_segments = _Shared()
+    head_digest = _Shared()
+    model_revision = _Shared()
+    leave_on_close = _Shared()
+    offline_file = _Shared()
+    token_file = _Shared()
+    url = _Shared()
+    thresholds = _Shared()
+    shipper = _Shared()
+    # the decode loop's non-blocking side
+    threshold_set = _Shared()
+    version = _Shared()
+    thresholds_for = _Shared()
+    should_shadow = _Shared()
+    exit_layer = _Shared()
+    shadow = _Shared()
+    record = _Shared()
+    dropped_offline = _Shared()
+    metrics = _Shared()
 
     def __init__(self, runtime: Runtime | None = None, **options: Any) -> None:
         """Wrap `runtime`, or build one from `options` (the `Runtime` keywords)."""
@@ -33,6 +77,7 @@ class AsyncRuntime:
         """`Runtime.from_env`, wrapped."""
         return cls(Runtime.from_env(**overrides))
 
+    # -- listeners -------------------------------------------------------------------------
     def _listener(self, listener: Callable) -> Callable:
         if not inspect.iscoroutinefunction(listener):
             return listener
@@ -48,27 +93,37 @@ class AsyncRuntime:
         return listener
 
     def on_refused(self, listener: Callable) -> Callable:
+        """As `Runtime.on_refused`; a coroutine function runs on the event loop."""
         self.runtime.on_refused(self._listener(listener))
         return listener
 
     def on_error(self, listener: Callable) -> Callable:
+        """As `Runtime.on_error`; a coroutine function runs on the event loop."""
         self.runtime.on_error(self._listener(listener))
         return listener
 
+    # -- what blocks on Runtime, off the loop -----------------------------------------------
     async def start(self, ready_timeout: float | None = 30.0) -> AsyncRuntime:
         """Start the runtime and wait (off the loop) until a set is applied."""
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.runtime.start, ready_timeout)
         return self
 
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait (off the loop) until a set is applied, as `Runtime.wait_ready`."""
+        return await asyncio.to_thread(self.runtime.wait_ready, timeout)
+
     async def close(self, timeout: float = 30.0, *, leave: bool | None = None) -> None:
         """Ship what is left, stop and leave the fleet, off the loop."""
         await asyncio.to_thread(self.runtime.close, timeout, leave=leave)
 
     async def flush(self, timeout: float | None = None) -> bool:
+        """Wait (off the loop) until every token reported so far is delivered, refused or
+        spooled."""
         return await asyncio.to_thread(self.runtime.flush, timeout)
 
     async def heartbeat(self) -> bool:
+        """Send a heartbeat now, off the loop."""
         return await asyncio.to_thread(self.runtime.heartbeat)
 
     async def __aenter__(self) -> AsyncRuntime:
@@ -76,31 +131,3 @@ class AsyncRuntime:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    # the decode loop's non-blocking side, as on Runtime
-    @property
-    def threshold_set(self):
-        return self.runtime.threshold_set
-
-    @property
-    def version(self) -> int | None:
-        return self.runtime.version
-
-    def thresholds_for(self, segment: str | None = None) -> dict[int, float]:
-        return self.runtime.thresholds_for(segment)
-
-    def should_shadow(self) -> bool:
-        return self.runtime.should_shadow()
-
-    def exit_layer(self, signals, thresholds):
-        return self.runtime.exit_layer(signals, thresholds)
-
-    def shadow(self, signals, matched):
-        return self.runtime.shadow(signals, matched)
-
-    def record(self, **token: Any) -> bool:
-        return self.runtime.record(**token)
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self.runtime.metrics

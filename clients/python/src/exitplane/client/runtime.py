@@ -7,7 +7,8 @@ asks `should_shadow()` per token and reports each token with `record(...)`; list
 new sets (`on_change`), refused ones (`on_refused`) and failures (`on_error`). A token file is
 re-read when it changes, so a rotated token needs no restart. `offline_file` runs from a
 threshold set file with no control plane at all. `close()` ships what is left and tells the
-control plane the runtime left the fleet (docs/protocol.md, "Leave").
+control plane the runtime left the fleet (docs/protocol.md, "Leave"). `verify`, `cert`,
+`proxy`, `headers` and `transport` apply to every request it makes (`exitplane.client.http`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from exitplane.client.http import Cert, Verify, http_client, http_options
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.thresholds import (
     RefusedThresholdSet,
@@ -59,7 +61,10 @@ class Runtime:
                  model_revision: str | None = None, signal: str = "learned",
                  file_check_s: float = 5.0, leave_on_close: bool = True,
                  threshold_options: Mapping[str, Any] | None = None,
-                 shipper_options: Mapping[str, Any] | None = None):
+                 shipper_options: Mapping[str, Any] | None = None, verify: Verify = True,
+                 cert: Cert | None = None, proxy: str | httpx.Proxy | None = None,
+                 headers: Mapping[str, str] | None = None,
+                 transport: httpx.BaseTransport | None = None):
         self.deployment = deployment
         self.runtime_id = check_runtime_id(runtime_id)
         self.num_layers = num_layers
@@ -81,6 +86,9 @@ class Runtime:
         self._token = token if token is not None else (
             self._read_token() if self.token_file is not None else None)
         self._apply = _applier(apply)
+        # checked and loaded once (CA bundle, client certificate), shared by every request
+        self._http_options = http_options(verify=verify, cert=cert, proxy=proxy,
+                                          headers=headers, transport=transport)
         self._listeners: dict[str, list[Listener]] = {"change": [], "refused": [], "error": []}
         self._shadow_sample = random.Random().random
         self.threshold_set: ThresholdSetWire | None = None
@@ -99,7 +107,7 @@ class Runtime:
                 runtime_id=self.runtime_id, num_layers=num_layers, exit_layers=self.exit_layers,
                 spool_dir=state / "spool", raw_sample_rate=raw_sample_rate,
                 head_digest=head_digest, model_revision=model_revision,
-                **dict(shipper_options or {}))
+                **self._http_options, **dict(shipper_options or {}))
             self.thresholds = ThresholdClient(
                 _Target(self), base_url=self.url, deployment=deployment, token=self._token,
                 runtime_id=self.runtime_id, cache_path=state / "thresholds.json",
@@ -107,7 +115,7 @@ class Runtime:
                 model_revision=model_revision,
                 on_refused=lambda reason: self._emit("refused", reason),
                 on_error=lambda problem: self._emit("error", problem),
-                **dict(threshold_options or {}))
+                **self._http_options, **dict(threshold_options or {}))
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Runtime:
@@ -304,10 +312,11 @@ class Runtime:
                 log.exception("on_%s listener failed", kind)
 
     def _leave(self) -> None:
-        url = f"{self.url}/v1/deployments/{self.deployment}/runtimes/{self.runtime_id}/leave"
+        path = f"/v1/deployments/{self.deployment}/runtimes/{self.runtime_id}/leave"
         try:
-            response = httpx.post(url, headers={"Authorization": f"Bearer {self._token}"},
-                                  timeout=10.0)
+            with http_client(base_url=self.url, token=self._token, timeout=10.0,
+                             **self._http_options) as http:
+                response = http.post(path)
         except httpx.HTTPError as exc:
             self._emit("error", f"could not leave the fleet: {exc}")
             return

@@ -59,6 +59,7 @@ from exitplane.client.codec import (
     encode_interval,
     encode_records,
 )
+from exitplane.client.http import http_client
 from exitplane.client.spool import SeqCounter, Spool
 from exitplane.wire import (
     MAX_AGGREGATE_CELLS,
@@ -89,9 +90,11 @@ class TelemetryShipper:
                  aggregate: bool | None = None, exit_layers: Iterable[int] | None = None,
                  aggregate_interval_s: float = 5.0, bundle: bool = True,
                  set_aside_after: int = 5, aside_retry_s: float = 600.0,
-                 head_digest: str | None = None, model_revision: str | None = None):
+                 head_digest: str | None = None, model_revision: str | None = None,
+                 **http: Any):
         """`head_digest`, `model_revision`: what this runtime serves, carried by every batch
-        (None: unknown; docs/protocol.md, "Lineage")."""
+        (None: unknown; docs/protocol.md, "Lineage"). `http`: how requests reach the control
+        plane (`verify`, `cert`, `proxy`, `headers`, `transport`: `exitplane.client.http`)."""
         check_runtime_id(runtime_id)
         # Checked here as the wire checks them: a bad value would get every batch refused.
         self.lineage = Lineage(head_digest=head_digest or None,
@@ -133,8 +136,8 @@ class TelemetryShipper:
         self.spool = Spool(spool_dir, max_bytes=spool_max_bytes, segment_bytes=segment_bytes,
                            fsync=fsync)
         self._seq = SeqCounter(Path(spool_dir) / "seq", self.spool.max_seq + 1)
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=request_timeout_s,
-                                  headers={"Authorization": f"Bearer {token}"})
+        self._http = http_client(base_url=base_url, token=token, timeout=request_timeout_s,
+                                 **http)
         self._queue: collections.deque[TokenRecord] = collections.deque()
         self._queue_since: float | None = None  # when the oldest queued record was seen
         self._in_flight = 0  # records cut from the queue and not yet sent or spooled

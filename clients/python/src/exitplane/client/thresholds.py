@@ -28,6 +28,7 @@ import httpx
 from pydantic import ValidationError
 
 from exitplane.client.files import atomic_write
+from exitplane.client.http import http_client
 from exitplane.client.retry import backoff_delay, retry_after
 from exitplane.wire import Heartbeat, Lineage, Signal, ThresholdSetWire, check_runtime_id
 
@@ -112,11 +113,13 @@ class ThresholdClient:
                  telemetry: TelemetryStats | None = None, head_digest: str | None = None,
                  model_revision: str | None = None,
                  on_refused: Callable[[str], None] | None = None,
-                 on_error: Callable[[str], None] | None = None):
+                 on_error: Callable[[str], None] | None = None, **http: Any):
         """`head_digest`, `model_revision`: what this runtime serves (default: the engine's
         `head_digest` and `model_revision` attributes; None: unknown, nothing is checked).
         `on_refused(reason)`: called on the pull thread for each set refused; `on_error(problem)`
-        for each failed pull (control plane unreachable or answering an error)."""
+        for each failed pull (control plane unreachable or answering an error). `http`: how
+        requests reach the control plane (`verify`, `cert`, `proxy`, `headers`, `transport`:
+        `exitplane.client.http`)."""
         self.engine = engine
         self.deployment = deployment
         self.runtime_id = runtime_id or getattr(engine, "runtime_id", None) or "runtime-0"
@@ -137,9 +140,8 @@ class ThresholdClient:
                                           or Signal.learned)
         self.telemetry = telemetry
         self.on_refused, self.on_error = on_refused, on_error
-        self._http = httpx.Client(base_url=base_url.rstrip("/"),
-                                  headers={"Authorization": f"Bearer {token}"},
-                                  timeout=request_timeout_s)
+        self._http = http_client(base_url=base_url, token=token, timeout=request_timeout_s,
+                                 **http)
         self.applied: ThresholdSetWire | None = None
         self.source: str | None = None
         self.error: str | None = None
