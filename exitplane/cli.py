@@ -242,8 +242,7 @@ def segment_list(deployment: str) -> None:
     last 24 hours stored as `default` because their segment was not in use, per runtime."""
     from datetime import UTC, datetime, timedelta
 
-    from controlplane.deployments.segments import segment_registry
-    from controlplane.telemetry.service import undeclared_tokens
+    from controlplane.deployments.segments import segment_registry, undeclared_tokens
 
     def read(session, found):
         rows = [(row.name, "removed" if row.removed_at else "in use", row.origin,
