@@ -8,6 +8,8 @@ If-None-Match forms, long-poll waits in and out of range, telemetry batches and 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import msgpack
 import pytest
@@ -169,6 +171,37 @@ def test_pulls_are_answered_alike_with_and_without_the_fast_path(pair, tokens, e
     assert fast.get(PULL, params={"runtime_id": "r-1"},
                     headers={**runtime, "If-None-Match": "*"}).status_code == 304
     assert spy.paths == []
+
+
+def test_a_long_poll_on_any_set_ends_alike_when_the_set_moves(pair, tokens, engine):
+    """`If-None-Match: *` holds a long-poll until the set moves, then answers 304 with the new
+    set's ETag: the fast path holds it as the route does."""
+    apps = pair(rate_limit_pull_per_s=0)
+    _, fast = apps[True]
+    _, plain = apps[False]
+    operator, runtime, _ = _chat(fast, tokens, engine)
+    answers, routed = {}, {}
+    for label, client, version in (("fast", fast, 1), ("plain", plain, 2)):
+        client.get(PULL, params={"runtime_id": "r-1"}, headers=runtime)  # fills the caches
+        client.app.router.paths.clear()
+        held: list = []
+        poll = threading.Thread(target=lambda client=client, held=held: held.append(client.get(
+            PULL, params={"runtime_id": "r-1", "wait": "3"},
+            headers={**runtime, "If-None-Match": "*"})))
+        poll.start()
+        time.sleep(0.5)  # the poll is held (were it not yet, it would wait out its 3 s)
+        assert client.put("/v1/deployments/chat/aliases/active", headers=operator, json={
+            "version": version, "reason": "move"}).status_code == 200
+        poll.join(timeout=10)
+        routed[label] = list(client.app.router.paths)
+        moved = client.get(PULL, params={"runtime_id": "r-1"}, headers=runtime)
+        status, headers, body = _shape(held[0])
+        assert headers.pop("etag") == moved.headers["etag"]
+        assert headers.pop("x-exitplane-version") == str(version)
+        answers[label] = (status, headers, body)
+    assert answers["fast"] == answers["plain"]
+    assert answers["fast"][0] == 304
+    assert PULL not in routed["fast"] and PULL in routed["plain"]  # the fast path held it
 
 
 def test_pull_refusals_past_the_rate_are_answered_alike(pair, tokens, engine):
