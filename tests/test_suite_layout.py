@@ -28,6 +28,10 @@ def _imported(path: Path, root: Path) -> list[str]:
             # `from tests import x` names a module x as much as `import tests.x` does
             found += [f"{module}.{alias.name}" for alias in node.names] \
                 if module in {"tests", "tests.support"} else [module]
+        elif isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "pytest_plugins"
+                                                  for target in node.targets):
+            found += [item.value for item in ast.walk(node.value)
+                      if isinstance(item, ast.Constant) and isinstance(item.value, str)]
     return found
 
 
@@ -73,12 +77,14 @@ def test_the_layout_check_names_a_file_that_imports_a_test_module(tmp_path):
     (tests / "telemetry" / "test_relative.py").write_text("from .test_ingest import helper\n")
     (tests / "telemetry" / "test_conftest.py").write_text("from tests.conftest import fixture\n")
     (tests / "telemetry" / "test_package.py").write_text("from tests.telemetry import helpers\n")
+    (tests / "telemetry" / "conftest.py").write_text(
+        'pytest_plugins = ["tests.support.batches", "tests.telemetry.test_ingest"]\n')
     (tests / "telemetry" / "test_redis.py").write_text("def private_redis():\n    pass\n")
     (tests / "support" / "redis.py").write_text("def private_redis():\n    pass\n")
     problems = layout_problems(tests)
     assert [problem.split(" ", 1)[0] for problem in problems] == [
-        "tests/telemetry/test_conftest.py", "tests/telemetry/test_package.py",
-        "tests/telemetry/test_redis.py", "tests/telemetry/test_relative.py",
-        "tests/telemetry/test_replay.py"]
+        "tests/telemetry/conftest.py", "tests/telemetry/test_conftest.py",
+        "tests/telemetry/test_package.py", "tests/telemetry/test_redis.py",
+        "tests/telemetry/test_relative.py", "tests/telemetry/test_replay.py"]
     assert "imports tests.telemetry.test_ingest" in problems[-1]
-    assert "defines private_redis" in problems[2]
+    assert "defines private_redis" in problems[3]

@@ -124,8 +124,8 @@ def calibrated(engine, seeded) -> int:
         rng = random.Random(11)
         ingest(session=session, deployment=deployment, batches=[
             seeded_batch(rng, name=seeded.name, version=3, start=time.time() - 120 + i, n=500,
-                   runtime_id=("rt-a", "rt-b")[i % 2], seq=1000 + i, exit_bias=0.5,
-                   shadow_rate=1.0)
+                         runtime_id=("rt-a", "rt-b")[i % 2], seq=1000 + i, exit_bias=0.5,
+                         shadow_rate=1.0)
             for i in range(4)])  # shared by both runtimes: no one runtime's share is capped
         job, _ = calibration.request_calibration(
             session=session, deployment=deployment, actor="user:seed", enqueue=False,

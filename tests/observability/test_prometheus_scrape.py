@@ -9,7 +9,6 @@ import os
 import re
 import secrets
 import time
-import uuid
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ import yaml
 from sqlalchemy.orm import Session
 
 from controlplane.db import make_engine
+from tests.support.batches import telemetry_batch
 from tests.support.network import free_port
 from tests.support.processes import (
     EXITPLANE,
@@ -58,11 +58,10 @@ def _query(prometheus: str, expr: str) -> list:
 
 
 def _batch(seq: int) -> dict:
-    return {"batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-replayed",
-            "seq": seq, "num_layers": 6,
-            "records": [{"threshold_version": 1, "request_id": "r", "position": i,
-                         "exit_layer": 6, "signal_value": 0.5, "latency_us": 100,
-                         "ts": time.time()} for i in range(3)]}
+    return telemetry_batch([{"threshold_version": 1, "request_id": "r", "position": i,
+                             "exit_layer": 6, "signal_value": 0.5, "latency_us": 100,
+                             "ts": time.time()} for i in range(3)],
+                           runtime_id="rt-replayed", seq=seq, num_layers=6)
 
 
 def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_migrated,

@@ -40,8 +40,8 @@ def test_aggregates_give_the_rollups_records_give(control_plane, operator, runti
     stream = token_stream(4000, versions=[0, *versions])
     plain = fast_shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
     edge = fast_shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
-                    raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
-                    aggregate_interval_s=0.2, bundle=bundle).start()
+                        raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
+                        aggregate_interval_s=0.2, bundle=bundle).start()
     for record in stream:
         assert plain.submit(record)
         assert edge.submit(record)
@@ -120,8 +120,8 @@ def test_split_and_spooled_aggregates_count_once(settings, engine, operator, run
     plane.start()
     try:
         edge = fast_shipper(plane.url, runtime_token, tmp_path / "spool", "rt-edge",
-                        raw_sample_rate=0.0, exit_layers=EXIT_LAYERS, aggregate_interval_s=60,
-                        max_attempts=1).start()
+                            raw_sample_rate=0.0, exit_layers=EXIT_LAYERS, aggregate_interval_s=60,
+                            max_attempts=1).start()
         stream = token_stream(2000, versions=[1], start=(time.time() // 60 - 30) * 60)
         stream = [record.model_copy(update={"shadow": None, "exit_layer": EXIT_LAYERS[0]})
                   if record.shadow else record for record in stream]
@@ -153,7 +153,7 @@ def test_the_engine_s_tokens_aggregate_exactly(control_plane, operator, runtime_
     version = publish(operator, {2: 0.2, 4: 0.1})
     plain = fast_shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
     edge = fast_shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
-                    raw_sample_rate=0.0, exit_layers=EXIT_LAYERS).start()
+                        raw_sample_rate=0.0, exit_layers=EXIT_LAYERS).start()
 
     def both(record) -> None:
         plain.submit(record)

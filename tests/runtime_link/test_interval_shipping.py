@@ -63,8 +63,8 @@ def test_an_older_control_plane_gets_the_pair_from_then_on(settings, engine, ope
         stream = token_stream(3000, versions=[1])
         plain = fast_shipper(plane.url, runtime_token, tmp_path / "a", "rt-records").start()
         edge = fast_shipper(plane.url, runtime_token, tmp_path / "b", "rt-edge",
-                        raw_sample_rate=0.2, exit_layers=EXIT_LAYERS,
-                        aggregate_interval_s=0.2).start()
+                            raw_sample_rate=0.2, exit_layers=EXIT_LAYERS,
+                            aggregate_interval_s=0.2).start()
         assert edge.bundle
         for record in stream:
             plain.submit(record)
@@ -99,10 +99,10 @@ def test_split_interval_batches_store_everything_once(settings, engine, operator
     try:
         stream = token_stream(2000, versions=[1])
         plain = fast_shipper(plane.url, runtime_token, tmp_path / "a", "rt-records",
-                         batch_records=20).start()
+                             batch_records=20).start()
         edge = fast_shipper(plane.url, runtime_token, tmp_path / "b", "rt-edge",
-                        raw_sample_rate=0.3, exit_layers=EXIT_LAYERS, aggregate_interval_s=60,
-                        max_attempts=1).start()
+                            raw_sample_rate=0.3, exit_layers=EXIT_LAYERS, aggregate_interval_s=60,
+                            max_attempts=1).start()
         for record in stream:
             plain.submit(record)
             edge.submit(record)

@@ -41,8 +41,8 @@ def test_segmented_aggregates_give_the_rollups_segmented_records_give(
               for index, record in enumerate(token_stream(3000, versions=[0, version]))]
     plain = fast_shipper(control_plane.url, runtime_token, tmp_path / "a", "rt-records").start()
     edge = fast_shipper(control_plane.url, runtime_token, tmp_path / "b", "rt-edge",
-                    raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
-                    aggregate_interval_s=0.2).start()
+                        raw_sample_rate=0.1, exit_layers=EXIT_LAYERS,
+                        aggregate_interval_s=0.2).start()
     for record in stream:
         assert plain.submit(record)
         assert edge.submit(record)

@@ -143,8 +143,8 @@ def test_a_segment_travels_from_the_engine_row_to_the_store(control_plane, opera
     client = ThresholdClient(runtime, base_url=control_plane.url, deployment=DEPLOYMENT,
                              token=runtime_token, **FAST).start()
     shipper = fast_shipper(control_plane.url, runtime_token, tmp_path / "spool", "rt-e2e",
-                       raw_sample_rate=1.0, exit_layers=EXIT_LAYERS,
-                       aggregate_interval_s=0.2).start()
+                           raw_sample_rate=1.0, exit_layers=EXIT_LAYERS,
+                           aggregate_interval_s=0.2).start()
     try:
         assert client.wait_ready(20) and runtime.policy.version == version
         for index in range(3):

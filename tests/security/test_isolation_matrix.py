@@ -46,6 +46,7 @@ from controlplane.models import Base
 from controlplane.runtimes.outliers import set_aside
 from controlplane.runtimes.service import record_heartbeat
 from exitplane.wire import Heartbeat
+from tests.support.batches import telemetry_batch
 
 pytestmark = pytest.mark.usefixtures("quick_hashing", "outbox")
 
@@ -70,10 +71,10 @@ class Call:
 
 def _batch() -> dict:
     now = time.time()
-    return {"batch_id": "matrix-batch-1", "deployment": "alpha", "runtime_id": "rt-1", "seq": 0,
-            "num_layers": 12, "records": [
-                {"threshold_version": 2, "request_id": "r1", "position": i, "exit_layer": 6,
-                 "signal_value": 0.9, "latency_us": 3000, "ts": now + i} for i in range(3)]}
+    return telemetry_batch([{"threshold_version": 2, "request_id": "r1", "position": i,
+                             "exit_layer": 6, "signal_value": 0.9, "latency_us": 3000,
+                             "ts": now + i} for i in range(3)],
+                           batch_id="matrix-batch-1", deployment="alpha", num_layers=12)
 
 
 DEPLOYMENT = {"name": "gamma", "model_ref": "m", "num_layers": 12, "exit_layers": [3, 6, 9]}

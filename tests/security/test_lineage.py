@@ -8,13 +8,10 @@ fleet's calibration and quality tests like every honest one."""
 
 from __future__ import annotations
 
-import uuid
 from datetime import timedelta
 
 import numpy as np
 import pytest
-from controlplane.flows import recalibration
-from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -25,6 +22,8 @@ from controlplane.db import session_scope, utcnow
 from controlplane.deployments.models import Deployment
 from controlplane.deployments.service import get_deployment, move_alias, publish
 from controlplane.drift.service import DriftOptions, check_deployment
+from controlplane.flows import recalibration
+from controlplane.flows.canary import CanaryPolicy, evaluate_canary, start_canary
 from controlplane.runtimes.lineage import check_lineage, mismatched_runtime_ids
 from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.runtimes.service import record_heartbeat
@@ -33,6 +32,7 @@ from exitplane.client.thresholds import ThresholdClient
 from exitplane.wire import Heartbeat, TelemetryBatch
 from tests.support.alerts import Phase, send_traffic
 from tests.support.alerts import make_deployment as make_drift_deployment
+from tests.support.batches import telemetry_batch
 from tests.support.calibration import (
     FULL,
     LAYERS,
@@ -202,11 +202,10 @@ def test_a_runtime_on_other_heads_cannot_judge_a_canary(engine, outbox):
 
 def _batch(deployment_name: str, runtime_id: str, **lineage) -> TelemetryBatch:
     ts = utcnow().timestamp()
-    return TelemetryBatch(
-        batch_id=uuid.uuid4().hex, deployment=deployment_name, runtime_id=runtime_id, seq=0,
-        num_layers=FULL, records=[{"threshold_version": 1, "request_id": "r1", "position": 0,
-                                   "exit_layer": FULL, "signal_value": 0.5,
-                                   "latency_us": 10, "ts": ts}], **lineage)
+    return TelemetryBatch.model_validate(telemetry_batch(
+        [{"threshold_version": 1, "request_id": "r1", "position": 0, "exit_layer": FULL,
+          "signal_value": 0.5, "latency_us": 10, "ts": ts}],
+        deployment=deployment_name, runtime_id=runtime_id, num_layers=FULL, **lineage))
 
 
 def test_what_makes_a_runtime_mismatched(session: Session, outbox):

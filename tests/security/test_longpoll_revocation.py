@@ -14,9 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from controlplane.auth.models import ApiToken
-from controlplane.auth.service import create_token
-from controlplane.deployments.service import get_deployment
-from tests.support.deployments import tuned_deployment
+from tests.support.deployments import issue_runtime_token, tuned_deployment
 from tests.support.waiting import wait_until
 
 PULL = "/v1/deployments/chat/thresholds"
@@ -28,14 +26,6 @@ def settings(settings, request):
     # every poll goes through the route. A short token cache for the silent revocation.
     return settings.model_copy(update={"config_cache_ttl_s": request.param,
                                        "token_cache_ttl_s": 0.5})
-
-
-def _runtime_token(engine, name: str) -> tuple[int, dict[str, str]]:
-    with Session(engine) as session:
-        token, secret = create_token(session=session, name=name, scope="runtime",
-                                     deployment=get_deployment(session=session, name="chat"))
-        session.commit()
-        return token.id, {"Authorization": f"Bearer {secret}"}
 
 
 def _hold(url: str, headers: dict, etag: str, runtime_id: str, answers: dict
@@ -67,7 +57,7 @@ def test_a_poll_held_across_its_tokens_revocation_gets_no_new_set(live_server, t
                                                                    app):
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
         op, honest, etag = tuned_deployment(http, tokens, engine)  # v1 active, v2 published
-        revoked_id, revoked = _runtime_token(engine, "rt-leaked")
+        revoked_id, revoked = issue_runtime_token(engine, name="rt-leaked")
         answers: dict = {}
         polls = [_hold(live_server.url, revoked, etag, "leaked", answers),
                  _hold(live_server.url, honest, etag, "honest", answers)]
@@ -95,7 +85,7 @@ def test_a_poll_whose_cached_lookup_aged_out_is_looked_up_again(live_server, tok
     that missed the message sees it): the token cache's maximum age still bounds it."""
     with httpx.Client(base_url=live_server.url, timeout=30) as http:
         op, _, etag = tuned_deployment(http, tokens, engine)
-        revoked_id, revoked = _runtime_token(engine, "rt-silent")
+        revoked_id, revoked = issue_runtime_token(engine, name="rt-silent")
         answers: dict = {}
         poll = _hold(live_server.url, revoked, etag, "silent", answers)
         wait_until(lambda: _held_polls(app) == 1, message="the poll held")

@@ -35,6 +35,7 @@ from controlplane.alerts.models import AlertHook
 from controlplane.auth.users import create_user
 from controlplane.db import make_engine
 from controlplane.settings import Settings
+from tests.support.batches import telemetry_batch
 from tests.support.network import free_port, serve_in_thread
 from tests.support.services import BACKENDS
 
@@ -167,10 +168,10 @@ def _csrf(client, page: str) -> str:
 
 def _batch(seq: int) -> dict:
     now = time.time()
-    return {"batch_id": f"logs-batch-{seq}", "deployment": "chat", "runtime_id": "rt-1",
-            "seq": seq, "num_layers": 12, "records": [
-                {"threshold_version": 2, "request_id": "r1", "position": i, "exit_layer": 6,
-                 "signal_value": 0.9, "latency_us": 3000, "ts": now + i} for i in range(4)]}
+    return telemetry_batch([{"threshold_version": 2, "request_id": "r1", "position": i,
+                             "exit_layer": 6, "signal_value": 0.9, "latency_us": 3000,
+                             "ts": now + i} for i in range(4)],
+                           batch_id=f"logs-batch-{seq}", seq=seq, num_layers=12)
 
 
 def test_flows_log_no_secret(app, client, tokens, engine, settings, hidden, receiver,

@@ -17,24 +17,14 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.auth.service import create_token
-from controlplane.deployments.service import get_deployment
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import RuntimeCaps, record_heartbeat
 from exitplane.wire import Heartbeat
 from tests.support.batches import random_batch
-from tests.support.deployments import deploy_for_telemetry
+from tests.support.deployments import deploy_for_telemetry, issue_runtime_token
 from tests.support.waiting import patient_get
 
 BEATS = "/v1/deployments/{}/heartbeats"
-
-
-def _runtime_token(engine, deployment: str = "chat") -> dict[str, str]:
-    with Session(engine) as session:
-        _, secret = create_token(session=session, name=f"rt-{random.random()}", scope="runtime",
-                                 deployment=get_deployment(session=session, name=deployment))
-        session.commit()
-    return {"Authorization": f"Bearer {secret}"}
 
 
 def _beat(client, auth, runtime_id: str, deployment: str = "chat", **fields):
@@ -79,7 +69,7 @@ def test_a_runtime_token_cannot_tell_which_deployments_exist(serve, tokens, engi
 def test_one_token_cannot_take_the_deployment_s_whole_cap(serve, tokens, engine):
     client = serve(max_runtimes_per_deployment=5, max_runtimes_per_token=2)
     leaked = deploy_for_telemetry(client, tokens, engine)
-    honest = _runtime_token(engine)
+    honest = issue_runtime_token(engine)[1]
     assert [_beat(client, leaked, f"junk-{i}").status_code for i in range(2)] == [200, 200]
     refused = _beat(client, leaked, "junk-2")
     assert refused.status_code == 409
@@ -87,9 +77,9 @@ def test_one_token_cannot_take_the_deployment_s_whole_cap(serve, tokens, engine)
     assert "cap per token is 2" in detail and "EXITPLANE_MAX_RUNTIMES_PER_TOKEN" in detail
     # The other tokens of the deployment still register runtimes, up to the deployment's cap.
     assert [_beat(client, honest, f"pod-{i}").status_code for i in range(2)] == [200, 200]
-    third = _runtime_token(engine)
+    third = issue_runtime_token(engine)[1]
     assert _beat(client, third, "pod-2").status_code == 200
-    full = _beat(client, _runtime_token(engine), "pod-3")
+    full = _beat(client, issue_runtime_token(engine)[1], "pod-3")
     assert full.status_code == 409 and "the cap is 5" in full.json()["detail"]
     # Known runtimes keep beating whoever sends for them.
     assert _beat(client, leaked, "junk-0", spooled_batches=1).status_code == 200

@@ -12,7 +12,6 @@ Memory figures against a real API process: bench/segment_cache.py."""
 from __future__ import annotations
 
 import logging
-import uuid
 
 import msgpack
 import pytest
@@ -21,6 +20,7 @@ from sqlalchemy.orm import Session
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import admission, service
 from exitplane.wire import AGGREGATE_MSGPACK, TelemetryBatch
+from tests.support.batches import aggregate_batch, telemetry_batch
 from tests.support.deployments import FULL, deploy_for_telemetry
 from tests.support.waiting import patient_get
 
@@ -36,8 +36,7 @@ def _records(names: list[str], ts: float) -> list[dict]:
 def _batch(names: list[str], seq: int = 0, deployment: str = "chat") -> dict:
     import time
 
-    return {"batch_id": uuid.uuid4().hex, "deployment": deployment, "runtime_id": "rt-1",
-            "seq": seq, "num_layers": FULL, "records": _records(names, time.time())}
+    return telemetry_batch(_records(names, time.time()), deployment=deployment, seq=seq)
 
 
 def _aggregate(names: list[str]) -> bytes:
@@ -46,9 +45,7 @@ def _aggregate(names: list[str]) -> bytes:
     minute = int(time.time()) // 60 * 60
     cells = [{"minute": minute, "threshold_version": 2, "layer": FULL, "exits": 1,
               "segment": name, "histogram": [1] + [0] * 19} for name in names]
-    return msgpack.packb({"batch_id": uuid.uuid4().hex, "deployment": "chat",
-                          "runtime_id": "rt-1", "seq": 0, "num_layers": FULL,
-                          "raw_sample_rate": 0.0, "cells": cells})
+    return msgpack.packb(aggregate_batch(cells))
 
 
 def test_a_batch_with_more_distinct_names_than_a_runtime_can_send_is_422(client, tokens,

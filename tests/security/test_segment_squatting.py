@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import tempfile
 import time
-import uuid
 
 import httpx
 import pytest
@@ -27,6 +26,7 @@ from controlplane.deployments.service import get_deployment
 from controlplane.settings import get_settings
 from controlplane.telemetry.models import TokenRecordRow
 from exitplane.cli import main
+from tests.support.batches import telemetry_batch
 from tests.support.deployments import FULL, LAYERS, deploy_for_telemetry
 from tests.support.people import create_people, csrf_of, sign_in
 from tests.support.waiting import patient_get
@@ -66,8 +66,7 @@ def _traffic(names: list[str], seq: int = 0, per_name: int = 3) -> dict:
                 "exit_layer": rng.choice([*LAYERS, FULL]), "signal_value": rng.random(),
                 "latency_us": 100, "ts": now, "segment": name}
                for i, name in enumerate(name for name in names for _ in range(per_name))]
-    return {"batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-squat",
-            "seq": seq, "num_layers": FULL, "records": records}
+    return telemetry_batch(records, runtime_id="rt-squat", seq=seq)
 
 
 def test_undeclared_names_are_stored_as_default_and_counted(client, tokens, engine):

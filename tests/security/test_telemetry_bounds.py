@@ -34,7 +34,7 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from exitplane.app import create_app
 from exitplane.wire import INTERVAL_JSON, RECORDS_JSON, RECORDS_MSGPACK
-from tests.support.batches import random_batch
+from tests.support.batches import random_batch, telemetry_batch
 from tests.support.deployments import deploy_for_telemetry
 from tests.support.network import free_port, raw_response
 
@@ -139,7 +139,7 @@ def test_a_batch_past_the_value_budget_is_413_and_its_halves_pass(tokens, engine
     with TestClient(app) as client:
         runtime = deploy_for_telemetry(client, tokens, engine)
         batch = random_batch(random.Random(2), n=2000, shadow_rate=0,  # ~16,000 values
-                           ts=time.time() - 1500)
+                             ts=time.time() - 1500)
         encode = (lambda b: msgpack.packb(b, use_bin_type=True)) if "msgpack" in content_type \
             else (lambda b: json.dumps(b).encode())
         headers = {**runtime, "Content-Type": content_type}
@@ -320,10 +320,8 @@ def test_a_batch_needing_more_than_the_whole_budget_is_413_and_its_halves_pass(
 def _keyed_maps(size: int) -> bytes:
     """A record batch of one-entry maps keyed by new strings: ~70 bytes a value decoded, the
     most of any shape (bench/telemetry_bounds.py's `keyed_maps`)."""
-    return msgpack.packb({"batch_id": uuid.uuid4().hex, "deployment": "chat",
-                          "runtime_id": "rt-1", "seq": 0, "num_layers": 12,
-                          "records": [{f"k{i:x}": 0} for i in range(size // 10)]},
-                         use_bin_type=True)
+    return msgpack.packb(telemetry_batch([{f"k{i:x}": 0} for i in range(size // 10)],
+                                         num_layers=12), use_bin_type=True)
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ does not validate `errors` with JSON locations (never Python reprs)."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 from sqlalchemy.orm import Session
 
 from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
+from tests.support.batches import telemetry_batch
 
 NUM_LAYERS = 6
 EXIT_LAYERS = [2, 4]
@@ -39,8 +39,7 @@ def runtime(client, tokens, engine) -> dict[str, str]:
 
 
 def _batch(*records: dict) -> dict:
-    return {"batch_id": uuid.uuid4().hex, "deployment": "tiny", "runtime_id": "rt-1",
-            "seq": 1, "num_layers": NUM_LAYERS, "records": list(records)}
+    return telemetry_batch(list(records), deployment="tiny", seq=1, num_layers=NUM_LAYERS)
 
 
 def _shadow(exit_layer: int = NUM_LAYERS, matched=True) -> dict:

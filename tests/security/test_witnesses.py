@@ -23,7 +23,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.models import ApiToken
-from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.promotion import _expected_exit_rate
@@ -38,18 +37,9 @@ from controlplane.telemetry.models import ShadowSampleRow
 from controlplane.telemetry.service import shadow_evidence
 from tests.support.batches import random_batch
 from tests.support.calibration import LAYERS, make_deployment, separable_samples, write_traffic
-from tests.support.deployments import deploy_for_telemetry
+from tests.support.deployments import deploy_for_telemetry, issue_runtime_token
 
 BEATS = "/v1/deployments/{}/heartbeats"
-
-
-def _token(engine, deployment: str = "chat") -> tuple[int, dict[str, str]]:
-    with Session(engine) as session:
-        row, secret = create_token(session=session, name=f"rt-{random.random()}",
-                                   scope="runtime",
-                                   deployment=get_deployment(session=session, name=deployment))
-        session.commit()
-        return row.id, {"Authorization": f"Bearer {secret}"}
 
 
 def _applies(client, auth, runtime_id: str, version: int) -> None:
@@ -72,8 +62,8 @@ def test_a_token_reports_only_under_the_runtime_ids_it_registered(serve, tokens,
     A keeps reporting and an operator may still remove it."""
     client = serve(telemetry_fast_path=fast_path)
     deploy_for_telemetry(client, tokens, engine)
-    a_id, a = _token(engine)
-    _, b = _token(engine)
+    a_id, a = issue_runtime_token(engine)
+    _, b = issue_runtime_token(engine)
     assert client.post(BEATS.format("chat"), headers=a,
                        json={"runtime_id": "rt-a"}).status_code == 200
     assert _owner(engine, "rt-a") == a_id
@@ -104,7 +94,7 @@ def test_telemetry_registers_a_new_runtime_id_under_the_caps(serve, tokens, engi
     is refused (409), so one token cannot report as many runtimes without heartbeats."""
     client = serve(max_runtimes_per_token=1)
     deploy_for_telemetry(client, tokens, engine)
-    token_id, auth = _token(engine)
+    token_id, auth = issue_runtime_token(engine)
     rng = random.Random(3)
     first = client.post("/v1/telemetry", headers=auth, json=random_batch(rng, runtime_id="rt-x"))
     assert first.status_code == 202, first.text
@@ -124,8 +114,8 @@ def test_a_token_cannot_frame_another_runtime_with_a_foreign_lineage(serve, toke
     with Session(engine) as session:
         get_deployment(session=session, name="chat").head_digest = "sha256:" + "a" * 64
         session.commit()
-    _, a = _token(engine)
-    _, b = _token(engine)
+    _, a = issue_runtime_token(engine)
+    _, b = issue_runtime_token(engine)
     assert client.post(BEATS.format("chat"), headers=a, json={
         "runtime_id": "rt-a", "head_digest": "sha256:" + "a" * 64}).status_code == 200
     framed = random_batch(random.Random(5), n=5, runtime_id="rt-a")
@@ -141,8 +131,8 @@ def test_a_revoked_token_s_runtime_ids_may_be_registered_again(serve, tokens, en
     token, which then owns it."""
     client = serve()
     deploy_for_telemetry(client, tokens, engine)
-    old_id, old = _token(engine)
-    new_id, new = _token(engine)
+    old_id, old = issue_runtime_token(engine)
+    new_id, new = issue_runtime_token(engine)
     assert client.post(BEATS.format("chat"), headers=old,
                        json={"runtime_id": "rt-a"}).status_code == 200
     assert client.post(BEATS.format("chat"), headers=new,
@@ -161,14 +151,14 @@ def test_every_runtime_id_of_one_token_is_one_witness(serve, tokens, engine):
     client = serve()
     deploy_for_telemetry(client, tokens, engine)
     rng = random.Random(11)
-    sybil_id, sybil = _token(engine)
+    sybil_id, sybil = issue_runtime_token(engine)
     for runtime_id in ("rt-s1", "rt-s2", "rt-s3"):
         _applies(client, sybil, runtime_id, 2)
         assert client.post("/v1/telemetry", headers=sybil, json=random_batch(
             rng, shadow_rate=1.0, runtime_id=runtime_id)).status_code == 202
     honest = []
     for runtime_id in ("rt-h1", "rt-h2"):
-        token_id, auth = _token(engine)
+        token_id, auth = issue_runtime_token(engine)
         honest.append(token_id)
         _applies(client, auth, runtime_id, 2)
         assert client.post("/v1/telemetry", headers=auth, json=random_batch(
@@ -187,7 +177,7 @@ def test_evidence_posted_long_after_its_timestamp_does_not_count(serve, tokens, 
     decision reads them (EXITPLANE_EVIDENCE_MAX_DELAY_S, an hour); fresh ones are read."""
     client = serve()
     deploy_for_telemetry(client, tokens, engine)
-    _, auth = _token(engine)
+    _, auth = issue_runtime_token(engine)
     _applies(client, auth, "rt-a", 2)
     rng = random.Random(13)
     old = random_batch(rng, n=20, shadow_rate=1.0, runtime_id="rt-a", ts=time.time() - 7200)
@@ -210,7 +200,7 @@ def test_evidence_stamped_with_a_version_its_runtime_never_applied_does_not_coun
     token cannot slip evidence under a version its runtime never served."""
     client = serve()
     deploy_for_telemetry(client, tokens, engine)
-    _, auth = _token(engine)
+    _, auth = issue_runtime_token(engine)
     batch = random_batch(random.Random(17), n=40, shadow_rate=1.0, runtime_id="rt-a")
     assert client.post("/v1/telemetry", headers=auth, json=batch).status_code == 202
     stamped = [record["threshold_version"] for record in batch["records"]]

@@ -4,7 +4,6 @@ records what hooks send (`receiver`): for the alert, drift and worker tests."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -20,6 +19,7 @@ from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.deployments.service import create_deployment, move_alias, publish
 from controlplane.telemetry.service import ingest
 from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
+from tests.support.batches import telemetry_batch
 from tests.support.network import serve_in_thread
 
 LAYERS = [4, 8, 12]
@@ -92,9 +92,9 @@ def send_traffic(session: Session, deployment: Deployment, *, start: datetime,
                         {"layer": 8, "signal": 0.5, "matched": True},
                         {"layer": 12, "signal": 0.5, "matched": True}]
                 records.append(record)
-            batches.append(TelemetryBatch.model_validate({
-                "batch_id": uuid.uuid4().hex, "deployment": deployment.name,
-                "runtime_id": runtime_id, "seq": seq, "num_layers": FULL, "records": records}))
+            batches.append(TelemetryBatch.model_validate(telemetry_batch(
+                records, deployment=deployment.name, runtime_id=runtime_id, seq=seq,
+                num_layers=FULL)))
             seq += 1
             moment += timedelta(minutes=1)
     ingest(session=session, deployment=deployment, batches=batches)

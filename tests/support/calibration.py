@@ -4,7 +4,6 @@ ingestion service, and the alerts that make a deployment fall back."""
 from __future__ import annotations
 
 import time
-import uuid
 from datetime import UTC, datetime
 
 import numpy as np
@@ -17,6 +16,7 @@ from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.deployments.service import create_deployment, get_deployment
 from controlplane.telemetry.service import ingest
 from exitplane.wire import DEFAULT_SEGMENT, TelemetryBatch
+from tests.support.batches import telemetry_batch
 
 LAYERS = [3, 6, 9]
 FULL = 12
@@ -92,9 +92,9 @@ def write_traffic(session: Session, deployment_name: str, signals: np.ndarray,
             record["shadow"] = [{"layer": k, "signal": float(signals[i, j]),
                                  "matched": bool(matched[i, j])} for j, k in enumerate(LAYERS)]
         records.append(record)
-    batches = [TelemetryBatch(batch_id=uuid.uuid4().hex, deployment=deployment_name,
-                              runtime_id=runtime_id, seq=index, num_layers=FULL,
-                              records=records[offset:offset + batch_size])
+    batches = [TelemetryBatch.model_validate(telemetry_batch(
+                   records[offset:offset + batch_size], deployment=deployment_name,
+                   runtime_id=runtime_id, seq=index, num_layers=FULL))
                for index, offset in enumerate(range(0, len(records), batch_size))]
     ingest(session=session, deployment=deployment, batches=batches)
     session.flush()

@@ -20,6 +20,7 @@ from controlplane.deployments.models import Deployment
 from controlplane.telemetry.service import ingest
 from exitplane.wire import TelemetryBatch
 from tests.support.alerts import FULL, LAYERS, THRESHOLDS
+from tests.support.batches import telemetry_batch
 
 LIFT = np.array([0.0, 0.12, 0.22])  # deeper layers are more confident
 
@@ -79,9 +80,8 @@ def send_requests(session: Session, deployment: Deployment, *, start: datetime,
                              "matched": not (wrong and j == index)}
                             for j, k in enumerate(LAYERS)]
                     records.append(record)
-            batches.append(TelemetryBatch.model_validate({
-                "batch_id": uuid.uuid4().hex, "deployment": deployment.name,
-                "runtime_id": "rt-1", "seq": seq, "num_layers": FULL, "records": records}))
+            batches.append(TelemetryBatch.model_validate(telemetry_batch(
+                records, deployment=deployment.name, seq=seq, num_layers=FULL)))
             seq += 1
             moment += timedelta(minutes=1)
     ingest(session=session, deployment=deployment, batches=batches)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -21,6 +20,7 @@ from controlplane.runtimes.service import record_heartbeat
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import ingest
 from exitplane.wire import Heartbeat, Origin, TelemetryBatch
+from tests.support.batches import telemetry_batch
 from tests.support.network import free_port
 
 LAYERS = [3, 6, 9]
@@ -28,8 +28,8 @@ FULL = 12
 
 
 def seeded_batch(rng: random.Random, *, name: str, version: int, start: float, n: int,
-           runtime_id: str, seq: int, exit_bias: float,
-           shadow_rate: float = 0.3) -> TelemetryBatch:
+                 runtime_id: str, seq: int, exit_bias: float,
+                 shadow_rate: float = 0.3) -> TelemetryBatch:
     records = []
     for i in range(n):
         signal = rng.random()
@@ -47,9 +47,8 @@ def seeded_batch(rng: random.Random, *, name: str, version: int, start: float, n
                 record["shadow"].append({"layer": k, "signal": shadow_signal,
                                          "matched": matched})
         records.append(record)
-    return TelemetryBatch.model_validate({
-        "batch_id": uuid.uuid4().hex, "deployment": name, "runtime_id": runtime_id, "seq": seq,
-        "num_layers": FULL, "records": records})
+    return TelemetryBatch.model_validate(telemetry_batch(records, deployment=name,
+                                                         runtime_id=runtime_id, seq=seq))
 
 
 @dataclass
@@ -91,8 +90,8 @@ def seed_deployment(engine, name: str = "chat", minutes: int = 40) -> Seeded:
             bias = 0.35 + 0.25 * (version == 3) + 0.05 * rng.random()
             for runtime in ("rt-a", "rt-b"):
                 batches.append(seeded_batch(rng, name=name, version=version,
-                                      start=first + minute * 60, n=24, runtime_id=runtime,
-                                      seq=minute, exit_bias=bias))
+                                            start=first + minute * 60, n=24, runtime_id=runtime,
+                                            seq=minute, exit_bias=bias))
         ingest(session=session, deployment=deployment, batches=batches)
         _backdate(session, deployment, {1: first - 120, 2: first + 20,
                                         3: first + (minutes // 2) * 60,

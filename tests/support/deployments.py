@@ -4,6 +4,8 @@ exits at layers 3, 6 and 9 of 12), one with per-segment thresholds."""
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 from sqlalchemy.orm import Session
 
@@ -19,14 +21,27 @@ CODE_THRESHOLDS = {"3": 0.1, "6": 0.1, "9": 0.1}  # code exits early: its own, f
 SEGMENTS = ("default", "chat", "code")
 
 
-def mint_runtime_token(engine, deployment: str) -> str:
-    """A runtime token (named rt-<deployment>) for deployment `deployment`; its secret."""
+def _create_runtime_token(engine, deployment: str, name: str) -> tuple[int, str]:
     with Session(engine) as session:
         target = get_deployment(session=session, name=deployment)
-        _, secret = create_token(session=session, name=f"rt-{deployment}", scope="runtime",
-                                 deployment=target)
+        token, secret = create_token(session=session, name=name, scope="runtime",
+                                     deployment=target)
         session.commit()
-    return secret
+        return token.id, secret
+
+
+def mint_runtime_token(engine, deployment: str) -> str:
+    """A runtime token (named rt-<deployment>) for deployment `deployment`; its secret."""
+    return _create_runtime_token(engine, deployment, f"rt-{deployment}")[1]
+
+
+def issue_runtime_token(engine, deployment: str = "chat", *,
+                        name: str | None = None) -> tuple[int, dict[str, str]]:
+    """Another runtime token for `deployment`, named `name` (else a name of its own): its id
+    and the Authorization header that carries it."""
+    token_id, secret = _create_runtime_token(engine, deployment,
+                                             name or f"rt-{uuid.uuid4().hex[:12]}")
+    return token_id, {"Authorization": f"Bearer {secret}"}
 
 
 def runtime_headers(engine, deployment: str) -> dict[str, str]:

@@ -18,6 +18,7 @@ from controlplane.auth.service import create_token
 from controlplane.deployments.service import get_deployment
 from exitplane.app import create_app
 from exitplane.client.shipper import TelemetryShipper
+from tests.support.batches import telemetry_batch
 from tests.support.network import free_port
 from tests.support.waiting import patient_get, wait_until
 
@@ -80,12 +81,10 @@ class ServedDeployment:
     def probe(self) -> httpx.Response:
         """One batch of one record, posted directly (not through the shipper)."""
         return httpx.post(f"{self.base}/v1/telemetry", headers=self.runtime_auth, timeout=30,
-                          json={"batch_id": uuid.uuid4().hex, "deployment": "chat",
-                                "runtime_id": "probe", "seq": 0, "num_layers": 12,
-                                "records": [{"threshold_version": 1, "request_id": "p",
-                                             "position": 0, "exit_layer": 12,
-                                             "signal_value": 0.5, "latency_us": 1,
-                                             "ts": time.time()}]})
+                          json=telemetry_batch([{"threshold_version": 1, "request_id": "p",
+                                                 "position": 0, "exit_layer": 12,
+                                                 "signal_value": 0.5, "latency_us": 1,
+                                                 "ts": time.time()}], runtime_id="probe"))
 
     def ready(self) -> bool:
         """The store and Redis answer the API now (the deep check, not the probe's)."""

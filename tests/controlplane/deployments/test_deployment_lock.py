@@ -6,7 +6,6 @@ lock must not wait for (it did as FOR UPDATE), while two control writers still s
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 from sqlalchemy import text
@@ -17,6 +16,7 @@ from controlplane.deployments import service
 from controlplane.deployments.schemas import DeploymentCreate
 from controlplane.telemetry import service as telemetry
 from exitplane.wire import TelemetryBatch
+from tests.support.batches import telemetry_batch
 
 # Row locks are PostgreSQL's (SQLite serialises every writer with BEGIN IMMEDIATE).
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -47,11 +47,9 @@ def _publish_and_activate(engine) -> int:
 
 def _batch() -> TelemetryBatch:
     now = time.time()
-    return TelemetryBatch.model_validate({
-        "batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-1", "seq": 0,
-        "num_layers": 8, "records": [
-            {"threshold_version": 1, "request_id": "r", "position": i, "exit_layer": 8,
-             "signal_value": 0.5, "latency_us": 900, "ts": now} for i in range(5)]})
+    return TelemetryBatch.model_validate(telemetry_batch([
+        {"threshold_version": 1, "request_id": "r", "position": i, "exit_layer": 8,
+         "signal_value": 0.5, "latency_us": 900, "ts": now} for i in range(5)], num_layers=8))
 
 
 def test_an_alias_move_does_not_wait_for_a_fleet_write_in_flight(deployed):

@@ -10,11 +10,8 @@ import time
 
 import httpx
 import pytest
-from sqlalchemy.orm import Session
 
-from controlplane.auth.service import create_token
-from controlplane.deployments.service import get_deployment
-from tests.support.deployments import tuned_deployment
+from tests.support.deployments import issue_runtime_token, tuned_deployment
 from tests.support.waiting import wait_until
 
 CAP = 3
@@ -26,14 +23,6 @@ def settings(settings, request):
     # 0: never cached, every poll goes through the FastAPI route.
     return settings.model_copy(update={"long_polls_per_token": CAP,
                                        "config_cache_ttl_s": request.param})
-
-
-def _other_token(engine) -> dict:
-    with Session(engine) as session:
-        _, secret = create_token(session=session, name="rt-chat-other", scope="runtime",
-                                 deployment=get_deployment(session=session, name="chat"))
-        session.commit()
-    return {"Authorization": f"Bearer {secret}"}
 
 
 def test_a_token_holds_at_most_its_cap_of_long_polls(live_server, tokens, engine, app):
@@ -63,7 +52,8 @@ def test_a_token_holds_at_most_its_cap_of_long_polls(live_server, tokens, engine
         quick = http.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-extra"},
                          headers={**runtime, "If-None-Match": etag})
         assert quick.status_code == 304
-        other = threading.Thread(target=poll, args=(CAP, _other_token(engine)))
+        _, other_runtime = issue_runtime_token(engine, name="rt-chat-other")
+        other = threading.Thread(target=poll, args=(CAP, other_runtime))
         other.start()
         wait_until(lambda: sum(delivery._held.values()) == CAP + 1,
                    message="the other token's poll held")

@@ -192,8 +192,8 @@ def test_spike_whose_shadow_tokens_stay_within_delta_keeps_the_active_set(engine
         make_deployment(session)
         _activate(session, GOOD)
     alert_id = fire_alert(engine, kind="exit_rate_spike",
-                     evidence=_gate(tokens=1158, requests=40, disagreements=9,
-                                    upper_bound=0.021))
+                          evidence=_gate(tokens=1158, requests=40, disagreements=9,
+                                         upper_bound=0.021))
     with Session(engine) as session:
         deployment = get_deployment(session=session, name="chat")
         assert aliases_of(session=session, deployment=deployment)["active"] == 2
@@ -234,8 +234,8 @@ def test_a_kept_spike_falls_back_once_a_later_window_cannot_show_quality(engine,
         make_deployment(session)
         _activate(session, GOOD)
     alert_id = fire_alert(engine, kind="exit_rate_spike",
-                     evidence=_gate(tokens=1158, requests=40, disagreements=9,
-                                    upper_bound=0.021))
+                          evidence=_gate(tokens=1158, requests=40, disagreements=9,
+                                         upper_bound=0.021))
     with session_scope(engine) as session:
         alert = session.get(Alert, alert_id)
         still_fine = _gate(tokens=900, requests=35, disagreements=8, upper_bound=0.03)

@@ -14,6 +14,7 @@ from controlplane.telemetry import bulk
 from controlplane.telemetry.columns import parse_batch
 from controlplane.telemetry.models import Rollup, ShadowSampleRow, TokenRecordRow
 from controlplane.telemetry.tables import ROLLUP_COUNTERS, tables_of
+from tests.support.batches import telemetry_batch
 
 LAYERS = [9, 3, 6]  # deliberately not sorted: shadow samples keep the deployment's order
 FULL = 12
@@ -34,11 +35,10 @@ def _payload(rng: random.Random, n: int) -> dict:
                                  "matched": rng.random() < 0.5}
                                 for layer in rng.sample(LAYERS, len(LAYERS))]
         records.append(record)
-    return {"batch_id": f"batch-{rng.randrange(10**8):08d}", "deployment": "chat",
-            # runtime ids are ASCII (exitplane.wire.RuntimeId); request ids carry the odd text
-            "runtime_id": rng.choice(["rt-1", "node.7:gpu_0-" + "x" * 115]), "seq": 0,
-            "num_layers": FULL,
-            "records": records}
+    batch_id = f"batch-{rng.randrange(10**8):08d}"
+    # runtime ids are ASCII (exitplane.wire.RuntimeId); request ids carry the odd text
+    runtime_id = rng.choice(["rt-1", "node.7:gpu_0-" + "x" * 115])
+    return telemetry_batch(records, batch_id=batch_id, runtime_id=runtime_id, num_layers=FULL)
 
 
 def test_rows_read_back_exactly(engine):

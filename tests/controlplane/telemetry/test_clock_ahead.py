@@ -6,7 +6,6 @@ and says to check the runtime's clock. Late timestamps are fine: spooled batches
 
 import random
 import time
-import uuid
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,14 +13,13 @@ from fastapi.testclient import TestClient
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from exitplane.app import create_app
 from exitplane.wire import AGGREGATE_MSGPACK, INTERVAL_MSGPACK
-from tests.support.batches import post_telemetry, segment_records
-from tests.support.deployments import FULL, LAYERS, deploy_with_segments
+from tests.support.batches import aggregate_batch, post_telemetry, segment_records, telemetry_batch
+from tests.support.deployments import LAYERS, deploy_with_segments
 from tests.support.waiting import patient_get
 
 
 def _batch(records: list[dict]) -> dict:
-    return {"batch_id": uuid.uuid4().hex, "deployment": "mix", "runtime_id": "rt-1", "seq": 0,
-            "num_layers": FULL, "records": records}
+    return telemetry_batch(records, deployment="mix")
 
 
 def _cells(minute: int) -> list[dict]:
@@ -30,8 +28,7 @@ def _cells(minute: int) -> list[dict]:
 
 
 def _aggregate(minute: int, **fields) -> dict:
-    return {"batch_id": uuid.uuid4().hex, "deployment": "mix", "runtime_id": "rt-1", "seq": 0,
-            "num_layers": FULL, "raw_sample_rate": 0.0, "cells": _cells(minute), **fields}
+    return aggregate_batch(_cells(minute), deployment="mix", **fields)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

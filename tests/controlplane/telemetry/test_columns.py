@@ -16,9 +16,8 @@ from controlplane.telemetry import columns
 from controlplane.telemetry.columns import MODEL_RULES, BatchColumns, parse_batch
 from controlplane.telemetry.service import BadRecord, check_batch
 from exitplane.wire import ShadowPoint, TelemetryBatch, TokenRecord
-
-LAYERS = [3, 6, 9]
-FULL = 12
+from tests.support.batches import telemetry_batch
+from tests.support.deployments import FULL, LAYERS
 
 
 def _record(index: int, shadow: bool = False) -> dict:
@@ -33,8 +32,8 @@ def _record(index: int, shadow: bool = False) -> dict:
 
 
 def _batch(size: int = 6) -> dict:
-    return {"batch_id": "batch-0001", "deployment": "chat", "runtime_id": "rt-1", "seq": 3,
-            "num_layers": FULL, "records": [_record(i, shadow=i % 3 == 1) for i in range(size)]}
+    return telemetry_batch([_record(i, shadow=i % 3 == 1) for i in range(size)],
+                           batch_id="batch-0001", seq=3)
 
 
 def _outcome(parse, payload):

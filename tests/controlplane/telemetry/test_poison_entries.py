@@ -13,7 +13,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from controlplane.deployments.service import get_deployment
 from controlplane.telemetry import stream
 from controlplane.telemetry.models import Rollup
 from exitplane.wire import AGGREGATE_MSGPACK, HISTOGRAM_BINS, INT63, MAX_BATCH_TOKENS
-from tests.support.batches import post_telemetry, segment_records
+from tests.support.batches import aggregate_batch, post_telemetry, segment_records, telemetry_batch
 from tests.support.deployments import FULL, LAYERS, deploy_with_segments
 from tests.support.services import REDIS_URL
 
@@ -45,8 +44,7 @@ def _aggregate(minute: int, first: int, full: int) -> dict:
     cells = [{"minute": minute, "threshold_version": 2, "layer": layer, "exits": exits,
               "histogram": [0] * HISTOGRAM_BINS}
              for layer, exits in ((LAYERS[0], first), (FULL, full)) if exits]
-    return {"batch_id": uuid.uuid4().hex, "deployment": "mix", "runtime_id": "rt-1", "seq": 0,
-            "num_layers": FULL, "raw_sample_rate": 0.0, "cells": cells}
+    return aggregate_batch(cells, deployment="mix")
 
 
 def _minute(seconds: int) -> datetime:
@@ -318,9 +316,8 @@ def test_a_request_id_with_nul_is_refused_by_the_api(client, tokens, engine):
     headers = deploy_with_segments(client, tokens, engine)
     records = segment_records(random.Random(1), 3)
     records[1]["request_id"] = "req\x00-1"
-    answer = client.post("/v1/telemetry", headers=headers, json={
-        "batch_id": uuid.uuid4().hex, "deployment": "mix", "runtime_id": "rt-1", "seq": 0,
-        "num_layers": FULL, "records": records})
+    answer = client.post("/v1/telemetry", headers=headers,
+                         json=telemetry_batch(records, deployment="mix"))
     assert answer.status_code == 422 and "request_id" in answer.json()["detail"]
     assert answer.json()["index"] == 1
 

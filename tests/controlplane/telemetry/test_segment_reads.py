@@ -9,7 +9,6 @@ segment's traffic is posted as a real aggregate batch."""
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -18,6 +17,7 @@ from sqlalchemy.orm import Session
 from controlplane.deployments.segments import admit_segments
 from controlplane.deployments.service import get_deployment
 from controlplane.telemetry.models import Rollup
+from tests.support.batches import aggregate_batch
 from tests.support.deployments import FULL, deploy_for_telemetry
 from tests.support.waiting import patient_get
 
@@ -66,12 +66,11 @@ def segmented(client, tokens, engine) -> dict[str, str]:
         write_rollups(session, deployment.id, "spam", recent, CODE)
         session.commit()
     minute = int(_minute(timedelta(minutes=3)).timestamp())
-    aggregate = {"batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-1",
-                 "seq": 1, "num_layers": FULL, "raw_sample_rate": 0.05, "cells": [
-                     {"minute": minute, "threshold_version": 2, "layer": 3, "exits": 30,
-                      "histogram": [0] * 20},
-                     {"minute": minute, "threshold_version": 2, "layer": FULL, "exits": 70,
-                      "histogram": [0] * 20}]}
+    aggregate = aggregate_batch([
+        {"minute": minute, "threshold_version": 2, "layer": 3, "exits": 30,
+         "histogram": [0] * 20},
+        {"minute": minute, "threshold_version": 2, "layer": FULL, "exits": 70,
+         "histogram": [0] * 20}], seq=1, raw_sample_rate=0.05)
     response = client.post("/v1/telemetry", json=aggregate, headers={
         **runtime, "Content-Type": "application/vnd.exitplane.aggregate+json"})
     assert response.status_code == 202, response.text

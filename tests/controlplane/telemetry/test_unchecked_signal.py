@@ -5,7 +5,6 @@ request id."""
 from __future__ import annotations
 
 import time
-import uuid
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -16,9 +15,8 @@ from controlplane.telemetry import service
 from controlplane.telemetry.columns import parse_batch
 from controlplane.telemetry.models import Rollup, ShadowSampleRow, TokenRecordRow
 from exitplane.wire import TelemetryBatch
-
-LAYERS = [3, 6, 9]
-FULL = 12
+from tests.support.batches import telemetry_batch
+from tests.support.deployments import FULL, LAYERS
 
 
 def _batch(n: int = 40) -> dict:
@@ -32,8 +30,7 @@ def _batch(n: int = 40) -> dict:
             record["signal_value"] = 0.42
             record["shadow"] = [{"layer": k, "signal": 0.42, "matched": True} for k in LAYERS]
         records.append(record)
-    return {"batch_id": uuid.uuid4().hex, "deployment": "chat", "runtime_id": "rt-1",
-            "seq": 0, "num_layers": FULL, "records": records}
+    return telemetry_batch(records)
 
 
 def test_columns_carry_none_both_ways():
