@@ -57,6 +57,8 @@ def test_the_copy_of_this_tree_keeps_its_contracts(tmp_path):
      "The control plane in layers"),
     ("exitplane/kit/logs.py", "import controlplane.settings", "The product in layers"),
     ("runtime/kv.py", "import controlplane.db", "The product in layers"),
+    ("controlplane/errors.py", "import runtime.kv", "The product in layers"),
+    ("workers/app.py", "import dashboards.app", "The product in layers"),
 ])
 def test_an_import_against_the_layers_breaks_a_contract(tmp_path, module, imported, broken):
     root = _product_copy(tmp_path)
