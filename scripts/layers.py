@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "python"
-LINT = "import sys, importlinter.cli as cli; sys.exit(cli.lint_imports(config_filename=sys.argv[1]))"
+LINT = ("import sys, importlinter.cli as cli; "
+        "sys.exit(cli.lint_imports(config_filename=sys.argv[1]))")
 
 
 def check_product() -> int:
