@@ -218,7 +218,7 @@ def _run(tmp_path: Path, database: str) -> None:
         runtimes = {f"rt-{i}": i >= IN_SYNC for i in range(IN_SYNC + BEHIND)}  # id -> behind
         for i, (runtime_id, behind) in enumerate(runtimes.items()):
             processes.append(spawn(
-                [sys.executable, "-m", "tests.observability.simulated_runtime",
+                [sys.executable, "-m", "tests.support.simulated_runtime",
                  "--api", apis[i % 2], "--token-file", str(token_file),
                  "--runtime-id", runtime_id, "--state-dir", str(tmp_path / runtime_id),
                  "--tokens", str(TOKENS), "--long-poll-s", str(LONG_POLL_S),
