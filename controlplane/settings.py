@@ -316,7 +316,7 @@ class Settings(BaseSettings):
     heartbeat_file: Path | None = Field(
         default=None,
         description="a Celery worker, ingest worker or beat writes here, from its own loop, the "
-        "time by which it will be back; `python -m exitplane.kit.heartbeat FILE` (a liveness "
+        "time by which it will be back; `python -m exitplane.kit.liveness FILE` (a liveness "
         "probe) fails once that time has passed. Unset: no heartbeat")
     # The ingest worker lowers its CPU priority to this nice value at start.
     # Its work is throughput that the Redis stream buffers; on a host it shares with an API

@@ -480,7 +480,7 @@ def ingest(name: str | None, claim_idle_ms: int) -> None:
                                                consumer.name)
     heartbeat = None
     if settings.heartbeat_file:  # a cycle: a blocking read (1 s), then a write to the store
-        from exitplane.kit.heartbeat import promise
+        from exitplane.kit.liveness import promise
 
         heartbeat = lambda: promise(settings.heartbeat_file, 120.0)  # noqa: E731
     consumer.run_forever(stop, each_cycle=heartbeat)

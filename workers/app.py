@@ -5,7 +5,7 @@
 
 It is the control plane's app (`controlplane.celery_app`: configuration, beat schedule, the
 broker the outbox sends through) with what only these processes need: the worker-side
-logging, request-id and metrics signals, the heartbeats liveness probes read, and the alert
+logging, request-id and metrics signals, the liveness promises probes read, and the alert
 reactions, so that an alert a task fires gets the automatic fallback.
 """
 
@@ -16,10 +16,10 @@ from celery import signals
 from controlplane.celery_app import app
 from controlplane.flows import fallback
 from workers import observability  # noqa: F401  (logging, request ids and metrics signals)
-from workers.heartbeat import install as install_heartbeats
+from workers.liveness import install as install_liveness
 
 fallback.install()
-install_heartbeats(app)  # EXITPLANE_HEARTBEAT_FILE, for liveness probes
+install_liveness(app)  # EXITPLANE_HEARTBEAT_FILE, for liveness probes
 
 
 @signals.worker_init.connect

@@ -6,7 +6,7 @@ own), so a process whose loop hangs stops renewing its promise and the probe fai
 process that is busy for a known while (a Celery task up to its time limit) promises that
 much. The file holds one number, Unix seconds, replaced atomically.
 
-    python -m exitplane.kit.heartbeat /var/lib/exitplane/heartbeat    # exit 0: alive, 1: not
+    python -m exitplane.kit.liveness /var/lib/exitplane/heartbeat    # exit 0: alive, 1: not
 
 Only the standard library here: a probe starts this every few seconds.
 """
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     """The probe: exit 0 while the promise in the file named holds, else 1 with the reason."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m exitplane.kit.heartbeat HEARTBEAT_FILE", file=sys.stderr)
+        print("usage: python -m exitplane.kit.liveness HEARTBEAT_FILE", file=sys.stderr)
         return 2
     reason = problem(args[0])
     if reason:

@@ -1,5 +1,5 @@
-"""Heartbeats of the Celery worker and beat, for liveness probes (`EXITPLANE_HEARTBEAT_FILE`;
-exitplane/kit/heartbeat.py says what a heartbeat promises).
+"""Liveness promises of the Celery worker and beat, for liveness probes (`EXITPLANE_HEARTBEAT_FILE`;
+exitplane/kit/liveness.py says what a promise means).
 
 - Worker: the consumer's timer renews the promise every few seconds. With Redis the timer runs
   on the worker's event loop, so a loop that hangs stops renewing it. A task running on the
@@ -17,7 +17,7 @@ from pathlib import Path
 from celery import Celery, bootsteps, signals
 from celery.beat import PersistentScheduler
 
-from exitplane.kit.heartbeat import promise
+from exitplane.kit.liveness import promise
 
 WORKER_RENEW_S = 10.0
 IDLE_PROMISE_S = 60.0  # an idle worker's loop comes round every couple of seconds
@@ -100,6 +100,6 @@ def _task_finished(**_kwargs) -> None:
 
 
 def install(app: Celery) -> None:
-    """Give `app`'s worker and beat their heartbeats."""
+    """Give `app`'s worker and beat their liveness promises."""
     app.steps["consumer"].add(WorkerHeartbeat)
     app.conf.beat_scheduler = f"{__name__}:HeartbeatScheduler"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from exitplane.kit.heartbeat import main, problem, promise
+from exitplane.kit.liveness import main, problem, promise
 from tests.support.processes import ROOT, stop_process
 from tests.support.waiting import wait_until
 
@@ -23,7 +23,7 @@ EXITPLANE = str(Path(sys.executable).parent / "exitplane")
 
 def _probe(path: Path) -> subprocess.CompletedProcess:
     """The liveness probe as the manifests run it."""
-    return subprocess.run([sys.executable, "-m", "exitplane.kit.heartbeat", str(path)],
+    return subprocess.run([sys.executable, "-m", "exitplane.kit.liveness", str(path)],
                           capture_output=True, text=True, timeout=30)
 
 
