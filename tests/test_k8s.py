@@ -36,7 +36,7 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # The only differences allowed: service names on the cluster network.
 HOSTS = {"http://exitplane-api:8000": "http://api:8000"}
-HEARTBEAT_PROBE = ["python", "-m", "exitplane.kit.heartbeat"]
+HEARTBEAT_PROBE = ["python", "-m", "exitplane.kit.liveness"]
 
 
 def kustomize(path: Path, *flags: str) -> list[dict]:
