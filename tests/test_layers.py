@@ -59,6 +59,9 @@ def test_the_copy_of_this_tree_keeps_its_contracts(tmp_path):
     ("runtime/kv.py", "import controlplane.db", "The product in layers"),
     ("controlplane/errors.py", "import runtime.kv", "The product in layers"),
     ("workers/app.py", "import dashboards.app", "The product in layers"),
+    ("workers/tasks/drift.py", "import controlplane.alerts.api", "The workers are thin"),
+    ("workers/tasks/drift.py", "import controlplane.guards.rates", "The workers are thin"),
+    ("workers/tasks/alerts.py", "import fastapi", "The workers speak no HTTP"),
 ])
 def test_an_import_against_the_layers_breaks_a_contract(tmp_path, module, imported, broken):
     root = _product_copy(tmp_path)
