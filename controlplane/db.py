@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from typing import Annotated, ClassVar
 
@@ -168,9 +168,8 @@ def session_factory(engine: Engine | None = None) -> sessionmaker[Session]:
 
 
 @contextmanager
-def session_scope(engine: Engine | None = None) -> Iterator[Session]:
-    """A unit of work for workers and the CLI: commit on success, roll back on error."""
-    session = session_factory(engine)()
+def _unit_of_work(session: Session) -> Iterator[Session]:
+    """`session` as one unit of work: commit on success, roll back on error, then close."""
     try:
         yield session
         session.commit()
@@ -179,19 +178,17 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def session_scope(engine: Engine | None = None) -> AbstractContextManager[Session]:
+    """A unit of work for workers and the CLI: commit on success, roll back on error."""
+    return _unit_of_work(session_factory(engine)())
 
 
 def get_session(request: Request) -> Iterator[Session]:
     """One unit of work per request: commit when the route returns, roll back on error."""
-    session = request.app.state.session_factory()
-    try:
+    with _unit_of_work(request.app.state.session_factory()) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 # scope="function": the commit happens before the response is sent, so a 2xx means stored.
