@@ -1,4 +1,4 @@
-"""What the UI's actions do: each one goes through the thresholds/auth services, asks for a
+"""What the UI's actions do: each one goes through the deployments/auth services, asks for a
 reason and leaves it in the audit log; the pages show what the services know."""
 
 from __future__ import annotations
