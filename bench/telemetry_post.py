@@ -82,7 +82,7 @@ DEPLOYMENT = "tpost"
 TOKEN_CACHE_TTL_S = 2.0  # the settings' default, which the processes keep
 
 
-def aggregate_body(seq: int, tokens: int) -> bytes:
+def aggregate_body(seq: int, tokens: int, runtime_id: str) -> bytes:
     """One runtime's aggregate batch, cut by the real client's aggregator: one minute,
     version 1, the exit mix of bench/fleet.py."""
     aggregator = Aggregator(exit_layers=EXIT_LAYERS, num_layers=NUM_LAYERS)
@@ -90,24 +90,25 @@ def aggregate_body(seq: int, tokens: int) -> bytes:
     histogram = [[count // HISTOGRAM_BINS] * HISTOGRAM_BINS for count in exits]
     aggregator.add_counts(minute=int(time.time()) // 60 * 60, threshold_version=1, exits=exits,
                           histogram=histogram)
-    return encode_aggregate(deployment=DEPLOYMENT, runtime_id=f"rt-{seq % 97}", seq=seq,
+    return encode_aggregate(deployment=DEPLOYMENT, runtime_id=runtime_id, seq=seq,
                             num_layers=NUM_LAYERS, raw_sample_rate=0.01,
                             cells=aggregator.cut()).body
 
 
-def records_body(seq: int, count: int) -> bytes:
+def records_body(seq: int, count: int, runtime_id: str) -> bytes:
     """One runtime's sampled records batch, a tenth of them shadow tokens."""
     return msgpack.packb({"batch_id": uuid.uuid4().hex, "deployment": DEPLOYMENT,
-                          "runtime_id": f"rt-{seq % 97}", "seq": seq, "num_layers": NUM_LAYERS,
+                          "runtime_id": runtime_id, "seq": seq, "num_layers": NUM_LAYERS,
                           "records": _records(seq, count), "aggregated": True},
                          use_bin_type=True)
 
 
-def interval_body(seq: int, tokens: int, count: int) -> bytes:
+def interval_body(seq: int, tokens: int, count: int, runtime_id: str) -> bytes:
     """What `aggregate_body` and `records_body` carry, as one interval batch."""
-    cells = AggregateBatch.model_validate(msgpack.unpackb(aggregate_body(seq, tokens))).cells
+    cells = AggregateBatch.model_validate(
+        msgpack.unpackb(aggregate_body(seq, tokens, runtime_id))).cells
     records = [TokenRecord.model_validate(record) for record in _records(seq, count)]
-    return encode_interval(deployment=DEPLOYMENT, runtime_id=f"rt-{seq % 97}", seq=seq,
+    return encode_interval(deployment=DEPLOYMENT, runtime_id=runtime_id, seq=seq,
                            num_layers=NUM_LAYERS, raw_sample_rate=0.01, cells=cells,
                            records=RecordColumns.of(records)).body
 
@@ -250,20 +251,22 @@ def main() -> int:
             out = []
             for i in range(count):
                 token = tokens[i % len(tokens)]
+                # a runtime id belongs to the token that registered it: one id per token
+                runtime_id = f"rt-{'hot-' if workload == 'hot' else ''}{i % len(tokens)}"
                 if workload == "beat":
                     out.append((f"/v1/deployments/{DEPLOYMENT}/heartbeats", token,
                                 "application/json", json.dumps({
-                                    "runtime_id": f"rt-{i}", "applied_version": 1,
+                                    "runtime_id": runtime_id, "applied_version": 1,
                                     "applied_checksum": "0" * 64}).encode()))
                 elif workload == "interval":
                     out.append(("/v1/telemetry", token, INTERVAL_MSGPACK, interval_body(
-                        i, args.tokens_per_batch, args.records_per_batch)))
+                        i, args.tokens_per_batch, args.records_per_batch, runtime_id)))
                 elif i % 2 == 0:
                     out.append(("/v1/telemetry", token, AGGREGATE_MSGPACK,
-                                aggregate_body(i, args.tokens_per_batch)))
+                                aggregate_body(i, args.tokens_per_batch, runtime_id)))
                 else:
                     out.append(("/v1/telemetry", token, RECORDS_MSGPACK,
-                                records_body(i, args.records_per_batch)))
+                                records_body(i, args.records_per_batch, runtime_id)))
             return out
 
         for name in urls:  # warm-up: imports, caches, connections
