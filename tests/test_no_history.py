@@ -65,7 +65,8 @@ def test_the_product_carries_no_account_of_how_it_was_made():
 
 
 @pytest.mark.parametrize("line", [
-    "# Issue 14: the teapot whistles when the water boils",
+    # a ticket reference, put together here so that this file does not carry one itself
+    "# {} 14: the teapot whistles when the water boils".format("Issue"),
     "measured on main at 3fa9c1e, the teapot pours faster",
     "the tenth session's pots, after the new spout",
     "Tried and not kept: a copper lid for the teapot",
