@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -19,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.db import make_engine
 from controlplane.migrate import upgrade
-from tests.support.network import LiveServer, free_port
+from tests.support.network import LiveServer, start_server
 from tests.support.people import quick_hasher
 from tests.support.processes import CeleryWorker
 from tests.support.services import (
@@ -167,19 +165,7 @@ def client(app):
 @pytest.fixture
 def live_server(app) -> Iterator[LiveServer]:
     """The app served by a real uvicorn on a loopback port, in a thread."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    live = LiveServer(url=f"http://127.0.0.1:{port}", server=server, thread=thread)
+    live = start_server(app)
     yield live
     live.stop()
 

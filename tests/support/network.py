@@ -1,5 +1,5 @@
 """Loopback ports and servers in threads: a free port, a `socketserver` server, the app under a
-real uvicorn."""
+real uvicorn, and a spy on which requests reach an app's router."""
 
 from __future__ import annotations
 
@@ -40,9 +40,8 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """`app` on a real uvicorn in a thread; yields its URL."""
+def start_server(app) -> LiveServer:
+    """`app` on a real uvicorn on a loopback port, in a thread; `stop()` ends it."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
                                            log_level="warning"))
@@ -50,13 +49,37 @@ def serving(app) -> Iterator[str]:
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
+    return LiveServer(url=f"http://127.0.0.1:{port}", server=server, thread=thread)
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` on a real uvicorn in a thread; yields its URL."""
+    live = start_server(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield live.url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        live.stop()
+
+
+class RouterSpy:
+    """Stands in for an app's router and records which paths reach it (a fast path's answers
+    never do); passes everything on."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self.paths: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.router(scope, receive, send)
+
+    def __getattr__(self, name):
+        return getattr(self.router, name)
 
 
 def raw_response(connection: socket.socket) -> tuple[int, dict[str, str], bytes]:

@@ -20,6 +20,7 @@ from controlplane.edge.pull_fast_path import NotModifiedFastPath
 from exitplane.app import create_app
 from tests.support.batches import random_batch
 from tests.support.deployments import deploy_for_telemetry
+from tests.support.network import RouterSpy
 
 PULL = "/v1/deployments/chat/thresholds"
 HEARTBEATS = "/v1/deployments/chat/heartbeats"
@@ -27,20 +28,6 @@ COMPARED = ("etag", "cache-control", "x-exitplane-version", "www-authenticate", 
             "content-type")
 
 
-class RouterSpy:
-    """Counts the requests that reach the app's router (a fast path's answers never do)."""
-
-    def __init__(self, router) -> None:
-        self.router = router
-        self.paths: list[str] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            self.paths.append(scope["path"])
-        await self.router(scope, receive, send)
-
-    def __getattr__(self, name):
-        return getattr(self.router, name)
 
 
 def _without_pull_fast_path(layer):

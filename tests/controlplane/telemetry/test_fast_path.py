@@ -22,24 +22,11 @@ from controlplane.observability import http_request_duration
 from exitplane.app import create_app
 from tests.support.batches import random_batch
 from tests.support.deployments import deploy_for_telemetry
+from tests.support.network import RouterSpy
 
 COMPARED_HEADERS = ("content-type", "www-authenticate", "retry-after")
 
 
-class RouterSpy:
-    """Records which paths reach the app's router (the fast path must not); passes all on."""
-
-    def __init__(self, router) -> None:
-        self.router = router
-        self.paths: list[str] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            self.paths.append(scope["path"])
-        await self.router(scope, receive, send)
-
-    def __getattr__(self, name):
-        return getattr(self.router, name)
 
 
 @pytest.fixture
