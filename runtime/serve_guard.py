@@ -1,5 +1,6 @@
-"""The runtime server's front door: API keys and a request body limit, checked before routing
-and before any JSON is parsed (an ASGI middleware in front of the FastAPI app).
+"""The runtime server's front door: API keys, a request body limit and a JSON nesting limit
+(`exitplane.kit.json_depth`), checked before routing and before any JSON is parsed (an ASGI
+middleware in front of the FastAPI app).
 
 Keys come from `--api-key-file` (one per line) and/or `EXITPLANE_RUNTIME_API_KEYS`
 (comma-separated). When any key is set, every route except the probes and metrics
@@ -17,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from exitplane.kit.bearer import bearer_token
+from exitplane.kit.json_depth import TooDeep, check_json_depth
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 API_KEYS_ENV = "EXITPLANE_RUNTIME_API_KEYS"
@@ -99,6 +101,13 @@ class RequestGuard:
                 return
             if not message.get("more_body", False):
                 break
+        try:
+            check_json_depth(b"".join(m.get("body", b"") for m in messages
+                                      if m["type"] == "http.request"))
+        except TooDeep as error:
+            await _respond(send, *_error(422, f"the request body {error}",
+                                         "invalid_request_error"), extra=[])
+            return
 
         async def replay():
             return messages.pop(0) if messages else await receive()

@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException
 
 from controlplane.edge.answers import CLOSE, send_json
 from controlplane.guards.policy import UNLISTED, body_limit, match
+from exitplane.kit.json_depth import TooDeep, check_json_depth
 
 
 class BodyTooLarge(HTTPException):
@@ -58,17 +59,29 @@ def replay(body: bytes, receive):
     return replaying
 
 
-def counted(receive, limit: int):
-    """`receive`, raising BodyTooLarge once the body it has handed on passes `limit` bytes."""
+def counted(receive, limit: int, *, depth_checked: bool = False):
+    """`receive`, raising BodyTooLarge once the body it has handed on passes `limit` bytes.
+    `depth_checked`: the body is JSON the route decodes itself; its last chunk raises
+    BodyTooDeep instead of arriving when the whole body nests past `MAX_JSON_DEPTH`."""
     received = 0
+    chunks: list[bytes] = []
 
     async def counting():
         nonlocal received
         message = await receive()
         if message["type"] == "http.request":
-            received += len(message.get("body", b""))
+            chunk = message.get("body", b"")
+            received += len(chunk)
             if received > limit:
                 raise BodyTooLarge(limit)
+            if depth_checked:
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    try:
+                        check_json_depth(b"".join(chunks))
+                    except TooDeep as error:
+                        raise BodyTooDeep(error) from error
+                    chunks.clear()
         return message
 
     return counting
@@ -84,6 +97,9 @@ class BodySizeLimit:
     A declared Content-Length is refused at once. Otherwise the body is read here, counted
     chunk by chunk (chunked uploads declare no length), and handed to the app only once it is
     complete and within the limit: no route, form parser or middleware sees a byte before.
+    A body declared as JSON that nests past `MAX_JSON_DEPTH` is refused with 422 before
+    anything decodes it, unless its route decodes it under the decode budget and checks it
+    there (telemetry).
     A route whose policy reads the body after auth (telemetry, heartbeats) is the exception:
     it checks the caller from the headers and only then reads the body, through a channel
     that counts it and raises BodyTooLarge past the limit, so a caller without a valid token,
@@ -105,8 +121,10 @@ class BodySizeLimit:
                 await _refuse(send, f"request body of {int(value)} bytes exceeds the "
                                     f"limit of {limit} bytes for this route")
                 return
+        # A route that decodes under the decode budget checks its own body's depth.
+        depth_checked = not policy.decode_budget and _decodes_as_json(scope)
         if policy.body_after_auth:
-            await self.app(scope, counted(receive, limit), send)
+            await self.app(scope, counted(receive, limit, depth_checked=depth_checked), send)
             return
         try:
             body = await read_body(receive, limit)
@@ -115,12 +133,39 @@ class BodySizeLimit:
         except BodyTooLarge as error:
             await _refuse(send, error.detail)
             return
+        if depth_checked:
+            try:
+                check_json_depth(body)
+            except TooDeep as error:
+                await send_json(send, 422, json.dumps({"detail": _too_deep(error)}).encode())
+                return
         await self.app(scope, replay(body, receive), send)
 
 
 async def _refuse(send, message: str) -> None:
     """413 with `connection: close`, as the rest of the body is never read."""
     await send_json(send, 413, json.dumps({"detail": message}).encode(), (CLOSE,))
+
+
+def _decodes_as_json(scope) -> bool:
+    """Whether the request declares a JSON body (a body without one is refused with 415 by
+    the routes that take JSON, never decoded)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return is_json_media(value.decode("latin-1"))
+    return False
+
+
+def _too_deep(error: TooDeep) -> str:
+    return f"request body is not accepted: {error}"
+
+
+class BodyTooDeep(HTTPException):
+    """A JSON body read after its caller was checked that nests past `MAX_JSON_DEPTH` (422;
+    raised once the whole body has arrived, before anything decodes it)."""
+
+    def __init__(self, error: TooDeep) -> None:
+        super().__init__(422, _too_deep(error))
 
 
 def is_json_media(content_type: str) -> bool:

@@ -50,6 +50,7 @@ from controlplane.runtimes.schemas import RuntimeRead
 from controlplane.telemetry.api import queue_from_cache, store_batch
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.schemas import IngestAck
+from exitplane.kit.json_depth import check_json_depth
 from exitplane.wire import Heartbeat
 
 # The routes served here, by their policies (controlplane/guards/policy.py): the bucket each
@@ -266,7 +267,8 @@ def _plain_heartbeat(content_type: str | None, body: bytes) -> Heartbeat | None:
     if media != "application/json":
         return None
     try:
+        check_json_depth(body)
         payload = json.loads(body)
         return Heartbeat.model_validate(payload) if isinstance(payload, dict) else None
-    except (ValueError, ValidationError, RecursionError):  # nested too deep to decode
+    except (ValueError, ValidationError):  # TooDeep is a ValueError
         return None

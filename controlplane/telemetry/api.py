@@ -38,6 +38,7 @@ from controlplane.telemetry.schemas import (
     SegmentReport,
     TelemetryCounts,
 )
+from exitplane.kit.json_depth import TooDeep, check_json_depth
 from exitplane.wire import (
     AGGREGATE_JSON,
     AGGREGATE_MSGPACK,
@@ -130,9 +131,10 @@ def _decode(body: bytes, content_type: str, max_items: int | None,
             charge: ValuesCharged | None = None):
     """The decoded body, never more than `max_items` values (None: no bound): msgpack counts
     as it decodes; a JSON body is refused first when it could hold more (each value but a
-    container's first follows a ',', so ',', '[' and '{' bound them), and nested too deep to
-    decode is 422, not a server error. With a `charge`, the values are charged to the decode
-    budget: msgpack's as they are built, JSON's (keys too: ':' adds them) before decoding."""
+    container's first follows a ',', so ',', '[' and '{' bound them), and one nested past
+    `MAX_JSON_DEPTH` is 422 before it is decoded. With a `charge`, the values are charged to
+    the decode budget: msgpack's as they are built, JSON's (keys too: ':' adds them) before
+    decoding."""
     msgpacked = "msgpack" in content_type
     try:
         if msgpacked:
@@ -146,12 +148,12 @@ def _decode(body: bytes, content_type: str, max_items: int | None,
         if max_items is not None and \
                 body.count(b",") + body.count(b"[") + body.count(b"{") >= max_items:
             raise _too_many(max_items)
+        check_json_depth(body)
         if charge is not None:
             charge.values(sum(map(body.count, (b",", b"[", b"{", b":"))) + 1)
         return json.loads(body)
-    except RecursionError as error:
-        raise Invalid("body nests too deeply: a telemetry batch is at most 4 levels deep") \
-            from error
+    except TooDeep as error:
+        raise Invalid(f"body {error}: a telemetry batch is at most 4 levels deep") from error
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
         if max_items is not None and "exceeds max_" in str(error):  # one list or map past it
             raise _too_many(max_items) from error

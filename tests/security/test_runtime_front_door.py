@@ -124,6 +124,23 @@ def test_a_body_over_the_limit_is_refused_before_parsing():
         assert small.status_code == 200
 
 
+def test_a_deeply_nested_body_is_refused_before_parsing():
+    """Within the size limit, a body nested past the JSON depth limit never reaches the
+    decoder: a clean 422 in the OpenAI error shape, on both generation routes."""
+    with served_on_a_port(tiny_state()) as served:
+        for path, deep in (("/v1/completions", b'{"prompt":' + b"[" * 200_000),
+                           ("/v1/chat/completions",
+                            b'{"messages":[{"role":"user","content":' + b'{"a":' * 50_000)):
+            answer = httpx.post(f"{served.url}{path}", content=deep,
+                                headers={"Content-Type": "application/json"})
+            assert answer.status_code == 422, answer.text
+            assert "nests deeper than" in answer.json()["error"]["message"]
+        nested_prompt = httpx.post(f"{served.url}/v1/completions",
+                                   json={"prompt": [[1, 2]], "max_tokens": 2})
+        assert nested_prompt.status_code in (200, 422)  # decoded and judged by the schema
+        assert "nests deeper" not in nested_prompt.text
+
+
 def test_the_default_body_limit_is_one_mebibyte():
     with served_on_a_port(tiny_state(max_prompt_chars=10**7)) as served:
         over = httpx.post(f"{served.url}/v1/completions",
