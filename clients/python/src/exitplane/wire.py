@@ -269,9 +269,16 @@ class TokenRecord(BaseModel):
     # None: this token's exits were not checked (e.g. a never-exit set skips the checks), so
     # it has no signal; consumers leave it out of signal distributions instead of reading 0.
     signal_value: float | None = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    # Wall time the token took, microseconds: its share of the step that produced it.
     latency_us: int = Field(ge=0, le=INT32)
     ts: float = Field(gt=0, le=MAX_TS, description="unix seconds when the token was produced")
     shadow: list[ShadowPoint] | None = None
+    # How many exit checks (signals) the token computed on its way to `exit_layer`: with
+    # `latency_us` and the depth, what the control plane fits its cost model on. Left off the
+    # wire when not reported; such tokens count as served but not timed.
+    exit_checks: int | None = Field(
+        default=None, ge=0, le=1024, exclude_if=lambda value: value is None,
+        description="exit checks the token computed (absent: not reported)")
     # The traffic segment the token's request belongs to; left off the wire when it
     # is `default`, so unsegmented traffic encodes exactly as before segments existed.
     segment: SegmentName = Field(default=DEFAULT_SEGMENT,
@@ -342,12 +349,23 @@ class AggregateCell(BaseModel):
     exits: int = Field(ge=0, le=MAX_BATCH_TOKENS)
     histogram: list[Annotated[int, Field(ge=0, le=MAX_BATCH_TOKENS)]] = Field(
         min_length=HISTOGRAM_BINS, max_length=HISTOGRAM_BINS)
+    # What the `exits` tokens cost, summed over them: wall time in microseconds and exit checks
+    # computed. Both left off the wire when the runtime does not time its tokens (then
+    # together: one without the other is refused).
+    latency_us: int | None = Field(default=None, ge=0, le=INT63,
+                                   exclude_if=lambda value: value is None,
+                                   description="summed wall time of the cell's tokens, us")
+    exit_checks: int | None = Field(default=None, ge=0, le=MAX_BATCH_TOKENS * 1024,
+                                    exclude_if=lambda value: value is None,
+                                    description="summed exit checks of the cell's tokens")
 
     @model_validator(mode="after")
     def _histogram_within_exits(self) -> AggregateCell:
         if sum(self.histogram) > self.exits:
             raise ValueError(f"histogram counts {sum(self.histogram)} tokens, more than the "
                              f"{self.exits} that exited")
+        if (self.latency_us is None) != (self.exit_checks is None):
+            raise ValueError("latency_us and exit_checks come together or not at all")
         return self
 
 
@@ -408,6 +426,7 @@ _ExitLayerColumn = _column(TokenRecord, "exit_layer", MAX_BATCH_RECORDS)
 _SignalValueColumn = _column(TokenRecord, "signal_value", MAX_BATCH_RECORDS)
 _LatencyColumn = _column(TokenRecord, "latency_us", MAX_BATCH_RECORDS)
 _TsColumn = _column(TokenRecord, "ts", MAX_BATCH_RECORDS)
+_ExitChecksColumn = _column(TokenRecord, "exit_checks", MAX_BATCH_RECORDS)
 _PointLayerColumn = _column(ShadowPoint, "layer")
 _PointSignalColumn = _column(ShadowPoint, "signal")
 _PointMatchedColumn = _column(ShadowPoint, "matched")
@@ -434,6 +453,9 @@ class RecordColumns(BaseModel):
     # Each record's traffic segment; left off (null) when every record is `default`.
     segment: list[SegmentName] | None = Field(default=None, max_length=MAX_BATCH_RECORDS,
                                               exclude_if=lambda value: value is None)
+    # Each record's exit checks; left off (null) when no record reports them.
+    exit_checks: _ExitChecksColumn | None = Field(default=None,
+                                                  exclude_if=lambda value: value is None)
     shadow_record: list[Annotated[int, Field(ge=0, lt=MAX_BATCH_RECORDS)]] = Field(
         default_factory=list)
     shadow_layer: _PointLayerColumn = Field(default_factory=list)
@@ -445,7 +467,9 @@ class RecordColumns(BaseModel):
         count = len(self.threshold_version)
         if not 1 <= count <= MAX_BATCH_RECORDS:
             raise ValueError(f"records: 1 to {MAX_BATCH_RECORDS} records, not {count}")
-        for name in RECORD_COLUMNS[1:] + (("segment",) if self.segment is not None else ()):
+        optional = tuple(name for name in ("segment", "exit_checks")
+                         if getattr(self, name) is not None)
+        for name in RECORD_COLUMNS[1:] + optional:
             if len(getattr(self, name)) != count:
                 raise ValueError(f"column {name} has {len(getattr(self, name))} entries, "
                                  f"threshold_version {count}")
@@ -469,11 +493,13 @@ class RecordColumns(BaseModel):
     def of(cls, records: Sequence[TokenRecord]) -> RecordColumns:
         """The columns of already validated records (nothing is checked again)."""
         segments = [record.segment for record in records]
+        checks = [record.exit_checks for record in records]
         points = [(index, point) for index, record in enumerate(records)
                   for point in record.shadow or ()]
         return cls.model_construct(
             **{name: [getattr(record, name) for record in records] for name in RECORD_COLUMNS},
             segment=None if all(name == DEFAULT_SEGMENT for name in segments) else segments,
+            exit_checks=None if all(value is None for value in checks) else checks,
             shadow_record=[index for index, _ in points],
             **{f"shadow_{name}": [getattr(point, name) for _, point in points]
                for name in SHADOW_COLUMNS})
@@ -487,8 +513,10 @@ class RecordColumns(BaseModel):
             shadows.setdefault(index, []).append(
                 ShadowPoint(layer=layer, signal=signal, matched=matched))
         segments = self.segment or [DEFAULT_SEGMENT] * len(self)
+        checks = self.exit_checks or [None] * len(self)
         return [TokenRecord(**dict(zip(RECORD_COLUMNS, values, strict=True)),
-                            shadow=shadows.get(index), segment=segments[index])
+                            shadow=shadows.get(index), segment=segments[index],
+                            exit_checks=checks[index])
                 for index, values in enumerate(zip(*(getattr(self, name)
                                                      for name in RECORD_COLUMNS), strict=True))]
 

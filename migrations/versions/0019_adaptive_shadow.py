@@ -1,0 +1,21 @@
+"""(reserved: filled in by the change that needs it)
+
+Revision ID: 0019_adaptive_shadow
+Revises: 0018_operating_curves
+Create Date: 2026-12-05 05:00:00
+"""
+
+from collections.abc import Sequence
+
+revision: str = "0019_adaptive_shadow"
+down_revision: str | Sequence[str] | None = "0018_operating_curves"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass
