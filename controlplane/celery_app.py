@@ -22,7 +22,7 @@ from controlplane.settings import Settings, get_settings
 from exitplane.kit.logs import request_id_var
 
 TASK_MODULES = ["workers.tasks.drift", "workers.tasks.alerts", "workers.tasks.maintenance",
-                "workers.tasks.calibration"]
+                "workers.tasks.calibration", "workers.tasks.curve"]
 QUEUE = "exitplane"
 # The message header that carries the request id from whoever enqueued a task into the task's
 # log lines (workers/observability.py puts it back into the logging context).
@@ -79,6 +79,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
                                 "options": {"expires": settings.canary_interval_s}},
             "calibration-sweep": {"task": "calibration.sweep", "schedule": 300.0,
                                   "options": {"expires": 300}},
+            "operating-curve": {"task": "curve.refresh_all",
+                                "schedule": settings.operating_curve_interval_s,
+                                "options": {"expires": settings.operating_curve_interval_s}},
         },
     )
     return app

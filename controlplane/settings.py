@@ -171,6 +171,22 @@ class Settings(BaseSettings):
         default=3600.0, gt=0,
         description="how long a calibration job short of data (or, when automatic, of certifiable "
         "data) keeps retrying before it fails")
+    operating_curve_interval_s: float = Field(
+        default=300.0, gt=0,
+        description="how often the workers redraw each deployment's operating curve, check it "
+        "for an opportunity and queue the recalibrations a schedule makes due (seconds)")
+    operating_curve_window_s: float = Field(
+        default=3600.0, gt=0,
+        description="the recent shadow evidence an operating curve is drawn from (seconds)")
+    opportunity_min_gain: float = Field(
+        default=0.10, gt=0,
+        description="an opportunity re-tune needs the best certified set to save at least this "
+        "much more net time than the active set, relative to what the active set saves (0.10: "
+        "10% more), beyond sampling noise")
+    opportunity_cooldown_s: float = Field(
+        default=21600.0, ge=0,
+        description="after an opportunity queued a recalibration, no other for the same "
+        "deployment and segment for this long (seconds)")
     canary_interval_s: float = Field(
         default=60.0, gt=0,
         description="canary window length")

@@ -10,12 +10,15 @@ from sqlalchemy.orm import Session
 
 from controlplane.alerts import hooks
 from controlplane.alerts.guard import HookGuard
+from controlplane.alerts.kinds import NEVER_PAGES
 from controlplane.alerts.models import HOOK_KINDS, SEVERITIES, Alert, AlertDelivery, AlertHook
 from controlplane.deployments.models import Deployment
 from controlplane.errors import Invalid, NotFound
 from controlplane.keys import SecretUnreadable
 
 SEVERITY_RANK = {name: rank for rank, name in enumerate(SEVERITIES)}
+# Hooks that page someone: the kinds in NEVER_PAGES are not delivered to them.
+PAGERS = frozenset({"pagerduty", "alertmanager"})
 
 
 def list_hooks(*, session: Session, deployment: Deployment | None = None) -> list[AlertHook]:
@@ -108,10 +111,12 @@ def delete_hook(*, session: Session, hook: AlertHook) -> None:
 
 
 def hooks_for(*, session: Session, alert: Alert, event: str) -> list[AlertHook]:
-    """Enabled hooks of the alert's deployment (or of all) whose severity filter it passes."""
+    """Enabled hooks of the alert's deployment (or of all) whose severity filter it passes;
+    a finding that never pages (`kinds.NEVER_PAGES`) skips the pagers."""
     rank = SEVERITY_RANK[alert.severity]
     return [hook for hook in session.scalars(
         select(AlertHook).where(AlertHook.enabled.is_(True),
                                 or_(AlertHook.deployment_id == alert.deployment_id,
                                     AlertHook.deployment_id.is_(None))).order_by(AlertHook.id))
-            if SEVERITY_RANK[hook.min_severity] <= rank and hooks.accepts(hook.kind, event)]
+            if SEVERITY_RANK[hook.min_severity] <= rank and hooks.accepts(hook.kind, event)
+            and not (alert.kind in NEVER_PAGES and hook.kind in PAGERS)]

@@ -22,8 +22,15 @@ class AlertKind(StrEnum):
     # (controlplane.runtimes.lineage): its evidence is set aside.
     RUNTIME_MISMATCH = "runtime_mismatch"
     RUNTIME_OUTLIER = "runtime_outlier"
+    # Recent evidence certifies a set that saves substantially more than the active one at
+    # the same δ (controlplane.flows.operating_curve): a finding, not a fault.
+    OPPORTUNITY = "opportunity"
 
 
 # Kinds that put answer quality at risk: the automatic fallback to a conservative set reacts to
 # these (a spike only when the shadow tokens cannot vouch for quality).
 QUALITY_AT_RISK = frozenset({AlertKind.QUALITY_REGRESSION, AlertKind.EXIT_RATE_SPIKE})
+
+# Findings that never page: their alerts are kept and shown, and reach hooks that notify (webhook,
+# Slack), never a pager (PagerDuty, Alertmanager).
+NEVER_PAGES = frozenset({AlertKind.OPPORTUNITY})

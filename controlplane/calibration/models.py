@@ -1,17 +1,18 @@
-"""ORM for recalibration jobs and the canary runs that promote (or revert) their candidates."""
+"""ORM for recalibration jobs, the canary runs that promote (or revert) their candidates, and
+the operating curves the workers keep."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, Index, String, Text
+from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
 
 JOB_STATUSES = ("queued", "running", "waiting_for_data", "succeeded", "failed")
 OPEN_JOB_STATUSES = ("queued", "running", "waiting_for_data")
-TRIGGERS = ("alert", "manual", "schedule")
+TRIGGERS = ("alert", "manual", "schedule", "opportunity")
 # What happened to a published candidate: promoted to active (policy auto or an approval),
 # sent to the canary alias, waiting for an operator, rejected, or the canary's outcome.
 PROMOTIONS = ("active", "canary", "awaiting_approval", "approved", "rejected",
@@ -78,3 +79,27 @@ class CanaryRun(Base):
     checks: Mapped[list] = mapped_column(default=list)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
+
+
+class OperatingCurve(Base):
+    """The latest operating curve of a deployment's traffic segment (`calibration.curve`):
+    the frontier of its recent shadow evidence, the sets marked on it, the best certified set
+    and the gap to the active one. The workers write it; the API and the UI only read it."""
+
+    __tablename__ = "operating_curves"
+    __table_args__ = (UniqueConstraint("deployment_id", "segment"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    segment: Mapped[str] = mapped_column(String(64))
+    computed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    window_since: Mapped[datetime]
+    window_until: Mapped[datetime]
+    # Shadow tokens, requests and witnesses the curve was drawn from, the cost model used
+    # (null: the layers ratio), the shadow share, and why nothing was drawn when it was not.
+    evidence: Mapped[dict] = mapped_column(default=dict)
+    points: Mapped[list] = mapped_column(default=list)
+    marks: Mapped[dict] = mapped_column(default=dict)
+    best: Mapped[dict | None]
+    gap: Mapped[dict | None]
+    opportunity: Mapped[dict | None]

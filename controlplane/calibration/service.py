@@ -34,7 +34,7 @@ from controlplane.calibration.learn_then_test import (
     NotEnoughShadowData,
     calibrate_thresholds,
 )
-from controlplane.calibration.models import OPEN_JOB_STATUSES, CalibrationJob
+from controlplane.calibration.models import OPEN_JOB_STATUSES, TRIGGERS, CalibrationJob
 from controlplane.calibration.promotion import PromotionBounds
 from controlplane.calibration.segments import (
     SegmentedCalibration,
@@ -89,8 +89,8 @@ def request_calibration(*, session: Session, deployment: Deployment, actor: str,
     """Queue a recalibration, or return the one already open for the same scope: (job,
     created). `segment`: recalibrate that traffic segment alone (its shadow tokens, its map);
     None: the whole deployment."""
-    if trigger not in ("alert", "manual", "schedule"):
-        raise Invalid(f"unknown trigger {trigger!r}; use alert, manual or schedule")
+    if trigger not in TRIGGERS:
+        raise Invalid(f"unknown trigger {trigger!r}; use one of {', '.join(TRIGGERS)}")
     if segment not in (None, DEFAULT_SEGMENT) and segment not in known_segments(
             session=session, deployment_id=deployment.id):
         raise Invalid(f"deployment {deployment.name!r} knows no traffic segment {segment!r}; "

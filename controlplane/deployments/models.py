@@ -33,6 +33,9 @@ class Deployment(Base):
     canary_fraction: Mapped[float] = mapped_column(default=0.1)
     fallback_mode: Mapped[str] = mapped_column(String(20), default="never_exit")
     fallback_margin: Mapped[float] = mapped_column(default=0.05)
+    # Recalibrate on a schedule every this many seconds (NULL: only when drift, an opportunity
+    # or an operator asks); the operating-curve task queues the job when it is due.
+    retune_every_s: Mapped[int | None]
     # Bumped on every alias move: config caches and long-polls compare it.
     revision: Mapped[int] = mapped_column(default=0)
     # Whether runtime telemetry may register segment names the operator did not declare

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from exitplane.wire import (
     DEFAULT_EXIT_LAYERS_RULE,
     HEAD_DIGEST_PATTERN,
+    INT32,
     MODEL_REVISION_PATTERN,
     NAME_PATTERN,
     Layer,
@@ -34,6 +35,10 @@ NamedModelRevision = Annotated[str, Field(max_length=128, pattern=f"^$|{MODEL_RE
     "'' names none"))]
 
 
+RETUNE = ("recalibrate on a schedule every this many seconds, through the deployment's "
+          "promotion policy; none: only on drift, an opportunity or an operator's request")
+
+
 class DeploymentCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -51,6 +56,7 @@ class DeploymentCreate(BaseModel):
     canary_fraction: float = Field(default=0.1, gt=0, le=1)
     fallback_mode: FallbackMode = "never_exit"
     fallback_margin: float = Field(default=0.05, ge=0, le=1)
+    retune_every_s: int | None = Field(default=None, ge=60, le=INT32, description=RETUNE)
     auto_segments: bool = Field(default=False, description=(
         "register segment names that runtime telemetry carries (up to the cap); off: only "
         "declared segments are stored as themselves, any other as 'default'"))
@@ -78,6 +84,8 @@ class DeploymentUpdate(BaseModel):
     canary_fraction: float | None = Field(default=None, gt=0, le=1)
     fallback_mode: FallbackMode | None = None
     fallback_margin: float | None = Field(default=None, ge=0, le=1)
+    retune_every_s: int | None = Field(default=None, ge=0, le=INT32, description=(
+        f"{RETUNE}; 0 turns the schedule off"))
     auto_segments: bool | None = None
     head_digest: NamedHeadDigest | None = None
     model_revision: NamedModelRevision | None = None
@@ -99,6 +107,7 @@ class DeploymentRead(BaseModel):
     canary_fraction: float
     fallback_mode: FallbackMode
     fallback_margin: float
+    retune_every_s: int | None = Field(description=RETUNE)
     auto_segments: bool
     revision: int
     created_at: datetime

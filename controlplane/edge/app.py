@@ -32,6 +32,7 @@ from controlplane.edge.pull_fast_path import NotModifiedFastPath
 from controlplane.edge.telemetry_fast_path import TelemetryFastPath
 from controlplane.flows import fallback
 from controlplane.flows.api import router as calibration_router
+from controlplane.flows.curve_api import router as curve_router
 from controlplane.guards.route_guard import RouteGuard, install_guards
 from controlplane.keys import weak_secret_problem
 from controlplane.memory import return_large_blocks_to_the_os
@@ -136,7 +137,7 @@ def create_api(settings: Settings | None = None, engine: Engine | None = None) -
     tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it
     # Every route takes its rate as the policy table says (controlplane/guards/policy.py).
     for router in (deployments_router, runtimes_router, auth_router, telemetry_router,
-                   alerts_router, calibration_router, outliers_router):
+                   alerts_router, calibration_router, outliers_router, curve_router):
         app.include_router(router, dependencies=[RouteGuard])
     return app
 

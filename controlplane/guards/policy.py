@@ -147,6 +147,10 @@ _ENTRIES = (
     _read(f"{_DEPLOYMENT}/calibrations/{{job_id}}", heavy=True),
     _control("POST", f"{_DEPLOYMENT}/calibrations/{{job_id}}/approve"),
     _control("POST", f"{_DEPLOYMENT}/calibrations/{{job_id}}/reject"),
+    # the operating curve: what-if evaluates stored evidence (a heavy read sent as a POST)
+    RoutePolicy("POST", f"{_DEPLOYMENT}/what-if", bucket="read", cost=HEAVY_READ_COST,
+                heavy=True, held=True, body_limit=CONTROL_BODY),
+    _read(f"{_DEPLOYMENT}/operating-curve"),
     _read(f"{_DEPLOYMENT}/canary", heavy=True),
     _control("POST", f"{_DEPLOYMENT}/canary"),
     _control("POST", f"{_DEPLOYMENT}/canary/promote"),

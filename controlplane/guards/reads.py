@@ -144,7 +144,8 @@ class ReadMetering:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET":
+        # reads are GETs, and POSTs whose body asks the question (a what-if)
+        if scope["type"] != "http" or scope["method"] not in ("GET", "POST"):
             await self.app(scope, receive, send)
             return
 
