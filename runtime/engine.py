@@ -44,7 +44,7 @@ from runtime.heads import ExitHeads
 from runtime.kv import KVCache
 from runtime.model import DecoderParts, decoder_parts
 from runtime.policy import ExitPolicy, RowPlan
-from runtime.step import Rows, StepBuffers, StepResult, to_device
+from runtime.step import Rows, StepBuffers, StepClock, StepResult, to_device
 
 
 class StepFailed(RuntimeError):
@@ -226,11 +226,11 @@ class Engine:
         if not self._running:
             return []
         requests = list(self._running.values())
-        started = time.perf_counter()
+        clock = StepClock(len(requests))
         policy = self.policy  # read once: a swap lands between steps, never inside one
         try:
-            result = self._decode(requests, policy)
-            return self._finish(requests, result, policy, started)
+            result = self._decode(requests, policy, clock)
+            return self._finish(requests, result, policy, clock)
         except Exception as error:
             # A half-run step leaves these rows' KV and pending state undefined: drop them
             # (freeing their slots) rather than decode on from it.
@@ -274,7 +274,8 @@ class Engine:
             x = self.decoder.layer(layer, x, slots, positions, n, causal=True)
         self.cache.mark_filled(request.slot, self.parts.num_layers, n)
 
-    def _decode(self, requests: list[Request], policy: ExitPolicy) -> StepResult:
+    def _decode(self, requests: list[Request], policy: ExitPolicy,
+                clock: StepClock) -> StepResult:
         """One token for each request: the layers in turn, an exit check where one is due."""
         parts, device = self.parts, self.parts.device
         shadow = [self._rng.random() < self.config.shadow_rate for _ in requests]
@@ -293,6 +294,7 @@ class Engine:
             if depth not in checked:
                 continue
             value, top1, logits = signals.check(policy.signal, self.readout, depth, x, state)
+            out.note_check(rows)
             column = plan.column[depth]
             if plan.counted[rows.index_np, column].any():  # host: no device read
                 out.note_signal(rows, value, rows.counted[:, column])
@@ -304,11 +306,13 @@ class Engine:
             leaving = (value > rows.limits[:, column]) & ~rows.shadow & ~rows.done
             leaving_np = leaving.cpu().numpy()  # the one device->host read of an exit layer
             if leaving_np.any():
+                clock.lap(rows.index_np)  # the layers so far ran for every row in the batch
                 rows, x = self._exit(depth, rows, x, leaving, leaving_np, logits, out, state)
                 if len(rows) == 0:
                     break
         if len(rows):
             self._full_depth(rows, x, out)
+            clock.lap(rows.index_np)
         return out.result(parts.lm_head, [r.temperature for r in requests],
                           [r.top_p for r in requests], [r.generator for r in requests])
 
@@ -357,10 +361,13 @@ class Engine:
             self.cache.mark_filled(int(slot), parts.num_layers, int(pos) + 1)
 
     def _finish(self, requests: list[Request], result: StepResult, policy: ExitPolicy,
-                started: float) -> list[StepOutput]:
-        """Append tokens, build records (one host transfer), retire finished requests."""
+                clock: StepClock) -> list[StepOutput]:
+        """Append tokens, build records (one host transfer), retire finished requests.
+
+        A record's `latency_us` is its token's share of the step's wall time (`StepClock`),
+        its `exit_checks` the exit checks computed for it: what a cost model is fitted on."""
         host = result.to_host()
-        latency_us = int((time.perf_counter() - started) * 1e6)
+        latency_us = clock.latency_us()
         now = time.time()
         outputs = []
         for row, request in enumerate(requests):
@@ -368,8 +375,9 @@ class Engine:
             record = TokenRecord(
                 threshold_version=policy.version, request_id=request.request_id,
                 position=len(request.generated), exit_layer=host.exit_layer[row],
-                signal_value=host.signal[row], latency_us=latency_us, ts=now,
-                shadow=host.shadow.get(row), segment=request.segment)
+                signal_value=host.signal[row], latency_us=latency_us[row], ts=now,
+                shadow=host.shadow.get(row), segment=request.segment,
+                exit_checks=host.exit_checks[row])
             request.generated.append(token)
             finished = (token in request.stop_token_ids
                         or len(request.generated) >= request.max_new_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 import numpy as np
 import torch
@@ -109,6 +110,12 @@ class StepBuffers:
         self.shadow_layers: list[int] = []
         self.shadow_signal: list[torch.Tensor] = []  # E x (S,)
         self.shadow_top1: list[torch.Tensor] = []  # E x (S,)
+        self.exit_checks_np = np.zeros(batch, dtype=np.int64)  # checks computed per row
+
+    def note_check(self, rows: Rows) -> None:
+        """An exit check ran on every row still in the batch (a mask-only row that already
+        left rides along and is checked too)."""
+        self.exit_checks_np[rows.index_np] += 1
 
     def note_signal(self, rows: Rows, value: torch.Tensor, counted: torch.Tensor) -> None:
         """Keep each open row's signal from a check that counts for it (`counted`, (B,): one
@@ -159,7 +166,8 @@ class StepBuffers:
             shadow_signal = torch.zeros(len(self.shadow_rows), 0, device=device)
             matched = shadow_signal.bool()
         return StepResult(tokens=tokens, exit_layer=self.exit_layer_np, signal=self.signal,
-                          signal_checked=self.signal_checked, shadow_rows=self.shadow_rows,
+                          signal_checked=self.signal_checked, exit_checks=self.exit_checks_np,
+                          shadow_rows=self.shadow_rows,
                           shadow_layers=self.shadow_layers, shadow_signal=shadow_signal,
                           shadow_matched=matched)
 
@@ -172,6 +180,7 @@ class StepResult:
     exit_layer: np.ndarray  # (B,) host: layers the token ran
     signal: torch.Tensor  # (B,) float, device: signal at its last served check
     signal_checked: torch.Tensor  # (B,) bool, device: a served check ran for this token
+    exit_checks: np.ndarray  # (B,) host: exit checks computed for the token
     shadow_rows: np.ndarray  # (S,) host: rows run to full depth to label every exit
     shadow_layers: list[int]  # (E,) the exit layers those rows were checked at
     shadow_signal: torch.Tensor  # (S, E) float, device
@@ -190,6 +199,7 @@ class StepResult:
         matched = matched.reshape(len(self.shadow_rows), width).astype(bool)
         return HostStep(
             tokens=tokens.astype(np.int64).tolist(), exit_layer=self.exit_layer.tolist(),
+            exit_checks=self.exit_checks.tolist(),
             signal=[value if ran else None
                     for value, ran in zip(signal.tolist(), checked.astype(bool), strict=True)],
             shadow={int(row): [ShadowPoint(layer=layer, signal=value, matched=hit)
@@ -205,8 +215,35 @@ class HostStep:
 
     tokens: list[int]
     exit_layer: list[int]
+    exit_checks: list[int]
     signal: list[float | None]
     shadow: dict[int, list[ShadowPoint]]
+
+
+class StepClock:
+    """A step's wall time shared out to its rows: each token's `latency_us` is its share, and
+    the shares add up to the step.
+
+    Each stretch between two exits goes equally to the rows in the batch through it (so a row
+    that leaves at layer k pays for the layers it ran, not the deeper ones); what no row
+    outlives (the final projection, sampling, the host copy) goes equally to all. Stretches
+    end where the step reads the device anyway (an exit decision), so on an asynchronous
+    device queued work counts where the host waited for it. Prefill is in no token's share."""
+
+    def __init__(self, batch: int):
+        self.share_s = np.zeros(batch)  # (B,) seconds charged to each row so far
+        self.mark = perf_counter()  # the step starts
+
+    def lap(self, index_np: np.ndarray) -> None:
+        """Charge the stretch since the last lap to the rows at `index_np`, equally."""
+        now = perf_counter()
+        self.share_s[index_np] += (now - self.mark) / len(index_np)
+        self.mark = now
+
+    def latency_us(self) -> list[int]:
+        """Each row's share of the whole step, in microseconds (the rest shared by all)."""
+        self.lap(np.arange(len(self.share_s)))
+        return np.rint(self.share_s * 1e6).astype(np.int64).tolist()
 
 
 def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: Sequence[float],
