@@ -113,7 +113,8 @@ def saving_gain(*, signals: np.ndarray, requests: np.ndarray, best: np.ndarray,
         return 1.0 - (cost_model.overhead_us + cost_model.layer_us * depth
                       + cost_model.check_us * checks) / cost_model.full_depth_us
 
-    diff = (saving(best) - saving(active)) * (1.0 - shadow_share)
+    # shadow tokens cost the same under both sets; the layers ratio counts them free
+    diff = (saving(best) - saving(active)) * (1.0 if cost_model is None else 1.0 - shadow_share)
     codes = cluster_codes(np.asarray(requests).astype(str))
     sums, sizes = np.bincount(codes, weights=diff), np.bincount(codes).astype(float)
     total, clusters = float(sizes.sum()), len(sizes)
