@@ -8,6 +8,7 @@ import click
 
 def register(main: click.Group) -> None:
     """Add the operator groups and commands to the `exitplane` command."""
+    from exitplane.ops.curve import deployments_curve, versions_what_if  # noqa: F401 (registers)
     from exitplane.ops.deployments import canary, deployments, rollback, segments, versions
     from exitplane.ops.operations import alerts, calibrations, runtimes, tokens
 

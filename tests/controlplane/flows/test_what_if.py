@@ -4,6 +4,7 @@ runtimes and each witness's share) and refuses a set that does not fit the exit 
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import numpy as np
@@ -184,3 +185,31 @@ def test_api_what_if_and_its_refusals(client, tokens, engine):
                        ).status_code == 401
     with Session(engine) as session:
         assert get_deployment(session=session, name="chat") is not None
+
+
+def test_cli_what_if_over_the_api(engine, live_server, tokens, tmp_path):
+    from click.testing import CliRunner
+
+    from exitplane.cli import main
+
+    signals, matched = _seed_fleet(engine, n=1500)
+    token_file = tmp_path / "token"
+    token_file.write_text(tokens.operator)
+    connection = ["--url", live_server.url, "--token-file", str(token_file)]
+    run = CliRunner().invoke(main, ["versions", "what-if", "chat", "--set", "3=0.8",
+                                    "--set", "6=0.6", "--set", "9=0.55", "--window", "1h",
+                                    "-o", "json", *connection])
+    assert run.exit_code == 0, run.output
+    found = json.loads(run.stdout)
+    _, exit_rate, wrong = _truth(signals, matched, SET)
+    assert found["exit_rate"] == pytest.approx(exit_rate)
+    assert found["disagreement"] == pytest.approx(wrong.mean())
+    people = CliRunner().invoke(main, ["versions", "what-if", "chat", "--version", "active",
+                                       *connection])
+    assert people.exit_code == 0, people.output
+    assert "layers ratio" in people.stdout and "disagreement bound" in people.stdout
+    refused = CliRunner().invoke(main, ["versions", "what-if", "chat", "--set", "4=0.5",
+                                        *connection])
+    assert refused.exit_code != 0 and "not an exit layer" in refused.output
+    neither = CliRunner().invoke(main, ["versions", "what-if", "chat", *connection])
+    assert neither.exit_code != 0 and "exactly one set" in neither.output
