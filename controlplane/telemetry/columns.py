@@ -30,6 +30,8 @@ from exitplane.wire import (
 MODEL_RULES = {"TelemetryBatch._layers_within_model", "TokenRecord._shadow_layers_unique"}
 
 _DTYPES = {int: np.int64, float: np.float64, bool: np.bool_}
+# An optional count (`int | None`, e.g. a token's exit checks) the record left off.
+_NOT_REPORTED = -1
 
 
 def _field_type(model, name: str):
@@ -85,6 +87,7 @@ class BatchColumns:
     shadow_signal: np.ndarray  # float64 (k,)
     shadow_matched: np.ndarray  # bool (k,)
     segment: list[str]  # each record's traffic segment ('default' when the record names none)
+    exit_checks: np.ndarray  # int64 (n,), the token's exit checks; -1 where not reported
     aggregated: bool = False  # counted by the runtime's aggregate batches: no rollup counts
     # The runtime's lineage as the batch reports it (None: unknown; controlplane.runtimes.lineage)
     model_revision: str | None = None
@@ -134,6 +137,8 @@ class BatchColumns:
                    shadow_signal=np.array(columns.shadow_signal, dtype=np.float64)[order],
                    shadow_matched=np.array(columns.shadow_matched, dtype=np.bool_)[order],
                    segment=columns.segment or [DEFAULT_SEGMENT] * len(columns),
+                   exit_checks=_array(TokenRecord, "exit_checks",
+                                      columns.exit_checks or [None] * len(columns)),
                    aggregated=True, model_revision=batch.model_revision,
                    head_digest=batch.head_digest)
 
@@ -146,6 +151,8 @@ class BatchColumns:
         for record in records:  # left off the wire when default, as the model dumps it
             if record["segment"] == _RECORD_DEFAULTS["segment"]:
                 del record["segment"]
+            if record["exit_checks"] == _NOT_REPORTED:
+                del record["exit_checks"]
         for index in self.shadowed.tolist():
             records[index]["shadow"] = []
         point_names = list(_POINT_COLUMNS)
@@ -213,6 +220,9 @@ def _array(model, name: str, values: list) -> np.ndarray | list:
     if annotation == float | None:  # e.g. an unchecked token's signal: None travels as NaN
         return np.array([np.nan if value is None else value for value in values],
                         dtype=np.float64)
+    if annotation == int | None:  # e.g. exit checks not reported: None travels as -1
+        return np.array([_NOT_REPORTED if value is None else value for value in values],
+                        dtype=np.int64)
     dtype = _DTYPES.get(annotation)
     return values if dtype is None else np.array(values, dtype=dtype)
 

@@ -108,6 +108,10 @@ class Rollup(Base):
     - shadow_total / shadow_matches: shadow tokens labelled at this layer / matching full depth
     - policy_exits / policy_mismatches: shadow tokens the active policy would have let out here
       / of those, the ones whose answer differed from full depth (the disagreement)
+    - timed_tokens / latency_us / exit_checks: of the tokens that left here, those whose cost
+      was reported / their summed wall time (microseconds) and exit checks (the savings' cost
+      model is fitted on these, telemetry/savings.py)
+    - shadow_tokens: of the tokens that left here, the shadow ones (full depth, every check)
     """
 
     __tablename__ = "rollups"
@@ -126,6 +130,10 @@ class Rollup(Base):
     shadow_matches: Mapped[int] = mapped_column(BigInteger, default=0)
     policy_exits: Mapped[int] = mapped_column(BigInteger, default=0)
     policy_mismatches: Mapped[int] = mapped_column(BigInteger, default=0)
+    timed_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    latency_us: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    exit_checks: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    shadow_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class RollupHistogram(Base):

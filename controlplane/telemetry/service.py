@@ -40,6 +40,7 @@ from controlplane.telemetry.models import (
 )
 from controlplane.telemetry.tables import (
     ROLLUP_COUNTERS,
+    STORED_COUNTERS,
     VersionThresholds,
     aggregate_tables,
     merge_counts,
@@ -206,8 +207,8 @@ def ingest(*, session: Session, deployment: Deployment | CachedDeployment,
         histograms.append(histogram)
     if rollups:
         # One sorted write per table: concurrent writers lock rows in one order.
-        bulk.add_counts(session, Rollup, merge_counts(rollups, ROLLUP_COUNTERS),
-                        ROLLUP_COUNTERS)
+        bulk.add_counts(session, Rollup, merge_counts(rollups, STORED_COUNTERS),
+                        STORED_COUNTERS)
         bulk.add_counts(session, RollupHistogram, merge_counts(histograms, ("count",)),
                         ("count",))
     overflow = {b.batch_id: overflow_tokens(b, segment_of) for b in batches

@@ -31,6 +31,10 @@ from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch
 
 ROLLUP_COUNTERS = ("tokens", "exits", "shadow_total", "shadow_matches", "policy_exits",
                    "policy_mismatches")
+# What the tokens that left at a layer cost (models.Rollup): the timed ones, their summed wall
+# time and exit checks, and the shadow tokens among all of them.
+COST_COUNTERS = ("timed_tokens", "latency_us", "exit_checks", "shadow_tokens")
+STORED_COUNTERS = ROLLUP_COUNTERS + COST_COUNTERS
 
 
 class VersionThresholds(dict[int, np.ndarray]):
@@ -132,8 +136,10 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
         pairs[0].tolist(), pairs[1].tolist(), strict=True)]) if len(shadow_at) else \
         np.zeros((0, len(exit_layers)))
     over = signals > applied[pair].reshape(signals.shape)
+    timed = counted & (joined("exit_checks") >= 0)
+    costs = (cell[timed], tokens["latency_us"][timed], joined("exit_checks")[timed])
     rollups = _rollups(key_of, layers, cell[counted], group[shadow_at], exit_layers, over,
-                       matched)
+                       matched, costs, cell[shadow_at])
     histogram = _histogram(key_of, layers, cell[counted], tokens["signal_value"][counted])
     return BatchTables(tokens=tokens, shadows=shadows, rollups=rollups, histogram=histogram)
 
@@ -177,23 +183,33 @@ def _shadow_labels(batch: BatchColumns, exit_layers: list[int]) -> tuple[np.ndar
 
 def _rollups(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
              shadow_group: np.ndarray, exit_layers: list[int], over: np.ndarray,
-             matched: np.ndarray) -> Table:
+             matched: np.ndarray, costs: tuple[np.ndarray, np.ndarray, np.ndarray],
+             shadow_cell: np.ndarray) -> Table:
     """Rollup increments; a (group, layer) row exists once a token reached it or was labelled
     there. `cell`: the cells of the tokens counted here; `over` and `matched`: (shadow tokens,
-    exit layers) in exit-layer order."""
+    exit layers) in exit-layer order; `costs`: the cells, wall times and exit checks of the
+    counted tokens that were timed; `shadow_cell`: the cell each shadow token left at."""
     groups, width = key_of.groups, len(layers)
     exits = np.bincount(cell, minlength=groups * width).reshape(groups, width)
+    timed_cell, latency, checks = costs
+    cost = np.stack([np.bincount(timed_cell, weights=weights, minlength=groups * width)
+                     for weights in (None, latency, checks)], axis=-1)
+    cost = np.rint(cost).astype(np.int64).reshape(groups, width, 3)
+    shadow_tokens = np.bincount(shadow_cell, minlength=groups * width).reshape(groups, width)
     reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]  # a token's checks ran up to its exit
     policy = over & (np.cumsum(over, axis=1) == 1)  # the first layer the policy exits at
     labelled = (shadow_group[:, None] * width + np.searchsorted(layers, exit_layers)).ravel()
     shadow = np.stack([np.bincount(labelled, weights=label.ravel(), minlength=groups * width)
                        for label in (np.ones_like(matched), matched, policy, policy & ~matched)],
                       axis=-1).astype(np.int64).reshape(groups, width, 4)
-    at_group, at_slot = np.nonzero((reached > 0) | (shadow[..., 0] > 0))
+    at_group, at_slot = np.nonzero((reached > 0) | (shadow[..., 0] > 0) | (shadow_tokens > 0))
     return {**key_of(at_group), "layer": layers[at_slot], "tokens": reached[at_group, at_slot],
             "exits": exits[at_group, at_slot],
             **{name: shadow[at_group, at_slot, offset]
-               for offset, name in enumerate(ROLLUP_COUNTERS[2:])}}
+               for offset, name in enumerate(ROLLUP_COUNTERS[2:])},
+            **{name: cost[at_group, at_slot, offset]
+               for offset, name in enumerate(COST_COUNTERS[:3])},
+            "shadow_tokens": shadow_tokens[at_group, at_slot]}
 
 
 def _histogram(key_of: _KeyColumns, layers: np.ndarray, cell: np.ndarray,
@@ -237,10 +253,21 @@ def aggregate_tables(*, deployment_id: int, exit_layers: list[int], num_layers: 
     np.add.at(exits, group * width + slot, [cell.exits for _, cell in cells])
     exits = exits.reshape(key_of.groups, width)
     reached = np.cumsum(exits[:, ::-1], axis=1)[:, ::-1]
+    # What the cells' tokens cost: only cells whose every token was timed carry it.
+    cost = np.zeros((key_of.groups * width, 3), dtype=np.int64)
+    timed = [(index, cell) for index, (_, cell) in enumerate(cells) if cell.latency_us is not None]
+    if timed:
+        np.add.at(cost, (group * width + slot)[[index for index, _ in timed]],
+                  np.array([(cell.exits, cell.latency_us, cell.exit_checks)
+                            for _, cell in timed], dtype=np.int64))
+    cost = cost.reshape(key_of.groups, width, 3)
     at_group, at_slot = np.nonzero(reached > 0)
     zeros = np.zeros(len(at_group), dtype=np.int64)
     rollups = {**key_of(at_group), "layer": layers[at_slot], "tokens": reached[at_group, at_slot],
-               "exits": exits[at_group, at_slot], **dict.fromkeys(ROLLUP_COUNTERS[2:], zeros)}
+               "exits": exits[at_group, at_slot], **dict.fromkeys(ROLLUP_COUNTERS[2:], zeros),
+               **{name: cost[at_group, at_slot, offset]
+                  for offset, name in enumerate(COST_COUNTERS[:3])},
+               "shadow_tokens": zeros}
     counts = np.zeros(key_of.groups * width * HISTOGRAM_BINS, dtype=np.int64)
     np.add.at(counts, ((group * width + slot)[:, None] * HISTOGRAM_BINS
                        + np.arange(HISTOGRAM_BINS)).ravel(),

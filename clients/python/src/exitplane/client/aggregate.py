@@ -2,11 +2,12 @@
 runtime so that the token itself need not travel.
 
 Per (minute, threshold version, traffic segment, layer) the aggregator counts the tokens that
-exited there and the histogram of their signal at exit; the control plane derives "tokens that
-reached a layer" (exits at or past it) and takes shadow labels from the shadow records, which
-are always shipped (docs/protocol.md, "Aggregates"). A cut hands over the counts since the
-previous cut as `AggregateCell`s, so merging batches is plain addition and a replayed batch id
-adds nothing.
+exited there, the histogram of their signal at exit and what they cost (summed wall time and
+exit checks, carried by a cell only when every one of its tokens reported its checks); the
+control plane derives "tokens that reached a layer" (exits at or past it) and takes shadow
+labels from the shadow records, which are always shipped (docs/protocol.md, "Aggregates"). A
+cut hands over the counts since the previous cut as `AggregateCell`s, so merging batches is
+plain addition and a replayed batch id adds nothing.
 
 Segments are only keys here: the runtime caps the names it tracks (overflow goes to
 `default`) and the control plane caps what it stores, so the aggregator holds what it is given.
@@ -28,6 +29,10 @@ from exitplane.wire import (
     signal_bin,
 )
 
+# Per slot: [exits, bin 0, ..., bin 19, timed tokens, summed latency_us, summed exit_checks]
+_TIMED = 1 + HISTOGRAM_BINS
+_WIDTH = _TIMED + 3
+
 
 class Aggregator:
     """Counts of tokens per (minute, threshold version, segment, exit layer) since the last
@@ -36,7 +41,7 @@ class Aggregator:
     def __init__(self, *, exit_layers: Iterable[int], num_layers: int) -> None:
         self.layers = sorted({*exit_layers, num_layers})
         self._slot = {layer: slot for slot, layer in enumerate(self.layers)}
-        # (minute, version, segment) -> per slot [exits, bin 0, ..., bin 19]
+        # (minute, version, segment) -> per slot [exits, bins..., timed, latency_us, checks]
         self._cells: dict[tuple[int, int, str], list[list[int]]] = {}
         self._lock = threading.Lock()
         self.pending_tokens = 0
@@ -57,31 +62,48 @@ class Aggregator:
         with self._lock:
             cell = self._cells.get(key)
             if cell is None:
-                cell = self._cells[key] = [[0] * (1 + HISTOGRAM_BINS) for _ in self.layers]
+                cell = self._cells[key] = [[0] * _WIDTH for _ in self.layers]
             counts = cell[slot]
             counts[0] += 1
             if signal is not None:  # an unchecked token has no signal to histogram
                 counts[1 + signal_bin(signal)] += 1
+            if record.exit_checks is not None:
+                counts[_TIMED] += 1
+                counts[_TIMED + 1] += record.latency_us
+                counts[_TIMED + 2] += record.exit_checks
             self.pending_tokens += 1
         return True
 
     def add_counts(self, *, minute: int, threshold_version: int, exits: Sequence[int],
                    histogram: Sequence[Sequence[int]],
-                   segment: str = DEFAULT_SEGMENT) -> None:
+                   segment: str = DEFAULT_SEGMENT, latency_us: Sequence[int] | None = None,
+                   exit_checks: Sequence[int] | None = None) -> None:
         """Count many tokens at once (vectorised producers): `exits[i]` tokens of `segment`
-        left at `self.layers[i]`, `histogram[i]` their signal-at-exit bins."""
+        left at `self.layers[i]`, `histogram[i]` their signal-at-exit bins, and when the
+        producer times its tokens, `latency_us[i]` and `exit_checks[i]` their summed wall time
+        and exit checks (both or neither)."""
         if len(exits) != len(self.layers) or len(histogram) != len(self.layers):
             raise ValueError(f"expected one count per layer {self.layers}")
+        if (latency_us is None) != (exit_checks is None):
+            raise ValueError("latency_us and exit_checks come together or not at all")
+        timed = latency_us is not None and exit_checks is not None
+        if timed and (len(latency_us) != len(self.layers)
+                      or len(exit_checks) != len(self.layers)):
+            raise ValueError(f"expected one latency and one check count per layer {self.layers}")
         key = (int(minute) // 60 * 60, int(threshold_version), segment)
         with self._lock:
             cell = self._cells.get(key)
             if cell is None:
-                cell = self._cells[key] = [[0] * (1 + HISTOGRAM_BINS) for _ in self.layers]
+                cell = self._cells[key] = [[0] * _WIDTH for _ in self.layers]
             for slot, (count, bins) in enumerate(zip(exits, histogram, strict=True)):
                 counts = cell[slot]
                 counts[0] += int(count)
                 for index, value in enumerate(bins):
                     counts[1 + index] += int(value)
+                if timed:
+                    counts[_TIMED] += int(count)
+                    counts[_TIMED + 1] += int(latency_us[slot])
+                    counts[_TIMED + 2] += int(exit_checks[slot])
             self.pending_tokens += int(sum(exits))
 
     def cut(self) -> list[AggregateCell]:
@@ -94,9 +116,13 @@ class Aggregator:
         for (minute, version, segment), slots in sorted(cells.items()):
             for layer, counts in zip(self.layers, slots, strict=True):
                 if counts[0]:
-                    out.append(AggregateCell(minute=minute, threshold_version=version,
-                                             segment=segment, layer=layer, exits=counts[0],
-                                             histogram=counts[1:]))
+                    # A cost is a cell's only when each of its tokens reported one.
+                    timed = counts[_TIMED] == counts[0]
+                    out.append(AggregateCell(
+                        minute=minute, threshold_version=version, segment=segment, layer=layer,
+                        exits=counts[0], histogram=counts[1:_TIMED],
+                        latency_us=counts[_TIMED + 1] if timed else None,
+                        exit_checks=counts[_TIMED + 2] if timed else None))
         return out
 
     def restore(self, cells: Iterable[AggregateCell]) -> None:
@@ -104,7 +130,14 @@ class Aggregator:
         for cell in cells:
             exits = [0] * len(self.layers)
             histogram = [[0] * HISTOGRAM_BINS for _ in self.layers]
-            exits[self._slot[cell.layer]] = cell.exits
-            histogram[self._slot[cell.layer]] = list(cell.histogram)
+            slot = self._slot[cell.layer]
+            exits[slot] = cell.exits
+            histogram[slot] = list(cell.histogram)
+            costs = {}
+            if cell.latency_us is not None and cell.exit_checks is not None:
+                costs = {"latency_us": [0] * len(self.layers),
+                         "exit_checks": [0] * len(self.layers)}
+                costs["latency_us"][slot] = cell.latency_us
+                costs["exit_checks"][slot] = cell.exit_checks
             self.add_counts(minute=cell.minute, threshold_version=cell.threshold_version,
-                            exits=exits, histogram=histogram, segment=cell.segment)
+                            exits=exits, histogram=histogram, segment=cell.segment, **costs)

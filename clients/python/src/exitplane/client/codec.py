@@ -159,7 +159,7 @@ def _rows(columns: dict[str, Any] | None, start: int, stop: int) -> dict[str, An
     return out
 
 
-_RECORD_FIELDS = (*RECORD_COLUMNS, "segment")
+_RECORD_FIELDS = (*RECORD_COLUMNS, "segment", "exit_checks")
 _SHADOW_FIELDS = tuple(f"shadow_{name}" for name in ("record", *SHADOW_COLUMNS))
 
 
