@@ -262,16 +262,19 @@ class Runtime:
     def record(self, *, request_id: str, position: int, exit_layer: int,
                signal_value: float | None, latency_us: int = 0,
                shadow: list[ShadowPoint] | None = None, segment: str | None = None,
-               threshold_version: int | None = None, ts: float | None = None) -> bool:
+               threshold_version: int | None = None, ts: float | None = None,
+               exit_checks: int | None = None) -> bool:
         """Report one token (never blocks). `threshold_version`: the set it was decided under
         (default: the applied one). A shadow token runs to full depth: its `exit_layer` is
-        `num_layers` and its signal the one at the deepest exit layer."""
+        `num_layers` and its signal the one at the deepest exit layer. `latency_us` is the
+        token's wall time and `exit_checks` the exit checks it computed: with both, the control
+        plane counts it as timed and fits its cost model on it (None: served, not timed)."""
         version = threshold_version if threshold_version is not None else (self.version or 0)
         token = TokenRecord(threshold_version=version, request_id=request_id,
                             position=position, exit_layer=exit_layer,
                             signal_value=signal_value, latency_us=latency_us,
                             ts=ts if ts is not None else time.time(), shadow=shadow,
-                            segment=segment or DEFAULT_SEGMENT)
+                            segment=segment or DEFAULT_SEGMENT, exit_checks=exit_checks)
         if self.shipper is None:
             self.dropped_offline += 1
             return False
