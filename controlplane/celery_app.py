@@ -22,7 +22,8 @@ from controlplane.settings import Settings, get_settings
 from exitplane.kit.logs import request_id_var
 
 TASK_MODULES = ["workers.tasks.drift", "workers.tasks.alerts", "workers.tasks.maintenance",
-                "workers.tasks.calibration", "workers.tasks.curve"]
+                "workers.tasks.calibration", "workers.tasks.shadow_rate",
+                "workers.tasks.curve"]
 QUEUE = "exitplane"
 # The message header that carries the request id from whoever enqueued a task into the task's
 # log lines (workers/observability.py puts it back into the logging context).
@@ -82,6 +83,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
             "operating-curve": {"task": "curve.refresh_all",
                                 "schedule": settings.operating_curve_interval_s,
                                 "options": {"expires": settings.operating_curve_interval_s}},
+            "shadow-rate": {"task": "shadow_rate.decide_all",
+                            "schedule": settings.drift_interval_s,
+                            "options": {"expires": settings.drift_interval_s}},
         },
     )
     return app

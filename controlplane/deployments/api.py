@@ -36,7 +36,7 @@ from controlplane.deployments.schemas import (
     UndeclaredTraffic,
 )
 from controlplane.errors import RUNTIME_ERRORS, RateLimited, error_answer
-from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdSetWire
+from exitplane.wire import NAME_PATTERN, RUNTIME_ID_PATTERN, ThresholdPull
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 
@@ -232,21 +232,26 @@ def remove_segment(name: str, segment: SegmentPath, session: SessionDep,
     return DeclaredSegmentRead.model_validate(row)
 
 
-@router.get("/{name}/thresholds", response_model=ThresholdSetWire,
-            responses={304: {"description": "the runtime already applies this set"},
+@router.get("/{name}/thresholds", response_model=ThresholdPull,
+            responses={304: {"description": "the runtime already applies this set (and rate)"},
                        **RUNTIME_ERRORS})
 async def pull_thresholds(
     name: str, request: Request, principal: RuntimePrincipal,
     runtime_id: Annotated[str, Query(min_length=1, max_length=128, pattern=RUNTIME_ID_PATTERN)],
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="long-poll seconds")] = 0,
+    applies_shadow_rate: Annotated[bool, Query(description=(
+        "the runtime applies the shadow rate the control plane sets: the ETag then changes "
+        "with the rate as well as with the set"))] = False,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    """The set this runtime should apply; 304 if its ETag is current; `wait` long-polls."""
+    """The set this runtime should apply (with the shadow rate the control plane asks for);
+    304 if its ETag is current; `wait` long-polls."""
     delivery: ConfigDelivery = request.app.state.config_delivery
     state = await delivery.current(name)
     principal.require_deployment(state.deployment_id)
     chosen = state.for_runtime(runtime_id)
-    if wait > 0 and etag_matches(if_none_match, chosen.checksum):
+    etag = state.etag(chosen, applies_shadow_rate)
+    if wait > 0 and etag_matches(if_none_match, etag):
         timeout = long_poll_timeout(wait, request.app.state.settings)
         with delivery.holding(principal.token_id) as held:
             if not held:
@@ -254,15 +259,17 @@ async def pull_thresholds(
                     f"this token already holds {delivery.long_polls_per_token} long-polls on "
                     "this API process (EXITPLANE_LONG_POLLS_PER_TOKEN); poll again later",
                     retry_after=min(timeout, 10.0))
-            state = await delivery.wait_for_change(name, runtime_id, chosen.checksum, timeout)
+            state = await delivery.wait_for_change(name, runtime_id, etag, timeout,
+                                                   applies_shadow_rate=applies_shadow_rate)
         # The token may have been revoked while the poll was held: it is checked again (the
         # token cache, within its maximum age) before anything goes out.
         principal = await get_principal(request)
         principal.require_deployment(state.deployment_id)
         chosen = state.for_runtime(runtime_id)
-    if etag_matches(if_none_match, chosen.checksum):
+        etag = state.etag(chosen, applies_shadow_rate)
+    if etag_matches(if_none_match, etag):
         response = Response(status_code=status.HTTP_304_NOT_MODIFIED)
     else:
         response = Response(content=state.body(chosen), media_type="application/json")
-    response.raw_headers.extend(pull_headers(chosen.checksum, chosen.version))
+    response.raw_headers.extend(pull_headers(etag, chosen.version))
     return response

@@ -9,8 +9,14 @@ wake at once. With Redis configured the same notice reaches every other API proc
 pub/sub, whether the move was made by an API replica or a Celery worker, so long-polls simply
 wait for it. Without Redis (one API process, workers elsewhere), or while Redis is away, a
 long-poll also re-reads the state every `ttl`, which is how moves made elsewhere are seen.
-Re-reading a cached state costs one row (the deployment's revision and canary fraction) while
-neither changed; the sets are read and serialised again only when one did.
+Re-reading a cached state costs one row (the deployment's revision, canary fraction and shadow
+rate) while none changed; the sets are read and serialised again only when one did.
+
+The shadow rate the control plane decided (controlplane/deployments/shadow_rate.py) goes out
+with the set, outside its checksum (`ThresholdPull.shadow_rate`). A runtime that applies it
+says so (`applies_shadow_rate=true`) and gets the ETag `pull_etag(checksum, rate)`, so a change
+of rate alone changes what its If-None-Match compares; any other runtime gets the set's
+checksum as before. A change of rate is announced on the bus like an alias move.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from controlplane.coordination.bus import Bus
 from controlplane.deployments.models import Alias, Deployment, ThresholdSet
 from controlplane.deployments.service import get_deployment, in_canary, to_wire
 from controlplane.observability import long_poll_waited
-from exitplane.wire import ThresholdSetWire
+from exitplane.wire import ThresholdPull, ThresholdSetWire, pull_etag
 
 log = logging.getLogger("exitplane.delivery")
 
@@ -47,10 +53,11 @@ class DeliveryState:
     canary: ThresholdSetWire | None
     canary_fraction: float
     loaded_at: float
-    # The sets' JSON bodies, serialised once per state: an alias move answers every waiting
-    # long-poll of this process at once with one of these.
+    # The sets' pull bodies (`ThresholdPull`, the shadow rate in), serialised once per state:
+    # an alias move answers every waiting long-poll of this process at once with one of these.
     active_json: str = ""
     canary_json: str = ""
+    shadow_rate: float | None = None  # what the control plane asks runtimes to apply
 
     def for_runtime(self, runtime_id: str) -> ThresholdSetWire:
         if self.canary is not None and _in_canary(runtime_id, self.canary_fraction):
@@ -58,12 +65,24 @@ class DeliveryState:
         return self.active
 
     def body(self, chosen: ThresholdSetWire) -> str:
-        """The JSON body of `chosen` (this state's active or canary set)."""
+        """The JSON pull body of `chosen` (this state's active or canary set)."""
         if chosen is self.active and self.active_json:
             return self.active_json
         if chosen is self.canary and self.canary_json:
             return self.canary_json
+        return pull_body(chosen, self.shadow_rate)
+
+    def etag(self, chosen: ThresholdSetWire, applies_shadow_rate: bool) -> str:
+        """The entity tag of `chosen` for a runtime that does or does not apply the shadow
+        rate (`pull_etag`)."""
+        return pull_etag(chosen.checksum, self.shadow_rate if applies_shadow_rate else None)
+
+
+def pull_body(chosen: ThresholdSetWire, shadow_rate: float | None) -> str:
+    """The JSON a pull answers with: the set and the shadow rate (absent when none)."""
+    if shadow_rate is None:
         return chosen.model_dump_json()
+    return ThresholdPull(**chosen.model_dump(), shadow_rate=shadow_rate).model_dump_json()
 
 
 class ConfigDelivery:
@@ -97,16 +116,19 @@ class ConfigDelivery:
         While a state of `name` is cached, one row is read first: the deployment's id,
         revision (every alias move bumps it, in the move's transaction) and canary fraction.
         Unchanged, the cached state is current and is renewed as it is (the sets are
-        immutable); only a change reads the aliases and sets and serialises them again."""
+        immutable); only a change (an alias move, the canary fraction, the shadow rate) reads
+        the aliases and sets and serialises them again."""
         with self._session_factory() as session:
             previous = self._states.get(name)
             if previous is not None:
                 started = time.monotonic()
                 row = session.execute(select(
-                    Deployment.id, Deployment.revision, Deployment.canary_fraction
+                    Deployment.id, Deployment.revision, Deployment.canary_fraction,
+                    Deployment.shadow_rate,
                 ).where(Deployment.name == name)).one_or_none()
                 if row is not None and tuple(row) == (previous.deployment_id, previous.revision,
-                                                      previous.canary_fraction):
+                                                      previous.canary_fraction,
+                                                      previous.shadow_rate):
                     return replace(previous, loaded_at=started)
             deployment = get_deployment(session=session, name=name)
             aliases = dict(session.execute(select(Alias.name, Alias.version)
@@ -118,11 +140,14 @@ class ConfigDelivery:
             canary = None
             if "canary" in aliases and aliases["canary"] != aliases["active"]:
                 canary = to_wire(deployment=deployment, threshold_set=sets[aliases["canary"]])
+            rate = deployment.shadow_rate
             return DeliveryState(deployment_id=deployment.id, revision=deployment.revision,
                                  active=active, canary=canary,
                                  canary_fraction=deployment.canary_fraction,
-                                 loaded_at=time.monotonic(), active_json=active.model_dump_json(),
-                                 canary_json=canary.model_dump_json() if canary else "")
+                                 loaded_at=time.monotonic(),
+                                 active_json=pull_body(active, rate),
+                                 canary_json=pull_body(canary, rate) if canary else "",
+                                 shadow_rate=rate)
 
     def cached(self, name: str) -> DeliveryState | None:
         """The cached state if it is fresh, without touching the store (on the event loop).
@@ -206,8 +231,10 @@ class ConfigDelivery:
                 del self._held[token_id]
 
     async def wait_for_change(self, name: str, runtime_id: str, etag: str,
-                              timeout: float) -> DeliveryState:
-        """Return as soon as this runtime's set differs from `etag`, or after `timeout`. The
+                              timeout: float, *, applies_shadow_rate: bool = False
+                              ) -> DeliveryState:
+        """Return as soon as this runtime's entity tag (`DeliveryState.etag`: its set, and
+        the shadow rate when it applies one) differs from `etag`, or after `timeout`. The
         time spent here is the long-poll's wait (its own histogram; not the pull's latency)."""
         started = time.monotonic()
         deadline = started + timeout
@@ -219,7 +246,8 @@ class ConfigDelivery:
                 wake = self._events.setdefault(name, asyncio.Event())
                 state = await self.current(name)
                 remaining = deadline - time.monotonic()
-                if state.for_runtime(runtime_id).checksum != etag or remaining <= 0:
+                if state.etag(state.for_runtime(runtime_id), applies_shadow_rate) != etag \
+                        or remaining <= 0:
                     return state
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), timeout=min(recheck, remaining))
@@ -266,23 +294,24 @@ def _log_failed_read(refresh: asyncio.Future) -> None:
 MAX_WAIT_S = 300
 
 
-def etag_matches(if_none_match: str | None, checksum: str) -> bool:
-    """Whether an If-None-Match value names the set of `checksum`: one entity tag or a list,
-    weak (`W/"..."`) or strong, or `*`."""
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """Whether an If-None-Match value names the answer of entity tag `etag`
+    (`DeliveryState.etag`): one entity tag or a list, weak (`W/"..."`) or strong, or `*`."""
     if not if_none_match:
         return False
     if "," not in if_none_match:  # one tag, as runtimes send it: no list built
         tag = if_none_match.strip().removeprefix("W/").strip('"')
-        return tag == checksum or tag == "*"
+        return tag == etag or tag == "*"
     tags = {tag.strip().removeprefix("W/").strip('"') for tag in if_none_match.split(",")}
-    return "*" in tags or checksum in tags
+    return "*" in tags or etag in tags
 
 
 @functools.lru_cache(maxsize=256)
-def pull_headers(checksum: str, version: int) -> tuple[tuple[bytes, bytes], ...]:
-    """The headers of every pull answer (200 or 304) for one set: its ETag, `no-cache` and its
-    version (built once per set, not per request)."""
-    return ((b"etag", f'"{checksum}"'.encode()), (b"cache-control", b"no-cache"),
+def pull_headers(etag: str, version: int) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers of every pull answer (200 or 304) for one set: its ETag (`etag`, the set's
+    checksum with the shadow rate when the runtime applies one), `no-cache` and its version
+    (built once per answer, not per request)."""
+    return ((b"etag", f'"{etag}"'.encode()), (b"cache-control", b"no-cache"),
             (b"x-exitplane-version", str(version).encode()))
 
 

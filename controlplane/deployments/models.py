@@ -41,6 +41,14 @@ class Deployment(Base):
     # Whether runtime telemetry may register segment names the operator did not declare
     # (controlplane/deployments/segments.py); off: such traffic is stored as `default`.
     auto_segments: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # The shadow rate runtimes apply (controlplane/deployments/shadow_rate.py): the operator's
+    # bounds (equal: a fixed rate), and what the control plane decided within them, when and
+    # why (NULL: nothing decided yet; runtimes apply their own rate meanwhile).
+    shadow_rate_min: Mapped[float] = mapped_column(default=0.01, server_default="0.01")
+    shadow_rate_max: Mapped[float] = mapped_column(default=0.2, server_default="0.2")
+    shadow_rate: Mapped[float | None]
+    shadow_rate_reason: Mapped[str] = mapped_column(Text, default="", server_default="")
+    shadow_rate_decided_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

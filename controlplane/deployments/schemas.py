@@ -37,6 +37,15 @@ NamedModelRevision = Annotated[str, Field(max_length=128, pattern=f"^$|{MODEL_RE
 
 RETUNE = ("recalibrate on a schedule every this many seconds, through the deployment's "
           "promotion policy; none: only on drift, an opportunity or an operator's request")
+SHADOW_MIN = ("the lowest shadow rate the control plane may ask runtimes for (the share of "
+              "tokens run to full depth to watch quality)")
+SHADOW_MAX = "the highest shadow rate the control plane may ask for; equal to the minimum: fixed"
+
+
+def _check_shadow_bounds(low: float | None, high: float | None) -> None:
+    """Refuse bounds whose minimum exceeds their maximum."""
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"shadow_rate_min ({low:g}) must not exceed shadow_rate_max ({high:g})")
 
 
 class DeploymentCreate(BaseModel):
@@ -60,6 +69,13 @@ class DeploymentCreate(BaseModel):
     auto_segments: bool = Field(default=False, description=(
         "register segment names that runtime telemetry carries (up to the cap); off: only "
         "declared segments are stored as themselves, any other as 'default'"))
+    shadow_rate_min: float = Field(default=0.01, ge=0, le=1, description=SHADOW_MIN)
+    shadow_rate_max: float = Field(default=0.2, ge=0, le=1, description=SHADOW_MAX)
+
+    @model_validator(mode="after")
+    def _shadow_bounds_ordered(self) -> DeploymentCreate:
+        _check_shadow_bounds(self.shadow_rate_min, self.shadow_rate_max)
+        return self
 
     @model_validator(mode="after")
     def _exit_layers_within_model(self) -> DeploymentCreate:
@@ -89,6 +105,8 @@ class DeploymentUpdate(BaseModel):
     auto_segments: bool | None = None
     head_digest: NamedHeadDigest | None = None
     model_revision: NamedModelRevision | None = None
+    shadow_rate_min: float | None = Field(default=None, ge=0, le=1, description=SHADOW_MIN)
+    shadow_rate_max: float | None = Field(default=None, ge=0, le=1, description=SHADOW_MAX)
 
 
 class DeploymentRead(BaseModel):
@@ -109,6 +127,13 @@ class DeploymentRead(BaseModel):
     fallback_margin: float
     retune_every_s: int | None = Field(description=RETUNE)
     auto_segments: bool
+    shadow_rate_min: float
+    shadow_rate_max: float
+    shadow_rate: float | None = Field(description=(
+        "the shadow rate the control plane asks runtimes to apply (null: none yet; runtimes "
+        "apply their own)"))
+    shadow_rate_reason: str = Field(description="why the control plane chose that rate")
+    shadow_rate_decided_at: datetime | None
     revision: int
     created_at: datetime
     aliases: dict[str, int] = {}

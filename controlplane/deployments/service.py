@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
+from controlplane.deployments import shadow_rate
 from controlplane.deployments.audit import record_audit
 from controlplane.deployments.locks import DEPLOYMENT_LOCK, lock_deployment
 from controlplane.deployments.models import ALIASES, Alias, AuditEvent, Deployment, ThresholdSet
@@ -73,17 +74,24 @@ def create_deployment(*, session: Session, spec: DeploymentCreate, actor: str) -
     for alias in ("conservative", "active"):
         move_alias(session=session, deployment=deployment, alias=alias,
                    version=conservative.version, actor=actor, reason="deployment created")
+    shadow_rate.bounds_changed(session=session, deployment=deployment)
     return deployment
 
 
 def update_deployment(*, session: Session, deployment: Deployment, spec: DeploymentUpdate,
                       actor: str) -> Deployment:
     changes = spec.model_dump(exclude_none=True)
+    low = changes.get("shadow_rate_min", deployment.shadow_rate_min)
+    high = changes.get("shadow_rate_max", deployment.shadow_rate_max)
+    if low > high:
+        raise Invalid(f"shadow_rate_min ({low:g}) must not exceed shadow_rate_max ({high:g})")
     before = {key: getattr(deployment, key) for key in changes}
     for key, value in changes.items():
         setattr(deployment, key, value)
     if "auto_segments" in changes:
         registry_changed(session=session, deployment_id=deployment.id)
+    if {"shadow_rate_min", "shadow_rate_max"} & changes.keys():
+        shadow_rate.bounds_changed(session=session, deployment=deployment)
     record_audit(session=session, deployment=deployment, actor=actor,
                  action="deployment.update", reason="settings changed",
                  details={"before": before, "after": changes})

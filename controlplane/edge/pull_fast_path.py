@@ -1,7 +1,8 @@
 """Pure-ASGI answers for the hottest requests in the system, a runtime's threshold pull
 (`GET /v1/deployments/{name}/thresholds`) with its current ETag: the pull route's rules
-(controlplane/deployments/delivery.py: ETag match, headers, long-poll cap; the token's scope
-and rate) applied without entering FastAPI, wherever the caches hold the answer."""
+(controlplane/deployments/delivery.py: ETag match with the shadow rate where the runtime
+applies it, headers, long-poll cap; the token's scope and rate) applied without entering
+FastAPI, wherever the caches hold the answer."""
 
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ class NotModifiedFastPath:
         # The route's bucket, as its policy names it, and its path around the deployment's name.
         self.limiter = limiters[policy_for("GET", route.path).bucket]
         self._prefix, _, self._suffix = route.path.partition("{name}")
-        # Query string -> (runtime id, wait), or None when the route must answer (422): a
-        # runtime repeats the same query for its whole life, so it is parsed once.
-        self._queries: dict[bytes, tuple[str, float] | None] = {}
+        # Query string -> (runtime id, wait, applies_shadow_rate), or None when the route
+        # must answer (422): a runtime repeats the same query for its whole life, so it is
+        # parsed once.
+        self._queries: dict[bytes, tuple[str, float, bool] | None] = {}
         self._durations: dict[str, object] = {}  # root path -> the 304's duration histogram
 
     async def __call__(self, scope, receive, send) -> None:
@@ -89,7 +91,7 @@ class NotModifiedFastPath:
             if self.limiter.rate > 0 and not await self._within_rate(pull):
                 return False  # the route answers 429
             await send({"type": "http.response.start", "status": 304, "headers": [
-                *pull_headers(pull.chosen.checksum, pull.chosen.version),
+                *pull_headers(pull.etag, pull.chosen.version),
                 (b"x-request-id", request_id.encode())]})
             await send({"type": "http.response.body", "body": b""})
         finally:
@@ -110,7 +112,7 @@ class NotModifiedFastPath:
 
     async def _serve(self, pull: _Pull, scope, receive, send) -> None:
         """Answer `pull` (held first while it long-polls), or hand it to the route."""
-        chosen, body = pull.chosen, None
+        chosen, etag, body = pull.chosen, pull.etag, None
         if pull.wait > 0:
             with self.delivery.holding(pull.token_id) as held:
                 if not held:  # past the token's cap: the route answers 429
@@ -118,29 +120,31 @@ class NotModifiedFastPath:
                     return
                 try:
                     state = await self.delivery.wait_for_change(
-                        pull.name, pull.runtime_id, chosen.checksum,
-                        long_poll_timeout(pull.wait, self.settings))
+                        pull.name, pull.runtime_id, etag,
+                        long_poll_timeout(pull.wait, self.settings),
+                        applies_shadow_rate=pull.applies_shadow_rate)
                 except Exception:  # the store went away: the route answers
                     await self.app(scope, receive, send)
                     return
             latest = state.for_runtime(pull.runtime_id)
-            if latest.checksum != chosen.checksum:
+            latest_etag = state.etag(latest, pull.applies_shadow_rate)
+            if latest_etag != etag:
                 # The token may have been revoked (or its cached lookup aged out) while the
                 # poll was held: a new set goes out only to a caller still allowed now;
                 # otherwise the route looks the token up and answers (401 when revoked).
                 if self._allowed(pull.token_key, state) is None:
                     await self.app(scope, receive, send)
                     return
-                chosen = latest
-                if not etag_matches(pull.if_none_match, latest.checksum):  # `*` still does
+                chosen, etag = latest, latest_etag
+                if not etag_matches(pull.if_none_match, etag):  # `*` still does
                     body = state.body(latest).encode()
         scope["route"] = self._route
         if body is None:
             await send({"type": "http.response.start", "status": 304,
-                        "headers": list(pull_headers(chosen.checksum, chosen.version))})
+                        "headers": list(pull_headers(etag, chosen.version))})
             await send({"type": "http.response.body", "body": b""})
         else:
-            await send_json(send, 200, body, pull_headers(chosen.checksum, chosen.version))
+            await send_json(send, 200, body, pull_headers(etag, chosen.version))
 
     def _allowed(self, token_key: str, state: DeliveryState):
         """The cached principal of `token_key` if it may pull `state`'s deployment, else None.
@@ -159,9 +163,10 @@ class NotModifiedFastPath:
         Callers skip the call while no limit is set (`rate` 0): there is nothing to take."""
         return await self.limiter.retry_after(str(pull.token_id)) is None
 
-    def _query(self, raw: bytes) -> tuple[str, float] | None:
-        """(runtime id, wait) of a query string, or None when the route must say what is wrong
-        (remembered for short query strings, a bounded number of them)."""
+    def _query(self, raw: bytes) -> tuple[str, float, bool] | None:
+        """(runtime id, wait, applies_shadow_rate) of a query string, or None when the route
+        must say what is wrong (remembered for short query strings, a bounded number of
+        them)."""
         known = self._queries.get(raw, _UNPARSED)
         if known is not _UNPARSED:
             return known
@@ -169,8 +174,9 @@ class NotModifiedFastPath:
                      for part in raw.decode("latin-1").split("&") if part)
         runtime_id = query.get("runtime_id", "")
         wait = _wait_seconds(query.get("wait", "0"))
-        parsed = None if wait is None or not RUNTIME_ID.fullmatch(runtime_id) \
-            else (runtime_id, wait)
+        applies = _BOOLEANS.get(query.get("applies_shadow_rate", "false").lower())
+        parsed = None if wait is None or applies is None or not RUNTIME_ID.fullmatch(runtime_id) \
+            else (runtime_id, wait, applies)
         if len(raw) <= _QUERY_KEPT_BYTES:
             if len(self._queries) >= _QUERIES_KEPT:
                 self._queries.clear()
@@ -206,19 +212,20 @@ class NotModifiedFastPath:
         principal = self._allowed(token_key, state)
         if principal is None:
             return None
-        runtime_id, wait = query
+        runtime_id, wait, applies_shadow_rate = query
         chosen = state.for_runtime(runtime_id)
-        if not etag_matches(etag, chosen.checksum):
+        current = state.etag(chosen, applies_shadow_rate)
+        if not etag_matches(etag, current):
             return None
         return _Pull(name=name, runtime_id=runtime_id, chosen=chosen, wait=wait,
                      token_id=principal.token_id, token_key=token_key, request_id=request_id,
-                     if_none_match=etag)
+                     if_none_match=etag, etag=current, applies_shadow_rate=applies_shadow_rate)
 
 
 class _Pull(NamedTuple):
     """A pull the fast path answers: the deployment, the runtime, the set it holds, the
-    seconds it may wait, its token's id and cache key, the request id and the If-None-Match
-    it sent."""
+    seconds it may wait, its token's id and cache key, the request id, the If-None-Match it
+    sent, the entity tag it matched and whether the runtime applies the shadow rate."""
 
     name: str
     runtime_id: str
@@ -228,9 +235,14 @@ class _Pull(NamedTuple):
     token_key: str
     request_id: str | None = None
     if_none_match: str = ""
+    etag: str = ""
+    applies_shadow_rate: bool = False
 
 
 _UNPARSED = object()
+# A boolean query value as the route reads it (pydantic's words); any other: the route's 422
+_BOOLEANS = {word: True for word in ("1", "on", "t", "true", "y", "yes")} | {
+    word: False for word in ("0", "off", "f", "false", "n", "no")}
 _QUERIES_KEPT = 16_384  # query strings remembered per process (then forgotten at once)
 _QUERY_KEPT_BYTES = 256  # a runtime id is at most 128 characters
 

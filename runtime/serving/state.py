@@ -1,5 +1,6 @@
 """What the runtime server holds while it serves (ServeState), and how it is wired up: the
-engine thread, and the threshold client and telemetry shipper when a control plane is given."""
+engine thread, and the threshold client and telemetry shipper when a control plane is given.
+The engine applies the shadow rate the control plane sets, else its own (`--shadow-rate`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ class ServeState:
         return self.accepting and (client is None or (client.ready and not client.degraded))
 
 
+def shadow_rate_applier(config):
+    """The threshold client's `on_shadow_rate`: the engine config's `shadow_rate` (read per
+    step) becomes the control plane's rate, or goes back to the configured one when the
+    control plane sets none."""
+    own = config.shadow_rate
+
+    def apply(rate: float | None) -> None:
+        config.shadow_rate = own if rate is None else rate
+    return apply
+
+
 def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None,
                 deployment: str | None, token: str | None, state_dir, max_queue: int = 64,
                 static_thresholds=None, default_max_tokens: int = 256,
@@ -91,7 +103,8 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
         thresholds = ThresholdClient(engine, base_url=control_plane, deployment=deployment,
                                      token=token, runtime_id=engine.runtime_id,
                                      cache_path=state_dir / "thresholds.json",
-                                     long_poll_s=long_poll_s, telemetry=shipper).start()
+                                     long_poll_s=long_poll_s, telemetry=shipper,
+                                     on_shadow_rate=shadow_rate_applier(engine.config)).start()
     elif static_thresholds is not None:
         engine.set_thresholds(static_thresholds)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics,

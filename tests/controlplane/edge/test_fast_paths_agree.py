@@ -191,6 +191,60 @@ def test_a_long_poll_on_any_set_ends_alike_when_the_set_moves(pair, tokens, engi
     assert PULL not in routed["fast"] and PULL in routed["plain"]  # the fast path held it
 
 
+def test_a_change_of_shadow_rate_alone_is_delivered_alike(pair, tokens, engine):
+    """A runtime that applies the control plane's shadow rate gets an ETag that changes with
+    the rate: a new rate alone answers its current tag with 200 (the rate in the body), its
+    new tag gets 304, a runtime that does not apply it keeps the set's checksum as its tag;
+    a long-poll ends when the rate changes. The fast path answers as the route does."""
+    apps = pair(rate_limit_pull_per_s=0)
+    _, fast = apps[True]
+    _, plain = apps[False]
+    operator, runtime, _ = _chat(fast, tokens, engine)
+    applies = {"runtime_id": "r-1", "applies_shadow_rate": "true"}
+    answers = {}
+    for label, client, rate, next_rate in (("fast", fast, 0.25, 0.5), ("plain", plain, 0.3, 0.6)):
+        first = client.get(PULL, params=applies, headers=runtime)
+        checksum = first.json()["checksum"]
+        before = first.json().get("shadow_rate")  # none yet; then the bounds' maximum
+        assert first.headers["etag"] == (f'"{checksum}"' if before is None
+                                         else f'"{checksum}.s{before:g}"')
+        fixed = client.patch("/v1/deployments/chat", headers=operator, json={
+            "shadow_rate_min": rate, "shadow_rate_max": rate})
+        assert fixed.status_code == 200, fixed.text
+        assert fixed.json()["shadow_rate"] == rate
+        stale = client.get(PULL, params=applies,
+                           headers={**runtime, "If-None-Match": first.headers["etag"]})
+        tagged = client.get(PULL, params=applies,
+                            headers={**runtime, "If-None-Match": stale.headers["etag"]})
+        untagged = client.get(PULL, params={"runtime_id": "r-1"},  # a runtime of before
+                              headers={**runtime, "If-None-Match": f'"{checksum}"'})
+        bad = client.get(PULL, params={**applies, "applies_shadow_rate": "maybe"},
+                         headers={**runtime, "If-None-Match": stale.headers["etag"]})
+        held: list = []
+        poll = threading.Thread(target=lambda client=client, held=held, tag=stale.headers[
+            "etag"]: held.append(client.get(PULL, params={**applies, "wait": "5"},
+                                            headers={**runtime, "If-None-Match": tag})))
+        poll.start()
+        time.sleep(0.5)  # the poll is held (were it not yet, it would wait out its 5 s)
+        assert client.patch("/v1/deployments/chat", headers=operator, json={
+            "shadow_rate_min": next_rate, "shadow_rate_max": next_rate}).status_code == 200
+        poll.join(timeout=10)
+        assert stale.status_code == 200 and stale.json()["shadow_rate"] == rate
+        assert stale.json()["checksum"] == checksum
+        assert stale.headers["etag"] == f'"{checksum}.s{rate:g}"'
+        assert (tagged.status_code, untagged.status_code, bad.status_code) == (304, 304, 422)
+        assert untagged.headers["etag"] == f'"{checksum}"'
+        assert held[0].status_code == 200 and held[0].json()["shadow_rate"] == next_rate
+        assert held[0].headers["etag"] == f'"{checksum}.s{next_rate:g}"'
+        answers[label] = [_shape(answer, drop=("shadow_rate",)) for answer in
+                          (stale, tagged, untagged, bad)]
+        for shape in answers[label]:
+            shape[1].pop("etag")
+        client.patch("/v1/deployments/chat", headers=operator, json={
+            "shadow_rate_min": 0.01, "shadow_rate_max": 0.2})  # the rate moves within: 0.2
+    assert answers["fast"] == answers["plain"]
+
+
 def test_pull_refusals_past_the_rate_are_answered_alike(pair, tokens, engine):
     # One pull per 20 s: the first takes the bucket's unit, the next waits about 20 s.
     apps = pair(rate_limit_pull_per_s=0.05)

@@ -245,6 +245,28 @@ class ThresholdSetWire(BaseModel):
                          thresholds=dict.fromkeys(exit_layers, NEVER_EXIT))
 
 
+class ThresholdPull(ThresholdSetWire):
+    """What a threshold pull answers: the set and, outside its checksum, the shadow rate the
+    control plane asks runtimes to apply (absent while it asks none: runtimes apply their
+    own). docs/protocol.md, "Shadow rate"."""
+
+    shadow_rate: float | None = Field(
+        default=None, ge=0, le=1, exclude_if=lambda value: value is None,
+        description="share of tokens to run to full depth as shadow tokens, as the control "
+        "plane decided it; absent: the runtime applies its own rate")
+
+    def threshold_set(self) -> ThresholdSetWire:
+        """The set alone (what is applied, cached and checksummed)."""
+        return ThresholdSetWire.model_validate(self.model_dump(exclude={"shadow_rate"}))
+
+
+def pull_etag(checksum: str, shadow_rate: float | None) -> str:
+    """The entity tag of a pull answer (without quotes): the set's checksum, followed by
+    `.s<rate>` when the answer carries a shadow rate to a runtime that applies it
+    (`applies_shadow_rate=true`), so a change of rate alone changes the tag."""
+    return checksum if shadow_rate is None else f"{checksum}.s{shadow_rate:.6g}"
+
+
 class ShadowPoint(BaseModel):
     """One exit point of a shadow token: its signal and whether its top-1 matched full depth."""
 

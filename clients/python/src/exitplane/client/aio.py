@@ -47,6 +47,8 @@ class AsyncRuntime:
     num_layers = _Shared()
     exit_layers = _Shared()
     shadow_rate = _Shared()
+    local_shadow_rate = _Shared()
+    shadow_rate_source = _Shared()
     applies_segments = _Shared()
     head_digest = _Shared()
     model_revision = _Shared()

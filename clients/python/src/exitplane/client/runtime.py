@@ -3,7 +3,8 @@
 It owns a `ThresholdClient` (pull, verify, apply, cache, heartbeats) and a `TelemetryShipper`
 (edge aggregation, shipping, disk spool), configured once from explicit arguments or from the
 environment (`Runtime.from_env`). The loop reads the applied set (`thresholds`, `version`),
-asks `should_shadow()` per token and reports each token with `record(...)`; listeners hear of
+asks `should_shadow()` per token (at the shadow rate the control plane sets, else the local
+`shadow_rate`) and reports each token with `record(...)`; listeners hear of
 new sets (`on_change`), refused ones (`on_refused`) and failures (`on_error`). A token file is
 re-read when it changes, so a rotated token needs no restart. `offline_file` runs from a
 threshold set file with no control plane at all. `close()` ships what is left and tells the
@@ -69,9 +70,7 @@ class Runtime:
         self.runtime_id = check_runtime_id(runtime_id)
         self.num_layers = num_layers
         self.exit_layers = sorted(exit_layers)
-        if not 0.0 <= shadow_rate <= 1.0:
-            raise ValueError(f"shadow_rate must be in [0, 1], not {shadow_rate!r}")
-        self.shadow_rate = shadow_rate
+        self.shadow_rate = shadow_rate  # the local rate (checked by the setter)
         self.applies_segments = applies_segments
         self.head_digest, self.model_revision = head_digest, model_revision
         self.leave_on_close = leave_on_close
@@ -236,9 +235,29 @@ class Runtime:
             raise RuntimeError("no threshold set applied yet: start() the Runtime first")
         return applied.for_segment(segment)
 
+    @property
+    def shadow_rate(self) -> float:
+        """The shadow rate `should_shadow` applies: the control plane's when it sets one (the
+        pulled configuration), else this runtime's own. Setting it sets this runtime's own."""
+        pulled = self.thresholds.shadow_rate if self.thresholds is not None else None
+        return self.local_shadow_rate if pulled is None else pulled
+
+    @shadow_rate.setter
+    def shadow_rate(self, rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"shadow_rate must be in [0, 1], not {rate!r}")
+        self.local_shadow_rate = rate
+
+    @property
+    def shadow_rate_source(self) -> str:
+        """Who set the applied shadow rate: `control_plane` or `local`."""
+        pulled = self.thresholds.shadow_rate if self.thresholds is not None else None
+        return "local" if pulled is None else "control_plane"
+
     def should_shadow(self) -> bool:
         """Whether to run this token to full depth as a shadow token (`shadow_rate`)."""
-        return self.shadow_rate > 0 and self._shadow_sample() < self.shadow_rate
+        rate = self.shadow_rate
+        return rate > 0 and self._shadow_sample() < rate
 
     def exit_layer(self, signals: Mapping[int, float] | Callable[[int], float],
                    thresholds: Mapping[int, float]) -> tuple[int, float | None]:
@@ -292,7 +311,8 @@ class Runtime:
     def metrics(self) -> dict[str, Any]:
         """The parts' counters and gauges, prefixed `thresholds_` and `telemetry_`."""
         found: dict[str, Any] = {"offline": int(self.offline_file is not None),
-                                 "dropped_offline": self.dropped_offline}
+                                 "dropped_offline": self.dropped_offline,
+                                 "shadow_rate": self.shadow_rate}
         for prefix, part in (("thresholds_", self.thresholds), ("telemetry_", self.shipper)):
             if part is not None:
                 found.update({prefix + key: value for key, value in part.metrics.items()})

@@ -1,11 +1,16 @@
 """Pull the deployment's threshold set from the control plane and keep the engine on it.
 
 A background thread long-polls `GET /v1/deployments/{name}/thresholds` with the applied
-checksum as ETag, verifies what comes back (schema, checksum, deployment, exit layers, the exit
+set's ETag, verifies what comes back (schema, checksum, deployment, exit layers, the exit
 heads it was made for), swaps
 it into the running engine (`engine.set_thresholds`: a small object, nothing rebuilt), keeps a
 local cache file of the last good set and heartbeats what it applies and serves (its model
 revision and exit-heads digest: docs/protocol.md, "Lineage").
+
+The pull says the runtime applies the control plane's shadow rate (`applies_shadow_rate`): the
+answer carries the rate the control plane decided (`shadow_rate`, None while it sets none) and
+an ETag that changes with it, so a new rate arrives by long-poll like a new set;
+`on_shadow_rate(rate)` is called on each change (docs/protocol.md, "Shadow rate").
 
 Start-up without a control plane: the cached set if there is one, else the built-in
 conservative set (version 0, never exits) with `degraded` set, a warning logged and the
@@ -30,7 +35,15 @@ from pydantic import ValidationError
 from exitplane.client.files import atomic_write
 from exitplane.client.http import http_client
 from exitplane.client.retry import backoff_delay, retry_after
-from exitplane.wire import Heartbeat, Lineage, Signal, ThresholdSetWire, check_runtime_id
+from exitplane.wire import (
+    Heartbeat,
+    Lineage,
+    Signal,
+    ThresholdPull,
+    ThresholdSetWire,
+    check_runtime_id,
+    pull_etag,
+)
 
 log = logging.getLogger("exitplane.client.thresholds")
 
@@ -94,8 +107,14 @@ def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
 
 def parse_threshold_set(body: bytes | str) -> ThresholdSetWire:
     """Validate the wire schema; a wrong type or missing field becomes RefusedThresholdSet."""
+    return parse_pull(body).threshold_set()
+
+
+def parse_pull(body: bytes | str) -> ThresholdPull:
+    """Validate a pull answer (the set and the shadow rate); a wrong type or missing field
+    becomes RefusedThresholdSet."""
     try:
-        return ThresholdSetWire.model_validate_json(body)
+        return ThresholdPull.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
@@ -113,11 +132,14 @@ class ThresholdClient:
                  telemetry: TelemetryStats | None = None, head_digest: str | None = None,
                  model_revision: str | None = None,
                  on_refused: Callable[[str], None] | None = None,
-                 on_error: Callable[[str], None] | None = None, **http: Any):
+                 on_error: Callable[[str], None] | None = None,
+                 on_shadow_rate: Callable[[float | None], None] | None = None, **http: Any):
         """`head_digest`, `model_revision`: what this runtime serves (default: the engine's
         `head_digest` and `model_revision` attributes; None: unknown, nothing is checked).
         `on_refused(reason)`: called on the pull thread for each set refused; `on_error(problem)`
-        for each failed pull (control plane unreachable or answering an error). `http`: how
+        for each failed pull (control plane unreachable or answering an error);
+        `on_shadow_rate(rate)` for each change of the shadow rate the control plane asks for
+        (None: it asks none, the runtime's own applies). `http`: how
         requests reach the control plane (`verify`, `cert`, `proxy`, `headers`, `transport`:
         `exitplane.client.http`)."""
         self.engine = engine
@@ -140,6 +162,9 @@ class ThresholdClient:
                                           or Signal.learned)
         self.telemetry = telemetry
         self.on_refused, self.on_error = on_refused, on_error
+        self.on_shadow_rate = on_shadow_rate
+        # The shadow rate the control plane asks for (None: none, or not heard yet)
+        self.shadow_rate: float | None = None
         self._http = http_client(base_url=base_url, token=token, timeout=request_timeout_s,
                                  **http)
         self.applied: ThresholdSetWire | None = None
@@ -185,7 +210,9 @@ class ThresholdClient:
         """Counters and gauges for scraping: pulls, refusals, degraded, applied version."""
         return {**self.counters, "ready": int(self.ready), "degraded": int(self.degraded),
                 "builtin_fallback": int(self.degraded),
-                "applied_version": -1 if self.applied is None else self.applied.version}
+                "applied_version": -1 if self.applied is None else self.applied.version,
+                "control_plane_shadow_rate": -1.0 if self.shadow_rate is None
+                else self.shadow_rate}
 
     def start(self) -> ThresholdClient:
         """Start the background pull/heartbeat thread."""
@@ -250,8 +277,9 @@ class ThresholdClient:
         failures = 0
         first = True
         while not self._stop.is_set():
-            etag = self.applied.checksum if self.applied is not None else (
-                cached.checksum if cached is not None else None)
+            etag = pull_etag(self.applied.checksum, self.shadow_rate) \
+                if self.applied is not None else (
+                    cached.checksum if cached is not None else None)
             wait = 0.0 if first else min(self.long_poll_s, self.heartbeat_interval_s)
             reached, changed, problem, refused = True, False, None, False
             told: float | None = None  # the wait a 429/503 asked for (Retry-After)
@@ -291,7 +319,7 @@ class ThresholdClient:
 
     def _pull(self, etag: str | None, wait: float, cached: ThresholdSetWire | None) -> bool:
         """One GET; returns True when something new was applied."""
-        params: dict[str, Any] = {"runtime_id": self.runtime_id}
+        params: dict[str, Any] = {"runtime_id": self.runtime_id, "applies_shadow_rate": "true"}
         headers = {}
         if etag is not None:
             headers["If-None-Match"] = f'"{etag}"'
@@ -319,13 +347,27 @@ class ThresholdClient:
             wait_s = (retry_after(response, self.backoff_max_s)
                       if response.status_code in (429, 503) else None)
             raise _PullFailed(f"pull answered {response.status_code}: {detail}", wait_s)
-        wire = parse_threshold_set(response.content)
+        pulled = parse_pull(response.content)
         etag_header = response.headers.get("etag", "").removeprefix("W/").strip('"')
-        if etag_header and etag_header != wire.checksum:
+        if etag_header and etag_header != pull_etag(pulled.checksum, pulled.shadow_rate):
             raise RefusedThresholdSet(f"ETag {etag_header} does not match the body's checksum "
-                                      f"for set v{wire.version}")
-        self._apply(wire, SOURCE_CONTROL_PLANE, write_cache=True)
+                                      f"and shadow rate for set v{pulled.version}")
+        self._apply(pulled.threshold_set(), SOURCE_CONTROL_PLANE, write_cache=True)
+        self._take_shadow_rate(pulled.shadow_rate)
         return True
+
+    def _take_shadow_rate(self, rate: float | None) -> None:
+        """Keep the control plane's shadow rate and tell the listener when it changed."""
+        if rate == self.shadow_rate:
+            return
+        self.shadow_rate = rate
+        log.info("the control plane asks for shadow rate %s",
+                 "none (the runtime's own applies)" if rate is None else f"{rate:g}")
+        if self.on_shadow_rate is not None:
+            try:
+                self.on_shadow_rate(rate)
+            except Exception:
+                log.exception("threshold client listener failed")
 
     def _apply(self, wire: ThresholdSetWire, source: str, *, write_cache: bool) -> None:
         check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers,
