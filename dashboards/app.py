@@ -34,6 +34,7 @@ from dashboards.views import (
     segments,
     sessions,
     versions,
+    what_if,
 )
 
 STATIC = Path(__file__).parent / "static"
@@ -104,7 +105,7 @@ def create_ui(parent: FastAPI) -> FastAPI:
 
     ui.mount("/static", StaticFiles(directory=STATIC), name="static")
     for module in (sessions, overview, deployments, versions, calibration, alerts, admin,
-                   outliers, segments):
+                   outliers, segments, what_if):
         ui.include_router(module.router)
     return ui
 

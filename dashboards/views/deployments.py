@@ -18,6 +18,7 @@ from controlplane.runtimes.service import list_runtimes, remove_runtimes
 from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
 from dashboards import charts
+from dashboards.curve_panel import curve_panel
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import segment_table
 from dashboards.templating import render
@@ -58,6 +59,9 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
         initial=initial, totals=initial["totals"], alerts_enabled=True,
         segments=segment_table(initial["segments"], active), never_exit=NEVER_EXIT,
         segment=segment,
+        curve_panel=curve_panel(
+            session=session, deployment=deployment, segment=segment,
+            interval_s=request.app.state.settings.operating_curve_interval_s),
         raw_sample_rate=raw_sample_rate(session=session, deployment=deployment),
         refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
         open_alerts=alerts.open_alerts(session=session, deployment=deployment),

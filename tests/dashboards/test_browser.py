@@ -389,3 +389,57 @@ def test_operator_sees_per_segment_exit_rates(browser, app, engine, seeded):
     # Leave no page polling every second: the next test's console would show its failed
     # fetches once this test's server is gone.
     driver.get(f"{driver.base}/ui/deployments/chat/versions")
+
+
+def test_operator_moves_a_set_on_the_curve_and_publishes_it(browser, engine, settings,
+                                                           calibrated):
+    """The deployment page draws the stored operating curve; the what-if view evaluates an
+    edited set, moves its point on the curve, and publishes it with a reason."""
+    from controlplane.flows.operating_curve import draw_curve
+
+    with Session(engine) as session:
+        draw_curve(session=session, settings=settings,
+                   deployment=thresholds.get_deployment(session=session, name="chat"))
+        session.commit()
+    driver = browser
+    sign_in_with_keyboard(driver, "operator")
+    driver.get(f"{driver.base}/ui/deployments/chat")
+    curve = wait_for(driver, "#operating-curve svg.curve")
+    marks = [g.get_attribute("data-mark") for g in
+             curve.find_elements(By.CSS_SELECTOR, "g.curve-mark")]
+    assert {"active", "conservative", "best"} <= set(marks)
+    assert "Left on the table" in driver.find_element(By.ID, "curve-gap").text
+    check_page_quality(driver, "deployment-curve")
+    screenshot(driver, "deployment-curve")
+
+    navigate(driver, driver.find_element(By.ID, "what-if-link"))
+    assert wait_for(driver, "#layer_3").get_attribute("value") == "0.9"  # the active v3
+    check_page_quality(driver, "what-if")
+    navigate(driver, driver.find_element(By.ID, "what-if-run"))
+    point = wait_for(driver, "#what-if-point")
+    before = (float(point.get_attribute("data-speedup")),
+              driver.find_element(By.ID, "what-if-exit-rate").text)
+
+    layer_3 = driver.find_element(By.ID, "layer_3")
+    layer_3.clear()
+    layer_3.send_keys("0.5")  # exit far more at the first exit layer
+    navigate(driver, driver.find_element(By.ID, "what-if-run"))
+    point = wait_for(driver, "#what-if-point")
+    after = (float(point.get_attribute("data-speedup")),
+             driver.find_element(By.ID, "what-if-exit-rate").text)
+    assert after[0] > before[0] and after[1] != before[1]  # the point moved right
+    assert driver.find_element(By.ID, "layer_3").get_attribute("value") == "0.5"
+    check_page_quality(driver, "what-if-result")
+    screenshot(driver, "what-if-result")
+
+    driver.find_element(By.ID, "publish-reason").send_keys("what-if: layer 3 at 0.5")
+    navigate(driver, driver.find_element(By.ID, "publish-run"))
+    assert "Version 6 published (not active)." in wait_for(driver, ".flash-ok").text
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        created = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                               version=6)
+        event = thresholds.audit_log(session=session, deployment=deployment, limit=1)[0]
+    assert created.thresholds_by_layer() == {3: 0.5, 6: 0.85, 9: 0.7}
+    assert (event.action, event.actor, event.reason) == (
+        "threshold_set.publish", "user:operator", "what-if: layer 3 at 0.5")

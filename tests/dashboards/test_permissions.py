@@ -235,6 +235,7 @@ def test_signed_out_actions_go_to_login(ui, seeded, people, template, path, form
     ("/ui/alerts/1/report", "viewer"), ("/ui/hooks", "admin"), ("/ui/hooks/1", "admin"),
     ("/ui/deployments/chat/segments", "viewer"),
     ("/ui/deployments/chat/runtimes/rt-a/remove", "operator"),
+    ("/ui/deployments/chat/what-if", "operator"),
 ])
 @pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
 def test_pages_need_their_role(as_role, seeded, path, needed, role):
