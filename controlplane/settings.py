@@ -254,6 +254,14 @@ class Settings(BaseSettings):
         default=600.0, gt=0,
         description="a runtime not heard from again after its first heartbeat stops counting "
         "against the caps after this many seconds (not a day) and its row is removed")
+    accelerator_hour_cost: float = Field(
+        default=1.0, ge=0, allow_inf_nan=False,
+        description="what one hour of accelerator time costs, in `accelerator_cost_unit`: "
+        "the savings report time saved in it too")
+    accelerator_cost_unit: str = Field(
+        default="accelerator-hour", min_length=1, max_length=32,
+        description="the label of `accelerator_hour_cost` in savings reports (a currency, or "
+        "accelerator-hour when the cost is 1.0)")
     metrics_cache_ttl_s: float = Field(
         default=2.0, ge=0,
         description="how long the store-backed gauges on `/metrics` are reused between scrapes")

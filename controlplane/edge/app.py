@@ -43,6 +43,7 @@ from controlplane.runtimes.witnesses import ClaimCache
 from controlplane.settings import Settings, get_settings
 from controlplane.telemetry.api import router as telemetry_router
 from controlplane.telemetry.gauges import store_collector
+from controlplane.telemetry.savings_api import router as savings_router
 from controlplane.telemetry.service import ensure_partitions
 from exitplane import __version__
 from exitplane.kit import tracing
@@ -137,7 +138,8 @@ def create_api(settings: Settings | None = None, engine: Engine | None = None) -
     tracing.instrument_app(app, engine)  # OpenTelemetry, when OTEL_* configures it
     # Every route takes its rate as the policy table says (controlplane/guards/policy.py).
     for router in (deployments_router, runtimes_router, auth_router, telemetry_router,
-                   alerts_router, calibration_router, outliers_router, curve_router):
+                   alerts_router, calibration_router, outliers_router, curve_router,
+                   savings_router):
         app.include_router(router, dependencies=[RouteGuard])
     return app
 

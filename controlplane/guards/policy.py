@@ -127,6 +127,8 @@ _ENTRIES = (
     _read(f"{_DEPLOYMENT}/telemetry/signal-histogram", heavy=True),
     _read(f"{_DEPLOYMENT}/telemetry/count", heavy=True),
     _read(f"{_DEPLOYMENT}/segments", heavy=True),
+    _read(f"{_DEPLOYMENT}/savings", heavy=True),
+    _read("/v1/savings", heavy=True),
     # alerts and hooks
     _read("/v1/alerts", heavy=True),
     _read("/v1/alerts/{alert_id}"),

@@ -45,7 +45,8 @@ def fit_cost_model(depths, checks, latency_us, tokens, *, num_layers: int) -> Co
     """The cost model of groups of tokens: group i is `tokens[i]` tokens that each ran
     `depths[i]` layers, computing `checks[i]` exit checks in all (summed over the group) and
     taking `latency_us[i]` microseconds in all. None when the groups cannot identify a time
-    per layer (fewer than MIN_TIMED_TOKENS tokens, or one depth only).
+    per layer (fewer than MIN_TIMED_TOKENS tokens, or one depth only) or checks that vary with
+    nothing but depth leave the time per check unidentified.
 
     Weighted least squares on the groups' means (weights: tokens), coefficients held
     non-negative (a coefficient the data would make negative is dropped and the rest refitted:
@@ -60,9 +61,13 @@ def fit_cost_model(depths, checks, latency_us, tokens, *, num_layers: int) -> Co
     if total < MIN_TIMED_TOKENS or len(np.unique(depths)) < 2:
         return None
     design = np.column_stack([np.ones_like(depths), depths, checks / counts])
+    # No checks at all: nothing to time them by (check_us stays 0). Checks that only move with
+    # depth (or not at all): a time per check cannot be told from overhead and layers.
+    active = [0, 1, 2] if checks.any() else [0, 1]
+    if np.linalg.matrix_rank(design[:, active]) < len(active):
+        return None
     target = latency / counts
     weights = np.sqrt(counts)
-    active = [0, 1, 2]
     coefficients = np.zeros(3)
     while active:
         solution, *_ = np.linalg.lstsq(design[:, active] * weights[:, None], target * weights,

@@ -85,3 +85,80 @@ class SegmentReport(BaseModel):
         "true when runtimes aggregate at the edge: per-token records then exist only for "
         "shadow tokens and a sampled share of the others; these figures count every token"))
     raw_sample_rate: float | None = None
+
+
+class CostModelRead(BaseModel):
+    """Microseconds per token: `overhead_us + layer_us * depth + check_us * checks`."""
+
+    overhead_us: float
+    layer_us: float
+    check_us: float
+    num_layers: int
+    tokens: int = Field(description="timed tokens the fit used")
+    full_depth_us: float = Field(description="one token at full depth with no exit checks")
+
+
+class LineageCostModel(BaseModel):
+    model_revision: str | None
+    head_digest: str | None
+    model: CostModelRead | None = Field(description="null: too little timed telemetry")
+    reason: str | None = Field(description="why there is no model")
+
+
+class SavingsTime(BaseModel):
+    """Seconds of accelerator time over the modelled tokens; net_saved_s = saved_by_exits_s
+    - checks_s - shadow_s + unexplained_s."""
+
+    full_depth_s: float = Field(description="the tokens at full depth with no exit checks")
+    spent_s: float = Field(description="measured where timed, modelled where not")
+    net_saved_s: float = Field(description="full_depth_s - spent_s; negative: a loss")
+    saved_by_exits_s: float = Field(description="layers non-shadow tokens skipped")
+    checks_s: float = Field(description="spent on exit checks of non-shadow tokens")
+    shadow_s: float = Field(description="spent on shadow tokens' checks (they run full depth)")
+    unexplained_s: float = Field(description="measured minus modelled time")
+
+
+class SavingsCost(BaseModel):
+    unit: str
+    per_accelerator_hour: float
+    full_depth: float
+    spent: float
+    net_saved: float
+
+
+class SavingsFigures(BaseModel):
+    tokens: int = Field(description="tokens served in the window")
+    timed_tokens: int = Field(description="of those, tokens that reported their cost")
+    shadow_tokens: int
+    modelled_tokens: int = Field(description="tokens the time figures cover")
+    layers_saved: int = Field(description="layer computations non-shadow tokens skipped")
+    time: SavingsTime | None = Field(description="null: no cost model")
+    speedup: float | None = Field(description="full_depth_s / spent_s, measured")
+    pays: bool | None = Field(description="net_saved_s > 0; false: early exit cost time")
+    cost: SavingsCost | None
+
+
+class DeploymentSavings(SavingsFigures):
+    deployment: str
+    num_layers: int
+    segment: str | None
+    runtime_id: str | None
+    layer_speedup: float | None = Field(description="num_layers / mean depth (layers only)")
+    cost_model: CostModelRead | None
+    cost_model_reason: str | None
+    cost_models: list[LineageCostModel] = Field(description="one per lineage of the runtimes")
+    since: datetime
+    until: datetime
+
+
+class FleetSavingsTotal(SavingsFigures):
+    deployments: int
+
+
+class FleetSavings(BaseModel):
+    since: datetime
+    until: datetime
+    segment: str | None
+    runtime_id: str | None
+    deployments: list[DeploymentSavings]
+    total: FleetSavingsTotal
