@@ -3,7 +3,10 @@
 Same process, same machine, held-out prompts: HF `generate` vs our engine at full depth vs
 early exit at thresholds calibrated on shadow samples of other held-out prompts; agreement
 teacher-forced and free-running; batch-8 compaction vs mask-only; the speed-quality curve per
-heads mode; and the cost of one exit check per signal relative to one decoder layer.
+heads mode; the cost of one exit check per signal relative to one decoder layer; and what
+early exit saves on this machine: the early-exit run (and one with shadow tokens) against the
+full-depth run on the same prompts, measured, and through a cost model fitted on the runs' own
+token records (`fit_cost`: bench/runtime.py passes the control plane's fit).
 Prints tables, then one JSON line (the last line).
 """
 
@@ -41,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--signal", default="learned", choices=[s.value for s in Signal])
+    parser.add_argument("--shadow-rate", type=float, default=0.05,
+                        help="shadow share of the watched early-exit run (the net saving's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
@@ -305,6 +310,9 @@ def interleaved_runs(base, variants, args, eval_ids, eos) -> dict[str, Tally]:
             for target, point in v["curve"].items():
                 run(f"{v['mode']}:{target}", lambda p=prompt, m=m, h=h, pol=point["policy"]:
                     run_engine(m, h, [p], args.max_new_tokens, policy=pol))
+            run(f"{v['mode']}:watched", lambda p=prompt, m=m, h=h,
+                pol=v["curve"][WATCHED_TARGET]["policy"]: run_engine(
+                    m, h, [p], args.max_new_tokens, policy=pol, shadow_rate=args.shadow_rate))
     return tallies
 
 
@@ -313,6 +321,7 @@ def _hf_run(model, prompt, max_new_tokens, eos):
     return outputs, [], seconds
 
 
+WATCHED_TARGET = 0.01  # the point the summary reports, served with shadow tokens
 BATCH_TARGET = TARGETS[-1]  # compaction only differs from mask-only when rows exit
 
 
@@ -331,7 +340,84 @@ def batch_runs(variant, args, eval_ids, rounds: int = 2) -> dict[str, float]:
     return {name: t.tok_s for name, t in tallies.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def cost_groups(records: list[TokenRecord]) -> dict[str, list]:
+    """The timed records as `fit_cost` takes them: one group per (depth, checks), with its
+    tokens, summed exit checks and summed wall time (records without checks are left out)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for record in records:
+        if record.exit_checks is None:
+            continue
+        group = groups.setdefault((record.exit_layer, record.exit_checks), [0, 0])
+        group[0] += 1
+        group[1] += record.latency_us
+    keys = sorted(groups)
+    return {"depths": [depth for depth, _ in keys],
+            "checks": [key[1] * groups[key][0] for key in keys],
+            "latency_us": [groups[key][1] for key in keys],
+            "tokens": [groups[key][0] for key in keys]}
+
+
+def savings(full: Tally, early: Tally, watched: Tally, fit_cost, num_layers: int) -> dict:
+    """What early exit saves against full depth on the same prompts: the measured speed-ups
+    (early exit alone, and with shadow tokens), and the cost model fitted on all three runs'
+    records with its net saving on the watched run (checks and shadow tokens included: a
+    shadow token runs to full depth and computes every check). Negative savings are losses."""
+    found = {"measured_speedup": round(early.tok_s / full.tok_s, 3),
+             "watched_speedup": round(watched.tok_s / full.tok_s, 3),
+             "measured_net_saving": round(1 - full.tok_s / watched.tok_s, 4),
+             "watched_shadow_tokens": sum(r.shadow is not None for r in watched.records)}
+    if fit_cost is None:
+        return found
+    model = fit_cost(**cost_groups(full.records + early.records + watched.records),
+                     num_layers=num_layers)
+    if model is None:
+        return found
+    served = [r for r in watched.records if r.exit_checks is not None]
+    spent = sum(model.token_us(r.exit_layer, r.exit_checks) for r in served)
+    baseline = model.full_depth_us * len(served)
+    shadow = [r for r in served if r.shadow is not None]
+    found.update({
+        "cost_model": {key: round(value, 2) if isinstance(value, float) else value
+                       for key, value in model.as_dict().items()},
+        "model_net_saving": round(1 - spent / baseline, 4),
+        "model_net_saved_us_per_token": round((baseline - spent) / len(served), 1),
+        "check_cost_share": round(model.check_us * sum(r.exit_checks for r in served)
+                                  / baseline, 4),
+        "shadow_tokens_measured_us": round(float(np.mean([r.latency_us for r in shadow])), 1)
+        if shadow else None})
+    return found
+
+
+def print_savings(found: dict, shadow_rate: float) -> None:
+    """The cost model and the net saving, in words; a loss is reported as a loss."""
+    print(f"\nwhat early exit saves on this machine (same prompts, batch 1, "
+          f"{WATCHED_TARGET:.0%} target):")
+    print(f"  measured speed-up against full depth: {found['measured_speedup']:.3f}x; with "
+          f"{shadow_rate:.0%} shadow tokens {found['watched_speedup']:.3f}x")
+    model = found.get("cost_model")
+    if model is None:
+        print("  cost model: not fitted (bench/runtime.py fits it; too few timed tokens or "
+              "depths leave it unidentified)")
+        net = found["measured_net_saving"]
+    else:
+        print(f"  cost model ({model['tokens']} timed tokens): {model['overhead_us'] / 1e3:.2f} "
+              f"ms overhead + {model['layer_us'] / 1e3:.3f} ms per layer + "
+              f"{model['check_us'] / 1e3:.3f} ms per exit check; full depth "
+              f"{model['full_depth_us'] / 1e3:.2f} ms per token")
+        if found["shadow_tokens_measured_us"] is not None:
+            print(f"  a shadow token measured {found['shadow_tokens_measured_us'] / 1e3:.2f} ms "
+                  f"(it labels every exit point)")
+        net = found["model_net_saving"]
+        print(f"  net saving after checks ({found['check_cost_share']:.1%} of full depth) and "
+              f"shadow tokens: {net:+.1%} ({found['model_net_saved_us_per_token'] / 1e3:+.2f} ms"
+              f" per token); measured {found['measured_net_saving']:+.1%}")
+    if net <= 0:
+        print("  early exit does not pay on this machine at this target")
+
+
+def main(argv: list[str] | None = None, *, fit_cost=None) -> int:
+    """The benchmark; `fit_cost` fits the cost model from token records (the control plane's
+    `fit_cost_model`: the runtime does not import the control plane, bench/runtime.py does)."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     load_at_start = os.getloadavg()[0]  # other work on a shared machine skews every figure
@@ -372,11 +458,16 @@ def main(argv: list[str] | None = None) -> int:
                           "mean_exit_layer": statistics.mean(r.exit_layer for r in t.records),
                           "histogram": histogram(t.records)})
     print_curves(variants)
-    best = max(variants, key=lambda v: v["curve"][0.01]["speedup"])
-    point = best["curve"][0.01]
+    best = max(variants, key=lambda v: v["curve"][WATCHED_TARGET]["speedup"])
+    point = best["curve"][WATCHED_TARGET]
     batch = batch_runs(best, args, eval_ids)
     costs = check_costs(best["model"], best["heads"])
     print_main_table(summary, best, point, batch, costs)
+    found = savings(tallies.get(f"{best['mode']}:full", full),
+                    tallies[f"{best['mode']}:{WATCHED_TARGET}"],
+                    tallies[f"{best['mode']}:watched"], fit_cost, num_layers)
+    print_savings(found, args.shadow_rate)
+    summary.update(savings=found, shadow_rate=args.shadow_rate)
     summary.update({
         "heads_mode": best["mode"], "heads_digest": best["heads"].digest,
         "served_full_tok_s": round(best["full_tok_s"], 2),

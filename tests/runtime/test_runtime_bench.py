@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from exitplane.wire import ShadowPoint, Signal, TokenRecord
 from runtime.benchmark import calibrate, free_running, oracle_bound, simulate
 
@@ -61,3 +63,51 @@ def test_oracle_bound_exits_each_token_at_its_first_matching_exit():
     # layer 2 ranks 0.9 (match), 0.8 (miss): only the top token is at 99% precision;
     # layer 4 ranks 0.9 (match), 0.8 (miss) as well.
     assert bound["coverage_at_99_precision"] == {"2": 0.25, "4": 0.25}
+
+
+def timed_record(i: int, depth: int, checks: int | None, *, shadow: bool = False) -> TokenRecord:
+    """A token of a machine where a token costs 1 ms + 0.1 ms per layer + 0.05 ms per check."""
+    points = [ShadowPoint(layer=k, signal=0.5, matched=True) for k in (12, 24)] if shadow else None
+    return TokenRecord(threshold_version=1, request_id="r", position=i, exit_layer=depth,
+                       signal_value=None, latency_us=1000 + 100 * depth + 50 * (checks or 0),
+                       ts=1.0, exit_checks=checks, shadow=points)
+
+
+def tally(records: list[TokenRecord]):
+    from runtime.benchmark import Tally
+
+    found = Tally()
+    found.add([[0] * len(records)], records, sum(r.latency_us for r in records) / 1e6)
+    return found
+
+
+def test_cost_groups_sum_each_depth_and_check_count_and_skip_untimed_tokens():
+    from runtime.benchmark import cost_groups
+
+    records = [timed_record(0, 12, 1), timed_record(1, 12, 1), timed_record(2, 30, 2),
+               timed_record(3, 30, None)]
+    assert cost_groups(records) == {"depths": [12, 30], "checks": [2, 2],
+                                    "latency_us": [2 * 2250, 4100], "tokens": [2, 1]}
+
+
+def test_savings_report_the_fitted_model_and_a_loss_as_a_loss():
+    from controlplane.stats.cost_model import fit_cost_model
+    from runtime.benchmark import savings
+
+    full = tally([timed_record(i, 30, 0) for i in range(60)])
+    early = tally([timed_record(i, 12 if i % 2 else 30, 1 if i % 2 else 2) for i in range(60)])
+    found = savings(full, early, early, fit_cost_model, num_layers=30)
+    model = found["cost_model"]
+    assert model["overhead_us"] == pytest.approx(1000, abs=1)
+    assert model["layer_us"] == pytest.approx(100, abs=0.1)
+    assert model["check_us"] == pytest.approx(50, abs=0.5)
+    # half the tokens save 18 layers (1,800 us) for one check, the rest pay two checks
+    expected = (1800 - 50 - 100) / 2 / 4000
+    assert found["model_net_saving"] == pytest.approx(expected, abs=1e-3)
+    assert found["measured_speedup"] == pytest.approx(4000 / (4000 - expected * 4000), rel=1e-3)
+    # every token shadowed: full depth plus two checks each, a net loss
+    watched = tally([timed_record(i, 30, 2, shadow=True) for i in range(60)])
+    lost = savings(full, early, watched, fit_cost_model, num_layers=30)
+    assert lost["model_net_saving"] < 0 and lost["measured_net_saving"] < 0
+    assert lost["watched_shadow_tokens"] == 60
+    assert lost["shadow_tokens_measured_us"] == pytest.approx(4100)
