@@ -19,7 +19,8 @@ from starlette.datastructures import QueryParams
 
 from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
-from controlplane.deployments.models import Deployment
+from controlplane.deployments.models import Deployment, ThresholdSet
+from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.segments import known_segments
 from controlplane.errors import DomainError, Invalid
 from controlplane.flows.what_if import what_if
@@ -50,10 +51,12 @@ class WhatIfForm:
     runtimes: list[str] = field(default_factory=list)
 
 
-def _initial_form(deployment: Deployment, active_version: int, active: dict[int, float]
-                  ) -> WhatIfForm:
-    return WhatIfForm(version=active_version,
-                      thresholds={layer: f"{value:g}" for layer, value in active.items()},
+def _initial_form(deployment: Deployment, active_version: int, active: ThresholdSet,
+                  segment: str) -> WhatIfForm:
+    """The active version's thresholds (those `segment` applies) and the deployment's δ, ε."""
+    applied = thresholds_for(active, segment or DEFAULT_SEGMENT)
+    return WhatIfForm(version=active_version, segment=segment,
+                      thresholds={layer: f"{value:g}" for layer, value in applied.items()},
                       delta=f"{deployment.delta:g}", epsilon=f"{deployment.epsilon:g}")
 
 
@@ -114,11 +117,11 @@ def _publish_maps(active, evaluated: dict[int, float], segment: str
 
 def _page(request: Request, session: Session, deployment: Deployment, *,
           typed: WhatIfForm | None = None, result=None, error: str | None = None,
-          status_code: int = 200) -> Response:
+          status_code: int = 200, segment: str = "") -> Response:
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     active = thresholds.get_threshold_set(session=session, deployment=deployment,
                                           version=aliases["active"])
-    form = typed or _initial_form(deployment, aliases["active"], active.thresholds_by_layer())
+    form = typed or _initial_form(deployment, aliases["active"], active, segment)
     panel = curve_panel(session=session, deployment=deployment, segment=form.segment or None,
                         interval_s=request.app.state.settings.operating_curve_interval_s)
     context: dict = {}
@@ -162,7 +165,7 @@ def what_if_page(name: str, request: Request, session: SessionDep, _user: Operat
     deployment = thresholds.get_deployment(session=session, name=name)
     query = request.query_params
     if "run" not in query:
-        return _page(request, session, deployment)
+        return _page(request, session, deployment, segment=query.get("segment", ""))
     typed = _typed(query, deployment)
     try:
         result = _run(session, deployment, typed)

@@ -133,3 +133,38 @@ def test_publishing_needs_the_forms_csrf_token(as_role, engine, seeded):
     with Session(engine) as session:
         deployment = thresholds.get_deployment(session=session, name="chat")
         assert len(thresholds.list_threshold_sets(session=session, deployment=deployment)) == 4
+
+
+def test_a_segments_set_is_published_as_that_segments_map(as_role, engine, seeded):
+    """Evaluated on one segment, the set replaces that segment's map; the default map and the
+    other segments' maps stay the active version's."""
+    from tests.support.dashboards import add_segment_traffic
+
+    add_segment_traffic(engine)  # v5 active: default {0.9, 0.85, 0.7}, code its own map
+    client = as_role("operator")
+    code = client.get(PAGE, params={"segment": "code"}).text  # the curve panel's link
+    assert 'name="layer_6" inputmode="decimal" autocomplete="off" value="0.97"' in code
+    assert '<option value="code" selected>' in code
+    html = _evaluate(client, segment="chat", layer_3="0.6").text
+    assert 'id="what-if-empty"' in html  # these segments carry rollups, no shadow tokens
+    fields = _publish_form(html)
+    published = client.post("/ui/deployments/chat/versions",
+                            data={**fields, "reason": "chat exits earlier"})
+    assert "Version 6 published (not active)." in published.text
+    with Session(engine) as session:
+        deployment = thresholds.get_deployment(session=session, name="chat")
+        created = thresholds.get_threshold_set(session=session, deployment=deployment,
+                                               version=6)
+    assert created.thresholds_by_layer() == {3: 0.9, 6: 0.85, 9: 0.7}
+    assert created.segments_by_layer() == {"chat": {3: 0.6, 6: 0.85, 9: 0.7},
+                                           "code": {3: 1.0, 6: 0.97, 9: 0.95}}
+
+
+def test_what_calibration_would_choose_at_another_delta(as_role, calibrated):
+    """A looser δ lets calibration choose a faster set; the point sits further right."""
+    client = as_role("operator")
+    strict = _evaluate(client, base="calibration", delta="0.01", epsilon="0.05")
+    loose = _evaluate(client, base="calibration", delta="0.1", epsilon="0.05")
+    assert strict.status_code == loose.status_code == 200, strict.text
+    assert "what calibration would choose at δ 0.1, ε 0.05" in loose.text
+    assert _point(loose.text)[0] > _point(strict.text)[0]
