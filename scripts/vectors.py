@@ -139,6 +139,21 @@ def payloads() -> dict:
         batch_id="3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f", deployment="tiny", runtime_id="rt-1",
         seq=45, num_layers=6, raw_sample_rate=0.33, cells=segmented_aggregate["cells"],
         records=RecordColumns.of(carried)).model_dump(mode="json")
+    # Timed tokens: each record's exit checks (one per exit layer at or below its exit) and a
+    # wall time that follows them; the cells of those tokens carry their summed costs.
+    timed_records = _records(12, seed=16)
+    for record in timed_records:
+        record["exit_checks"] = sum(layer <= record["exit_layer"] for layer in (2, 4))
+        record["latency_us"] = 120 + 40 * record["exit_layer"] + 15 * record["exit_checks"]
+    timed_batch = {**batch, "batch_id": "b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6", "seq": 46,
+                   "records": timed_records}
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for record in timed_records:
+        aggregator.add(TokenRecord.model_validate(record))
+    timed_aggregate = AggregateBatch(
+        batch_id="c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7", deployment="tiny", runtime_id="rt-1",
+        seq=47, num_layers=6, raw_sample_rate=0.01, cells=aggregator.cut()
+    ).model_dump(mode="json")
     threshold_set = ThresholdSetWire.build(deployment="tiny", version=3, signal="maxprob",
                                            thresholds={2: 0.9, 4: 0.75}).model_dump(mode="json")
     for_heads = ThresholdSetWire.build(deployment="tiny", version=4, signal="learned",
@@ -216,6 +231,18 @@ def payloads() -> dict:
             "content_type": "application/vnd.exitplane.interval+json", "payload": interval,
             "msgpack_content_type": "application/vnd.exitplane.interval+msgpack",
             "msgpack_hex": msgpack.packb(interval, use_bin_type=True).hex()},
+        "timed_record_batch": {
+            "note": "timed tokens: each record's `exit_checks` beside its `latency_us` (a "
+                    "record without `exit_checks` is served, not timed)",
+            "content_type": "application/json", "payload": timed_batch,
+            "msgpack_hex": msgpack.packb(timed_batch, use_bin_type=True).hex()},
+        "timed_aggregate_batch": {
+            "note": "the exact counts of timed_record_batch's 12 tokens: each cell's "
+                    "`latency_us` and `exit_checks` are the sums over its `exits` tokens",
+            "content_type": "application/vnd.exitplane.aggregate+json",
+            "payload": timed_aggregate,
+            "msgpack_content_type": "application/vnd.exitplane.aggregate+msgpack",
+            "msgpack_hex": msgpack.packb(timed_aggregate, use_bin_type=True).hex()},
         "threshold_set": {"etag": f'"{threshold_set["checksum"]}"', "payload": threshold_set},
         "threshold_set_for_heads": {
             "note": "a set made for the exit heads `head_digest` (part of the checksum): a "

@@ -259,10 +259,11 @@ def _ticked(text: str) -> set[str]:
 
 
 MESSAGES = [  # (wire model, vector payloads, the fields the protocol writes out for it)
-    (TelemetryBatch, ["record_batch", "segmented_record_batch"],
+    (TelemetryBatch, ["record_batch", "segmented_record_batch", "timed_record_batch"],
      _braced(_section("### Record batches"), '{"batch_id"')
      | {"model_revision", "head_digest"}),
-    (AggregateBatch, ["aggregate_batch", "segmented_aggregate_batch"],
+    (AggregateBatch, ["aggregate_batch", "segmented_aggregate_batch",
+                      "timed_aggregate_batch"],
      _braced(_section("### Aggregates"), '{"batch_id"') | {"model_revision", "head_digest"}),
     (IntervalBatch, ["interval_batch"],
      (_braced(_section("### Interval batches"), '{"batch_id"')  # columns: a test below
@@ -305,7 +306,7 @@ def test_the_protocol_names_every_field_of_a_record_a_cell_a_point_and_a_heartbe
 
 
 def _vector_records():
-    for name in ("record_batch", "segmented_record_batch"):
+    for name in ("record_batch", "segmented_record_batch", "timed_record_batch"):
         payload = PAYLOADS[name]["payload"]
         for record in payload["records"]:
             yield payload["num_layers"], record
@@ -317,7 +318,8 @@ def _vector_records():
 def test_vector_records_follow_the_protocol_on_shadow_tokens():
     shadows = 0
     for num_layers, record in _vector_records():
-        assert set(TokenRecord.model_fields) - {"segment"} <= set(record)  # signal_value too
+        # signal_value too; segment and exit_checks are left off when default / not reported
+        assert set(TokenRecord.model_fields) - {"segment", "exit_checks"} <= set(record)
         if not record.get("shadow"):
             continue
         shadows += 1
