@@ -8,14 +8,16 @@ Needs (`needs_for`), each within its window:
   approximation to its binomial test, times the design effect; at least `min_shadow_tokens`);
 - calibration: `calibration_min_samples` per exit layer (every shadow token labels every exit
   layer) over the calibration lookback;
-- while the deployment is in trouble (a drift alert firing, or a fallback set active): the
-  quality test's tokens over its *shortest* window, so a regression is confirmed (or cleared)
-  at the first looks;
+- while the deployment is in trouble (a drift alert firing, a fallback set active, or the
+  shadow tokens of the last `SCREEN_S` seconds already suggesting a disagreement above δ at
+  the lenient `SCREEN_ALPHA`, before the quality test can say so): the quality test's tokens
+  over its *shortest* window, so a regression is confirmed (or cleared) at the first looks;
 - an open canary: `canary_min_shadow_tokens` per canary window from the canary's fraction of
   the traffic.
 
-Served traffic is read from the rollups (tokens checked at the first exit layer over the recent
-window): one small aggregate per deployment, in the workers, never at request time.
+Served traffic and the screen's shadow counts are read from the rollups (tokens checked at the
+first exit layer over the recent window; shadow tokens and the policy's disagreements of the
+last minutes): small aggregates per deployment, in the workers, never at request time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from datetime import timedelta
 from statistics import NormalDist
 
+from scipy.stats import binom
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -45,6 +48,24 @@ from exitplane.wire import Origin
 DRIFT_KINDS = tuple(str(kind.value) for kind in (QUALITY_REGRESSION, EXIT_RATE_SPIKE,
                                                  EXIT_RATE_COLLAPSE, DISTRIBUTION_DRIFT))
 POWER = 0.8  # of the quality test against a disagreement of twice δ
+# The screen that raises the rate at the first sign of a regression: the last SCREEN_S seconds
+# of shadow tokens, tested one-sided against δ at SCREEN_ALPHA (lenient: it pages nobody, it
+# only buys the quality test its tokens sooner).
+SCREEN_S = 60.0
+SCREEN_ALPHA = 0.01
+
+
+def screen(*, shadow_tokens: int, disagreements: int, delta: float,
+           alpha: float = SCREEN_ALPHA) -> str | None:
+    """Why the recent shadow tokens suggest a disagreement above δ (binomial, one-sided), or
+    None when they do not."""
+    if shadow_tokens <= 0 or disagreements <= delta * shadow_tokens:
+        return None
+    p_value = float(binom.sf(disagreements - 1, shadow_tokens, delta))
+    if p_value >= alpha:
+        return None
+    return (f"the last shadow tokens disagree {disagreements}/{shadow_tokens} above "
+            f"δ={delta:g} (p={p_value:.2g})")
 
 
 def quality_tokens(*, delta: float, alpha: float, design_effect: float = 1.0,
@@ -88,10 +109,24 @@ def tokens_per_s(*, session: Session, deployment: Deployment, window_s: float) -
     return float(total or 0) / window_s
 
 
+def recent_disagreement(*, session: Session, deployment: Deployment, window_s: float
+                        ) -> tuple[int, int]:
+    """(shadow tokens, their disagreements under the policy) over the last `window_s` seconds
+    of rollups (whole minutes): every shadow token is labelled at the first exit layer and
+    disagrees at most at one layer."""
+    since = utcnow() - timedelta(seconds=window_s)
+    first = min(deployment.exit_layers)
+    row = session.execute(select(
+        func.coalesce(func.sum(Rollup.shadow_total).filter(Rollup.layer == first), 0),
+        func.coalesce(func.sum(Rollup.policy_mismatches), 0)).where(
+        Rollup.deployment_id == deployment.id, Rollup.minute >= since)).one()
+    return int(row[0]), int(row[1])
+
+
 def trouble_of(*, session: Session, deployment: Deployment, active: ThresholdSet | None
                ) -> str | None:
-    """Why the quality test must decide fast: a firing drift alert, or a fallback set
-    active; None when the deployment is stable."""
+    """Why the quality test must decide fast: a firing drift alert, a fallback set active, or
+    the screen (module docstring); None when the deployment is stable."""
     kind = session.scalar(select(Alert.kind).where(
         Alert.deployment_id == deployment.id, Alert.status == "firing",
         Alert.kind.in_(DRIFT_KINDS)).order_by(Alert.id.desc()).limit(1))
@@ -99,7 +134,9 @@ def trouble_of(*, session: Session, deployment: Deployment, active: ThresholdSet
         return f"a {kind} alert is firing"
     if active is not None and active.origin == Origin.fallback.value:
         return f"a fallback set (v{active.version}) is active"
-    return None
+    shadow, disagreements = recent_disagreement(session=session, deployment=deployment,
+                                                window_s=SCREEN_S)
+    return screen(shadow_tokens=shadow, disagreements=disagreements, delta=deployment.delta)
 
 
 def decide_for(*, session: Session, deployment: Deployment, options: DriftOptions,

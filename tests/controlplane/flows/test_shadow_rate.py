@@ -13,7 +13,7 @@ from controlplane.calibration.service import CalibrationPolicy
 from controlplane.db import utcnow
 from controlplane.deployments.service import move_alias, publish
 from controlplane.drift.window_checks import DriftOptions
-from controlplane.flows.shadow_rate import decide_for, quality_tokens, tokens_per_s
+from controlplane.flows.shadow_rate import decide_for, quality_tokens, screen, tokens_per_s
 from controlplane.settings import Settings
 from tests.support.alerts import THRESHOLDS, Phase, make_deployment, send_traffic
 
@@ -95,3 +95,11 @@ def test_the_bounds_hold_and_an_unchanged_rate_is_not_announced(session, chat):
     chat.shadow_rate_min = chat.shadow_rate_max = 0.3
     assert _decide(session, chat).rate == 0.3
     assert ("config", "chat") in session.info["notify_after_commit"]
+
+
+def test_the_screen_raises_the_rate_on_recent_disagreement_before_any_alert():
+    assert screen(shadow_tokens=600, disagreements=3, delta=0.01) is None  # below δ
+    assert screen(shadow_tokens=600, disagreements=8, delta=0.01) is None  # within chance
+    assert screen(shadow_tokens=0, disagreements=0, delta=0.01) is None
+    found = screen(shadow_tokens=600, disagreements=18, delta=0.01)
+    assert found is not None and found.startswith("the last shadow tokens disagree 18/600")
