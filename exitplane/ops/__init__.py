@@ -11,7 +11,8 @@ def register(main: click.Group) -> None:
     from exitplane.ops.curve import deployments_curve, versions_what_if  # noqa: F401 (registers)
     from exitplane.ops.deployments import canary, deployments, rollback, segments, versions
     from exitplane.ops.operations import alerts, calibrations, runtimes, tokens
+    from exitplane.ops.savings import savings
 
     for command in (deployments, versions, rollback, canary, segments, calibrations, alerts,
-                    runtimes, tokens):
+                    runtimes, tokens, savings):
         main.add_command(command)

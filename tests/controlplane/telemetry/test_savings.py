@@ -3,6 +3,7 @@ aggregate and interval batches once per batch id; the cost model fitted from the
 the runtimes' wall times follow; the net saving is full-depth time minus what was spent, a loss
 reported as one; batches without costs count as served, not timed."""
 
+import json
 import random
 import uuid
 
@@ -235,3 +236,31 @@ def test_one_depth_leaves_the_time_per_layer_unidentified(client, tokens, engine
     assert report["cost_model"] is None and "one depth" in report["cost_model_reason"]
     assert report["layers_saved"] == 80 * (FULL - 6)
     assert checks_at(6) == 2
+
+
+def test_cli_savings_over_the_api(client, tokens, engine, live_server, tmp_path):
+    from click.testing import CliRunner
+
+    from exitplane.cli import main
+
+    headers = deploy_for_telemetry(client, tokens, engine)
+    records = timed_records(random.Random(13), 150, COST)
+    assert post_telemetry(client, headers, telemetry_batch(records),
+                          RECORDS_MSGPACK).status_code == 202
+    token_file = tmp_path / "token"
+    token_file.write_text(tokens.operator)
+    connection = ["--url", live_server.url, "--token-file", str(token_file)]
+    run = CliRunner().invoke(main, ["savings", "chat", "--window", "2h", "-o", "json",
+                                    *connection])
+    assert run.exit_code == 0, run.output
+    found = json.loads(run.stdout)
+    assert found["tokens"] == 150
+    assert found["time"]["net_saved_s"] == pytest.approx(
+        expected_savings(records, COST)["net_saved_s"], rel=1e-9)
+    people = CliRunner().invoke(main, ["savings", "chat", *connection])
+    assert people.exit_code == 0, people.output
+    assert "net saved" in people.stdout and "us/layer" in people.stdout
+    fleet = CliRunner().invoke(main, ["savings", *connection])
+    assert fleet.exit_code == 0 and "(fleet)" in fleet.stdout
+    refused = CliRunner().invoke(main, ["savings", "chat", "--segment", "nope", *connection])
+    assert refused.exit_code != 0 and "nope" in refused.output
