@@ -10,10 +10,13 @@ row (`latest_curve`), never compute it.
 Opportunity (`check_opportunity`): when the curve's best certified set saves at least
 `opportunity_min_gain` more net time than the active set, beyond sampling noise
 (`calibration.curve.Opportunity`), an `opportunity` finding fires (info, never pages) and a
-recalibration is queued (trigger "opportunity") over the curve's window, which then goes
-through the deployment's promotion policy and bounds like any other. One opportunity queues one
-job: none while a job of the scope is open, nor within `opportunity_cooldown_s` of the last
-opportunity job. The finding resolves once a curve no longer shows the gap.
+recalibration is queued (trigger "opportunity"), which then goes through the deployment's
+promotion policy and bounds like any other. Its window starts where the last curve without an
+opportunity was drawn (the traffic changed since; the job waits for samples while the window
+grows), so that it calibrates on the new traffic, not on a mixture with the old. One
+opportunity queues one job: none while a job of the scope is open, nor within
+`opportunity_cooldown_s` of the last opportunity job. The finding resolves once a curve no
+longer shows the gap.
 
 Schedule (`retune_if_due`): a deployment with `retune_every_s` gets a recalibration (trigger
 "schedule") when its last whole-deployment job is older than that.
@@ -229,6 +232,15 @@ def retune_if_due(*, session: Session, deployment: Deployment, now: datetime | N
     return job if created else None
 
 
+def _changed_since(before, row: OperatingCurve) -> datetime:
+    """Where an opportunity's recalibration window starts: after the last curve that showed
+    none (the traffic changed since; the job then waits for samples as the window grows), else
+    where this curve's window starts."""
+    if before is None or (before.opportunity or {}).get("qualifies"):
+        return row.window_since
+    return max(before.computed_at, row.window_since)
+
+
 def refresh_deployment(*, session: Session, deployment: Deployment,
                        now: datetime | None = None, settings=None, seed: int = 0) -> dict:
     """One pass for one deployment: each segment's curve drawn and stored, its opportunity
@@ -238,10 +250,13 @@ def refresh_deployment(*, session: Session, deployment: Deployment,
     done: dict = {"deployment": deployment.name, "segments": {}}
     for segment in [DEFAULT_SEGMENT, *known_segments(session=session,
                                                      deployment_id=deployment.id)]:
+        before = session.execute(select(OperatingCurve.computed_at, OperatingCurve.opportunity)
+                                 .where(OperatingCurve.deployment_id == deployment.id,
+                                        OperatingCurve.segment == segment)).one_or_none()
         row, curve = draw_curve(session=session, deployment=deployment, segment=segment,
                                 now=now, settings=settings, seed=seed)
         job = check_opportunity(session=session, deployment=deployment, segment=segment,
-                                curve=curve, since=row.window_since, now=now,
+                                curve=curve, since=_changed_since(before, row), now=now,
                                 settings=settings)
         done["segments"][segment] = {"points": len(row.points),
                                      "opportunity": None if job is None else job.id}

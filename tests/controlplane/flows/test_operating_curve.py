@@ -195,3 +195,20 @@ def test_a_schedule_queues_a_recalibration_when_due(engine, db_url, outbox):
         unscheduled = get_deployment(session=session, name="unscheduled")
         assert refresh_deployment(session=session, deployment=unscheduled,
                                   settings=settings)["scheduled"] is None
+
+
+def test_an_opportunity_recalibrates_on_the_traffic_since_the_last_curve_without_one(
+        engine, db_url, outbox):
+    hard, matched = separable_samples(3000, seed=2, mismatch_below=0.9, noise=0.02)
+    with session_scope(engine) as session:
+        make_deployment(session)
+    _activate(engine, _certified_on(hard, matched, seed=2))
+    _traffic(engine, 3000, seed=5, mismatch_below=0.9, minutes_ago=40)
+    settings = _settings(db_url, operating_curve_window_s=3 * 3600)
+    first = utcnow() - timedelta(minutes=25)
+    assert _refresh(engine, settings, now=first)["segments"]["default"]["opportunity"] is None
+    _traffic(engine, 6000, seed=6, mismatch_below=0.3, minutes_ago=20)
+    job_id = _refresh(engine, settings)["segments"]["default"]["opportunity"]
+    assert job_id is not None
+    with Session(engine) as session:
+        assert session.get(CalibrationJob, job_id).since == first
