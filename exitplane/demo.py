@@ -6,7 +6,9 @@ and talks to it over HTTP exactly as a deployed runtime would: it pulls threshol
 telemetry. The story, in five phases:
 
 1. calibrate: chat traffic, all shadow, until a calibration certifies a first version;
-2. serve chat with it (early exit);
+2. serve chat with it (early exit), then check the speed: the same chat prompts at full depth,
+   with the version, and with it plus shadow tokens (`demo_speed`: whether early exit pays
+   on this machine, after its checks and shadow tokens);
 3. drift: the traffic switches to Python code; the workers detect it, make the conservative set
    active on their own and queue a recalibration on the new traffic;
 4. recalibrate: code traffic, all shadow, until the recalibrated version is active;
@@ -40,6 +42,7 @@ from pathlib import Path
 import click
 import httpx
 
+from exitplane.demo_speed import SpeedCheck, echo_speed, held_out_chat, speed_check
 from exitplane.ops.api import write_token_file
 
 # Domain B: raw Python source to continue (the model completes code, no chat template).
@@ -49,8 +52,9 @@ CODE_FILES = ("textwrap.py", "fractions.py", "heapq.py", "bisect.py", "statistic
 
 # The exit heads the demo serves, shipped with the package and pinned by digest. They were made
 # by the project's own training command, on the default model (docs/getting-started/demo.md),
-# from the model's answers to the chat prompts the demo serves: Python source is a new domain to
-# them, which is the shift the story shows.
+# from the model's answers to chat prompts (runtime.corpus.TRAIN_PROMPTS); the demo serves
+# other, held-out chat prompts, and Python source is a new domain to them, which is the shift
+# the story shows.
 DEMO_HEADS = Path(__file__).with_name("data") / "demo-heads.safetensors"
 DEMO_HEADS_SHA256 = "5569647bdf590c0f771a5fbb184aaadf08fde28a47d5509c53f010c2c2b81ce2"
 DEMO_HEADS_COMMAND = (
@@ -477,6 +481,7 @@ class Runtime:
         from runtime.engine import Engine, EngineConfig
         from runtime.model import model_revision
 
+        self.model = model
         self.engine = Engine(model, heads=heads, runtime_id="demo-runtime-1",
                              config=EngineConfig(max_batch=8, shadow_rate=shadow_rate),
                              model_revision=model_revision(None))
@@ -609,11 +614,13 @@ class _DefaultStory:
                  evidence: Evidence, progress: Progress) -> None:
         self.api, self.runtime, self.timeline = api, runtime, timeline
         self.delta, self.epsilon, self.evidence, self.progress = delta, epsilon, evidence, progress
-        # The chat traffic the heads were trained for (a deployment trains its heads on its own
-        # traffic); Python source is new to them.
+        # Chat traffic of the kind the heads were trained for, on prompts their training never
+        # saw (as a deployment's live traffic is); Python source is new to them.
         trained = int(runtime.engine.heads.metadata["config"]["generation_prompts"])
-        self.chat = [corpus.chat_prompt_ids(tokenizer, p)
-                     for p in corpus.TRAIN_PROMPTS[:trained]]
+        self.chat_prompts = held_out_chat(corpus, trained)
+        self.chat = [corpus.chat_prompt_ids(tokenizer, p) for p in self.chat_prompts]
+        self.tokenizer, self.corpus, self.quick = tokenizer, corpus, quick
+        self.speed: SpeedCheck | None = None
         self.code = _code_prompts(tokenizer, 64)
         self.streams = {"chat": _cycle(self.chat), "code": _cycle(self.code)}
         self.new_tokens = 48 if quick else 64
@@ -865,6 +872,21 @@ class _DefaultStory:
                                f"job {created.json()['job']['id']} requested on "
                                f"{stats.shadow} shadow tokens")
 
+    def check_speed(self, version: int) -> None:
+        """The same chat prompts at full depth, with `version`, and with it plus the serving
+        phase's shadow tokens (`demo_speed.speed_check`)."""
+        self.progress.show(2, "speed check", 0, None, "tokens",
+                           "the same chat prompts at full depth and with early exit")
+        self.speed = speed_check(
+            self.runtime.model, self.runtime.engine.heads, self.tokenizer, self.corpus,
+            self.chat_prompts[:8], version=version, thresholds=self.thresholds_of(version),
+            shadow_rate=SHADOW_SERVING, new_tokens=24 if self.quick else 48,
+            rounds=1 if self.quick else 2)
+        figures = self.speed.figures
+        self.timeline.mark(f"speed check on the same chat prompts: early exit "
+                           f"{figures['measured_speedup']:.2f}x full depth, "
+                           f"{figures['watched_speedup']:.2f}x with shadow tokens")
+
     def tell(self) -> bool:
         version_a = self.calibrate_on_chat()
         if version_a is None:
@@ -881,6 +903,7 @@ class _DefaultStory:
             return False
         self.timeline.mark(f"chat phase: exit rate {chat.exit_rate:.0%}, mean exit layer "
                            f"{chat.mean_exit_layer:.1f}, {chat.tok_s:.1f} tok/s")
+        self.check_speed(version_a)
         self.timeline.mark("workload switches to Python code")
         if not self.drift(version_a) or self.failure:
             return False
@@ -909,7 +932,8 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, epsil
     click.echo(f"\nDemo time: {time.monotonic() - timeline.start:.0f} s; runtime speed "
                f"{pace.tokens_per_s:.1f} tokens/s over {pace.tokens} tokens"
                + (f" (throttled to 1/{runtime.throttle:g})" if runtime.throttle > 1 else ""))
-    ok = _report(timeline, story.phases, delta, epsilon) and told
+    ok = _report(timeline, story.phases, delta, epsilon, speed=story.speed,
+                 ui_url=f"{cp.url}/ui/deployments/demo") and told
     if serve:
         hold_ui(cp)
     return 0 if ok else 1
@@ -942,8 +966,8 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _report(timeline: Timeline, phases: list[PhaseStats], delta: float,
-            epsilon: float) -> bool:
+def _report(timeline: Timeline, phases: list[PhaseStats], delta: float, epsilon: float, *,
+            speed: SpeedCheck | None = None, ui_url: str = "/ui/deployments/demo") -> bool:
     """Print the timeline and summary; True when the loop closed: the recalibrated phase exits
     more than the fallback and its shadow tokens do not show disagreement above δ at 1-ε (a
     one-sided Clopper-Pearson lower bound, the judgement the quality test makes: on ~100
@@ -969,6 +993,7 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float,
              if recovered else 1.0)
     ok = bool(recovered and fallback and recovered.exit_rate > fallback.exit_rate
               and lower <= delta)
+    echo_speed(speed, ui_url)
     click.echo(f"\nloop closed: {'yes' if ok else 'no'} (after recalibration: exit rate "
                f"{recovered.exit_rate if recovered else 0:.1%}, disagreement "
                f"{_ratio(recovered.disagreement if recovered else None)}, lower "

@@ -1,0 +1,101 @@
+"""The demo's speed check: does early exit pay on this machine?
+
+The same held-out chat prompts run three ways on a separate engine over the demo's model and
+heads (nothing is shipped to the control plane): at full depth with no checks, with the
+calibrated version's thresholds, and with those thresholds plus the serving phase's shadow
+tokens. The measured speed-ups, the cost model fitted on the runs' own token records
+(`controlplane.stats.cost_model`) and the net saving after checks and shadow tokens go into
+the demo's summary, whatever their sign.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+
+def held_out_chat(corpus, trained_prompts: int) -> list[str]:
+    """The chat prompts the demo serves: held-out prompts, none of those the exit heads'
+    training answered (`trained_prompts`: the heads' `generation_prompts`)."""
+    trained = {_normalised(p) for p in corpus.TRAIN_PROMPTS[:trained_prompts]}
+    return [p for p in corpus.HELD_OUT_PROMPTS if _normalised(p) not in trained]
+
+
+def _normalised(text: str) -> str:
+    return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
+
+
+@dataclass
+class SpeedCheck:
+    """What the check measured (`runtime.benchmark.savings`' figures) and on what."""
+
+    prompts: int
+    new_tokens: int
+    batch: int
+    version: int
+    shadow_rate: float
+    figures: dict
+
+    def lines(self, ui_url: str) -> list[str]:
+        """The summary's lines: speed-ups, cost model, net saving, where the panel is."""
+        f = self.figures
+        lines = [f"Speed against full depth ({self.prompts} held-out chat prompts x "
+                 f"{self.new_tokens} tokens, batch {self.batch}, v{self.version}, same prompts "
+                 "each way)",
+                 f"  measured speed-up: early exit {f['measured_speedup']:.2f}x; with "
+                 f"{self.shadow_rate:.0%} shadow tokens {f['watched_speedup']:.2f}x"]
+        model = f.get("cost_model")
+        net = f["measured_net_saving"]
+        if model is None:
+            lines.append("  cost model: not identified on these tokens")
+        else:
+            net = f["model_net_saving"]
+            lines.append(f"  cost model ({model['tokens']} timed tokens): "
+                         f"{model['overhead_us'] / 1e3:.2f} ms + {model['layer_us'] / 1e3:.2f} ms"
+                         f" per layer + {model['check_us'] / 1e3:.3f} ms per exit check; full "
+                         f"depth {model['full_depth_us'] / 1e3:.1f} ms a token")
+        verdict = ("early exit pays on this machine" if net > 0
+                   else "early exit does not pay on this machine")
+        lines.append(f"  net saving after checks and shadow tokens: {net:+.1%} (measured "
+                     f"{f['measured_net_saving']:+.1%}): {verdict}")
+        lines.append(f"  savings panel: {ui_url} (the API: GET /v1/deployments/demo/savings)")
+        return lines
+
+
+def speed_check(model, heads, tokenizer, corpus, prompts: list[str], *, version: int,
+                thresholds: dict[int, float], shadow_rate: float, new_tokens: int,
+                rounds: int = 1, batch: int = 8) -> SpeedCheck:
+    """Run `prompts` at full depth, with `thresholds`, and with them plus `shadow_rate`
+    shadow tokens, alternated `rounds` times so load on the machine hits each alike."""
+    from controlplane.stats.cost_model import fit_cost_model
+    from exitplane.wire import Signal
+    from runtime.benchmark import Tally, run_engine, savings
+    from runtime.engine import ExitPolicy
+
+    ids = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts]
+    layers = list(heads.exit_layers)
+    early = ExitPolicy(version=version, signal=Signal.learned,
+                       thresholds={k: thresholds.get(k, 1.0) for k in layers})
+    configs = {"full": {"policy": ExitPolicy.never_exit(layers, Signal.learned)},
+               "early": {"policy": early},
+               "watched": {"policy": early, "shadow_rate": shadow_rate}}
+    tallies = {name: Tally() for name in configs}
+    for _ in range(rounds):
+        for name, options in configs.items():
+            tallies[name].add(*run_engine(model, heads, ids, new_tokens, batch=batch,
+                                          **options))
+    figures = savings(tallies["full"], tallies["early"], tallies["watched"], fit_cost_model,
+                      model.config.num_hidden_layers)
+    return SpeedCheck(prompts=len(ids), new_tokens=new_tokens, batch=batch, version=version,
+                      shadow_rate=shadow_rate, figures=figures)
+
+
+def echo_speed(check: SpeedCheck | None, ui_url: str) -> None:
+    """Print the check's lines (or why there are none)."""
+    click.echo("")
+    if check is None:
+        click.echo("Speed against full depth: not measured (the story stopped before it)")
+        return
+    for line in check.lines(ui_url):
+        click.echo(line)
