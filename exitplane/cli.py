@@ -149,8 +149,13 @@ def deployment() -> None:
               help="max disagreement with the full model")
 @click.option("--epsilon", type=float, default=0.05, show_default=True,
               help="1 - confidence of the disagreement bound")
+@click.option("--shadow-rate-min", type=float, default=0.01, show_default=True,
+              help="the lowest shadow rate the control plane may ask runtimes for")
+@click.option("--shadow-rate-max", type=float, default=0.2, show_default=True,
+              help="the highest shadow rate it may ask for (equal to the minimum: fixed)")
 def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: str | None,
-                      signal: str, delta: float, epsilon: float) -> None:
+                      signal: str, delta: float, epsilon: float, shadow_rate_min: float,
+                      shadow_rate_max: float) -> None:
     """Create the deployment if it is missing; a re-run with the same settings is a no-op."""
     from pydantic import ValidationError
 
@@ -162,11 +167,14 @@ def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: s
     try:
         layers = [int(x) for x in exit_layers.split(",")] if exit_layers else None
         spec = DeploymentCreate(name=name, model_ref=model_ref, num_layers=num_layers,
-                                exit_layers=layers, signal=signal, delta=delta, epsilon=epsilon)
+                                exit_layers=layers, signal=signal, delta=delta, epsilon=epsilon,
+                                shadow_rate_min=shadow_rate_min,
+                                shadow_rate_max=shadow_rate_max)
     except (ValueError, ValidationError) as error:
         _fail(f"invalid deployment settings: {error}".splitlines()[0])
     wanted = spec.model_dump(include={"model_ref", "num_layers", "exit_layers", "signal",
-                                      "delta", "epsilon"})
+                                      "delta", "epsilon", "shadow_rate_min",
+                                      "shadow_rate_max"})
     try:
         with session_scope() as session:
             try:

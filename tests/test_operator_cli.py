@@ -312,6 +312,23 @@ def test_segments_declare_list_remove(plane):
     plane.run("segments", "declare", "chat", "Not A Name", code=1)
 
 
+def test_deployments_shadow_rate_shows_and_bounds_the_rate(plane):
+    shown = plane.json("deployments", "shadow-rate", "chat")
+    assert (shown["shadow_rate_min"], shown["shadow_rate_max"]) == (0.01, 0.2)
+    fixed = plane.json("deployments", "shadow-rate", "chat", "--fixed", "0.05")
+    assert (fixed["shadow_rate"], fixed["shadow_rate_reason"]) == (
+        0.05, "fixed by the operator at 0.05")
+    opened = plane.json("deployments", "shadow-rate", "chat", "--min", "0.01", "--max", "0.2")
+    assert (opened["shadow_rate_min"], opened["shadow_rate_max"], opened["shadow_rate"]) == (
+        0.01, 0.2, 0.05)  # within the new bounds: kept until the workers decide again
+    text = plane.run("deployments", "shadow-rate", "chat").stdout
+    assert "fixed by the operator at 0.05" in text
+    refused = plane.run("deployments", "shadow-rate", "chat", "--min", "0.5", "--max", "0.1",
+                        code=1)
+    assert "must not exceed" in refused.stderr
+    plane.run("deployments", "shadow-rate", "chat", "--fixed", "0.1", "--min", "0.1", code=2)
+
+
 def test_failures_are_one_line_with_their_exit_status(plane, tmp_path):
     closed = free_port()
     down = plane.run("deployments", "list", "--url", f"http://127.0.0.1:{closed}", code=2,

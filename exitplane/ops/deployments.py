@@ -54,6 +54,32 @@ def deployments_show(api: ControlPlane, name: str) -> None:
     emit(api.output, found, lambda: record(found, fields))
 
 
+SHADOW_FIELDS = [("deployment", "name"), ("shadow rate", "shadow_rate"),
+                 ("why", "shadow_rate_reason"), ("decided at", "shadow_rate_decided_at"),
+                 ("minimum", "shadow_rate_min"), ("maximum", "shadow_rate_max")]
+
+
+@operator_command(deployments, "shadow-rate")
+@click.argument("name")
+@click.option("--min", "low", type=click.FloatRange(0, 1), default=None,
+              help="the lowest shadow rate the control plane may set")
+@click.option("--max", "high", type=click.FloatRange(0, 1), default=None,
+              help="the highest shadow rate the control plane may set")
+@click.option("--fixed", type=click.FloatRange(0, 1), default=None,
+              help="fix the rate (both bounds at this value)")
+def deployments_shadow_rate(api: ControlPlane, name: str, low: float | None,
+                            high: float | None, fixed: float | None) -> None:
+    """The shadow rate the control plane asks NAME's runtimes for, and why; with --min, --max
+    or --fixed, set the bounds it decides within first."""
+    if fixed is not None and (low is not None or high is not None):
+        fail("give --fixed, or --min and/or --max, not both")
+    bounds = {"shadow_rate_min": fixed if fixed is not None else low,
+              "shadow_rate_max": fixed if fixed is not None else high}
+    bounds = {key: value for key, value in bounds.items() if value is not None}
+    found = api.request("PATCH", _path(name), json=bounds) if bounds else api.get(_path(name))
+    emit(api.output, found, lambda: record(found, SHADOW_FIELDS))
+
+
 AUDIT_COLUMNS = [("ID", "id"), ("WHEN", "created_at"), ("ACTOR", "actor"), ("ACTION", "action"),
                  ("ALIAS", "alias"), ("FROM", "from_version"), ("TO", "to_version"),
                  ("REASON", "reason")]
