@@ -19,7 +19,7 @@ next token on); the fixed fleet keeps `fixed_rate` (the runtime server's default
 - `quiet_drift_delay_ratio`: the same for a drift the exit rate does not show (the exit rate
   unchanged, only the disagreement rises): reported, not a target.
 
-    .venv/bin/python bench/shadow_rate.py [--seed 0] [--trials 10]
+    .venv/bin/python -P bench/shadow_rate.py [--seed 0] [--trials 10]
 
 prints one JSON line; `run(seed=...)` returns the same dict (bench/operating_curve.py calls it).
 """
@@ -245,7 +245,7 @@ def run(*, seed: int = 0, trials: int = 10, stable_s: int = 7200, warmup_s: int 
         "stable_adaptive_rate": round(counts[True] / max(1, counts[False]) * 0.05, 4),
         "fixed_rate": 0.05, "stable_s": stable_s, "tokens_per_s": base.tokens_per_s, "delta": 0.01,
         "trials": trials, "seed": seed, "seconds": round(time.perf_counter() - started, 1),
-        "command": f".venv/bin/python bench/shadow_rate.py --seed {seed} --trials {trials}",
+        "command": f".venv/bin/python -P bench/shadow_rate.py --seed {seed} --trials {trials}",
     }
 
 

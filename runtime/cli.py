@@ -318,7 +318,8 @@ def bench(args) -> None:
 @click.option("--max-queue", default=64, show_default=True,
               help="Requests waiting beyond max-batch before 429.")
 @click.option("--shadow-rate", default=0.05, show_default=True,
-              help="Share of tokens also run to full depth (the calibration samples).")
+              help="Share of tokens also run to full depth (the calibration samples), "
+                   "while the control plane sets no rate of its own.")
 @click.option("--raw-sample-rate", type=click.FloatRange(0.0, 1.0), default=1.0,
               show_default=True, envvar="EXITPLANE_RAW_SAMPLE_RATE",
               help="Share of non-shadow tokens shipped as records; below 1 the runtime "
