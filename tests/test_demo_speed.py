@@ -114,3 +114,15 @@ def test_the_speed_check_runs_the_same_prompts_three_ways():
     assert found.figures["watched_shadow_tokens"] > 0
     assert found.figures["measured_speedup"] > 0
     assert any("savings panel" in line for line in found.lines("u"))
+
+
+def test_the_segments_story_serves_held_out_chat_too():
+    from exitplane.demo_segments import prompt_sources
+
+    def tokenizer(text: str, **_) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    chat, _, _ = prompt_sources(tokenizer, corpus)
+    served = {"".join(map(chr, ids)) for ids in chat}
+    assert served == set(held_out_chat(corpus, len(corpus.TRAIN_PROMPTS)))
+    assert not served & set(corpus.TRAIN_PROMPTS)
