@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 from starlette.datastructures import QueryParams
 
+from controlplane.calibration.what_if import WhatIf
 from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.models import Deployment, ThresholdSet
@@ -79,7 +80,7 @@ def _number(raw: str, what: str) -> float:
         raise Invalid(f"{what} must be a number, got {raw!r}") from None
 
 
-def _run(session: Session, deployment: Deployment, typed: WhatIfForm):
+def _run(session: Session, deployment: Deployment, typed: WhatIfForm) -> WhatIf:
     """The what-if flow's answer for the form; Invalid says what to correct."""
     if typed.base not in BASES:
         raise Invalid(f"choose what to evaluate: one of {', '.join(BASES)}")
@@ -101,7 +102,7 @@ def _run(session: Session, deployment: Deployment, typed: WhatIfForm):
                    segment=typed.segment or None, runtimes=typed.runtimes or None, **chosen)
 
 
-def _publish_maps(active, evaluated: dict[int, float], segment: str
+def _publish_maps(active: ThresholdSet, evaluated: dict[int, float], segment: str
                   ) -> tuple[dict[int, float], list[tuple[str, dict[int, float]]]]:
     """The default map and segment rows a published set carries: the evaluated thresholds in
     the evaluated segment's place (the default map for all traffic), the active version's
@@ -116,7 +117,7 @@ def _publish_maps(active, evaluated: dict[int, float], segment: str
 
 
 def _page(request: Request, session: Session, deployment: Deployment, *,
-          typed: WhatIfForm | None = None, result=None, error: str | None = None,
+          typed: WhatIfForm | None = None, result: WhatIf | None = None, error: str | None = None,
           status_code: int = 200, segment: str = "") -> Response:
     aliases = thresholds.aliases_of(session=session, deployment=deployment)
     active = thresholds.get_threshold_set(session=session, deployment=deployment,
@@ -148,7 +149,7 @@ def _page(request: Request, session: Session, deployment: Deployment, *,
                   runtimes=list_runtimes(session=session, deployment=deployment), **context)
 
 
-def _label(result) -> str:
+def _label(result: WhatIf) -> str:
     if result.source == "version":
         return f"v{result.version}"
     if result.source == "calibration":
