@@ -32,8 +32,13 @@ from 26 hours back, the backdating guard widened to match); the flows run with t
   `stationary_opportunity_retunes` counts the recalibrations queued (target 0) and
   `stationary_opportunity_findings` the checks that found one.
 
-Keys other helpers' modules fill (`savings_rel_err`, `shadow_rate_reduction`,
-`drift_delay_ratio`) are added when those modules are importable and absent otherwise.
+- Savings (`telemetry.savings`): three runtimes serve `--savings-tokens` tokens each under a
+  certified set, a tenth of them shadow tokens, each reporting its exit checks and its wall
+  time under a known cost model (`COST`) with lognormal noise; `savings_rel_err` is
+  |reported net time saved - the true one| / |the true one| (target <= 0.05), the truth
+  counting each token's own full-depth time (noise included), checks and shadow tokens.
+- The adaptive shadow rate (`bench/shadow_rate.py`, `--shadow-rate-trials` drift onsets):
+  `shadow_rate_reduction` (target >= 0.5) and `drift_delay_ratio` (target <= 1.5).
 Printed: one JSON line with the figures, the settings used and the command line.
 """
 
@@ -78,6 +83,7 @@ from controlplane.migrate import upgrade
 from controlplane.runtimes.service import RuntimeCaps, record_heartbeat
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.settings import Settings, get_settings
+from controlplane.telemetry.savings import savings
 from controlplane.telemetry.service import ingest
 from exitplane.wire import Heartbeat, TelemetryBatch
 
@@ -88,6 +94,8 @@ EASY = np.array([0.5, 0.4, 0.3])  # after it
 RUNTIMES = ("rt-a", "rt-b", "rt-c")
 TOKENS_PER_REQUEST = 8
 START = datetime.now(UTC) - timedelta(hours=26)  # simulated time 0
+# what a token costs the simulated runtimes (microseconds), before noise
+COST = {"overhead_us": 300.0, "layer_us": 1100.0, "check_us": 40.0}
 
 
 def traffic(n: int, rng, centres) -> tuple[np.ndarray, np.ndarray]:
@@ -146,8 +154,12 @@ class Fleet:
                 self.tokens[runtime_id] = row.id
 
     def post(self, since_s: float, until_s: float, per_runtime: int, rng, centres,
-             version: int) -> None:
-        """Each runtime's `per_runtime` shadow tokens spread over [since_s, until_s)."""
+             version: int, served: tuple[dict, float] | None = None) -> float:
+        """Each runtime's `per_runtime` shadow tokens spread over [since_s, until_s). With
+        `served` (thresholds, shadow share), tokens are served under the thresholds and that
+        share of them shadowed, each reporting its wall time under COST (with noise) and its
+        exit checks: the true net time saved (microseconds) is returned."""
+        saved = 0.0
         caps = RuntimeCaps.from_settings(get_settings())
         with session_scope(self.engine) as session:
             deployment = get_deployment(session=session, name=self.name)
@@ -165,6 +177,8 @@ class Fleet:
                                         "matched": bool(matched[i, j])}
                                        for j, k in enumerate(LAYERS)]}
                            for i in range(per_runtime)]
+                if served is not None:
+                    saved += timed(records, signals, rng, *served)
                 batch = TelemetryBatch(
                     batch_id=uuid.uuid5(uuid.NAMESPACE_URL,
                                         f"{self.name}/{runtime_id}/{self.seq}").hex,
@@ -176,6 +190,51 @@ class Fleet:
                                  beat=Heartbeat(runtime_id=runtime_id, applied_version=version))
                 ingest(session=session, deployment=deployment, batches=[batch],
                        witnesses=[witness_of(token_id=token_id, runtime_id=runtime_id)])
+        return saved
+
+
+def timed(records: list[dict], signals: np.ndarray, rng, thresholds: dict[int, float],
+          shadow_share: float) -> float:
+    """Turn `records` into served tokens: each exits where `thresholds` let it (a
+    `shadow_share` of them stay shadow tokens at full depth, every check), with its exit checks
+    and its wall time under COST times lognormal noise; the true net time saved (us)."""
+    first, _ = simulate_policy(signals, np.ones(signals.shape, dtype=bool),
+                               [thresholds[k] for k in LAYERS])
+    saved = 0.0
+    for i, record in enumerate(records):
+        shadow = rng.random() < shadow_share
+        if shadow or first[i] == len(LAYERS):
+            depth, checks = FULL, len(LAYERS)
+        else:
+            depth, checks = LAYERS[first[i]], int(first[i]) + 1
+        if not shadow:
+            del record["shadow"]
+        wall = COST["overhead_us"] + COST["layer_us"] * depth + COST["check_us"] * checks
+        wall *= float(rng.lognormal(0.0, 0.1))
+        record |= {"exit_layer": depth, "exit_checks": checks, "latency_us": round(wall)}
+        full = (COST["overhead_us"] + COST["layer_us"] * FULL) * float(rng.lognormal(0.0, 0.1))
+        saved += full - wall
+    return saved
+
+
+def savings_run(engine, args, rng) -> dict:
+    """Served tokens with known costs through the store: the savings' net time saved against
+    the simulated truth (checks and shadow tokens included)."""
+    thresholds = certified(rng, BASE, 30_000)
+    version = new_deployment(engine, "savings", thresholds)
+    fleet = Fleet(engine, "savings")
+    truth_us = fleet.post(0.0, 600.0, args.savings_tokens, rng, BASE, version,
+                          served=(thresholds, 0.1))
+    with session_scope(engine) as session:
+        (report,) = savings(session=session, since=at(-60.0), until=at(660.0),
+                            deployments=[get_deployment(session=session, name="savings")])
+    reported_s = (report.get("time") or {}).get("net_saved_s")
+    if reported_s is None:
+        return {"savings_rel_err": None, "savings_note": report.get("cost_model_reason")}
+    true_s = truth_us / 1e6
+    return {"savings_rel_err": round(abs(reported_s - true_s) / abs(true_s), 4),
+            "savings_net_saved_s": {"reported": round(reported_s, 3), "true": round(true_s, 3)},
+            "savings_tokens": args.savings_tokens * len(RUNTIMES)}
 
 
 def new_deployment(engine, name: str, active: dict[int, float] | None = None) -> int:
@@ -306,17 +365,11 @@ def stationary_run(engine, args, rng, settings) -> dict:
 
 
 def others(args) -> dict:
-    """Figures other modules measure, when they are there."""
-    out = {}
-    try:
-        from bench.shadow_rate import measure as shadow_rate_measure
-    except ImportError:
-        shadow_rate_measure = None
-    if shadow_rate_measure is not None:
-        found = shadow_rate_measure(quick=args.quick)
-        out |= {key: found[key] for key in ("shadow_rate_reduction", "drift_delay_ratio")
-                if key in found}
-    return out
+    """Figures other modules measure: the adaptive shadow rate's (`bench/shadow_rate.py`)."""
+    from bench.shadow_rate import run as shadow_rate_run
+
+    found = shadow_rate_run(seed=args.seed % 1000, trials=args.shadow_rate_trials)
+    return {key: found[key] for key in ("shadow_rate_reduction", "drift_delay_ratio")}
 
 
 def main() -> None:
@@ -336,6 +389,10 @@ def main() -> None:
     parser.add_argument("--stationary-hours", type=float, default=24.0)
     parser.add_argument("--stationary-interval-s", type=float, default=1800.0)
     parser.add_argument("--stationary-tokens-per-s", type=float, default=1.0)
+    parser.add_argument("--savings-tokens", type=int, default=4000,
+                        help="served tokens per runtime whose savings are measured")
+    parser.add_argument("--shadow-rate-trials", type=int, default=3,
+                        help="drift onsets bench/shadow_rate.py simulates")
     parser.add_argument("--seed", type=int, default=20261205)
     args = parser.parse_args()
     if args.quick:
@@ -361,6 +418,7 @@ def main() -> None:
         figures = whatif_trials(engine, args, rng, sample)
         figures |= opportunity_run(engine, args, rng, settings)
         figures |= stationary_run(engine, args, rng, settings)
+        figures |= savings_run(engine, args, rng)
         engine.dispose()
     figures |= others(args)
     print(json.dumps(figures | {

@@ -95,7 +95,8 @@ def draw_curve(*, session: Session, deployment: Deployment, segment: str = DEFAU
     # a segment's own set is certified at its share of ε, as a segment job certifies it
     epsilon = (deployment.epsilon if not known
                else recalibration_level(deployment.epsilon, 1 + len(known)))
-    model = deployment_cost_model(session=session, deployment=deployment)
+    model = deployment_cost_model(session=session, deployment=deployment, since=since,
+                                  until=now)
     share = shadow_share(session=session, deployment=deployment, since=since, until=now,
                          segment=segment)
     about = {"tokens": len(evidence), "requests": len(set(evidence.requests.tolist())),

@@ -48,6 +48,7 @@ from controlplane.settings import get_settings
 from controlplane.stats.cost_model import CostModel
 from controlplane.stats.robust_evidence import cap_runtime_share
 from controlplane.telemetry.models import Rollup
+from controlplane.telemetry.savings import savings
 from controlplane.telemetry.service import shadow_evidence
 from exitplane.wire import DEFAULT_SEGMENT
 
@@ -179,10 +180,16 @@ def shadow_share(*, session: Session, deployment: Deployment, since: datetime,
     return float(shadow) / float(tokens) if tokens else 0.0
 
 
-def deployment_cost_model(*, session: Session, deployment: Deployment) -> CostModel | None:
-    """The deployment's fitted cost model, None when none can be fitted (the what-if and the
-    curve then use the layers ratio)."""
-    return None
+def deployment_cost_model(*, session: Session, deployment: Deployment, since: datetime,
+                          until: datetime) -> CostModel | None:
+    """The cost model the savings fit on the window's timed rollups (`telemetry.savings`: the
+    deployment's main lineage, else its pooled fit); None when none can be fitted (the what-if
+    and the curve then use the layers ratio)."""
+    (report,) = savings(session=session, deployments=[deployment], since=since, until=until)
+    fitted = report.get("cost_model")
+    if not fitted:
+        return None
+    return CostModel(**{key: value for key, value in fitted.items() if key != "full_depth_us"})
 
 
 def what_if(*, session: Session, deployment: Deployment, version: int | None = None,
@@ -236,7 +243,8 @@ def what_if(*, session: Session, deployment: Deployment, version: int | None = N
                     exit_layers=layers, num_layers=deployment.num_layers, delta=delta_at,
                     epsilon=epsilon_at, requests=evidence.requests,
                     witnesses=evidence.witnesses,
-                    cost_model=deployment_cost_model(session=session, deployment=deployment),
+                    cost_model=deployment_cost_model(session=session, deployment=deployment,
+                                                     since=since, until=until),
                     shadow_share=shadow_share(session=session, deployment=deployment,
                                               since=since, until=until, segment=segment),
                     source=source, version=version, label=label)

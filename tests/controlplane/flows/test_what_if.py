@@ -213,3 +213,32 @@ def test_cli_what_if_over_the_api(engine, live_server, tokens, tmp_path):
     assert refused.exit_code != 0 and "not an exit layer" in refused.output
     neither = CliRunner().invoke(main, ["versions", "what-if", "chat", *connection])
     assert neither.exit_code != 0 and "exactly one set" in neither.output
+
+
+def test_a_fitted_cost_model_predicts_wall_time(engine):
+    import random
+
+    from controlplane.telemetry.service import ingest
+    from exitplane.wire import TelemetryBatch
+    from tests.support.batches import telemetry_batch
+    from tests.support.costs import KnownCost, timed_records
+
+    cost = KnownCost()
+    records = timed_records(random.Random(3), 3000, cost, version=1, shadow_rate=0.3)
+    with session_scope(engine) as session:
+        deployment = make_deployment(session)
+        ingest(session=session, deployment=deployment, batches=[TelemetryBatch.model_validate(
+            telemetry_batch(records, deployment="chat", num_layers=FULL))])
+    with session_scope(engine) as session:
+        found = what_if(session=session, deployment=get_deployment(session=session, name="chat"),
+                        thresholds={"3": 0.5}, window_s=86400, policy=POLICY)
+    assert found.cost_model is not None
+    assert found.cost_model["layer_us"] == pytest.approx(cost.layer_us, rel=0.05)
+    assert found.cost_model["check_us"] == pytest.approx(cost.check_us, rel=0.1)
+    assert 0.25 < found.shadow_share < 0.35
+    served = cost.overhead_us + cost.layer_us * found.mean_depth + cost.check_us * \
+        found.mean_checks
+    shadow = cost.full_depth_us + cost.check_us * len(LAYERS)
+    spent = (1 - found.shadow_share) * served + found.shadow_share * shadow
+    assert found.net_saving == pytest.approx(1 - spent / cost.full_depth_us, rel=0.05)
+    assert found.speedup != pytest.approx(found.layers_speedup, rel=0.01)
