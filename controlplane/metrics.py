@@ -45,6 +45,17 @@ dead_letter_entries = Gauge("exitplane_dead_letter_entries",
 stream_lag = Gauge("exitplane_stream_lag_entries",
                    "Stream entries not yet ingested by the consumer group (group-wide)",
                    ["deployment"], registry=registry)
+# What tokens cost, counted as their batches are stored (controlplane/telemetry/savings.py
+# turns them into time saved): tokens that reported their cost, their wall time, and the layer
+# computations non-shadow tokens skipped by exiting early.
+tokens_timed = Counter("exitplane_tokens_timed", "Tokens stored with their cost (exit_checks)",
+                       ["deployment"], registry=registry)
+token_wall_seconds = Counter("exitplane_token_wall_seconds",
+                             "Wall time of the tokens stored with their cost, seconds",
+                             ["deployment"], registry=registry)
+layers_saved = Counter("exitplane_layers_saved",
+                       "Layer computations tokens skipped by exiting before full depth",
+                       ["deployment"], registry=registry)
 # The fleet view (per-runtime applied version, spool, drops, and the exit-behaviour gauges) is
 # read from the store at scrape time: controlplane/telemetry/gauges.py.
 
@@ -53,10 +64,18 @@ stream_lag = Gauge("exitplane_stream_lag_entries",
 REJECT_REASONS = ("Invalid", "BadRecord", "BatchTooLarge", "UnsupportedBatchType",
                   "DecodersBusy", "NotFound", "Forbidden", "Unavailable")
 _PER_DEPLOYMENT = (ingested_records, ingested_batches, duplicate_batches, queued_batches,
-                   segment_overflow_tokens, dead_lettered_batches)
+                   segment_overflow_tokens, dead_lettered_batches, tokens_timed,
+                   token_wall_seconds, layers_saved)
 for _reason in REJECT_REASONS:
     rejected_batches.labels(_reason)
 _primed: set[str] = set()
+
+
+def count_costs(deployment: str, *, timed: int, wall_us: int, layers: int) -> None:
+    """Count what a stored batch's tokens cost (`IngestResult`'s cost figures)."""
+    tokens_timed.labels(deployment).inc(timed)
+    token_wall_seconds.labels(deployment).inc(wall_us / 1e6)
+    layers_saved.labels(deployment).inc(layers)
 
 
 def prime(*, deployments: Iterable[str]) -> None:

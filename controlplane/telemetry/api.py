@@ -332,6 +332,8 @@ def _store_batch(state, principal: Principal, body: bytes, content_type: str,
         metrics.ingested_records.labels(batch.deployment).inc(result.records)
     if not result.duplicate:  # the series exists at 0 first: a rate over it sees the first
         metrics.segment_overflow_tokens.labels(batch.deployment).inc(result.overflow)
+        metrics.count_costs(batch.deployment, timed=result.timed_tokens,
+                            wall_us=result.wall_us, layers=result.layers_saved)
     return IngestAck(batch_id=result.batch_id, accepted=result.accepted,
                      duplicate=result.duplicate)
 

@@ -22,6 +22,8 @@ the raw series would count each value once per API replica.
 - exitplane_mean_exit_depth{deployment} and exitplane_estimated_speedup{deployment} (layers a
   token ran through on average over the last `WINDOW`, active version; speed-up = num_layers /
   mean depth, the estimate calibration reports)
+- exitplane_net_seconds_saved_last_hour{deployment}: what early exit saved over the last hour
+  (telemetry/savings.py), net of exit checks and shadow tokens; negative when it cost time
 
 The exit-behaviour gauges (exit_rate, tokens_checked, shadow_disagreement, shadow_tokens,
 mean_exit_depth, estimated_speedup) carry a `segment` label: segment="" is the whole
@@ -53,11 +55,13 @@ from controlplane.deployments.models import Alias, Deployment, DeploymentSegment
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import FORGET_AFTER
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
+from controlplane.telemetry.savings import savings
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.metrics")
 
 WINDOW = timedelta(minutes=5)
+SAVINGS_WINDOW = timedelta(hours=1)
 # The segment label of a series about the whole deployment: empty, which Prometheus treats as
 # no label, so a rule that names no segment (or selects {segment=""}) reads it.
 WHOLE_DEPLOYMENT = ""
@@ -92,6 +96,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                             ["deployment", "segment"]),
         "estimated_speedup": ("num_layers / mean exit depth, last 5 minutes (active version)",
                               ["deployment", "segment"]),
+        "net_seconds_saved_last_hour": ("Accelerator seconds early exit saved against full "
+                                        "depth over the last hour, net of exit checks and "
+                                        "shadow tokens (negative: a loss; no series without "
+                                        "a cost model)", ["deployment"]),
     }
     families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         name: GaugeMetricFamily(f"exitplane_{name}", doc, labels=labels)
@@ -158,6 +166,12 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
             families["active_version"].add_metric([deployment.name], active)
 
     _fill_exit_behaviour(session, families, deployments, aliases, now)
+
+    for report in savings(session=session, deployments=list(deployments.values()),
+                          since=now - SAVINGS_WINDOW):
+        if report["time"] is not None:
+            families["net_seconds_saved_last_hour"].add_metric(
+                [report["deployment"]], report["time"]["net_saved_s"])
 
     for row in session.execute(select(TelemetryBatchRow.deployment_id,
                                       func.max(TelemetryBatchRow.received_at).label("last"))

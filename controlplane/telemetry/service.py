@@ -74,6 +74,10 @@ class IngestResult:
     aggregate: bool = False
     overflow: int = 0  # of its tokens, those stored as `default`, past the segment cap
     records: int = 0  # records stored as rows (0 for a replay)
+    # What its tokens cost (0 for a replay): timed tokens, their wall time, layers saved.
+    timed_tokens: int = 0
+    wall_us: int = 0
+    layers_saved: int = 0
 
 
 def check_batch(*, deployment: Deployment | CachedDeployment, batch: BatchColumns,
@@ -220,6 +224,8 @@ def ingest(*, session: Session, deployment: Deployment | CachedDeployment,
     session.flush()
     return [IngestResult(batch_id=b.batch_id, accepted=accounted(b),
                          duplicate=b.batch_id not in new_ids,
+                         **(cost_counts(b, deployment.num_layers) if b.batch_id in new_ids
+                            else {}),
                          aggregate=isinstance(b, AggregateBatch),
                          overflow=overflow.get(b.batch_id, 0),
                          records=(len(carried[b.batch_id]) if b.batch_id in carried
@@ -290,6 +296,25 @@ def overflow_tokens(batch: BatchColumns | AggregateBatch, segment_of: dict[str, 
     if batch.aggregated:
         return 0
     return sum(1 for name in batch.segment if name in segment_of)
+
+
+def cost_counts(batch: BatchColumns | AggregateBatch, num_layers: int) -> dict[str, int]:
+    """What the tokens a batch adds to the rollups cost: timed tokens, their wall time
+    (microseconds), and the layers non-shadow tokens skipped. A sampled record batch adds
+    none (its runtime's aggregate cells count its tokens)."""
+    if isinstance(batch, AggregateBatch):
+        timed = [cell for cell in batch.cells if cell.latency_us is not None]
+        return {"timed_tokens": sum(cell.exits for cell in timed),
+                "wall_us": sum(cell.latency_us for cell in timed),
+                "layers_saved": sum((num_layers - cell.layer) * cell.exits
+                                    for cell in batch.cells)}
+    if batch.aggregated:
+        return {}
+    timed = batch.exit_checks >= 0
+    skipped = num_layers - batch.exit_layer
+    skipped[batch.shadowed] = 0
+    return {"timed_tokens": int(timed.sum()), "wall_us": int(batch.latency_us[timed].sum()),
+            "layers_saved": int(skipped.sum())}
 
 
 def accounted(batch: BatchColumns | AggregateBatch) -> int:

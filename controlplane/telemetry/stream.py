@@ -272,6 +272,8 @@ class StreamIngestor:
                 metrics.ingested_records.labels(deployment_name).inc(result.records)
                 # at 0 from the first batch on: a rate over it sees the first overflow
                 metrics.segment_overflow_tokens.labels(deployment_name).inc(result.overflow)
+                metrics.count_costs(deployment_name, timed=result.timed_tokens,
+                                    wall_us=result.wall_us, layers=result.layers_saved)
         self.stats.batches += len(batches)
 
     def _one_by_one(self, key: str, deployment_name: str, parsed: list,

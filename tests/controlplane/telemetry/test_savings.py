@@ -264,3 +264,33 @@ def test_cli_savings_over_the_api(client, tokens, engine, live_server, tmp_path)
     assert fleet.exit_code == 0 and "(fleet)" in fleet.stdout
     refused = CliRunner().invoke(main, ["savings", "chat", "--segment", "nope", *connection])
     assert refused.exit_code != 0 and "nope" in refused.output
+
+
+def _scraped(client, deployment: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value
+            for family in text_string_to_metric_families(client.get("/metrics").text)
+            for sample in family.samples if sample.labels.get("deployment") == deployment}
+
+
+def test_ingestion_counts_costs_and_the_scrape_gives_the_last_hours_net(client, tokens,
+                                                                       engine):
+    name = f"priced-{uuid.uuid4().hex[:8]}"  # counters are the process's: a name of its own
+    headers = deploy_for_telemetry(client, tokens, engine, name=name)
+    records = timed_records(random.Random(14), 120, COST)
+    batch = telemetry_batch(records, deployment=name)
+    for _ in range(2):  # the replay counts nothing
+        assert post_telemetry(client, headers, batch, RECORDS_MSGPACK).status_code == 202
+    untimed = telemetry_batch(timed_records(random.Random(15), 30, COST, timed=False),
+                              deployment=name)
+    assert post_telemetry(client, headers, untimed, RECORDS_MSGPACK).status_code == 202
+    found = _scraped(client, name)
+    expected = expected_savings(records, COST)
+    assert found["exitplane_tokens_timed_total"] == 120
+    assert found["exitplane_token_wall_seconds_total"] == pytest.approx(expected["spent_s"])
+    assert found["exitplane_layers_saved_total"] == expected["layers_saved"] + sum(
+        FULL - r["exit_layer"] for r in untimed["records"] if not r.get("shadow"))
+    report = _savings(client, headers, name)
+    assert found["exitplane_net_seconds_saved_last_hour"] == pytest.approx(
+        report["time"]["net_saved_s"])
