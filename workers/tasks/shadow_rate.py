@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from controlplane.calibration.service import CalibrationPolicy
 from controlplane.db import get_engine, session_scope
+from controlplane.deployments.locks import lock_deployment
 from controlplane.deployments.models import Deployment
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.flows.shadow_rate import decide_for
@@ -26,6 +27,9 @@ def decide_all() -> dict[str, float]:
     decided = {}
     for deployment_id in ids:
         with session_scope(engine) as session:
+            # Under the row lock: an operator's change of bounds is not overwritten by a rate
+            # decided within the bounds from before it.
+            lock_deployment(session=session, deployment_id=deployment_id)
             deployment = session.get(Deployment, deployment_id)
             if deployment is None:
                 continue

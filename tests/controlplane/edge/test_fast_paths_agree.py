@@ -197,7 +197,7 @@ def test_a_change_of_shadow_rate_alone_is_delivered_alike(pair, tokens, engine):
     new tag gets 304, a runtime that does not apply it keeps the set's checksum as its tag;
     a long-poll ends when the rate changes. The fast path answers as the route does."""
     apps = pair(rate_limit_pull_per_s=0)
-    _, fast = apps[True]
+    fast_app, fast = apps[True]
     _, plain = apps[False]
     operator, runtime, _ = _chat(fast, tokens, engine)
     applies = {"runtime_id": "r-1", "applies_shadow_rate": "true"}
@@ -243,6 +243,13 @@ def test_a_change_of_shadow_rate_alone_is_delivered_alike(pair, tokens, engine):
         client.patch("/v1/deployments/chat", headers=operator, json={
             "shadow_rate_min": 0.01, "shadow_rate_max": 0.2})  # the rate moves within: 0.2
     assert answers["fast"] == answers["plain"]
+    # The fast path answered a current rate-tagged ETag itself, without the router.
+    current = fast.get(PULL, params=applies, headers=runtime).headers["etag"]
+    assert current.endswith('.s0.2"')
+    fast_app.router.paths.clear()
+    assert fast.get(PULL, params=applies,
+                    headers={**runtime, "If-None-Match": current}).status_code == 304
+    assert fast_app.router.paths == []
 
 
 def test_pull_refusals_past_the_rate_are_answered_alike(pair, tokens, engine):
