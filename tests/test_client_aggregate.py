@@ -2,6 +2,8 @@
 tokens without a signal (exits not checked) counted but left out of the histogram, layers the
 deployment lacks refused, and a cut that starts the counts again."""
 
+import pytest
+
 from exitplane.client.aggregate import Aggregator
 from exitplane.wire import HISTOGRAM_BINS, TokenRecord
 
@@ -72,3 +74,31 @@ def test_split_aggregate_batch_keeps_each_cells_segment():
                 for cell in AggregateBatch.model_validate(half.decode()).cells]
     assert rejoined == cells
     assert {cell.segment for cell in rejoined} == {"chat", "code", "default"}
+
+
+def test_a_cell_carries_its_tokens_cost_only_when_each_was_timed():
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    for latency, checks in ((300, 1), (340, 1)):
+        aggregator.add(_record(exit_layer=2, latency_us=latency, exit_checks=checks))
+    aggregator.add(_record(exit_layer=6, latency_us=900, exit_checks=2))
+    aggregator.add(_record(exit_layer=6, latency_us=800))  # not timed: the cell is not either
+    cells = {cell.layer: cell for cell in aggregator.cut()}
+    assert (cells[2].exits, cells[2].latency_us, cells[2].exit_checks) == (2, 640, 2)
+    assert (cells[6].exits, cells[6].latency_us, cells[6].exit_checks) == (2, None, None)
+
+
+def test_bulk_costs_and_restore_keep_the_sums():
+    aggregator = Aggregator(exit_layers=[2, 4], num_layers=6)
+    empty = [[0] * HISTOGRAM_BINS] * 3
+    aggregator.add_counts(minute=120, threshold_version=1, exits=[3, 0, 1], histogram=empty,
+                          latency_us=[900, 0, 700], exit_checks=[3, 0, 2])
+    cut = aggregator.cut()
+    assert [(c.layer, c.exits, c.latency_us, c.exit_checks) for c in cut] == [
+        (2, 3, 900, 3), (6, 1, 700, 2)]
+    aggregator.restore(cut)
+    aggregator.restore(cut)
+    assert [(c.exits, c.latency_us, c.exit_checks) for c in aggregator.cut()] == [
+        (6, 1800, 6), (2, 1400, 4)]
+    with pytest.raises(ValueError, match="together"):
+        aggregator.add_counts(minute=120, threshold_version=1, exits=[1, 0, 0],
+                              histogram=empty, latency_us=[5, 0, 0])
