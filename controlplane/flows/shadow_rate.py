@@ -111,10 +111,10 @@ def tokens_per_s(*, session: Session, deployment: Deployment, window_s: float) -
 
 def recent_disagreement(*, session: Session, deployment: Deployment, window_s: float
                         ) -> tuple[int, int]:
-    """(shadow tokens, their disagreements under the policy) over the last `window_s` seconds
-    of rollups (whole minutes): every shadow token is labelled at the first exit layer and
-    disagrees at most at one layer."""
-    since = utcnow() - timedelta(seconds=window_s)
+    """(shadow tokens, their disagreements under the policy) in the rollups of the minutes
+    that the last `window_s` seconds touch (the current one as far as it went): every shadow
+    token is labelled at the first exit layer and disagrees at most at one layer."""
+    since = (utcnow() - timedelta(seconds=window_s)).replace(second=0, microsecond=0)
     first = min(deployment.exit_layers)
     row = session.execute(select(
         func.coalesce(func.sum(Rollup.shadow_total).filter(Rollup.layer == first), 0),

@@ -103,3 +103,14 @@ def test_the_screen_raises_the_rate_on_recent_disagreement_before_any_alert():
     assert screen(shadow_tokens=0, disagreements=0, delta=0.01) is None
     found = screen(shadow_tokens=600, disagreements=18, delta=0.01)
     assert found is not None and found.startswith("the last shadow tokens disagree 18/600")
+
+
+def test_recent_shadow_disagreement_raises_the_rate_before_any_alert(session, chat):
+    stable = _decide(session, chat).rate
+    send_traffic(session, chat, start=utcnow() - timedelta(seconds=50), seed=1,
+                 phases=[Phase(minutes=1, rates=(0.3, 0.3, 0.3), shadow_rate=0.2,
+                               mismatch_rate=0.5)], tokens_per_minute=600)
+    session.flush()
+    screened = _decide(session, chat)
+    assert screened.rate > 5 * stable
+    assert screened.reason.startswith("the last shadow tokens disagree")
