@@ -19,6 +19,7 @@ from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
 from dashboards import charts
 from dashboards.curve_panel import curve_panel
+from dashboards.savings_panel import savings_panel
 from dashboards.security import Csrf, Operator, Viewer, actor
 from dashboards.segments import segment_table
 from dashboards.templating import render
@@ -62,6 +63,8 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
         curve_panel=curve_panel(
             session=session, deployment=deployment, segment=segment,
             interval_s=request.app.state.settings.operating_curve_interval_s),
+        savings_panel=savings_panel(session=session, deployments=[deployment],
+                                    minutes=minutes, segment=segment),
         raw_sample_rate=raw_sample_rate(session=session, deployment=deployment),
         refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
         open_alerts=alerts.open_alerts(session=session, deployment=deployment),

@@ -17,12 +17,14 @@ from controlplane.deployments.models import Deployment
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import list_runtimes
 from dashboards import charts
+from dashboards.savings_panel import savings_panel
 from dashboards.security import Viewer
 from dashboards.templating import render
 
 router = APIRouter()
 
 SPARK_MINUTES = 60
+SAVINGS_MINUTES = 24 * 60  # the fleet's savings panel: the last day
 # A runtime heartbeats every few seconds; one silent this long is not reporting.
 REPORTING_WITHIN = timedelta(minutes=2)
 
@@ -94,6 +96,8 @@ def health(*, session: Session, deployment: Deployment) -> DeploymentHealth:
 
 @router.get("/")
 def overview(request: Request, session: SessionDep, _user: Viewer) -> Response:
-    rows = [health(session=session, deployment=d)
-            for d in thresholds.list_deployments(session=session)]
-    return render(request, "overview.html", rows=rows, minutes=SPARK_MINUTES)
+    deployments = thresholds.list_deployments(session=session)
+    rows = [health(session=session, deployment=d) for d in deployments]
+    return render(request, "overview.html", rows=rows, minutes=SPARK_MINUTES,
+                  savings_panel=savings_panel(session=session, deployments=deployments,
+                                              minutes=SAVINGS_MINUTES, fleet=True))
