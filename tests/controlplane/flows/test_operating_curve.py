@@ -212,3 +212,18 @@ def test_an_opportunity_recalibrates_on_the_traffic_since_the_last_curve_without
     assert job_id is not None
     with Session(engine) as session:
         assert session.get(CalibrationJob, job_id).since == first
+
+
+def test_retune_every_s_is_set_read_and_turned_off_over_the_api(client, tokens):
+    admin = tokens.headers(tokens.admin)
+    made = client.post("/v1/deployments", headers=admin, json={
+        "name": "tuned", "model_ref": "tiny", "num_layers": FULL, "exit_layers": LAYERS,
+        "retune_every_s": 7200})
+    assert made.status_code == 201, made.text
+    assert made.json()["retune_every_s"] == 7200
+    too_often = client.post("/v1/deployments", headers=admin, json={
+        "name": "eager", "model_ref": "tiny", "num_layers": FULL, "retune_every_s": 5})
+    assert too_often.status_code == 422
+    off = client.patch("/v1/deployments/tuned", headers=admin, json={"retune_every_s": 0})
+    assert off.status_code == 200 and not off.json()["retune_every_s"]
+    assert client.get("/v1/deployments/tuned", headers=admin).json()["retune_every_s"] == 0

@@ -242,3 +242,16 @@ def test_a_fitted_cost_model_predicts_wall_time(engine):
     spent = (1 - found.shadow_share) * served + found.shadow_share * shadow
     assert found.net_saving == pytest.approx(1 - spent / cost.full_depth_us, rel=0.05)
     assert found.speedup != pytest.approx(found.layers_speedup, rel=0.01)
+
+
+def test_a_what_if_gives_its_heavy_read_turn_back(client, tokens, engine):
+    """A what-if is a heavy read sent as a POST: each one returns its turn, so one token's
+    what-ifs in a row (one heavy read at a time per token) all run."""
+    _seed_fleet(engine, n=300)
+    operator = tokens.headers(tokens.operator)
+    for _ in range(4):
+        answer = client.post("/v1/deployments/chat/what-if", json={"version": 1},
+                             headers=operator)
+        assert answer.status_code == 200, answer.text
+    assert client.get("/v1/deployments/chat/threshold-sets", headers=operator
+                      ).status_code == 200
