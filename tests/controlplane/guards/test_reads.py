@@ -1,6 +1,6 @@
-"""Metered reads: the metering layer settles a read before its answer goes out (and when its
-route fails), a settled read owes what it kept the API busy past what it took, and a token's
-heavy reads take turns."""
+"""Metered reads: the metering layer settles a read (a GET, or a POST that asks in its body)
+before its answer goes out (and when its route fails), a settled read owes what it kept the API
+busy past what it took, and a token's heavy reads take turns."""
 
 from __future__ import annotations
 
@@ -60,8 +60,13 @@ def test_a_read_whose_route_fails_is_settled():
     assert _served(_fails) == ["settled", "the route failed"]
 
 
+def test_a_read_sent_as_a_post_is_settled_too():
+    """A what-if asks its question in a POST body: it is metered and settled like a GET."""
+    assert _served(_answers, method="POST")[:2] == ["settled", "http.response.start"]
+
+
 def test_other_methods_pass_through():
-    events = _served(_answers, method="POST")
+    events = _served(_answers, method="PUT")
     assert events == ["http.response.start", "http.response.body"]
 
 
