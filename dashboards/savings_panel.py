@@ -11,13 +11,14 @@ from sqlalchemy.orm import Session
 
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment
+from controlplane.settings import Settings
 from controlplane.telemetry.savings import fleet_total, savings
 
 
 def savings_panel(*, session: Session, deployments: list[Deployment], minutes: int,
-                  segment: str | None = None, fleet: bool = False) -> dict:
+                  settings: Settings, segment: str | None = None, fleet: bool = False) -> dict:
     """`reports` (one per deployment), `total` (the fleet's, when `fleet`) and the window."""
-    reports = savings(session=session, deployments=deployments,
+    reports = savings(session=session, deployments=deployments, settings=settings,
                       since=utcnow() - timedelta(minutes=minutes), segment=segment)
-    return {"reports": reports, "total": fleet_total(reports) if fleet else None,
+    return {"reports": reports, "total": fleet_total(reports, settings) if fleet else None,
             "minutes": minutes, "segment": segment, "fleet": fleet}

@@ -154,9 +154,10 @@ def _money(time: dict[str, float] | None, settings: Settings) -> dict | None:
     if time is None:
         return None
     rate = settings.accelerator_hour_cost
+    names = ("full_depth_s", "spent_s", "net_saved_s")
     return {"unit": settings.accelerator_cost_unit, "per_accelerator_hour": rate,
-            **{name.removesuffix("_s"): time[name] / 3600 * rate
-               for name in ("full_depth_s", "spent_s", "net_saved_s")}}
+            **{name.removesuffix("_s") + "_hours": time[name] / 3600 for name in names},
+            **{name.removesuffix("_s"): time[name] / 3600 * rate for name in names}}
 
 
 def _verdict(time: dict[str, float] | None) -> dict:

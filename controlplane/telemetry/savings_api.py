@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import AwareDatetime
 from sqlalchemy import select
 
@@ -49,8 +49,9 @@ def window(window_s: int, since: datetime | None, until: datetime | None) -> tup
 
 
 @router.get("/v1/deployments/{name}/savings", response_model=DeploymentSavings)
-def deployment_savings(name: str, session: SessionDep, principal: RuntimePrincipal,
-                       window_s: WindowS = 3600, since: Since = None, until: Until = None,
+def deployment_savings(name: str, request: Request, session: SessionDep,
+                       principal: RuntimePrincipal, window_s: WindowS = 3600,
+                       since: Since = None, until: Until = None,
                        segment: Segment = None, runtime_id: RuntimeId = None) -> dict:
     """What early exit saved the deployment over the window: tokens, layers saved, accelerator
     time at full depth and spent, the net saving (negative: a loss) split into exits, checks
@@ -61,20 +62,22 @@ def deployment_savings(name: str, session: SessionDep, principal: RuntimePrincip
     reads.check_segment(session=session, deployment=deployment, segment=segment)
     since, until = window(window_s, since, until)
     [report] = savings(session=session, deployments=[deployment], since=since, until=until,
-                       segment=segment, runtime_id=runtime_id)
+                       segment=segment, runtime_id=runtime_id,
+                       settings=request.app.state.settings)
     return {**report, "since": since, "until": until}
 
 
 @router.get("/v1/savings", response_model=FleetSavings)
-def fleet_savings(session: SessionDep, principal: OperatorPrincipal,
+def fleet_savings(request: Request, session: SessionDep, principal: OperatorPrincipal,
                   window_s: WindowS = 3600, since: Since = None, until: Until = None,
                   segment: Segment = None, runtime_id: RuntimeId = None) -> dict:
     """What early exit saved every deployment over the window, and the fleet in total (time
     figures over the deployments with a cost model)."""
     since, until = window(window_s, since, until)
     deployments = list(session.scalars(select(Deployment).order_by(Deployment.name)))
+    settings = request.app.state.settings
     reports = savings(session=session, deployments=deployments, since=since, until=until,
-                      segment=segment, runtime_id=runtime_id)
+                      segment=segment, runtime_id=runtime_id, settings=settings)
     return {"since": since, "until": until, "segment": segment, "runtime_id": runtime_id,
             "deployments": [{**report, "since": since, "until": until} for report in reports],
-            "total": fleet_total(reports)}
+            "total": fleet_total(reports, settings)}

@@ -119,11 +119,16 @@ class SavingsTime(BaseModel):
 
 
 class SavingsCost(BaseModel):
-    unit: str
-    per_accelerator_hour: float
+    """The time figures in accelerator-hours, and at `per_accelerator_hour` in `unit`."""
+
+    unit: str = Field(description="EXITPLANE_ACCELERATOR_COST_UNIT")
+    per_accelerator_hour: float = Field(description="EXITPLANE_ACCELERATOR_HOUR_COST")
+    full_depth_hours: float
+    spent_hours: float
+    net_saved_hours: float = Field(description="negative: a loss")
     full_depth: float
     spent: float
-    net_saved: float
+    net_saved: float = Field(description="negative: a loss")
 
 
 class SavingsFigures(BaseModel):

@@ -100,4 +100,5 @@ def overview(request: Request, session: SessionDep, _user: Viewer) -> Response:
     rows = [health(session=session, deployment=d) for d in deployments]
     return render(request, "overview.html", rows=rows, minutes=SPARK_MINUTES,
                   savings_panel=savings_panel(session=session, deployments=deployments,
-                                              minutes=SAVINGS_MINUTES, fleet=True))
+                                              minutes=SAVINGS_MINUTES, fleet=True,
+                                              settings=request.app.state.settings))

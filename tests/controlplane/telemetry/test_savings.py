@@ -294,3 +294,22 @@ def test_ingestion_counts_costs_and_the_scrape_gives_the_last_hours_net(client, 
     report = _savings(client, headers, name)
     assert found["exitplane_net_seconds_saved_last_hour"] == pytest.approx(
         report["time"]["net_saved_s"])
+
+
+def test_the_cost_is_in_the_configured_unit_and_rate(settings, engine, tokens):
+    from fastapi.testclient import TestClient
+
+    from exitplane.app import create_app
+
+    priced = settings.model_copy(update={"accelerator_hour_cost": 2.5,
+                                         "accelerator_cost_unit": "EUR"})
+    with TestClient(create_app(priced, engine=engine)) as client:
+        headers = deploy_for_telemetry(client, tokens, engine)
+        records = timed_records(random.Random(16), 100, COST)
+        assert post_telemetry(client, headers, telemetry_batch(records),
+                              RECORDS_MSGPACK).status_code == 202
+        cost = _savings(client, headers, "chat")["cost"]
+    hours = expected_savings(records, COST)["net_saved_s"] / 3600
+    assert cost["unit"] == "EUR" and cost["per_accelerator_hour"] == 2.5
+    assert cost["net_saved_hours"] == pytest.approx(hours)
+    assert cost["net_saved"] == pytest.approx(2.5 * hours)
