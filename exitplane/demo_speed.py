@@ -10,6 +10,7 @@ the demo's summary, whatever their sign.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import click
@@ -36,6 +37,8 @@ class SpeedCheck:
     version: int
     shadow_rate: float
     figures: dict
+    load: float = 0.0  # the highest 1-minute load average seen during the check
+    cpus: int = 1
 
     def lines(self, ui_url: str) -> list[str]:
         """The summary's lines: speed-ups, cost model, net saving, where the panel is."""
@@ -59,6 +62,9 @@ class SpeedCheck:
                    else "early exit does not pay on this machine")
         lines.append(f"  net saving after checks and shadow tokens: {net:+.1%} (measured "
                      f"{f['measured_net_saving']:+.1%}): {verdict}")
+        if self.load > self.cpus:
+            lines.append(f"  load average {self.load:.1f} on {self.cpus} CPUs during the check: "
+                         "other work skews these timings; rerun on a quiet machine")
         lines.append(f"  savings panel: {ui_url} (the API: GET /v1/deployments/demo/savings)")
         return lines
 
@@ -81,14 +87,24 @@ def speed_check(model, heads, tokenizer, corpus, prompts: list[str], *, version:
                "early": {"policy": early},
                "watched": {"policy": early, "shadow_rate": shadow_rate}}
     tallies = {name: Tally() for name in configs}
+    load = os.getloadavg()[0]
     for _ in range(rounds):
         for name, options in configs.items():
             tallies[name].add(*run_engine(model, heads, ids, new_tokens, batch=batch,
                                           **options))
+            load = max(load, os.getloadavg()[0])
     figures = savings(tallies["full"], tallies["early"], tallies["watched"], fit_cost_model,
                       model.config.num_hidden_layers)
     return SpeedCheck(prompts=len(ids), new_tokens=new_tokens, batch=batch, version=version,
-                      shadow_rate=shadow_rate, figures=figures)
+                      shadow_rate=shadow_rate, figures=figures, load=load,
+                      cpus=min(os.cpu_count() or 1, torch_threads()))
+
+
+def torch_threads() -> int:
+    """The CPU threads the runtime's decoding uses."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def echo_speed(check: SpeedCheck | None, ui_url: str) -> None:

@@ -80,6 +80,10 @@ def test_the_summary_reports_a_loss_as_a_loss_and_points_to_the_savings_panel():
     assert "net saving after checks and shadow tokens: -3.1% (measured -4.1%)" in lost
     assert "early exit does not pay on this machine" in lost
     assert f"savings panel: {url}" in lost
+    assert "load average" not in lost  # a quiet machine: nothing to warn about
+    busy = SpeedCheck(prompts=8, new_tokens=24, batch=8, version=1, shadow_rate=0.25,
+                      figures=figures(0.1, speedup=1.1), load=7.5, cpus=2)
+    assert "load average 7.5 on 2 CPUs during the check" in "\n".join(busy.lines(url))
     gained = "\n".join(check(0.12, 1.2).lines(url))
     assert "+12.0%" in gained and "early exit pays on this machine" in gained
 
