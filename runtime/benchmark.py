@@ -78,14 +78,15 @@ def hf_generate(model, prompts, max_new_tokens, eos):
 
 
 def run_engine(model, heads, prompts, max_new_tokens, *, policy=None, batch=1,
-               batching="compact", shadow_rate=0.0):
+               batching="compact", shadow_rate=0.0, seed=0):
     """(generations, records, seconds) for one engine configuration.
 
     Every run generates exactly max_new_tokens: an early-exited EOS would otherwise end a
     sequence early, and prefill / a half-empty batch would then decide tokens per second.
     """
     engine = Engine(model, heads=heads, config=EngineConfig(
-        max_batch=batch, max_seq_len=1024, batching=batching, shadow_rate=shadow_rate))
+        max_batch=batch, max_seq_len=1024, batching=batching, shadow_rate=shadow_rate,
+        seed=seed))
     if policy is not None:
         engine.set_thresholds(policy)
     generated, seconds = timed(lambda: engine.generate(prompts, max_new_tokens=max_new_tokens,
@@ -299,7 +300,7 @@ def interleaved_runs(base, variants, args, eval_ids, eos) -> dict[str, Tally]:
         outputs, records, seconds = fn()
         tallies.setdefault(name, Tally()).add(outputs, records, seconds)
 
-    for prompt in eval_ids:
+    for index, prompt in enumerate(eval_ids):
         run("hf", lambda p=prompt: _hf_run(base, p, args.max_new_tokens, eos))
         run("full", lambda p=prompt: run_engine(base, None, [p], args.max_new_tokens))
         for v in variants:
@@ -310,9 +311,11 @@ def interleaved_runs(base, variants, args, eval_ids, eos) -> dict[str, Tally]:
             for target, point in v["curve"].items():
                 run(f"{v['mode']}:{target}", lambda p=prompt, m=m, h=h, pol=point["policy"]:
                     run_engine(m, h, [p], args.max_new_tokens, policy=pol))
-            run(f"{v['mode']}:watched", lambda p=prompt, m=m, h=h,
+            # a seed per prompt: one seed would draw the same few shadow rows on every prompt
+            run(f"{v['mode']}:watched", lambda p=prompt, m=m, h=h, i=index,
                 pol=v["curve"][WATCHED_TARGET]["policy"]: run_engine(
-                    m, h, [p], args.max_new_tokens, policy=pol, shadow_rate=args.shadow_rate))
+                    m, h, [p], args.max_new_tokens, policy=pol, shadow_rate=args.shadow_rate,
+                    seed=i))
     return tallies
 
 
