@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from exitplane.ops.api import ControlPlane, fail, moment, operator_command, part
-from exitplane.ops.deployments import deployments, resolve_version, versions
+from exitplane.ops.deployments import deployments, layer_pairs, resolve_version, versions
 from exitplane.ops.render import emit, record, table
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -26,17 +26,6 @@ def window_seconds(value: str) -> float:
     if seconds <= 0:
         fail(f"--window {value!r}: the window must be longer than nothing")
     return seconds
-
-
-def _set_pairs(values: tuple[str, ...]) -> dict[str, float]:
-    pairs = {}
-    for value in values:
-        layer, _, threshold = value.partition("=")
-        try:
-            pairs[str(int(layer))] = float(threshold)
-        except ValueError:
-            fail(f"--set {value!r}: write LAYER=THRESHOLD, e.g. 24=0.9")
-    return pairs
 
 
 def _show_what_if(found: dict) -> None:
@@ -86,7 +75,7 @@ def versions_what_if(api: ControlPlane, deployment: str, version: str | None,
     if version is not None:
         body["version"] = resolve_version(api, deployment, version)
     elif pairs:
-        body["thresholds"] = _set_pairs(pairs)
+        body["thresholds"] = layer_pairs(pairs, "--set")
     else:
         body |= {"delta": delta, "epsilon": epsilon}
     try:

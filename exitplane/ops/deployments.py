@@ -243,14 +243,15 @@ def read_set_file(path: str) -> dict:
     return spec
 
 
-def _pairs(values: tuple[str, ...]) -> dict[str, float]:
+def layer_pairs(values: tuple[str, ...], option: str = "--threshold") -> dict[str, float]:
+    """LAYER=VALUE options -> {layer: threshold}; a malformed one ends the command."""
     pairs = {}
     for value in values:
         layer, _, threshold = value.partition("=")
         try:
             pairs[str(int(layer))] = float(threshold)
         except ValueError:
-            fail(f"--threshold {value!r}: write LAYER=VALUE, e.g. 12=0.9")
+            fail(f"{option} {value!r}: write LAYER=VALUE, e.g. 12=0.9")
     return pairs
 
 
@@ -273,7 +274,7 @@ def versions_publish(api: ControlPlane, deployment: str, set_file: str | None,
     if not set_file and not pairs:
         fail("give the thresholds: --file FILE or --threshold LAYER=VALUE")
     spec = read_set_file(set_file) if set_file else {"thresholds": {}}
-    spec["thresholds"] = {**spec["thresholds"], **_pairs(pairs)}
+    spec["thresholds"] = {**spec["thresholds"], **layer_pairs(pairs)}
     if signal:
         spec["signal"] = signal
     spec |= {"reason": reason, "activate": activate}

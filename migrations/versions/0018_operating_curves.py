@@ -50,6 +50,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("deployments") as batch_op:
-        batch_op.drop_column("retune_every_s")
+    op.drop_column("deployments", "retune_every_s")
     op.drop_table("operating_curves")

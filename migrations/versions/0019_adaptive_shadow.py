@@ -40,6 +40,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("deployments", schema=None) as batch_op:
-        for column in reversed(COLUMNS):
-            batch_op.drop_column(column)
+    for column in reversed(COLUMNS):
+        op.drop_column("deployments", column)
