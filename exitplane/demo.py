@@ -879,9 +879,9 @@ class _DefaultStory:
                            "the same chat prompts at full depth and with early exit")
         self.speed = speed_check(
             self.runtime.model, self.runtime.engine.heads, self.tokenizer, self.corpus,
-            self.chat_prompts[:8], version=version, thresholds=self.thresholds_of(version),
-            shadow_rate=SHADOW_SERVING, new_tokens=24 if self.quick else 48,
-            rounds=1 if self.quick else 2)
+            self.chat_prompts[:6 if self.quick else 12], version=version,
+            thresholds=self.thresholds_of(version), shadow_rate=SHADOW_SERVING,
+            new_tokens=24 if self.quick else 48)
         figures = self.speed.figures
         self.timeline.mark(f"speed check on the same chat prompts: early exit "
                            f"{figures['measured_speedup']:.2f}x full depth, "

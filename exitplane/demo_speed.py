@@ -3,7 +3,8 @@
 The same held-out chat prompts run three ways on a separate engine over the demo's model and
 heads (nothing is shipped to the control plane): at full depth with no checks, with the
 calibrated version's thresholds, and with those thresholds plus the serving phase's shadow
-tokens. The measured speed-ups, the cost model fitted on the runs' own token records
+tokens; one prompt at a time, the three ways in turn, so a machine whose load changes slows
+each way alike. The measured speed-ups, the cost model fitted on the runs' own token records
 (`controlplane.stats.cost_model`) and the net saving after checks and shadow tokens go into
 the demo's summary, whatever their sign.
 """
@@ -71,9 +72,9 @@ class SpeedCheck:
 
 def speed_check(model, heads, tokenizer, corpus, prompts: list[str], *, version: int,
                 thresholds: dict[int, float], shadow_rate: float, new_tokens: int,
-                rounds: int = 1, batch: int = 8) -> SpeedCheck:
-    """Run `prompts` at full depth, with `thresholds`, and with them plus `shadow_rate`
-    shadow tokens, alternated `rounds` times so load on the machine hits each alike."""
+                batch: int = 1) -> SpeedCheck:
+    """Run each of `prompts` at full depth, with `thresholds`, and with them plus
+    `shadow_rate` shadow tokens, in turn (`batch` > 1: that many prompts at a time)."""
     from controlplane.stats.cost_model import fit_cost_model
     from exitplane.wire import Signal
     from runtime.benchmark import Tally, run_engine, savings
@@ -88,10 +89,10 @@ def speed_check(model, heads, tokenizer, corpus, prompts: list[str], *, version:
                "watched": {"policy": early, "shadow_rate": shadow_rate}}
     tallies = {name: Tally() for name in configs}
     load = os.getloadavg()[0]
-    for _ in range(rounds):
+    for start in range(0, len(ids), batch):
         for name, options in configs.items():
-            tallies[name].add(*run_engine(model, heads, ids, new_tokens, batch=batch,
-                                          **options))
+            tallies[name].add(*run_engine(model, heads, ids[start:start + batch], new_tokens,
+                                          batch=batch, seed=start, **options))
             load = max(load, os.getloadavg()[0])
     figures = savings(tallies["full"], tallies["early"], tallies["watched"], fit_cost_model,
                       model.config.num_hidden_layers)

@@ -113,7 +113,7 @@ def test_the_speed_check_runs_the_same_prompts_three_ways():
         heads.confidence["2"].fc2.bias.fill_(5.0)  # every served token leaves at layer 2
     found = speed_check(model, heads, ascii_tokenizer(), corpus, corpus.HELD_OUT_PROMPTS[:4],
                         version=3, thresholds={2: 0.5, 4: 0.5}, shadow_rate=0.5,
-                        new_tokens=8, batch=4)
+                        new_tokens=8)
     assert (found.prompts, found.new_tokens, found.version) == (4, 8, 3)
     assert found.figures["watched_shadow_tokens"] > 0
     assert found.figures["measured_speedup"] > 0
