@@ -128,7 +128,7 @@ def test_a_generated_client_drives_a_live_control_plane(api, control_plane):
                                       raise_on_unexpected_status=True)
     status, wire, headers = _call(ops["deployments.pull_thresholds"], name="chat",
                                   client=runtime, runtime_id="gen-1")
-    assert status == 200 and isinstance(wire, models.ThresholdSetWire)
+    assert status == 200 and isinstance(wire, models.ThresholdPull)
     assert wire.version == version and wire.thresholds.to_dict() == {"3": 0.9, "6": 0.8,
                                                                      "9": 0.7}
     assert headers["etag"].strip('"') == wire.checksum

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl
 
 from controlplane.alerts.models import HOOK_KINDS, KINDS, SEVERITIES, STATUSES
+from controlplane.request_models import RequestModel
 
 HookKind = Literal[HOOK_KINDS]
 Severity = Literal[SEVERITIES]
@@ -40,15 +41,15 @@ class AlertRead(BaseModel):
     resolution: str
 
 
-class AlertAck(BaseModel):
+class AlertAck(RequestModel):
     note: str = Field(default="", max_length=2000)
 
 
-class AlertResolve(BaseModel):
+class AlertResolve(RequestModel):
     reason: str = Field(min_length=1, max_length=2000)
 
 
-class HookCreate(BaseModel):
+class HookCreate(RequestModel):
     name: str = Field(min_length=1, max_length=200)
     kind: HookKind
     url: HttpUrl
@@ -61,7 +62,7 @@ class HookCreate(BaseModel):
     enabled: bool = True
 
 
-class HookUpdate(BaseModel):
+class HookUpdate(RequestModel):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     url: HttpUrl | None = None
     min_severity: Severity | None = None

@@ -8,12 +8,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.auth.models import SCOPES
+from controlplane.request_models import RequestModel
 
 Scope = Literal[SCOPES]
 
 
-class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenCreate(RequestModel):
 
     name: str = Field(min_length=1, max_length=200)
     scope: Scope

@@ -8,14 +8,14 @@ from typing import Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from controlplane.calibration.models import CANARY_STATUSES, JOB_STATUSES
+from controlplane.request_models import RequestModel
 from exitplane.wire import INT32, SegmentName
 
 JobStatus = Literal[JOB_STATUSES]
 CanaryStatus = Literal[CANARY_STATUSES]
 
 
-class CalibrationCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CalibrationCreate(RequestModel):
 
     since: AwareDatetime | None = Field(
         default=None, description="start of the shadow-sample window (default: lookback)")
@@ -27,16 +27,14 @@ class CalibrationCreate(BaseModel):
                                   "its map); none: the whole deployment")
 
 
-class Decision(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Decision(RequestModel):
 
     reason: str = Field(min_length=1, max_length=2000)
 
 
-class CanaryCreate(BaseModel):
+class CanaryCreate(RequestModel):
     """A checked canary of a published version, on the deployment's canary fraction."""
 
-    model_config = ConfigDict(extra="forbid")
 
     version: int = Field(ge=1, le=INT32, description=(
         "the published threshold set version the canary runtimes apply (not the active one)"))

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controlplane.request_models import RequestModel
 from exitplane.wire import (
     DEFAULT_EXIT_LAYERS_RULE,
     HEAD_DIGEST_PATTERN,
@@ -48,8 +49,7 @@ def _check_shadow_bounds(low: float | None, high: float | None) -> None:
         raise ValueError(f"shadow_rate_min ({low:g}) must not exceed shadow_rate_max ({high:g})")
 
 
-class DeploymentCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DeploymentCreate(RequestModel):
 
     name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits, _ . -")
     model_ref: str = Field(min_length=1, max_length=500)
@@ -91,8 +91,7 @@ class DeploymentCreate(BaseModel):
         return self
 
 
-class DeploymentUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DeploymentUpdate(RequestModel):
 
     delta: float | None = Field(default=None, gt=0, lt=1)
     epsilon: float | None = Field(default=None, gt=0, lt=1)
@@ -139,8 +138,7 @@ class DeploymentRead(BaseModel):
     aliases: dict[str, int] = {}
 
 
-class ThresholdSetCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ThresholdSetCreate(RequestModel):
 
     # Values are checked against the deployment by the service (422 names the layer).
     thresholds: dict[int, float]
@@ -172,15 +170,13 @@ class ThresholdSetRead(BaseModel):
     aliases: list[str] = []
 
 
-class AliasMove(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AliasMove(RequestModel):
 
     version: int = Field(ge=1)
     reason: str = Field(min_length=1, max_length=2000)
 
 
-class Rollback(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Rollback(RequestModel):
 
     to_version: int | None = Field(default=None, ge=1,
                                    description="default: the version active before this one")
@@ -201,10 +197,9 @@ class AuditEventRead(BaseModel):
     created_at: datetime
 
 
-class SegmentChange(BaseModel):
+class SegmentChange(RequestModel):
     """Why a segment is declared or removed (for the audit log)."""
 
-    model_config = ConfigDict(extra="forbid")
 
     reason: str = Field(default="", max_length=500)
 

@@ -14,6 +14,7 @@ from controlplane.observability import (
     request_long_poll_wait,
     route_template,
 )
+from controlplane.request_models import ignored_fields, ignored_header
 from exitplane.kit import tracing
 from exitplane.kit.logs import (
     access_log_enabled,
@@ -22,6 +23,8 @@ from exitplane.kit.logs import (
     request_id_var,
     write_access_line,
 )
+
+_WITH_BODY = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 class ControlPlaneAPI(FastAPI):
@@ -46,7 +49,9 @@ class ControlPlaneAPI(FastAPI):
 
 
 class RequestContext:
-    """X-Request-ID in and out, one access line and one duration sample per HTTP request."""
+    """X-Request-ID in and out, one access line and one duration sample per HTTP request; for a
+    request with a body, the unknown fields its body models ignored, named in the
+    `Exitplane-Ignored-Fields` answer header (`controlplane.request_models`)."""
 
     def __init__(self, app, *, access_log: bool | None = None) -> None:
         self.app = app
@@ -77,6 +82,10 @@ class RequestContext:
         if b"wait=" in scope.get("query_string", b""):  # a long-poll: its wait is not its duration
             waited = [0.0]
             waited_token = request_long_poll_wait.set(waited)
+        noted = noted_token = None
+        if scope["method"] in _WITH_BODY:
+            noted = []
+            noted_token = ignored_fields.set(noted)
         started = time.perf_counter()
         status = 500
         trace_ids = None
@@ -88,8 +97,10 @@ class RequestContext:
                 if self._trace_access:
                     trace_ids = tracing.current_ids()
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"],
-                                      (b"x-request-id", request_id.encode())]
+                extra = [(b"x-request-id", request_id.encode())]
+                if noted and (header := ignored_header(noted)) is not None:
+                    extra.append(header)
+                message["headers"] = [*message["headers"], *extra]
             await send(message)
 
         try:
@@ -106,3 +117,5 @@ class RequestContext:
                 write_access_line(scope, request_id=request_id, route=route, status=status,
                                   elapsed=elapsed, trace_ids=trace_ids)
             request_id_var.reset(token)
+            if noted_token is not None:
+                ignored_fields.reset(noted_token)

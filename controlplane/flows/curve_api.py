@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, Field
 
 from controlplane.auth.deps import OperatorPrincipal
 from controlplane.calibration.service import CalibrationPolicy
@@ -16,6 +16,7 @@ from controlplane.deployments.service import get_deployment
 from controlplane.errors import NotFound, error_answer
 from controlplane.flows.operating_curve import latest_curve
 from controlplane.flows.what_if import MAX_WINDOW, what_if
+from controlplane.request_models import RequestModel
 from exitplane.wire import DEFAULT_SEGMENT, INT32, SegmentName
 
 router = APIRouter(prefix="/v1/deployments/{name}", tags=["operating curve"])
@@ -23,11 +24,10 @@ router = APIRouter(prefix="/v1/deployments/{name}", tags=["operating curve"])
 RuntimeId = Annotated[str, Field(min_length=1, max_length=128)]
 
 
-class WhatIfRequest(BaseModel):
+class WhatIfRequest(RequestModel):
     """One threshold set to evaluate (exactly one of version, thresholds, delta) and the
     evidence to evaluate it on."""
 
-    model_config = ConfigDict(extra="forbid")
 
     version: int | None = Field(default=None, ge=1, le=INT32,
                                 description="a stored version of the deployment")

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controlplane.request_models import RequestModel
+
 
 class RuntimeRead(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -54,6 +56,6 @@ class RuntimeOutlierRead(BaseModel):
     clear_reason: str
 
 
-class OutlierClear(BaseModel):
+class OutlierClear(RequestModel):
     reason: str = Field(min_length=1, max_length=2000,
                         description="why the runtime's evidence may count again (audited)")

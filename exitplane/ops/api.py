@@ -67,6 +67,9 @@ class ControlPlane:
             fail(f"cannot reach {self.url}: {_reason(error)}")
         if answer.is_error:
             fail(_refusal(answer), REFUSED)
+        if ignored := answer.headers.get("exitplane-ignored-fields"):
+            click.echo(f"exitplane: warning: this control plane ignored {ignored} (an older "
+                       "release than this CLI?)", err=True)
         if not answer.content:
             return None
         try:

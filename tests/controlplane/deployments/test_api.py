@@ -308,3 +308,35 @@ def test_a_state_serialises_each_set_once(client, app, tokens, engine):
     pulled = client.get("/v1/deployments/chat/thresholds", params={"runtime_id": "rt-1"},
                         headers=runtime)
     assert pulled.text in (state.active_json, state.canary_json)
+
+
+def test_unknown_request_fields_are_ignored_within_v1(client, tokens):
+    """A newer client's extra fields do not break an older server (docs/protocol.md): create,
+    update, publish, alias moves and token creation take them, ignore them and name them in
+    the Exitplane-Ignored-Fields header."""
+    op = tokens.headers(tokens.operator)
+    created = client.post("/v1/deployments", headers=op,
+                          json={**DEPLOYMENT, "added_in_a_later_release": {"x": 1}})
+    assert created.status_code == 201, created.text
+    assert "added_in_a_later_release" not in created.json()
+    assert created.headers["exitplane-ignored-fields"] == "added_in_a_later_release"
+    patched = client.patch("/v1/deployments/chat", headers=op,
+                           json={"delta": 0.04, "future_knob": True})
+    assert patched.status_code == 200 and patched.json()["delta"] == 0.04
+    assert patched.headers["exitplane-ignored-fields"] == "future_knob"
+    published = client.post("/v1/deployments/chat/threshold-sets", headers=op, json={
+        "thresholds": {"3": 0.95, "6": 0.9, "9": 0.85}, "reason": "by hand", "note": "new"})
+    assert published.status_code == 201, published.text
+    moved = client.put("/v1/deployments/chat/aliases/active", headers=op,
+                       json={"version": 2, "reason": "ship it", "ticket": "OPS-1"})
+    assert moved.status_code == 200, moved.text
+    made = client.post("/v1/tokens", headers=tokens.headers(tokens.admin),
+                       json={"name": "ci", "scope": "runtime", "deployment": "chat",
+                             "expires_in_days_v2": 3})
+    assert made.status_code == 201, made.text
+    assert made.headers["exitplane-ignored-fields"] == "expires_in_days_v2"
+    plain = client.patch("/v1/deployments/chat", headers=op, json={"delta": 0.05})
+    assert "exitplane-ignored-fields" not in plain.headers
+    # Known fields are still checked.
+    assert client.patch("/v1/deployments/chat", headers=op,
+                        json={"delta": 7}).status_code == 422

@@ -105,14 +105,16 @@ def test_start_a_canary_of_a_published_version(client, tokens, engine, outbox):
             ({"version": 1}, 409, "is 'chat''s active version"),
             ({"version": 99}, 404, "has no threshold set version 99"),
             ({"version": 0}, 422, "version"),
-            ({"version": version, "fraction": 0.5}, 422, "fraction"),
             ({"version": version, "reason": "x" * 2001}, 422, "reason")):
         refused = client.post(url, headers=op, json=body)
         assert refused.status_code == status and says in refused.json()["detail"], refused.text
     assert client.get(url, headers=op).status_code == 404  # nothing was started
 
-    started = client.post(url, headers=op, json={"version": version, "reason": "try it"})
+    # The fraction is the deployment's: a field the canary does not take is ignored, and named.
+    started = client.post(url, headers=op, json={"version": version, "reason": "try it",
+                                                 "fraction": 0.5})
     assert started.status_code == 201, started.text
+    assert started.headers["exitplane-ignored-fields"] == "fraction"
     run = started.json()
     assert (run["version"], run["baseline_version"], run["status"]) == (version, 1, "running")
     assert client.get(url, headers=op).json()["id"] == run["id"]
