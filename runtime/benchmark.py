@@ -399,8 +399,9 @@ def print_savings(found: dict, shadow_rate: float) -> None:
           f"{shadow_rate:.0%} shadow tokens {found['watched_speedup']:.3f}x")
     model = found.get("cost_model")
     if model is None:
-        print("  cost model: not fitted (bench/runtime.py fits it; too few timed tokens or "
-              "depths leave it unidentified)")
+        print("  cost model: not fitted (`exitplane runtime bench` leaves it to bench/runtime.py;"
+              " there, too few timed tokens or depths, or timings too noisy for a positive time"
+              " per layer, leave it unidentified)")
         net = found["measured_net_saving"]
     else:
         print(f"  cost model ({model['tokens']} timed tokens): {model['overhead_us'] / 1e3:.2f} "
