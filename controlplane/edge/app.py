@@ -26,7 +26,7 @@ from controlplane.deployments.tokens_api import router as auth_router
 from controlplane.edge.body import BodySizeLimit
 from controlplane.edge.front import ControlPlaneAPI, RequestContext
 from controlplane.edge.handlers import install_exception_handlers
-from controlplane.edge.openapi import documenting_our_validation_errors
+from controlplane.edge.openapi import documenting_our_validation_errors, serve_docs
 from controlplane.edge.probes import add_probes
 from controlplane.edge.pull_fast_path import NotModifiedFastPath
 from controlplane.edge.telemetry_fast_path import TelemetryFastPath
@@ -76,8 +76,9 @@ def create_api(settings: Settings | None = None, engine: Engine | None = None) -
         await to_thread.run_sync(app.state.heartbeats.close)
 
     app = ControlPlaneAPI(title="exitplane control plane", version=__version__,
-                          lifespan=lifespan)
+                          lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = documenting_our_validation_errors(app.openapi, app)
+    serve_docs(app)
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = factory

@@ -148,3 +148,27 @@ def _names_a_deployment(route) -> bool:
         return True
     return any("deployment" in getattr(param.field_info.annotation, "model_fields", ())
                for param in route.dependant.body_params)
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def serve_docs(app: FastAPI) -> None:
+    """The interactive API reference at /docs, served entirely by this process: Swagger UI's
+    files come from the installed swagger-ui bundle under /docs/assets, so the page works in
+    an air-gapped cluster (FastAPI's own page would load them from a CDN). Needs the app
+    created with `docs_url=None, redoc_url=None`."""
+    import swagger_ui_bundle
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path),
+              name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url, title=f"{app.title}: API reference",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")

@@ -88,8 +88,7 @@ API: dict[str, tuple[str, Call]] = {
     "GET /metrics": ("public", Call("/metrics", why="Prometheus scrapes without a token")),
     "GET /openapi.json": ("public", Call("/openapi.json")),
     "GET /docs": ("public", Call("/docs")),
-    "GET /docs/oauth2-redirect": ("public", Call("/docs/oauth2-redirect")),
-    "GET /redoc": ("public", Call("/redoc")),
+    "GET /docs/assets/{path}": ("public", Call("/docs/assets/swagger-ui-bundle.js")),
     # deployments and threshold sets
     "POST /v1/deployments": ("operator", Call("/v1/deployments", DEPLOYMENT)),
     "GET /v1/deployments": ("operator", Call("/v1/deployments")),
@@ -145,6 +144,15 @@ API: dict[str, tuple[str, Call]] = {
         "/v1/deployments/alpha/telemetry/count")),
     "GET /v1/deployments/{name}/segments": ("runtime", Call(
         "/v1/deployments/alpha/segments")),
+    "GET /v1/deployments/{name}/savings": ("runtime", Call(
+        "/v1/deployments/alpha/savings")),
+    "GET /v1/savings": ("operator", Call("/v1/savings")),
+    "GET /v1/deployments/{name}/operating-curve": ("operator", Call(
+        "/v1/deployments/alpha/operating-curve", ok=(200, 404),
+        why="404 until the workers draw a curve")),
+    "POST /v1/deployments/{name}/what-if": ("operator", Call(
+        "/v1/deployments/alpha/what-if", {"thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}},
+        ok=(200, 422), why="422 while the window holds too few shadow tokens")),
     # tokens
     "POST /v1/tokens": ("admin", Call("/v1/tokens", {"name": "ci", "scope": "operator"})),
     "GET /v1/tokens": ("admin", Call("/v1/tokens")),
@@ -206,6 +214,7 @@ UI: dict[str, tuple[str, Call]] = {
     "GET /ui/deployments/{name}/charts.json": ("viewer", Call(
         "/ui/deployments/alpha/charts.json")),
     "GET /ui/deployments/{name}/versions": ("viewer", Call("/ui/deployments/alpha/versions")),
+    "GET /ui/deployments/{name}/what-if": ("operator", Call("/ui/deployments/alpha/what-if")),
     "GET /ui/deployments/{name}/diff": ("viewer", Call("/ui/deployments/alpha/diff?a=1&b=2")),
     "GET /ui/deployments/{name}/act/{key}": ("operator", Call(
         "/ui/deployments/alpha/act/rollback")),
