@@ -64,6 +64,28 @@ def _checked_threshold_file(ctx, param, path: str | None) -> str | None:
     return path
 
 
+def kept_runtime_id(state_dir: Path) -> str:
+    """The runtime id kept in `state_dir` (file `runtime-id`), made once as
+    <host>-<6 hex digits> when there is none: restarts on the same state directory keep the
+    id, so the fleet sees one runtime come back instead of a ghost and a newcomer."""
+    import secrets
+
+    from exitplane.client.runtime import default_runtime_id
+    from exitplane.wire import RUNTIME_ID
+
+    path = state_dir / "runtime-id"
+    try:
+        kept = path.read_text().strip()
+    except OSError:
+        kept = ""
+    if RUNTIME_ID.fullmatch(kept):
+        return kept
+    made = f"{default_runtime_id()[:120]}-{secrets.token_hex(3)}"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(made + "\n")
+    return made
+
+
 def _logging(process_name: str, stream=None) -> None:
     try:
         configure_logging(process_name, stream=stream)
@@ -326,7 +348,10 @@ def bench(args) -> None:
                    "aggregates every token at the edge (docs/protocol.md).")
 @click.option("--kv-policy", type=click.Choice(["lazy", "propagate"]), default="lazy",
               help="How skipped layers' KV is filled after an early exit.")
-@click.option("--runtime-id", default=None, help="Default: host-pid.")
+@click.option("--runtime-id", default=None, envvar="EXITPLANE_RUNTIME_ID",
+              help="This runtime's id in its fleet (env EXITPLANE_RUNTIME_ID). Default: the "
+                   "id kept in --state-dir, made once as <host>-<random>, so a restart with "
+                   "the same state directory keeps its id.")
 @click.option("--state-dir", default="var/runtime-state", show_default=True,
               help="Threshold cache and telemetry spool.")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -371,7 +396,6 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     exitplane_segment body field, else --segment-rules (API key, then model name), else
     'default'; its tokens apply that segment's thresholds of the applied set."""
     import logging
-    import socket
 
     import uvicorn
 
@@ -407,7 +431,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
     engine = Engine(model, heads=heads,
                     config=EngineConfig(max_batch=max_batch, shadow_rate=shadow_rate,
                                         kv_policy=kv_policy),
-                    runtime_id=runtime_id or f"{socket.gethostname()}-{os.getpid()}",
+                    runtime_id=runtime_id or kept_runtime_id(Path(state_dir)),
                     model_revision=model_revision)
     static = read_threshold_file(thresholds_path) if thresholds_path else None
     try:

@@ -122,7 +122,7 @@ def create_serve_app(state: ServeState) -> FastAPI:
 
 async def _shutdown(state: ServeState) -> None:
     """Stop accepting, let in-flight requests finish within the grace period, cancel the rest,
-    then flush telemetry to the control plane or the spool."""
+    flush telemetry to the control plane or the spool, and leave the fleet."""
     state.accepting = False
     deadline = time.monotonic() + state.shutdown_grace_s
     while state.worker.in_flight and time.monotonic() < deadline:
@@ -131,10 +131,14 @@ async def _shutdown(state: ServeState) -> None:
     await asyncio.to_thread(state.worker.stop)
     state.prompt_pool.shutdown(wait=False, cancel_futures=True)
     state.text_pool.shutdown(wait=False, cancel_futures=True)
-    if state.thresholds is not None:
-        await asyncio.to_thread(state.thresholds.stop)
     if state.shipper is not None:
         await asyncio.to_thread(state.shipper.close, 30.0)
+    if state.thresholds is not None:
+        # Flushed first, then out of the fleet: a stopped runtime is no ghost, no
+        # `runtime_stale` alert and no canary member.
+        if (problem := await asyncio.to_thread(state.thresholds.leave)) is not None:
+            log.warning("%s", problem)
+        await asyncio.to_thread(state.thresholds.stop)
 
 
 def exit_when_engine_dies(state: ServeState, server, *, grace_s: float) -> threading.Thread:

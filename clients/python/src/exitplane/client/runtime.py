@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from exitplane.client.http import Cert, Verify, http_client, http_options
+from exitplane.client.http import Cert, Verify, http_options
 from exitplane.client.shipper import TelemetryShipper
 from exitplane.client.thresholds import (
     RefusedThresholdSet,
@@ -212,9 +212,10 @@ class Runtime:
             self._reload_token()  # the last sends and the leave go with the token held now
         self.shipper.close(timeout)
         self.thresholds.heartbeat()  # the last word on spooled and dropped counts
+        leaving = self.leave_on_close if leave is None else leave
+        if leaving and (problem := self.thresholds.leave()) is not None:
+            self._emit("error", problem)
         self.thresholds.stop()
-        if self.leave_on_close if leave is None else leave:
-            self._leave()
 
     def __enter__(self) -> Runtime:
         return self.start() if not self._started else self
@@ -333,21 +334,6 @@ class Runtime:
                 listener(payload)
             except Exception:
                 log.exception("on_%s listener failed", kind)
-
-    def _leave(self) -> None:
-        path = f"/v1/deployments/{self.deployment}/runtimes/{self.runtime_id}/leave"
-        try:
-            with http_client(base_url=self.url, token=self._token, timeout=10.0,
-                             **self._http_options) as http:
-                response = http.post(path)
-        except httpx.HTTPError as exc:
-            self._emit("error", f"could not leave the fleet: {exc}")
-            return
-        if response.status_code != 200:
-            self._emit("error", f"leaving the fleet answered {response.status_code}: "
-                                f"{response.text[:300]}")
-        else:
-            log.info("runtime %s left deployment %s", self.runtime_id, self.deployment)
 
     def _load_offline(self) -> None:
         try:

@@ -235,6 +235,20 @@ class ThresholdClient:
         if self._thread is None or not self._thread.is_alive():
             self._http.close()
 
+    def leave(self, timeout: float = 10.0) -> str | None:
+        """Tell the control plane this runtime left the fleet (it drops out of the fleet view
+        and of canary membership, and never turns into a `runtime_stale` alert). None when
+        the control plane took it, else what went wrong (the runtime stops all the same)."""
+        path = f"/v1/deployments/{self.deployment}/runtimes/{self.runtime_id}/leave"
+        try:
+            response = self._http.post(path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            return f"could not leave the fleet: {exc}"
+        if response.status_code != 200:
+            return f"leaving the fleet answered {response.status_code}: {response.text[:300]}"
+        log.info("runtime %s left deployment %s", self.runtime_id, self.deployment)
+        return None
+
     def set_token(self, token: str) -> None:
         """Use `token` from the next request on (a rotated runtime token)."""
         self._http.headers["Authorization"] = f"Bearer {token}"
