@@ -162,7 +162,8 @@ def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: Sessi
     if "url" in changes:
         changes["url"] = str(changes["url"])
     guard = _guard(request)
-    hook_service.update_hook(session=session, hook=hook, changes=changes, guard=guard)
+    hook_service.update_hook(session=session, hook=hook, changes=changes, guard=guard,
+                             actor=principal.actor)
     return _hook_read(hook, _names(session, [hook.deployment_id]), guard)
 
 
@@ -170,7 +171,7 @@ def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: Sessi
 def delete_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> Response:
     """Delete an alert hook and its deliveries."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
-    hook_service.delete_hook(session=session, hook=hook)
+    hook_service.delete_hook(session=session, hook=hook, actor=principal.actor)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

@@ -12,6 +12,7 @@ from controlplane.alerts import hooks
 from controlplane.alerts.guard import HookGuard
 from controlplane.alerts.kinds import NEVER_PAGES
 from controlplane.alerts.models import HOOK_KINDS, SEVERITIES, Alert, AlertDelivery, AlertHook
+from controlplane.auth.audit import LOCAL_ACTOR, record_admin_event
 from controlplane.deployments.models import Deployment
 from controlplane.errors import Invalid, NotFound
 from controlplane.keys import SecretUnreadable
@@ -66,12 +67,18 @@ def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
                      enabled=enabled, created_by=actor)
     session.add(hook)
     session.flush()
+    record_admin_event(session=session, actor=actor, action="hook.create",
+                       target=f"hook:{hook.id}",
+                       details={"name": name, "kind": kind, "deployment_id": hook.deployment_id,
+                                "min_severity": min_severity})
     return hook
 
 
 def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
-                guard: HookGuard | None = None) -> AlertHook:
-    """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted."""
+                guard: HookGuard | None = None, actor: str = LOCAL_ACTOR) -> AlertHook:
+    """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted.
+    The change is an audit event of `actor` (naming the fields changed, never their values
+    where they are credentials or URLs)."""
     guard = guard or hook_guard()
     for name, value in changes.items():
         if name == "min_severity" and value not in SEVERITIES:
@@ -84,6 +91,10 @@ def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
     if hook.kind == "pagerduty" and not hook.routing_key:
         raise Invalid("a pagerduty hook needs routing_key")
     session.flush()
+    record_admin_event(session=session, actor=actor, action="hook.update",
+                       target=f"hook:{hook.id}",
+                       details={name: (value if name in ("min_severity", "enabled", "name")
+                                       else "(changed)") for name, value in changes.items()})
     return hook
 
 
@@ -104,7 +115,10 @@ def shown_url(*, hook: AlertHook, guard: HookGuard) -> str:
         return "(unreadable with this secret key)"
 
 
-def delete_hook(*, session: Session, hook: AlertHook) -> None:
+def delete_hook(*, session: Session, hook: AlertHook, actor: str = LOCAL_ACTOR) -> None:
+    """Delete a hook and its delivery log (an audit event of `actor`)."""
+    record_admin_event(session=session, actor=actor, action="hook.delete",
+                       target=f"hook:{hook.id}", details={"name": hook.name})
     session.execute(delete(AlertDelivery).where(AlertDelivery.hook_id == hook.id))
     session.delete(hook)
     session.flush()

@@ -25,6 +25,7 @@ from controlplane.alerts import reactions
 from controlplane.alerts.delivery_service import enqueue_deliveries, refresh_if_due
 from controlplane.alerts.models import KINDS, SEVERITIES, STATUSES, Alert
 from controlplane.alerts.reports import store_report
+from controlplane.auth.audit import record_admin_event
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment
 from controlplane.errors import Conflict, Invalid, NotFound
@@ -216,6 +217,9 @@ def acknowledge(*, session: Session, alert: Alert, actor: str, note: str = "") -
     if note:
         alert.resolution = note
     session.flush()
+    record_admin_event(session=session, actor=actor, action="alert.acknowledge",
+                       target=f"alert:{alert.id}", reason=note,
+                       details={"kind": alert.kind, "deployment_id": alert.deployment_id})
     enqueue_deliveries(session=session, alert=alert, event="acknowledged")
     return alert
 
@@ -226,6 +230,9 @@ def resolve(*, session: Session, alert: Alert, actor: str, reason: str) -> Alert
         raise Conflict(f"alert {alert.id} is already resolved")
     _resolve(session=session, alert=alert, actor=actor, reason=reason, now=utcnow())
     session.flush()
+    record_admin_event(session=session, actor=actor, action="alert.resolve",
+                       target=f"alert:{alert.id}", reason=reason,
+                       details={"kind": alert.kind, "deployment_id": alert.deployment_id})
     return alert
 
 

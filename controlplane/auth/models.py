@@ -1,11 +1,11 @@
-"""ORM for API tokens (stored as sha256 digests, never in clear), UI users and the counts of
-failed password checks."""
+"""ORM for API tokens (stored as sha256 digests, never in clear), UI users, the counts of
+failed password checks, and the audit log of administrative actions."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, String
+from sqlalchemy import ForeignKey, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
@@ -56,3 +56,20 @@ class SignInFailures(Base):
     failures: Mapped[int] = mapped_column(default=0)
     locked_until: Mapped[datetime | None]
     last_failure_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class AdminEvent(Base):
+    """Who did what to the control plane itself, when and why: tokens, users and roles, alert
+    hooks, alert acknowledgements and resolutions (controlplane/auth/audit.py). Deployment
+    changes have their own log (`audit_events`)."""
+
+    __tablename__ = "admin_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(50), index=True)
+    # What the action was on: "token:12", "user:alice", "hook:3", "alert:41".
+    target: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    details: Mapped[dict] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -11,6 +11,7 @@ from typing import Protocol
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.auth.audit import LOCAL_ACTOR, record_admin_event
 from controlplane.auth.models import SCOPES, ApiToken
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
@@ -56,8 +57,10 @@ def digest(secret: str) -> str:
 
 
 def create_token(*, session: Session, name: str, scope: str,
-                 deployment: DeploymentRef | None = None) -> tuple[ApiToken, str]:
-    """Create a token; returns the row and the secret, which is never stored or shown again."""
+                 deployment: DeploymentRef | None = None,
+                 actor: str = LOCAL_ACTOR) -> tuple[ApiToken, str]:
+    """Create a token; returns the row and the secret, which is never stored or shown again.
+    The creation is an audit event of `actor`."""
     if scope not in SCOPES:
         raise Invalid(f"unknown scope {scope!r}; use one of {', '.join(SCOPES)}")
     if scope == "runtime" and deployment is None:
@@ -67,6 +70,10 @@ def create_token(*, session: Session, name: str, scope: str,
                      prefix=secret[:12], token_hash=digest(secret))
     session.add(token)
     session.flush()
+    record_admin_event(session=session, actor=actor, action="token.create",
+                       target=f"token:{token.id}",
+                       details={"name": name, "scope": scope,
+                                "deployment_id": token.deployment_id})
     return token, secret
 
 
@@ -97,14 +104,17 @@ def list_tokens(*, session: Session) -> list[ApiToken]:
     return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
 
 
-def revoke_token(*, session: Session, token_id: int) -> ApiToken:
+def revoke_token(*, session: Session, token_id: int, actor: str = LOCAL_ACTOR) -> ApiToken:
     """Revoke a token; every API process drops its cached lookup once this commits (never
-    before: a lookup in between would cache the old principal again)."""
+    before: a lookup in between would cache the old principal again). The revocation is an
+    audit event of `actor`."""
     token = session.get(ApiToken, token_id)
     if token is None:
         raise NotFound(f"token {token_id} does not exist")
     if token.revoked_at is None:
         token.revoked_at = utcnow()
         notify_after_commit(session=session, topic="revocation", message=token.token_hash)
+        record_admin_event(session=session, actor=actor, action="token.revoke",
+                           target=f"token:{token.id}", details={"name": token.name})
     session.flush()
     return token

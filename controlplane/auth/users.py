@@ -14,6 +14,7 @@ from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatc
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controlplane.auth.audit import LOCAL_ACTOR, record_admin_event
 from controlplane.auth.models import ROLES, User
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, Forbidden, Invalid, NotFound, Unauthorized
@@ -57,7 +58,7 @@ def _check_password(password: str) -> None:
 
 
 def create_user(*, session: Session, username: str, role: str, password: str | None = None,
-                password_hash: str | None = None) -> User:
+                password_hash: str | None = None, actor: str = LOCAL_ACTOR) -> User:
     """Create a user; the username is stored lowercase. Give `password_hash` (from
     `new_password_hash`, made before the caller's transaction began), or `password`: it is
     then hashed here before this function's first statement, so a caller that holds no
@@ -74,6 +75,8 @@ def create_user(*, session: Session, username: str, role: str, password: str | N
     user = User(username=username, password_hash=password_hash, role=role)
     session.add(user)
     session.flush()
+    record_admin_event(session=session, actor=actor, action="user.create",
+                       target=f"user:{user.username}", details={"role": user.role})
     return user
 
 
@@ -173,24 +176,33 @@ def _admins_left(session: Session, without: User) -> int:
         User.role == "admin", User.disabled.is_(False), User.id != without.id)) or 0
 
 
-def set_role(*, session: Session, user: User, role: str) -> User:
-    """Change a user's role; the last enabled admin cannot be demoted."""
+def set_role(*, session: Session, user: User, role: str, actor: str = LOCAL_ACTOR) -> User:
+    """Change a user's role (an audit event of `actor`); the last enabled admin cannot be
+    demoted."""
     _check_role(role)
     if user.role == "admin" and role != "admin" and _admins_left(session, user) == 0:
         raise Conflict("this is the last enabled admin; make another admin first")
     if role != user.role:
+        record_admin_event(session=session, actor=actor, action="user.role",
+                           target=f"user:{user.username}",
+                           details={"from": user.role, "to": role})
         user.role = role
         user.session_epoch += 1
     session.flush()
     return user
 
 
-def set_disabled(*, session: Session, user: User, disabled: bool) -> User:
-    """Disable (sign out everywhere, refuse sign-in) or re-enable a user."""
+def set_disabled(*, session: Session, user: User, disabled: bool,
+                 actor: str = LOCAL_ACTOR) -> User:
+    """Disable (sign out everywhere, refuse sign-in) or re-enable a user (an audit event of
+    `actor`)."""
     if disabled and user.role == "admin" and not user.disabled \
             and _admins_left(session, user) == 0:
         raise Conflict("this is the last enabled admin; make another admin first")
     if disabled != user.disabled:
+        record_admin_event(session=session, actor=actor,
+                           action="user.disable" if disabled else "user.enable",
+                           target=f"user:{user.username}")
         user.disabled = disabled
         user.session_epoch += 1
     session.flush()

@@ -21,7 +21,7 @@ def create_token(spec: TokenCreate, session: SessionDep,
     deployment)."""
     deployment = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
     token, secret = service.create_token(session=session, name=spec.name, scope=spec.scope,
-                                         deployment=deployment)
+                                         deployment=deployment, actor=principal.actor)
     return TokenCreated(**TokenRead.model_validate(token).model_dump(), token=secret)
 
 
@@ -34,5 +34,6 @@ def list_tokens(session: SessionDep, principal: AdminPrincipal) -> list[TokenRea
 @router.delete("/{token_id}", response_model=TokenRead)
 def revoke_token(token_id: int, session: SessionDep, principal: AdminPrincipal) -> TokenRead:
     """Revoke a token: every API process refuses it within seconds."""
-    token = service.revoke_token(session=session, token_id=token_id)
+    token = service.revoke_token(session=session, token_id=token_id,
+                                 actor=principal.actor)
     return TokenRead.model_validate(token)

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 
 from controlplane import collector, observability
 from controlplane.alerts.api import router as alerts_router
+from controlplane.auth.audit_api import router as audit_router
 from controlplane.auth.deps import PrincipalCache, token_reader
 from controlplane.auth.service import digest
 from controlplane.coordination.bus import Bus
@@ -140,7 +141,7 @@ def create_api(settings: Settings | None = None, engine: Engine | None = None) -
     # Every route takes its rate as the policy table says (controlplane/guards/policy.py).
     for router in (deployments_router, runtimes_router, auth_router, telemetry_router,
                    alerts_router, calibration_router, outliers_router, curve_router,
-                   savings_router):
+                   savings_router, audit_router):
         app.include_router(router, dependencies=[RouteGuard])
     return app
 

@@ -9,7 +9,7 @@ API:
   (`/v1/deployments/{name}/thresholds`). Every route of the API has exactly one entry
   (tests/controlplane/guards/test_policy.py), so a new route cannot be forgotten.
 - `policy_for(method, template)`: the entry of a routed request (`scope["route"].path`), or
-  `UNLISTED` for what the table does not name (a 404, the docs pages, the admin UI).
+  `UNLISTED` for what the table does not name (a 404, the API reference's assets, the admin UI).
 - `match(method, path)`: for code that runs before routing (the body gate, the fast paths),
   which sees a raw path: the `RouteMatch` (its policy, the template, the path parameters such
   as the deployment's `name`), or None when no route of the table has that method and path.
@@ -88,6 +88,7 @@ _ENTRIES = (
     _open("/metrics"),
     _open("/healthz"),
     _open("/readyz"),
+    _open("/docs"),  # the API reference page (its assets are static files)
     # deployments, threshold sets, aliases, audit, declared segments
     _control("POST", "/v1/deployments"),
     _read("/v1/deployments"),
@@ -118,6 +119,7 @@ _ENTRIES = (
     # tokens
     _control("POST", "/v1/tokens"),
     _read("/v1/tokens"),
+    _read("/v1/audit", heavy=True),
     _control("DELETE", "/v1/tokens/{token_id}"),
     # telemetry: batches in, rollup reads out
     RoutePolicy("POST", "/v1/telemetry", bucket="ingest", cost=1, held=True,

@@ -15,7 +15,7 @@ from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
 from controlplane.errors import DomainError, Invalid
 from controlplane.guards.password_checks import PasswordChecks
-from dashboards.security import Admin, Csrf
+from dashboards.security import Admin, Csrf, actor
 from dashboards.templating import render
 from dashboards.views import attempt
 
@@ -47,7 +47,7 @@ def create_token(request: Request, session: SessionDep, _user: Admin,
         target = (thresholds.get_deployment(session=session, name=deployment)
                   if deployment else None)
         token, secret = tokens.create_token(session=session, name=name.strip(), scope=scope,
-                                            deployment=target)
+                                            deployment=target, actor=actor(_user))
     except DomainError as error:
         session.rollback()
         return _tokens_page(request, session, status_code=error.status_code,
@@ -58,7 +58,7 @@ def create_token(request: Request, session: SessionDep, _user: Admin,
 @router.post("/tokens/{token_id}/revoke", dependencies=[Csrf])
 def revoke_token(token_id: int, request: Request, session: SessionDep, _user: Admin) -> Response:
     def perform() -> str:
-        token = tokens.revoke_token(session=session, token_id=token_id)
+        token = tokens.revoke_token(session=session, token_id=token_id, actor=actor(_user))
         return f"Token {token.name!r} ({token.prefix}…) is revoked."
 
     return attempt(request, session, "/tokens", perform)
@@ -87,6 +87,7 @@ def create_user(request: Request, session: SessionDep, _user: Admin,
     def perform() -> str:
         password_hash = _hashed_outside_transaction(request, session, password)
         created = users.create_user(session=session, username=username, role=role,
+                                    actor=actor(_user),
                                     password_hash=password_hash)
         return f"User {created.username!r} created as {created.role}."
 
@@ -98,7 +99,8 @@ def set_role(user_id: int, request: Request, session: SessionDep, _user: Admin,
              role: Annotated[str, Form()]) -> Response:
     def perform() -> str:
         target = users.set_role(session=session, user=users.get_user(session=session,
-                                                                     user_id=user_id), role=role)
+                                                                     user_id=user_id), role=role,
+                                actor=actor(_user))
         return f"{target.username!r} is now {target.role}."
 
     return attempt(request, session, "/users", perform)
@@ -110,7 +112,7 @@ def set_disabled(user_id: int, request: Request, session: SessionDep, _user: Adm
     def perform() -> str:
         target = users.set_disabled(session=session,
                                     user=users.get_user(session=session, user_id=user_id),
-                                    disabled=disabled == "true")
+                                    disabled=disabled == "true", actor=actor(_user))
         state = "disabled and signed out" if target.disabled else "enabled"
         return f"{target.username!r} is {state}."
 

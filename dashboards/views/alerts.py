@@ -182,7 +182,8 @@ def set_hook_enabled(hook_id: int, request: Request, session: SessionDep, _user:
                      enabled: Annotated[str, Form()]) -> Response:
     def perform() -> str:
         hook = hook_service.get_hook(session=session, hook_id=hook_id)
-        hook_service.update_hook(session=session, hook=hook, changes={"enabled": enabled == "true"})
+        hook_service.update_hook(session=session, hook=hook,
+                                 changes={"enabled": enabled == "true"}, actor=actor(_user))
         return f"Hook {hook.name!r} {'enabled' if hook.enabled else 'disabled'}."
 
     return attempt(request, session, "/hooks", perform)
@@ -193,7 +194,7 @@ def delete_hook(hook_id: int, request: Request, session: SessionDep, _user: Admi
     def perform() -> str:
         hook = hook_service.get_hook(session=session, hook_id=hook_id)
         name = hook.name
-        hook_service.delete_hook(session=session, hook=hook)
+        hook_service.delete_hook(session=session, hook=hook, actor=actor(_user))
         return f"Hook {name!r} and its delivery log deleted."
 
     return attempt(request, session, "/hooks", perform)

@@ -10,9 +10,9 @@ def register(main: click.Group) -> None:
     """Add the operator groups and commands to the `exitplane` command."""
     from exitplane.ops.curve import deployments_curve, versions_what_if  # noqa: F401 (registers)
     from exitplane.ops.deployments import canary, deployments, rollback, segments, versions
-    from exitplane.ops.operations import alerts, calibrations, runtimes, tokens
+    from exitplane.ops.operations import alerts, audit, calibrations, runtimes, tokens
     from exitplane.ops.savings import savings
 
     for command in (deployments, versions, rollback, canary, segments, calibrations, alerts,
-                    runtimes, tokens, savings):
+                    runtimes, tokens, savings, audit):
         main.add_command(command)

@@ -298,3 +298,19 @@ def tokens_revoke(api: ControlPlane, token_id: int) -> None:
     revoked = api.request("DELETE", f"/v1/tokens/{token_id}")
     emit(api.output, revoked, lambda: click.echo(
         f"token {revoked['id']} ({revoked['name']}) revoked"))
+
+
+AUDIT_COLUMNS = [("ID", "id"), ("WHEN", "created_at"), ("ACTOR", "actor"),
+                 ("ACTION", "action"), ("TARGET", "target"), ("REASON", "reason")]
+
+
+@operator_command(None, "audit")
+@click.option("--action", default=None, help="only this action, e.g. token.revoke")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 500),
+              help="at most this many events")
+def audit(api: ControlPlane, action: str | None, limit: int) -> None:
+    """Administrative actions, newest first: tokens, users and roles, alert hooks, alert
+    acknowledgements and resolutions (admin token). A deployment's own changes: `exitplane
+    deployments audit`."""
+    found = api.get("/v1/audit", action=action, limit=limit)
+    emit(api.output, found, lambda: table(found, AUDIT_COLUMNS))

@@ -147,6 +147,7 @@ API: dict[str, tuple[str, Call]] = {
     "GET /v1/deployments/{name}/savings": ("runtime", Call(
         "/v1/deployments/alpha/savings")),
     "GET /v1/savings": ("operator", Call("/v1/savings")),
+    "GET /v1/audit": ("admin", Call("/v1/audit")),
     "GET /v1/deployments/{name}/operating-curve": ("operator", Call(
         "/v1/deployments/alpha/operating-curve", ok=(200, 404),
         why="404 until the workers draw a curve")),
