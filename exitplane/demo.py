@@ -9,8 +9,10 @@ telemetry. The story, in five phases:
 2. serve chat with it (early exit), then check the speed: the same chat prompts at full depth,
    with the version, and with it plus shadow tokens (`demo_speed`: whether early exit pays
    on this machine, after its checks and shadow tokens);
-3. drift: the traffic switches to Python code; the workers detect it, make the conservative set
-   active on their own and queue a recalibration on the new traffic;
+3. drift: the traffic switches to Python code; when the version's quality breaks there, the
+   workers detect it, make the conservative set active on their own and queue a recalibration
+   on the new traffic; when the shadow tokens show it holds within δ (a 90% bound), nothing
+   falls back and the operator re-tunes for the new traffic;
 4. recalibrate: code traffic, all shadow, until the recalibrated version is active;
 5. serve code with it: the exit rate recovers and disagreement stays within δ.
 
@@ -134,6 +136,17 @@ class Evidence:
         """Code shadow tokens after which no reaction means there is none to come: enough for
         the quality test to see disagreement at 1.5 δ (`tokens_to_show`) at δ = 0.05."""
         return max(20 * self.quality_shadow, 2 * self.calibration_shadow)
+
+
+# Phase 4 under the conservative fallback (all shadow: the exit rate to beat is none).
+COLLECTING = "B code: conservative fallback (collecting samples)"
+
+
+def held_bound(stats: PhaseStats) -> float:
+    """The 90% upper bound on a phase's shadow disagreement (one-sided Clopper-Pearson)."""
+    from controlplane.calibration.learn_then_test import binomial_upper_bound
+
+    return binomial_upper_bound(stats.disagreements, stats.shadow, 0.1)
 
 
 def tokens_to_show(disagreement: float, delta: float, alpha: float, *, minimum: int = 1,
@@ -768,18 +781,26 @@ class _DefaultStory:
 
     def drift(self, version_a: int) -> bool:
         """Phase 3: code traffic until the control plane reacts (a fallback, or a
-        recalibration queued by an alert)."""
+        recalibration queued by an alert), or until the code shadow tokens show the version
+        holds there within δ (a 90% bound over at least a calibration's minimum of them):
+        then nothing falls back, and the operator queues a recalibration for the new
+        traffic."""
         self.runtime.engine.config.shadow_rate = SHADOW_DRIFT
         stats = PhaseStats("B code: after the shift")
         self.phases.append(stats)
         cap = self.evidence.drift_cap()
+        hold = max(self.evidence.calibration_shadow, 4 * self.evidence.quality_shadow)
         reacted: dict = {}
+        shifted = datetime.now(UTC)
 
         def done() -> bool:
             active = self.active_version()
             job = self.newest_job()
             if active != version_a or (job and job["trigger"] == "alert"):
                 reacted.update(active=active, job=job)
+                return True
+            if stats.shadow >= hold and held_bound(stats) <= self.delta:
+                reacted.update(held=held_bound(stats))
                 return True
             if stats.shadow >= cap:
                 self.failure = (f"no drift reaction on {stats.shadow} code shadow tokens "
@@ -805,6 +826,18 @@ class _DefaultStory:
 
         if not self.serve(stats, "code", done=done, show=show) or not reacted:
             return False
+        if "held" in reacted:
+            self.runtime.shipper.flush(30)
+            job = self.api.post("/v1/deployments/demo/calibrations", json={
+                "since": shifted.isoformat(),
+                "reason": f"traffic changed to code; v{version_a} holds there: re-tune for it"}
+            ).json()["job"]
+            self.timeline.mark(
+                f"quality held on code: {stats.disagreement:.1%} disagree under v{version_a} "
+                f"on {stats.shadow} shadow tokens (90% bound {reacted['held']:.1%} <= "
+                f"δ={self.delta:g}), so nothing falls back; the operator re-tunes for the new "
+                f"traffic (calibration job {job['id']})")
+            return True
         alerts = self.api.get("/v1/alerts", params={"deployment": "demo"}).json()
         fired = ", ".join(sorted({a["kind"] for a in alerts})) or "none listed"
         active = reacted["active"]
@@ -817,7 +850,9 @@ class _DefaultStory:
     def recalibrate(self, version_a: int) -> int | None:
         """Phase 4: all shadow on code until a recalibrated version is active."""
         self.runtime.engine.config.shadow_rate = 1.0
-        stats = PhaseStats("B code: conservative fallback (collecting samples)")
+        held = self.active_version() == version_a  # quality held: no fallback to watch
+        stats = PhaseStats(f"B code: collecting samples (v{version_a} stays)" if held
+                           else COLLECTING)
         self.phases.append(stats)
         since = datetime.now(UTC)
         seen: dict = {"approved": set(), "noted": set(), "attempt": 1}
@@ -988,7 +1023,8 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float, epsilon:
                    f"{p.shadow:>8}{disagreement:>9}  {sorted(p.versions)}")
     by_name = {p.name: p for p in phases}
     recovered = by_name.get("B code: recalibrated")
-    fallback = by_name.get("B code: conservative fallback (collecting samples)")
+    fallback = next((p for p in phases if p.name.startswith("B code: collecting")
+                     or p.name == COLLECTING), None)
     lower = (clopper_pearson(recovered.disagreement or 0.0, recovered.shadow, epsilon)[0]
              if recovered else 1.0)
     ok = bool(recovered and fallback and recovered.exit_rate > fallback.exit_rate

@@ -19,6 +19,7 @@ from exitplane.demo import (
     Timeline,
     _report,
     control_plane_settings,
+    held_bound,
     paced_step,
     phase_line,
     progress_step,
@@ -218,3 +219,17 @@ def test_the_summary_says_whether_the_loop_closed_with_rates_to_three_decimals(c
     unsafe = _phase("B code: recalibrated", served=500, exits=400, shadow=111, disagreements=30)
     assert not _report(Timeline(), [fallback, unsafe], delta=0.05, epsilon=0.1)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("loop closed: no")
+
+
+def test_a_version_that_holds_on_the_new_traffic_closes_the_loop_without_a_fallback(capsys):
+    """When code traffic stays within δ under the chat version (a 90% bound), nothing falls
+    back: the samples are collected under that version, and the loop closes on the
+    recalibrated phase all the same."""
+    held = _phase("B code: after the shift", served=0, exits=0, shadow=400, disagreements=8)
+    assert held_bound(held) < 0.05 < held_bound(
+        _phase("B code: after the shift", served=0, exits=0, shadow=400, disagreements=18))
+    collecting = _phase("B code: collecting samples (v2 stays)", served=0, exits=0,
+                        shadow=700, disagreements=10)
+    closed = _phase("B code: recalibrated", served=500, exits=40, shadow=111, disagreements=3)
+    assert _report(Timeline(), [held, collecting, closed], delta=0.05, epsilon=0.1)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("loop closed: yes")
