@@ -782,9 +782,9 @@ class _DefaultStory:
     def drift(self, version_a: int) -> bool:
         """Phase 3: code traffic until the control plane reacts (a fallback, or a
         recalibration queued by an alert), or until the code shadow tokens show the version
-        holds there within δ (a 90% bound over at least a calibration's minimum of them):
-        then nothing falls back, and the operator queues a recalibration for the new
-        traffic."""
+        holds there within δ (a 90% bound over at least a calibration's minimum of them), or
+        the drift cap's worth of them passed with no reaction from the quality test: then
+        nothing falls back, and the operator queues a recalibration for the new traffic."""
         self.runtime.engine.config.shadow_rate = SHADOW_DRIFT
         stats = PhaseStats("B code: after the shift")
         self.phases.append(stats)
@@ -802,9 +802,8 @@ class _DefaultStory:
             if stats.shadow >= hold and held_bound(stats) <= self.delta:
                 reacted.update(held=held_bound(stats))
                 return True
-            if stats.shadow >= cap:
-                self.failure = (f"no drift reaction on {stats.shadow} code shadow tokens "
-                                f"({stats.disagreement:.1%} disagree under v{version_a})")
+            if stats.shadow >= cap:  # the quality test, at its level, finds no breach
+                reacted.update(held=held_bound(stats))
                 return True
             return False
 
@@ -832,11 +831,13 @@ class _DefaultStory:
                 "since": shifted.isoformat(),
                 "reason": f"traffic changed to code; v{version_a} holds there: re-tune for it"}
             ).json()["job"]
+            why = (f"90% bound {reacted['held']:.1%} <= δ={self.delta:g}"
+                   if reacted["held"] <= self.delta else
+                   f"the quality test finds no breach of δ={self.delta:g}")
             self.timeline.mark(
                 f"quality held on code: {stats.disagreement:.1%} disagree under v{version_a} "
-                f"on {stats.shadow} shadow tokens (90% bound {reacted['held']:.1%} <= "
-                f"δ={self.delta:g}), so nothing falls back; the operator re-tunes for the new "
-                f"traffic (calibration job {job['id']})")
+                f"on {stats.shadow} shadow tokens ({why}), so nothing falls back; the operator "
+                f"re-tunes for the new traffic (calibration job {job['id']})")
             return True
         alerts = self.api.get("/v1/alerts", params={"deployment": "demo"}).json()
         fired = ", ".join(sorted({a["kind"] for a in alerts})) or "none listed"
