@@ -131,6 +131,10 @@ def test_the_compose_services_close_the_loop(fresh_database, private_redis, tmp_
                            timeout=30)
         created = ops.get("/v1/deployments/chat").json()
         assert (created["model_ref"], created["exit_layers"]) == ("tiny-llama", [2, 4])
+        # The control plane sets the runtimes' shadow rate: fixed here at the rate this story
+        # needs (equal bounds), as an operator would for a fleet this small.
+        assert ops.patch("/v1/deployments/chat", json={
+            "shadow_rate_min": 0.75, "shadow_rate_max": 0.75}).status_code == 200
         tuned = ops.post("/v1/deployments/chat/threshold-sets", json={
             "thresholds": {"2": 0.1, "4": 0.1}, "reason": "tuned by hand for domain A",
             "activate": True}).json()["version"]

@@ -148,7 +148,9 @@ def test_store_gauges_are_cached_between_scrapes(serve, engine):
             assert client.get("/metrics").status_code == 200
     finally:
         event.remove(engine, "before_cursor_execute", count)
-    assert first == 1 and len(statements) == first  # five more scrapes, no more queries
+    # The rollup gauges' reads (open alerts' layers, the last hour's net saving) run once;
+    # five more scrapes run no more queries.
+    assert first >= 1 and len(statements) == first
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # a lock another can hold

@@ -110,10 +110,10 @@ def test_a_fault_in_a_decode_step_fails_that_batch_and_the_engine_serves_on():
     engine = state.engine
     decode = engine._decode
 
-    def faulty_decode(requests, policy):
+    def faulty_decode(requests, policy, *rest):
         if any(_is_poison(r) for r in requests):
             raise RuntimeError(INTERNAL)
-        return decode(requests, policy)
+        return decode(requests, policy, *rest)
 
     engine._decode = faulty_decode
     _slow_steps(engine)
@@ -140,10 +140,10 @@ def test_a_dead_engine_thread_turns_healthz_to_503_and_fails_requests_fast():
     engine = state.engine
     decode = engine._decode
 
-    def fatal_decode(requests, policy):
+    def fatal_decode(requests, policy, *rest):
         if any(_is_poison(r) for r in requests):
             raise EngineKilled("the engine thread is gone")
-        return decode(requests, policy)
+        return decode(requests, policy, *rest)
 
     engine._decode = fatal_decode
     _slow_steps(engine)
