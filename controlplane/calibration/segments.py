@@ -1,113 +1,10 @@
-"""Per-segment calibration: each traffic segment gets its own Learn-Then-Test
-thresholds on its own shadow tokens, with ε split across segments so that one statement holds
-for all of them at once.
-
-How ε is split (seg-power2: Šidák across the segments' own tests; it was Bonferroni, ε/k each,
-with a tenth of each share reserved for a pooled check). Each segment s has its own risk R_s
-(policy disagreement on its traffic); F_s is the event that the thresholds it gets have
-R_s > δ. What operators need when the mix moves is "every segment within δ, with probability
-1-ε": P(∪_s F_s) <= ε. Before any loss is seen, the token counts per layer (the same minimum
-`calibrate_thresholds` applies, `stats.check_counts`) sort the k segments into the m that run
-their own LTT and the k - m too small for it:
-
-- a segment too small for its own LTT keeps the pooled set only if a test of the pooled
-  thresholds on its check tokens certifies it, at ε/k (the same test as the LTT's, `risk_test`:
-  by default the exact binomial tail, `stats.binomial_p_value`), else never-exit;
-- a segment large enough runs its own fixed-sequence LTT (`calibrate_thresholds`) at the level
-  a = 1 - (1 - ε m/k)^(1/m) (Šidák over the m own tests); if it certifies no exiting step the
-  segment gets never-exit, with no pooled check (it has no level reserved for one: a segment
-  with enough tokens almost never fell back, chat 100/100 and code 99/100 trials on
-  bench/segments.py's real records, so the reserve bought nothing and cost level).
-
-Why Šidák holds for the own tests (a conditional-independence argument, not an assumption about
-the traffic). Order the segments by token count, largest first (ties by name): fixed by sizes
-alone, before any test. Segment s's path may borrow tokens of the segments *before* it in that
-order, never after (`borrow_path`, below); its holdout, learn and test parts are its own requests.
-Let D_s be all of segment s's shadow tokens; the segments' requests are distinct and drawn
-independently, so D_1, ..., D_k are independent. Given D_1..D_{s-1} (everything its path may
-borrow), F_s depends only on D_s, and its LTT is valid conditionally: the path is then fixed
-before its test requests are seen, so P(F_s | D_1..D_{s-1}) <= a for every value of them. The
-events F_1..F_{s-1} are functions of D_1..D_{s-1}, so by the chain rule
-P(no F_s among any set S of own segments) = Π_j P(no F_j | no earlier one) >= (1-a)^|S|, and
-P(∪ F over the own segments) <= 1 - (1-a)^m = ε m/k. Borrowing both ways (two segments each
-drawing its path with the other's test tokens) would break this: then each test is still valid
-given the other's data, but two-way dependence lets the two failures avoid each other and
-P(F_1 ∪ F_2) reach 2a > 1 - (1-a)^2; hence the order. The small segments' pooled checks depend
-on the pooled set, drawn on every segment's tokens, so they join by the union bound: P(∪_s F_s)
-<= ε m/k + (k - m) ε/k = ε, whatever the dependence between the two groups. With every segment
-large (m = k) the own level is 1 - (1-ε)^(1/k) >= ε/k: 0.0513 instead of 0.045 (0.9 ε/k) at
-ε 0.1, k 2. `pooled_check_share` > 0 restores the former scheme (Bonferroni ε/k, that share of
-it reserved for the pooled check of a segment whose own LTT certifies nothing), for comparison.
-Measured on bench/segments.py (`--requests 480`, 100 trials): the per-segment sets' served exit
-rate 0.2149 (0.9 ε/k and the reserve) -> 0.2163 (ε/k, no reserve) -> 0.2165 (Šidák), against
-0.2408 for the recalibrated pool: 0.892x -> 0.899x (bench/segments.py's table).
-
-A later one-segment recalibration (a segment that fell back alone, `flows.recalibration`)
-replaces one segment's set and must keep the joint statement with the sets the others hold.
-Those came from other data, and its window may overlap theirs (its borrowed tokens, its own
-tokens), so it does not lean on independence: it runs at b = a (1-a)^(k-1), a = 1-(1-ε)^(1/k)
-(`recalibration_level`), which the union bound makes enough. Whatever calibration the others'
-sets came from (this one, Bonferroni at ε/k, or earlier one-segment recalibrations at b), any j
-of them fail together with probability <= 1 - (1-a)^j (for Šidák by the chain rule; for ε/k by
-Bernoulli's inequality, j ε/k <= 1 - (1-ε)^(j/k); for the mixed split likewise), and
-1 - (1-a)^j + (k-j) b <= 1 - (1-a)^k = ε because n a (1-a)^(n-1) <= 1 - (1-a)^n. At ε 0.1,
-k 2: b = 0.0487 (it was ε/k = 0.05).
-
-The pooled set is calibrated (at ε, its own statement about the mix) on every segment's tokens
-except the check tokens, a share (`check_fraction`) of the *requests* of each segment that may
-run a pooled check (tokens of one request are correlated, so they stay on one side), so the
-pooled check sees data the pooled set was not chosen on; a segment that runs its own LTT with
-no reserve gives the pooled set all its tokens. If no test passes the segment keeps the
-conservative never-exit thresholds. The result says, per segment, which set it got and why.
-
-A small segment's path borrows the larger segments' tokens (`borrow_path`: power on
-a small segment). The LTT's guarantee needs only that the path be fixed independently of the
-tokens it is tested on; other segments' tokens come from other requests, so they may help draw
-it. When the segments before it in the size order (above: only those, so that the own tests stay
-independent given what they borrow) together hold more tokens than this one, its match model per
-layer is its own learn tokens' logistic fit shrunk towards a fit on them plus those segments'
-tokens (`prior_weight`, a Gaussian prior on the coefficients: `stats._fit_logistic`); the test,
-its requests, its level and the reference reading of the design effect are exactly those of the
-segment's own LTT without borrowing, so its validity is the same by construction. With two
-segments this is what it was (the smaller borrows all of the larger's tokens); with three or
-more a middle segment no longer borrows the smaller ones' (they hold the least to lend). A
-one-segment recalibration (a segment that fell back alone) decides alike (`path_borrowing`)
-with every other segment's shadow tokens of its window (its level rests on the union bound, not
-on independence). The largest segment keeps its own path: its learn part is already the
-largest, and a pool it dominates has little to lend (when chat borrowed too, its served exit
-rate did not move: 0.199 with, 0.198 without, 100 trials).
-
-What it buys, measured on bench/segments.py's real records (`--requests 480`): little. Over 100
-trials the served exit rate of the per-segment sets went 0.2141 -> 0.2149 (code 0.218 -> 0.219)
-against 0.2408 for the recalibrated pool (0.889x -> 0.892x: the 0.9x target is still missed).
-On 30 trials with every segment borrowing: 0.2184 own path -> 0.2207 at `prior_weight` 30
-(0.2191 at 3, 0.2201 at 10, 0.2195 at 100, 0.2191 with the pooled fit itself). The path is not
-what limits code there: on its serving half (15 trials) the best step of its own path under true
-risk 0.035 exits 0.2166, of the borrowed one 0.2190, of a path fitted on its 240 serving
-requests themselves 0.2195; the test's power on 34 requests at 0.9 ε/k is what limits it (its
-chosen steps' true risk 0.018-0.046 in 6 trials, the certified p-values falling monotonically
-along the path, so no step is lost to an early failure). On a 40-request segment whose requests
-vary more within themselves it pays more (tests/controlplane/calibration/test_segment_power.py:
-fresh exit rate 0.4496 -> 0.4590).
-
-Weighed and not adopted, with the figures: (1) a smaller learn share for a segment whose path
-is borrowed (0.15 instead of 0.3, so its test holds 41 requests instead of 34): +0.005 served
-exit rate on 30 trials, but its learn requests are half of the reference on which the design
-effect is read apart from the test (26 -> 19 requests), and at the null's boundary the
-request-level test then rejects more often than its level (ε 0.045, 8,000 draws of 32-token
-requests, intra-request correlation 0.03 / 0.09 / 0.25 / 0.67: 0.035 / 0.040 / 0.048 / 0.060
-with 34 tested and 26 apart, 0.038 / 0.048 / 0.054 / 0.071 with 41 and 19): it buys power by
-weakening validity. (2) ε split by 1 / sqrt(tokens) instead of ε/k: +0.002 on 30 trials on top
-of the borrowed path, but it is zero-sum: it takes level from the segments large at
-calibration, and bench/segments.py serves 80% of the segment that was small at calibration,
-which a product default should not assume; and a later one-segment recalibration would have to
-read its recorded share (not a rule of ε and k) to keep the joint statement.
-
-Like the LTT itself (`calibration.learn_then_test`, "the request-level test"), both tests work
-at the request level when `requests` are given: a segment's own LTT splits and tests whole requests,
-and the pooled check deflates its check tokens by the design effect read on them and on the
-segment's other requests. Without request ids every token is its own request, the token-level
-test of before.
+"""Per-segment calibration: each traffic segment gets its own Learn-Then-Test thresholds on
+its own shadow tokens, with ε split across segments (Šidák over the segments large enough for
+their own test, ε/k for each small segment's pooled check) so that one statement holds for all
+of them at once: every segment within δ with probability 1-ε. A small segment's path may borrow
+the larger segments' tokens; its own test decides. A one-segment recalibration runs at
+`recalibration_level`. docs/concepts/segments.md, "How ε is split across segments", gives the
+argument; docs/benchmarks.md, "Per-segment calibration", what the choices measure.
 """
 
 from __future__ import annotations
@@ -134,14 +31,14 @@ from exitplane.wire import DEFAULT_SEGMENT
 Source = Literal["segment", "pooled", "conservative"]
 
 # The shrink of a borrowing segment's match model towards the fit on every segment's tokens
-# (module docstring: 3 / 10 / 30 / 100 measured, 30 kept)
+# (docs/benchmarks.md, "Per-segment calibration": 3 / 10 / 30 / 100 measured, 30 kept)
 PRIOR_WEIGHT = 30.0
 
 
 def own_test_level(epsilon: float, *, own: int, segments: int) -> float:
     """The level of each of the `own` segments' own LTTs when `segments` segments share ε and
     the rest (too small for their own) spend ε/k each on a pooled check: Šidák over the own
-    tests' share ε own/k, 1 - (1 - ε own/k)^(1/own) (module docstring, "How ε is split")."""
+    tests' share ε own/k, 1 - (1 - ε own/k)^(1/own) (docs/concepts/segments.md)."""
     if not 0 < own <= segments:
         raise ValueError(f"need 0 < own <= segments, got own={own}, segments={segments}")
     return 1.0 - (1.0 - epsilon * own / segments) ** (1.0 / own)
@@ -150,7 +47,7 @@ def own_test_level(epsilon: float, *, own: int, segments: int) -> float:
 def recalibration_level(epsilon: float, segments: int) -> float:
     """The level of a one-segment recalibration among `segments` segments: a (1-a)^(k-1) with
     a = 1 - (1-ε)^(1/k), which keeps "every segment within δ with probability 1-ε" by the union
-    bound against whatever calibrations set the others (module docstring)."""
+    bound against whatever calibrations set the others (docs/concepts/segments.md)."""
     if segments < 1:
         raise ValueError(f"need at least one segment, got {segments}")
     a = own_test_level(epsilon, own=segments, segments=segments)
@@ -161,8 +58,8 @@ def path_borrowing(own_tokens: int, borrowed: tuple[np.ndarray, np.ndarray] | No
                    prior_weight: float = PRIOR_WEIGHT) -> dict[str, Any]:
     """`calibrate_thresholds` options that let a segment of `own_tokens` shadow tokens draw its
     path with `borrowed` (signals, matched) of the other segments' requests, when those
-    outnumber its own (module docstring); {} otherwise. Used by `calibrate_segments` and by a
-    one-segment recalibration (`flows.recalibration`), so both decide alike."""
+    outnumber its own (docs/concepts/segments.md); {} otherwise. Used by `calibrate_segments`
+    and by a one-segment recalibration (`flows.recalibration`), so both decide alike."""
     if borrowed is None or len(borrowed[0]) <= own_tokens:
         return {}
     return {"borrowed": borrowed, "prior_weight": prior_weight}
@@ -189,7 +86,7 @@ class SegmentCalibration:
     reason: str
     tokens: int
     requests: int
-    epsilon: float  # the level this segment's tests spend (module docstring)
+    epsilon: float  # the level this segment's tests spend (docs/concepts/segments.md)
     result: CalibrationResult | None = None  # its own LTT, when it ran
     pooled_check: PooledCheck | None = None
 
@@ -215,7 +112,7 @@ class SegmentedCalibration:
     segments: dict[str, SegmentCalibration]
     pooled: CalibrationResult | None
     notes: list[str] = field(default_factory=list)
-    split: str = "sidak"  # how ε was split: "sidak" or "bonferroni" (module docstring)
+    split: str = "sidak"  # how ε was split: "sidak" or "bonferroni" (docs/concepts/segments.md)
 
     def segment_thresholds(self) -> dict[str, dict[int, float]]:
         """The `segments` map to publish (every named segment; `default` is `thresholds`)."""
@@ -275,18 +172,18 @@ def calibrate_segments(
     runtimes: np.ndarray | None = None,
     robust_min_runtimes: int = 3,
 ) -> SegmentedCalibration:
-    """Thresholds per segment with P(some segment's risk > δ) <= ε (see the module docstring).
+    """Thresholds per segment with P(some segment's risk > δ) <= ε (docs/concepts/segments.md).
 
     signals, matched: (n, L) shadow tokens as for `calibrate_thresholds`; segments: (n,) the
     segment name of each token; requests: (n,) request ids (each token its own request when
     None), so that the pooled set's check tokens are whole requests. `risk_test` and
     `match_model` go to every `calibrate_thresholds` run (and the pooled check uses the same
     test); `pooled_check_share` 0 (the default): a segment large enough for its own LTT runs it
-    at the Šidák level and has no pooled fallback; > 0: the former scheme, every segment at
-    ε/k with that share of it kept for a pooled check (comparison). `borrow_path` lets a
+    at the Šidák level and has no pooled fallback; > 0: Bonferroni, every segment at
+    ε/k with that share of it kept for a pooled check (for comparison). `borrow_path` lets a
     segment draw its path with the tokens of the larger segments when they outnumber its own,
-    shrunk by `prior_weight` (module docstring; False: each path from its own learn tokens
-    only). `runtimes` (n,): each token's runtime, for the cross-runtime holdout and the
+    shrunk by `prior_weight` (docs/concepts/segments.md; False: each path from its own learn
+    tokens only). `runtimes` (n,): each token's runtime, for the cross-runtime holdout and the
     leave-one-runtime-out test of every LTT run (`calibrate_thresholds`). Raises ValueError on
     malformed input; a segment or pool too small for LTT is not an error, it is reported.
     """
@@ -366,7 +263,7 @@ def calibrate_segments(
 def _split(epsilon: float, *, own: int, segments: int, reserve: float
            ) -> tuple[str, float, str]:
     """(how ε is split, the level of each own LTT, that level in words for the reasons)."""
-    if reserve > 0:  # the former scheme, for comparison
+    if reserve > 0:  # Bonferroni with a pooled-check reserve, for comparison
         level = epsilon / segments * (1.0 - reserve)
         return "bonferroni", level, f"{1 - reserve:g} ε/k = {level:.4g}"
     if own == 0:  # no segment runs its own test: each small one's pooled check at ε/k
@@ -392,7 +289,7 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
             per_segment: float, reserve: float, options: dict,
             fleet_witnesses: int = 0) -> SegmentCalibration:
     """One segment: a large one its own LTT if it certifies something, else (only with a
-    `reserve`, the share of ε/k kept by the former scheme) a certified pooled set, else
+    `reserve`, the share of ε/k kept under the Bonferroni split) a certified pooled set, else
     never-exit; one `too_small` for its own LTT a certified pooled set at ε/k, else
     never-exit."""
     sizes = dict(tokens=len(signals), requests=len(np.unique(requests)))

@@ -53,7 +53,7 @@ class NotModifiedFastPath:
         self.digest = digest
         self.settings = settings
         self.front = front
-        self._route = route  # the pull's APIRoute: metrics and logs name the route as before
+        self._route = route  # the pull's APIRoute: metrics and logs name the route
         # The route's bucket, as its policy names it, and its path around the deployment's name.
         self.limiter = limiters[policy_for("GET", route.path).bucket]
         self._prefix, _, self._suffix = route.path.partition("{name}")

@@ -71,7 +71,7 @@ class TelemetryFastPath:
         # up, or an operator's alias move, would wait behind seconds of telemetry.
         self._threads = threads
         self._limiter: tuple[object, CapacityLimiter] | None = None  # (its loop, it)
-        # The routes' APIRoutes: request metrics, logs and traces name the route as before.
+        # The routes' APIRoutes: request metrics, logs and traces name the route.
         [self._telemetry] = [route for route in telemetry_router.routes
                              if route.path == TELEMETRY.template and "POST" in route.methods]
         [self._heartbeat] = [route for route in runtimes_router.routes

@@ -449,8 +449,8 @@ def canary_outliers(*, session: Session, deployment: Deployment, run: CanaryRun,
 def judged_segments(*, candidate: ThresholdSet, baseline: ThresholdSet, known: list[str]
                     ) -> list[str | None]:
     """The traffic segments a canary judges: those whose thresholds the candidate
-    changes ('default' first), each on its own rows; [None] (all traffic, as before segments
-    existed) when neither set has segment maps and the deployment knows no segment, or when
+    changes ('default' first), each on its own rows; [None] (all traffic as one)
+    when neither set has segment maps and the deployment knows no segment, or when
     the candidate changes nothing."""
     if not known and not candidate.segments and not baseline.segments:
         return [None]

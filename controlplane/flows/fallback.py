@@ -27,7 +27,7 @@ A version is published (origin `fallback`) equal to the active one except S's ma
 'default' and every other segment keep theirs. The recalibration it queues runs on S's shadow
 tokens only. A 'default' alert takes this path too when the active set gives other segments
 maps of their own (they keep them; segments without a map apply default's and fall back with
-it); without such maps it moves the whole deployment exactly as before segments existed.
+it); without such maps it moves the whole deployment as one.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def _segmented_window(*, session: Session, deployment: Deployment, since: dateti
                       until: datetime, names: list[str], shape: dict,
                       exclude: set[str]) -> ShadowWindow | None:
     """Every segment's shadow tokens with their segment, request and runtime ids; None when
-    only 'default' has any (the window is then calibrated as before segments existed)."""
+    only 'default' has any (the window is then calibrated as one, without segments)."""
     parts = {name: shadow_evidence(session=session, deployment=deployment, since=since,
                                    until=until, segment=name, exclude=exclude)
              for name in names}

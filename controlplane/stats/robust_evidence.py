@@ -1,40 +1,10 @@
 """Robust evidence: no witness's word counts for more than its share (plain functions).
 
-Shadow tokens are labelled by their witness (what reported them). A witness's tokens are
-evidence about the thresholds, but a witness that lies, has a bug in its match check or serves
-other heads would otherwise steer the whole fleet. Three bounds, borrowed from robust
-aggregation in federated learning (each client's update clipped, the verdict made to survive
-any single client):
-
-- **Share cap** (`cap_runtime_share`): from `robust_min_runtimes` witnesses up, no witness keeps
-  more than `max_share_of_median` times the median witness's token count, nor more than
-  `max_runtime_share` of the verdict's tokens; one over either keeps whole requests, drawn at
-  random, up to it. The median is the typical witness, so flooders are cut to typical volume
-  however many there are, as long as they are a minority. Below `robust_min_runtimes` nothing is
-  cut: there is no majority to protect, and the holdout keeps either of two from certifying a
-  set alone. Within a witness, a request counts as the evidence its clustering is worth
-  (`controlplane.stats.clustered`), not as its token count.
-- **Leave one witness out** (`robust_p_values`): with at least `robust_min_runtimes` witnesses
-  in a sample, a verdict's p-value is the largest over the whole sample and the sample without
-  each one witness's tokens. The largest of valid p-values is valid, and no single witness can
-  decide the verdict: a calibration step, a quality regression, an exit-rate spike or collapse
-  (`drift.window_checks.robust_exit_findings`), a canary's verdict.
-- **Cross-witness holdout** (`holdout_runtimes`): whole witnesses are held out of the path and
-  its test, and every step must be certified on their tokens as well (the larger of the two
-  p-values; with `robust_min_runtimes` held-out witnesses, leave-one-out there too). Witnesses
-  are held out by count as well as by token share: at least two, and never so many that fewer
-  than `robust_min_runtimes` remain for the test, once the fleet is large enough for both. So a
-  set learned on a lying witness meets honest traffic first, a heavy witness cannot be the whole
-  holdout, and two colluders of five cannot hold both the test and the holdout.
-
-Which witnesses are held out, which requests are kept under the cap and how the rest is split
-all follow from the caller's `seed`, and the seed is the secret: the same seed gives the same
-choices, and for a seed drawn at random every order of the witnesses is equally likely, whatever
-their names, so no choice of names steers a witness into the holdout or the test. The
-calibration service draws one per job and records it, so a job can be replayed.
-
-With one witness there is no fleet to check it against: the bounds on how far an automatic
-promotion may move (`controlplane.calibration.promotion`) do the work then.
+A witness (the credential that posted shadow tokens) that lies, has a bug in its match check or
+serves other heads must not steer the fleet. Three bounds apply to every verdict: the share cap
+(`cap_runtime_share`), leave one witness out (`robust_p_values`) and the cross-witness holdout
+(`holdout_runtimes`); every random choice follows the caller's secret `seed`.
+docs/concepts/witnesses.md says what each bound guarantees and why.
 """
 
 from __future__ import annotations
@@ -93,7 +63,7 @@ def cap_runtime_share(runtimes: np.ndarray, requests: np.ndarray, *, max_share: 
                       max_share_of_median: float | None = 2.0) -> np.ndarray:
     """Boolean mask of the samples kept so that no witness holds more than
     `max_share_of_median` times the median witness's samples, nor more than `max_share` of
-    them (module docstring; None: the share alone): a witness over the limit keeps whole
+    them (docs/concepts/witnesses.md; None: the share alone): a witness over the limit keeps whole
     requests, drawn at random by `seed`, up to it (at least one). With fewer than
     `min_runtimes` witnesses every sample is kept."""
     runtimes, requests = np.asarray(runtimes).astype(str), np.asarray(requests).astype(str)
@@ -123,7 +93,7 @@ def cap_runtime_share(runtimes: np.ndarray, requests: np.ndarray, *, max_share: 
 
 def leave_one_out(runtimes: np.ndarray | None, min_runtimes: int) -> list[np.ndarray]:
     """Masks of the samples without each runtime's, one per runtime; none when fewer than
-    `min_runtimes` runtimes report (module docstring)."""
+    `min_runtimes` runtimes report (docs/concepts/witnesses.md)."""
     if runtimes is None or len(runtimes) == 0:
         return []
     names, codes = np.unique(np.asarray(runtimes).astype(str), return_inverse=True)

@@ -7,8 +7,8 @@ stays a no-op.
 
 Segments become the operator's: `deployments.auto_segments` (off) says whether runtime
 telemetry may register names nobody declared; `deployment_segments` says where a name came from
-(`origin`: every existing row came from traffic or a published set before declarations existed,
-and is kept as 'telemetry') and keeps removed names (`removed_at`) so their history stays
+(`origin`: every row this migration finds came from traffic or a published set, and is kept
+as 'telemetry') and keeps removed names (`removed_at`) so their history stays
 readable. `undeclared_segment_tokens` counts, per minute and runtime, the tokens stored as
 `default` because their segment was not declared.
 

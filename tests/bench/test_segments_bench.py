@@ -118,7 +118,7 @@ def test_split_halves_without_groups_splits_requests_as_before(tmp_path):
     requests = bench.request_groups(records)
     calibration, serving = bench.split_halves(records, requests, 0.5,
                                               np.random.default_rng(3))
-    order = np.random.default_rng(3).permutation(120)  # the split before groups existed
+    order = np.random.default_rng(3).permutation(120)  # the split of ungrouped requests
     assert [t.tolist() for t in calibration] == [requests[i].tolist() for i in order[:60]]
     assert [t.tolist() for t in serving] == [requests[i].tolist() for i in order[60:]]
 

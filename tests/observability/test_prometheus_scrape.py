@@ -133,8 +133,8 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
             time.sleep(2)
             still = missing()
         assert still == set(), f"no samples for {sorted(still)}"
-        # segment="" is stored as no label: the whole deployment's series are those exported
-        # before segments existed; the code segment and default have series of their own.
+        # segment="" is stored as no label: the whole deployment's series carry no segment
+        # label; the code segment and default have series of their own.
         whole = _query(prometheus, 'exitplane_exit_rate{deployment="chat",segment=""}')
         assert whole and all("segment" not in r["metric"] for r in whole), whole
         for segment in ("code", "default"):

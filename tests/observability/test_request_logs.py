@@ -42,7 +42,7 @@ def stack(postgres_migrated, tmp_path_factory):
         raise RuntimeError("set EXITPLANE_TEST_POSTGRES_URL and EXITPLANE_TEST_REDIS_URL")
     empty_postgres(postgres_migrated)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/12"  # a database of this module's own
-    redis.Redis.from_url(redis_url).flushdb()  # no task left over from an earlier run
+    redis.Redis.from_url(redis_url).flushdb()  # no task left over from another test
     tmp = tmp_path_factory.mktemp("observability")
     port, metrics_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items()

@@ -1,5 +1,5 @@
 """Per-segment thresholds in one batch: each row applies its own segment's map, its
-records carry the segment, and a batch of default rows decodes exactly as before."""
+records carry the segment, and a batch of default rows carries no segment field."""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def test_aggregating_records_ride_at_the_aggregates_pace(tmp_path):
         finally:
             shipper.close()
 
-    assert interval() == 1.0  # every token a record: a batch a second, as before
+    assert interval() == 1.0  # every token a record: a batch a second
     assert interval(raw_sample_rate=0.01, exit_layers=EXIT_LAYERS,
                     aggregate_interval_s=7.0) == 7.0
     assert interval(raw_sample_rate=0.01, exit_layers=EXIT_LAYERS, aggregate_interval_s=7.0,

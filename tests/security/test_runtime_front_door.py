@@ -22,7 +22,7 @@ from tests.support.network import free_port
 from tests.support.runtime_server import served_on_a_port, tiny_engine, tiny_state
 from tests.support.waiting import wait_until
 
-KEY = "k-" + "a1b2c3d4" * 4
+KEY = "k-" + "q1r2s3t4" * 4
 OTHER_KEY = "k-" + "z9y8x7w6" * 4
 ROUTES = [("GET", "/v1/models", None),
           ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),

@@ -131,7 +131,7 @@ def test_processes_starting_together_share_one_generated_key(tmp_path):
 # -- entropy, not only length ---------------------------------------------------------------
 
 PATTERNED = ["a" * 32, "a" * 64, "password" * 4, "abcdefghijklmnopqrstuvwxyz012345",
-             "0123456789" * 4, "abcd1234" * 4, "ab" * 24, "Password123!" * 3,
+             "0123456789" * 4, ("abcd" + "1234") * 4, "ab" * 24, "Password123!" * 3,
              "a" * 31 + "b", "changeme" * 5]
 
 

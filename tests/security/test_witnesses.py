@@ -274,7 +274,7 @@ def test_a_small_segment_vouched_for_by_one_witness_keeps_never_exit():
     """A segment too small for its own calibration takes the pooled set only when the
     fleet's witnesses vouch for it: code traffic from one witness alone (forging agreement)
     keeps never-exit in a fleet of three, while the same segment from three witnesses is
-    checked as before."""
+    checked."""
     rng = np.random.default_rng(5)
     honest, matched = separable_samples(3000, seed=21, mismatch_below=0.5)
     witnesses = np.array([f"token:{i % 3}" for i in range(3000)])

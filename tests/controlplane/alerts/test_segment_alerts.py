@@ -1,5 +1,5 @@
 """Alerts name their traffic segment: the dedup key and the open-alert lookup are
-per segment, hooks carry the segment, and a 'default' alert reads exactly as before."""
+per segment, hooks carry the segment, and a 'default' alert carries no segment."""
 
 import json
 

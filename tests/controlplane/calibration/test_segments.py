@@ -66,7 +66,7 @@ def test_a_segment_whose_exits_are_all_wrong_never_exits_while_the_others_do():
     for name in ("chat", "code"):
         assert result.segments[name].source == "segment" and result.segments[name].exits
     assert result.segment_thresholds()["tools"] == dict.fromkeys(SYN_LAYERS, NEVER_EXIT)
-    # the former scheme (a reserve of each share for the pooled check) tests it, and it fails
+    # the Bonferroni split (a reserve of each share for the pooled check) tests it, and it fails
     reserved = _calibrate({"chat": chat, "code": code, "tools": wrong},
                           pooled_check_share=0.1).segments["tools"]
     assert reserved.pooled_check.disagreements > 0 and not reserved.pooled_check.certified
@@ -128,7 +128,7 @@ def test_bad_input_is_a_clear_error():
 def test_whole_requests_go_to_the_check_side_together():
     """Check requests (held out of the pooled set for a pooled check) are whole, and only a
     segment that may run a pooled check gives them: a small one always, a large one only under
-    the former scheme with a reserve."""
+    the Bonferroni split with a reserve."""
     large, small = _synthetic(3000, 10), _synthetic(600, 11)
     options = dict(signals=np.vstack([large[0], small[0]]),
                    matched=np.vstack([large[1], small[1]]),

@@ -26,7 +26,8 @@ def test_peeking_never_extends_an_expired_entry():
     cache.put("k", PRINCIPAL, generation=cache.generation, started=time.monotonic())
     assert cache.peek("k") == PRINCIPAL
     time.sleep(0.25)
-    # The old cache handed the first caller None and kept serving everyone else for 1 s more.
+    # A cache that dropped the entry too early would hand the first caller None and keep
+    # serving everyone else for 1 s more.
     assert [cache.peek("k") for _ in range(5)] == [None] * 5
 
 
@@ -97,7 +98,7 @@ def test_the_cache_is_dropped_after_the_revoke_commits_not_before(served, engine
     with Session(engine) as session:
         revoke_token(session=session, token_id=token_id)
         # Not committed: a lookup now would still read the old row, so dropping the entry
-        # here (as before) would only let that lookup cache it again.
+        # here would only let that lookup cache it again.
         assert cache.peek(key) is not None
         generation = cache.generation
         session.commit()

@@ -1,6 +1,6 @@
 """The token cache at fleet scale: a fleet's runtimes call further apart than the
 cache's maximum age, so a miss reads every active token at once; a fleet then costs one token
-read per maximum age, not one per request, and revocation still holds as before."""
+read per maximum age, not one per request, and revocation still holds."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_fleet_costs_one_token_read_per_maximum_age(settings, engine, tokens):
     with TestClient(app) as client:
         reads = _token_reads(engine)
         assert all(_pull(client, secret).status_code == 200 for _, secret in fleet)
-        assert len(reads) == 1  # one read of every token (the old cache: one per runtime)
+        assert len(reads) == 1  # one read of every token, not one per runtime
         # A token created after that read, an unknown one, a revoked one: each read alone,
         # with the answers a single lookup gives.
         [(_, newcomer)] = _runtime_tokens(engine, 1, "newcomer")

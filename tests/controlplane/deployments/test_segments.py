@@ -1,6 +1,6 @@
 """Per-segment thresholds in the registry: one version holds every segment's map and
 one checksum over all of them; names, layers and the per-deployment cap get a clear 422; the
-pull carries the map, and a set without segments is pulled exactly as before."""
+pull carries the map, and a set without segments is pulled without a map."""
 
 import re
 

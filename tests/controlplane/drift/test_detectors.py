@@ -238,7 +238,7 @@ def test_thin_traffic_window_closes_by_time():
     rng = np.random.default_rng(21)
     reference = {8: LayerReference(0.25), 16: LayerReference(0.70), 24: LayerReference(0.30)}
     minutes = _thin_minutes(rng, BASE, 30, 120)
-    assert drift.detect_exit_rate_drift(reference=reference, windows=minutes) == []  # as before
+    assert drift.detect_exit_rate_drift(reference=reference, windows=minutes) == []  # unchanged
     found = drift.detect_exit_rate_drift(reference=reference, windows=minutes, window_rollups=5)
     assert [(f.kind, f.layer, f.evidence["trigger"]) for f in found] == [
         (EXIT_RATE_COLLAPSE, 16, "window")]

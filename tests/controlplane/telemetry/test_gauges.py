@@ -116,7 +116,7 @@ def test_an_unsegmented_deployment_exports_the_series_it_did_before(client, mixe
     plain = [(n, labels) for n, labels, _ in found
              if labels.get("deployment") == "plain" and n in SEGMENTED]
     assert plain and {labels["segment"] for _, labels in plain} == {""}
-    # One series per (deployment, layer) as before: the rules' max by still reads one value.
+    # One series per (deployment, layer): the rules' max by still reads one value.
     layers = sorted(labels["layer"] for n, labels in plain if n == "exitplane_tokens_checked")
     assert layers == sorted(str(layer) for layer in LAYERS)
     assert value(found, "exitplane_tokens_checked", deployment="plain", layer="4") == 1500
@@ -166,6 +166,6 @@ def test_open_alerts_are_counted_per_segment_and_a_default_alert_keeps_its_serie
     found = samples(scrape)
     assert value(found, "exitplane_alerts_open", deployment="mix", kind="quality_regression",
                  severity="critical", segment="code") == 1
-    # the default segment's alert is exported without a segment label, as before segments
+    # the default segment's alert is exported without a segment label
     assert ('exitplane_alerts_open{deployment="mix",kind="quality_regression",'
             'segment="",severity="critical"} 1.0') in scrape

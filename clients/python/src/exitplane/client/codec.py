@@ -18,6 +18,7 @@ from exitplane.wire import (
     AGGREGATE_MSGPACK,
     INTERVAL_JSON,
     INTERVAL_MSGPACK,
+    OPTIONAL_RECORD_COLUMNS,
     RECORD_COLUMNS,
     RECORDS_JSON,
     RECORDS_MSGPACK,
@@ -68,7 +69,7 @@ class EncodedBatch:
 
     @classmethod
     def unpack(cls, payload: bytes) -> EncodedBatch:
-        """Read a spool record back (one written before interval batches existed too)."""
+        """Read a spool record back, with or without an interval batch's rows."""
         return cls(*msgpack.unpackb(payload, raw=False))
 
     def decode(self) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def _rows(columns: dict[str, Any] | None, start: int, stop: int) -> dict[str, An
     return out
 
 
-_RECORD_FIELDS = (*RECORD_COLUMNS, "segment", "exit_checks")
+_RECORD_FIELDS = (*RECORD_COLUMNS, *OPTIONAL_RECORD_COLUMNS)
 _SHADOW_FIELDS = tuple(f"shadow_{name}" for name in ("record", *SHADOW_COLUMNS))
 
 

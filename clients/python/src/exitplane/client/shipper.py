@@ -20,11 +20,11 @@ so far as one **interval batch** (`IntervalBatch`: the counts as cells, the reco
 column), so a runtime sends one request per interval; it takes the same road as record
 batches: own batch id and seq, retries, spool, in-order replay, 413 split (its cells and its
 records in halves). A queue that reaches `batch_records` before the cut leaves at once as an
-interval batch of records alone. A control plane that predates interval batches answers 415:
+interval batch of records alone. A control plane that does not accept interval batches answers 415:
 the shipper then sends that batch as the aggregate batch and the `aggregated` record batch it
 stands for, and keeps to that pair from then on (`bundle=False` asks for the pair from the
 start; the records then leave every `batch_interval_s`, by default the aggregates' interval).
-With the default 1.0 nothing is aggregated: today's behaviour.
+With the default 1.0 nothing is aggregated: every token is a record.
 
 Server answers: 202 delivered (a replay is 202 with duplicate=true); 422 (or another 4xx) the
 batch is bad, logged and counted as rejected, never retried; 413 split in halves (ids derived
