@@ -10,6 +10,8 @@ from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.telemetry.models import (
     Rollup,
     RollupHistogram,
+    ShadowRequestRow,
+    ShadowRequestTokenRow,
     ShadowSampleRow,
     TelemetryBatchRow,
     TokenRecordRow,
@@ -18,6 +20,6 @@ from controlplane.telemetry.models import (
 __all__ = [
     "Alert", "AlertDelivery", "AlertHook", "Alias", "ApiToken", "AuditEvent", "Base",
     "CalibrationJob", "CanaryRun", "Deployment", "Epoch", "Rollup", "RollupHistogram", "Runtime",
-    "RuntimeOutlier", "ShadowSampleRow", "SignInFailures", "TelemetryBatchRow", "ThresholdSet",
-    "TokenRecordRow", "User",
+    "RuntimeOutlier", "ShadowRequestRow", "ShadowRequestTokenRow", "ShadowSampleRow",
+    "SignInFailures", "TelemetryBatchRow", "ThresholdSet", "TokenRecordRow", "User",
 ]

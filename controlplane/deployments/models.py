@@ -49,6 +49,13 @@ class Deployment(Base):
     shadow_rate: Mapped[float | None]
     shadow_rate_reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     shadow_rate_decided_at: Mapped[datetime | None]
+    # The answer target (NULL: none): calibration certifies P(answer differs from full depth)
+    # <= delta_answer with probability 1 - epsilon beside the token target, on shadow requests
+    # (controlplane/calibration/answers.py).
+    delta_answer: Mapped[float | None]
+    # Share of whole requests runtimes serve at full depth as shadow requests, sent in pulls
+    # (NULL: none asked; runtimes apply their own rate).
+    shadow_request_rate: Mapped[float | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -125,7 +132,8 @@ class AuditEvent(Base):
     """Who did what to a deployment, when, from which version to which, and why."""
 
     __tablename__ = "audit_events"
-    __table_args__ = (Index("ix_audit_events_deployment_id_id", "deployment_id", "id"),)
+    __table_args__ = (Index("ix_audit_events_deployment_id_id", "deployment_id", "id"),
+                      Index("ix_audit_events_created_at_id", "created_at", "id"))
 
     id: Mapped[int] = mapped_column(primary_key=True)
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +41,10 @@ RETUNE = ("recalibrate on a schedule every this many seconds, through the deploy
 SHADOW_MIN = ("the lowest shadow rate the control plane may ask runtimes for (the share of "
               "tokens run to full depth to watch quality)")
 SHADOW_MAX = "the highest shadow rate the control plane may ask for; equal to the minimum: fixed"
+DELTA_ANSWER = ("the answer target: the largest share of answers that may differ from full "
+                "depth, certified with probability 1 - epsilon on shadow requests; null: none")
+SHADOW_REQUEST_RATE = ("the share of whole requests runtimes serve at full depth as shadow "
+                       "requests (the answer target's evidence); null: runtimes apply their own")
 
 
 def _check_shadow_bounds(low: float | None, high: float | None) -> None:
@@ -71,6 +75,9 @@ class DeploymentCreate(RequestModel):
         "declared segments are stored as themselves, any other as 'default'"))
     shadow_rate_min: float = Field(default=0.01, ge=0, le=1, description=SHADOW_MIN)
     shadow_rate_max: float = Field(default=0.2, ge=0, le=1, description=SHADOW_MAX)
+    delta_answer: float | None = Field(default=None, gt=0, lt=1, description=DELTA_ANSWER)
+    shadow_request_rate: float | None = Field(default=None, ge=0, le=1,
+                                              description=SHADOW_REQUEST_RATE)
 
     @model_validator(mode="after")
     def _shadow_bounds_ordered(self) -> DeploymentCreate:
@@ -106,6 +113,20 @@ class DeploymentUpdate(RequestModel):
     model_revision: NamedModelRevision | None = None
     shadow_rate_min: float | None = Field(default=None, ge=0, le=1, description=SHADOW_MIN)
     shadow_rate_max: float | None = Field(default=None, ge=0, le=1, description=SHADOW_MAX)
+    delta_answer: float | None = Field(default=None, gt=0, lt=1, description=(
+        f"{DELTA_ANSWER}; an explicit null turns the answer target off"))
+    shadow_request_rate: float | None = Field(default=None, ge=0, le=1, description=(
+        f"{SHADOW_REQUEST_RATE}; an explicit null stops asking"))
+
+    # Fields whose explicit null is a value (off), not "unchanged".
+    CLEARABLE: ClassVar[tuple[str, ...]] = ("delta_answer", "shadow_request_rate")
+
+    def changes(self) -> dict:
+        """The fields the request sets: those given non-null, and the clearable ones given
+        as an explicit null."""
+        return self.model_dump(exclude_none=True) | {
+            name: None for name in self.CLEARABLE
+            if name in self.model_fields_set and getattr(self, name) is None}
 
 
 class DeploymentRead(BaseModel):
@@ -133,6 +154,8 @@ class DeploymentRead(BaseModel):
         "apply their own)"))
     shadow_rate_reason: str = Field(description="why the control plane chose that rate")
     shadow_rate_decided_at: datetime | None
+    delta_answer: float | None = Field(default=None, description=DELTA_ANSWER)
+    shadow_request_rate: float | None = Field(default=None, description=SHADOW_REQUEST_RATE)
     revision: int
     created_at: datetime
     aliases: dict[str, int] = {}

@@ -80,7 +80,7 @@ def create_deployment(*, session: Session, spec: DeploymentCreate, actor: str) -
 
 def update_deployment(*, session: Session, deployment: Deployment, spec: DeploymentUpdate,
                       actor: str) -> Deployment:
-    changes = spec.model_dump(exclude_none=True)
+    changes = spec.changes()
     low = changes.get("shadow_rate_min", deployment.shadow_rate_min)
     high = changes.get("shadow_rate_max", deployment.shadow_rate_max)
     if low > high:

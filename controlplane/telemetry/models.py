@@ -152,3 +152,57 @@ class RollupHistogram(Base):
     bin: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     count: Mapped[int] = mapped_column(BigInteger, default=0)
 
+
+
+class ShadowRequestTokenRow(Base):
+    """A shadow request's token waiting for the rest of its request (assembly,
+    telemetry/shadow_requests.py): its labels at every exit point as in `ShadowSampleRow`, and
+    whether it is the request's last. Rows leave when their request is complete (it becomes a
+    `ShadowRequestRow`) or expire (settings: shadow_request_ttl_s)."""
+
+    __tablename__ = "shadow_request_tokens"
+    __table_args__ = (Index("ix_shadow_request_tokens_deployment_id_ts", "deployment_id", "ts"),)
+
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"),
+                                               primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    position: Mapped[int] = mapped_column(primary_key=True)
+    ts: Mapped[datetime]
+    threshold_version: Mapped[int]
+    segment: Mapped[str] = mapped_column(String(64))
+    witness: Mapped[str] = mapped_column(String(140))
+    # The lineage the token's batch reported ('' unknown).
+    model_revision: Mapped[str] = mapped_column(String(128))
+    head_digest: Mapped[str] = mapped_column(String(71))
+    arrival_delay_s: Mapped[float]
+    request_end: Mapped[bool]
+    signals: Mapped[bytes] = mapped_column(LargeBinary)  # float32[L], little-endian
+    matched: Mapped[bytes] = mapped_column(LargeBinary)  # uint8[L]
+
+
+class ShadowRequestRow(Base):
+    """A complete shadow request: a request served entirely at full depth, with every token's
+    labels at every exit point in position order. `signals` is little-endian float32[T, L],
+    `matched` uint8[T, L] (T tokens, L exit layers in order): for any threshold set, whether
+    its answer would have differed from full depth (`stats.answers`)."""
+
+    __tablename__ = "shadow_requests"
+    __table_args__ = (Index("ix_shadow_requests_deployment_id_ts", "deployment_id", "ts"),)
+
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"),
+                                               primary_key=True)
+    runtime_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    ts: Mapped[datetime]  # its first token's
+    threshold_version: Mapped[int]
+    segment: Mapped[str] = mapped_column(String(64))
+    witness: Mapped[str] = mapped_column(String(140))
+    model_revision: Mapped[str] = mapped_column(String(128))
+    head_digest: Mapped[str] = mapped_column(String(71))
+    # The largest delay between a token's `ts` and its arrival (the backdating rule)
+    arrival_delay_s: Mapped[float]
+    tokens: Mapped[int]
+    signals: Mapped[bytes] = mapped_column(LargeBinary)
+    matched: Mapped[bytes] = mapped_column(LargeBinary)
+    completed_at: Mapped[datetime] = mapped_column(default=utcnow)
