@@ -100,8 +100,10 @@ def payloads() -> dict:
         AggregateBatch,
         IntervalBatch,
         RecordColumns,
+        ThresholdPull,
         ThresholdSetWire,
         TokenRecord,
+        pull_etag,
     )
 
     records = _records(24, seed=14)
@@ -154,6 +156,21 @@ def payloads() -> dict:
         batch_id="c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7", deployment="tiny", runtime_id="rt-1",
         seq=47, num_layers=6, raw_sample_rate=0.01, cells=aggregator.cut()
     ).model_dump(mode="json")
+    # A shadow request: one request served at full depth, each of its tokens in order with a
+    # point at every exit layer, the last one marked request_end.
+    rng = random.Random(17)
+    shadow_request = []
+    for position in range(5):
+        points = [{"layer": layer, "signal": round(rng.random(), 6),
+                   "matched": rng.random() < 0.7} for layer in (2, 4)]
+        shadow_request.append({
+            "threshold_version": 3, "request_id": "req-shadow-1", "position": position,
+            "exit_layer": 6, "signal_value": points[-1]["signal"],
+            "latency_us": 2100 + 10 * position, "ts": 1_764_460_900.5 + 0.25 * position,
+            "shadow": points, "exit_checks": 2, "segment": "chat", "shadow_request": True,
+            **({"request_end": True} if position == 4 else {})})
+    shadow_request_batch = {**batch, "batch_id": "d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8",
+                            "seq": 48, "records": shadow_request}
     threshold_set = ThresholdSetWire.build(deployment="tiny", version=3, signal="maxprob",
                                            thresholds={2: 0.9, 4: 0.75}).model_dump(mode="json")
     for_heads = ThresholdSetWire.build(deployment="tiny", version=4, signal="learned",
@@ -194,6 +211,16 @@ def payloads() -> dict:
              **interval["records"],
              "shadow_record": [*interval["records"]["shadow_record"][:-1], 99]}},
          "status": 422, "detail_contains": "shadow_record 99 names no record"},
+        {"note": "a shadow-request token that did not run to full depth",
+         "content_type": "application/json",
+         "payload": {**shadow_request_batch,
+                     "records": [{**shadow_request[0], "exit_layer": 4}]},
+         "status": 422, "detail_contains": "a shadow_request token runs at full depth"},
+        {"note": "a shadow-request token without shadow points",
+         "content_type": "application/json",
+         "payload": {**shadow_request_batch,
+                     "records": [{**shadow_request[0], "shadow": None}]},
+         "status": 422, "detail_contains": "carries the shadow points"},
         {"note": "a head digest with a character outside [A-Za-z0-9_.:+-]",
          "content_type": "application/json",
          "payload": {**batch, "records": batch["records"][:1], "head_digest": "sha256 3f1a"},
@@ -243,7 +270,20 @@ def payloads() -> dict:
             "payload": timed_aggregate,
             "msgpack_content_type": "application/vnd.exitplane.aggregate+msgpack",
             "msgpack_hex": msgpack.packb(timed_aggregate, use_bin_type=True).hex()},
+        "shadow_request_batch": {
+            "note": "the tokens of one shadow request (served at full depth): every token "
+                    "`shadow_request` with a point at every exit layer, in position order, the "
+                    "last one `request_end`; both markers left off when false",
+            "content_type": "application/json", "payload": shadow_request_batch,
+            "msgpack_hex": msgpack.packb(shadow_request_batch, use_bin_type=True).hex()},
         "threshold_set": {"etag": f'"{threshold_set["checksum"]}"', "payload": threshold_set},
+        "threshold_pull_with_rates": {
+            "note": "a pull answer to a runtime that sent applies_shadow_rate=true while the "
+                    "control plane sets both rates: the ETag carries them (.s<rate>.r<rate>), "
+                    "the checksum does not",
+            "etag": f'"{pull_etag(threshold_set["checksum"], 0.05, 0.01)}"',
+            "payload": ThresholdPull(**threshold_set, shadow_rate=0.05,
+                                     shadow_request_rate=0.01).model_dump(mode="json")},
         "threshold_set_for_heads": {
             "note": "a set made for the exit heads `head_digest` (part of the checksum): a "
                     "runtime serving other heads refuses it; one that does not know its heads "

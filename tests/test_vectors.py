@@ -318,8 +318,10 @@ def _vector_records():
 def test_vector_records_follow_the_protocol_on_shadow_tokens():
     shadows = 0
     for num_layers, record in _vector_records():
-        # signal_value too; segment and exit_checks are left off when default / not reported
-        assert set(TokenRecord.model_fields) - {"segment", "exit_checks"} <= set(record)
+        # signal_value too; segment, exit_checks and the shadow-request markers are left off
+        # when default / not reported / false
+        assert set(TokenRecord.model_fields) - {"segment", "exit_checks", "shadow_request",
+                                                "request_end"} <= set(record)
         if not record.get("shadow"):
             continue
         shadows += 1

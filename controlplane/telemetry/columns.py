@@ -27,7 +27,8 @@ from exitplane.wire import (
 )
 
 # The wire models' validators beyond their fields, each guarded in `_parse_columns`.
-MODEL_RULES = {"TelemetryBatch._layers_within_model", "TokenRecord._shadow_layers_unique"}
+MODEL_RULES = {"TelemetryBatch._layers_within_model", "TokenRecord._shadow_layers_unique",
+               "TokenRecord._shadow_request_labelled"}
 
 _DTYPES = {int: np.int64, float: np.float64, bool: np.bool_}
 # An optional count (`int | None`, e.g. a token's exit checks) the record left off.
@@ -88,6 +89,8 @@ class BatchColumns:
     shadow_matched: np.ndarray  # bool (k,)
     segment: list[str]  # each record's traffic segment ('default' when the record names none)
     exit_checks: np.ndarray  # int64 (n,), the token's exit checks; -1 where not reported
+    shadow_request: np.ndarray  # bool (n,): the token belongs to a shadow request
+    request_end: np.ndarray  # bool (n,): the request's last generated token
     aggregated: bool = False  # counted by the runtime's aggregate batches: no rollup counts
     # The runtime's lineage as the batch reports it (None: unknown; controlplane.runtimes.lineage)
     model_revision: str | None = None
@@ -139,6 +142,10 @@ class BatchColumns:
                    segment=columns.segment or [DEFAULT_SEGMENT] * len(columns),
                    exit_checks=_array(TokenRecord, "exit_checks",
                                       columns.exit_checks or [None] * len(columns)),
+                   shadow_request=np.array(columns.shadow_request or [False] * len(columns),
+                                           dtype=np.bool_),
+                   request_end=np.array(columns.request_end or [False] * len(columns),
+                                        dtype=np.bool_),
                    aggregated=True, model_revision=batch.model_revision,
                    head_digest=batch.head_digest)
 
@@ -153,6 +160,9 @@ class BatchColumns:
                 del record["segment"]
             if record["exit_checks"] == _NOT_REPORTED:
                 del record["exit_checks"]
+            for flag in ("shadow_request", "request_end"):
+                if not record[flag]:
+                    del record[flag]
         for index in self.shadowed.tolist():
             records[index]["shadow"] = []
         point_names = list(_POINT_COLUMNS)
@@ -205,9 +215,16 @@ def _parse_columns(payload: Any) -> BatchColumns:
         raise _NotFast from error
     batch = BatchColumns._build(header, columns, shadowed, [len(s) for s in shadows],
                                 point_columns)
-    # Guards for MODEL_RULES: no exit layer past the model, no shadow layer twice in a record.
+    # Guards for MODEL_RULES: no exit layer past the model, no shadow layer twice in a record,
+    # a shadow request's token at full depth with shadow points.
     if len(batch) and batch.exit_layer.max() > batch.num_layers:
         raise _NotFast
+    if batch.shadow_request.any():
+        flagged = np.flatnonzero(batch.shadow_request)
+        labelled = batch.shadowed[np.unique(batch.shadow_owner)]
+        if (batch.exit_layer[flagged] != batch.num_layers).any() \
+                or not np.isin(flagged, labelled).all():
+            raise _NotFast
     order = np.lexsort((batch.shadow_layer, batch.shadow_owner))
     owner, layer = batch.shadow_owner[order], batch.shadow_layer[order]
     if np.any((owner[1:] == owner[:-1]) & (layer[1:] == layer[:-1])):

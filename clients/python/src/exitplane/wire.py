@@ -117,8 +117,8 @@ def threshold_checksum(*, deployment: str, version: int, signal: str,
     """sha256 over the canonical JSON of what a runtime applies; also the HTTP ETag.
 
     The segment map enters the canonical JSON only when it names a segment, and the heads
-    digest only when the set names one, so a set without them keeps the checksum it had
-    before they existed (old runtimes, ETags, vectors).
+    digest only when the set names one, so a set without them has the same checksum for
+    every runtime and client, whichever fields they know (ETags, vectors).
     """
     body: dict[str, Any] = {
         "deployment": deployment,
@@ -180,7 +180,7 @@ class ThresholdSetWire(BaseModel):
     signal: Signal
     thresholds: dict[Layer, Threshold]
     # Absent (never null on the wire) when the set has no segments: such a set serialises and
-    # checksums exactly as before segments existed.
+    # checksums as a set that has no segment field at all.
     segments: dict[SegmentName, dict[Layer, Threshold]] | None = Field(
         default=None, exclude_if=lambda value: value is None,
         description="per-segment thresholds; segments not named here apply `thresholds`")
@@ -255,16 +255,25 @@ class ThresholdPull(ThresholdSetWire):
         description="share of tokens to run to full depth as shadow tokens, as the control "
         "plane decided it; absent: the runtime applies its own rate")
 
+    shadow_request_rate: float | None = Field(
+        default=None, ge=0, le=1, exclude_if=lambda value: value is None,
+        description="share of whole requests to serve at full depth as shadow requests, as "
+        "the control plane decided it; absent: the runtime applies its own rate")
+
     def threshold_set(self) -> ThresholdSetWire:
         """The set alone (what is applied, cached and checksummed)."""
-        return ThresholdSetWire.model_validate(self.model_dump(exclude={"shadow_rate"}))
+        return ThresholdSetWire.model_validate(
+            self.model_dump(exclude={"shadow_rate", "shadow_request_rate"}))
 
 
-def pull_etag(checksum: str, shadow_rate: float | None) -> str:
+def pull_etag(checksum: str, shadow_rate: float | None,
+              shadow_request_rate: float | None = None) -> str:
     """The entity tag of a pull answer (without quotes): the set's checksum, followed by
     `.s<rate>` when the answer carries a shadow rate to a runtime that applies it
-    (`applies_shadow_rate=true`), so a change of rate alone changes the tag."""
-    return checksum if shadow_rate is None else f"{checksum}.s{shadow_rate:.6g}"
+    (`applies_shadow_rate=true`) and `.r<rate>` when it carries a shadow-request rate, so a
+    change of either rate alone changes the tag."""
+    tag = checksum if shadow_rate is None else f"{checksum}.s{shadow_rate:.6g}"
+    return tag if shadow_request_rate is None else f"{tag}.r{shadow_request_rate:.6g}"
 
 
 class ShadowPoint(BaseModel):
@@ -302,9 +311,19 @@ class TokenRecord(BaseModel):
         default=None, ge=0, le=1024, exclude_if=lambda value: value is None,
         description="exit checks the token computed (absent: not reported)")
     # The traffic segment the token's request belongs to; left off the wire when it
-    # is `default`, so unsegmented traffic encodes exactly as before segments existed.
+    # is `default`, so unsegmented traffic encodes with no segment field.
     segment: SegmentName = Field(default=DEFAULT_SEGMENT,
                                  exclude_if=lambda value: value == DEFAULT_SEGMENT)
+    # A token of a shadow request: a request served entirely at full depth, every token
+    # carrying the shadow points of every exit layer checked (docs/protocol.md, "Shadow
+    # requests"). Its batch checks exit_layer == num_layers. Left off the wire when false.
+    shadow_request: StrictBool = Field(
+        default=False, exclude_if=lambda value: value is False,
+        description="the token belongs to a request served entirely at full depth")
+    # The request's last generated token: its answer is complete. Left off when false.
+    request_end: StrictBool = Field(
+        default=False, exclude_if=lambda value: value is False,
+        description="the request's last generated token (its answer is complete)")
 
     @field_validator("shadow")
     @classmethod
@@ -312,6 +331,13 @@ class TokenRecord(BaseModel):
         if points is not None and len({p.layer for p in points}) != len(points):
             raise ValueError("shadow points repeat an exit layer")
         return points
+
+    @model_validator(mode="after")
+    def _shadow_request_labelled(self) -> TokenRecord:
+        if self.shadow_request and not self.shadow:
+            raise ValueError("a shadow_request token carries the shadow points of every exit "
+                             "layer checked (shadow is empty)")
+        return self
 
 
 class Lineage(BaseModel):
@@ -351,7 +377,14 @@ class TelemetryBatch(Lineage):
             if record.exit_layer > self.num_layers:
                 raise ValueError(f"record {index}: exit_layer {record.exit_layer} exceeds "
                                  f"num_layers {self.num_layers}")
+            if record.shadow_request and record.exit_layer != self.num_layers:
+                raise _shadow_request_depth(index, record.exit_layer, self.num_layers)
         return self
+
+
+def _shadow_request_depth(index: int, exit_layer: int, num_layers: int) -> ValueError:
+    return ValueError(f"record {index}: a shadow_request token runs at full depth, but its "
+                      f"exit_layer is {exit_layer}, not num_layers {num_layers}")
 
 
 class AggregateCell(BaseModel):
@@ -454,6 +487,8 @@ _PointSignalColumn = _column(ShadowPoint, "signal")
 _PointMatchedColumn = _column(ShadowPoint, "matched")
 RECORD_COLUMNS = ("threshold_version", "request_id", "position", "exit_layer", "signal_value",
                   "latency_us", "ts")
+# Record columns left off (null) when no record sets them.
+OPTIONAL_RECORD_COLUMNS = ("segment", "exit_checks", "shadow_request", "request_end")
 SHADOW_COLUMNS = ("layer", "signal", "matched")
 
 
@@ -478,6 +513,12 @@ class RecordColumns(BaseModel):
     # Each record's exit checks; left off (null) when no record reports them.
     exit_checks: _ExitChecksColumn | None = Field(default=None,
                                                   exclude_if=lambda value: value is None)
+    # Each record's `shadow_request` and `request_end`; each left off (null) when false for
+    # every record.
+    shadow_request: list[StrictBool] | None = Field(default=None, max_length=MAX_BATCH_RECORDS,
+                                                    exclude_if=lambda value: value is None)
+    request_end: list[StrictBool] | None = Field(default=None, max_length=MAX_BATCH_RECORDS,
+                                                 exclude_if=lambda value: value is None)
     shadow_record: list[Annotated[int, Field(ge=0, lt=MAX_BATCH_RECORDS)]] = Field(
         default_factory=list)
     shadow_layer: _PointLayerColumn = Field(default_factory=list)
@@ -489,7 +530,7 @@ class RecordColumns(BaseModel):
         count = len(self.threshold_version)
         if not 1 <= count <= MAX_BATCH_RECORDS:
             raise ValueError(f"records: 1 to {MAX_BATCH_RECORDS} records, not {count}")
-        optional = tuple(name for name in ("segment", "exit_checks")
+        optional = tuple(name for name in OPTIONAL_RECORD_COLUMNS
                          if getattr(self, name) is not None)
         for name in RECORD_COLUMNS[1:] + optional:
             if len(getattr(self, name)) != count:
@@ -506,6 +547,12 @@ class RecordColumns(BaseModel):
                              f"are {count})")
         if len(set(zip(self.shadow_record, self.shadow_layer, strict=True))) != points:
             raise ValueError("shadow points repeat an exit layer of a record")
+        if self.shadow_request is not None:
+            labelled = set(self.shadow_record)
+            for index, flagged in enumerate(self.shadow_request):
+                if flagged and index not in labelled:
+                    raise ValueError(f"record {index}: a shadow_request token carries the "
+                                     "shadow points of every exit layer checked (it has none)")
         return self
 
     def __len__(self) -> int:
@@ -516,12 +563,16 @@ class RecordColumns(BaseModel):
         """The columns of already validated records (nothing is checked again)."""
         segments = [record.segment for record in records]
         checks = [record.exit_checks for record in records]
+        shadow_requests = [record.shadow_request for record in records]
+        ends = [record.request_end for record in records]
         points = [(index, point) for index, record in enumerate(records)
                   for point in record.shadow or ()]
         return cls.model_construct(
             **{name: [getattr(record, name) for record in records] for name in RECORD_COLUMNS},
             segment=None if all(name == DEFAULT_SEGMENT for name in segments) else segments,
             exit_checks=None if all(value is None for value in checks) else checks,
+            shadow_request=shadow_requests if any(shadow_requests) else None,
+            request_end=ends if any(ends) else None,
             shadow_record=[index for index, _ in points],
             **{f"shadow_{name}": [getattr(point, name) for _, point in points]
                for name in SHADOW_COLUMNS})
@@ -536,9 +587,12 @@ class RecordColumns(BaseModel):
                 ShadowPoint(layer=layer, signal=signal, matched=matched))
         segments = self.segment or [DEFAULT_SEGMENT] * len(self)
         checks = self.exit_checks or [None] * len(self)
+        shadow_requests = self.shadow_request or [False] * len(self)
+        ends = self.request_end or [False] * len(self)
         return [TokenRecord(**dict(zip(RECORD_COLUMNS, values, strict=True)),
                             shadow=shadows.get(index), segment=segments[index],
-                            exit_checks=checks[index])
+                            exit_checks=checks[index], shadow_request=shadow_requests[index],
+                            request_end=ends[index])
                 for index, values in enumerate(zip(*(getattr(self, name)
                                                      for name in RECORD_COLUMNS), strict=True))]
 
@@ -558,10 +612,14 @@ class IntervalBatch(AggregateBatch):
         if not self.cells and self.records is None:
             raise ValueError("an interval batch carries cells, records or both")
         if self.records is not None:
-            for index, layer in enumerate(self.records.exit_layer):
+            flags = self.records.shadow_request or [False] * len(self.records)
+            for index, (layer, flagged) in enumerate(zip(self.records.exit_layer, flags,
+                                                         strict=True)):
                 if layer > self.num_layers:
                     raise ValueError(f"record {index}: exit_layer {layer} exceeds num_layers "
                                      f"{self.num_layers}")
+                if flagged and layer != self.num_layers:
+                    raise _shadow_request_depth(index, layer, self.num_layers)
         return self
 
 
