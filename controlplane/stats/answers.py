@@ -1,0 +1,153 @@
+"""The exact answer loss of a shadow request under any threshold set.
+
+A shadow request is served entirely at full depth and records, for every generated token in
+order, each exit layer's signal and whether that layer's top-1 matched the full model's. Under
+greedy decoding, the answer a threshold set θ would have given is the full-depth answer up to
+the first token that would have exited (at its first exit layer whose signal is strictly
+greater than θ at that layer, the rule every runtime applies: `exitplane.wire`, "Signal
+convention") at a layer whose prediction did not match; from that token on the answers
+differ. So the position of that token, or -1, is the answer loss of the request under θ,
+exactly, provided that before it the runtime's KV cache after an early exit holds what the
+full model would (skipped layers computed later or recomputed, the `lazy` policy): then every
+earlier token, its hidden states and its signals are those the shadow request recorded. Under
+a policy that approximates the skipped layers' KV (`propagate`), the prediction is exact up to
+and including the first token that exits; later tokens see an approximate cache and may move.
+A sampled (temperature > 0) answer is not covered.
+
+Plain numpy, vectorised over many threshold sets at once; no database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from exitplane.wire import TokenRecord
+
+# Elements of the (sets, tokens, layers) comparison built at once; larger inputs are taken in
+# slices of threshold sets, so memory stays bounded whatever K is.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _check(signals: np.ndarray, matched: np.ndarray,
+           thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    signals = np.asarray(signals, dtype=np.float64)
+    matched = np.asarray(matched, dtype=bool)
+    thresholds = np.asarray(thresholds, dtype=np.float64)
+    if thresholds.ndim == 1:
+        thresholds = thresholds[None]
+    if signals.ndim != 2 or signals.shape != matched.shape:
+        raise ValueError(f"signals {signals.shape} and matched {matched.shape} must be the same "
+                         "(tokens, exit layers) shape")
+    if thresholds.ndim != 2 or thresholds.shape[1] != signals.shape[1]:
+        raise ValueError(f"thresholds {thresholds.shape} must be (sets, {signals.shape[1]}): "
+                         "one threshold per exit layer")
+    return signals, matched, thresholds
+
+
+def exit_columns(signals: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """(K, T) int: for each set and token, the column (exit layer, ascending) the token exits
+    at (its first with signal > threshold), or -1 where it runs to full depth. A NaN signal
+    (the layer was not checked) never exits; nor does a threshold of 1.0 or more."""
+    signals, _, thresholds = _check(signals, np.zeros(np.shape(signals), dtype=bool), thresholds)
+    return np.concatenate([_exits(signals, part) for part in _slices(signals, thresholds)])
+
+
+def first_divergence(signals: np.ndarray, matched: np.ndarray,
+                     thresholds: np.ndarray) -> np.ndarray:
+    """(K,) int: for each threshold set (row of `thresholds`, (K, L)), the position of the
+    first token of the request (`signals`, `matched`: (T, L), columns the exit layers in
+    ascending order) that would exit under it at a layer whose prediction did not match the
+    full model's, or -1 where the answer under that set is the full-depth answer."""
+    signals, matched, thresholds = _check(signals, matched, thresholds)
+    if signals.shape[0] == 0:  # no token generated: nothing can differ
+        return np.full(len(thresholds), -1, dtype=np.int64)
+    rows = np.arange(signals.shape[0])
+    out = []
+    for part in _slices(signals, thresholds):
+        column = _exits(signals, part)  # (k, T)
+        hit = matched[rows[None], np.maximum(column, 0)]  # (k, T): the exit layer's match
+        wrong = (column >= 0) & ~hit  # exits with a mismatched prediction
+        out.append(np.where(wrong.any(axis=1), np.argmax(wrong, axis=1), -1))
+    return np.concatenate(out).astype(np.int64)
+
+
+def answer_differs(signals: np.ndarray, matched: np.ndarray,
+                   thresholds: np.ndarray) -> np.ndarray:
+    """(K,) bool: whether the request's answer under each set differs from full depth."""
+    return first_divergence(signals, matched, thresholds) >= 0
+
+
+def _slices(signals: np.ndarray, thresholds: np.ndarray) -> Iterable[np.ndarray]:
+    step = max(1, _CHUNK_ELEMENTS // max(1, signals.size))
+    yield thresholds[:step]
+    for start in range(step, len(thresholds), step):
+        yield thresholds[start:start + step]
+
+
+def _exits(signals: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    passes = signals[None] > thresholds[:, None, :]  # (k, T, L); NaN compares False
+    column = np.argmax(passes, axis=2)
+    return np.where(passes.any(axis=2), column, -1)
+
+
+def request_evidence(records: Sequence[TokenRecord],
+                     exit_layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A shadow request's (signals, matched), (T, L), from its token records: rows in
+    position order (positions 0..T-1, each once), columns `exit_layers` ascending. A layer a
+    token has no point for gets a NaN signal (it never exits there)."""
+    layers = sorted(exit_layers)
+    column = {layer: index for index, layer in enumerate(layers)}
+    ordered = sorted(records, key=lambda record: record.position)
+    if [record.position for record in ordered] != list(range(len(ordered))):
+        raise ValueError("a request's records must hold positions 0..T-1, each once")
+    signals = np.full((len(ordered), len(layers)), np.nan)
+    matched = np.zeros((len(ordered), len(layers)), dtype=bool)
+    for row, record in enumerate(ordered):
+        for point in record.shadow or ():
+            if point.layer in column:
+                signals[row, column[point.layer]] = point.signal
+                matched[row, column[point.layer]] = point.matched
+    return signals, matched
+
+
+@dataclass(frozen=True)
+class AnswerSummary:
+    """Answer loss of R requests under K threshold sets: `divergence` (R, K) holds each
+    request's first divergence position under each set (-1: identical answer)."""
+
+    divergence: np.ndarray  # (R, K) int64
+
+    @property
+    def requests(self) -> int:
+        return int(self.divergence.shape[0])
+
+    @property
+    def differing(self) -> np.ndarray:
+        """(K,) int: requests whose answer differs under each set."""
+        return (self.divergence >= 0).sum(axis=0)
+
+    @property
+    def share_differing(self) -> np.ndarray:
+        """(K,) float: the share of requests whose answer differs (NaN without requests)."""
+        if self.requests == 0:
+            return np.full(self.divergence.shape[1], np.nan)
+        return self.differing / self.requests
+
+    def positions(self, k: int) -> np.ndarray:
+        """The first divergence positions of the requests that differ under set `k`."""
+        column = self.divergence[:, k]
+        return column[column >= 0]
+
+
+def summarize(requests: Iterable[tuple[np.ndarray, np.ndarray]],
+              thresholds: np.ndarray) -> AnswerSummary:
+    """`first_divergence` of each request's (signals, matched) under every set."""
+    thresholds = np.asarray(thresholds, dtype=np.float64)
+    if thresholds.ndim == 1:
+        thresholds = thresholds[None]
+    rows = [first_divergence(signals, matched, thresholds) for signals, matched in requests]
+    divergence = np.stack(rows) if rows else np.zeros((0, len(thresholds)), dtype=np.int64)
+    return AnswerSummary(divergence=divergence)
