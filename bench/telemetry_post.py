@@ -208,16 +208,18 @@ def main() -> int:
         urls = {}
         servers = {"fast": {"EXITPLANE_TELEMETRY_FAST_PATH": "true"},
                    "route": {"EXITPLANE_TELEMETRY_FAST_PATH": "false"}}
+        trees = dict.fromkeys(servers, ROOT)
         if args.baseline_tree:
-            tree = str(Path(args.baseline_tree).resolve())
+            tree = Path(args.baseline_tree).resolve()
             servers["baseline"] = {"PYTHONPATH": os.pathsep.join(
-                [tree, *filter(None, [os.environ.get("PYTHONPATH")])])}
+                [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            trees["baseline"] = tree
         for name, own in servers.items():
             port = _free_port()
             with (workdir / f"{name}.log").open("w") as log:
                 processes[name] = subprocess.Popen(
                     [EXE, "up", "--host", "127.0.0.1", "--port", str(port), "--no-migrate",
-                     "--no-workers"], env={**env, **own}, cwd=own.get("PYTHONPATH", ROOT),
+                     "--no-workers"], env={**env, **own}, cwd=trees[name],
                     stdout=log, stderr=subprocess.STDOUT)
             urls[name] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
