@@ -155,6 +155,23 @@ class Settings(BaseSettings):
     calibration_min_samples: int = Field(
         default=1000, ge=1,
         description="shadow samples per exit layer a recalibration needs")
+    # Shadow requests an answer target's test needs (deployments with delta_answer): fewer and
+    # the job waits for more, as it waits for shadow samples.
+    min_shadow_requests: int = Field(
+        default=200, ge=1,
+        description="complete shadow requests a recalibration of a deployment with an answer "
+        "target (delta_answer) needs in its window (a segment's job: of its segment); fewer: "
+        "the job waits for more and the current set stays")
+    # A shadow request's tokens are assembled up to this many (telemetry/shadow_requests.py).
+    shadow_request_max_tokens: int = Field(
+        default=4096, ge=1, le=65536,
+        description="tokens a shadow request may have; a longer one is not assembled (its "
+        "tokens at later positions are not kept and the rest expire)")
+    # Tokens of a shadow request still incomplete after this long are dropped.
+    shadow_request_ttl_s: float = Field(
+        default=3600.0, gt=0,
+        description="seconds a shadow request's tokens wait for the rest of their request "
+        "(the end marker and every position) before they are dropped")
     # Share of the calibration split that fits the threshold path (the rest tests it).
     calibration_learn_fraction: float = Field(
         default=0.3, gt=0, lt=1,

@@ -15,18 +15,15 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy import delete, exists, func, or_, select, text
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
 from controlplane.db import dialect_insert
 from controlplane.deployments.models import Deployment, ThresholdSet, UndeclaredSegmentTokens
 from controlplane.errors import Invalid
 from controlplane.runtimes.lineage import note_batches
-from controlplane.runtimes.models import RuntimeVersion
-from controlplane.runtimes.outliers import excluded_runtime_ids, excluded_witnesses
-from controlplane.runtimes.witnesses import TOKEN_PREFIX, token_of, witness_labels, witness_of
-from controlplane.settings import get_settings
-from controlplane.telemetry import bulk
+from controlplane.runtimes.witnesses import token_of, witness_labels, witness_of
+from controlplane.telemetry import bulk, shadow_requests
 from controlplane.telemetry.admission import check_segment_names, note_undeclared, stored_segments
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import (
@@ -34,6 +31,8 @@ from controlplane.telemetry.models import (
     PARTITIONED_TABLES,
     Rollup,
     RollupHistogram,
+    ShadowRequestRow,
+    ShadowRequestTokenRow,
     ShadowSampleRow,
     TelemetryBatchRow,
     TokenRecordRow,
@@ -46,6 +45,7 @@ from controlplane.telemetry.tables import (
     merge_counts,
     tables_of,
 )
+from controlplane.telemetry.trust import trusted
 from exitplane.wire import DEFAULT_SEGMENT, AggregateBatch, IntervalBatch, TelemetryBatch
 
 if TYPE_CHECKING:
@@ -201,6 +201,9 @@ def ingest(*, session: Session, deployment: Deployment | CachedDeployment,
         bulk.write_rows(session, TokenRecordRow, tables.tokens)
         if len(tables.shadows["idx"]):
             bulk.write_rows(session, ShadowSampleRow, tables.shadows)
+            shadow_requests.stage(session=session, deployment_id=deployment.id,
+                                  exit_layers=deployment.exit_layers, batches=fresh,
+                                  witnesses=witness_of_batch, segment_of=segment_of)
         rollups.append(tables.rollups)
         histograms.append(tables.histogram)
     if aggregates:
@@ -554,10 +557,6 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
     after a shift, the fallback's recheck) need the latest evidence, never the window's first
     seconds. Truncating by time is independent of the outcomes, so the tests stay valid on what
     was read."""
-    if exclude is None:
-        exclude = excluded_runtime_ids(session=session, deployment_id=deployment.id)
-    if exclude_witnesses is None:
-        exclude_witnesses = excluded_witnesses(session=session, deployment_id=deployment.id)
     columns = [ShadowSampleRow.signals, ShadowSampleRow.matched, ShadowSampleRow.runtime_id,
                ShadowSampleRow.witness]
     if with_times:
@@ -573,20 +572,8 @@ def _read_shadow(*, session: Session, deployment: Deployment, since: datetime,
         query = query.where(ShadowSampleRow.threshold_version == version)
     if segment is not None:
         query = query.where(ShadowSampleRow.segment == segment)
-    if exclude:
-        query = query.where(ShadowSampleRow.runtime_id.not_in(sorted(exclude)))
-    if exclude_witnesses:
-        query = query.where(ShadowSampleRow.witness.not_in(sorted(exclude_witnesses)))
-    # a runtime token's evidence counts at versions its runtime said it applied (or 0)
-    applied = exists().where(RuntimeVersion.deployment_id == ShadowSampleRow.deployment_id,
-                             RuntimeVersion.runtime_id == ShadowSampleRow.runtime_id,
-                             RuntimeVersion.version == ShadowSampleRow.threshold_version)
-    query = query.where(or_(~ShadowSampleRow.witness.startswith(TOKEN_PREFIX),
-                            ShadowSampleRow.threshold_version == 0, applied))
-    # evidence a runtime token posted long after its own timestamp is not taken (backdating)
-    query = query.where(or_(ShadowSampleRow.arrival_delay_s.is_(None),
-                            ShadowSampleRow.arrival_delay_s <= get_settings().evidence_max_delay_s,
-                            ~ShadowSampleRow.witness.startswith(TOKEN_PREFIX)))
+    query = trusted(query, ShadowSampleRow, session=session, deployment_id=deployment.id,
+                    exclude=exclude, exclude_witnesses=exclude_witnesses)
     # Core rows, columns transposed once: the ORM's per-row loading cost more than the read
     # itself at 200,000 rows (a drift check at fleet rates).
     rows = session.connection().execute(query).all()
@@ -673,9 +660,11 @@ def purge(*, session: Session, older_than: datetime) -> dict[str, int]:
                         session.execute(text(f"DROP TABLE {name}"))
                         dropped += 1
     deleted = {}
-    for model in (TokenRecordRow, ShadowSampleRow):
+    for model in (TokenRecordRow, ShadowSampleRow, ShadowRequestRow, ShadowRequestTokenRow):
         deleted[model.__tablename__] = session.execute(
             delete(model).where(model.ts < older_than)).rowcount
+    deleted[ShadowRequestTokenRow.__tablename__] += shadow_requests.expire(session=session)
+    shadow_requests.assemble_all(session=session)
     for model in (Rollup, RollupHistogram, UndeclaredSegmentTokens):
         deleted[model.__tablename__] = session.execute(
             delete(model).where(model.minute < older_than)).rowcount

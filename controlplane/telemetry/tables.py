@@ -101,7 +101,7 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
               "position": joined("position"), "exit_layer": joined("exit_layer"),
               "signal_value": joined("signal_value"), "latency_us": joined("latency_us"),
               "shadow": shadowed, "segment": _names(segments, segment)}
-    labels = [_shadow_labels(batch, exit_layers) for batch in batches]
+    labels = [shadow_labels(batch, exit_layers) for batch in batches]
     signals = np.concatenate([signal for signal, _ in labels])
     matched = np.concatenate([match for _, match in labels])
     shadows = {name: tokens[name][shadow_at] if isinstance(tokens[name], np.ndarray)
@@ -168,7 +168,7 @@ def _names(segments: list[str], code: np.ndarray) -> list[str]:
     return np.array(segments, dtype=object)[code].tolist()
 
 
-def _shadow_labels(batch: BatchColumns, exit_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def shadow_labels(batch: BatchColumns, exit_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(signals float64, matched bool), each (shadow tokens, exit layers) in exit-layer order.
 
     A checked batch has exactly one point per exit layer for each shadow token."""

@@ -1,0 +1,262 @@
+"""Shadow requests: whole requests a runtime served at full depth, every token labelled at every
+exit point (docs/protocol.md, "Shadow requests"). Assembled here from their tokens, and read
+back under the trust rules for the answer statistics (`calibration.answers`).
+
+A shadow request's tokens are shadow tokens (stored as shadow samples like any other) flagged
+`shadow_request`; the last one also `request_end`. Each is staged in `shadow_request_tokens`,
+keyed by (deployment, runtime, request id, position). A request is complete once its end marker
+arrived and every position from 0 to the end is staged; it then becomes one `shadow_requests`
+row holding its tokens' labels in position order, and its staged tokens leave.
+
+- Idempotent: a replayed batch is skipped by its id before it gets here; a position staged
+  twice, or a token of a request already complete, is ignored.
+- Consistent: a request whose tokens disagree on threshold version, segment, witness or
+  lineage is no evidence about one served request and is dropped when its end arrives.
+- Bounded: positions at or past `shadow_request_max_tokens` are not staged (such a request never
+  completes), and staged tokens older than `shadow_request_ttl_s` are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+from sqlalchemy import delete, select, tuple_
+from sqlalchemy.orm import Session
+
+from controlplane.db import dialect_insert
+from controlplane.runtimes.witnesses import witness_labels
+from controlplane.settings import get_settings
+from controlplane.telemetry.columns import BatchColumns
+from controlplane.telemetry.models import ShadowRequestRow, ShadowRequestTokenRow
+from controlplane.telemetry.tables import shadow_labels
+from controlplane.telemetry.trust import trusted
+
+Key = tuple[str, str]  # (runtime id, request id)
+# Rows per statement: a batch holds at most a few thousand shadow-request tokens.
+_CHUNK = 500
+
+
+def stage(*, session: Session, deployment_id: int, exit_layers: list[int],
+          batches: Sequence[BatchColumns], witnesses: Mapping[str, str],
+          segment_of: Mapping[str, str] | None = None) -> int:
+    """Stage the shadow-request tokens of freshly stored `batches` and assemble the requests
+    they complete; returns how many requests were completed. `witnesses`: each batch's witness
+    by batch id; `segment_of`: the name each segment is stored under where not itself."""
+    settings = get_settings()
+    segment_of = segment_of or {}
+    now = datetime.now(UTC)
+    rows: list[dict] = []
+    for batch in batches:
+        flagged = batch.shadow_request[batch.shadowed]  # (m,) per shadowed record
+        if not flagged.any():
+            continue
+        signals, matched = shadow_labels(batch, exit_layers)  # (m, L) each
+        for row, index in zip(np.flatnonzero(flagged).tolist(),
+                              batch.shadowed[flagged].tolist(), strict=True):
+            position = int(batch.position[index])
+            if position >= settings.shadow_request_max_tokens:
+                continue
+            ts = datetime.fromtimestamp(float(batch.ts[index]), UTC)
+            rows.append({
+                "deployment_id": deployment_id, "runtime_id": batch.runtime_id,
+                "request_id": batch.request_id[index], "position": position, "ts": ts,
+                "threshold_version": int(batch.threshold_version[index]),
+                "segment": segment_of.get(batch.segment[index], batch.segment[index]),
+                "witness": witnesses[batch.batch_id],
+                "model_revision": batch.model_revision or "",
+                "head_digest": batch.head_digest or "",
+                "arrival_delay_s": (now - ts).total_seconds(),
+                "request_end": bool(batch.request_end[index]),
+                "signals": signals[row].astype("<f4").tobytes(),
+                "matched": matched[row].astype(np.uint8).tobytes()})
+    if not rows:
+        return 0
+    expire(session=session, deployment_id=deployment_id, now=now)
+    keys = sorted({(row["runtime_id"], row["request_id"]) for row in rows})
+    done = _completed(session=session, deployment_id=deployment_id, keys=keys)
+    rows = [row for row in rows if (row["runtime_id"], row["request_id"]) not in done]
+    for start in range(0, len(rows), _CHUNK):
+        session.execute(dialect_insert(session, ShadowRequestTokenRow).on_conflict_do_nothing(),
+                        rows[start:start + _CHUNK])
+    ended = sorted({(row["runtime_id"], row["request_id"]) for row in rows})
+    return assemble(session=session, deployment_id=deployment_id, keys=ended)
+
+
+def expire(*, session: Session, deployment_id: int | None = None,
+           now: datetime | None = None) -> int:
+    """Drop staged tokens older than `shadow_request_ttl_s` (of one deployment, or all)."""
+    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=get_settings().shadow_request_ttl_s)
+    query = delete(ShadowRequestTokenRow).where(ShadowRequestTokenRow.ts < cutoff)
+    if deployment_id is not None:
+        query = query.where(ShadowRequestTokenRow.deployment_id == deployment_id)
+    return session.execute(query).rowcount
+
+
+def _completed(*, session: Session, deployment_id: int, keys: list[Key]) -> set[Key]:
+    found: set[Key] = set()
+    for start in range(0, len(keys), _CHUNK):
+        found |= {(row.runtime_id, row.request_id) for row in session.execute(
+            select(ShadowRequestRow.runtime_id, ShadowRequestRow.request_id).where(
+                ShadowRequestRow.deployment_id == deployment_id,
+                tuple_(ShadowRequestRow.runtime_id, ShadowRequestRow.request_id).in_(
+                    keys[start:start + _CHUNK])))}
+    return found
+
+
+def assemble(*, session: Session, deployment_id: int, keys: list[Key] | None = None) -> int:
+    """Turn the staged requests among `keys` (None: every staged request whose end arrived)
+    that are complete into `shadow_requests` rows; drop the inconsistent ones. Returns how many
+    were completed."""
+    table = ShadowRequestTokenRow
+    if keys is None:
+        keys = sorted({(row.runtime_id, row.request_id) for row in session.execute(
+            select(table.runtime_id, table.request_id).where(
+                table.deployment_id == deployment_id, table.request_end))})
+    completed = 0
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start:start + _CHUNK]
+        staged: dict[Key, list] = {}
+        for token in session.scalars(select(table).where(
+                table.deployment_id == deployment_id,
+                tuple_(table.runtime_id, table.request_id).in_(chunk))
+                .order_by(table.runtime_id, table.request_id, table.position)):
+            staged.setdefault((token.runtime_id, token.request_id), []).append(token)
+        finished, dropped = [], []
+        for key, tokens in staged.items():
+            state = _state(tokens)
+            if state == "complete":
+                finished.append(_request_row(deployment_id, tokens))
+            if state != "waiting":
+                dropped.append(key)
+        if finished:
+            session.execute(dialect_insert(session, ShadowRequestRow).on_conflict_do_nothing(),
+                            finished)
+            completed += len(finished)
+        if dropped:
+            session.execute(delete(table).where(
+                table.deployment_id == deployment_id,
+                tuple_(table.runtime_id, table.request_id).in_(dropped)))
+    session.flush()
+    return completed
+
+
+def _state(tokens: list[ShadowRequestTokenRow]) -> str:
+    """'complete', 'waiting' (positions or the end marker missing) or 'inconsistent' for one
+    request's staged tokens in position order."""
+    ends = [token.position for token in tokens if token.request_end]
+    if not ends:
+        return "waiting"
+    if len(ends) > 1 or tokens[-1].position != ends[0]:
+        return "inconsistent"  # two ends, or tokens past the end
+    if len(tokens) != ends[0] + 1:
+        return "waiting"  # positions are unique and < end + 1: some are missing
+    served = {(t.threshold_version, t.segment, t.witness, t.model_revision, t.head_digest)
+              for t in tokens}
+    return "complete" if len(served) == 1 else "inconsistent"
+
+
+def _request_row(deployment_id: int, tokens: list[ShadowRequestTokenRow]) -> dict:
+    first = tokens[0]
+    return {"deployment_id": deployment_id, "runtime_id": first.runtime_id,
+            "request_id": first.request_id, "ts": first.ts,
+            "threshold_version": first.threshold_version, "segment": first.segment,
+            "witness": first.witness, "model_revision": first.model_revision,
+            "head_digest": first.head_digest,
+            "arrival_delay_s": max(token.arrival_delay_s for token in tokens),
+            "tokens": len(tokens),
+            "signals": b"".join(token.signals for token in tokens),
+            "matched": b"".join(token.matched for token in tokens),
+            "completed_at": datetime.now(UTC)}
+
+
+def assemble_all(*, session: Session) -> int:
+    """`assemble` every deployment's staged requests whose end arrived: completes a request
+    whose last tokens came in two concurrent transactions, neither of which saw the other's."""
+    deployments = session.scalars(select(ShadowRequestTokenRow.deployment_id).where(
+        ShadowRequestTokenRow.request_end).distinct()).all()
+    return sum(assemble(session=session, deployment_id=deployment_id)
+               for deployment_id in deployments)
+
+
+@dataclass(frozen=True)
+class ShadowRequests:
+    """A window's complete shadow requests, oldest first: every token's labels in position
+    order, request after request (`offsets[i]:offsets[i + 1]` are request i's tokens)."""
+
+    requests: list[str]  # request ids
+    runtimes: list[str]
+    witnesses: list[str]  # who vouches for each (`runtimes.witnesses`)
+    segments: list[str]
+    versions: np.ndarray  # (m,) int: the version each was served under
+    offsets: np.ndarray  # (m + 1,) int64
+    signals: np.ndarray  # (T, L) float32, exit-layer order
+    matched: np.ndarray  # (T, L) bool
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @classmethod
+    def empty(cls, width: int) -> ShadowRequests:
+        """No requests (a deployment with `width` exit layers)."""
+        return cls([], [], [], [], np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                   np.zeros((0, width), dtype=np.float32), np.zeros((0, width), dtype=bool))
+
+    def keyed_requests(self) -> np.ndarray:
+        """Request ids keyed by their runtime (one runtime's ids never join another's)."""
+        return np.array([f"{runtime}/{request}" for runtime, request
+                         in zip(self.runtimes, self.requests, strict=True)], dtype=str)
+
+    def take(self, keep: np.ndarray) -> ShadowRequests:
+        """The requests where `keep` (bool (m,)) holds, in order."""
+        index = np.flatnonzero(keep)
+        lengths = np.diff(self.offsets)[index]
+        rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in index]) \
+            if len(index) else np.zeros(0, dtype=np.int64)
+        return ShadowRequests(
+            requests=[self.requests[i] for i in index], runtimes=[self.runtimes[i] for i in index],
+            witnesses=[self.witnesses[i] for i in index],
+            segments=[self.segments[i] for i in index], versions=self.versions[index],
+            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            signals=self.signals[rows], matched=self.matched[rows])
+
+
+def shadow_request_evidence(*, session: Session, deployment_id: int, width: int,
+                            since: datetime, until: datetime | None = None,
+                            version: int | None = None, segment: str | None = None,
+                            exclude: Collection[str] | None = None,
+                            exclude_witnesses: Collection[str] | None = None,
+                            limit: int = 100_000) -> ShadowRequests:
+    """The one read of complete shadow requests every answer decision uses: of the window
+    (by each request's first token), `version` and `segment` when given, under the trust rules
+    of every evidence read (`telemetry.trust`: `exclude` and `exclude_witnesses` as there).
+    `width`: the deployment's exit-layer count. A window holding more than `limit` gives its
+    newest `limit` (truncating by time is independent of the outcomes)."""
+    model = ShadowRequestRow
+    query = (select(model.request_id, model.runtime_id, model.witness, model.segment,
+                    model.threshold_version, model.tokens, model.signals, model.matched)
+             .where(model.deployment_id == deployment_id, model.ts >= since)
+             .order_by(model.ts.desc(), model.runtime_id, model.request_id).limit(limit))
+    if until is not None:
+        query = query.where(model.ts < until)
+    if version is not None:
+        query = query.where(model.threshold_version == version)
+    if segment is not None:
+        query = query.where(model.segment == segment)
+    query = trusted(query, model, session=session, deployment_id=deployment_id,
+                    exclude=exclude, exclude_witnesses=exclude_witnesses)
+    rows = list(reversed(session.connection().execute(query).all()))
+    tokens = np.array([row.tokens for row in rows], dtype=np.int64)
+    signals = np.frombuffer(b"".join(bytes(row.signals) for row in rows), dtype="<f4")
+    matched = np.frombuffer(b"".join(bytes(row.matched) for row in rows), dtype=np.uint8)
+    return ShadowRequests(
+        requests=[row.request_id for row in rows], runtimes=[row.runtime_id for row in rows],
+        witnesses=witness_labels([row.witness for row in rows],
+                                 [row.runtime_id for row in rows]).tolist(),
+        segments=[row.segment for row in rows],
+        versions=np.array([row.threshold_version for row in rows], dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64),
+        signals=signals.reshape(-1, width).copy(),
+        matched=matched.reshape(-1, width).astype(bool))
