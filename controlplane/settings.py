@@ -397,6 +397,13 @@ class Settings(BaseSettings):
         description="newest shadow tokens a check reads per segment; at fleet rates (~10,000/s) the"
         " windows then hold their newest tokens, and the alert's evidence says where a "
         "capped window begins")
+    # The answer watch (controlplane/drift/answers.py) tests a segment's recent complete shadow
+    # requests only from this many on; fewer: the answer check is not made (nothing fires or
+    # clears).
+    drift_answer_min_requests: int = Field(
+        default=20, ge=1,
+        description="complete shadow requests of the recent window a segment needs before the "
+        "drift check tests its answers against delta_answer (answer_regression)")
     # An exit-rate spike falls back unless the (1 - alpha) upper bound of the window's
     # request-clustered shadow disagreement is within δ on enough shadow tokens and requests.
     fallback_gate_alpha: float = Field(

@@ -15,6 +15,9 @@ class AlertKind(StrEnum):
     EXIT_RATE_COLLAPSE = "exit_rate_collapse"
     EXIT_RATE_SPIKE = "exit_rate_spike"
     QUALITY_REGRESSION = "quality_regression"
+    # Whole answers under the active set differ from full depth more often than the
+    # deployment's delta_answer allows, on its shadow requests (controlplane.drift.answers).
+    ANSWER_REGRESSION = "answer_regression"
     DISTRIBUTION_DRIFT = "distribution_drift"
     RUNTIME_STALE = "runtime_stale"
     CANARY_FAILED = "canary_failed"
@@ -29,7 +32,8 @@ class AlertKind(StrEnum):
 
 # Kinds that put answer quality at risk: the automatic fallback to a conservative set reacts to
 # these (a spike only when the shadow tokens cannot vouch for quality).
-QUALITY_AT_RISK = frozenset({AlertKind.QUALITY_REGRESSION, AlertKind.EXIT_RATE_SPIKE})
+QUALITY_AT_RISK = frozenset({AlertKind.QUALITY_REGRESSION, AlertKind.ANSWER_REGRESSION,
+                             AlertKind.EXIT_RATE_SPIKE})
 
 # Findings that never page: their alerts are kept and shown, and reach hooks that notify (webhook,
 # Slack), never a pager (PagerDuty, Alertmanager).

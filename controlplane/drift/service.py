@@ -13,7 +13,9 @@ layer saw `reference_tokens` tokens:
   (one-sided binomial test; the looks share an hourly false-alarm budget, see
   `controlplane.drift.window_checks`);
 - signal and exit-layer distributions of the recent window vs the reference window (Evidently);
-- runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`).
+- runtimes whose heartbeat stopped or that still apply another version (`runtime_stale`);
+- with an answer target, whole answers on the recent shadow requests vs δ_answer
+  (`answer_regression`, `controlplane.drift.answers`).
 
 Tokens are clustered by request (`controlplane.stats.clustered`): each exit layer's design
 effect, measured on the window's shadow tokens, widens that layer's exit-rate test
@@ -56,6 +58,7 @@ from controlplane.deployments.models import Alias, Deployment
 from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.segments import known_segments
 from controlplane.deployments.service import aliases_of, get_threshold_set
+from controlplane.drift.answers import watch_answers
 from controlplane.drift.detectors import (
     DISTRIBUTION_DRIFT,
     LayerCounts,
@@ -331,7 +334,11 @@ def conditions_by_segment(*, session: Session, deployment: Deployment, now: date
     inputs = {segment: segment_window_inputs(session=session, deployment=deployment, now=now,
                                              options=options, segment=segment)
               for segment in segments}
-    return evaluate_segments(inputs, options, want_report=want_report)
+    observed = evaluate_segments(inputs, options, want_report=want_report)
+    return watch_answers(session=session, deployment=deployment, observed=observed,
+                         thresholds={name: w.thresholds for name, w in inputs.items()},
+                         version=active.version, activated_at=active.activated_at, now=now,
+                         options=options)
 
 
 def check_deployment(*, session: Session, deployment: Deployment, options: DriftOptions,

@@ -13,6 +13,8 @@ alert, and writes on the alert what it did. How conservative is the deployment's
 Which alerts fall back, and the rule that decided is written on the alert:
 
 - `quality_regression`: at once (rule `quality_regression`);
+- `answer_regression` (whole answers differ from full depth above δ_answer): at once (rule
+  `answer_regression`);
 - `exit_rate_spike`: only when the window's shadow tokens cannot show that disagreement stays
   within δ: the (1 - alpha) upper bound of the request-clustered disagreement the detector put
   on the alert (`quality_gate`) is above δ (rule `shadow_upper_bound_above_delta`), or there
@@ -93,6 +95,8 @@ class Decision:
 
 def decide(*, alert, delta: float, gate: SpikeGate = SpikeGate()) -> Decision:
     """The fallback rule for a newly fired quality-at-risk alert (see the module docstring)."""
+    if alert.kind == AlertKind.ANSWER_REGRESSION:
+        return Decision(True, alert.kind, "answer regression falls back at once")
     if alert.kind != AlertKind.EXIT_RATE_SPIKE:
         return Decision(True, alert.kind, "quality regression falls back at once")
     evidence = (alert.evidence or {}).get("quality_gate")
