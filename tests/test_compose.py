@@ -5,6 +5,8 @@ command a service runs exists in the CLI and accepts its options."""
 import re
 from pathlib import Path
 
+import yaml
+
 from tests.support.compose import COMPOSE, exitplane_invocations, parse_invocation
 
 
@@ -57,6 +59,35 @@ def test_every_service_command_exists_in_the_cli():
     seen = set()
     for service in COMPOSE["services"].values():
         for args in exitplane_invocations(service.get("command", [])):
-            seen.add(parse_invocation(args).name)
-    assert seen >= {"upgrade", "up", "ingest", "worker", "beat", "serve", "ensure", "create",
-                    "provision"}
+            parse_invocation(args)  # the command exists and takes these options
+            seen.add(" ".join(next(iter([args[:i] for i, w in enumerate(args)
+                                         if w.startswith("-")]), args)))
+    assert seen == {"db upgrade", "up", "ingest", "worker", "beat", "runtime serve",
+                    "deployment ensure", "token create", "runtime provision"}
+
+
+def _override(name: str) -> dict:
+    return yaml.safe_load((Path(__file__).parent.parent / name).read_text())
+
+
+def test_the_runtime_keeps_its_id_across_restarts():
+    """`exitplane runtime serve` keeps its id in --state-dir/runtime-id unless given one: the
+    compose runtime's state dir is a named volume (a restart or a re-created container finds
+    the id there), with the opt-in override too, and no fixed id is set that a second runtime
+    could share."""
+    runtime = COMPOSE["services"]["runtime"]
+    for override in ("docker-compose.runtime-public.yml",):
+        merged = {**runtime, **_override(override)["services"]["runtime"]}
+        command = merged["command"]
+        assert "--runtime-id" not in command
+        assert "EXITPLANE_RUNTIME_ID" not in merged.get("environment", {})
+        state = command[command.index("--state-dir") + 1]
+        volumes = {entry.split(":")[1]: entry.split(":")[0] for entry in merged["volumes"]}
+        assert state in volumes, f"--state-dir {state} is not on a volume"
+        assert volumes[state] in COMPOSE["volumes"]  # named (not a bind mount, not anonymous)
+        assert not volumes[state].startswith((".", "/"))
+    # the state is the runtime's own: no other long-running service writes to it
+    for name, service in COMPOSE["services"].items():
+        if name not in ("runtime", "heads"):  # heads provisions into it, once, before
+            assert not any(str(v).startswith("runtime-state:") for v in
+                           service.get("volumes", [])), name
