@@ -7,8 +7,9 @@ import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exitplane.wire import DEFAULT_MAX_SEGMENTS
@@ -16,6 +17,31 @@ from exitplane.wire import DEFAULT_MAX_SEGMENTS
 HOST_NAME = re.compile(r"(?i)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# A header name (RFC 9110 token) that is not one the HTTP stack or the UI's session relies on.
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")
+RESERVED_HEADERS = frozenset({"host", "cookie", "authorization", "x-forwarded-for",
+                              "content-type", "content-length", "origin"})
+LOOPBACK_NAMES = frozenset({"localhost"})
+
+
+def oidc_url_problem(url: str, allow_insecure_http: bool) -> str | None:
+    """What is wrong with `url` as an OpenID Connect issuer or endpoint, or None: it must be
+    https, or http on a loopback address when `allow_insecure_http`."""
+    parts = urlsplit(url)
+    if not parts.hostname or parts.scheme not in ("https", "http"):
+        return f"{url!r} is not an http(s) URL"
+    if parts.scheme == "http":
+        if not allow_insecure_http:
+            return f"{url!r} is not https (EXITPLANE_OIDC_ALLOW_INSECURE_HTTP allows http on " \
+                   "a loopback address, for tests)"
+        try:
+            loopback = ipaddress.ip_address(parts.hostname).is_loopback
+        except ValueError:
+            loopback = parts.hostname.lower() in LOOPBACK_NAMES
+        if not loopback:
+            return f"{url!r} is plain http off loopback; the provider must use https"
+    return None
 
 
 def parse_networks(value: str) -> tuple[Network, ...]:
@@ -317,6 +343,65 @@ class Settings(BaseSettings):
         "locked out is refused before its form is read, after waiting this long (or what is "
         "left of the lock, if less) without holding a thread: a client that retries at once "
         "gets one answer per connection per hold. 0: refused at once")
+    # Single sign-on to the admin UI (controlplane/auth/oidc.py, proxy.py, sso.py): an OpenID
+    # Connect provider, and/or a trusted authenticating proxy's user and groups headers.
+    oidc_issuer: str = Field(
+        default="",
+        description="the OpenID Connect provider's issuer URL (its discovery document is "
+        "`<issuer>/.well-known/openid-configuration`), e.g. "
+        "`https://keycloak.example.com/realms/ops`; set, the login page offers \"Sign in with "
+        "<`EXITPLANE_OIDC_DISPLAY_NAME`>\" (authorization code flow with PKCE). https only, "
+        "unless `EXITPLANE_OIDC_ALLOW_INSECURE_HTTP`. Empty: no OIDC sign-in")
+    oidc_client_id: str = Field(
+        default="",
+        description="the client id registered at the OpenID Connect provider (its redirect URI: "
+        "`<EXITPLANE_PUBLIC_URL>/ui/login/oidc/callback`); required with `EXITPLANE_OIDC_ISSUER`")
+    oidc_client_secret: SecretStr = Field(
+        default="", validate_default=True,
+        description="the client's secret at the provider (sent to its token endpoint with HTTP "
+        "Basic authentication); empty for a public client, which PKCE alone protects")
+    oidc_scopes: str = Field(
+        default="openid profile email",
+        description="space-separated scopes asked for; must include `openid`. Add the one that "
+        "puts `EXITPLANE_OIDC_ROLE_CLAIM` into the ID token where the provider needs one "
+        "(e.g. `groups` for Dex or Okta)")
+    oidc_username_claim: str = Field(
+        default="preferred_username",
+        description="the ID token claim whose value (lowercased) is the exitplane username of an "
+        "OIDC user: 1-64 of `a-z 0-9 _ . @ -`; a value outside that is refused")
+    oidc_role_claim: str = Field(
+        default="groups",
+        description="the ID token claim (a list of strings, or one string) whose values "
+        "`EXITPLANE_SSO_ROLE_MAPPING` maps to roles, e.g. `groups` or `roles`")
+    oidc_display_name: str = Field(
+        default="single sign-on", min_length=1, max_length=60,
+        description="the provider's name on the login page's button (\"Sign in with ...\")")
+    oidc_allow_insecure_http: bool = Field(
+        default=False,
+        description="accept an `http://` issuer and endpoints on a loopback address (tests and "
+        "a provider on the same host only); any other `http://` issuer is still refused")
+    sso_role_mapping: dict[str, Literal["viewer", "operator", "admin"]] = Field(
+        default={},
+        description="JSON object from a group (an OIDC role-claim value or a proxy groups-header "
+        "entry) to an exitplane role, e.g. `{\"ops-admins\": \"admin\", \"ops\": "
+        "\"operator\"}`; a user in several mapped groups gets the strongest role. Applied at "
+        "every SSO sign-in")
+    sso_default_role: Literal["", "viewer", "operator", "admin"] = Field(
+        default="",
+        description="the role of an SSO user none of whose groups is mapped; empty: such a user "
+        "is refused")
+    proxy_user_header: str = Field(
+        default="",
+        description="with `EXITPLANE_TRUSTED_PROXIES`, the header (e.g. `X-Forwarded-User`) "
+        "through which an authenticating proxy names the signed-in user: a UI request whose "
+        "connection comes from a trusted proxy is signed in as that user. From any other "
+        "peer the header is ignored (and logged). The proxy must drop the header from what "
+        "clients send. Empty: no header sign-in")
+    proxy_groups_header: str = Field(
+        default="",
+        description="the header (e.g. `X-Forwarded-Groups`) with the proxy-authenticated user's "
+        "groups, comma-separated, mapped to a role by `EXITPLANE_SSO_ROLE_MAPPING`. Empty: "
+        "header users get `EXITPLANE_SSO_DEFAULT_ROLE`")
 
     @field_validator("hook_allowed_hosts")
     @classmethod
@@ -340,6 +425,28 @@ class Settings(BaseSettings):
         except ValueError as error:
             raise ValueError(f"EXITPLANE_TRUSTED_PROXIES: {error}") from None
         return value
+
+    @model_validator(mode="after")
+    def _single_sign_on_is_complete(self) -> Settings:
+        if self.oidc_issuer:
+            problem = oidc_url_problem(self.oidc_issuer, self.oidc_allow_insecure_http)
+            if problem:
+                raise ValueError(f"EXITPLANE_OIDC_ISSUER: {problem}")
+            if not self.oidc_client_id:
+                raise ValueError("EXITPLANE_OIDC_ISSUER is set but EXITPLANE_OIDC_CLIENT_ID is "
+                                 "empty: set the client id registered at the provider")
+            if "openid" not in self.oidc_scopes.split():
+                raise ValueError("EXITPLANE_OIDC_SCOPES must include `openid`")
+        for name in ("proxy_user_header", "proxy_groups_header"):
+            header = getattr(self, name)
+            if header and (not HEADER_NAME.fullmatch(header)
+                           or header.lower() in RESERVED_HEADERS):
+                raise ValueError(f"EXITPLANE_{name.upper()}: {header!r} is not a header a proxy "
+                                 "may sign users in with")
+        if self.proxy_user_header and not self.trusted_proxies.strip():
+            raise ValueError("EXITPLANE_PROXY_USER_HEADER needs EXITPLANE_TRUSTED_PROXIES: the "
+                             "addresses of the proxies whose header is believed")
+        return self
     # Operability: one log shape for every process (exitplane/kit/logs.py reads the
     # same variables in processes without these settings), the access log, worker metrics.
     log_format: Literal["json", "text"] | None = Field(

@@ -10,6 +10,10 @@ when the browser sends an Origin header, come from this origin.
 A browser that signed in gets a device cookie naming the user (signed, long-lived): password
 checks from it are not held back by failures for that user elsewhere (controlplane/auth/
 passwords.py), so nobody can lock a user out by guessing from other addresses.
+
+Behind a trusted authenticating proxy (EXITPLANE_PROXY_USER_HEADER), a request whose connection
+comes from the proxy is signed in as the user the proxy names (`sign_in_from_proxy`,
+controlplane/auth/proxy.py): an ordinary session like any other.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from urllib.parse import urlsplit
 from fastapi import Depends, Request
 from starlette.responses import Response
 
-from controlplane.auth import clients
+from controlplane.auth import clients, sso
 from controlplane.auth.models import User
+from controlplane.auth.proxy import ProxySignIn
+from controlplane.auth.sso import RefusalLog, RoleMapping, SsoRefused
 from controlplane.auth.users import has_role
 from controlplane.db import SessionDep
 from controlplane.errors import DomainError, Forbidden
@@ -209,7 +215,57 @@ def remember_device(request: Request, response: Response, user: User) -> None:
                         samesite="lax", secure=cookie_secure(request))
 
 
+_proxy_refusals = RefusalLog()
+
+
+def _proxy_sign_in(request: Request) -> ProxySignIn | None:
+    """The UI's header sign-in configuration (read once per application)."""
+    state = request.app.state
+    if not hasattr(state, "proxy_sign_in"):
+        state.proxy_sign_in = ProxySignIn.from_settings(state.settings)
+    return state.proxy_sign_in
+
+
+def sign_in_from_proxy(request: Request) -> None:
+    """Sign in the user a trusted authenticating proxy names in its header, unless this
+    browser's session already is theirs with the role their groups map to (SsoRefused when
+    they may not sign in). Runs in transactions of its own, before the request's unit of work
+    has begun (on SQLite that one holds the store's write lock from its first statement), and
+    commits whatever the page does next: a session never names a user that was rolled back."""
+    proxy = _proxy_sign_in(request)
+    if proxy is None:
+        return
+    identity = proxy.identity(peer=request.client.host if request.client else "",
+                              headers=request.headers)
+    if identity is None:
+        return
+    ui_session = current_session(request)
+    mapping = RoleMapping.from_settings(request.app.state.settings)
+    address = client_address(request)
+    with request.app.state.session_factory() as session:
+        if ui_session.user_id is not None:
+            user = session.get(User, ui_session.user_id)
+            if user is not None and not user.disabled and user.origin == sso.SSO_ORIGIN \
+                    and user.session_epoch == ui_session.epoch \
+                    and user.username == identity.username.strip().lower() \
+                    and user.role == mapping.role_of(identity.groups):
+                return
+        try:
+            user = sso.sign_in(session=session, identity=identity, mapping=mapping,
+                               address=address)
+            session.commit()
+        except SsoRefused as refused:
+            session.rollback()
+            if _proxy_refusals.due(identity.username, str(refused), time.monotonic()):
+                sso.record_refusal(session=session, identity=identity, method="proxy",
+                                   address=address, reason=str(refused))
+                session.commit()
+            raise
+    start_session(request, user)
+
+
 def optional_user(request: Request, session: SessionDep) -> User | None:
+    sign_in_from_proxy(request)
     ui_session = current_session(request)
     if ui_session.user_id is None:
         return None

@@ -44,6 +44,9 @@ class User(Base):
     session_epoch: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_login_at: Mapped[datetime | None]
+    # How the user signs in: "local" (a password here) or "sso" (an OpenID Connect provider or
+    # a trusted authenticating proxy, controlplane/auth/sso.py; no password works for them).
+    origin: Mapped[str] = mapped_column(String(20), default="local", server_default="local")
 
 
 class SignInFailures(Base):

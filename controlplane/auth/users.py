@@ -211,7 +211,11 @@ def set_disabled(*, session: Session, user: User, disabled: bool,
 
 def set_password(*, session: Session, user: User, password_hash: str) -> User:
     """Replace the password with one hashed by `new_password_hash` (outside any transaction);
-    sessions signed in with the old one end."""
+    sessions signed in with the old one end. Invalid for a single sign-on user (origin `sso`),
+    whom no password signs in."""
+    if user.origin != "local":
+        raise Invalid(f"{user.username!r} signs in through single sign-on and has no password "
+                      "here; create a local user for break-glass access")
     return _replace_hash(session=session, user=user, new_hash=password_hash)
 
 

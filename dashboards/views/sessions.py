@@ -1,31 +1,46 @@
-"""Sign in, sign out, and your own account."""
+"""Sign in (a password, or single sign-on through an OpenID Connect provider), sign out, and
+your own account."""
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Form, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.responses import RedirectResponse, Response
 
-from controlplane.auth import users
+from controlplane.auth import sso, users
 from controlplane.auth.models import User
+from controlplane.auth.oidc import OidcClient, SignInRefused, client_for
+from controlplane.auth.sso import RoleMapping, SsoIdentity, SsoRefused
 from controlplane.db import SessionDep
-from controlplane.errors import DomainError, Invalid, RateLimited, Unauthorized
+from controlplane.errors import DomainError, Invalid, NotFound, RateLimited, Unauthorized
 from controlplane.guards.password_checks import PasswordChecks
 from dashboards.security import (
     Csrf,
     client_address,
+    cookie_path,
+    cookie_secure,
     current_user,
     end_session,
     known_device,
     optional_user,
     remember_device,
+    sign,
     start_session,
+    unsign,
 )
 from dashboards.templating import redirect, render, ui_root
 
 router = APIRouter()
+
+# The browser's half of an OpenID Connect sign-in under way: state, nonce, PKCE verifier,
+# redirect URI and where to go after, in a signed HttpOnly cookie that the callback consumes.
+FLOW_COOKIE = "exitplane_oidc"
+FLOW_MAX_AGE_S = 600
+# The name single sign-on callbacks are throttled under, with the client's address.
+SSO_THROTTLE_NAME = "sso:oidc"
 
 
 def _sentence(error: Exception) -> str:
@@ -42,12 +57,24 @@ def _safe_next(request: Request, wanted: str | None) -> str:
     return "/"
 
 
+def _oidc(request: Request) -> OidcClient | None:
+    return client_for(request.app.state.settings)
+
+
+def _login_page(request: Request, *, status_code: int = 200, next: str = "",
+                username: str = "", error: str | None = None) -> Response:
+    oidc = _oidc(request)
+    return render(request, "login.html", status_code=status_code, next=next,
+                  username=username, error=error,
+                  sso_name=oidc.config.display_name if oidc else None)
+
+
 @router.get("/login")
 def login_page(request: Request, user: Annotated[User | None, Depends(optional_user)],
                next: str = "") -> Response:
     if user is not None:
         return redirect(request, _safe_next(request, next))
-    return render(request, "login.html", next=next, username="")
+    return _login_page(request, next=next)
 
 
 @router.post("/login", dependencies=[Csrf])
@@ -61,17 +88,105 @@ def login(request: Request, username: Annotated[str, Form(max_length=200)],
                               address=client_address(request),
                               per_user=not known_device(request, username))
     except RateLimited as error:
-        page = render(request, "login.html", status_code=429, next=next, username=username,
-                      error=_sentence(error))
+        page = _login_page(request, status_code=429, next=next, username=username,
+                           error=_sentence(error))
         page.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
         return page
     except Unauthorized:
-        return render(request, "login.html", status_code=401, next=next, username=username,
-                      error="Wrong username or password.")
+        return _login_page(request, status_code=401, next=next, username=username,
+                           error="Wrong username or password.")
     start_session(request, user)
     response = redirect(request, _safe_next(request, next))
     remember_device(request, response, user)
     return response
+
+
+def _redirect_uri(request: Request) -> str:
+    """Where the provider sends the browser back: under EXITPLANE_PUBLIC_URL when set (what is
+    registered at the provider), else under the address this request came to."""
+    base = request.app.state.settings.public_url.rstrip("/") \
+        or f"{request.url.scheme}://{request.url.netloc}"
+    return f"{base}{ui_root(request)}/login/oidc/callback"
+
+
+def _drop_flow(request: Request, response: Response) -> Response:
+    response.delete_cookie(FLOW_COOKIE, path=cookie_path(request), httponly=True,
+                           samesite="lax", secure=cookie_secure(request))
+    return response
+
+
+@router.get("/login/oidc")
+def oidc_sign_in(request: Request, next: Annotated[str, Query(max_length=2000)] = ""
+                 ) -> Response:
+    """Start a single sign-on: to the provider, with this browser's flow in a signed cookie."""
+    oidc = _oidc(request)
+    if oidc is None:
+        raise NotFound("single sign-on is not configured here (EXITPLANE_OIDC_ISSUER)")
+    redirect_uri = _redirect_uri(request)
+    started = oidc.start(redirect_uri=redirect_uri)
+    response = RedirectResponse(started.url, status_code=303,
+                                headers={"Cache-Control": "no-store"})
+    response.set_cookie(FLOW_COOKIE, sign(request, "oidc", {
+        "s": started.state, "n": started.nonce, "v": started.code_verifier, "r": redirect_uri,
+        "x": next, "t": time.time()}), max_age=FLOW_MAX_AGE_S, path=cookie_path(request),
+        httponly=True, samesite="lax", secure=cookie_secure(request))
+    return response
+
+
+@router.get("/login/oidc/callback")
+def oidc_callback(request: Request,
+                  code: Annotated[str, Query(max_length=4096)] = "",
+                  state: Annotated[str, Query(max_length=512)] = "",
+                  error: Annotated[str, Query(max_length=200)] = "",
+                  error_description: Annotated[str, Query(max_length=500)] = "") -> Response:
+    """The provider's answer: verified, the user signed in with their mapped role (and created
+    at their first sign-in); refused, the login page says why and no session starts. Each
+    answer is counted by the sign-in throttle from the client's address until it succeeds."""
+    oidc = _oidc(request)
+    if oidc is None:
+        raise NotFound("single sign-on is not configured here (EXITPLANE_OIDC_ISSUER)")
+    address = client_address(request)
+    checks: PasswordChecks = request.app.state.password_checks
+    attempt = checks.throttle.attempt(SSO_THROTTLE_NAME, address, per_user=False)
+    if attempt.wait > 0:
+        page = _login_page(request, status_code=429, error="Too many refused single sign-ons "
+                           f"from your address; try again in {math.ceil(attempt.wait)} s.")
+        page.headers["Retry-After"] = str(max(1, math.ceil(attempt.wait)))
+        return _drop_flow(request, page)
+    flow = unsign(request, "oidc", request.cookies.get(FLOW_COOKIE)) or {}
+    factory = request.app.state.session_factory
+    identity: SsoIdentity | None = None
+    try:
+        if error:
+            raise SignInRefused(f"the identity provider did not sign you in ({error}"
+                                f"{': ' + error_description if error_description else ''})")
+        started = flow.get("t")
+        if not isinstance(started, int | float) or time.time() - started > FLOW_MAX_AGE_S \
+                or not all(isinstance(flow.get(key), str) for key in "snvr"):
+            raise SignInRefused("this browser has no single sign-on under way (it took longer "
+                                f"than {FLOW_MAX_AGE_S // 60} minutes, or began elsewhere); "
+                                "start again")
+        verified = oidc.finish(code=code, state=state, expected_state=flow["s"],
+                               nonce=flow["n"], code_verifier=flow["v"],
+                               redirect_uri=flow["r"])
+        identity = SsoIdentity(username=verified.username, groups=verified.groups,
+                               method="oidc")
+        with factory() as session:
+            user = sso.sign_in(session=session, identity=identity,
+                               mapping=RoleMapping.from_settings(request.app.state.settings),
+                               address=address)
+            session.commit()
+    except (SignInRefused, SsoRefused) as refused:
+        with factory() as session:
+            sso.record_refusal(session=session, identity=identity, method="oidc",
+                               address=address, reason=str(refused))
+            session.commit()
+        return _drop_flow(request, _login_page(
+            request, status_code=refused.status_code,
+            error=f"Single sign-on refused: {refused}."))
+    checks.throttle.succeeded(SSO_THROTTLE_NAME, address, per_user=False)
+    start_session(request, user)
+    return _drop_flow(request, redirect(request, _safe_next(request, flow.get("x"))))
 
 
 @router.post("/logout", dependencies=[Csrf])
