@@ -24,10 +24,15 @@ the raw series would count each value once per API replica.
   mean depth, the estimate calibration reports)
 - exitplane_net_seconds_saved_last_hour{deployment}: what early exit saved over the last hour
   (telemetry/savings.py), net of exit checks and shadow tokens; negative when it cost time
+- exitplane_shadow_requests{deployment,segment}: complete shadow requests of the active version
+  over the last `ANSWER_WINDOW` (trust-filtered, `telemetry.shadow_requests`), and
+  exitplane_answer_identical_share{deployment,segment}: the share of them whose whole answer
+  under the active set (each request under its segment's thresholds) is the full-depth answer
+  (`stats.answers.first_divergence`); no series for a deployment without such requests
 
 The exit-behaviour gauges (exit_rate, tokens_checked, shadow_disagreement, shadow_tokens,
-mean_exit_depth, estimated_speedup) carry a `segment` label: segment="" is the whole
-deployment (Prometheus drops empty labels, so rules that name no segment read it),
+mean_exit_depth, estimated_speedup) and the answer gauges carry a `segment` label: segment=""
+is the whole deployment (Prometheus drops empty labels, so rules that name no segment read it),
 and a deployment that knows traffic segments also gets one series per registered segment and
 `default`, at most EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT + 1 of them. The rules select
 {segment=""} for the deployment and {segment!=""} for its segments.
@@ -52,16 +57,24 @@ from controlplane import metrics
 from controlplane.alerts.models import Alert
 from controlplane.db import utcnow
 from controlplane.deployments.models import Alias, Deployment, DeploymentSegment
+from controlplane.deployments.segment_sets import thresholds_for
+from controlplane.deployments.service import get_threshold_set
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import FORGET_AFTER
+from controlplane.stats.answers import first_divergence
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
 from controlplane.telemetry.savings import savings
+from controlplane.telemetry.shadow_requests import shadow_request_evidence
 from exitplane.wire import DEFAULT_SEGMENT
 
 log = logging.getLogger("exitplane.metrics")
 
 WINDOW = timedelta(minutes=5)
 SAVINGS_WINDOW = timedelta(hours=1)
+# Shadow requests are a small share of the traffic: the answer gauges read the last hour's,
+# at most ANSWER_MAX_REQUESTS of the newest per deployment.
+ANSWER_WINDOW = timedelta(hours=1)
+ANSWER_MAX_REQUESTS = 5000
 # The segment label of a series about the whole deployment: empty, which Prometheus treats as
 # no label, so a rule that names no segment (or selects {segment=""}) reads it.
 WHOLE_DEPLOYMENT = ""
@@ -96,6 +109,11 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                             ["deployment", "segment"]),
         "estimated_speedup": ("num_layers / mean exit depth, last 5 minutes (active version)",
                               ["deployment", "segment"]),
+        "shadow_requests": ("Complete shadow requests of the active version in the last hour",
+                            ["deployment", "segment"]),
+        "answer_identical_share": ("Share of the last hour's shadow requests whose whole answer "
+                                   "under the active set equals the full-depth answer",
+                                   ["deployment", "segment"]),
         "net_seconds_saved_last_hour": ("Accelerator seconds early exit saved against full "
                                         "depth over the last hour, net of exit checks and "
                                         "shadow tokens (negative: a loss; no series without "
@@ -166,6 +184,7 @@ def _fill(session, families: dict[str, GaugeMetricFamily]) -> None:
             families["active_version"].add_metric([deployment.name], active)
 
     _fill_exit_behaviour(session, families, deployments, aliases, now)
+    _fill_answers(session, families, deployments, aliases, now)
 
     for report in savings(session=session, deployments=list(deployments.values()),
                           since=now - SAVINGS_WINDOW):
@@ -268,6 +287,51 @@ def _fill_exit_behaviour(session, families: dict[str, GaugeMetricFamily],
         families["shadow_tokens"].add_metric(labels, shadow)
         if shadow:
             families["shadow_disagreement"].add_metric(labels, mismatches / shadow)
+
+
+def _fill_answers(session, families: dict[str, GaugeMetricFamily],
+                  deployments: dict[int, Deployment], aliases: dict[int, dict[str, int]],
+                  now) -> None:
+    """The answer gauges of each deployment's active version over the last ANSWER_WINDOW, with
+    the segment labels of the exit-behaviour gauges (`_fill_exit_behaviour`)."""
+    segmented: dict[int, set[str]] = defaultdict(set)
+    for row in session.execute(select(DeploymentSegment.deployment_id, DeploymentSegment.name)
+                               .where(DeploymentSegment.removed_at.is_(None))):
+        segmented[row.deployment_id].add(row.name)
+    for deployment in deployments.values():
+        active = aliases[deployment.id].get("active")
+        if active is None:
+            continue
+        layers = sorted(deployment.exit_layers)
+        evidence = shadow_request_evidence(
+            session=session, deployment_id=deployment.id, width=len(layers),
+            since=now - ANSWER_WINDOW, version=active, limit=ANSWER_MAX_REQUESTS)
+        if not len(evidence):
+            continue
+        threshold_set = get_threshold_set(session=session, deployment=deployment,
+                                          version=active)
+        rows: dict[str, list[float]] = {}
+        # label -> [requests, identical]
+        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        known = segmented.get(deployment.id)
+        for i, segment in enumerate(evidence.segments):
+            if segment not in rows:
+                by_layer = thresholds_for(threshold_set, segment)
+                rows[segment] = [by_layer[k] for k in layers]
+            start, end = evidence.offsets[i], evidence.offsets[i + 1]
+            identical = int(first_divergence(evidence.signals[start:end],
+                                             evidence.matched[start:end],
+                                             [rows[segment]])[0] < 0)
+            labels = [WHOLE_DEPLOYMENT]
+            if known and (segment in known or segment == DEFAULT_SEGMENT):
+                labels.append(segment)
+            for label in labels:
+                counts[label][0] += 1
+                counts[label][1] += identical
+        for label, (requests, identical) in sorted(counts.items()):
+            families["shadow_requests"].add_metric([deployment.name, label], requests)
+            families["answer_identical_share"].add_metric([deployment.name, label],
+                                                          identical / requests)
 
 
 store_collector = StoreCollector()

@@ -22,7 +22,8 @@ from tests.support.alerts import FULL, LAYERS, Phase, make_deployment, send_traf
 CAP = 2
 SEGMENTED = ("exitplane_exit_rate", "exitplane_tokens_checked", "exitplane_shadow_disagreement",
              "exitplane_shadow_tokens", "exitplane_mean_exit_depth",
-             "exitplane_estimated_speedup")
+             "exitplane_estimated_speedup", "exitplane_shadow_requests",
+             "exitplane_answer_identical_share")
 SAMPLE = re.compile(r"^(exitplane_[a-z_]+)\{([^}]*)\} (\S+)$")
 
 
