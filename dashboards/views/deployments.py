@@ -18,6 +18,7 @@ from controlplane.runtimes.service import list_runtimes, remove_runtimes
 from controlplane.telemetry import reads
 from controlplane.telemetry.service import raw_sample_rate
 from dashboards import charts
+from dashboards.answers_panel import answers_panel
 from dashboards.curve_panel import curve_panel
 from dashboards.savings_panel import savings_panel
 from dashboards.security import Csrf, Operator, Viewer, actor
@@ -65,6 +66,9 @@ def deployment_page(name: str, request: Request, session: SessionDep, _user: Vie
             interval_s=request.app.state.settings.operating_curve_interval_s),
         savings_panel=savings_panel(session=session, deployments=[deployment],
                                     minutes=minutes, segment=segment,
+                                    settings=request.app.state.settings),
+        answers_panel=answers_panel(session=session, deployment=deployment,
+                                    threshold_set=active, minutes=minutes, segment=segment,
                                     settings=request.app.state.settings),
         raw_sample_rate=raw_sample_rate(session=session, deployment=deployment),
         refresh_s=getattr(request.app.state, "refresh_s", REFRESH_S),
