@@ -9,7 +9,8 @@ RUN useradd --create-home --uid 10001 exitplane \
     && mkdir -p /var/lib/exitplane /var/lib/exitplane-runtime /var/lib/exitplane-bootstrap \
     && chown exitplane:exitplane /var/lib/exitplane /var/lib/exitplane-runtime \
        /var/lib/exitplane-bootstrap
-COPY pyproject.toml README.md alembic.ini ./
+# LICENSE: both distributions' metadata name it (clients/python/LICENSE links to this one).
+COPY pyproject.toml README.md LICENSE alembic.ini ./
 COPY clients clients
 COPY exitplane exitplane
 COPY controlplane controlplane
@@ -19,6 +20,8 @@ COPY dashboards dashboards
 COPY migrations migrations
 
 FROM base AS controlplane
+# One pip command: the local client satisfies the server's exitplane-client pin (it is not on
+# PyPI); both install into site-packages/exitplane, which the server's __init__.py spans.
 RUN pip install ./clients/python '.[controlplane]'
 # The embedded default keeps its store and its generated secret key (mode 0600) under var/.
 RUN mkdir -p /app/var && chown exitplane:exitplane /app/var

@@ -24,9 +24,24 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
 
 
+CODE_SPAN = re.compile(r"(`[^`]*`)")
+# What Markdown would take for the start of an HTML tag, comment or entity (and drop or decode)
+TAG_START = re.compile(r"<(?=[A-Za-z/!?])")
+ENTITY = re.compile(r"&(?=#?\w+;)")
+
+
+def _text(text: str) -> str:
+    """Help or description text as Markdown prose that shows every character: outside code
+    spans, a `<` that would open a tag and an `&` that would start an entity are escaped, so a
+    placeholder such as `<key>` shows instead of being dropped as an unknown HTML tag."""
+    return "".join(part if CODE_SPAN.fullmatch(part) else
+                   TAG_START.sub("&lt;", ENTITY.sub("&amp;", part))
+                   for part in CODE_SPAN.split(str(text)))
+
+
 def _cell(text: str) -> str:
-    """Markdown table cell text: one line, pipes escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Markdown table cell text: one line, pipes escaped, placeholders kept (`_text`)."""
+    return _text(" ".join(str(text).split())).replace("|", "\\|")
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -83,7 +98,7 @@ def _command_section(command, path: list[str], ctx, level: int) -> list[str]:
     out = [f"{'#' * level} `{' '.join(path)}`", ""]
     help_text = (command.help or "").strip()
     if help_text:
-        out += [help_text.split("\n\n")[0].replace("\n", " "), ""]
+        out += [_text(help_text.split("\n\n")[0].replace("\n", " ")), ""]
     params = [p for p in command.params if "--help" not in getattr(p, "opts", ())]
     if params:
         out += ["| option | default | meaning |", "|---|---|---|"]

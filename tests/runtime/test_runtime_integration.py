@@ -47,7 +47,7 @@ def test_real_model_never_exit_is_hf_greedy(smollm2, prompts, reference, kv_poli
     engine = Engine(model, config=EngineConfig(max_batch=2, max_seq_len=256,
                                                kv_policy=kv_policy))
     assert engine.parts.num_layers == 30
-    assert engine.exit_layers == [6, 9, 12, 15, 18, 21, 24, 27]
+    assert engine.exit_layers == [12, 15, 18, 21, 24, 27]
     got = engine.generate(prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
     assert got == reference
 

@@ -23,7 +23,7 @@ def _create(session: Session) -> Deployment:
 
 def test_new_deployment_has_a_never_exit_set_active_and_conservative(session):
     deployment = _create(session)
-    assert deployment.exit_layers == [6, 9, 12, 15, 18, 21, 24, 27]
+    assert deployment.exit_layers == [12, 15, 18, 21, 24, 27]
     assert service.aliases_of(session=session, deployment=deployment) == {
         "active": 1, "conservative": 1}
     first = service.get_threshold_set(session=session, deployment=deployment, version=1)
@@ -46,9 +46,9 @@ def test_versions_increase_and_sets_carry_checksum_and_parent(session):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({6: None}, "missing thresholds for exit layers \\[6\\]"),
+    ({12: None}, "missing thresholds for exit layers \\[12\\]"),
     ({7: 0.5}, "unknown exit layers \\[7\\]"),
-    ({6: -0.1}, "layer 6 is -0.1"),
+    ({12: -0.1}, "layer 12 is -0.1"),
 ])
 def test_invalid_sets_are_refused_and_nothing_is_stored(session, change, message):
     deployment = _create(session)

@@ -137,17 +137,20 @@ def _layer_map(thresholds: dict[int, float]) -> dict[str, float]:
     return {str(layer): float(value) for layer, value in sorted(thresholds.items())}
 
 
-# The exit layers a deployment (and a runtime serving without exit heads) uses when none are
-# named: a function of the model's depth alone, so the control plane, the runtime and the CLI
-# help agree (SmolLM2-135M, 30 layers: 6, 9, ..., 27; the tiny test model, 6 layers: 2, 4).
-DEFAULT_EXIT_LAYERS_RULE = ("every 3rd layer from 6 below full depth; models under 12 layers "
-                            "every 2nd from 2; a 2-layer model layer 1")
+# The exit layers a deployment (and a runtime serving without exit heads, and head training)
+# uses when none are named: a function of the model's depth alone, so the control plane, the
+# runtime and the CLI help agree. Exits start at 40% of depth, where exit heads begin to agree
+# with the full model often enough to pay for their checks (SmolLM2-135M, 30 layers: 12, 15,
+# ..., 27, the layers of the heads the package ships; the tiny test model, 6 layers: 2, 4).
+DEFAULT_EXIT_LAYERS_RULE = ("every 3rd layer below full depth from 40% of depth (at least layer "
+                            "6); models under 12 layers every 2nd from 2; a 2-layer model "
+                            "layer 1")
 
 
 def default_exit_layers(num_layers: int) -> list[int]:
     """The default exit layers of a model with `num_layers` decoder layers
     (DEFAULT_EXIT_LAYERS_RULE); empty for a model too shallow to exit (one layer)."""
-    start, step = (6, 3) if num_layers >= 12 else (2, 2)
+    start, step = (max(6, 2 * num_layers // 5), 3) if num_layers >= 12 else (2, 2)
     return list(range(start, num_layers, step)) or list(range(1, num_layers))
 
 
