@@ -1,4 +1,6 @@
-"""The `exitplane` command: control plane, database, tokens, and (lazily) the runtime."""
+"""The `exitplane` command: the control plane's processes (up, worker, beat, ingest), the
+database and bootstrap commands (cli_db.py), the operator commands over the API (ops/), the
+demo, and (lazily) the runtime."""
 
 from __future__ import annotations
 
@@ -11,12 +13,10 @@ from contextlib import contextmanager
 
 import click
 
-from exitplane.cli_db import db
+from exitplane.cli_db import DeprecatedCommand, db, register_database_commands
 from exitplane.ops import register as register_operator_commands
 from exitplane.ops.api import fail as _fail
 from exitplane.ops.api import moment as _moment
-from exitplane.ops.api import new_token_options
-from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE
 
 
 class LazyGroup(click.Group):
@@ -86,220 +86,8 @@ main.add_command(LazyGroup("runtime", target="runtime.cli:runtime_cli", extra="r
 
 
 main.add_command(db)
+register_database_commands(main)
 register_operator_commands(main)
-
-
-@main.group()
-def token() -> None:
-    """API tokens, written to the database directly (the first admin token; with a token,
-    `exitplane tokens` works over the API)."""
-
-
-@token.command("create")
-@new_token_options
-@click.option("--if-missing", is_flag=True,
-              help="with --out: keep an existing token file and create nothing (a re-run of a "
-                   "bootstrap step is a no-op)")
-def token_create(name: str, scope: str, deployment: str | None, out_file: str | None,
-                 if_missing: bool) -> None:
-    """Create a token and print it once (or write it to --out)."""
-    from pathlib import Path
-
-    if if_missing and not out_file:
-        _fail("--if-missing needs --out FILE")
-    if if_missing and Path(out_file).exists() and Path(out_file).read_text().strip():
-        click.echo(f"token file {out_file} exists; kept", err=True)
-        return
-    from controlplane.auth.service import create_token
-    from controlplane.db import session_scope
-    from controlplane.deployments.service import get_deployment
-    from controlplane.errors import DomainError
-    from exitplane.ops.api import write_token_file
-
-    try:
-        with session_scope() as session:
-            target = get_deployment(session=session, name=deployment) if deployment else None
-            _, secret = create_token(session=session, name=name, scope=scope, deployment=target)
-    except DomainError as error:
-        _fail(str(error))
-    if out_file:
-        write_token_file(out_file, secret)
-        click.echo(f"wrote the {scope} token {name!r} to {out_file}", err=True)
-        return
-    click.echo(secret)
-
-
-@main.group()
-def deployment() -> None:
-    """Deployments (a named runtime fleet and its quality target), in the database directly;
-    `exitplane deployments` reads them over the API."""
-
-
-@deployment.command("ensure")
-@click.option("--name", required=True, help="the deployment's name, e.g. chat")
-@click.option("--model-ref", required=True, help="the model the runtimes serve")
-@click.option("--num-layers", type=int, required=True, help="decoder layers of that model")
-@click.option("--exit-layers", default=None,
-              help=f"comma-separated exit layers, as the runtime's heads were trained "
-                   f"(default: {DEFAULT_EXIT_LAYERS_RULE})")
-@click.option("--signal", default="learned", show_default=True,
-              type=click.Choice(["learned", "maxprob", "margin", "entropy", "saturation"]),
-              help="the exit signal thresholds apply to")
-@click.option("--delta", type=float, default=0.01, show_default=True,
-              help="max disagreement with the full model")
-@click.option("--epsilon", type=float, default=0.05, show_default=True,
-              help="1 - confidence of the disagreement bound")
-@click.option("--shadow-rate-min", type=float, default=0.01, show_default=True,
-              help="the lowest shadow rate the control plane may ask runtimes for")
-@click.option("--shadow-rate-max", type=float, default=0.2, show_default=True,
-              help="the highest shadow rate it may ask for (equal to the minimum: fixed)")
-def deployment_ensure(name: str, model_ref: str, num_layers: int, exit_layers: str | None,
-                      signal: str, delta: float, epsilon: float, shadow_rate_min: float,
-                      shadow_rate_max: float) -> None:
-    """Create the deployment if it is missing; a re-run with the same settings is a no-op."""
-    from pydantic import ValidationError
-
-    from controlplane.db import session_scope
-    from controlplane.deployments.schemas import DeploymentCreate
-    from controlplane.deployments.service import create_deployment, get_deployment
-    from controlplane.errors import DomainError, NotFound
-
-    try:
-        layers = [int(x) for x in exit_layers.split(",")] if exit_layers else None
-        spec = DeploymentCreate(name=name, model_ref=model_ref, num_layers=num_layers,
-                                exit_layers=layers, signal=signal, delta=delta, epsilon=epsilon,
-                                shadow_rate_min=shadow_rate_min,
-                                shadow_rate_max=shadow_rate_max)
-    except (ValueError, ValidationError) as error:
-        _fail(f"invalid deployment settings: {error}".splitlines()[0])
-    wanted = spec.model_dump(include={"model_ref", "num_layers", "exit_layers", "signal",
-                                      "delta", "epsilon", "shadow_rate_min",
-                                      "shadow_rate_max"})
-    try:
-        with session_scope() as session:
-            try:
-                existing = get_deployment(session=session, name=name)
-            except NotFound:
-                create_deployment(session=session, spec=spec, actor="cli:deployment-ensure")
-                click.echo(f"deployment {name!r} created", err=True)
-                return
-            differs = {key: getattr(existing, key) for key, value in wanted.items()
-                       if getattr(existing, key) != value}
-    except DomainError as error:
-        _fail(str(error))
-    if differs:
-        _fail(f"deployment {name!r} exists with different settings {differs}; change them "
-              "with PATCH /v1/deployments/{name} or pick another name")
-    click.echo(f"deployment {name!r} exists with these settings; nothing to do", err=True)
-
-
-@main.group()
-def segment() -> None:
-    """A deployment's traffic segments, in the database directly (over the API: `exitplane
-    segments`): only declared ones are stored under their name."""
-
-
-def _segment_change(deployment: str, action):
-    """Run `action(session, deployment)` in one transaction; a refusal ends the command."""
-    from controlplane.db import session_scope
-    from controlplane.deployments.service import get_deployment
-    from controlplane.errors import DomainError
-
-    try:
-        with session_scope() as session:
-            return action(session, get_deployment(session=session, name=deployment))
-    except DomainError as error:
-        _fail(str(error))
-
-
-@segment.command("declare")
-@click.option("--deployment", required=True, help="the deployment whose traffic it is")
-@click.option("--reason", default="declared from the command line", show_default=True,
-              help="why (written to the audit log)")
-@click.argument("name")
-def segment_declare(deployment: str, reason: str, name: str) -> None:
-    """Put segment NAME in use: its traffic is stored (and judged) under its name."""
-    from controlplane.deployments.segments import declare_segment
-
-    _segment_change(deployment, lambda session, found: declare_segment(
-        session=session, deployment=found, name=name, actor="cli:segment-declare",
-        reason=reason))
-    click.echo(f"segment {name!r} of {deployment!r} is in use", err=True)
-
-
-@segment.command("remove")
-@click.option("--deployment", required=True, help="the deployment whose traffic it is")
-@click.option("--reason", default="removed from the command line", show_default=True,
-              help="why (written to the audit log)")
-@click.argument("name")
-def segment_remove(deployment: str, reason: str, name: str) -> None:
-    """Take segment NAME out of use: its traffic is stored as `default` from now on; what was
-    stored stays readable under its name."""
-    from controlplane.deployments.segments import remove_segment
-
-    _segment_change(deployment, lambda session, found: remove_segment(
-        session=session, deployment=found, name=name, actor="cli:segment-remove",
-        reason=reason))
-    click.echo(f"segment {name!r} of {deployment!r} removed", err=True)
-
-
-@segment.command("list")
-@click.option("--deployment", required=True, help="the deployment to list")
-def segment_list(deployment: str) -> None:
-    """One line per segment (name, in use or removed, origin, since), then the tokens of the
-    last 24 hours stored as `default` because their segment was not in use, per runtime."""
-    from datetime import UTC, datetime, timedelta
-
-    from controlplane.deployments.segments import segment_registry, undeclared_tokens
-
-    def read(session, found):
-        rows = [(row.name, "removed" if row.removed_at else "in use", row.origin,
-                 (row.removed_at or row.created_at).isoformat(timespec="seconds"))
-                for row in segment_registry(session=session, deployment_id=found.id)]
-        return found.auto_segments, rows, undeclared_tokens(
-            session=session, deployment=found, since=datetime.now(UTC) - timedelta(days=1))
-
-    auto, rows, undeclared = _segment_change(deployment, read)
-    for row in rows:
-        click.echo("\t".join(row))
-    click.echo(f"telemetry registers new names: {'yes' if auto else 'no'} (auto_segments)",
-               err=True)
-    for item in undeclared:
-        click.echo(f"undeclared: {item['tokens']} tokens in {item['batches']} batches from "
-                   f"runtime {item['runtime_id']} (last 24 h)", err=True)
-
-
-@main.group()
-def user() -> None:
-    """People who sign in to the admin UI (/ui)."""
-
-
-@user.command("create")
-@click.option("--username", required=True, help="the sign-in name")
-@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True,
-              help="viewers read, operators act, admins manage")
-@click.option("--password-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="read the password from this file (default: prompt)")
-def user_create(username: str, role: str, password_file: str | None) -> None:
-    """Create a UI user with a role: viewers read, operators act, admins manage."""
-    from pathlib import Path
-
-    from controlplane.auth.users import create_user
-    from controlplane.db import session_scope
-    from controlplane.errors import DomainError
-
-    if password_file:
-        password = Path(password_file).read_text().rstrip("\r\n")
-    else:
-        password = click.prompt("password", hide_input=True, confirmation_prompt=True)
-    try:
-        with session_scope() as session:
-            created = create_user(session=session, username=username, password=password,
-                                  role=role)
-            name = created.username
-    except DomainError as error:
-        _fail(str(error))
-    click.echo(f"user {name!r} created with role {role}")
 
 
 @main.command()
@@ -526,7 +314,8 @@ def dead_letters(replay: bool, entry_ids: tuple[str, ...]) -> None:
         client.close()
 
 
-@main.command()
+@main.command(cls=DeprecatedCommand,
+              instead="`exitplane calibrations start DEPLOYMENT --wait` (over the API)")
 @click.option("--deployment", required=True, help="the deployment to recalibrate")
 @click.option("--since", default=None,
               help="window start: ISO time (UTC if no offset) or an age like 30m, 6h, 2d "
@@ -540,7 +329,8 @@ def dead_letters(replay: bool, entry_ids: tuple[str, ...]) -> None:
                                               "shadow tokens, its map); default: all")
 def calibrate(deployment: str, since: str | None, until: str | None, reason: str,
               enqueue: bool, segment: str | None) -> None:
-    """Recalibrate a deployment's thresholds on its recent shadow samples."""
+    """Deprecated: recalibrate a deployment's thresholds on its recent shadow samples, in
+    this process, with database access. Over the API: `exitplane calibrations start`."""
     import json
 
     from controlplane.calibration.models import CalibrationJob

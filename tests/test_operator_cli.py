@@ -12,125 +12,28 @@ calibration candidate waiting for approval)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 from click.testing import CliRunner
-from sqlalchemy.orm import Session
 
-from controlplane.auth.service import create_token
-from controlplane.db import make_engine
 from exitplane.cli import main
 from tests.support.network import free_port
-from tests.support.processes import stop_process
-from tests.support.waiting import wait_until
+from tests.support.operator_plane import EXITPLANE, ROOT, Ran, clean_env, served_plane
 
 # slow: every test runs `exitplane` processes against a running `exitplane up`
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-EXITPLANE = str(Path(sys.executable).parent / "exitplane")
-DEPLOYMENT = {"name": "chat", "model_ref": "tiny-llama", "num_layers": 6, "exit_layers": [2, 4],
-              "signal": "maxprob", "delta": 0.1, "epsilon": 0.1}
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without EXITPLANE_* settings (the secret key stays)."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("EXITPLANE_") or key == "EXITPLANE_SECRET_KEY"}
-    return env | {"EXITPLANE_LOG_LEVEL": "warning", **extra}
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-class Plane:
-    """A running `exitplane up` and the `exitplane` program pointed at it."""
-
-    def __init__(self, *, url: str, db_url: str, token_file: Path, env: dict) -> None:
-        self.url = url
-        self.db_url = db_url
-        self.token_file = token_file
-        self.env = env
-        self.engine = make_engine(db_url)
-        self.http = httpx.Client(base_url=url, timeout=30, headers={
-            "Authorization": f"Bearer {token_file.read_text().strip()}"})
-
-    def run(self, *args: str, code: int = 0, process: bool = False, **env: str) -> Ran:
-        """Run `exitplane ARGS` (in this process, or as the installed program) and check its
-        exit status; a failure is one line."""
-        env = {"EXITPLANE_URL": self.url, "EXITPLANE_TOKEN_FILE": str(self.token_file),
-               "EXITPLANE_TOKEN": None, "EXITPLANE_OUTPUT": None} | env
-        if process:
-            done = subprocess.run([EXITPLANE, *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=120, env={key: value for key, value in
-                                                    (self.env | env).items() if value is not None})
-            ran = Ran(done.returncode, done.stdout, done.stderr)
-        else:  # an exception other than the exit would propagate here, as a traceback would
-            result = CliRunner(env=env).invoke(main, list(args), catch_exceptions=False)
-            ran = Ran(result.exit_code, result.stdout, result.stderr)
-        assert ran.returncode == code, (args, ran)
-        assert "Traceback" not in ran.stderr, ran.stderr
-        if code:
-            assert ran.stderr.startswith("exitplane: ") and ran.stderr.count("\n") == 1, \
-                ran.stderr
-        return ran
-
-    def json(self, *args: str):
-        return json.loads(self.run(*args, "--output", "json").stdout)
-
-    def session(self) -> Session:
-        return Session(self.engine)
-
 
 @pytest.fixture(scope="module")
 def plane(sqlite_template, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("operator-cli")
-    db_path = tmp / "exitplane.db"
-    shutil.copy(sqlite_template, db_path)
-    db_url = f"sqlite:///{db_path}"
-    env = _clean_env(EXITPLANE_VAR_DIR=str(tmp / "var"), EXITPLANE_DATABASE_URL=db_url)
-    token_file = tmp / "admin.token"
-    engine = make_engine(db_url)
-    with Session(engine) as session:  # the first admin token, as `exitplane token create`
-        _, secret = create_token(session=session, name="ops", scope="admin")
-        session.commit()
-    engine.dispose()
-    token_file.write_text(secret + "\n")
-    port = free_port()
-    with (tmp / "up.log").open("w") as log:
-        process = subprocess.Popen([EXITPLANE, "up", "--port", str(port), "--no-migrate",
-                                    "--no-workers"], cwd=ROOT, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _ready(url) or process.poll() is not None, 90, "exitplane up")
-        assert process.poll() is None, (tmp / "up.log").read_text()
-        found = Plane(url=url, db_url=db_url, token_file=token_file, env=env)
-        assert found.http.post("/v1/deployments", json=DEPLOYMENT).status_code == 201
+    with served_plane(sqlite_template, tmp_path_factory.mktemp("operator-cli")) as found:
         yield found
-    finally:
-        stop_process(process)
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _active(plane: Plane) -> int:
+def _active(plane) -> int:
     return plane.http.get("/v1/deployments/chat").json()["aliases"]["active"]
 
 
@@ -273,6 +176,10 @@ def test_tokens_and_runtimes(plane, tmp_path):
     listed = plane.json("tokens", "list")
     token = next(t for t in listed if t["name"] == "rt")
     assert token["scope"] == "runtime" and secret.startswith(token["prefix"])
+    assert token["deployment"] == "chat"
+    row = next(line.split() for line in plane.run("tokens", "list").stdout.splitlines()
+               if " rt " in line)
+    assert row[:4] == [str(token["id"]), "rt", "runtime", "chat"]  # the name, not the id
 
     for runtime_id in ("rt-a", "rt-b"):
         beat = httpx.post(f"{plane.url}/v1/deployments/chat/heartbeats",
@@ -404,7 +311,7 @@ def test_db_commands_and_an_unreachable_database(sqlite_template, tmp_path, monk
     assert "rewrites stored rows and cannot be written as SQL" in whole.stderr
 
     for args in (("db", "current"), ("db", "upgrade"),
-                 ("token", "create", "--name", "x", "--scope", "admin")):
+                 ("bootstrap", "token", "--name", "x", "--scope", "admin")):
         failed = run(*args, code=2, url=postgres)
         assert failed.stderr.startswith(
             "exitplane: cannot reach the database at "
@@ -413,13 +320,13 @@ def test_db_commands_and_an_unreachable_database(sqlite_template, tmp_path, monk
     # The installed program says the same in one line, without a traceback.
     done = subprocess.run([EXITPLANE, "db", "current"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120,
-                          env=_clean_env(EXITPLANE_DATABASE_URL=postgres,
+                          env=clean_env(EXITPLANE_DATABASE_URL=postgres,
                                          EXITPLANE_VAR_DIR=str(tmp_path / "var")))
     assert done.returncode == 2 and done.stderr == failed.stderr, done.stderr
 
 
 def test_a_missing_thresholds_file_is_one_line(tmp_path):
-    env = _clean_env(EXITPLANE_VAR_DIR=str(tmp_path))
+    env = clean_env(EXITPLANE_VAR_DIR=str(tmp_path))
     for command in ("generate", "serve"):
         extra = ["--prompt", "hi"] if command == "generate" else []
         done = subprocess.run([EXITPLANE, "runtime", command, *extra, "--thresholds",

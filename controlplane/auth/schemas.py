@@ -27,6 +27,8 @@ class TokenRead(BaseModel):
     name: str
     scope: Scope
     deployment_id: int | None
+    deployment: str | None = Field(default=None,
+                                   description="the name of the deployment a runtime token serves")
     prefix: str
     created_at: datetime
     revoked_at: datetime | None

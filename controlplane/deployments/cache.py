@@ -6,8 +6,10 @@ the store is written by the ingest worker. The check needs the deployment's id, 
 count and exit layers, which never change once the deployment exists, and the versions ever
 published for it, which only grow (a threshold set is never deleted). So the cache needs no
 expiry: a batch naming a version the cache does not know reloads the entry once, and only a
-version the store does not have either is refused. At fleet scale this takes the two store
-reads (and the session) off every telemetry request.
+version the store does not have either is refused. A config notification of a name (sent when
+its aliases move, and when it is deleted) drops its entry, so a name deleted and created again
+is never checked against the old id. At fleet scale this takes the two store reads (and the
+session) off every telemetry request.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ class DeploymentCache:
         (for the event loop: None sends the caller to `get` on a worker thread)."""
         entry = self._entries.get(name)
         return entry if entry is not None and set(versions) <= entry.versions else None
+
+    def forget(self, name: str | None) -> None:
+        """Drop the entry of deployment `name` (None: every entry); a bus listener."""
+        with self._lock:
+            if name is None:
+                self._entries.clear()
+            else:
+                self._entries.pop(name, None)
 
     def _load(self, name: str) -> CachedDeployment:
         with self._session_factory() as session:

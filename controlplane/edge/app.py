@@ -18,6 +18,7 @@ from controlplane.alerts.api import router as alerts_router
 from controlplane.auth.audit_api import router as audit_router
 from controlplane.auth.deps import PrincipalCache, token_reader
 from controlplane.auth.service import digest
+from controlplane.auth.users_api import router as users_router
 from controlplane.coordination.bus import Bus
 from controlplane.db import get_engine, session_factory
 from controlplane.deployments.api import router as deployments_router
@@ -34,6 +35,7 @@ from controlplane.edge.telemetry_fast_path import TelemetryFastPath
 from controlplane.flows import fallback
 from controlplane.flows.api import router as calibration_router
 from controlplane.flows.curve_api import router as curve_router
+from controlplane.flows.removal_api import router as removal_router
 from controlplane.guards.route_guard import RouteGuard, install_guards
 from controlplane.keys import weak_secret_problem
 from controlplane.memory import return_large_blocks_to_the_os
@@ -100,6 +102,7 @@ def create_api(settings: Settings | None = None, engine: Engine | None = None) -
         factory, settings.config_cache_ttl_s, bus=app.state.bus,
         long_polls_per_token=settings.long_polls_per_token)
     app.state.deployment_cache = DeploymentCache(factory)  # the stream path's batch checks
+    app.state.bus.subscribe("config", app.state.deployment_cache.forget)
     app.state.heartbeats = HeartbeatBuffer(factory, interval_s=settings.heartbeat_flush_s)
     app.state.runtime_claims = ClaimCache()  # which runtime ids each token reports under
     # Bounded waits: a Redis that is away answers 503 quickly instead of holding a worker thread.
@@ -141,7 +144,7 @@ def create_api(settings: Settings | None = None, engine: Engine | None = None) -
     # Every route takes its rate as the policy table says (controlplane/guards/policy.py).
     for router in (deployments_router, runtimes_router, auth_router, telemetry_router,
                    alerts_router, calibration_router, outliers_router, curve_router,
-                   savings_router, audit_router):
+                   savings_router, audit_router, removal_router, users_router):
         app.include_router(router, dependencies=[RouteGuard])
     return app
 

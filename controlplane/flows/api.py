@@ -1,12 +1,14 @@
 """Thin routes of calibration: start a recalibration, list / show jobs, approve / reject a
-candidate; start, show, promote and revert a canary. They live with the flows they set off
-(`flows.recalibration`, `flows.canary`)."""
+candidate; start, show (with its members), promote and revert a canary. They live with the
+flows they set off (`flows.recalibration`, `flows.canary`)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
+from pydantic import BaseModel, Field
 
 from controlplane.auth.deps import OperatorPrincipal
 from controlplane.calibration import service
@@ -23,7 +25,13 @@ from controlplane.db import SessionDep
 from controlplane.deployments.service import get_deployment
 from controlplane.errors import Conflict, NotFound, error_answer
 from controlplane.flows import canary, recalibration
-from controlplane.flows.canary import promote_canary, revert_canary, running_canary
+from controlplane.flows.canary import (
+    canary_members,
+    promote_canary,
+    revert_canary,
+    running_canary,
+)
+from controlplane.flows.removal import live_runtimes
 
 router = APIRouter(prefix="/v1/deployments/{name}", tags=["calibration"])
 
@@ -91,33 +99,76 @@ def reject(name: str, job_id: int, decision: Decision, session: SessionDep,
     return CalibrationJobRead.model_validate(job)
 
 
-@router.get("/canary", response_model=CanaryRead)
-def canary_status(name: str, session: SessionDep, principal: OperatorPrincipal) -> CanaryRead:
-    """The newest canary run of the deployment with every window's verdict."""
+class CanaryMember(BaseModel):
+    """A live runtime the canary fraction serves the canary version."""
+
+    runtime_id: str
+    applied_version: int | None
+    last_seen: datetime
+
+
+class CanaryView(CanaryRead):
+    """A canary run with the runtimes it reaches now."""
+
+    canary_fraction: float = Field(description="the share of runtime ids the canary serves "
+                                               "(the deployment's canary_fraction)")
+    live_runtimes: int = Field(description=(
+        "the deployment's runtimes heard from within EXITPLANE_RUNTIME_STALE_AFTER_S"))
+    members: list[CanaryMember] = Field(description=(
+        "the live runtimes that fall into the canary fraction, by runtime id"))
+    warnings: list[str] = Field(default_factory=list, description=(
+        "what keeps the canary from being judged, e.g. no live runtime among its members"))
+
+
+def _canary_view(session, deployment, run, request: Request) -> CanaryView:
+    """The run, its live members and a warning when no live runtime falls into them."""
+    live = live_runtimes(session=session, deployment=deployment,
+                         stale_after_s=request.app.state.settings.runtime_stale_after_s)
+    chosen = canary_members(deployment=deployment, runtime_ids=[r.runtime_id for r in live])
+    members = [CanaryMember(runtime_id=r.runtime_id, applied_version=r.applied_version,
+                            last_seen=r.last_seen) for r in live if r.runtime_id in chosen]
+    warnings = []
+    if run.status in ("running", "paused") and not members:
+        warnings.append(
+            f"no live runtime of {deployment.name!r} falls into the canary "
+            f"({deployment.canary_fraction:.0%} of {len(live)} live runtime(s)): version "
+            f"{run.version} is served to none and cannot be judged until one does; raise the "
+            "deployment's canary_fraction or start more runtimes")
+    return CanaryView(**CanaryRead.model_validate(run).model_dump(),
+                      canary_fraction=deployment.canary_fraction, live_runtimes=len(live),
+                      members=members, warnings=warnings)
+
+
+@router.get("/canary", response_model=CanaryView)
+def canary_status(name: str, request: Request, session: SessionDep,
+                  principal: OperatorPrincipal) -> CanaryView:
+    """The newest canary run of the deployment with every window's verdict, and the live
+    runtimes that fall into its fraction (its members)."""
     deployment = get_deployment(session=session, name=name)
     run = running_canary(session=session, deployment=deployment)
     if run is None:
         raise NotFound(f"deployment {name!r} never ran a canary")
-    return CanaryRead.model_validate(run)
+    return _canary_view(session, deployment, run, request)
 
 
-@router.post("/canary", status_code=status.HTTP_201_CREATED, response_model=CanaryRead,
+@router.post("/canary", status_code=status.HTTP_201_CREATED, response_model=CanaryView,
              responses={
                  404: error_answer("no such deployment, or it has no such threshold set "
                                    "version"),
                  409: error_answer("the version is the active one, or a canary is already "
                                    "running or paused (promote or revert it first)")})
-def start_canary(name: str, spec: CanaryCreate, session: SessionDep,
-                 principal: OperatorPrincipal) -> CanaryRead:
+def start_canary(name: str, spec: CanaryCreate, request: Request, session: SessionDep,
+                 principal: OperatorPrincipal) -> CanaryView:
     """Start a checked canary of a published version: a hash-sticky share of runtimes (the
     deployment's `canary_fraction`) applies it while the rest keep the active one, and the
     canary monitor judges its windows against the quality target and promotes or reverts it,
     as after a calibration under the `canary` policy. The audit log records the version, the
-    fraction, the stable version and the reason."""
+    fraction, the stable version and the reason. The answer names the live runtimes that fall
+    into the canary, with a warning in `warnings` when none does."""
     deployment = get_deployment(session=session, name=name, lock=True)
     run = canary.start_canary(session=session, deployment=deployment, version=spec.version,
                               actor=principal.actor, reason=spec.reason, replace_open=False)
-    return CanaryRead.model_validate(run)
+    return _canary_view(session, deployment, run, request)
 
 
 @router.post("/canary/promote", response_model=CanaryRead,

@@ -94,6 +94,7 @@ _ENTRIES = (
     _read("/v1/deployments"),
     _read(_DEPLOYMENT),
     _control("PATCH", _DEPLOYMENT),
+    _control("DELETE", _DEPLOYMENT),
     _control("POST", f"{_DEPLOYMENT}/threshold-sets"),
     _read(f"{_DEPLOYMENT}/threshold-sets", heavy=True),
     _read(f"{_DEPLOYMENT}/threshold-sets/{{version}}"),
@@ -121,6 +122,11 @@ _ENTRIES = (
     _read("/v1/tokens"),
     _read("/v1/audit", heavy=True),
     _control("DELETE", "/v1/tokens/{token_id}"),
+    # users of the admin UI
+    _read("/v1/users"),
+    _control("POST", "/v1/users"),
+    _read("/v1/users/{username}"),
+    _control("PATCH", "/v1/users/{username}"),
     # telemetry: batches in, rollup reads out
     RoutePolicy("POST", "/v1/telemetry", bucket="ingest", cost=1, held=True,
                 body_limit=TELEMETRY_BODY, decode_budget=True, body_after_auth=True),

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import click
 import httpx
+from click.core import ParameterSource
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 REFUSED = 1  # the control plane answered with an error
@@ -33,13 +34,16 @@ def fail(message: str, code: int = UNUSABLE) -> NoReturn:
 
 class ControlPlane:
     """One control plane as the operator commands see it: a base URL, a bearer token and how
-    answers are printed."""
+    answers are printed (`output`: table, json, yaml or name; `headers`: a table's header
+    line)."""
 
-    def __init__(self, *, url: str, token: str | None, output: str, timeout_s: float) -> None:
+    def __init__(self, *, url: str, token: str | None, output: str, timeout_s: float,
+                 headers: bool = True) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.output = output
         self.timeout_s = timeout_s
+        self.headers = headers
 
     def request(self, method: str, path: str, *, json: Any = None,
                 params: dict | None = None) -> Any:
@@ -146,36 +150,93 @@ def _token(token_file: str | None) -> str | None:
     return os.environ.get("EXITPLANE_TOKEN") or None
 
 
+OUTPUTS = ("table", "json", "yaml", "name")
+# Where a group's (or the root's) connection options leave what the command line gave them,
+# for the command below to take (click shares a context's `meta` with its children).
+GIVEN = "exitplane.connection"
+HEADERS = "exitplane.headers"  # False: tables print without their header line (--no-headers)
+_HELP = {
+    "url": "the control plane's base URL (env: EXITPLANE_URL)",
+    "token_file": "read the API token from this file (env: EXITPLANE_TOKEN_FILE; default: the "
+                  "EXITPLANE_TOKEN variable)",
+    "output": "table for people; json or yaml (the API's own objects) for scripts; name: one "
+              "identifier per line (env: EXITPLANE_OUTPUT)",
+    "no_headers": "print tables without their header line",
+    "timeout_s": "seconds to wait for the control plane",
+}
+
+
 def _connection_options() -> list[click.Option]:
-    """Fresh --url, --token-file, --output and --timeout options (click lists a command's
-    options in reverse order of this list)."""
+    """Fresh --url, --token-file, --output, --no-headers and --timeout options of a command
+    (click lists a command's options in reverse order of this list)."""
     return [
         click.Option(["--timeout", "timeout_s"], type=click.FloatRange(min=0.1), default=30.0,
-                     show_default=True, help="seconds to wait for the control plane"),
+                     show_default=True, help=_HELP["timeout_s"]),
+        click.Option(["--no-headers"], is_flag=True, default=False, help=_HELP["no_headers"]),
         click.Option(["--output", "-o"], envvar="EXITPLANE_OUTPUT", default="table",
-                     show_default=True, type=click.Choice(["table", "json"]),
-                     help="table for people; json (the API's own objects) for scripts "
-                          "(env: EXITPLANE_OUTPUT)"),
+                     show_default=True, type=click.Choice(OUTPUTS), help=_HELP["output"]),
         click.Option(["--token-file"], envvar="EXITPLANE_TOKEN_FILE", default=None,
-                     type=click.Path(dir_okay=False),
-                     help="read the API token from this file (env: EXITPLANE_TOKEN_FILE; "
-                          "default: the EXITPLANE_TOKEN variable)"),
+                     type=click.Path(dir_okay=False), help=_HELP["token_file"]),
         click.Option(["--url"], envvar="EXITPLANE_URL", default=DEFAULT_URL, show_default=True,
-                     help="the control plane's base URL (env: EXITPLANE_URL)"),
+                     help=_HELP["url"]),
     ]
+
+
+def _given(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Keep a group's connection option, when the command line gave it, for the commands
+    below (a later group's replaces an earlier one's)."""
+    if value is not None and value is not False and \
+            ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+        ctx.meta.setdefault(GIVEN, {})[param.name] = value
+    return value
+
+
+def group_connection_options() -> list[click.Option]:
+    """The connection options as a group (or the root command) takes them, before its
+    command's name: `exitplane --url URL deployments list`. The command's own option, given
+    after its name, wins; then the nearest group's; then the environment."""
+    return [
+        click.Option(["--url"], default=None, expose_value=False, callback=_given,
+                     help=f"{_HELP['url']}, for the API commands below"),
+        click.Option(["--token-file"], default=None, type=click.Path(dir_okay=False),
+                     expose_value=False, callback=_given,
+                     help=f"{_HELP['token_file']}, for the API commands below"),
+        click.Option(["--output", "-o"], default=None, type=click.Choice(OUTPUTS),
+                     expose_value=False, callback=_given,
+                     help=f"{_HELP['output']}, for the API commands below"),
+        click.Option(["--no-headers"], is_flag=True, default=False, expose_value=False,
+                     callback=_given, help=f"{_HELP['no_headers']}, for the API commands below"),
+        click.Option(["--timeout", "timeout_s"], type=click.FloatRange(min=0.1), default=None,
+                     expose_value=False, callback=_given,
+                     help=f"{_HELP['timeout_s']}, for the API commands below"),
+    ]
+
+
+def _connection(ctx: click.Context, given: dict[str, Any]) -> dict[str, Any]:
+    """The command's connection values: its own command-line options first, then a group's
+    (GIVEN), then the environment and defaults."""
+    above = ctx.meta.get(GIVEN, {})
+    return {name: value if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+            or name not in above else above[name] for name, value in given.items()}
 
 
 def operator_command(group: click.Group | None, name: str, **attrs: Any):
     """A command of `group` (None: a command of its own) that talks to the control plane:
-    after its own options it gets --url, --token-file, --output and --timeout, and its
-    function receives the ControlPlane as `api`."""
+    after its own options it gets --url, --token-file, --output, --no-headers and --timeout
+    (also accepted before the command's name, on its group or the root), and its function
+    receives the ControlPlane as `api`."""
 
     def decorate(function):
         @functools.wraps(function)
-        def command(url: str, token_file: str | None, output: str, timeout_s: float,
-                    **kwargs: Any):
-            api = ControlPlane(url=url, token=_token(token_file), output=output,
-                               timeout_s=timeout_s)
+        def command(url: str, token_file: str | None, output: str, no_headers: bool,
+                    timeout_s: float, **kwargs: Any):
+            chosen = _connection(click.get_current_context(), {
+                "url": url, "token_file": token_file, "output": output,
+                "no_headers": no_headers, "timeout_s": timeout_s})
+            click.get_current_context().meta[HEADERS] = not chosen["no_headers"]
+            api = ControlPlane(url=chosen["url"], token=_token(chosen["token_file"]),
+                               output=chosen["output"], timeout_s=chosen["timeout_s"],
+                               headers=not chosen["no_headers"])
             return function(api=api, **kwargs)
 
         command.__click_params__ = [*_connection_options(),

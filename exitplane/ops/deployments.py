@@ -1,5 +1,5 @@
-"""Operator commands for deployments, their threshold set versions, rollback, the canary and
-declared traffic segments, over the HTTP API."""
+"""Operator commands for deployments (list, show, create, update, delete), their threshold set
+versions, rollback, the canary and declared traffic segments, over the HTTP API."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from exitplane.ops.api import ControlPlane, fail, operator_command, part
-from exitplane.ops.render import emit, record, table
-from exitplane.wire import Signal
+from exitplane.ops.api import REFUSED, ControlPlane, fail, operator_command, part
+from exitplane.ops.render import cell, emit, record, table
+from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE, Signal
 
 ALIASES = ("active", "conservative", "canary")
 REASON = click.option("--reason", required=True, help="why (written to the audit log)")
@@ -52,6 +52,133 @@ def deployments_show(api: ControlPlane, name: str) -> None:
     fields = [(key, key) for key in found if key != "aliases"]
     fields += [(f"alias {alias}", lambda d, a=alias: d["aliases"].get(a)) for alias in ALIASES]
     emit(api.output, found, lambda: record(found, fields))
+
+
+def field_values(values: tuple[str, ...]) -> dict[str, Any]:
+    """FIELD=VALUE options -> {field: value}: a value is read as JSON (numbers, true, false,
+    null, lists), else kept as text."""
+    fields: dict[str, Any] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep or not key.strip():
+            fail(f"--set {value!r}: write FIELD=VALUE, e.g. policy=canary")
+        try:
+            fields[key.strip()] = json.loads(raw)
+        except ValueError:
+            fields[key.strip()] = raw
+    return fields
+
+
+def _layers(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(layer) for layer in value.split(",")]
+    except ValueError:
+        fail(f"--exit-layers {value!r}: write comma-separated layer numbers, e.g. 6,12,18")
+
+
+SET_OPTION = click.option(
+    "--set", "extra", multiple=True, metavar="FIELD=VALUE",
+    help="any other field of the deployment (repeatable; the value is read as JSON, else as "
+         "text), e.g. --set fallback_mode=last_good")
+# The settings `create` and `update` both take: option name -> (field, type, help).
+SHARED_SETTINGS = {
+    "--delta": ("delta", float, "max disagreement with the full model (δ)"),
+    "--epsilon": ("epsilon", float, "1 - confidence of the disagreement bound (ε)"),
+    "--policy": ("policy", str, "how a calibrated set is promoted: auto, canary or approval"),
+    "--canary-fraction": ("canary_fraction", float,
+                          "the share of runtimes a canary serves, in (0, 1]"),
+    "--head-digest": ("head_digest", str, "digest of the exit heads the runtimes must serve"),
+    "--model-revision": ("model_revision", str, "the model revision the runtimes must serve"),
+}
+
+
+def _settings_options(command):
+    for flag, (field, kind, help_text) in reversed(SHARED_SETTINGS.items()):
+        command = click.option(flag, field, type=kind, default=None, help=help_text)(command)
+    return command
+
+
+def _settings(given: dict[str, Any], extra: tuple[str, ...]) -> dict[str, Any]:
+    chosen = {field: given[field] for field, _, _ in SHARED_SETTINGS.values()
+              if given.get(field) is not None}
+    return chosen | field_values(extra)
+
+
+@operator_command(deployments, "create")
+@click.argument("name")
+@click.option("--model-ref", required=True, help="the model the runtimes serve")
+@click.option("--num-layers", type=click.IntRange(min=2), required=True,
+              help="decoder layers of that model")
+@click.option("--exit-layers", default=None,
+              help=f"comma-separated exit layers, as the runtime's heads were trained "
+                   f"(default: {DEFAULT_EXIT_LAYERS_RULE})")
+@click.option("--signal", type=click.Choice([s.value for s in Signal]), default=None,
+              help="the exit signal thresholds apply to (default: learned)")
+@_settings_options
+@SET_OPTION
+def deployments_create(api: ControlPlane, name: str, model_ref: str, num_layers: int,
+                       exit_layers: str | None, signal: str | None, extra: tuple[str, ...],
+                       **given: Any) -> None:
+    """Create deployment NAME: its conservative set (never exit) is version 1 and active."""
+    spec = {"name": name, "model_ref": model_ref, "num_layers": num_layers,
+            "exit_layers": _layers(exit_layers), "signal": signal} | _settings(given, extra)
+    made = api.request("POST", "/v1/deployments",
+                       json={key: value for key, value in spec.items() if value is not None})
+    emit(api.output, made, lambda: click.echo(
+        f"deployment {made['name']} created (exit layers {cell(made['exit_layers'])}, "
+        f"active: version {made['aliases'].get('active')})"))
+
+
+@operator_command(deployments, "update")
+@click.argument("name")
+@_settings_options
+@click.option("--auto-segments/--no-auto-segments", default=None,
+              help="register segment names that runtime telemetry carries (or only declared "
+                   "ones)")
+@SET_OPTION
+def deployments_update(api: ControlPlane, name: str, auto_segments: bool | None,
+                       extra: tuple[str, ...], **given: Any) -> None:
+    """Change settings of deployment NAME (quality target, policy, canary fraction, lineage,
+    ...); the settings not given keep their values. The shadow rate's bounds: `exitplane
+    deployments shadow-rate`."""
+    changes = _settings(given, extra)
+    if auto_segments is not None:
+        changes["auto_segments"] = auto_segments
+    if not changes:
+        fail("give a setting to change, e.g. --delta 0.02 or --set fallback_mode=last_good")
+    found = api.request("PATCH", _path(name), json=changes)
+    emit(api.output, found, lambda: click.echo(
+        f"deployment {name} updated: " + ", ".join(
+            f"{key}={found.get(key, value)}" for key, value in changes.items())))
+
+
+@operator_command(deployments, "delete")
+@click.argument("name")
+@REASON
+@click.option("--force", is_flag=True,
+              help="delete even while runtimes of it are live (they lose their thresholds "
+                   "and tokens)")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+def deployments_delete(api: ControlPlane, name: str, reason: str, force: bool,
+                       yes: bool) -> None:
+    """Delete deployment NAME with its versions, aliases, tokens (its runtime tokens stop
+    working), runtimes, calibrations, canaries, alerts and telemetry (admin token). Refused
+    while runtimes of it are live, unless --force."""
+    if not yes:
+        try:
+            confirmed = click.confirm(
+                f"delete deployment {name!r} and everything stored under it?", err=True)
+        except click.Abort:
+            confirmed = False
+        if not confirmed:
+            fail("nothing deleted (--yes deletes without asking)", REFUSED)
+    gone = api.request("DELETE", _path(name),
+                       params={"reason": reason, "force": "true" if force else None})
+    emit(api.output, gone, lambda: click.echo(
+        f"deployment {gone['name']} deleted ({gone['threshold_sets']} threshold set(s), "
+        f"{len(gone['revoked_tokens'])} runtime token(s) revoked)"))
 
 
 SHADOW_FIELDS = [("deployment", "name"), ("shadow rate", "shadow_rate"),
@@ -329,16 +456,37 @@ def _show_canary(run: dict) -> None:
         table(run["checks"], CHECK_COLUMNS, width=90)
 
 
+def _warn(answer: dict) -> None:
+    """The control plane's warnings about an answer, one line each on stderr."""
+    for warning in answer.get("warnings") or ():
+        click.echo(f"exitplane: warning: {' '.join(str(warning).split())}", err=True)
+
+
+def _set_fraction(api: ControlPlane, deployment: str, fraction: float) -> dict:
+    return api.request("PATCH", _path(deployment), json={"canary_fraction": fraction})
+
+
+FRACTION = click.FloatRange(0, 1, min_open=True)
+
+
 @operator_command(canary, "start")
 @click.argument("deployment")
 @click.argument("version", type=click.IntRange(min=1))
 @click.option("--reason", default="", help="why (added to the audit log)")
-def canary_start(api: ControlPlane, deployment: str, version: int, reason: str) -> None:
+@click.option("--fraction", type=FRACTION, default=None,
+              help="set the deployment's canary fraction (the share of runtimes that apply "
+                   "VERSION) first")
+def canary_start(api: ControlPlane, deployment: str, version: int, reason: str,
+                 fraction: float | None) -> None:
     """Serve VERSION to DEPLOYMENT's canary fraction of runtimes (the deployment's
-    canary_fraction) beside the active version; the canary monitor judges its windows and
-    promotes or reverts it. Refused while another canary runs or is paused."""
+    canary_fraction, or --fraction) beside the active version; the canary monitor judges its
+    windows and promotes or reverts it. Refused while another canary runs or is paused; a
+    warning when no live runtime falls into the canary."""
+    if fraction is not None:
+        _set_fraction(api, deployment, fraction)
     run = api.request("POST", _path(deployment, "canary"),
                       json={"version": version, "reason": reason})
+    _warn(run)
     emit(api.output, run, lambda: click.echo(
         f"{deployment}: canary of version {run['version']} {run['status']} "
         f"(stable: version {run['baseline_version']})"))
@@ -349,7 +497,42 @@ def canary_start(api: ControlPlane, deployment: str, version: int, reason: str) 
 def canary_status(api: ControlPlane, deployment: str) -> None:
     """DEPLOYMENT's newest canary run and every window's verdict."""
     run = api.get(_path(deployment, "canary"))
+    _warn(run)
     emit(api.output, run, lambda: _show_canary(run))
+
+
+MEMBER_COLUMNS = [("RUNTIME", "runtime_id"), ("VERSION", "applied_version"),
+                  ("LAST SEEN", "last_seen")]
+
+
+@operator_command(canary, "members")
+@click.argument("deployment")
+def canary_members(api: ControlPlane, deployment: str) -> None:
+    """The live runtimes of DEPLOYMENT that fall into its canary fraction (hash-sticky by
+    runtime id): the ones that apply the canary version."""
+    run = api.get(_path(deployment, "canary"))
+    _warn(run)
+
+    def people() -> None:
+        click.echo(f"{deployment}: {len(run['members'])} of {run['live_runtimes']} live "
+                   f"runtime(s) in the canary of version {run['version']} ({run['status']}, "
+                   f"fraction {run['canary_fraction']:g})", err=True)
+        table(run["members"], MEMBER_COLUMNS)
+
+    emit(api.output, run["members"], people)
+
+
+@operator_command(canary, "fraction")
+@click.argument("deployment")
+@click.argument("fraction", type=FRACTION)
+def canary_fraction(api: ControlPlane, deployment: str, fraction: float) -> None:
+    """Set the share of DEPLOYMENT's runtimes a canary serves, a running one included
+    (runtimes pick the change up on their next pull)."""
+    found = _set_fraction(api, deployment, fraction)
+    if "canary" in found["aliases"]:
+        _warn(api.get(_path(deployment, "canary")))
+    emit(api.output, found, lambda: click.echo(
+        f"{deployment}: canary fraction {found['canary_fraction']:g}"))
 
 
 @operator_command(canary, "promote")
@@ -401,7 +584,8 @@ def segments_list(api: ControlPlane, deployment: str, window_s: int) -> None:
     """DEPLOYMENT's segments (in use and removed), then per runtime the tokens stored as
     `default` because their segment was not in use."""
     registry = api.get(_path(deployment, "declared-segments"), window_s=window_s)
-    emit(api.output, registry, lambda: _show_registry(registry))
+    emit(api.output, registry, lambda: _show_registry(registry),
+         names=lambda found: found["segments"])
 
 
 @operator_command(segments, "declare")

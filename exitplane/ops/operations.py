@@ -3,9 +3,13 @@ the HTTP API."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 import click
 
 from exitplane.ops.api import (
+    REFUSED,
     ControlPlane,
     fail,
     moment,
@@ -48,6 +52,28 @@ def _iso(value: str | None, option: str) -> str | None:
         fail(f"{option}: {error}")
 
 
+OPEN_JOB = ("queued", "running", "waiting_for_data")
+WAIT_POLL_S = 2.0
+
+
+def _await_job(api: ControlPlane, deployment: str, job: dict, wait_s: float) -> dict:
+    """Job `job` once a worker finished it (succeeded or failed), asking every WAIT_POLL_S;
+    a job still open after `wait_s` ends the command."""
+    deadline = time.monotonic() + wait_s
+    with click.progressbar(length=1, label=f"calibration job {job['id']}", file=sys.stderr,
+                           item_show_func=lambda status: status) as bar:
+        while job["status"] in OPEN_JOB:
+            bar.update(0, job["status"])
+            if time.monotonic() >= deadline:
+                fail(f"calibration job {job['id']} is still {job['status']} after {wait_s:g} s"
+                     f" ({job.get('status_reason') or 'no reason given'}); follow it with "
+                     f"`exitplane calibrations show {deployment} {job['id']}`", REFUSED)
+            time.sleep(WAIT_POLL_S)
+            job = api.get(_deployment(deployment, "calibrations", job["id"]))
+        bar.update(1, job["status"])
+    return job
+
+
 @operator_command(calibrations, "start")
 @click.argument("deployment")
 @click.option("--since", default=None,
@@ -57,18 +83,30 @@ def _iso(value: str | None, option: str) -> str | None:
 @click.option("--reason", default="", help="why (written to the audit log)")
 @click.option("--segment", default=None,
               help="recalibrate this traffic segment alone (default: the whole deployment)")
+@click.option("--wait", is_flag=True,
+              help="wait until a worker has run the job, then show it (exit 1 if it failed)")
+@click.option("--wait-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="with --wait: seconds to wait before giving up (the job goes on)")
 def calibrations_start(api: ControlPlane, deployment: str, since: str | None,
-                       until: str | None, reason: str, segment: str | None) -> None:
+                       until: str | None, reason: str, segment: str | None, wait: bool,
+                       wait_timeout: float) -> None:
     """Queue a recalibration of DEPLOYMENT on its shadow samples (a worker runs it); an open
-    job is returned instead of a second one."""
+    job is returned instead of a second one. --wait follows it to its end."""
     body = {"since": _iso(since, "--since"), "until": _iso(until, "--until"),
             "reason": reason, "segment": segment}
     answer = api.request("POST", _deployment(deployment, "calibrations"),
                          json={key: value for key, value in body.items() if value})
     job = answer["job"]
+    if wait:
+        job = _await_job(api, deployment, job, wait_timeout)
+        emit(api.output, job, lambda: _show_job(job))
+        if job["status"] == "failed":
+            fail(f"calibration job {job['id']} failed: {job['status_reason']}", REFUSED)
+        return
     emit(api.output, answer, lambda: click.echo(
         f"{deployment}: calibration job {job['id']} {job['status']}"
-        + ("" if answer["created"] else " (already open)")))
+        + ("" if answer["created"] else " (already open)")),
+        names=lambda found: [found["job"]["id"]])
 
 
 @operator_command(calibrations, "list")
@@ -263,15 +301,16 @@ def tokens() -> None:
 
 
 TOKEN_COLUMNS = [("ID", "id"), ("NAME", "name"), ("SCOPE", "scope"),
-                 ("DEPLOYMENT ID", "deployment_id"), ("PREFIX", "prefix"),
-                 ("CREATED", "created_at"), ("REVOKED", "revoked_at")]
+                 ("DEPLOYMENT", lambda t: t.get("deployment") or t.get("deployment_id")),
+                 ("PREFIX", "prefix"), ("CREATED", "created_at"), ("REVOKED", "revoked_at")]
 
 
 @operator_command(tokens, "list")
 def tokens_list(api: ControlPlane) -> None:
     """Every API token (never its secret): scope, deployment, prefix, revoked or not."""
     found = api.get("/v1/tokens")
-    emit(api.output, found, lambda: table(found, TOKEN_COLUMNS))
+    emit(api.output, found, lambda: table(found, TOKEN_COLUMNS),
+         names=lambda tokens: [token["id"] for token in tokens])
 
 
 @operator_command(tokens, "create")

@@ -1,14 +1,17 @@
-"""How operator commands print: the API's JSON unchanged (`--output json`) or aligned columns
-and `key: value` lines for people (`--output table`)."""
+"""How operator commands print: the API's objects unchanged (`--output json` or `yaml`), one
+identifier per line (`--output name`, for scripts), or aligned columns and `key: value` lines
+for people (`--output table`, `--no-headers` without the header line)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 import click
+
+from exitplane.ops.api import HEADERS, fail
 
 # A column: its header and the field it shows (a key of the object, or a function of it).
 Column = tuple[str, str | Callable[[dict], Any]]
@@ -40,12 +43,15 @@ def _value(row: dict, field: str | Callable[[dict], Any]) -> Any:
 
 
 def table(rows: Sequence[dict], columns: Sequence[Column], *, width: int = 60) -> None:
-    """Aligned columns with a header; a cell longer than `width` is cut with an ellipsis."""
-    grid = [[header for header, _ in columns]]
+    """Aligned columns with a header (none under --no-headers); a cell longer than `width` is
+    cut with an ellipsis."""
+    context = click.get_current_context(silent=True)
+    headers = context is None or context.meta.get(HEADERS, True)
+    grid = [[header for header, _ in columns]] if headers else []
     for row in rows:
         texts = [cell(_value(row, field)) for _, field in columns]
         grid.append([text if len(text) <= width else text[:width - 1] + "…" for text in texts])
-    sizes = [max(len(line[i]) for line in grid) for i in range(len(columns))]
+    sizes = [max((len(line[i]) for line in grid), default=0) for i in range(len(columns))]
     for line in grid:
         padded = (text.ljust(size) for text, size in zip(line, sizes, strict=True))
         click.echo("  ".join(padded).rstrip())
@@ -60,9 +66,35 @@ def record(row: dict, fields: Sequence[Column]) -> None:
         click.echo(f"{header + ':':<{size + 1}} {cell(_value(row, field))}")
 
 
-def emit(output: str, data: Any, people: Callable[[], None]) -> None:
-    """Print `data` as JSON, or call `people()` to print it for a reader."""
+# The fields that name an object, in the order `--output name` looks for them.
+IDENTIFIERS = ("name", "username", "runtime_id", "id", "version")
+
+
+def identifier(row: Any) -> str:
+    """What names one object of the API: its name, username, runtime id, id or version."""
+    if isinstance(row, dict):
+        for key in IDENTIFIERS:
+            if row.get(key) is not None:
+                return str(row[key])
+    return cell(row)
+
+
+def emit(output: str, data: Any, people: Callable[[], None],
+         names: Callable[[Any], Iterable[Any]] | None = None) -> None:
+    """Print `data` as JSON or YAML, one identifier per line (`names(data)`, default: each
+    object's `identifier`), or call `people()` to print it for a reader."""
     if output == "json":
         click.echo(json.dumps(data, indent=2))
+    elif output == "yaml":
+        try:
+            import yaml
+        except ImportError:
+            fail("--output yaml needs PyYAML: pip install pyyaml (the controlplane and runtime "
+                 "extras have it)")
+        click.echo(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), nl=False)
+    elif output == "name":
+        found = names(data) if names else data if isinstance(data, list) else [data]
+        for item in found:
+            click.echo(identifier(item))
     else:
         people()

@@ -95,6 +95,9 @@ API: dict[str, tuple[str, Call]] = {
     "GET /v1/deployments/{name}": ("runtime", Call("/v1/deployments/alpha")),
     "PATCH /v1/deployments/{name}": ("operator", Call("/v1/deployments/alpha",
                                                       {"delta": 0.02})),
+    "DELETE /v1/deployments/{name}": ("admin", Call(
+        "/v1/deployments/alpha?reason=matrix&force=true",
+        why="force: runtime rt-1 of alpha is live")),
     "POST /v1/deployments/{name}/threshold-sets": ("operator", Call(
         "/v1/deployments/alpha/threshold-sets",
         {"thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}, "reason": "matrix"})),
@@ -158,6 +161,12 @@ API: dict[str, tuple[str, Call]] = {
     "POST /v1/tokens": ("admin", Call("/v1/tokens", {"name": "ci", "scope": "operator"})),
     "GET /v1/tokens": ("admin", Call("/v1/tokens")),
     "DELETE /v1/tokens/{token_id}": ("admin", Call("/v1/tokens/{spare_token}")),
+    # users of the admin UI
+    "GET /v1/users": ("admin", Call("/v1/users")),
+    "POST /v1/users": ("admin", Call("/v1/users", {"username": "newcomer", "role": "viewer",
+                                                   "password": PASSWORD})),
+    "GET /v1/users/{username}": ("admin", Call("/v1/users/spare")),
+    "PATCH /v1/users/{username}": ("admin", Call("/v1/users/spare", {"role": "operator"})),
     # alerts and hooks
     "GET /v1/alerts": ("operator", Call("/v1/alerts?deployment=alpha")),
     "GET /v1/alerts/{alert_id}": ("operator", Call("/v1/alerts/{alert}")),
