@@ -1,5 +1,7 @@
 """CLI niceties: `exitplane --version`, help text on every option of every command (the runtime's
-included), and the progress bar of corpus generation (the others: provisioning in
+included), no option spelled twice on one command, shell completion (bash, zsh and fish
+scripts from click's `_EXITPLANE_COMPLETE`, completing command names without the hidden
+deprecated ones), and the progress bar of corpus generation (the others: provisioning in
 tests/runtime/test_provision.py, calibration in tests/controlplane/calibration/test_cli.py,
 head training's phases in runtime/train.py)."""
 
@@ -45,6 +47,56 @@ def test_every_option_has_help_text():
     ctx = click.Context(main, info_name="exitplane")
     assert _commands(main, ctx) >= 15  # the walk reached the runtime's lazy group too
     assert _options_without_help(main, ["exitplane"], ctx) == []
+
+
+def _duplicated_options(command: click.Command, path: list[str],
+                        ctx: click.Context) -> list[str]:
+    spelled = [opt for p in command.params if isinstance(p, click.Option) for opt in p.opts]
+    found = [f"{' '.join(path)} {opt}" for opt in sorted(set(spelled)) if spelled.count(opt) > 1]
+    if isinstance(command, click.Group) and path[-1] != "runtime":
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            found += _duplicated_options(sub, [*path, name],
+                                         click.Context(sub, parent=ctx, info_name=name))
+    return found
+
+
+def test_no_command_spells_an_option_twice():
+    """A command's own option and a connection option of the same name would shadow each
+    other (click only warns)."""
+    assert _duplicated_options(main, ["exitplane"], click.Context(main,
+                                                                  info_name="exitplane")) == []
+
+
+@pytest.mark.parametrize("shell,marker", [("bash", "complete -o nosort -F"),
+                                          ("zsh", "#compdef exitplane"),
+                                          ("fish", "complete --no-files --command exitplane")])
+def test_shell_completion_scripts(shell, marker):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([str(Path(sys.executable).parent / "exitplane")], text=True,
+                          capture_output=True, timeout=120,
+                          env={**os.environ, "_EXITPLANE_COMPLETE": f"{shell}_source"})
+    assert done.returncode == 0, done.stderr
+    assert marker in done.stdout and "_EXITPLANE_COMPLETE" in done.stdout
+
+
+def _completions(monkeypatch, words: str) -> set[str]:
+    """What bash completion offers after `words` (click's bash_complete protocol)."""
+    monkeypatch.setenv("_EXITPLANE_COMPLETE", "bash_complete")
+    monkeypatch.setenv("COMP_WORDS", words)
+    monkeypatch.setenv("COMP_CWORD", str(len(words.split()) - 1))
+    result = CliRunner().invoke(main, [], prog_name="exitplane")
+    return {line.split(",", 1)[1] for line in result.stdout.splitlines()}
+
+
+def test_completion_offers_the_plural_groups_only(monkeypatch):
+    assert _completions(monkeypatch, "exitplane de") == {"dead-letters", "demo", "deployments"}
+    assert _completions(monkeypatch, "exitplane to") == {"tokens"}  # not the hidden `token`
+    assert _completions(monkeypatch, "exitplane deployments d") == {"delete"}
 
 
 def test_an_option_without_help_would_be_found():
