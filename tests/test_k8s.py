@@ -1168,3 +1168,89 @@ def test_bootstrap_refuses_what_its_role_does_not_allow(cluster, store, tmp_path
     assert missing.returncode == 1
     assert missing.stderr.count("\n") == 1 and "HTTP 404" in missing.stderr
     assert _runtime_tokens(store) == []
+
+
+# -- docs/guides/kubernetes.md works when followed ------------------------------------------------
+
+GUIDE = ROOT / "docs" / "guides" / "kubernetes.md"
+
+
+def _guide_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", GUIDE.read_text(), flags=re.S)
+
+
+def test_the_guides_overlays_render(tmp_path):
+    """The overlays the guide shows (a second install, the ingress patch, one token per runtime
+    pod) render over a copy of deploy/k8s as it says, and do what it says."""
+    blocks = _guide_blocks("yaml")
+    copied = _copy_of_deploy(tmp_path)
+    [blue] = [b for b in blocks if b.startswith("# overlays/blue/kustomization.yaml")]
+    [keep_monitors] = [b for b in blocks if b.startswith("components: [../../components/"
+                                                          "monitoring]\npatches:")]
+    (copied / "overlays" / "blue").mkdir()
+    (copied / "overlays" / "blue" / "kustomization.yaml").write_text(blue + keep_monitors)
+    docs = kustomize(copied / "overlays" / "blue")
+    assert {d["metadata"]["labels"]["app.kubernetes.io/instance"] for d in docs} == \
+        {"exitplane-blue"}
+    assert all(d["metadata"]["name"].startswith("blue-") for d in docs)
+    assert sorted(d["kind"] for d in docs if d["apiVersion"] == MONITORING_GROUP) == \
+        ["PodMonitor"] * 4 + ["ServiceMonitor"]
+    assert not [d for d in docs if "grafana_dashboard" in d["metadata"]["labels"]]
+
+    [ingress_patch] = [b for b in blocks if b.startswith("patches:\n  - target: {kind: Ingress")]
+    (copied / "overlays" / "with-ingress").mkdir()
+    (copied / "overlays" / "with-ingress" / "kustomization.yaml").write_text(
+        "resources: [../production]\ncomponents: [../../components/ingress]\n" + ingress_patch)
+    [ingress] = [d for d in kustomize(copied / "overlays" / "with-ingress")
+                 if d["kind"] == "Ingress"]
+    assert ingress["spec"]["rules"][0]["host"] == ingress["spec"]["tls"][0]["hosts"][0] == \
+        "exitplane.your-domain.example"
+
+    [tokens] = [b for b in blocks if b.startswith("# One token per runtime pod")]
+    [listed] = [b for b in blocks if b.startswith("  - path: runtime-tokens.yaml")]
+    production = copied / "overlays" / "production"
+    (production / "runtime-tokens.yaml").write_text(tokens)
+    kustomization = production / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text() + listed)
+    runtime = _pod(_by(kustomize(production), "StatefulSet", "runtime"))["containers"][0]
+    [mount] = [m for m in runtime["volumeMounts"] if m["name"] == "token"]
+    assert mount["subPathExpr"] == "$(POD_NAME)"
+    assert runtime["command"][-2:] == ["--runtime-id", "$(POD_NAME)"]
+
+
+def test_the_guides_commands_name_what_the_manifests_hold():
+    """Every object the guide's kubectl commands name (kind/name, -l selectors) is in the
+    production overlay, the Secrets it creates are the ones the pods read, with the keys they
+    need, and the image build makes both images the manifests run."""
+    docs = rendered("production")
+    shell = "\n".join(_guide_blocks("sh")).replace("\\\n", " ")
+    kinds = {"deploy": "Deployment", "statefulset": "StatefulSet", "job": "Job",
+             "secret": "Secret"}
+    named = re.findall(r"(?<![\w/])(deploy|statefulset)/([\w-]+)(?![\w/-])", shell)
+    assert named
+    for short, name in named:
+        assert any(d["kind"] == kinds[short] and d["metadata"]["name"] == name for d in docs)
+    selected = re.findall(r"\b(job) -l ([\w./-]+)=([\w-]+)", shell)
+    assert len(selected) >= 3
+    for short, key, value in selected:
+        assert any(d["kind"] == kinds[short] and d["metadata"]["labels"].get(key) == value
+                   for d in docs), (short, key, value)
+    for name in re.findall(r"patch secret ([\w-]+)", shell):
+        assert any(d["kind"] == "Secret" and d["metadata"]["name"] == name for d in docs)
+    keys = {name: set(re.findall(r"--from-literal=(\w+)=", rest))
+            for name, rest in re.findall(r"create secret generic ([\w-]+)(.*)", shell)}
+    assert keys["exitplane-secrets"] == {"EXITPLANE_SECRET_KEY", "EXITPLANE_DATABASE_URL",
+                                         "EXITPLANE_REDIS_URL"}
+    runtime = _pod(_by(docs, "StatefulSet", "runtime"))
+    [api_keys] = [v["secret"] for v in runtime["volumes"] if v["name"] == "api-keys"]
+    assert keys[api_keys["secretName"]] == {item["key"] for item in api_keys["items"]}
+    for doc in _workloads(docs):
+        for container in _containers(_pod(doc)):
+            assert {r for r in _references(container) if "secret" in r} <= set(keys)
+    built = set(re.findall(r"docker build --target (\w+) -t \"\$REGISTRY/([\w-]+):\$VERSION\"",
+                           shell))
+    assert built == {("controlplane", "exitplane-controlplane"), ("runtime", "exitplane-runtime")}
+    targets = set(re.findall(r"(?m)^FROM .* AS (\w+)$", (ROOT / "Dockerfile").read_text()))
+    assert {target for target, _ in built} <= targets
+    for _, image in built:
+        assert f'"{image}=$REGISTRY/{image}:$VERSION"' in shell  # kustomize edit set image
