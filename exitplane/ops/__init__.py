@@ -10,6 +10,7 @@ def register(main: click.Group) -> None:
     """Add the operator groups and commands to the `exitplane` command; the root and each group
     also take the connection options (--url, --token-file, --output, --no-headers, --timeout)
     before the command's name."""
+    from exitplane.ops.answers import deployments_answers  # noqa: F401 (registers)
     from exitplane.ops.api import group_connection_options
     from exitplane.ops.curve import deployments_curve, versions_what_if  # noqa: F401 (registers)
     from exitplane.ops.deployments import canary, deployments, rollback, segments, versions
