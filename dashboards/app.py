@@ -27,6 +27,7 @@ from dashboards.templating import render, ui_root
 from dashboards.views import (
     admin,
     alerts,
+    audit,
     calibration,
     deployments,
     outliers,
@@ -105,7 +106,7 @@ def create_ui(parent: FastAPI) -> FastAPI:
 
     ui.mount("/static", StaticFiles(directory=STATIC), name="static")
     for module in (sessions, overview, deployments, versions, calibration, alerts, admin,
-                   outliers, segments, what_if):
+                   outliers, segments, what_if, audit):
         ui.include_router(module.router)
     return ui
 

@@ -70,7 +70,8 @@ def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
     record_admin_event(session=session, actor=actor, action="hook.create",
                        target=f"hook:{hook.id}",
                        details={"name": name, "kind": kind, "deployment_id": hook.deployment_id,
-                                "min_severity": min_severity})
+                                "min_severity": min_severity},
+                       deployment=deployment.name if deployment else None)
     return hook
 
 

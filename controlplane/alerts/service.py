@@ -219,9 +219,15 @@ def acknowledge(*, session: Session, alert: Alert, actor: str, note: str = "") -
     session.flush()
     record_admin_event(session=session, actor=actor, action="alert.acknowledge",
                        target=f"alert:{alert.id}", reason=note,
-                       details={"kind": alert.kind, "deployment_id": alert.deployment_id})
+                       details={"kind": alert.kind, "deployment_id": alert.deployment_id},
+                       deployment=_deployment_name(session, alert))
     enqueue_deliveries(session=session, alert=alert, event="acknowledged")
     return alert
+
+
+def _deployment_name(session: Session, alert: Alert) -> str | None:
+    deployment = session.get(Deployment, alert.deployment_id)
+    return deployment.name if deployment else None
 
 
 def resolve(*, session: Session, alert: Alert, actor: str, reason: str) -> Alert:
@@ -232,7 +238,8 @@ def resolve(*, session: Session, alert: Alert, actor: str, reason: str) -> Alert
     session.flush()
     record_admin_event(session=session, actor=actor, action="alert.resolve",
                        target=f"alert:{alert.id}", reason=reason,
-                       details={"kind": alert.kind, "deployment_id": alert.deployment_id})
+                       details={"kind": alert.kind, "deployment_id": alert.deployment_id},
+                       deployment=_deployment_name(session, alert))
     return alert
 
 

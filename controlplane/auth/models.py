@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, String, Text
+from sqlalchemy import ForeignKey, Index, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from controlplane.db import Base, utcnow
@@ -64,15 +64,19 @@ class SignInFailures(Base):
 class AdminEvent(Base):
     """Who did what to the control plane itself, when and why: tokens, users and roles, alert
     hooks, alert acknowledgements and resolutions (controlplane/auth/audit.py). Deployment
-    changes have their own log (`audit_events`)."""
+    changes have their own table (`audit_events`); the fleet-wide log reads both
+    (controlplane/deployments/audit.py)."""
 
     __tablename__ = "admin_events"
+    __table_args__ = (Index("ix_admin_events_created_at_id", "created_at", "id"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     actor: Mapped[str] = mapped_column(String(200))
     action: Mapped[str] = mapped_column(String(50), index=True)
     # What the action was on: "token:12", "user:alice", "hook:3", "alert:41".
     target: Mapped[str] = mapped_column(String(200))
+    # The deployment the action concerns, by name (kept when the deployment is gone).
+    deployment: Mapped[str | None] = mapped_column(String(63), index=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     details: Mapped[dict] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -42,6 +42,7 @@ from controlplane.calibration.segments import (
     path_borrowing,
 )
 from controlplane.db import utcnow
+from controlplane.deployments.audit import record_audit
 from controlplane.deployments.models import Deployment
 from controlplane.deployments.segments import known_segments
 from controlplane.errors import Invalid, NotFound
@@ -113,6 +114,10 @@ def request_calibration(*, session: Session, deployment: Deployment, actor: str,
                          segment=segment, status="queued", created_at=now, updated_at=now)
     session.add(job)
     session.flush()
+    record_audit(session=session, deployment=deployment, actor=actor,
+                 action="calibration.request", reason=reason,
+                 details={"calibration_job_id": job.id, "trigger": trigger,
+                          "segment": segment, "alert_id": alert_id})
     if enqueue:
         enqueue_task(session, "calibration.run", [job.id])
     return job, True

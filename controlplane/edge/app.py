@@ -15,13 +15,13 @@ from sqlalchemy.engine import Engine
 
 from controlplane import collector, observability
 from controlplane.alerts.api import router as alerts_router
-from controlplane.auth.audit_api import router as audit_router
 from controlplane.auth.deps import PrincipalCache, token_reader
 from controlplane.auth.service import digest
 from controlplane.auth.users_api import router as users_router
 from controlplane.coordination.bus import Bus
 from controlplane.db import get_engine, session_factory
 from controlplane.deployments.api import router as deployments_router
+from controlplane.deployments.audit_api import router as audit_router
 from controlplane.deployments.cache import DeploymentCache
 from controlplane.deployments.delivery import ConfigDelivery
 from controlplane.deployments.tokens_api import router as auth_router

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.auth import users
+from controlplane.auth.audit import record_admin_event
 from controlplane.auth.clients import throttle_key
 from controlplane.auth.models import User
 from controlplane.errors import RateLimited, Unauthorized
@@ -154,6 +155,8 @@ class PasswordChecks:
         with self._factory() as session:
             user = users.replace_checked_password(session=session, credentials=credentials,
                                                   new_hash=new_hash)
+            record_admin_event(session=session, actor=f"user:{credentials.username}",
+                               action="user.password", target=f"user:{credentials.username}")
             session.commit()
         self.throttle.succeeded(credentials.username, address, per_user=per_user)
         return user

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query, Request
 from controlplane.auth.deps import OperatorPrincipal
 from controlplane.db import SessionDep
 from controlplane.deployments.access import RuntimePrincipal
+from controlplane.deployments.audit import record_audit
 from controlplane.deployments.service import get_deployment
 from controlplane.errors import RUNTIME_ERRORS, error_answer
 from controlplane.runtimes import service
@@ -80,7 +81,7 @@ def remove_runtime(name: str, runtime_id: str, request: Request, session: Sessio
     deployment = get_deployment(session=session, name=name)
     removed = service.remove_runtimes(session=session, deployment=deployment,
                                       runtime_id=runtime_id)
-    return _removed(request, deployment, removed, principal)
+    return _removed(request, session, deployment, removed, principal)
 
 
 @router.delete("/{name}/runtimes", response_model=RuntimesRemoved)
@@ -92,10 +93,15 @@ def remove_runtimes_of_token(
     deployment = get_deployment(session=session, name=name)
     removed = service.remove_runtimes(session=session, deployment=deployment,
                                       token_id=token_id)
-    return _removed(request, deployment, removed, principal)
+    return _removed(request, session, deployment, removed, principal)
 
 
-def _removed(request: Request, deployment, removed: list[str], principal) -> RuntimesRemoved:
+def _removed(request: Request, session, deployment, removed: list[str],
+             principal) -> RuntimesRemoved:
+    if removed:
+        record_audit(session=session, deployment=deployment,
+                     actor=principal.actor, action="runtime.remove", reason="",
+                     details={"runtime_ids": removed})
     request.app.state.heartbeats.forget(deployment.id, removed)
     request.app.state.runtime_claims.forget(deployment.id, removed)
     log.info("%s removed %d runtime(s) of deployment %r", principal.actor, len(removed),

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.auth import service as tokens
 from controlplane.auth import users
+from controlplane.auth.audit import record_admin_event
 from controlplane.auth.models import ROLES, SCOPES
 from controlplane.db import SessionDep
 from controlplane.deployments import service as thresholds
@@ -127,6 +128,8 @@ def set_password(user_id: int, request: Request, session: SessionDep, _user: Adm
         target = users.set_password(session=session,
                                     user=users.get_user(session=session, user_id=user_id),
                                     password_hash=password_hash)
+        record_admin_event(session=session, actor=actor(_user), action="user.password",
+                           target=f"user:{target.username}")
         return f"Password of {target.username!r} changed; their sessions ended."
 
     return attempt(request, session, "/users", perform)

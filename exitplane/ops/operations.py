@@ -339,17 +339,46 @@ def tokens_revoke(api: ControlPlane, token_id: int) -> None:
         f"token {revoked['id']} ({revoked['name']}) revoked"))
 
 
-AUDIT_COLUMNS = [("ID", "id"), ("WHEN", "created_at"), ("ACTOR", "actor"),
-                 ("ACTION", "action"), ("TARGET", "target"), ("REASON", "reason")]
+AUDIT_COLUMNS = [("WHEN", "at"), ("ACTOR", "actor"), ("ACTION", "action"),
+                 ("OBJECT", "target"), ("DEPLOYMENT", "deployment"), ("REASON", "reason")]
+AUDIT_PAGE_MAX = 500  # the API's largest page
 
 
 @operator_command(None, "audit")
-@click.option("--action", default=None, help="only this action, e.g. token.revoke")
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 500),
-              help="at most this many events")
-def audit(api: ControlPlane, action: str | None, limit: int) -> None:
-    """Administrative actions, newest first: tokens, users and roles, alert hooks, alert
-    acknowledgements and resolutions (admin token). A deployment's own changes: `exitplane
-    deployments audit`."""
-    found = api.get("/v1/audit", action=action, limit=limit)
+@click.option("--actor", default=None,
+              help="only this actor, e.g. user:alice, token:ci, system:fallback (a trailing * "
+                   "matches a prefix: 'system:*')")
+@click.option("--action", default=None,
+              help="only this action, e.g. alias.rollback (a trailing * matches a family: "
+                   "'token.*')")
+@click.option("--deployment", default=None, help="only events of this deployment")
+@click.option("--object-kind", default=None,
+              help="only actions on this kind of object: token, user, hook, alert, "
+                   "deployment, alias, threshold_set ...")
+@click.option("--since", default=None,
+              help="events at or after this ISO time (UTC if no offset) or age like 30m, 6h, 2d")
+@click.option("--until", default=None, help="events before this moment, same forms")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000),
+              help="at most this many events, newest first (pages are followed)")
+@click.option("--page-size", default=AUDIT_PAGE_MAX, show_default=True,
+              type=click.IntRange(1, AUDIT_PAGE_MAX), help="events asked for per request")
+def audit(api: ControlPlane, actor: str | None, action: str | None, deployment: str | None,
+          object_kind: str | None, since: str | None, until: str | None, limit: int,
+          page_size: int) -> None:
+    """The fleet-wide audit log, newest first (admin token): every deployment's changes
+    (alias moves, publications, rollbacks, canaries, calibration decisions, segments,
+    runtimes) and administrative actions (tokens, users and roles, alert hooks, alerts), by
+    people, tokens and the workers (system:...)."""
+    query = {"actor": actor, "action": action, "deployment": deployment,
+             "object_kind": object_kind, "since": _iso(since, "--since"),
+             "until": _iso(until, "--until")}
+    found: list[dict] = []
+    cursor = None
+    while len(found) < limit:
+        wanted = min(page_size, limit - len(found))
+        page = api.get("/v1/audit", **query, cursor=cursor, limit=wanted)
+        found.extend(page)
+        if len(page) < wanted:  # the last page
+            break
+        cursor = page[-1]["cursor"]
     emit(api.output, found, lambda: table(found, AUDIT_COLUMNS))

@@ -1,11 +1,14 @@
 """Every administrative action leaves a trace: tokens created and revoked, alert hooks created,
 changed and deleted, alerts acknowledged and resolved, users created, re-roled and disabled
-are audit events with their actor (readable by admins at GET /v1/audit and with `exitplane
-audit`), and every audit event, a deployment's too, is a line of the `exitplane.audit` log."""
+are audit events with their actor. The fleet-wide log (GET /v1/audit, `exitplane audit`)
+lists them with every deployment's events, newest first, filtered and paged by cursor; every
+audit event is one line of the `exitplane.audit` log, written when its transaction commits."""
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import UTC, datetime, timedelta
 
 from click.testing import CliRunner
 from sqlalchemy.orm import Session
@@ -13,8 +16,12 @@ from sqlalchemy.orm import Session
 from controlplane.alerts import service
 from controlplane.alerts.service import Condition
 from controlplane.auth import users
-from controlplane.auth.audit import admin_events
+from controlplane.auth.audit import admin_events, record_admin_event
+from controlplane.deployments import service as thresholds
+from controlplane.deployments.audit import AuditFilter, fleet_audit
+from controlplane.deployments.schemas import DeploymentCreate
 from exitplane.cli import main
+from exitplane.kit.logs import make_formatter
 from tests.support.alerts import make_deployment
 
 
@@ -25,6 +32,10 @@ def _alert(engine) -> int:
             kind="distribution_drift", severity="warning", summary="signal drifted"))
         session.commit()
         return alert.id
+
+
+def _audit_lines(caplog) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.name == "exitplane.audit"]
 
 
 def test_admin_actions_over_the_api_are_audited_and_logged(client, tokens, engine, outbox,
@@ -50,7 +61,7 @@ def test_admin_actions_over_the_api_are_audited_and_logged(client, tokens, engin
     listed = client.get("/v1/audit", headers=admin)
     assert listed.status_code == 200
     mine = [(e["actor"], e["action"], e["target"]) for e in listed.json()
-            if e["actor"] != "local"][::-1]  # oldest first; the fixture's tokens are local
+            if e["source"] == "admin" and e["actor"] != "local"][::-1]  # oldest first
     assert mine == [
         ("token:test-admin", "token.create", f"token:{made['id']}"),
         ("token:test-admin", "token.revoke", f"token:{made['id']}"),
@@ -64,13 +75,16 @@ def test_admin_actions_over_the_api_are_audited_and_logged(client, tokens, engin
     assert update["details"] == {"url": "(changed)", "enabled": False}  # no URL in the log
     resolved = next(e for e in listed.json() if e["action"] == "alert.resolve")
     assert resolved["reason"] == "recalibrated"
+    assert resolved["object"] == {"kind": "alert", "id": str(alert_id)}
+    assert resolved["deployment"] == "chat"
+    assert resolved["at"] == resolved["created_at"]
+    assert update["reason"] is None and update["deployment"] is None
     assert client.get("/v1/audit", headers=admin,
                       params={"action": "token.revoke"}).json()[0]["target"] == \
         f"token:{made['id']}"
     assert client.get("/v1/audit", headers=op).status_code == 403
     assert client.get("/v1/audit", headers=admin, params={"limit": 501}).status_code == 422
-    lines = [record.getMessage() for record in caplog.records
-             if record.name == "exitplane.audit"]
+    lines = [record.getMessage() for record in _audit_lines(caplog)]
     assert any(line.startswith("audit: token:test-admin token.revoke token:") for line in lines)
     assert any("alert.resolve" in line and line.endswith(": recalibrated") for line in lines)
 
@@ -91,20 +105,130 @@ def test_user_changes_are_audited_with_their_actor(engine):
                       ("user:root", "user.disable", "user:alice", {})]
 
 
-def test_a_deployment_change_is_logged_and_the_cli_reads_the_admin_log(
-        client, tokens, live_server, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="exitplane.audit")
+def _fleet(engine) -> None:
+    """Two deployments' changes and administrative actions, interleaved."""
+    with Session(engine) as session:
+        for name in ("chat", "code"):
+            deployment = thresholds.create_deployment(session=session, spec=DeploymentCreate(
+                name=name, model_ref="m", num_layers=12, exit_layers=[3, 6, 9]),
+                actor="user:ann")
+            session.commit()
+            published = thresholds.publish(session=session, deployment=deployment,
+                                           thresholds={3: 0.95, 6: 0.9, 9: 0.8},
+                                           reason="tighter", actor="user:bob")
+            record_admin_event(session=session, actor="user:ann", action="hook.create",
+                               target=f"hook:{name}", deployment=name)
+            session.commit()
+            thresholds.move_alias(session=session, deployment=deployment, alias="active",
+                                  version=published.version, actor="system:fallback",
+                                  reason="quality at risk")
+            record_admin_event(session=session, actor="user:root", action="token.create",
+                               target=f"token:{name}")
+            session.commit()
+
+
+def test_the_fleet_log_merges_both_kinds_newest_first_and_pages_by_cursor(engine):
+    _fleet(engine)
+    with Session(engine) as session:
+        everything = fleet_audit(session=session, limit=500)
+        assert {e.source for e in everything} == {"deployment", "admin"}
+        assert [e.at for e in everything] == sorted((e.at for e in everything), reverse=True)
+        assert len(everything) == 16  # 8 a deployment: its creation made 4
+        paged, cursor = [], None
+        while True:
+            page = fleet_audit(session=session, limit=3, cursor=cursor)
+            if not page:
+                break
+            paged.extend(page)
+            cursor = page[-1].cursor
+        assert [(e.source, e.id) for e in paged] == [(e.source, e.id) for e in everything]
+
+        def actions(**rules) -> list[str]:
+            return [e.action for e in fleet_audit(session=session, rules=AuditFilter(**rules))]
+
+        assert actions(deployment="chat") == [
+            "alias.move", "hook.create", "threshold_set.publish", "alias.move", "alias.move",
+            "threshold_set.publish", "deployment.create"]
+        assert actions(actor="system:*") == ["alias.move", "alias.move"]
+        assert actions(action="token.*") == ["token.create", "token.create"]
+        assert actions(object_kind="alias", deployment="code") == ["alias.move"] * 3
+        assert actions(object_kind="threshold_set", actor="user:bob") == [
+            "threshold_set.publish"] * 2
+        assert actions(object_kind="token") == ["token.create", "token.create"]
+        middle = everything[4].at
+        assert actions(until=middle) == [e.action for e in everything if e.at < middle]
+        assert actions(since=middle) == [e.action for e in everything if e.at >= middle]
+        moved = fleet_audit(session=session, rules=AuditFilter(action="alias.move",
+                                                               deployment="code"))[0]
+        assert (moved.object_kind, moved.object_id, moved.reason) == (
+            "alias", "code/active", "quality at risk")
+        assert moved.details == {"alias": "active", "from_version": 1, "to_version": 2}
+
+
+def test_the_fleet_log_refuses_bad_queries(client, tokens):
     admin = tokens.headers(tokens.admin)
-    assert client.post("/v1/deployments", headers=admin, json={
-        "name": "chat", "model_ref": "tiny", "num_layers": 12, "exit_layers": [3, 6, 9]}
-    ).status_code == 201
-    assert any(record.getMessage().startswith("audit: token:test-admin ")
-               and "deployment:chat" in record.getMessage() for record in caplog.records
-               if record.name == "exitplane.audit")
-    client.post("/v1/tokens", headers=admin, json={"name": "ops2", "scope": "operator"})
+    for params, says in (({"cursor": "not-a-cursor"}, "cursor"),
+                         ({"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"},
+                          "since"),
+                         ({"object_kind": "Token;"}, "object_kind"),
+                         ({"deployment": "../x"}, "deployment"),
+                         ({"since": "yesterday"}, "since")):
+        answer = client.get("/v1/audit", headers=admin, params=params)
+        assert answer.status_code == 422, (params, answer.text)
+        assert says in answer.text
+    now = datetime.now(UTC)
+    window = {"since": (now - timedelta(hours=1)).isoformat(), "until": now.isoformat()}
+    assert client.get("/v1/audit", headers=admin, params=window).status_code == 200
+
+
+def test_audit_lines_are_written_on_commit_only(engine, caplog):
+    caplog.set_level(logging.INFO, logger="exitplane.audit")
+    with Session(engine) as session:
+        record_admin_event(session=session, actor="user:ann", action="token.create",
+                           target="token:dropped")
+        session.flush()
+        assert not _audit_lines(caplog)  # stored in the transaction, not yet committed
+        session.rollback()
+        assert not _audit_lines(caplog)
+        with session.begin_nested():
+            record_admin_event(session=session, actor="user:ann", action="token.create",
+                               target="token:kept", reason="ci", deployment="chat")
+        savepoint = session.begin_nested()
+        record_admin_event(session=session, actor="user:ann", action="token.create",
+                           target="token:undone")
+        session.flush()
+        savepoint.rollback()
+        assert not _audit_lines(caplog)
+        session.commit()
+    records = _audit_lines(caplog)
+    assert [r.getMessage() for r in records] == ["audit: user:ann token.create token:kept: ci"]
+    shipped = json.loads(make_formatter("json").format(records[0]))
+    assert shipped["logger"] == "exitplane.audit"
+    line = shipped["audit"]
+    assert {key: line[key] for key in ("actor", "action", "object", "deployment", "reason",
+                                       "details")} == {
+        "actor": "user:ann", "action": "token.create", "object": {"kind": "token", "id": "kept"},
+        "deployment": "chat", "reason": "ci", "details": {}}
+    assert datetime.fromisoformat(line["at"]).tzinfo is not None
+
+
+def test_the_cli_filters_and_follows_pages(client, tokens, engine, live_server, tmp_path):
+    _fleet(engine)
     token_file = tmp_path / "token"
     token_file.write_text(tokens.admin)
-    run = CliRunner().invoke(main, ["audit", "--action", "token.create", "--url",
-                                    live_server.url, "--token-file", str(token_file)])
+    connection = ["--url", live_server.url, "--token-file", str(token_file)]
+    run = CliRunner().invoke(main, ["audit", "--deployment", "chat", "--since", "1h",
+                                    "--page-size", "2", "-o", "json", *connection])
     assert run.exit_code == 0, run.output
-    assert "token.create" in run.stdout and "token:test-admin" in run.stdout
+    listed = json.loads(run.stdout)
+    assert [e["action"] for e in listed] == [
+        "alias.move", "hook.create", "threshold_set.publish", "alias.move", "alias.move",
+        "threshold_set.publish", "deployment.create"]
+    run = CliRunner().invoke(main, ["audit", "--actor", "system:fallback", "--limit", "1",
+                                    *connection])
+    assert run.exit_code == 0, run.output
+    assert "alias.move" in run.stdout and "system:fallback" in run.stdout
+    assert "quality at risk" in run.stdout
+    run = CliRunner().invoke(main, ["audit", "--since", "last week", *connection])
+    assert run.exit_code == 2
+    assert "--since" in run.stderr and "neither an ISO time" in run.stderr

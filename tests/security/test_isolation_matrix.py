@@ -286,6 +286,7 @@ UI: dict[str, tuple[str, Call]] = {
                                       ok=(201,), why="the new secret is shown once, in place")),
     "POST /ui/tokens/{token_id}/revoke": ("admin", Call("/ui/tokens/{spare_token}/revoke", {})),
     "GET /ui/users": ("admin", Call("/ui/users")),
+    "GET /ui/audit": ("admin", Call("/ui/audit?actor=user:*&action=alias.*")),
     "POST /ui/users": ("admin", Call("/ui/users", {"username": "eve", "password": PASSWORD,
                                                    "role": "viewer"})),
     "POST /ui/users/{user_id}/role": ("admin", Call("/ui/users/{spare_user}/role",
