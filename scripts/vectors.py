@@ -297,6 +297,15 @@ def payloads() -> dict:
                         "head_digest": HEAD_DIGEST, "applied_version": 3,
                         "applied_checksum": threshold_set["checksum"], "ready": True,
                         "error": None, "spooled_batches": 0, "dropped_records": 0}},
+        "heartbeat_refusing": {
+            "note": "a runtime that refused set v4 (its exit layers are not the runtime's) and "
+                    "keeps serving v3: refused_version names the set, error says why; "
+                    "refused_version is left out when the runtime refuses none",
+            "payload": {"runtime_id": "rt-1", "applied_version": 3,
+                        "applied_checksum": threshold_set["checksum"], "ready": False,
+                        "error": "refused threshold set: set v4 has exit layers [6, 9]; this "
+                                 "runtime exits at [12, 15]",
+                        "spooled_batches": 0, "dropped_records": 0, "refused_version": 4}},
         "refused": refused,
     }
 

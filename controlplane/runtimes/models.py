@@ -22,6 +22,9 @@ class Runtime(Base):
     applied_checksum: Mapped[str | None] = mapped_column(String(64))
     ready: Mapped[bool] = mapped_column(default=False)
     error: Mapped[str | None] = mapped_column(Text)
+    # The version of the threshold set the runtime refused last, while that refusal stands
+    # (its last heartbeat said so; `error` says why). NULL: it refuses none.
+    refused_version: Mapped[int | None]
     spooled_batches: Mapped[int] = mapped_column(default=0)
     dropped_records: Mapped[int] = mapped_column(default=0)
     first_seen: Mapped[datetime] = mapped_column(default=utcnow)

@@ -18,6 +18,9 @@ class RuntimeRead(BaseModel):
     applied_checksum: str | None
     ready: bool
     error: str | None
+    refused_version: int | None = Field(
+        default=None, description="the version of the threshold set the runtime refused last, "
+        "while that refusal stands (`error` says why); null: it refuses none")
     spooled_batches: int
     dropped_records: int
     first_seen: datetime

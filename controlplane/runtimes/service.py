@@ -30,7 +30,8 @@ FORGET_AFTER = timedelta(days=1)
 # The runtime's columns a beat sets (`beat_fields`); controlplane/runtimes/beats.py writes
 # the same ones for the beats an API process holds.
 BEAT_FIELDS = ("applied_version", "applied_checksum", "ready", "error", "spooled_batches",
-               "dropped_records", "last_seen", "model_revision", "head_digest")
+               "dropped_records", "last_seen", "model_revision", "head_digest",
+               "refused_version")
 # Built once (bound parameters): constructing the statement per beat cost more than running it.
 # The returned row refreshes the runtime in the session (populate_existing); nothing else in it
 # needs the identity map searched (synchronize_session False).
@@ -194,7 +195,8 @@ def beat_fields(beat: Heartbeat, seen: datetime) -> dict:
     return dict(applied_version=beat.applied_version, applied_checksum=beat.applied_checksum,
                 ready=beat.ready, error=beat.error, spooled_batches=beat.spooled_batches,
                 dropped_records=beat.dropped_records, last_seen=seen,
-                model_revision=beat.model_revision, head_digest=beat.head_digest)
+                model_revision=beat.model_revision, head_digest=beat.head_digest,
+                refused_version=beat.refused_version)
 
 
 def _check_room(*, session: Session, deployment: Deployment | CachedDeployment, caps: RuntimeCaps,

@@ -235,7 +235,8 @@ def runtimes() -> None:
 RUNTIME_COLUMNS = [("RUNTIME", "runtime_id"), ("VERSION", "applied_version"),
                    ("READY", "ready"), ("LAST SEEN", "last_seen"),
                    ("SPOOLED", "spooled_batches"), ("DROPPED", "dropped_records"),
-                   ("LINEAGE MISMATCH", "lineage_mismatch_at"), ("ERROR", "error")]
+                   ("LINEAGE MISMATCH", "lineage_mismatch_at"),
+                   ("REFUSED", "refused_version"), ("ERROR", "error")]
 OUTLIER_COLUMNS = [("ID", "id"), ("RUNTIME", "runtime_id"), ("STATUS", "status"),
                    ("VERSION", "version"), ("SEGMENT", "segment"), ("DETECTED", "detected_at"),
                    ("SUMMARY", "summary")]

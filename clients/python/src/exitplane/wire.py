@@ -637,6 +637,11 @@ class Heartbeat(Lineage):
     error: str | None = Field(default=None, max_length=2000, pattern=NO_NUL_PATTERN)
     spooled_batches: int = Field(default=0, ge=0, le=INT32)
     dropped_records: int = Field(default=0, ge=0, le=INT32)
+    refused_version: int | None = Field(
+        default=None, ge=0, le=INT32, exclude_if=lambda value: value is None,
+        description="the version of the threshold set the runtime refused last, while that "
+                    "refusal stands (it serves an older set or the built-in one; `error` says "
+                    "why); absent: none")
 
 
 def check_runtime_id(runtime_id: str) -> str:

@@ -76,7 +76,10 @@ class TelemetryStats(Protocol):
 
 
 class RefusedThresholdSet(ValueError):
-    """A pulled or cached threshold set that must not be applied."""
+    """A pulled or cached threshold set that must not be applied; `version`: its version,
+    where it is known (a body too broken to parse has none)."""
+
+    version: int | None = None
 
 
 def check_threshold_set(wire: ThresholdSetWire, *, deployment: str,
@@ -170,6 +173,8 @@ class ThresholdClient:
         self.applied: ThresholdSetWire | None = None
         self.source: str | None = None
         self.error: str | None = None
+        # The version of the set refused last, while the refusal stands (heartbeats report it)
+        self.refused_version: int | None = None
         self.counters = {"pulls": 0, "not_modified": 0, "applied": 0, "refused": 0,
                          "pull_errors": 0, "heartbeats": 0, "heartbeat_errors": 0,
                          "cache_write_errors": 0}
@@ -267,6 +272,7 @@ class ThresholdClient:
                          ready=self.in_sync,
                          error=None if self.error is None
                          else self.error.replace("\x00", "")[:2000],
+                         refused_version=self.refused_version,
                          spooled_batches=spooled, dropped_records=dropped)
         try:
             response = self._http.post(f"/v1/deployments/{self.deployment}/heartbeats",
@@ -384,22 +390,27 @@ class ThresholdClient:
                 log.exception("threshold client listener failed")
 
     def _apply(self, wire: ThresholdSetWire, source: str, *, write_cache: bool) -> None:
-        check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers,
-                            head_digest=self.lineage.head_digest)
-        if wire.segments and not getattr(self.engine, "applies_segments", False):
-            names = ", ".join(sorted(wire.segments))
-            raise RefusedThresholdSet(
-                f"set v{wire.version} has thresholds per segment ({names}); this runtime "
-                "applies one map to every request, so it keeps its set until it can apply "
-                "them (or a set without segments is published)")
         try:
-            self.engine.set_thresholds(wire)
-        except ValueError as exc:
-            raise RefusedThresholdSet(f"engine refused set v{wire.version}: {exc}") from exc
+            check_threshold_set(wire, deployment=self.deployment, exit_layers=self.exit_layers,
+                                head_digest=self.lineage.head_digest)
+            if wire.segments and not getattr(self.engine, "applies_segments", False):
+                names = ", ".join(sorted(wire.segments))
+                raise RefusedThresholdSet(
+                    f"set v{wire.version} has thresholds per segment ({names}); this runtime "
+                    "applies one map to every request, so it keeps its set until it can apply "
+                    "them (or a set without segments is published)")
+            try:
+                self.engine.set_thresholds(wire)
+            except ValueError as exc:
+                raise RefusedThresholdSet(f"engine refused set v{wire.version}: {exc}") from exc
+        except RefusedThresholdSet as exc:
+            exc.version = wire.version
+            raise
         previous = self.applied
         self.applied, self.source = wire, source
         if source == SOURCE_CONTROL_PLANE:
-            self.error = None  # a good set from the control plane clears a refusal
+            # a good set from the control plane clears a refusal
+            self.error, self.refused_version = None, None
         self.counters["applied"] += 1
         if previous is None or previous.checksum != wire.checksum:
             log.info("applied threshold set v%d (%s, checksum %s) from %s", wire.version,
@@ -417,6 +428,7 @@ class ThresholdClient:
         kept = "nothing applied yet" if self.applied is None else \
             f"keeping v{self.applied.version}"
         self.error = f"refused threshold set: {exc}"
+        self.refused_version = exc.version
         log.error("%s; %s", self.error, kept)
         self._beat_due = 0.0  # report it with the next heartbeat
         _notify(self.on_refused, str(exc))
