@@ -1254,3 +1254,24 @@ def test_the_guides_commands_name_what_the_manifests_hold():
     assert {target for target, _ in built} <= targets
     for _, image in built:
         assert f'"{image}=$REGISTRY/{image}:$VERSION"' in shell  # kustomize edit set image
+
+
+def test_the_guides_gitops_objects_point_at_the_manifests():
+    """The Argo CD Application and the Flux Kustomization the guide shows deploy the production
+    overlay into its namespace, and Argo CD leaves alone the data of a Secret the manifests hold
+    (the runtime token's, which the bootstrap Job fills)."""
+    objects = [yaml.safe_load(block) for block in _guide_blocks("yaml")]
+    [application] = [o for o in objects if isinstance(o, dict) and o.get("kind") == "Application"]
+    [flux] = [o for o in objects if isinstance(o, dict) and o.get("kind") == "Kustomization"
+              and o.get("apiVersion", "").startswith("kustomize.toolkit.fluxcd.io/")]
+    overlay = K8S / "overlays" / "production"
+    docs = rendered("production")
+    assert ROOT / application["spec"]["source"]["path"] == overlay
+    assert application["spec"]["destination"]["namespace"] == docs[0]["metadata"]["namespace"]
+    [ignored] = application["spec"]["ignoreDifferences"]
+    assert ignored["jsonPointers"] == ["/data"]
+    assert [d for d in docs if d["kind"] == ignored["kind"]
+            and d["metadata"]["name"] == ignored["name"]]
+    assert "RespectIgnoreDifferences=true" in application["spec"]["syncPolicy"]["syncOptions"]
+    assert (ROOT / flux["spec"]["path"]).resolve() == overlay
+    assert flux["spec"]["wait"] is True and flux["spec"]["prune"] is True
