@@ -215,13 +215,12 @@ def remember_device(request: Request, response: Response, user: User) -> None:
                         samesite="lax", secure=cookie_secure(request))
 
 
-_proxy_refusals = RefusalLog()
-
-
 def _proxy_sign_in(request: Request) -> ProxySignIn | None:
-    """The UI's header sign-in configuration (read once per application)."""
+    """The UI's header sign-in configuration and its refusal log (made once per
+    application)."""
     state = request.app.state
     if not hasattr(state, "proxy_sign_in"):
+        state.proxy_refusals = RefusalLog()
         state.proxy_sign_in = ProxySignIn.from_settings(state.settings)
     return state.proxy_sign_in
 
@@ -256,7 +255,8 @@ def sign_in_from_proxy(request: Request) -> None:
             session.commit()
         except SsoRefused as refused:
             session.rollback()
-            if _proxy_refusals.due(identity.username, str(refused), time.monotonic()):
+            if request.app.state.proxy_refusals.due(identity.username, str(refused),
+                                                    time.monotonic()):
                 sso.record_refusal(session=session, identity=identity, method="proxy",
                                    address=address, reason=str(refused))
                 session.commit()

@@ -4,6 +4,7 @@ your own account."""
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Annotated
 
@@ -15,7 +16,14 @@ from controlplane.auth.models import User
 from controlplane.auth.oidc import OidcClient, SignInRefused, client_for
 from controlplane.auth.sso import RoleMapping, SsoIdentity, SsoRefused
 from controlplane.db import SessionDep
-from controlplane.errors import DomainError, Invalid, NotFound, RateLimited, Unauthorized
+from controlplane.errors import (
+    DomainError,
+    Invalid,
+    NotFound,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+)
 from controlplane.guards.password_checks import PasswordChecks
 from dashboards.security import (
     Csrf,
@@ -41,6 +49,7 @@ FLOW_COOKIE = "exitplane_oidc"
 FLOW_MAX_AGE_S = 600
 # The name single sign-on callbacks are throttled under, with the client's address.
 SSO_THROTTLE_NAME = "sso:oidc"
+ERROR_CODE = re.compile(r"[a-z_]{1,40}")
 
 
 def _sentence(error: Exception) -> str:
@@ -137,8 +146,7 @@ def oidc_sign_in(request: Request, next: Annotated[str, Query(max_length=2000)] 
 def oidc_callback(request: Request,
                   code: Annotated[str, Query(max_length=4096)] = "",
                   state: Annotated[str, Query(max_length=512)] = "",
-                  error: Annotated[str, Query(max_length=200)] = "",
-                  error_description: Annotated[str, Query(max_length=500)] = "") -> Response:
+                  error: Annotated[str, Query(max_length=200)] = "") -> Response:
     """The provider's answer: verified, the user signed in with their mapped role (and created
     at their first sign-in); refused, the login page says why and no session starts. Each
     answer is counted by the sign-in throttle from the client's address until it succeeds."""
@@ -158,8 +166,10 @@ def oidc_callback(request: Request,
     identity: SsoIdentity | None = None
     try:
         if error:
-            raise SignInRefused(f"the identity provider did not sign you in ({error}"
-                                f"{': ' + error_description if error_description else ''})")
+            # Only the standard error code: the description is free text anyone can put in
+            # a link to this page.
+            raise SignInRefused("the identity provider did not sign you in ("
+                                f"{error if ERROR_CODE.fullmatch(error) else 'an error'})")
         started = flow.get("t")
         if not isinstance(started, int | float) or time.time() - started > FLOW_MAX_AGE_S \
                 or not all(isinstance(flow.get(key), str) for key in "snvr"):
@@ -176,6 +186,10 @@ def oidc_callback(request: Request,
                                mapping=RoleMapping.from_settings(request.app.state.settings),
                                address=address)
             session.commit()
+    except Unavailable:
+        # Not the client's doing: the attempt counted above is given back.
+        checks.throttle.succeeded(SSO_THROTTLE_NAME, address, per_user=False)
+        raise
     except (SignInRefused, SsoRefused) as refused:
         with factory() as session:
             sso.record_refusal(session=session, identity=identity, method="oidc",

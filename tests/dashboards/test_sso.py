@@ -8,7 +8,8 @@ this browser's, a user without a mapped role and a local user's name are refused
 that says why and no session; every sign-in and refusal is an audit event; refused answers
 from one address are throttled. Header sign-in: a trusted proxy's header signs the user in; the
 same header from another address (even with X-Forwarded-For naming the proxy) is ignored, and
-the API never reads it.
+the API never reads it. In Chromium, the login page's "Sign in with ..." goes to the provider
+and back to the overview, signed in with the mapped role.
 """
 
 from __future__ import annotations
@@ -216,6 +217,17 @@ def test_an_answer_to_another_sign_in_is_refused(browser, provider, engine):
     assert len(events(engine, "user.sso_refused")) == 3
 
 
+def test_a_provider_error_is_shown_by_its_code_only(browser, provider):
+    to_provider(browser)
+    back = browser.get("/ui/login/oidc/callback", params={
+        "error": "access_denied", "error_description": "Call +1 555 0100 to unlock"})
+    assert back.status_code == 401 and "did not sign you in (access_denied)" in back.text
+    assert "555" not in back.text
+    odd = browser.get("/ui/login/oidc/callback", params={"error": "<b>Call us</b>"})
+    assert odd.status_code == 401 and "did not sign you in (an error)" in odd.text
+    assert "Call us" not in odd.text
+
+
 def test_a_user_without_a_mapped_role_is_refused(browser, provider, engine):
     provider.steer(username="carol", groups=["strangers"])
     back = sso_sign_in(browser)
@@ -282,6 +294,10 @@ def test_a_trusted_proxys_header_signs_the_user_in(browser, engine):
                                                    "X-Forwarded-Groups": "strangers"})
     assert refused.status_code == 403 and "none of your groups" in refused.text
     assert stored_user(engine, "dave") is None
+    # Refused on every request, recorded once a minute.
+    again = browser.get("/ui/", headers={"X-Forwarded-User": "dave",
+                                         "X-Forwarded-Groups": "strangers"})
+    assert again.status_code == 403
     assert [e.actor for e in events(engine, "user.sso_refused")] == ["user:dave"]
 
 
@@ -301,3 +317,52 @@ def test_the_header_from_an_untrusted_address_is_ignored(served, engine, caplog)
     assert events(engine, "user.sso_sign_in") == []
     ignored = [r.getMessage() for r in caplog.records if r.name == "exitplane.auth"]
     assert ignored and all("127.0.0.2" in line and "bob" not in line for line in ignored)
+
+
+# -- in a real browser -----------------------------------------------------------------------
+
+@pytest.mark.browser
+def test_signing_in_with_the_provider_in_chromium(served, provider, engine):
+    from selenium.webdriver.common.by import By
+
+    from tests.support.browser import (
+        check_page_quality,
+        console_errors,
+        navigate,
+        screenshot,
+        start_chromium,
+        wait_for,
+    )
+
+    provider.steer(username="erin", groups=["ops"])
+    driver = start_chromium()
+    try:
+        driver.get(f"{served}/ui/")
+        button = wait_for(driver, "a#sso-sign-in")
+        assert button.text == "Sign in with Test IdP"
+        check_page_quality(driver, "login-sso")
+        screenshot(driver, "login-sso")
+        navigate(driver, button)  # to the provider, which approves erin, and back
+        who = wait_for(driver, ".whoami .who")
+        assert driver.current_url == f"{served}/ui/"
+        assert "erin" in who.text
+        assert who.find_element(By.CSS_SELECTOR, ".role").text.lower() == "operator"
+        assert driver.get_cookie("exitplane_oidc") is None  # the flow is consumed
+        check_page_quality(driver, "overview-after-sso")
+
+        # Refused: the page says why, and nothing is signed in.
+        driver.delete_all_cookies()
+        provider.steer(username="erin", groups=["ops"], id_token="forged")
+        driver.get(f"{served}/ui/login")
+        navigate(driver, wait_for(driver, "a#sso-sign-in"))
+        error = wait_for(driver, "#login-error")
+        assert "signature does not verify" in error.text
+        assert driver.find_elements(By.CSS_SELECTOR, ".whoami") == []
+        # The console's one error is the answer's own status (401), nothing the page did.
+        logged = console_errors(driver)
+        assert len(logged) == 1 and "401" in logged[0], logged
+        check_page_quality(driver, "login-sso-refused")
+        screenshot(driver, "login-sso-refused")
+    finally:
+        driver.quit()
+    assert stored_user(engine, "erin").role == "operator"
