@@ -10,7 +10,10 @@ group (`version == active`):
   rate significantly and materially above the calibration's expectation (quality at risk);
 - inconclusive: too few canary shadow tokens or requests, or an upper confidence bound of the
   disagreement above δ (the window cannot show that quality holds);
-- clean otherwise: the window shows disagreement within δ at confidence 1 - alpha.
+- clean otherwise: the window shows disagreement within δ at confidence 1 - alpha;
+- with an answer target (delta_answer), the members' shadow requests since the canary started
+  also fail a window whose answers differ significantly above δ_answer, and keep a window
+  inconclusive until they bound them within it (`controlplane.flows.canary_answers`).
 
 Only members count. A runtime outside the canary group never pulled the candidate, so telemetry
 it stamps with the canary version is not evidence about it (at best a bug, at worst a liar
@@ -80,6 +83,7 @@ from controlplane.drift.detectors import LayerCounts, LayerReference, proportion
 from controlplane.drift.outliers import detect_outliers
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, NotFound
+from controlplane.flows.canary_answers import answer_check, with_answers
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
 from controlplane.stats.robust_evidence import leave_one_out
@@ -392,6 +396,10 @@ def _judge_window(*, session: Session, deployment: Deployment, run: CanaryRun,
             canary=figures, quality=evidence.quality, delta=deployment.delta, policy=split,
             expected_exit_rate=_expected_exit_rate(candidate, segment),
             without_one=evidence.without_one)
+        verdict, why, tests = with_answers(verdict, why, tests, answer_check(
+            session=session, deployment=deployment, candidate=candidate, segment=segment,
+            since=run.started_at, until=until, alpha=split.alpha,
+            min_runtimes=policy.min_runtimes), alpha=split.alpha)
         tests["witnesses"] = witnesses[segment] = evidence.witnesses
         verdicts[segment] = (verdict, why, tests, figures)
         ignored = ignored.add(evidence)
@@ -483,7 +491,7 @@ def _count(*, session: Session, deployment: Deployment, run: CanaryRun, verdict:
            policy: CanaryPolicy, now: datetime, pause: bool = False) -> None:
     """Count one window's verdict and act on the limits; `pause` stops an inconclusive window's
     canary at once, whatever the count."""
-    actor = "canary"
+    actor = "system:canary"
     if verdict == "clean":
         run.clean_windows += 1
         if run.clean_windows >= policy.clean_windows:
