@@ -197,6 +197,20 @@ def test_a_bad_id_token_is_refused_without_a_session(browser, provider, engine, 
     assert refused.details == {"method": "oidc", "address": "127.0.0.1"}
 
 
+def test_a_rotated_key_is_fetched_at_most_once_per_refresh_interval(browser, provider,
+                                                                    monkeypatch):
+    from controlplane.auth import oidc
+
+    provider.steer(username="alice")
+    assert sso_sign_in(browser).status_code == 303  # the key set is cached now
+    provider.steer(username="alice", id_token="rotated")
+    # Within KEYS_REFRESH_MIN_S of the last fetch an unknown key id fetches nothing: refused.
+    early = sso_sign_in(browser)
+    assert early.status_code == 401 and "a key the provider does not publish" in early.text
+    monkeypatch.setattr(oidc, "KEYS_REFRESH_MIN_S", 0.0)
+    assert sso_sign_in(browser).status_code == 303
+
+
 def test_an_answer_to_another_sign_in_is_refused(browser, provider, engine):
     provider.steer(username="alice")
     callback = to_provider(browser)
@@ -256,6 +270,31 @@ def test_refused_answers_from_one_address_are_throttled(browser, provider):
     held = browser.get("/ui/login/oidc/callback?code=x&state=y")
     assert held.status_code == 429 and int(held.headers["retry-after"]) >= 1
     assert "too many refused single sign-ons" in held.text.lower()
+
+
+@pytest.mark.parametrize(("values", "says"), [
+    ({"oidc_issuer": "http://idp.example.com"}, "is not https"),
+    ({"oidc_issuer": "http://idp.example.com", "oidc_allow_insecure_http": True},
+     "plain http off loopback"),
+    ({"oidc_issuer": "https://idp.example.com"}, "EXITPLANE_OIDC_CLIENT_ID is empty"),
+    ({"oidc_issuer": "https://idp.example.com", "oidc_client_id": "x",
+      "oidc_scopes": "profile"}, "must include `openid`"),
+    ({"proxy_user_header": "X-Forwarded-User"}, "needs EXITPLANE_TRUSTED_PROXIES"),
+    ({"proxy_user_header": "Cookie", "trusted_proxies": "10.0.0.1"}, "not a header"),
+    ({"sso_role_mapping": {"ops": "root"}}, "sso_role_mapping"),
+])
+def test_incomplete_single_sign_on_settings_stop_the_start(values, says, tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=says):
+        Settings(var_dir=tmp_path, **values)
+
+
+def test_the_client_secret_stays_out_of_reprs():
+    settings = Settings(oidc_issuer="https://idp.example.com", oidc_client_id="x",
+                        oidc_client_secret="s3cret-value")
+    assert "s3cret-value" not in repr(settings)
+    assert settings.oidc_client_secret.get_secret_value() == "s3cret-value"
 
 
 def test_the_role_mapping_takes_the_strongest_role_or_the_default():

@@ -7,8 +7,9 @@ Run as its own process (`OidcProvider.start`: `python -m tests.support.oidc_prov
 on a loopback port. The tests steer it through POST /testing/next (JSON): `username` and
 `groups` of the user the next sign-ins approve, and `id_token`: `valid`, `forged` (signed by a
 key the JWKS does not hold, under the published key's id), `expired` (issued two hours ago,
-expired an hour ago) or `wrong_nonce`. GET /testing/requests lists the authorization and token
-requests it answered.
+expired an hour ago), `wrong_nonce`, or `rotated` (signed by a second key, under its own id,
+which the JWKS publishes from then on: a key rotation). GET /testing/requests lists the
+authorization and token requests it answered.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tests.support.processes import ROOT, stop_process
 from tests.support.waiting import wait_until
 
 KID = "exitplane-test-key"
+ROTATED_KID = "exitplane-test-key-2"
 CODE_TTL_S = 300
 
 
@@ -135,6 +137,9 @@ class Provider:
         self.key = RSAKey.generate_key(2048, parameters={"kid": KID, "use": "sig",
                                                          "alg": "RS256"})
         self.impostor_key = RSAKey.generate_key(2048, parameters={"kid": KID})
+        self.rotated_key = RSAKey.generate_key(2048, parameters={
+            "kid": ROTATED_KID, "use": "sig", "alg": "RS256"})
+        self.rotated = False
         self.codes: dict[str, AuthorizationCode] = {}
         self.steering = Steering()
         self.requests: list[dict] = []
@@ -194,14 +199,16 @@ class Provider:
                     return any(code.nonce == nonce for code in provider.codes.values())
 
             def resolve_client_private_key(self, client):
-                return provider.impostor_key if provider.steering.id_token == "forged" \
-                    else provider.key
+                return {"forged": provider.impostor_key,
+                        "rotated": provider.rotated_key}.get(provider.steering.id_token,
+                                                             provider.key)
 
             def get_client_algorithm(self, client):
                 return "RS256"
 
             def get_encode_header(self, client):
-                return {"alg": "RS256", "kid": KID}
+                rotated = provider.steering.id_token == "rotated"
+                return {"alg": "RS256", "kid": ROTATED_KID if rotated else KID}
 
             def get_client_claims(self, client):
                 claims = {"iss": provider.issuer, "aud": [client.get_client_id()]}
@@ -280,7 +287,9 @@ def _handler(provider: Provider) -> type[BaseHTTPRequestHandler]:
             if path == "/.well-known/openid-configuration":
                 self._send(200, provider.discovery())
             elif path == "/jwks":
-                self._send(200, {"keys": [provider.key.as_dict(private=False)]})
+                with provider.lock:
+                    keys = [provider.key] + ([provider.rotated_key] if provider.rotated else [])
+                self._send(200, {"keys": [key.as_dict(private=False) for key in keys]})
             elif path == "/authorize":
                 self._send(*provider.authorize(self._request()))
             elif path == "/testing/requests":
@@ -297,6 +306,7 @@ def _handler(provider: Provider) -> type[BaseHTTPRequestHandler]:
                 length = int(self.headers.get("content-length") or 0)
                 with provider.lock:
                     provider.steering = Steering(**json.loads(self.rfile.read(length)))
+                    provider.rotated |= provider.steering.id_token == "rotated"
                 self._send(200, vars(provider.steering))
             else:
                 self._send(404, {"error": "not_found"})
