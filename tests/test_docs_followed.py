@@ -115,9 +115,10 @@ def test_shell_examples_quote_urls_with_query_strings():
 def _created(text: str) -> dict[str, set[str]]:
     """The deployments and token names a page's shell blocks create."""
     shell = "\n".join(SHELL_BLOCK.findall(text)).replace("\\\n", " ")
-    deployments = set(re.findall(r"deployment ensure --name (\S+)", shell))
+    deployments = set(re.findall(
+        r"(?:deployment ensure|bootstrap deployment) --name (\S+)", shell))
     deployments |= set(re.findall(r"/v1/deployments -H .*?\"name\": \"([^\"]+)\"", shell))
-    tokens = set(re.findall(r"token create --name (\S+)", shell))
+    tokens = set(re.findall(r"(?:token create|bootstrap token) --name (\S+)", shell))
     tokens |= set(re.findall(r"/v1/tokens -H .*?\"name\": \"([^\"]+)\"", shell))
     return {"deployments": deployments, "tokens": tokens}
 
