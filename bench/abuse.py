@@ -273,10 +273,10 @@ async def run(args) -> dict:
     memory = None
     try:
         admin = {"Authorization": "Bearer " + topology.exitplane(
-            "token", "create", "--name", "bench", "--scope", "admin")}
+            "bootstrap", "token", "--name", "bench", "--scope", "admin")}
         password = workdir / "password"
         password.write_text(PASSWORD)
-        topology.exitplane("user", "create", "--username", USER, "--role", "admin",
+        topology.exitplane("bootstrap", "user", "--username", USER, "--role", "admin",
                            "--password-file", str(password))
         etag = None
         # `fleet` is the honest fleet's; `chat` (bench/telemetry_bounds.py's batches name it)

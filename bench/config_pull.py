@@ -158,7 +158,7 @@ class Api:
         """A deployment with an active set and a runtime token; the 304 pull's request."""
         base = f"http://127.0.0.1:{self.port}"
         wait_ready(f"{base}/healthz", self.process, self.log)
-        admin = self.run("token", "create", "--name", "bench", "--scope", "admin").stdout.strip()
+        admin = self.run("bootstrap", "token", "--name", "bench", "--scope", "admin").stdout.strip()
         auth = {"Authorization": f"Bearer {admin}"}
         httpx.post(f"{base}/v1/deployments", headers=auth, timeout=30, json={
             "name": name, "model_ref": "smollm2-135m", "num_layers": 30}).raise_for_status()

@@ -79,7 +79,7 @@ def end_to_end(url: str, batches: list[dict], senders: int, workdir: Path) -> fl
     env = {**os.environ, "EXITPLANE_DATABASE_URL": url, "EXITPLANE_VAR_DIR": str(workdir),
            "EXITPLANE_LOG_LEVEL": "warning", "EXITPLANE_MAX_BODY_BYTES": str(64 << 20)}
     exe = str(Path(sys.executable).parent / "exitplane")
-    admin = subprocess.run([exe, "token", "create", "--name", "bench", "--scope", "admin"],
+    admin = subprocess.run([exe, "bootstrap", "token", "--name", "bench", "--scope", "admin"],
                            env=env, check=True, capture_output=True, text=True).stdout.strip()
     port = 18000 + random.Random().randint(0, 999)
     # No Celery worker and beat: they take no part in ingestion, and `up` would start them

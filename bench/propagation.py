@@ -48,7 +48,7 @@ async def run(args) -> dict:
     topology = Topology(args.postgres_url, workdir, drift_interval_s=3600)
     try:
         admin = {"Authorization": "Bearer " + topology.exitplane(
-            "token", "create", "--name", "bench", "--scope", "admin")}
+            "bootstrap", "token", "--name", "bench", "--scope", "admin")}
         httpx.post(f"{topology.urls[0]}/v1/deployments", headers=admin, timeout=30, json={
             "name": "fleet", "model_ref": "bench", "num_layers": NUM_LAYERS,
             "exit_layers": EXIT_LAYERS, "delta": 0.01}).raise_for_status()

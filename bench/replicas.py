@@ -89,7 +89,7 @@ def main() -> None:
            "EXITPLANE_CONFIG_CACHE_TTL_S": "30", "EXITPLANE_TOKEN_CACHE_TTL_S": "30"}
     processes = []
     try:
-        admin = subprocess.run([EXE, "token", "create", "--name", "bench", "--scope", "admin"],
+        admin = subprocess.run([EXE, "bootstrap", "token", "--name", "bench", "--scope", "admin"],
                                env=env, check=True, capture_output=True,
                                text=True).stdout.strip()
         a = _api(env, rate_limit_pull_per_s="1000000")

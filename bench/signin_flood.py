@@ -167,11 +167,11 @@ def main() -> None:
         server.cli("db", "upgrade")
         password_file = Path(scratch) / "password"
         password_file.write_text(secrets.token_urlsafe(16) + "\n")
-        server.cli("user", "create", "--username", "admin", "--role", "admin",
+        server.cli("bootstrap", "user", "--username", "admin", "--role", "admin",
                    "--password-file", str(password_file))
-        server.cli("deployment", "ensure", "--name", "bench", "--model-ref", "bench-model",
+        server.cli("bootstrap", "deployment", "--name", "bench", "--model-ref", "bench-model",
                    "--num-layers", "12", "--exit-layers", "3,6,9")
-        token = server.cli("token", "create", "--name", "runtime", "--scope", "runtime",
+        token = server.cli("bootstrap", "token", "--name", "runtime", "--scope", "runtime",
                            "--deployment", "bench")
         server.start()
         try:

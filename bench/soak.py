@@ -108,7 +108,7 @@ def main() -> None:
         env["EXITPLANE_DATABASE_URL"] = args.database_url
     exe = str(Path(sys.executable).parent / "exitplane")
     subprocess.run([exe, "db", "upgrade"], env=env, check=True, capture_output=True)
-    admin = subprocess.run([exe, "token", "create", "--name", "soak", "--scope", "admin"],
+    admin = subprocess.run([exe, "bootstrap", "token", "--name", "soak", "--scope", "admin"],
                            env=env, check=True, capture_output=True, text=True).stdout.strip()
     port = free_port()
     api = subprocess.Popen([exe, "up", "--port", str(port), "--no-migrate", "--no-workers"],

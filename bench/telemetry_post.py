@@ -202,7 +202,7 @@ def main() -> int:
                "EXITPLANE_VAR_DIR": str(workdir / "var")}
         subprocess.run([EXE, "db", "upgrade"], env=env, check=True, capture_output=True)
         engine = make_engine(db_url)
-        admin_token = subprocess.run([EXE, "token", "create", "--name", "bench", "--scope",
+        admin_token = subprocess.run([EXE, "bootstrap", "token", "--name", "bench", "--scope",
                                       "admin"], env=env, check=True, capture_output=True,
                                      text=True).stdout.strip()
         urls = {}

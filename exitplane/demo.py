@@ -341,7 +341,7 @@ class ControlPlane:
     def create_admin_token(self) -> str:
         """An admin API token for the demo's own calls, also left in `<var dir>/admin.token`
         (0600) for the newcomer's curl or `exitplane --token-file`."""
-        secret = self.cli("token", "create", "--name", "demo-admin", "--scope", "admin")
+        secret = self.cli("bootstrap", "token", "--name", "demo-admin", "--scope", "admin")
         write_token_file(str(self.var_dir / ADMIN_TOKEN_FILE), secret)
         return secret
 
@@ -349,7 +349,7 @@ class ControlPlane:
         """A UI admin with a generated password in `<var dir>/ui-password` (0600)."""
         path = self.var_dir / UI_PASSWORD_FILE
         write_password_file(path)
-        self.cli("user", "create", "--username", UI_USERNAME, "--role", "admin",
+        self.cli("bootstrap", "user", "--username", UI_USERNAME, "--role", "admin",
                  "--password-file", str(path))
         self.sign_in = SignIn(url=self.url, username=UI_USERNAME, password_file=path)
         return self.sign_in

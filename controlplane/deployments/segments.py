@@ -90,7 +90,7 @@ def check_segment_name(name: str) -> str:
 def _full(deployment: str, in_use: int, adding: list[str]) -> Invalid:
     return Invalid(f"deployment {deployment!r} already uses {in_use} segments, the most it may "
                    f"(EXITPLANE_MAX_SEGMENTS_PER_DEPLOYMENT); cannot add {adding}: remove one "
-                   "first (exitplane segment remove)")
+                   "first (exitplane segments remove)")
 
 
 def declare_segment(*, session: Session, deployment: Deployment, name: str, actor: str,

@@ -33,7 +33,8 @@ def documenting_our_validation_errors(build: Callable[[], dict],
             components["schemas"].pop("ValidationError", None)
             components["securitySchemes"] = {BEARER: {
                 "type": "http", "scheme": "bearer",
-                "description": "an API token (`exitplane token create`): runtime tokens for "
+                "description": "an API token (`exitplane tokens create`; the first admin "
+                               "token: `exitplane bootstrap token`): runtime tokens for "
                                "pulls, heartbeats and telemetry, operator or admin tokens for "
                                "the rest"}}
             for route, method, operation in _operations(app, schema):

@@ -174,7 +174,7 @@ def _log_undeclared(pending: list[tuple[int, int, str, int]]) -> None:
         log.warning("deployment %d: %d tokens in %d batches were stored as segment 'default' "
                     "since the last such line: their segments are not in use (up to %d such "
                     "names in one batch, e.g. %r); declare the ones you want (exitplane "
-                    "segment declare)", deployment_id, tokens, batches, widest, example)
+                    "segments declare)", deployment_id, tokens, batches, widest, example)
 
 
 @event.listens_for(Session, "after_rollback")

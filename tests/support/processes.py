@@ -196,12 +196,12 @@ def provision_chat(env: dict[str, str], tmp_path: Path) -> tuple[Path, str]:
     """An operator's bootstrap through the CLI: deployment `chat` of the tiny model (exits at
     layers 2 and 4), a runtime token for it in tmp_path/runtime.token and an admin token;
     (the runtime token's file, the admin token)."""
-    cli(env, "deployment", "ensure", "--name", "chat", "--model-ref", "tiny-llama",
+    cli(env, "bootstrap", "deployment", "--name", "chat", "--model-ref", "tiny-llama",
         "--num-layers", "6", "--exit-layers", "2,4", "--signal", "maxprob", "--delta", "0.2")
     token_file = tmp_path / "runtime.token"
-    cli(env, "token", "create", "--name", "rt", "--scope", "runtime", "--deployment", "chat",
+    cli(env, "bootstrap", "token", "--name", "rt", "--scope", "runtime", "--deployment", "chat",
         "--out", str(token_file), "--if-missing")
-    return token_file, cli(env, "token", "create", "--name", "ops", "--scope", "admin")
+    return token_file, cli(env, "bootstrap", "token", "--name", "ops", "--scope", "admin")
 
 
 def start_prometheus(tmp_path: Path, port: int, scrape_configs: list[dict],

@@ -168,7 +168,7 @@ def test_names_not_in_use_are_stored_as_default_and_logged_once_per_interval(
     assert lines == [f"deployment {deployment.id}: {late} tokens in 1 batches were stored as "
                      "segment 'default' since the last such line: their segments are not in use "
                      "(up to 1 such names in one batch, e.g. 'late'); declare the ones you want "
-                     "(exitplane segment declare)"]
+                     "(exitplane segments declare)"]
     sent = Counter(segment_of(record) for record in records)
     stored = {"default": sent["default"] + sent["late"], "code": sent["code"], "s07": sent["s07"]}
     assert _stored_segments(engine, TokenRecordRow) == stored
