@@ -50,7 +50,7 @@ def test_the_runtime_starts_from_nothing():
     assert heads[heads.index("--heads") + 1] == served[served.index("--heads") + 1]
     assert services["heads"]["volumes"] == ["runtime-state:/var/lib/exitplane-runtime"]
     bootstrap = services["bootstrap"]["command"][2]
-    assert "exitplane deployment ensure --name ${EXITPLANE_DEPLOYMENT:-chat}" in bootstrap
+    assert "exitplane bootstrap deployment --name ${EXITPLANE_DEPLOYMENT:-chat}" in bootstrap
     assert "--deployment ${EXITPLANE_DEPLOYMENT:-chat} --out " + \
         served[served.index("--token-file") + 1] in bootstrap
 
@@ -63,7 +63,7 @@ def test_every_service_command_exists_in_the_cli():
             seen.add(" ".join(next(iter([args[:i] for i, w in enumerate(args)
                                          if w.startswith("-")]), args)))
     assert seen == {"db upgrade", "up", "ingest", "worker", "beat", "runtime serve",
-                    "deployment ensure", "token create", "runtime provision"}
+                    "bootstrap deployment", "bootstrap token", "runtime provision"}
 
 
 def _override(name: str) -> dict:

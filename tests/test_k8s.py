@@ -1054,7 +1054,7 @@ def cluster(tmp_path) -> Iterator[tuple[_Apiserver, Path]]:
 @pytest.fixture
 def store(tmp_path) -> str:
     """A migrated SQLite store with the production overlay's deployment in it, created by the
-    bootstrap Job's own `exitplane deployment ensure` command."""
+    bootstrap Job's own `exitplane bootstrap deployment` command."""
     from controlplane.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'store' / 'exitplane.db'}"
@@ -1124,7 +1124,7 @@ def _authenticates(store: str, secret: str) -> tuple[str, str]:
 
 @pytest.mark.slow  # runs the CLI's process
 def test_bootstrap_fills_the_runtime_token_secret_once(cluster, store, tmp_path):
-    """The first run mints a runtime token for the deployment with `exitplane token create` and
+    """The first run mints a runtime token for the deployment with `exitplane bootstrap token` and
     patches it into the Secret; a re-run keeps it (no second token, the Secret untouched); with
     the key removed (asked for a new one) the next run mints another."""
     server, account = cluster

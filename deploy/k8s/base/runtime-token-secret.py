@@ -5,7 +5,7 @@
 Run in the bootstrap Job's pod (the controlplane image's Python; standard library only). It reads
 the Secret through the Kubernetes API with the pod's projected service-account token. When the key
 already holds a value it keeps it and exits 0: a re-run never rotates the token (remove the key to
-have the next run mint a new one). Otherwise it runs COMMAND (`exitplane token create ... --out
+have the next run mint a new one). Otherwise it runs COMMAND (`exitplane bootstrap token ... --out
 FILE`), reads FILE and patches the key in, guarded by the Secret's resourceVersion, so two runs at
 once cannot both write. FILE is removed once the Secret holds it; a retry of a failed patch reuses
 it (`--if-missing`) instead of minting another token. Any failure ends with one line on stderr and
