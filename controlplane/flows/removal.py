@@ -67,7 +67,8 @@ def delete_deployment(*, session: Session, deployment: Deployment, actor: str, r
                "threshold_sets": versions, "revoked_tokens": token_ids,
                "live_runtimes": live, "forced": bool(live)}
     record_admin_event(session=session, actor=actor, action="deployment.delete",
-                       target=f"deployment:{deployment.name}", reason=reason, details=details)
+                       target=f"deployment:{deployment.name}", reason=reason, details=details,
+                       deployment=deployment.name)
     # Config caches and long-polls of the name re-read the store and find it gone.
     notify_after_commit(session=session, topic="config", message=deployment.name)
     session.delete(deployment)
