@@ -28,7 +28,10 @@ import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from config_pull import free_port, wait_ready
 
-LAYERS = list(range(6, 30, 3))
+from exitplane.wire import default_exit_layers
+
+# the default exit layers of the 30-layer deployment the soak creates without naming any
+LAYERS = default_exit_layers(30)
 
 
 def pct(values: list[float], q: float) -> float:
