@@ -92,6 +92,7 @@ from exitplane.client.codec import encode, encode_aggregate, encode_interval  # 
 from exitplane.wire import (  # noqa: E402
     HISTOGRAM_BINS,
     MAX_AGGREGATE_CELLS,
+    OPTIONAL_RECORD_COLUMNS,
     RECORDS_MSGPACK,
     IntervalBatch,
     RecordColumns,
@@ -439,7 +440,10 @@ class LeanConnection:
 
 
 def _no_columns() -> dict[str, list]:
-    return {name: [] for name in RecordColumns.model_fields if name != "segment"}
+    """Empty record columns: the required ones (the simulated runtimes set no optional column,
+    which then stays off the wire)."""
+    return {name: [] for name in RecordColumns.model_fields
+            if name not in OPTIONAL_RECORD_COLUMNS}
 
 
 @dataclass
