@@ -11,7 +11,7 @@ selection in detail".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,6 +76,9 @@ class CurvePoint:
     mean_depth: float
     speedup: float
     chosen: bool = False
+    # The answer target's p-value at this step ("answer differs" >= δ_answer on shadow
+    # requests), which `p_value` includes; None without an answer target.
+    answer_p_value: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class CalibrationResult:
     # the chosen set's exit rate on each witness's samples (every part), when witnesses are
     # given: the promotion bound reads their median, which no minority of witnesses sets
     witness_exit_rates: dict[str, float] = field(default_factory=dict)
+    # With an answer target: the chosen set's answer figures on the shadow requests
+    # (`answers.AnswerConsistency.to_dict()` with `delta_answer` and the step's `p_value`)
+    answers: dict[str, Any] | None = None
 
     @property
     def exit_rates(self) -> dict[int, float]:
@@ -593,7 +599,8 @@ def _threshold_path(
 
 
 def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test, codes=None,
-               reference=None, runtimes=None, robust_min_runtimes=3, held_out=None):
+               reference=None, runtimes=None, robust_min_runtimes=3, held_out=None,
+               answer_p_values=None):
     """Fixed-sequence test of every step: (exit index per step, losses, predicted, p, chosen,
     per-request losses (steps, m) or None, design effects, reference (losses, tokens) or None).
     `codes`: the test tokens' dense request codes, for the request-level p-values (None: tokens
@@ -602,7 +609,9 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
     runtimes: each step's p-value is then the largest over the test without each one runtime
     (`robust_evidence.robust_p_values`); `held_out`: (signals, matched, codes or None, runtimes) of
     the runtimes held out of the path and the test: each step's p-value is then also the
-    larger of the test's and theirs (`_held_out_p_values`)."""
+    larger of the test's and theirs (`_held_out_p_values`); `answer_p_values`: each step's
+    p-value for the answer target, each step's p-value is then the larger of the two (the
+    joint null "token risk > δ or answer risk >= δ_answer": `calibrate_thresholds`)."""
     n, n_layers = signals.shape
     firsts, losses, predicted, by_request, by_reference = [], [], [], [], []
     disagreements = []
@@ -639,6 +648,8 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
             path, *held_out, delta=delta, epsilon=epsilon, risk_test=risk_test,
             reference=None if codes is None else (request_losses, np.bincount(codes)),
             min_runtimes=robust_min_runtimes))
+    if answer_p_values is not None:
+        p_values = np.maximum(p_values, answer_p_values)
     p_values[0] = 0.0  # never-exit is certain, not tested
     failed = np.flatnonzero(p_values > epsilon)
     chosen = int(failed[0] - 1) if len(failed) else len(path) - 1
@@ -739,6 +750,7 @@ def calibrate_thresholds(
     prior_weight: float = 0.0,
     runtimes: Sequence | np.ndarray | None = None,
     robust_min_runtimes: int = 3,
+    answer_test: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> CalibrationResult:
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε.
 
@@ -757,7 +769,13 @@ def calibrate_thresholds(
     unchanged. `runtimes`: each sample's runtime; with two or more, the holdout part is whole
     runtimes (every step must be certified on runtimes it did not learn from as well as on the
     test part), and with at least `robust_min_runtimes` in the test part each step must be
-    certified without any one runtime's tokens (`stats.robust_evidence`). Raises
+    certified without any one runtime's tokens (`stats.robust_evidence`). `answer_test`: the
+    answer target's p-values for the path's steps ((steps, L) -> (steps,), e.g.
+    `answers.AnswerTest.p_values` on shadow requests the path was not drawn from); each step
+    is then tested on the joint null "token risk > δ or answer risk >= δ_answer" with the
+    larger of the two p-values (valid for the union null: each is valid for its part), in the
+    same fixed sequence at ε, so both targets hold together with probability 1-ε and ε is not
+    split. Raises
     NotEnoughShadowData below `min_samples_per_layer` samples on any layer, ValueError on
     malformed input.
     """
@@ -805,6 +823,7 @@ def calibrate_thresholds(
     match_prob = np.column_stack(
         [models[j].predict(np.nan_to_num(s_test[:, j], nan=0.0)) for j in range(len(layers))]
     )  # (n, L)
+    answer_p = None if answer_test is None else np.asarray(answer_test(path), dtype=float)
     firsts, losses, predicted, p_values, chosen, request_losses, design, ref = _test_path(
         path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon, risk_test=risk_test,
         codes=test_codes, reference=reference,
@@ -814,6 +833,7 @@ def calibrate_thresholds(
             signals[holdout], matched[holdout],
             None if codes is None else np.unique(codes[holdout], return_inverse=True)[1],
             runtimes[holdout]),
+        answer_p_values=answer_p,
     )
     adjusted = float(np.maximum.accumulate(p_values)[chosen])  # fixed-sequence adjusted p
     if test_codes is None:
@@ -837,6 +857,7 @@ def calibrate_thresholds(
                 mean_depth=depth,
                 speedup=num_layers / depth,
                 chosen=i == chosen,
+                answer_p_value=None if answer_p is None else float(answer_p[i]),
             )
         )
     best = curve[chosen]

@@ -9,7 +9,8 @@ argument; docs/benchmarks.md, "Per-segment calibration", what the choices measur
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -27,6 +28,9 @@ from controlplane.calibration.learn_then_test import (
 from controlplane.stats.clustered import cluster_codes
 from controlplane.stats.robust_evidence import robust_p_values, runtime_count
 from exitplane.wire import DEFAULT_SEGMENT
+
+# An answer target's test: the p-values of threshold sets ((K, L) -> (K,), `answers.AnswerTest`)
+AnswerTestFn = Callable[[np.ndarray], np.ndarray]
 
 Source = Literal["segment", "pooled", "conservative"]
 
@@ -74,6 +78,9 @@ class PooledCheck:
     p_value: float  # `risk_test` (exact binomial by default), H0: pooled risk here > δ
     level: float  # the share of ε this test may spend
     certified: bool
+    # With an answer target: the pooled set's answer p-value on the segment's shadow requests;
+    # `p_value` is then the larger of the two (the joint null, as in the LTT)
+    answer_p_value: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,8 @@ class SegmentedCalibration:
     pooled: CalibrationResult | None
     notes: list[str] = field(default_factory=list)
     split: str = "sidak"  # how ε was split: "sidak" or "bonferroni" (docs/concepts/segments.md)
+    # With an answer target: each segment's set's answer figures on its shadow requests
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def segment_thresholds(self) -> dict[str, dict[int, float]]:
         """The `segments` map to publish (every named segment; `default` is `thresholds`)."""
@@ -135,6 +144,7 @@ class SegmentedCalibration:
                 else seg.result.holdout.passed,
                 "borrowed_tokens": None if seg.result is None
                 else seg.result.samples.get("borrowed", 0),
+                "answers": self.answers.get(name),
             } for name, seg in sorted(self.segments.items())},
             "notes": list(self.notes),
         }
@@ -171,6 +181,8 @@ def calibrate_segments(
     seed: int = 0,
     runtimes: np.ndarray | None = None,
     robust_min_runtimes: int = 3,
+    answer_tests: Mapping[str, AnswerTestFn] | None = None,
+    pooled_answer_test: AnswerTestFn | None = None,
 ) -> SegmentedCalibration:
     """Thresholds per segment with P(some segment's risk > δ) <= ε (docs/concepts/segments.md).
 
@@ -184,7 +196,11 @@ def calibrate_segments(
     segment draw its path with the tokens of the larger segments when they outnumber its own,
     shrunk by `prior_weight` (docs/concepts/segments.md; False: each path from its own learn
     tokens only). `runtimes` (n,): each token's runtime, for the cross-runtime holdout and the
-    leave-one-runtime-out test of every LTT run (`calibrate_thresholds`). Raises ValueError on
+    leave-one-runtime-out test of every LTT run (`calibrate_thresholds`). `answer_tests`: per
+    segment the answer target's test on that segment's shadow requests (`calibrate_thresholds`'s
+    `answer_test`), which its own LTT and its pooled check combine with the token test on the
+    joint null at the same level (a segment without one: tokens only); `pooled_answer_test`:
+    the pooled set's, on every segment's shadow requests. Raises ValueError on
     malformed input; a segment or pool too small for LTT is not an error, it is reported.
     """
     signals, matched = np.asarray(signals, dtype=float), np.asarray(matched, dtype=bool)
@@ -226,6 +242,7 @@ def calibrate_segments(
     try:
         pooled = calibrate_thresholds(signals=signals[~check], matched=matched[~check],
                                       requests=requests[~check], epsilon=epsilon,
+                                      answer_test=pooled_answer_test,
                                       runtimes=None if runtimes is None else runtimes[~check],
                                       **options)
     except NotEnoughShadowData as error:
@@ -249,7 +266,8 @@ def calibrate_segments(
             never=never, delta=delta, too_small=too_small[name], own_level=own_level,
             own_rule=own_rule, per_segment=epsilon / k,
             reserve=pooled_check_share if split == "bonferroni" else 0.0,
-            options=own_options | {"runtimes": None if runtimes is None else runtimes[mine]},
+            options=own_options | {"runtimes": None if runtimes is None else runtimes[mine],
+                                   "answer_test": (answer_tests or {}).get(name)},
             fleet_witnesses=runtime_count(runtimes))
     decided = dict(sorted(decided.items()))
     default = decided[DEFAULT_SEGMENT].thresholds if DEFAULT_SEGMENT in decided else (
@@ -300,7 +318,8 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
                           own=None, risk_test=options["risk_test"], sizes=sizes,
                           witnesses=options.get("runtimes"),
                           min_witnesses=options["robust_min_runtimes"],
-                          fleet_witnesses=fleet_witnesses)
+                          fleet_witnesses=fleet_witnesses,
+                          answer_test=options.get("answer_test"))
     own = calibrate_thresholds(signals=signals, matched=matched, requests=requests,
                                epsilon=own_level, **options)
     if any(value < NEVER_EXIT for value in own.thresholds.values()):
@@ -325,7 +344,8 @@ def _decide(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarr
                       epsilon=own_level + per_segment * reserve,
                       witnesses=options.get("runtimes"),
                       min_witnesses=options["robust_min_runtimes"],
-                      fleet_witnesses=fleet_witnesses)
+                      fleet_witnesses=fleet_witnesses,
+                      answer_test=options.get("answer_test"))
 
 
 def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.ndarray,
@@ -333,7 +353,8 @@ def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.nd
                never: dict[int, float], delta: float, level: float, why_not: str,
                own: CalibrationResult | None, risk_test: str, sizes: dict,
                epsilon: float | None = None, witnesses: np.ndarray | None = None,
-               min_witnesses: int = 3, fleet_witnesses: int = 0) -> SegmentCalibration:
+               min_witnesses: int = 3, fleet_witnesses: int = 0,
+               answer_test: AnswerTestFn | None = None) -> SegmentCalibration:
     """The pooled set if its check at `level` certifies it on the segment (without any one
     witness too, from `min_witnesses` on), else never-exit. In a fleet of `fleet_witnesses`
     that can check its witnesses (at least `min_witnesses`), a segment whose check tokens come
@@ -353,6 +374,12 @@ def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.nd
     check_test = _pooled_check(pooled.thresholds, signals, matched, check, requests,
                                delta=delta, level=level, risk_test=risk_test,
                                witnesses=witnesses, min_witnesses=min_witnesses)
+    if answer_test is not None:
+        answer_p = float(answer_test(np.array([[pooled.thresholds[k]
+                                                for k in sorted(pooled.thresholds)]]))[0])
+        joint = max(check_test.p_value, answer_p)
+        check_test = replace(check_test, p_value=joint, certified=joint <= level,
+                             answer_p_value=answer_p)
     if check_test.certified:
         return SegmentCalibration(
             segment=name, source="pooled", thresholds=dict(pooled.thresholds), result=own,

@@ -29,6 +29,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controlplane.calibration.answers import AnswerTarget, NotEnoughShadowRequests
 from controlplane.calibration.learn_then_test import (
     CalibrationResult,
     NotEnoughShadowData,
@@ -48,6 +49,7 @@ from controlplane.deployments.segments import known_segments
 from controlplane.errors import Invalid, NotFound
 from controlplane.outbox import enqueue_task
 from controlplane.stats.robust_evidence import EvidencePolicy, cap_runtime_share
+from controlplane.telemetry.shadow_requests import ShadowRequests
 from exitplane.wire import DEFAULT_SEGMENT
 
 FINISHED = ("succeeded", "failed")
@@ -67,6 +69,8 @@ class CalibrationPolicy:
     seed: int | None = None
     evidence: EvidencePolicy = field(default_factory=EvidencePolicy)
     bounds: PromotionBounds = field(default_factory=PromotionBounds)
+    # shadow requests an answer target's test needs (`answers.NotEnoughShadowRequests`)
+    min_shadow_requests: int = 200
 
     @classmethod
     def from_settings(cls, settings) -> CalibrationPolicy:
@@ -75,7 +79,8 @@ class CalibrationPolicy:
                    wait_max=timedelta(seconds=settings.calibration_wait_max_s),
                    learn_fraction=settings.calibration_learn_fraction,
                    evidence=EvidencePolicy.from_settings(settings),
-                   bounds=PromotionBounds.from_settings(settings))
+                   bounds=PromotionBounds.from_settings(settings),
+                   min_shadow_requests=settings.min_shadow_requests)
 
 
 # -- jobs --------------------------------------------------------------------------------------
@@ -184,6 +189,11 @@ class ShadowWindow:
     # the job's random seed (recorded in its summary): which witnesses and requests are held
     # out cannot be computed in advance
     seed: int = 0
+    # The answer target (None: none) and its evidence: the window's complete shadow requests
+    # (of the job's segment for a segment job), none of whose tokens is among `signals`, so
+    # the path is never drawn from the requests that test it (`calibration.answers`)
+    delta_answer: float | None = None
+    answers: ShadowRequests | None = None
 
 
 Outcome = CalibrationResult | NotEnoughShadowData | SegmentedCalibration
@@ -198,23 +208,35 @@ def calibrate_window(window: ShadowWindow, policy: CalibrationPolicy = Calibrati
     window = _capped(window, policy)
     robust = dict(runtimes=window.witnesses,
                   robust_min_runtimes=policy.evidence.robust_min_runtimes)
+    answers = None
+    if window.delta_answer is not None:
+        evidence = window.answers if window.answers is not None else \
+            ShadowRequests.empty(len(window.exit_layers))
+        answers = AnswerTarget.of(evidence, delta_answer=window.delta_answer,
+                                  policy=policy.evidence, seed=window.seed)
+        if len(answers.evidence) < policy.min_shadow_requests:
+            return NotEnoughShadowRequests(len(answers.evidence), policy.min_shadow_requests)
     if window.segments is not None:
-        return calibrate_segments(
+        outcome = calibrate_segments(
             signals=window.signals, matched=window.matched, segments=window.segments,
             requests=window.requests, exit_layers=window.exit_layers, **robust,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
-            learn_fraction=policy.learn_fraction, seed=window.seed)
+            learn_fraction=policy.learn_fraction, seed=window.seed,
+            **({} if answers is None else answers.segment_tests(set(window.segments.tolist()))))
+        return outcome if answers is None else answers.recorded_segments(outcome)
     try:
-        return calibrate_thresholds(
+        result = calibrate_thresholds(
             signals=window.signals, matched=window.matched, exit_layers=window.exit_layers,
             requests=window.requests,
             num_layers=window.num_layers, delta=window.delta, epsilon=window.epsilon,
             strategy=policy.strategy, min_samples_per_layer=policy.min_samples_per_layer,
             learn_fraction=policy.learn_fraction, seed=window.seed, **robust,
+            answer_test=None if answers is None else answers.test().p_values,
             **path_borrowing(len(window.signals), window.borrowed))
     except NotEnoughShadowData as shortage:
         return shortage
+    return result if answers is None else answers.recorded(result)
 
 
 def _capped(window: ShadowWindow, policy: CalibrationPolicy) -> ShadowWindow:
@@ -291,7 +313,8 @@ def record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
                   "risk": p.risk, "risk_bound": p.risk_bound, "p_value": p.p_value,
                   "predicted_disagreement": p.predicted_disagreement,
                   "certified": p.certified, "exit_rate": p.exit_rate,
-                  "mean_depth": p.mean_depth, "speedup": p.speedup, "chosen": p.chosen}
+                  "mean_depth": p.mean_depth, "speedup": p.speedup, "chosen": p.chosen,
+                  "answer_p_value": p.answer_p_value}
                  for p in result.curve]
     holdout = result.holdout
     job.summary = {
@@ -303,6 +326,7 @@ def record_result(*, job: CalibrationJob, result: CalibrationResult) -> None:
         "strategy": result.strategy, "samples": result.samples, "notes": result.notes,
         "risk_test": result.risk_test, "risk_unit": result.risk_unit,
         "design_effect": result.design_effect,
+        "answers": result.answers,
         "holdout": None if holdout is None else {
             "tokens": holdout.tokens, "disagreements": holdout.disagreements,
             "disagreement": holdout.disagreement, "exit_rate": holdout.exit_rate,
@@ -327,7 +351,9 @@ def waits_for_more(*, job: CalibrationJob, result: CalibrationResult,
 def publish_refusal(*, result: CalibrationResult, deployment: Deployment) -> str:
     """Why the result must not be published ("" when it may)."""
     if _nothing_certified(result):
-        return (f"no exit step could be certified at δ={deployment.delta}, "
+        target = "" if result.answers is None else \
+            f" and δ_answer={result.answers['delta_answer']}"
+        return (f"no exit step could be certified at δ={deployment.delta}{target}, "
                 f"ε={deployment.epsilon} on these samples; the current active set stays. "
                 "Widen the window, collect more shadow samples or retrain the exit heads.")
     if result.holdout is not None and not result.holdout.passed:

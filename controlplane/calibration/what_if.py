@@ -52,6 +52,9 @@ class WhatIf:
     cost_model: dict | None  # the fitted model used; None: the layers ratio
     source: str = "set"  # "version", "set" or "calibration"
     version: int | None = None
+    # answer consistency on the window's shadow requests (`calibration.answers`, with the
+    # deployment's delta_answer); None without shadow requests
+    answers: dict | None = None
 
     @property
     def certified(self) -> bool:

@@ -1,9 +1,11 @@
 """Thin routes of the operating curve: evaluate any threshold set on stored shadow evidence
-(`flows.what_if`) and read the curve the workers keep (`flows.operating_curve`; the route only
-reads the stored row)."""
+(`flows.what_if`), read the curve the workers keep (`flows.operating_curve`; the route only
+reads the stored row) and the answer consistency of each version on shadow requests
+(`flows.answers`)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -14,8 +16,9 @@ from controlplane.calibration.service import CalibrationPolicy
 from controlplane.db import SessionDep
 from controlplane.deployments.service import get_deployment
 from controlplane.errors import NotFound, error_answer
+from controlplane.flows.answers import report
 from controlplane.flows.operating_curve import latest_curve
-from controlplane.flows.what_if import MAX_WINDOW, what_if
+from controlplane.flows.what_if import MAX_WINDOW, what_if, window_bounds
 from controlplane.request_models import RequestModel
 from exitplane.wire import DEFAULT_SEGMENT, INT32, SegmentName
 
@@ -72,6 +75,48 @@ class WhatIfRead(BaseModel):
         "share of full-depth time saved, net of exit checks and shadow tokens"))
     shadow_share: float
     cost_model: dict | None = Field(description="the fitted cost model; null: layers ratio")
+    answers: dict | None = Field(default=None, description=(
+        "answer consistency on the window's shadow requests: requests, identical_share, "
+        "differing_share, differing_bound (at 1-ε), divergence positions; null: none"))
+
+
+class AnswerSegmentRead(BaseModel):
+    """One version's map for one segment, on the shadow requests served under it there."""
+
+    segment: str
+    thresholds: dict[str, float]
+    requests: int = Field(description="complete shadow requests, after the trust rules")
+    differing: int = Field(description="requests whose answer would differ from full depth")
+    identical_share: float | None = Field(description="share answered exactly as full depth")
+    differing_share: float | None
+    differing_bound: float | None = Field(description=(
+        "upper bound at 1-ε on the share of answers that differ (Clopper-Pearson)"))
+    within_target: bool | None = Field(description=(
+        "the bound is within the deployment's delta_answer; null: no target or no requests"))
+    divergence_quantiles: dict[str, float] = Field(description=(
+        "first divergence positions (tokens into the answer) of the differing requests"))
+    divergence_histogram: list[dict] = Field(description=(
+        "differing requests by first divergence position: {from, to (null: open), requests}"))
+    mean_tokens: float | None
+
+
+class AnswerVersionRead(BaseModel):
+    version: int
+    segments: list[AnswerSegmentRead]
+
+
+class AnswersRead(BaseModel):
+    """Answer consistency per version and segment over a window (docs/concepts/statistics.md,
+    "The answer guarantee")."""
+
+    deployment: str
+    since: datetime
+    until: datetime
+    epsilon: float
+    delta_answer: float | None
+    active_version: int | None
+    requests: int = Field(description="complete shadow requests read, after the trust rules")
+    versions: list[AnswerVersionRead]
 
 
 class OperatingCurveRead(BaseModel):
@@ -104,6 +149,27 @@ def evaluate_what_if(name: str, spec: WhatIfRequest, session: SessionDep,
                     segment=spec.segment, runtimes=spec.runtimes,
                     policy=CalibrationPolicy.from_settings(request.app.state.settings))
     return WhatIfRead.model_validate(found.as_dict())
+
+
+@router.get("/answers", response_model=AnswersRead,
+            responses={404: error_answer("no such deployment or version"),
+                       422: error_answer("an unknown segment or a bad window")})
+def answers(name: str, session: SessionDep, principal: OperatorPrincipal,
+            window: Annotated[int, Query(ge=60, le=int(MAX_WINDOW.total_seconds()),
+                                         description="the last this many seconds")] = 3600,
+            segment: Annotated[SegmentName | None, Query(description=(
+                "this traffic segment only (default: each segment)"))] = None,
+            version: Annotated[int | None, Query(ge=1, le=INT32, description=(
+                "this version only (default: each version that served shadow requests in "
+                "the window)"))] = None) -> AnswersRead:
+    """Answer consistency per version and segment: of the window's complete shadow requests
+    served under a version in a segment, the share its map would have answered exactly as
+    full depth, the bound on the share that would differ, and where the others diverged."""
+    deployment = get_deployment(session=session, name=name)
+    since, until = window_bounds(window_s=window, since=None, until=None)
+    return AnswersRead.model_validate(report(session=session, deployment=deployment,
+                                             since=since, until=until, segment=segment,
+                                             version=version))
 
 
 @router.get("/operating-curve", response_model=OperatingCurveRead,

@@ -44,6 +44,7 @@ from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.segments import known_segments
 from controlplane.deployments.service import aliases_of, get_threshold_set
 from controlplane.errors import Invalid
+from controlplane.flows.answers import read_answers, with_answers
 from controlplane.flows.what_if import (
     calibrate,
     deployment_cost_model,
@@ -126,10 +127,19 @@ def draw_curve(*, session: Session, deployment: Deployment, segment: str = DEFAU
         row = OperatingCurve(deployment_id=deployment.id, segment=segment)
         session.add(row)
     row.computed_at, row.window_since, row.window_until = now, since, now
+    answers = read_answers(session=session, deployment=deployment, since=since, until=now,
+                           segment=segment, set_aside=evidence.set_aside, policy=policy,
+                           seed=seed)
+    about["shadow_requests"] = len(answers)
     row.evidence = about
-    row.points = [] if curve is None else curve.points
-    row.marks = {} if curve is None else curve.marks
-    row.best = None if curve is None else curve.best
+    annotate = dict(evidence=answers, layers=sorted(int(k) for k in deployment.exit_layers),
+                    epsilon=epsilon, delta_answer=deployment.delta_answer)
+    row.points = [] if curve is None else with_answers(sets=curve.points, **annotate)
+    marks = {} if curve is None else curve.marks
+    row.marks = dict(zip(marks, with_answers(sets=list(marks.values()), **annotate),
+                         strict=True))
+    row.best = None if curve is None else next(
+        (point for point in row.points if point.get("chosen")), curve.best)
     row.gap = None if curve is None else curve.gap
     row.opportunity = (None if curve is None or curve.opportunity is None
                        else curve.opportunity.as_dict())
@@ -143,14 +153,16 @@ def latest_curve(session: Session, deployment: Deployment,
 
     {"deployment": name, "segment": str, "computed_at": iso, "window": {"since", "until"},
      "evidence": {"tokens", "requests", "witnesses", "witnesses_set_aside", "delta",
-                  "epsilon", "shadow_share", "cost_model": {...} | None, "note"?: why no curve},
+                  "epsilon", "shadow_share", "cost_model": {...} | None,
+                  "shadow_requests": complete shadow requests read, "note"?: why no curve},
      "points": [{"step", "thresholds": {"<layer>": t}, "exit_rate", "exit_rate_by_layer",
                  "disagreement", "disagreement_bound", "test_bound", "certified", "chosen",
-                 "mean_depth", "layers_speedup", "speedup", "net_saving"}, ...] (conservative
-                 first),
+                 "mean_depth", "layers_speedup", "speedup", "net_saving",
+                 "answers": answer consistency on the shadow requests | None}, ...]
+                 (conservative first),
      "marks": {"active" | "conservative" | "canary" | "last_good": {"version", "thresholds",
                "exit_rate", "exit_rate_by_layer", "disagreement", "disagreement_bound",
-               "mean_depth", "layers_speedup", "speedup", "net_saving"}},
+               "mean_depth", "layers_speedup", "speedup", "net_saving", "answers"}},
      "best": the chosen point (certified at δ) | None,
      "gap": {"net_saving", "speedup"} (best minus active) | None,
      "opportunity": {"gain", "gain_lower", "required", "best_certified", "qualifies"} | None}

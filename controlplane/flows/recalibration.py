@@ -65,6 +65,7 @@ from controlplane.flows.canary import promote_canary, revert_canary, start_canar
 from controlplane.runtimes.outliers import excluded_runtime_ids
 from controlplane.settings import get_settings
 from controlplane.telemetry.service import shadow_evidence
+from controlplane.telemetry.shadow_requests import shadow_request_evidence
 from exitplane.wire import DEFAULT_SEGMENT, Origin
 
 log = logging.getLogger("exitplane.calibration")
@@ -80,7 +81,32 @@ def read_window(*, session: Session, job: CalibrationJob, now: datetime | None =
     window = _read_window(session=session, job=job, now=now, seed=seed)
     if window is None:
         return None
+    window = _with_answers(session=session, job=job, window=window, now=now or utcnow())
     return screen_window(session=session, job=job, window=window, now=now or utcnow())
+
+
+def _with_answers(*, session: Session, job: CalibrationJob, window: ShadowWindow,
+                  now: datetime) -> ShadowWindow:
+    """With an answer target, the window's complete shadow requests (the job's segment's for
+    a segment job) under the trust rules, and the shadow tokens without theirs: the path is
+    then never drawn from the requests that test the answer target. Without one, `window`."""
+    deployment = session.get(Deployment, job.deployment_id)
+    if deployment.delta_answer is None:
+        return window
+    answers = shadow_request_evidence(
+        session=session, deployment_id=deployment.id, width=len(deployment.exit_layers),
+        since=job.since, until=job.until or now, segment=job.segment)
+    # the same keys the window's requests carry (segment-prefixed in a segmented window)
+    keys = answers.keyed_requests()
+    if window.segments is not None:
+        keys = np.char.add(np.char.add(np.asarray(answers.segments, dtype=str), "/"), keys)
+    keep = ~np.isin(window.requests, keys) if window.requests is not None and len(keys) \
+        else np.ones(len(window.signals), dtype=bool)
+    return replace(window, delta_answer=deployment.delta_answer, answers=answers,
+                   signals=window.signals[keep], matched=window.matched[keep],
+                   requests=None if window.requests is None else window.requests[keep],
+                   witnesses=None if window.witnesses is None else window.witnesses[keep],
+                   segments=None if window.segments is None else window.segments[keep])
 
 
 def screen_window(*, session: Session, job: CalibrationJob, window: ShadowWindow,
@@ -116,6 +142,9 @@ def screen_window(*, session: Session, job: CalibrationJob, window: ShadowWindow
     job.summary = {**(job.summary or {}), "witnesses_set_aside": witnesses}
     session.flush()  # kept when the job's row is read again under its lock (`apply_outcome`)
     keep = ~np.isin(window.witnesses, witnesses)
+    if window.answers is not None:
+        window = replace(window, answers=window.answers.take(
+            ~np.isin(np.asarray(window.answers.witnesses, dtype=str), witnesses)))
     log.warning("%s: calibration job %d set aside %d witness(es) before calibrating: %s",
                 deployment.name, job.id, len(witnesses), ", ".join(witnesses))
     return replace(window, signals=window.signals[keep], matched=window.matched[keep],
@@ -235,7 +264,7 @@ def apply_outcome(*, session: Session, job: CalibrationJob, outcome: Outcome,
         thresholds=thresholds, segments=segments, parent_version=active, metrics=metrics,
         reason=f"calibration job {job.id} ({job.trigger}){scope}: {outcome.samples['total']} "
                f"shadow samples{_requests_note(outcome)}, disagreement <= {outcome.delta} "
-               f"with probability >= {1 - outcome.epsilon:g}")
+               f"with probability >= {1 - outcome.epsilon:g}{_answers_note(outcome)}")
     log.info("%s: calibration job %d published version %d (%s): exit rate %.3f, risk bound "
              "%.4f", deployment.name, job.id, candidate.version, job.promotion,
              outcome.exit_rate, outcome.risk_bound)
@@ -346,6 +375,15 @@ def _requests_note(result: CalibrationResult) -> str:
     if result.risk_unit != "request":
         return " (tokens tested as independent)"
     return f" of {result.samples['requests']} requests (tested per request)"
+
+
+def _answers_note(result: CalibrationResult) -> str:
+    """', answers differing <= δ_answer (bound b on n shadow requests)' with an answer target."""
+    if not result.answers:
+        return ""
+    answers = result.answers
+    return (f"; answers differing from full depth <= {answers['delta_answer']} (bound "
+            f"{answers['differing_bound']:.4g} on {answers['requests']} shadow requests)")
 
 
 def _publish_candidate(*, session: Session, deployment: Deployment, job: CalibrationJob,

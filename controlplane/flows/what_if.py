@@ -9,6 +9,9 @@ calibration runs, `drift.outliers.screen_witnesses`, here without acting on what
 then no witness holds more than its share (`stats.robust_evidence.cap_runtime_share`, the
 calibration's caps).
 
+With shadow requests in the window, the answer consistency of the set as well
+(`flows.answers`: identical answers, the bound on those that differ, where they diverge).
+
 The set (`what_if`): a stored version (each segment's tokens with the map that segment applies
 in it), a hand-edited {layer: threshold} set, or the set a calibration would choose on the
 window at another δ or ε (run without publishing). The statistics: `calibration.what_if`.
@@ -43,6 +46,7 @@ from controlplane.deployments.service import get_threshold_set
 from controlplane.drift.outliers import screen_witnesses
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Invalid
+from controlplane.flows.answers import answer_consistency, read_answers
 from controlplane.runtimes.outliers import excluded_witnesses
 from controlplane.settings import get_settings
 from controlplane.stats.cost_model import CostModel
@@ -239,7 +243,7 @@ def what_if(*, session: Session, deployment: Deployment, version: int | None = N
                            epsilon=epsilon_at, policy=policy)
         label, source = dict(result.thresholds), "calibration"
         matrix = np.array([label[layer] for layer in layers])
-    return evaluate(signals=evidence.signals, matched=evidence.matched, thresholds=matrix,
+    found = evaluate(signals=evidence.signals, matched=evidence.matched, thresholds=matrix,
                     exit_layers=layers, num_layers=deployment.num_layers, delta=delta_at,
                     epsilon=epsilon_at, requests=evidence.requests,
                     witnesses=evidence.witnesses,
@@ -248,6 +252,18 @@ def what_if(*, session: Session, deployment: Deployment, version: int | None = N
                     shadow_share=shadow_share(session=session, deployment=deployment,
                                               since=since, until=until, segment=segment),
                     source=source, version=version, label=label)
+    answers = read_answers(session=session, deployment=deployment, since=since, until=until,
+                           segment=segment, runtimes=runtimes, set_aside=evidence.set_aside,
+                           policy=policy)
+    if version is not None:
+        def thresholds_of(name: str) -> list[float]:
+            return [thresholds_for(chosen, name)[layer] for layer in layers]
+    else:
+        def thresholds_of(name: str) -> list[float]:
+            return [label[layer] for layer in layers]
+    figures = answer_consistency(answers, thresholds_of, epsilon=epsilon_at)
+    return found if figures is None else replace(
+        found, answers=figures.to_dict() | {"delta_answer": deployment.delta_answer})
 
 
 def calibrate(*, evidence: Evidence, deployment: Deployment, delta: float, epsilon: float,

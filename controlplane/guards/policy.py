@@ -161,6 +161,7 @@ _ENTRIES = (
     RoutePolicy("POST", f"{_DEPLOYMENT}/what-if", bucket="read", cost=HEAVY_READ_COST,
                 heavy=True, held=True, body_limit=CONTROL_BODY),
     _read(f"{_DEPLOYMENT}/operating-curve"),
+    _read(f"{_DEPLOYMENT}/answers", heavy=True),
     _read(f"{_DEPLOYMENT}/canary", heavy=True),
     _control("POST", f"{_DEPLOYMENT}/canary"),
     _control("POST", f"{_DEPLOYMENT}/canary/promote"),

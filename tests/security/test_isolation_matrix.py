@@ -154,6 +154,8 @@ API: dict[str, tuple[str, Call]] = {
     "GET /v1/deployments/{name}/operating-curve": ("operator", Call(
         "/v1/deployments/alpha/operating-curve", ok=(200, 404),
         why="404 until the workers draw a curve")),
+    "GET /v1/deployments/{name}/answers": ("operator", Call(
+        "/v1/deployments/alpha/answers?window=3600")),
     "POST /v1/deployments/{name}/what-if": ("operator", Call(
         "/v1/deployments/alpha/what-if", {"thresholds": {"3": 0.9, "6": 0.9, "9": 0.9}},
         ok=(200, 422), why="422 while the window holds too few shadow tokens")),
