@@ -491,7 +491,7 @@ def _count(*, session: Session, deployment: Deployment, run: CanaryRun, verdict:
            policy: CanaryPolicy, now: datetime, pause: bool = False) -> None:
     """Count one window's verdict and act on the limits; `pause` stops an inconclusive window's
     canary at once, whatever the count."""
-    actor = "canary"
+    actor = "system:canary"
     if verdict == "clean":
         run.clean_windows += 1
         if run.clean_windows >= policy.clean_windows:

@@ -63,7 +63,8 @@ from exitplane.wire import DEFAULT_SEGMENT, NEVER_EXIT, Origin
 
 log = logging.getLogger("exitplane.fallback")
 
-ACTOR = "fallback"
+# How the fallback appears in audit events (a worker's actions are `system:<task>`).
+ACTOR = "system:fallback"
 # What `react_to_alert` answers: quality at risk (fallback), and a collapse (recalibration only).
 REACTS_TO = (*sorted(QUALITY_AT_RISK), AlertKind.EXIT_RATE_COLLAPSE)
 

@@ -398,7 +398,7 @@ def _publish_candidate(*, session: Session, deployment: Deployment, job: Calibra
     candidate = publish(
         session=session, deployment=deployment, thresholds=thresholds, segments=segments,
         origin=Origin.calibration, parent_version=parent_version, calibration_job_id=job.id,
-        actor=f"calibration-job-{job.id}", expected_metrics=metrics, reason=reason)
+        actor=f"system:calibration-job-{job.id}", expected_metrics=metrics, reason=reason)
     job.result_version = candidate.version
     _apply_policy(session=session, deployment=deployment, job=job, candidate=candidate,
                   policy=policy, now=now)
@@ -411,7 +411,7 @@ def _publish_candidate(*, session: Session, deployment: Deployment, job: Calibra
 def _apply_policy(*, session: Session, deployment: Deployment, job: CalibrationJob,
                   candidate: ThresholdSet, policy: CalibrationPolicy, now: datetime) -> None:
     _supersede_pending(session=session, deployment=deployment, keep=job.id)
-    actor = f"calibration-job-{job.id}"
+    actor = f"system:calibration-job-{job.id}"
     aliases = aliases_of(session=session, deployment=deployment)
     hold = "" if deployment.policy == "approval" else promotion_hold(
         session=session, deployment=deployment, candidate=candidate,

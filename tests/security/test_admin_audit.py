@@ -23,6 +23,7 @@ from controlplane.deployments.schemas import DeploymentCreate
 from exitplane.cli import main
 from exitplane.kit.logs import make_formatter
 from tests.support.alerts import make_deployment
+from tests.support.calibration import fire_alert
 
 
 def _alert(engine) -> int:
@@ -232,3 +233,18 @@ def test_the_cli_filters_and_follows_pages(client, tokens, engine, live_server, 
     run = CliRunner().invoke(main, ["audit", "--since", "last week", *connection])
     assert run.exit_code == 2
     assert "--since" in run.stderr and "neither an ISO time" in run.stderr
+
+
+def test_the_workers_actions_are_audited_as_system_actors(engine, outbox):
+    with Session(engine) as session:
+        make_deployment(session)  # version 2 active
+        session.commit()
+    alert_id = fire_alert(engine)  # quality at risk: the fallback reacts
+    with Session(engine) as session:
+        done = [(e.actor, e.action) for e in fleet_audit(
+            session=session, rules=AuditFilter(actor="system:*", deployment="chat"))]
+        fell = fleet_audit(session=session, rules=AuditFilter(action="alias.fallback"))[0]
+    assert ("system:fallback", "alias.fallback") in done
+    assert ("system:fallback", "calibration.request") in done  # the recalibration it queued
+    assert (fell.object_kind, fell.object_id) == ("alias", "chat/active")
+    assert fell.details["alert_id"] == alert_id and f"alert {alert_id}" in fell.reason

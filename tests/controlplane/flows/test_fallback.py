@@ -51,7 +51,7 @@ def test_quality_regression_makes_the_conservative_set_active_at_once(engine, ou
         assert aliases_of(session=session, deployment=deployment)["active"] == 1
         event = session.scalars(select(AuditEvent).where(
             AuditEvent.action == "alias.fallback")).one()
-        assert (event.from_version, event.to_version, event.actor) == (2, 1, "fallback")
+        assert (event.from_version, event.to_version, event.actor) == (2, 1, "system:fallback")
         assert event.details["alert_id"] == alert_id and f"alert {alert_id}" in event.reason
         job = session.scalars(select(CalibrationJob)).one()
         alert = session.get(Alert, alert_id)
