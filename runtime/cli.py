@@ -342,6 +342,11 @@ def bench(args) -> None:
 @click.option("--shadow-rate", default=0.05, show_default=True,
               help="Share of tokens also run to full depth (the calibration samples), "
                    "while the control plane sets no rate of its own.")
+@click.option("--shadow-request-rate", type=click.FloatRange(0.0, 1.0), default=0.0,
+              show_default=True,
+              help="Share of greedy requests served entirely at full depth as shadow requests "
+                   "(every token's exit evidence, for the answer loss), while the control "
+                   "plane sets no rate of its own.")
 @click.option("--raw-sample-rate", type=click.FloatRange(0.0, 1.0), default=1.0,
               show_default=True, envvar="EXITPLANE_RAW_SAMPLE_RATE",
               help="Share of non-shadow tokens shipped as records; below 1 the runtime "
@@ -386,7 +391,8 @@ def bench(args) -> None:
               help="After the engine thread dies, answer 503 this long, then exit with status "
                    "3 so that a restart policy brings the runtime back (negative: never exit).")
 def serve(deployment, control_plane, token_file, model_source, heads_path, thresholds_path,
-          device, max_batch, max_queue, shadow_rate, kv_policy, runtime_id, state_dir, host,
+          device, max_batch, max_queue, shadow_rate, shadow_request_rate, kv_policy, runtime_id,
+          state_dir, host,
           port, api_key_file, max_body_bytes, max_prompt_chars, stuck_after_s,
           engine_death_exit_s, raw_sample_rate, segment_rules_path, max_segments,
           model_revision, threads) -> None:
@@ -430,6 +436,7 @@ def serve(deployment, control_plane, token_file, model_source, heads_path, thres
         model_revision = model_revision or revision_of(model_source)
     engine = Engine(model, heads=heads,
                     config=EngineConfig(max_batch=max_batch, shadow_rate=shadow_rate,
+                                        shadow_request_rate=shadow_request_rate,
                                         kv_policy=kv_policy),
                     runtime_id=runtime_id or kept_runtime_id(Path(state_dir)),
                     model_revision=model_revision)

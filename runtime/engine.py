@@ -60,13 +60,16 @@ class StepFailed(RuntimeError):
 
 @dataclass
 class EngineConfig:
-    """How the engine batches, fills skipped KV and samples shadow tokens."""
+    """How the engine batches, fills skipped KV and samples shadow tokens and requests."""
 
     max_batch: int = 8
     max_seq_len: int = 1024
     kv_policy: str = "lazy"
     batching: str = "compact"
     shadow_rate: float = 0.0
+    # The share of greedy requests served entirely at full depth as shadow requests (drawn
+    # when a request is added without saying).
+    shadow_request_rate: float = 0.0
     seed: int = 0
 
 
@@ -82,6 +85,9 @@ class Request:
     top_p: float = 1.0
     generator: torch.Generator | None = None
     segment: str = DEFAULT_SEGMENT  # whose thresholds this request's tokens apply
+    # Served entirely at full depth, every token labelled at every exit layer (a shadow
+    # request: docs/protocol.md, "Shadow requests").
+    shadow_request: bool = False
 
     @property
     def position(self) -> int:
@@ -140,6 +146,8 @@ class Engine:
         self.on_record = on_record
         self.records: queue.SimpleQueue[TokenRecord] = queue.SimpleQueue()
         self._rng = random.Random(self.config.seed)
+        # its own stream: drawing shadow requests leaves the shadow tokens' draws as they are
+        self._request_rng = random.Random(f"{self.config.seed}-shadow-requests")
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: OrderedDict[str, Request] = OrderedDict()
         self._ids = itertools.count()
@@ -162,12 +170,17 @@ class Engine:
     def add_request(self, prompt: list[int], *, request_id: str | None = None,
                     max_new_tokens: int = 64, stop_token_ids: Iterable[int] | None = None,
                     temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int | None = None, segment: str | None = None) -> str:
+                    seed: int | None = None, segment: str | None = None,
+                    shadow_request: bool | None = None) -> str:
         """Queue a prompt (token ids); it joins the running batch at the next step.
 
         temperature 0 is greedy; otherwise the token is sampled (nucleus `top_p`) from the
         distribution of the layer the token exits at. `segment` picks the thresholds its
-        tokens apply (the set's map for it, else `default`'s) and is on its records."""
+        tokens apply (the set's map for it, else `default`'s) and is on its records.
+        `shadow_request` serves it entirely at full depth as a shadow request: every token
+        a shadow token marked `shadow_request`, the last one `request_end` (greedy only: a
+        sampled answer is not the one its evidence describes). None draws it: a greedy
+        request is a shadow request with probability `config.shadow_request_rate`."""
         request_id = request_id or f"req-{next(self._ids)}"
         segment = segment or DEFAULT_SEGMENT
         if not prompt:
@@ -178,6 +191,11 @@ class Engine:
             raise ValueError(f"request {request_id!r} already exists")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if shadow_request and temperature > 0:
+            raise ValueError("a shadow request decodes greedily (temperature 0)")
+        if shadow_request is None:
+            rate = self.config.shadow_request_rate
+            shadow_request = temperature == 0 and rate > 0 and self._request_rng.random() < rate
         if len(prompt) + max_new_tokens > self.config.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds max_seq_len {self.config.max_seq_len}")
@@ -189,7 +207,7 @@ class Engine:
         self._waiting[request_id] = Request(request_id, list(prompt), max_new_tokens,
                                             frozenset(stops), temperature=temperature,
                                             top_p=top_p, generator=generator,
-                                            segment=segment)
+                                            segment=segment, shadow_request=shadow_request)
         return request_id
 
     def cancel(self, request_id: str) -> bool:
@@ -278,7 +296,9 @@ class Engine:
                 clock: StepClock) -> StepResult:
         """One token for each request: the layers in turn, an exit check where one is due."""
         parts, device = self.parts, self.parts.device
-        shadow = [self._rng.random() < self.config.shadow_rate for _ in requests]
+        # every row draws (the stream does not depend on which rows are shadow requests)
+        shadow = [(self._rng.random() < self.config.shadow_rate) or r.shadow_request
+                  for r in requests]
         segments = [r.segment for r in requests]
         plan = RowPlan.build(policy, segments, shadow)  # each row's own segment's thresholds
         rows = Rows.start([r.slot for r in requests], [r.position for r in requests], shadow,
@@ -372,15 +392,16 @@ class Engine:
         outputs = []
         for row, request in enumerate(requests):
             token = host.tokens[row]
+            finished = (token in request.stop_token_ids
+                        or len(request.generated) + 1 >= request.max_new_tokens)
             record = TokenRecord(
                 threshold_version=policy.version, request_id=request.request_id,
                 position=len(request.generated), exit_layer=host.exit_layer[row],
                 signal_value=host.signal[row], latency_us=latency_us[row], ts=now,
                 shadow=host.shadow.get(row), segment=request.segment,
-                exit_checks=host.exit_checks[row])
+                exit_checks=host.exit_checks[row], shadow_request=request.shadow_request,
+                request_end=request.shadow_request and finished)
             request.generated.append(token)
-            finished = (token in request.stop_token_ids
-                        or len(request.generated) >= request.max_new_tokens)
             if finished:
                 self._running.pop(request.request_id, None)
                 self.cache.release(request.slot)

@@ -10,13 +10,16 @@ pub/sub, whether the move was made by an API replica or a Celery worker, so long
 wait for it. Without Redis (one API process, workers elsewhere), or while Redis is away, a
 long-poll also re-reads the state every `ttl`, which is how moves made elsewhere are seen.
 Re-reading a cached state costs one row (the deployment's revision, canary fraction and shadow
-rate) while none changed; the sets are read and serialised again only when one did.
+rates) while none changed; the sets are read and serialised again only when one did.
 
 The shadow rate the control plane decided (controlplane/deployments/shadow_rate.py) goes out
 with the set, outside its checksum (`ThresholdPull.shadow_rate`). A runtime that applies it
 says so (`applies_shadow_rate=true`) and gets the ETag `pull_etag(checksum, rate)`, so a change
 of rate alone changes what its If-None-Match compares; any other runtime gets the set's
-checksum as before. A change of rate is announced on the bus like an alias move.
+checksum alone. A change of rate is announced on the bus like an alias move. The share of
+whole requests the deployment asks runtimes to serve as shadow requests
+(`Deployment.shadow_request_rate`, `ThresholdPull.shadow_request_rate`) goes out the same way,
+its `.r<rate>` part of the ETag likewise only for runtimes that apply the rates.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class DeliveryState:
     active_json: str = ""
     canary_json: str = ""
     shadow_rate: float | None = None  # what the control plane asks runtimes to apply
+    shadow_request_rate: float | None = None  # likewise, the share of shadow requests
 
     def for_runtime(self, runtime_id: str) -> ThresholdSetWire:
         if self.canary is not None and _in_canary(runtime_id, self.canary_fraction):
@@ -70,19 +74,23 @@ class DeliveryState:
             return self.active_json
         if chosen is self.canary and self.canary_json:
             return self.canary_json
-        return pull_body(chosen, self.shadow_rate)
+        return pull_body(chosen, self.shadow_rate, self.shadow_request_rate)
 
     def etag(self, chosen: ThresholdSetWire, applies_shadow_rate: bool) -> str:
         """The entity tag of `chosen` for a runtime that does or does not apply the shadow
-        rate (`pull_etag`)."""
-        return pull_etag(chosen.checksum, self.shadow_rate if applies_shadow_rate else None)
+        rates (`pull_etag`)."""
+        if not applies_shadow_rate:
+            return chosen.checksum
+        return pull_etag(chosen.checksum, self.shadow_rate, self.shadow_request_rate)
 
 
-def pull_body(chosen: ThresholdSetWire, shadow_rate: float | None) -> str:
-    """The JSON a pull answers with: the set and the shadow rate (absent when none)."""
-    if shadow_rate is None:
+def pull_body(chosen: ThresholdSetWire, shadow_rate: float | None,
+              shadow_request_rate: float | None = None) -> str:
+    """The JSON a pull answers with: the set and the shadow rates (each absent when none)."""
+    if shadow_rate is None and shadow_request_rate is None:
         return chosen.model_dump_json()
-    return ThresholdPull(**chosen.model_dump(), shadow_rate=shadow_rate).model_dump_json()
+    return ThresholdPull(**chosen.model_dump(), shadow_rate=shadow_rate,
+                         shadow_request_rate=shadow_request_rate).model_dump_json()
 
 
 class ConfigDelivery:
@@ -124,11 +132,12 @@ class ConfigDelivery:
                 started = time.monotonic()
                 row = session.execute(select(
                     Deployment.id, Deployment.revision, Deployment.canary_fraction,
-                    Deployment.shadow_rate,
+                    Deployment.shadow_rate, Deployment.shadow_request_rate,
                 ).where(Deployment.name == name)).one_or_none()
                 if row is not None and tuple(row) == (previous.deployment_id, previous.revision,
                                                       previous.canary_fraction,
-                                                      previous.shadow_rate):
+                                                      previous.shadow_rate,
+                                                      previous.shadow_request_rate):
                     return replace(previous, loaded_at=started)
             deployment = get_deployment(session=session, name=name)
             aliases = dict(session.execute(select(Alias.name, Alias.version)
@@ -140,14 +149,14 @@ class ConfigDelivery:
             canary = None
             if "canary" in aliases and aliases["canary"] != aliases["active"]:
                 canary = to_wire(deployment=deployment, threshold_set=sets[aliases["canary"]])
-            rate = deployment.shadow_rate
+            rates = (deployment.shadow_rate, deployment.shadow_request_rate)
             return DeliveryState(deployment_id=deployment.id, revision=deployment.revision,
                                  active=active, canary=canary,
                                  canary_fraction=deployment.canary_fraction,
                                  loaded_at=time.monotonic(),
-                                 active_json=pull_body(active, rate),
-                                 canary_json=pull_body(canary, rate) if canary else "",
-                                 shadow_rate=rate)
+                                 active_json=pull_body(active, *rates),
+                                 canary_json=pull_body(canary, *rates) if canary else "",
+                                 shadow_rate=rates[0], shadow_request_rate=rates[1])
 
     def cached(self, name: str) -> DeliveryState | None:
         """The cached state if it is fresh, without touching the store (on the event loop).

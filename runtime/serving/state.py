@@ -1,6 +1,7 @@
 """What the runtime server holds while it serves (ServeState), and how it is wired up: the
 engine thread, and the threshold client and telemetry shipper when a control plane is given.
-The engine applies the shadow rate the control plane sets, else its own (`--shadow-rate`)."""
+The engine applies the shadow rate and the shadow-request rate the control plane sets, else its
+own (`--shadow-rate`, `--shadow-request-rate`)."""
 
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ class ServeState:
         return self.accepting and (client is None or (client.ready and not client.degraded))
 
 
-def shadow_rate_applier(config):
-    """The threshold client's `on_shadow_rate`: the engine config's `shadow_rate` (read per
-    step) becomes the control plane's rate, or goes back to the configured one when the
-    control plane sets none."""
-    own = config.shadow_rate
+def shadow_rate_applier(config, name: str = "shadow_rate"):
+    """The threshold client's `on_shadow_rate` (or, with `name="shadow_request_rate"`, its
+    `on_shadow_request_rate`): the engine config's rate (read per step, or per request added)
+    becomes the control plane's, or goes back to the configured one when the control plane
+    sets none."""
+    own = getattr(config, name)
 
     def apply(rate: float | None) -> None:
-        config.shadow_rate = own if rate is None else rate
+        setattr(config, name, own if rate is None else rate)
     return apply
 
 
@@ -104,7 +106,9 @@ def build_state(*, engine, tokenizer, model_name: str, control_plane: str | None
                                      token=token, runtime_id=engine.runtime_id,
                                      cache_path=state_dir / "thresholds.json",
                                      long_poll_s=long_poll_s, telemetry=shipper,
-                                     on_shadow_rate=shadow_rate_applier(engine.config)).start()
+                                     on_shadow_rate=shadow_rate_applier(engine.config),
+                                     on_shadow_request_rate=shadow_rate_applier(
+                                         engine.config, "shadow_request_rate")).start()
     elif static_thresholds is not None:
         engine.set_thresholds(static_thresholds)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics,

@@ -4,8 +4,8 @@ The pulling, shipping and file watching stay on the Runtime's threads; nothing h
 event loop. What blocks on `Runtime` (`start`, `wait_ready`, `flush`, `heartbeat`, `close`)
 is a coroutine here, run in a worker thread (`asyncio.to_thread`); listeners may be coroutine
 functions, run on the loop that started the runtime. Everything else (the configuration, the
-applied set, `record`, `should_shadow`, `exit_layer`, `metrics`, ...) is the wrapped Runtime's
-own attribute, read and called as on `Runtime`.
+applied set, `record`, `should_shadow`, `draw_shadow_request`, `exit_layer`, `metrics`, ...) is
+the wrapped Runtime's own attribute, read and called as on `Runtime`.
 
     async with AsyncRuntime.from_env(num_layers=30, exit_layers=[8, 16, 24]) as rt:
         ...
@@ -49,6 +49,10 @@ class AsyncRuntime:
     shadow_rate = _Shared()
     local_shadow_rate = _Shared()
     shadow_rate_source = _Shared()
+    shadow_request_rate = _Shared()
+    local_shadow_request_rate = _Shared()
+    shadow_request_rate_source = _Shared()
+    shadow_requests = _Shared()
     applies_segments = _Shared()
     head_digest = _Shared()
     model_revision = _Shared()
@@ -63,6 +67,7 @@ class AsyncRuntime:
     version = _Shared()
     thresholds_for = _Shared()
     should_shadow = _Shared()
+    draw_shadow_request = _Shared()
     exit_layer = _Shared()
     shadow = _Shared()
     record = _Shared()

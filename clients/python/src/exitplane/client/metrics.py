@@ -22,6 +22,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "offline": ("gauge", "1 when running from a threshold set file with no control plane"),
     "dropped_offline": ("counter", "tokens recorded while offline (not shipped)"),
     "shadow_rate": ("gauge", "the shadow rate applied: the control plane's, else the local one"),
+    "shadow_request_rate": ("gauge", "the shadow-request rate applied: the control plane's, "
+                            "else the local one"),
+    "shadow_requests": ("counter", "requests drawn to be served as shadow requests"),
     "thresholds_pulls": ("counter", "threshold set pulls answered"),
     "thresholds_not_modified": ("counter", "pulls answered 304: the applied set is current"),
     "thresholds_applied": ("counter", "threshold sets applied"),
@@ -36,6 +39,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "thresholds_applied_version": ("gauge", "the applied threshold set's version (-1: none)"),
     "thresholds_control_plane_shadow_rate": ("gauge", "the shadow rate the control plane sets "
                                              "(-1: none)"),
+    "thresholds_control_plane_shadow_request_rate": ("gauge", "the shadow-request rate the "
+                                                     "control plane sets (-1: none)"),
     "telemetry_sent_batches": ("counter", "record batches delivered"),
     "telemetry_sent_records": ("counter", "token records delivered"),
     "telemetry_duplicate_batches": ("counter", "batches the control plane already held"),

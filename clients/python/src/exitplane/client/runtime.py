@@ -4,7 +4,9 @@ It owns a `ThresholdClient` (pull, verify, apply, cache, heartbeats) and a `Tele
 (edge aggregation, shipping, disk spool), configured once from explicit arguments or from the
 environment (`Runtime.from_env`). The loop reads the applied set (`thresholds`, `version`),
 asks `should_shadow()` per token (at the shadow rate the control plane sets, else the local
-`shadow_rate`) and reports each token with `record(...)`; listeners hear of
+`shadow_rate`) and `draw_shadow_request()` per request (whether to serve the whole request at
+full depth as a shadow request: at the control plane's `shadow_request_rate`, else the local
+one) and reports each token with `record(...)`; listeners hear of
 new sets (`on_change`), refused ones (`on_refused`) and failures (`on_error`). A token file is
 re-read when it changes, so a rotated token needs no restart. `offline_file` runs from a
 threshold set file with no control plane at all. `close()` ships what is left and tells the
@@ -57,6 +59,8 @@ class Runtime:
                  runtime_id: str, url: str | None = None, token: str | None = None,
                  token_file: str | os.PathLike | None = None, apply: Apply | Any = None,
                  applies_segments: bool = False, shadow_rate: float = 0.0,
+                 shadow_request_rate: float = 0.0,
+                 shadow_request_rng: random.Random | None = None,
                  raw_sample_rate: float = 1.0, state_dir: str | os.PathLike = "exitplane-state",
                  offline_file: str | os.PathLike | None = None, head_digest: str | None = None,
                  model_revision: str | None = None, signal: str = "learned",
@@ -71,6 +75,9 @@ class Runtime:
         self.num_layers = num_layers
         self.exit_layers = sorted(exit_layers)
         self.shadow_rate = shadow_rate  # the local rate (checked by the setter)
+        self.shadow_request_rate = shadow_request_rate  # likewise
+        self._shadow_request_rng = shadow_request_rng or random.Random()
+        self.shadow_requests = 0  # requests drawn to be served as shadow requests
         self.applies_segments = applies_segments
         self.head_digest, self.model_revision = head_digest, model_revision
         self.leave_on_close = leave_on_close
@@ -135,7 +142,7 @@ class Runtime:
         if env.get("EXITPLANE_EXIT_LAYERS"):
             found["exit_layers"] = [_parse_int("EXITPLANE_EXIT_LAYERS", part) for part
                                     in env["EXITPLANE_EXIT_LAYERS"].split(",") if part.strip()]
-        for name in ("shadow_rate", "raw_sample_rate"):
+        for name in ("shadow_rate", "shadow_request_rate", "raw_sample_rate"):
             if env.get(f"EXITPLANE_{name.upper()}"):
                 found[name] = _env_number(f"EXITPLANE_{name.upper()}", float)
         if found["token_file"]:
@@ -260,6 +267,35 @@ class Runtime:
         rate = self.shadow_rate
         return rate > 0 and self._shadow_sample() < rate
 
+    @property
+    def shadow_request_rate(self) -> float:
+        """The share of requests `draw_shadow_request` serves as shadow requests: the control
+        plane's when it sets one, else this runtime's own. Setting it sets this runtime's own."""
+        pulled = self.thresholds.shadow_request_rate if self.thresholds is not None else None
+        return self.local_shadow_request_rate if pulled is None else pulled
+
+    @shadow_request_rate.setter
+    def shadow_request_rate(self, rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"shadow_request_rate must be in [0, 1], not {rate!r}")
+        self.local_shadow_request_rate = rate
+
+    @property
+    def shadow_request_rate_source(self) -> str:
+        """Who set the applied shadow-request rate: `control_plane` or `local`."""
+        pulled = self.thresholds.shadow_request_rate if self.thresholds is not None else None
+        return "local" if pulled is None else "control_plane"
+
+    def draw_shadow_request(self) -> bool:
+        """Whether to serve this request (greedily) entirely at full depth as a shadow
+        request, at `shadow_request_rate`; ask once per request, when it arrives. Its tokens
+        are then recorded with `shadow` points for every exit layer and `shadow_request=True`,
+        the last one with `request_end=True` (docs/protocol.md, "Shadow requests")."""
+        rate = self.shadow_request_rate
+        drawn = rate > 0 and self._shadow_request_rng.random() < rate
+        self.shadow_requests += drawn
+        return drawn
+
     def exit_layer(self, signals: Mapping[int, float] | Callable[[int], float],
                    thresholds: Mapping[int, float]) -> tuple[int, float | None]:
         """(exit layer, signal at exit) under `thresholds`: the first exit layer whose signal
@@ -283,18 +319,22 @@ class Runtime:
                signal_value: float | None, latency_us: int = 0,
                shadow: list[ShadowPoint] | None = None, segment: str | None = None,
                threshold_version: int | None = None, ts: float | None = None,
-               exit_checks: int | None = None) -> bool:
+               exit_checks: int | None = None, shadow_request: bool = False,
+               request_end: bool = False) -> bool:
         """Report one token (never blocks). `threshold_version`: the set it was decided under
         (default: the applied one). A shadow token runs to full depth: its `exit_layer` is
         `num_layers` and its signal the one at the deepest exit layer. `latency_us` is the
         token's wall time and `exit_checks` the exit checks it computed: with both, the control
-        plane counts it as timed and fits its cost model on it (None: served, not timed)."""
+        plane counts it as timed and fits its cost model on it (None: served, not timed).
+        A token of a shadow request says `shadow_request=True` (it is a shadow token too), and
+        the request's last token `request_end=True`."""
         version = threshold_version if threshold_version is not None else (self.version or 0)
         token = TokenRecord(threshold_version=version, request_id=request_id,
                             position=position, exit_layer=exit_layer,
                             signal_value=signal_value, latency_us=latency_us,
                             ts=ts if ts is not None else time.time(), shadow=shadow,
-                            segment=segment or DEFAULT_SEGMENT, exit_checks=exit_checks)
+                            segment=segment or DEFAULT_SEGMENT, exit_checks=exit_checks,
+                            shadow_request=shadow_request, request_end=request_end)
         if self.shipper is None:
             self.dropped_offline += 1
             return False
@@ -313,7 +353,9 @@ class Runtime:
         """The parts' counters and gauges, prefixed `thresholds_` and `telemetry_`."""
         found: dict[str, Any] = {"offline": int(self.offline_file is not None),
                                  "dropped_offline": self.dropped_offline,
-                                 "shadow_rate": self.shadow_rate}
+                                 "shadow_rate": self.shadow_rate,
+                                 "shadow_request_rate": self.shadow_request_rate,
+                                 "shadow_requests": self.shadow_requests}
         for prefix, part in (("thresholds_", self.thresholds), ("telemetry_", self.shipper)):
             if part is not None:
                 found.update({prefix + key: value for key, value in part.metrics.items()})

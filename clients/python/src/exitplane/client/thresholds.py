@@ -10,7 +10,9 @@ revision and exit-heads digest: docs/protocol.md, "Lineage").
 The pull says the runtime applies the control plane's shadow rate (`applies_shadow_rate`): the
 answer carries the rate the control plane decided (`shadow_rate`, None while it sets none) and
 an ETag that changes with it, so a new rate arrives by long-poll like a new set;
-`on_shadow_rate(rate)` is called on each change (docs/protocol.md, "Shadow rate").
+`on_shadow_rate(rate)` is called on each change (docs/protocol.md, "Shadow rate"). The share
+of whole requests to serve as shadow requests (`shadow_request_rate`) arrives the same way,
+with `on_shadow_request_rate(rate)` (docs/protocol.md, "Shadow requests").
 
 Start-up without a control plane: the cached set if there is one, else the built-in
 conservative set (version 0, never exits) with `degraded` set, a warning logged and the
@@ -136,13 +138,16 @@ class ThresholdClient:
                  model_revision: str | None = None,
                  on_refused: Callable[[str], None] | None = None,
                  on_error: Callable[[str], None] | None = None,
-                 on_shadow_rate: Callable[[float | None], None] | None = None, **http: Any):
+                 on_shadow_rate: Callable[[float | None], None] | None = None,
+                 on_shadow_request_rate: Callable[[float | None], None] | None = None,
+                 **http: Any):
         """`head_digest`, `model_revision`: what this runtime serves (default: the engine's
         `head_digest` and `model_revision` attributes; None: unknown, nothing is checked).
         `on_refused(reason)`: called on the pull thread for each set refused; `on_error(problem)`
         for each failed pull (control plane unreachable or answering an error);
         `on_shadow_rate(rate)` for each change of the shadow rate the control plane asks for
-        (None: it asks none, the runtime's own applies). `http`: how
+        (None: it asks none, the runtime's own applies), and `on_shadow_request_rate(rate)`
+        likewise for the shadow-request rate. `http`: how
         requests reach the control plane (`verify`, `cert`, `proxy`, `headers`, `transport`:
         `exitplane.client.http`)."""
         self.engine = engine
@@ -166,8 +171,11 @@ class ThresholdClient:
         self.telemetry = telemetry
         self.on_refused, self.on_error = on_refused, on_error
         self.on_shadow_rate = on_shadow_rate
-        # The shadow rate the control plane asks for (None: none, or not heard yet)
+        self.on_shadow_request_rate = on_shadow_request_rate
+        # The shadow rate and the shadow-request rate the control plane asks for (None: none,
+        # or not heard yet)
         self.shadow_rate: float | None = None
+        self.shadow_request_rate: float | None = None
         self._http = http_client(base_url=base_url, token=token, timeout=request_timeout_s,
                                  **http)
         self.applied: ThresholdSetWire | None = None
@@ -217,7 +225,9 @@ class ThresholdClient:
                 "builtin_fallback": int(self.degraded),
                 "applied_version": -1 if self.applied is None else self.applied.version,
                 "control_plane_shadow_rate": -1.0 if self.shadow_rate is None
-                else self.shadow_rate}
+                else self.shadow_rate,
+                "control_plane_shadow_request_rate": -1.0 if self.shadow_request_rate is None
+                else self.shadow_request_rate}
 
     def start(self) -> ThresholdClient:
         """Start the background pull/heartbeat thread."""
@@ -297,7 +307,8 @@ class ThresholdClient:
         failures = 0
         first = True
         while not self._stop.is_set():
-            etag = pull_etag(self.applied.checksum, self.shadow_rate) \
+            etag = pull_etag(self.applied.checksum, self.shadow_rate,
+                             self.shadow_request_rate) \
                 if self.applied is not None else (
                     cached.checksum if cached is not None else None)
             wait = 0.0 if first else min(self.long_poll_s, self.heartbeat_interval_s)
@@ -369,23 +380,28 @@ class ThresholdClient:
             raise _PullFailed(f"pull answered {response.status_code}: {detail}", wait_s)
         pulled = parse_pull(response.content)
         etag_header = response.headers.get("etag", "").removeprefix("W/").strip('"')
-        if etag_header and etag_header != pull_etag(pulled.checksum, pulled.shadow_rate):
+        if etag_header and etag_header != pull_etag(pulled.checksum, pulled.shadow_rate,
+                                                    pulled.shadow_request_rate):
             raise RefusedThresholdSet(f"ETag {etag_header} does not match the body's checksum "
-                                      f"and shadow rate for set v{pulled.version}")
+                                      f"and shadow rates for set v{pulled.version}")
         self._apply(pulled.threshold_set(), SOURCE_CONTROL_PLANE, write_cache=True)
-        self._take_shadow_rate(pulled.shadow_rate)
+        self._take_rate("shadow_rate", pulled.shadow_rate, self.on_shadow_rate)
+        self._take_rate("shadow_request_rate", pulled.shadow_request_rate,
+                        self.on_shadow_request_rate)
         return True
 
-    def _take_shadow_rate(self, rate: float | None) -> None:
-        """Keep the control plane's shadow rate and tell the listener when it changed."""
-        if rate == self.shadow_rate:
+    def _take_rate(self, name: str, rate: float | None,
+                   listener: Callable[[float | None], None] | None) -> None:
+        """Keep a rate the control plane asks for (`shadow_rate`, `shadow_request_rate`) and
+        tell its listener when it changed."""
+        if rate == getattr(self, name):
             return
-        self.shadow_rate = rate
-        log.info("the control plane asks for shadow rate %s",
+        setattr(self, name, rate)
+        log.info("the control plane asks for %s %s", name.replace("_", " "),
                  "none (the runtime's own applies)" if rate is None else f"{rate:g}")
-        if self.on_shadow_rate is not None:
+        if listener is not None:
             try:
-                self.on_shadow_rate(rate)
+                listener(rate)
             except Exception:
                 log.exception("threshold client listener failed")
 
