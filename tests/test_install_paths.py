@@ -178,3 +178,9 @@ def test_the_image_installs_from_what_it_copies(tmp_path, stage):
     python = fresh_venv(tmp_path / "venv", CLIENT_DEPENDENCIES + SERVER_BASE + BUILD_BACKENDS)
     _ok(pip(python, re.sub(r"'\.\[\w+\]'", ".", first), cwd=app))
     assert _works(python) == ["0.1.0", "exitplane.wire", "exitplane.client"]
+    # both distributions carry the license their metadata names
+    licensed = subprocess.run(
+        [str(python), "-c", "from importlib import metadata; print(sorted(name for name in "
+         "('exitplane', 'exitplane-client') if any(file.name == 'LICENSE' for file in "
+         "metadata.files(name))))"], capture_output=True, text=True, cwd="/", timeout=60)
+    assert licensed.stdout.split() == ["['exitplane',", "'exitplane-client']"], licensed.stderr
