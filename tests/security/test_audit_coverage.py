@@ -311,6 +311,9 @@ def test_an_api_action_writes_its_audit_event(route, world, client, engine):
                             headers={"Authorization": f"Bearer {world.admin_token}"})
     assert answer.status_code in (call.ok or (200, 201, 202, 204)), answer.text
     _check_new_event(engine, call.action, before, "token:test-admin", started)
+    if "{name}" in route:  # the event names the deployment acted on
+        newest = _events(engine, call.action)[0]
+        assert newest.deployment == world.path(call).split("/")[3].split("?")[0]
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
