@@ -20,7 +20,7 @@ def _reads(session, tokens) -> list[TokenRead]:
     """The tokens as the API shows them, each with its deployment's name."""
     ids = {token.deployment_id for token in tokens} - {None}
     names = dict(session.execute(select(Deployment.id, Deployment.name)
-                                 .where(Deployment.id.in_(ids))).tuples().all()) if ids else {}
+                                 .where(Deployment.id.in_(ids))).all()) if ids else {}
     return [TokenRead.model_validate(token).model_copy(
         update={"deployment": names.get(token.deployment_id)}) for token in tokens]
 
