@@ -3,8 +3,10 @@
 program against a control plane started with `exitplane up`: each group does its work over the
 HTTP API, `--output json` prints the API's objects, and every failure is one line on stderr
 with exit status 1 (the control plane refused) or 2 (bad input, nothing answered). Also the
-`db` commands (current, history, downgrade, SQL for DBAs), an unreachable database and a
-missing `--thresholds` file, each one line.
+`db` commands (current, history, downgrade, SQL for DBAs), an unreachable database (for `db`
+and `bootstrap token`) and a missing `--thresholds` file, each one line. Users, hooks,
+deployment create/update/delete, canary members and the output formats:
+tests/test_operator_cli_admin.py.
 
 The store is set up directly only where the API has no route for it (an alert firing, a
 calibration candidate waiting for approval)."""

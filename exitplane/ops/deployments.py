@@ -475,7 +475,7 @@ FRACTION = click.FloatRange(0, 1, min_open=True)
 @click.option("--reason", default="", help="why (added to the audit log)")
 @click.option("--fraction", type=FRACTION, default=None,
               help="set the deployment's canary fraction (the share of runtimes that apply "
-                   "VERSION) first")
+                   "VERSION) first; it stays set if the start is refused")
 def canary_start(api: ControlPlane, deployment: str, version: int, reason: str,
                  fraction: float | None) -> None:
     """Serve VERSION to DEPLOYMENT's canary fraction of runtimes (the deployment's
