@@ -270,3 +270,15 @@ def test_output_formats_and_options_before_the_command(plane):
     assert plane.run("-o", "table", "alerts", "list", EXITPLANE_OUTPUT="json").stdout \
         .startswith("ID")
     plane.run("-o", "xml", "deployments", "list", code=2, usage=True)
+
+
+def test_calibrations_start_wait_gives_up_after_its_timeout(plane):
+    """No worker runs here: the job stays queued, and --wait ends after --wait-timeout with
+    exit status 1, leaving the job to the workers."""
+    waited = plane.run("calibrations", "start", "chat", "--reason", "waiting", "--wait",
+                       "--wait-timeout", "1", input="", code=1)
+    job = plane.json("calibrations", "list", "chat")[0]
+    assert waited.stderr.splitlines()[-1] == (
+        f"exitplane: calibration job {job['id']} is still queued after 1 s (no reason given);"
+        f" follow it with `exitplane calibrations show chat {job['id']}`")
+    assert job["status"] == "queued" and job["reason"] == "waiting"
