@@ -10,11 +10,16 @@ its action by its caller."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -26,7 +31,7 @@ from controlplane.alerts.service import Condition, fire
 from controlplane.auth.service import create_token
 from controlplane.auth.users import create_user
 from controlplane.calibration.models import CalibrationJob
-from controlplane.db import utcnow
+from controlplane.db import make_engine, utcnow
 from controlplane.deployments import segments
 from controlplane.deployments import service as thresholds
 from controlplane.deployments.audit import AuditFilter, fleet_audit
@@ -329,3 +334,37 @@ def test_a_ui_action_writes_its_audit_event(route, world, engine):
         flash = browser.get(answer.headers["location"]).text
         assert "flash-error" not in flash, flash
     _check_new_event(engine, call.action, before, "user:admin", started)
+
+
+EXITPLANE = str(Path(sys.executable).parent / "exitplane")
+
+
+@pytest.mark.slow  # runs the CLI's processes
+def test_the_store_commands_are_audited(tmp_path, sqlite_template):
+    """The commands with direct database access (`exitplane bootstrap ...`) write their events
+    too, as the `local` actor or the command's own; `exitplane db upgrade` and `downgrade`
+    change the schema, not the fleet, and write none."""
+    path = tmp_path / "exitplane.db"
+    shutil.copy(sqlite_template, path)
+    env = {**os.environ, "EXITPLANE_DATABASE_URL": f"sqlite:///{path}",
+           "EXITPLANE_VAR_DIR": str(tmp_path / "var")}
+    password = tmp_path / "password"
+    password.write_text(PASSWORD)
+    for args in (["bootstrap", "token", "--name", "first", "--scope", "admin",
+                  "--out", str(tmp_path / "token")],
+                 ["bootstrap", "user", "--username", "root", "--role", "admin",
+                  "--password-file", str(password)],
+                 ["bootstrap", "deployment", "--name", "chat", "--model-ref", "tiny",
+                  "--num-layers", "6", "--exit-layers", "2,4"]):
+        done = subprocess.run([EXITPLANE, *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+    engine = make_engine(env["EXITPLANE_DATABASE_URL"])
+    try:
+        with Session(engine) as session:
+            events = {(e.action, e.actor, e.target) for e in fleet_audit(session=session)}
+    finally:
+        engine.dispose()
+    assert ("user.create", "local", "user:root") in events
+    assert ("deployment.create", "cli:bootstrap", "deployment:chat") in events
+    assert any(action == "token.create" and actor == "local" for action, actor, _ in events)
