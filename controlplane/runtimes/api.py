@@ -19,6 +19,10 @@ from exitplane.wire import Heartbeat
 
 log = logging.getLogger("exitplane.api")
 
+Reason = Annotated[str, Query(max_length=2000,
+                               description="why (written to the audit log)")]
+
+
 router = APIRouter(prefix="/v1/deployments", tags=["runtimes"])
 
 
@@ -75,32 +79,33 @@ def list_runtimes(name: str, request: Request, session: SessionDep,
 
 @router.delete("/{name}/runtimes/{runtime_id}", response_model=RuntimesRemoved)
 def remove_runtime(name: str, runtime_id: str, request: Request, session: SessionDep,
-                   principal: OperatorPrincipal) -> RuntimesRemoved:
+                   principal: OperatorPrincipal, reason: Reason = "") -> RuntimesRemoved:
     """Remove a runtime from the fleet view and the caps; it registers anew if it beats
     again."""
     deployment = get_deployment(session=session, name=name)
     removed = service.remove_runtimes(session=session, deployment=deployment,
                                       runtime_id=runtime_id)
-    return _removed(request, session, deployment, removed, principal)
+    return _removed(request, session, deployment, removed, principal, reason)
 
 
 @router.delete("/{name}/runtimes", response_model=RuntimesRemoved)
 def remove_runtimes_of_token(
     name: str, request: Request, session: SessionDep, principal: OperatorPrincipal,
     token_id: Annotated[int, Query(description="remove every runtime this token registered")],
+    reason: Reason = "",
 ) -> RuntimesRemoved:
     """Remove every runtime a token registered (a leaked token's, say, once revoked)."""
     deployment = get_deployment(session=session, name=name)
     removed = service.remove_runtimes(session=session, deployment=deployment,
                                       token_id=token_id)
-    return _removed(request, session, deployment, removed, principal)
+    return _removed(request, session, deployment, removed, principal, reason)
 
 
-def _removed(request: Request, session, deployment, removed: list[str],
-             principal) -> RuntimesRemoved:
+def _removed(request: Request, session, deployment, removed: list[str], principal,
+             reason: str) -> RuntimesRemoved:
     if removed:
         record_audit(session=session, deployment=deployment,
-                     actor=principal.actor, action="runtime.remove", reason="",
+                     actor=principal.actor, action="runtime.remove", reason=reason,
                      details={"runtime_ids": removed})
     request.app.state.heartbeats.forget(deployment.id, removed)
     request.app.state.runtime_claims.forget(deployment.id, removed)

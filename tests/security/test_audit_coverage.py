@@ -20,6 +20,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from fastapi.testclient import TestClient
@@ -79,9 +80,10 @@ API: dict[str, Audited] = {
     "DELETE /v1/deployments/{name}/declared-segments/{segment}": Audited(
         "/v1/deployments/alpha/declared-segments/support?reason=coverage", "segment.remove"),
     "DELETE /v1/deployments/{name}/runtimes/{runtime_id}": Audited(
-        "/v1/deployments/alpha/runtimes/rt-1", "runtime.remove"),
+        "/v1/deployments/alpha/runtimes/rt-1?reason=coverage", "runtime.remove"),
     "DELETE /v1/deployments/{name}/runtimes": Audited(
-        "/v1/deployments/alpha/runtimes?token_id={runtime_token}", "runtime.remove"),
+        "/v1/deployments/alpha/runtimes?token_id={runtime_token}&reason=coverage",
+        "runtime.remove"),
     "POST /v1/deployments/{name}/runtime-outliers/{outlier_id}/clear": Audited(
         "/v1/deployments/alpha/runtime-outliers/{outlier}/clear", "runtime.outlier_clear",
         REASON),
@@ -298,12 +300,20 @@ def _events(engine, action: str) -> list:
         return fleet_audit(session=session, rules=AuditFilter(action=action), limit=500)
 
 
-def _check_new_event(engine, action: str, before: int, actor: str, started: float) -> None:
-    events = _events(engine, action)
-    assert len(events) > before, f"no new {action} event"
+def _check_new_event(engine, call: Audited, path: str, before: int, actor: str,
+                     started: float):
+    """The newest event of the call's action is new, its caller's, and carries the reason
+    the call gave."""
+    events = _events(engine, call.action)
+    assert len(events) > before, f"no new {call.action} event"
     newest = events[0]
     assert newest.actor == actor
     assert newest.at.timestamp() >= started - 1
+    given = ((call.body or {}).get("reason")
+             or parse_qs(urlsplit(path).query).get("reason", [None])[0])
+    if given:
+        assert given in newest.reason
+    return newest
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -315,9 +325,9 @@ def test_an_api_action_writes_its_audit_event(route, world, client, engine):
     answer = client.request(method, world.path(call), json=call.body,
                             headers={"Authorization": f"Bearer {world.admin_token}"})
     assert answer.status_code in (call.ok or (200, 201, 202, 204)), answer.text
-    _check_new_event(engine, call.action, before, "token:test-admin", started)
+    newest = _check_new_event(engine, call, world.path(call), before, "token:test-admin",
+                              started)
     if "{name}" in route:  # the event names the deployment acted on
-        newest = _events(engine, call.action)[0]
         assert newest.deployment == world.path(call).split("/")[3].split("?")[0]
 
 
@@ -333,7 +343,7 @@ def test_a_ui_action_writes_its_audit_event(route, world, engine):
     if answer.status_code == 303:
         flash = browser.get(answer.headers["location"]).text
         assert "flash-error" not in flash, flash
-    _check_new_event(engine, call.action, before, "user:admin", started)
+    _check_new_event(engine, call, world.path(call), before, "user:admin", started)
 
 
 EXITPLANE = str(Path(sys.executable).parent / "exitplane")
