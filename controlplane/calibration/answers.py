@@ -29,7 +29,7 @@ from controlplane.calibration.learn_then_test import (
     binomial_upper_bound,
 )
 from controlplane.calibration.segments import AnswerTestFn, SegmentedCalibration
-from controlplane.stats.answers import first_divergence
+from controlplane.stats.answers import exit_columns
 from controlplane.stats.robust_evidence import (
     EvidencePolicy,
     cap_runtime_share,
@@ -39,20 +39,36 @@ from controlplane.stats.robust_evidence import (
 from controlplane.telemetry.shadow_requests import ShadowRequests
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+# Elements of the (sets, tokens, layers) comparison built at once.
+_SLICE_ELEMENTS = 1 << 24
 # Divergence-position histogram edges (tokens into the answer); the last bin is open.
 HISTOGRAM_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def divergence_matrix(evidence: ShadowRequests, thresholds: np.ndarray) -> np.ndarray:
     """(m, K) int: each request's first divergence position under each set (rows of
-    `thresholds`, (K, L) in exit-layer order), -1 where its answer equals full depth."""
+    `thresholds`, (K, L) in exit-layer order), -1 where its answer equals full depth: what
+    `stats.answers.first_divergence` gives request by request, computed for every token of
+    every request at once (sets taken in slices that bound the memory)."""
     thresholds = np.atleast_2d(np.asarray(thresholds, dtype=float))
-    if len(evidence) == 0:
-        return np.zeros((0, len(thresholds)), dtype=np.int64)
-    offsets = evidence.offsets
-    return np.stack([first_divergence(evidence.signals[offsets[i]:offsets[i + 1]],
-                                      evidence.matched[offsets[i]:offsets[i + 1]], thresholds)
-                     for i in range(len(evidence))])
+    m, total = len(evidence), len(evidence.signals)
+    if m == 0 or total == 0:
+        return np.full((m, len(thresholds)), -1, dtype=np.int64)
+    starts = evidence.offsets[:-1]
+    request_of = np.repeat(np.arange(m), np.diff(evidence.offsets))  # (T,)
+    position = np.arange(total) - starts[request_of]  # (T,) position within its request
+    rows = np.arange(total)
+    never = np.iinfo(np.int64).max
+    out = np.empty((m, len(thresholds)), dtype=np.int64)
+    step = max(1, _SLICE_ELEMENTS // (total * evidence.signals.shape[1]))
+    for first in range(0, len(thresholds), step):
+        part = thresholds[first:first + step]
+        column = exit_columns(evidence.signals, part)  # (k, T), -1: full depth
+        wrong = (column >= 0) & ~evidence.matched[rows[None], np.maximum(column, 0)]
+        where = np.where(wrong, position[None], never)  # (k, T)
+        earliest = np.minimum.reduceat(where, starts, axis=1)  # (k, m)
+        out[:, first:first + step] = np.where(earliest == never, -1, earliest).T
+    return out
 
 
 @dataclass(frozen=True)

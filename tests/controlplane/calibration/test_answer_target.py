@@ -20,6 +20,7 @@ from controlplane.calibration.answers import (
 )
 from controlplane.calibration.learn_then_test import calibrate_thresholds
 from controlplane.calibration.service import CalibrationPolicy, ShadowWindow, calibrate_window
+from controlplane.stats.answers import first_divergence
 from controlplane.stats.robust_evidence import EvidencePolicy
 from controlplane.telemetry.shadow_requests import ShadowRequests
 from tests.support.calibration import FULL, LAYERS
@@ -59,6 +60,30 @@ def _calibrate(rng, *, delta_answer: float | None, epsilon: float, token_request
         seed=int(rng.integers(1 << 30)), answer_test=None if test is None else test.p_values)
 
 
+def test_divergence_over_many_requests_is_first_divergence_request_by_request():
+    """The all-at-once computation equals `first_divergence` on each request (lengths 1 to
+    40, unchecked layers as NaN, never-exit and exit-everything among the sets)."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=300)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    signals = rng.random((offsets[-1], len(LAYERS))).astype(np.float32)
+    signals[rng.random(signals.shape) < 0.05] = np.nan
+    matched = rng.random(signals.shape) < 0.8
+    evidence = ShadowRequests(
+        requests=[f"q-{i}" for i in range(300)], runtimes=["rt"] * 300,
+        witnesses=["runtime:rt"] * 300, segments=["default"] * 300,
+        versions=np.zeros(300, dtype=np.int64), offsets=offsets.astype(np.int64),
+        signals=signals, matched=matched)
+    thresholds = rng.random((60, len(LAYERS)))
+    thresholds[0], thresholds[1] = 1.0, 0.0
+    expected = np.stack([first_divergence(signals[offsets[i]:offsets[i + 1]],
+                                          matched[offsets[i]:offsets[i + 1]], thresholds)
+                         for i in range(300)])
+    found = divergence_matrix(evidence, thresholds)
+    np.testing.assert_array_equal(found, expected)
+    assert (found[:, 0] == -1).all() and (found[:, 1] >= 0).any()
+
+
 def test_the_exact_answer_risk_of_the_synthetic_model_matches_simulation():
     """The closed form the coverage test trusts agrees with simulated requests."""
     rng = np.random.default_rng(7)
@@ -92,7 +117,7 @@ def test_the_answer_target_makes_the_choice_more_conservative_where_it_binds():
     both = _calibrate(rng, delta_answer=0.1, epsilon=0.1)
     assert MODEL.answer_risk([tokens_only.thresholds[k] for k in LAYERS]) > 0.1
     assert both.exit_rate < tokens_only.exit_rate
-    chosen = [point for point in both.curve if point.chosen][0]
+    chosen = next(point for point in both.curve if point.chosen)
     assert chosen.answer_p_value is not None and chosen.answer_p_value <= 0.1
     assert all(point.answer_p_value is None for point in tokens_only.curve)
 

@@ -67,7 +67,7 @@ def _seed(engine, *, n=60, delta_answer=None):
 
 
 def test_the_api_reports_each_version_on_the_requests_served_under_it(client, tokens, engine):
-    under_one, under_two = _seed(engine, delta_answer=0.3)
+    _, under_two = _seed(engine, delta_answer=0.3)
     operator = tokens.headers(tokens.operator)
     answer = client.get("/v1/deployments/chat/answers?window=3600", headers=operator)
     assert answer.status_code == 200, answer.text

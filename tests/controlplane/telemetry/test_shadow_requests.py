@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from controlplane.settings import get_settings
 from controlplane.telemetry import shadow_requests
 from controlplane.telemetry.models import ShadowRequestRow, ShadowRequestTokenRow, ShadowSampleRow
-from controlplane.telemetry.service import ingest
+from controlplane.telemetry.service import ingest, purge
 from exitplane.wire import TelemetryBatch
 from tests.support.batches import telemetry_batch
 from tests.support.calibration import FULL, LAYERS, make_deployment
@@ -140,3 +140,34 @@ def test_a_sampled_batch_keeps_shadow_requests(session, aggregated):
         signals, matched, request_id="q-6", start=datetime.now(UTC).timestamp() - 60),
         aggregated=aggregated)
     assert _read(session, deployment).requests == ["q-6"]
+
+
+def test_retention_sweeps_completes_what_waits_and_drops_what_is_old(session):
+    """The retention pass assembles a request whose end arrived but was not assembled (its
+    last tokens came in a transaction that did not see the others), drops staged tokens past
+    their time to live and removes requests older than the retention."""
+    deployment = make_deployment(session)
+    signals, matched = _labels(7, 4)
+    now = datetime.now(UTC)
+    records = shadow_request_records(signals, matched, request_id="q-7",
+                                     start=now.timestamp() - 60)
+    _send(session, deployment, records[:3])
+    session.add(ShadowRequestTokenRow(
+        deployment_id=deployment.id, runtime_id="rt-1", request_id="q-7", position=3,
+        ts=now, threshold_version=0, segment="default", witness="runtime:rt-1",
+        model_revision="", head_digest="", arrival_delay_s=0.0, request_end=True,
+        signals=signals[3].astype("<f4").tobytes(), matched=matched[3].astype(np.uint8).tobytes()))
+    old = shadow_request_records(signals, matched, request_id="q-old",
+                                 start=now.timestamp() - 10 * 86400)
+    _send(session, deployment, old)
+    stale = shadow_request_records(signals, matched, request_id="q-stale", end=False,
+                                   start=now.timestamp() - 2 * get_settings().shadow_request_ttl_s)
+    _send(session, deployment, stale)
+    session.flush()
+    deleted = purge(session=session, older_than=now - timedelta(days=3))
+    assert deleted["shadow_requests"] == 1  # q-old
+    assert deleted["shadow_request_tokens"] == 4  # q-stale's
+    found = _read(session, deployment)
+    assert found.requests == ["q-7"]
+    np.testing.assert_array_equal(found.signals, signals)
+    assert _count(session, ShadowRequestTokenRow) == 0
