@@ -47,6 +47,9 @@ class User(Base):
     # How the user signs in: "local" (a password here) or "sso" (an OpenID Connect provider or
     # a trusted authenticating proxy, controlplane/auth/sso.py; no password works for them).
     origin: Mapped[str] = mapped_column(String(20), default="local", server_default="local")
+    # The provider's `iss` and `sub` of an OpenID Connect user ("<issuer> <subject>"), bound at
+    # their first sign-in: a later ID token must carry the same, whatever its username claim says.
+    sso_subject: Mapped[str | None] = mapped_column(String(600))
 
 
 class SignInFailures(Base):

@@ -5,7 +5,9 @@ Their role comes from their groups through EXITPLANE_SSO_ROLE_MAPPING (the stron
 role wins; none mapped: EXITPLANE_SSO_DEFAULT_ROLE, else refused) and is applied at every
 sign-in. A user is created at their first sign-in with origin `sso`; no password works for them
 (their hash is of a random secret nobody holds, and an admin cannot set one). A local user's
-name is never taken over by a single sign-on: local users stay the break-glass way in.
+name is never taken over by a single sign-on: local users stay the break-glass way in. An
+OpenID Connect user is bound to the provider's issuer and subject at their first sign-in, so a
+renamed account at the provider cannot sign in as another user whose name it now carries.
 
 Every sign-in and every refusal is an administrative audit event of the user it names
 (`user.sso_sign_in`, `user.sso_refused`); a refusal is recorded in a transaction of its own,
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controlplane.auth import users
@@ -38,11 +41,13 @@ UNVERIFIED_ACTOR = "sso:unverified"
 @dataclass(frozen=True)
 class SsoIdentity:
     """Who a provider or proxy says signed in: a username as given (checked here), their
-    groups, and how (`oidc` or `proxy`)."""
+    groups, how (`oidc` or `proxy`) and, from a provider, the issuer and subject the ID token
+    was signed for ("<iss> <sub>": the identity that stays when a username is renamed)."""
 
     username: str
     groups: tuple[str, ...]
     method: str
+    subject: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,12 +110,17 @@ def sign_in(*, session: Session, identity: SsoIdentity, mapping: RoleMapping,
                          "(EXITPLANE_SSO_ROLE_MAPPING)")
     actor = actor_of(username)
     if user is None:
-        user = users.create_user(session=session, username=username, role=role,
-                                 password_hash=_unusable_hash(), actor=actor)
-        user.origin = SSO_ORIGIN
-    elif user.disabled:
+        user = _provision(session=session, username=username, role=role, actor=actor)
+    if identity.subject is not None:
+        if user.sso_subject is None:
+            user.sso_subject = identity.subject
+        elif user.sso_subject != identity.subject:
+            raise SsoRefused(f"{username!r} belongs to another account at the identity "
+                             "provider (not the one this user first signed in with); ask an "
+                             "admin")
+    if user.disabled:
         raise SsoRefused(f"{username!r} is disabled in exitplane; ask an admin")
-    elif user.role != role:
+    if user.role != role:
         try:
             users.set_role(session=session, user=user, role=role, actor=actor)
         except Conflict as error:
@@ -121,6 +131,24 @@ def sign_in(*, session: Session, identity: SsoIdentity, mapping: RoleMapping,
                        details={**_audited(identity, address), "role": role})
     session.flush()
     return user
+
+
+def _provision(*, session: Session, username: str, role: str, actor: str) -> User:
+    """A new single sign-on user; when a concurrent first sign-in of the same person created
+    them first, that user (still checked: it must be a single sign-on user)."""
+    try:
+        with session.begin_nested():
+            user = users.create_user(session=session, username=username, role=role,
+                                     password_hash=_unusable_hash(), actor=actor)
+            user.origin = SSO_ORIGIN
+            session.flush()
+            return user
+    except (IntegrityError, Conflict):
+        user = session.scalar(select(User).where(User.username == username))
+        if user is None or user.origin != SSO_ORIGIN:
+            raise SsoRefused(f"{username!r} is a local exitplane user, who signs in with a "
+                             "password; single sign-on does not sign in as them") from None
+        return user
 
 
 def record_refusal(*, session: Session, identity: SsoIdentity | None, method: str,

@@ -180,7 +180,8 @@ def oidc_callback(request: Request,
                                nonce=flow["n"], code_verifier=flow["v"],
                                redirect_uri=flow["r"])
         identity = SsoIdentity(username=verified.username, groups=verified.groups,
-                               method="oidc")
+                               method="oidc",
+                               subject=f"{oidc.config.issuer} {verified.subject}")
         with factory() as session:
             user = sso.sign_in(session=session, identity=identity,
                                mapping=RoleMapping.from_settings(request.app.state.settings),

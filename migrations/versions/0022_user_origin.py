@@ -2,7 +2,8 @@
 
 `users` gains `origin`: `local` (a password stored here, every user so far) or `sso` (provisioned
 at a sign-in through an OpenID Connect provider or a trusted authenticating proxy; no password
-works for them: controlplane/auth/sso.py).
+works for them: controlplane/auth/sso.py), and `sso_subject`: the OpenID Connect provider's
+issuer and subject a user is bound to at their first sign-in.
 
 Revision ID: 0022_user_origin
 Revises: 0021_shadow_requests
@@ -23,7 +24,9 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column("users", sa.Column("origin", sa.String(length=20), nullable=False,
                                      server_default="local"))
+    op.add_column("users", sa.Column("sso_subject", sa.String(length=600), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("users", "sso_subject")
     op.drop_column("users", "origin")

@@ -252,6 +252,25 @@ def test_a_user_without_a_mapped_role_is_refused(browser, provider, engine):
     assert (refused.actor, refused.details["groups"]) == ("user:carol", ["strangers"])
 
 
+def test_a_user_is_bound_to_the_provider_account_that_first_signed_in(browser, provider,
+                                                                      engine, issuer):
+    provider.steer(username="dave", groups=["ops"], subject="account-1")
+    assert sso_sign_in(browser).status_code == 303
+    assert stored_user(engine, "dave").sso_subject == f"{issuer} account-1"
+    browser.cookies.clear()
+    # Another account at the provider renamed to "dave" is not dave.
+    provider.steer(username="dave", groups=["ops-admins"], subject="account-2")
+    back = sso_sign_in(browser)
+    assert back.status_code == 403 and "belongs to another account" in back.text
+    assert signed_in_as(browser) is None
+    dave = stored_user(engine, "dave")
+    assert (dave.role, dave.sso_subject) == ("operator", f"{issuer} account-1")
+    assert events(engine, "user.sso_refused")[-1].actor == "user:dave"
+    # The first account still signs in.
+    provider.steer(username="dave", groups=["ops"], subject="account-1")
+    assert sso_sign_in(browser).status_code == 303
+
+
 def test_single_sign_on_never_takes_a_local_users_name(browser, provider, engine):
     with Session(engine) as session:
         users.create_user(session=session, username="admin", password=PASSWORD, role="admin")

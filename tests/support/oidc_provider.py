@@ -5,7 +5,8 @@ form, and a token endpoint that checks the client secret and the PKCE verifier.
 
 Run as its own process (`OidcProvider.start`: `python -m tests.support.oidc_provider CONFIG`)
 on a loopback port. The tests steer it through POST /testing/next (JSON): `username` and
-`groups` of the user the next sign-ins approve, and `id_token`: `valid`, `forged` (signed by a
+`groups` of the user the next sign-ins approve, `subject` (their `sub`; default
+"sub-<username in lowercase>"), and `id_token`: `valid`, `forged` (signed by a
 key the JWKS does not hold, under the published key's id), `expired` (issued two hours ago,
 expired an hour ago), `wrong_nonce`, or `rotated` (signed by a second key, under its own id,
 which the JWKS publishes from then on: a key rotation). GET /testing/requests lists the
@@ -53,6 +54,7 @@ class Steering:
     username: str = "alice"
     groups: list[str] = field(default_factory=lambda: ["ops-admins"])
     id_token: str = "valid"
+    subject: str = ""  # the ID token's `sub`; empty: "sub-" + the username in lowercase
 
 
 @dataclass
@@ -224,7 +226,8 @@ class Provider:
                 return claims
 
             def generate_user_info(self, user, scope):
-                return UserInfo(sub=f"sub-{user.username}", preferred_username=user.username,
+                return UserInfo(sub=user.subject or f"sub-{user.username.lower()}",
+                                preferred_username=user.username,
                                 email=f"{user.username}@example.com", groups=list(user.groups))
 
         server = Server()
@@ -358,11 +361,11 @@ class OidcProvider:
         return provider
 
     def steer(self, *, username: str = "alice", groups: list[str] | None = None,
-              id_token: str = "valid") -> None:
+              id_token: str = "valid", subject: str = "") -> None:
         """What the next sign-ins approve (see the module's docstring)."""
         httpx.post(f"{self.issuer}/testing/next", timeout=10, json={
             "username": username, "groups": ["ops-admins"] if groups is None else groups,
-            "id_token": id_token}).raise_for_status()
+            "id_token": id_token, "subject": subject}).raise_for_status()
 
     def requests(self) -> list[dict]:
         return httpx.get(f"{self.issuer}/testing/requests", timeout=10).json()
