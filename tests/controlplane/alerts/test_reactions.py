@@ -17,7 +17,8 @@ from controlplane.alerts import reactions
 from controlplane.alerts.kinds import AlertKind
 
 ROOT = Path(__file__).resolve().parents[3]
-FALLBACK_KINDS = {"quality_regression", "exit_rate_spike", "exit_rate_collapse"}
+FALLBACK_KINDS = {"quality_regression", "answer_regression", "exit_rate_spike",
+                  "exit_rate_collapse"}
 # In a fresh interpreter (the registry is per process): build the app, print what is registered.
 PROBE = """
 import json, sys
