@@ -70,12 +70,11 @@ def record(row: dict, fields: Sequence[Column]) -> None:
 IDENTIFIERS = ("name", "username", "runtime_id", "id", "version")
 
 
-def identifier(row: Any) -> str:
-    """What names one object of the API: its name, username, runtime id, id or version."""
+def identifier(row: Any) -> str | None:
+    """What names one object of the API: its name, username, runtime id, id or version (None
+    for an object without any); a plain value is its own."""
     if isinstance(row, dict):
-        for key in IDENTIFIERS:
-            if row.get(key) is not None:
-                return str(row[key])
+        return next((str(row[key]) for key in IDENTIFIERS if row.get(key) is not None), None)
     return cell(row)
 
 
@@ -94,7 +93,10 @@ def emit(output: str, data: Any, people: Callable[[], None],
         click.echo(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), nl=False)
     elif output == "name":
         found = names(data) if names else data if isinstance(data, list) else [data]
-        for item in found:
-            click.echo(identifier(item))
+        lines = [identifier(item) for item in found]
+        if None in lines:
+            fail("--output name: this answer's objects have no name or id; use --output json")
+        for line in lines:
+            click.echo(line)
     else:
         people()
