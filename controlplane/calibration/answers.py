@@ -171,12 +171,20 @@ class AnswerTest:
     delta_answer: float
     min_runtimes: int = 3
 
-    def p_values(self, path: np.ndarray) -> np.ndarray:
-        """(steps,) p-values of the path's threshold sets ((steps, L), exit-layer order)."""
-        return answer_p_values(divergence_matrix(self.evidence, path),
-                               delta_answer=self.delta_answer,
-                               witnesses=np.asarray(self.evidence.witnesses),
-                               min_runtimes=self.min_runtimes)
+    def p_values(self, path: np.ndarray, held_out: np.ndarray | None = None) -> np.ndarray:
+        """(steps,) p-values of the path's threshold sets ((steps, L), exit-layer order).
+        `held_out`: the witnesses the path was held out from (the cross-runtime holdout); each
+        p-value is then also the larger of this one and the one on their requests alone, so
+        the answers must hold on witnesses the path did not learn from too."""
+        divergence = divergence_matrix(self.evidence, path)
+        witnesses = np.asarray(self.evidence.witnesses, dtype=str)
+        p_values = answer_p_values(divergence, delta_answer=self.delta_answer,
+                                   witnesses=witnesses, min_runtimes=self.min_runtimes)
+        if held_out is None or not len(held_out):
+            return p_values
+        theirs = np.isin(witnesses, np.asarray(held_out, dtype=str))
+        return np.maximum(p_values, answer_p_values(divergence[theirs],
+                                                    delta_answer=self.delta_answer))
 
     def figures(self, thresholds: np.ndarray, epsilon: float) -> AnswerConsistency:
         """The chosen set's answer figures on the test's requests."""

@@ -750,7 +750,7 @@ def calibrate_thresholds(
     prior_weight: float = 0.0,
     runtimes: Sequence | np.ndarray | None = None,
     robust_min_runtimes: int = 3,
-    answer_test: Callable[[np.ndarray], np.ndarray] | None = None,
+    answer_test: Callable[[np.ndarray, np.ndarray | None], np.ndarray] | None = None,
 ) -> CalibrationResult:
     """Most aggressive thresholds with P(policy disagreement > δ) <= ε.
 
@@ -770,8 +770,9 @@ def calibrate_thresholds(
     runtimes (every step must be certified on runtimes it did not learn from as well as on the
     test part), and with at least `robust_min_runtimes` in the test part each step must be
     certified without any one runtime's tokens (`stats.robust_evidence`). `answer_test`: the
-    answer target's p-values for the path's steps ((steps, L) -> (steps,), e.g.
-    `answers.AnswerTest.p_values` on shadow requests the path was not drawn from); each step
+    answer target's p-values for the path's steps ((steps, L) and the runtimes held out of the
+    path, or None -> (steps,), e.g. `answers.AnswerTest.p_values` on shadow requests the path
+    was not drawn from); each step
     is then tested on the joint null "token risk > δ or answer risk >= δ_answer" with the
     larger of the two p-values (valid for the union null: each is valid for its part), in the
     same fixed sequence at ε, so both targets hold together with probability 1-ε and ε is not
@@ -823,7 +824,8 @@ def calibrate_thresholds(
     match_prob = np.column_stack(
         [models[j].predict(np.nan_to_num(s_test[:, j], nan=0.0)) for j in range(len(layers))]
     )  # (n, L)
-    answer_p = None if answer_test is None else np.asarray(answer_test(path), dtype=float)
+    answer_p = None if answer_test is None else np.asarray(answer_test(
+        path, None if held is None else np.unique(runtimes[holdout])), dtype=float)
     firsts, losses, predicted, p_values, chosen, request_losses, design, ref = _test_path(
         path, s_test, m_test, match_prob, delta=delta, epsilon=epsilon, risk_test=risk_test,
         codes=test_codes, reference=reference,

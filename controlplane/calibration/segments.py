@@ -29,8 +29,9 @@ from controlplane.stats.clustered import cluster_codes
 from controlplane.stats.robust_evidence import robust_p_values, runtime_count
 from exitplane.wire import DEFAULT_SEGMENT
 
-# An answer target's test: the p-values of threshold sets ((K, L) -> (K,), `answers.AnswerTest`)
-AnswerTestFn = Callable[[np.ndarray], np.ndarray]
+# An answer target's test: the p-values of threshold sets ((K, L) and the witnesses held out of
+# their path, or None -> (K,), `answers.AnswerTest.p_values`)
+AnswerTestFn = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 
 Source = Literal["segment", "pooled", "conservative"]
 
@@ -376,7 +377,8 @@ def _fall_back(name: str, signals: np.ndarray, matched: np.ndarray, check: np.nd
                                witnesses=witnesses, min_witnesses=min_witnesses)
     if answer_test is not None:
         answer_p = float(answer_test(np.array([[pooled.thresholds[k]
-                                                for k in sorted(pooled.thresholds)]]))[0])
+                                                for k in sorted(pooled.thresholds)]]),
+                                     None)[0])
         joint = max(check_test.p_value, answer_p)
         check_test = replace(check_test, p_value=joint, certified=joint <= level,
                              answer_p_value=answer_p)

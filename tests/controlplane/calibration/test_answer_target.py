@@ -135,6 +135,24 @@ def test_answer_p_values_are_the_binomial_tail_and_no_witness_decides_alone():
     assert answer_p_values(np.zeros((0, 2), dtype=int), delta_answer=0.1).tolist() == [1.0, 1.0]
 
 
+def test_the_answers_must_hold_on_the_witnesses_held_out_of_the_path():
+    """With the cross-runtime holdout, a step's answer p-value is also the one on the held-out
+    witnesses' requests: a set those witnesses' answers refute is not certified, however well
+    it does on the rest."""
+    rng = np.random.default_rng(4)
+    evidence = _requests(rng, 600, witnesses=6)
+    test = AnswerTest(evidence=evidence, delta_answer=0.3)
+    sets = np.array([[1.0, 1.0, 1.0], [0.95, 0.95, 0.95]])  # answer risk 0, 0.061
+    everyone = test.p_values(sets)
+    assert everyone[1] < 0.05
+    # the held-out witness's requests alone are fewer: never smaller a p-value than all's
+    held = test.p_values(sets, np.array(["runtime:rt-0"]))
+    assert (held >= everyone).all()
+    mine = np.asarray(evidence.witnesses) == "runtime:rt-0"
+    alone = answer_p_values(divergence_matrix(evidence.take(mine), sets), delta_answer=0.3)
+    np.testing.assert_allclose(held, np.maximum(everyone, alone))
+
+
 def test_consistency_reports_shares_bound_and_divergence_positions():
     figures = consistency(np.array([-1] * 90 + [0, 1, 1, 3, 5, 9, 20, 40, 100, 700]),
                           epsilon=0.05)
