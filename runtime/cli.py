@@ -259,8 +259,9 @@ def _load_for_serving(model_source: str | None, device: str = "cpu"):
 @click.option("--heads", "heads_path", required=True, type=click.Path(dir_okay=False),
               help="The artifact the runtime serves with (its --heads); provisioned if missing.")
 @click.option("--from", "source", envvar="EXITPLANE_HEADS_FROM", default=None,
-              help="Copy this artifact (a path or an http(s) URL) instead of training; "
-                   "also read from EXITPLANE_HEADS_FROM.")
+              help="Copy this artifact (a path, an http(s) URL, or 'shipped': the heads the "
+                   "package ships for SmolLM2-135M-Instruct, exit layers 12..27) instead of "
+                   "training; also read from EXITPLANE_HEADS_FROM.")
 @click.option("--model", "model_source", default=None,
               help="The served model (as for `serve --model`) to train heads for.")
 @click.option("--mode", type=click.Choice(["post-hoc", "joint"]), default="post-hoc",

@@ -1,7 +1,8 @@
 """Provision a runtime's exit heads once, before it serves (`exitplane runtime provision`).
 
 A fresh volume has no heads, so a one-shot step fills it: it copies an artifact the operator
-points to (a local path or an http(s) URL), or trains heads for the served model. It is
+points to (a local path, an http(s) URL, or `shipped`: the SmolLM2-135M-Instruct heads the
+exitplane package ships, exit layers 12..27), or trains heads for the served model. It is
 idempotent: an artifact whose sha256 sidecar verifies is left alone, so re-running it (every
 `docker compose up`, every pod start as an init container) is a no-op. A file lock serialises
 concurrent provisioners on a shared volume, and everything is written beside the target and
@@ -22,9 +23,23 @@ from pathlib import Path
 
 import click
 
+# The `--from` value naming the heads the exitplane package ships (for the default model).
+SHIPPED = "shipped"
+
 
 class ProvisionError(Exception):
     """The heads could not be provisioned; the message says what to do."""
+
+
+def shipped_heads() -> Path:
+    """The heads artifact inside the installed exitplane package (exitplane/data/)."""
+    from importlib.resources import files
+
+    path = Path(str(files("exitplane") / "data" / "demo-heads.safetensors"))
+    if not path.is_file():
+        raise ProvisionError(f"this installation ships no exit heads ({path} is missing); "
+                             "give --from a path or an http(s) URL, or train them")
+    return path
 
 
 @contextlib.contextmanager
@@ -55,7 +70,10 @@ def verified(target: Path) -> dict | None:
 
 
 def fetch(source: str, dest: Path) -> None:
-    """Copy a local file or download an http(s) URL to `dest`, with a progress bar."""
+    """Copy a local file, the shipped heads (`shipped`) or download an http(s) URL to `dest`,
+    with a progress bar."""
+    if source == SHIPPED:
+        source = str(shipped_heads())
     if source.startswith(("http://", "https://")):
         import httpx
 

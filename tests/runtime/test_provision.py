@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from runtime.cli import runtime_cli
 from runtime.heads import ExitHeads
-from runtime.provision import ProvisionError, provision
+from runtime.provision import ProvisionError, provision, shipped_heads
 
 QUICK = ["--stdlib-chars", "4000", "--prompts", "2", "--steps", "3", "--budget-s", "120"]
 
@@ -121,3 +121,14 @@ def test_a_damaged_artifact_is_provisioned_again_and_concurrent_runs_train_once(
     with pytest.raises(ProvisionError):
         provision(target=tmp_path / "x.safetensors", source=None,
                   train=lambda out: out.write_text("no"), log=lambda _: None)
+
+
+def test_the_shipped_heads_are_copied_by_name(tmp_path, cache):
+    target = tmp_path / "volume" / "heads.safetensors"
+    result = CliRunner().invoke(runtime_cli, ["provision", "--heads", str(target)],
+                                env={"EXITPLANE_HEADS_FROM": "shipped"})
+    assert result.exit_code == 0, result.output
+    copied = json.loads(result.output.strip().splitlines()[-1])
+    assert copied["action"] == "copied"
+    assert target.read_bytes() == shipped_heads().read_bytes()
+    assert ExitHeads.load(target).exit_layers == [12, 15, 18, 21, 24, 27]
