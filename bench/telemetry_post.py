@@ -211,8 +211,11 @@ def main() -> int:
         trees = dict.fromkeys(servers, ROOT)
         if args.baseline_tree:
             tree = Path(args.baseline_tree).resolve()
+            # the tree's own client (wire schema) too, ahead of this tree's
+            client = tree / "clients" / "python" / "src"
             servers["baseline"] = {"PYTHONPATH": os.pathsep.join(
-                [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+                [str(tree), *([str(client)] if client.is_dir() else []),
+                 *filter(None, [os.environ.get("PYTHONPATH")])])}
             trees["baseline"] = tree
         for name, own in servers.items():
             port = _free_port()
