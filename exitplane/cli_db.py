@@ -9,7 +9,8 @@ store, e.g. on the control plane's host):
   runtime token file). With a token the same objects are managed over the API (`exitplane
   tokens`, `users`, `deployments`);
 - the singular groups `token`, `deployment`, `segment`, `user` and the `calibrate` command,
-  hidden and deprecated: each says so in one line on stderr, then runs.
+  hidden and deprecated: each says so in one line on stderr, then runs (a command the singular
+  group lacks runs from the plural group: `exitplane token list` is `exitplane tokens list`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import click
 
 from exitplane.ops.api import REFUSED, new_token_options
 from exitplane.ops.api import fail as _fail
-from exitplane.ops.users import PASSWORD_FILE, ROLE_HELP, ROLES, read_password
+from exitplane.ops.deployments import deployments
+from exitplane.ops.operations import tokens
+from exitplane.ops.users import PASSWORD_FILE, ROLE_HELP, ROLES, read_password, users
 from exitplane.wire import DEFAULT_EXIT_LAYERS_RULE, Signal
 
 
@@ -308,16 +311,31 @@ def bootstrap_user(username: str, role: str, password_file: str | None) -> None:
 # -- deprecated spellings: they keep scripts working, and say what replaces them --------------
 
 def _deprecated(ctx: click.Context, instead: str) -> None:
-    click.echo(f"exitplane: `{ctx.command_path}` is deprecated; use {instead}", err=True)
+    click.echo(f"exitplane: `exitplane {ctx.info_name}` is deprecated; use {instead}", err=True)
 
 
 class DeprecatedGroup(click.Group):
-    """A hidden group that says in one line on stderr what replaces it, then runs."""
+    """A hidden group that says in one line on stderr what replaces it, then runs. A command
+    it does not have is looked up in `plural`, the group that replaces it over the API
+    (`exitplane token list` runs `exitplane tokens list`)."""
 
-    def __init__(self, *args, instead: str, **kwargs) -> None:
+    def __init__(self, *args, instead: str, plural: click.Group | None = None,
+                 **kwargs) -> None:
         kwargs.setdefault("help", f"Deprecated: use {instead}.")
-        super().__init__(*args, hidden=True, deprecated=False, **kwargs)
+        super().__init__(*args, hidden=True, **kwargs)
         self.instead = instead
+        self.plural = plural
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        own = super().list_commands(ctx)
+        more = self.plural.list_commands(ctx) if self.plural else []
+        return sorted({*own, *more})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        found = super().get_command(ctx, name)
+        if found is None and self.plural is not None:
+            found = self.plural.get_command(ctx, name)
+        return found
 
     def invoke(self, ctx: click.Context):
         _deprecated(ctx, self.instead)
@@ -337,14 +355,15 @@ class DeprecatedCommand(click.Command):
 
 
 token = DeprecatedGroup("token", instead="`exitplane bootstrap token` (database access) or "
-                                         "`exitplane tokens create` (over the API)")
+                                         "`exitplane tokens` (over the API)", plural=tokens)
 token.add_command(bootstrap_token, "create")
 deployment = DeprecatedGroup("deployment", instead="`exitplane bootstrap deployment` "
                                                    "(database access) or `exitplane "
-                                                   "deployments` (over the API)")
+                                                   "deployments` (over the API)",
+                             plural=deployments)
 deployment.add_command(bootstrap_deployment, "ensure")
 user = DeprecatedGroup("user", instead="`exitplane bootstrap user` (database access) or "
-                                       "`exitplane users create` (over the API)")
+                                       "`exitplane users` (over the API)", plural=users)
 user.add_command(bootstrap_user, "create")
 segment = DeprecatedGroup("segment", instead="`exitplane segments` (over the API)")
 

@@ -95,7 +95,7 @@ def test_the_deprecated_spellings_say_so_then_run(env, tmp_path):
     user = _run(env, "user", "create", "--username", "ana", "--role", "viewer",
                 "--password-file", str(password))
     assert user.returncode == 0 and user.stdout == "user 'ana' created with role viewer\n"
-    assert "`exitplane users create` (over the API)" in user.stderr
+    assert "`exitplane users` (over the API)" in user.stderr
     declared = _run(env, "segment", "declare", "--deployment", "chat", "code")
     assert declared.returncode == 0
     assert declared.stderr.splitlines() == [

@@ -272,6 +272,17 @@ def test_output_formats_and_options_before_the_command(plane):
     plane.run("-o", "xml", "deployments", "list", code=2, usage=True)
 
 
+def test_a_singular_group_runs_the_plural_groups_commands(plane):
+    """`exitplane token list` (a command only `tokens` has) runs it, after the deprecation
+    line."""
+    old = plane.run("token", "list", "-o", "name")
+    assert old.stderr.startswith("exitplane: `exitplane token` is deprecated; use `exitplane "
+                                 "bootstrap token` (database access) or `exitplane tokens`")
+    assert old.stdout == plane.run("tokens", "list", "-o", "name").stdout != ""
+    shown = plane.run("deployment", "show", "chat", "-o", "json")
+    assert shown.stderr.count("\n") == 1 and '"name": "chat"' in shown.stdout
+
+
 def test_calibrations_start_wait_gives_up_after_its_timeout(plane):
     """No worker runs here: the job stays queued, and --wait ends after --wait-timeout with
     exit status 1, leaving the job to the workers."""
