@@ -115,3 +115,24 @@ def test_the_runtime_servers_engine_follows_the_shadow_request_rate():
     assert (config.shadow_request_rate, config.shadow_rate) == (0.5, 0.05)
     apply(None)
     assert config.shadow_request_rate == 0.01
+
+
+def test_an_aggregating_runtime_ships_every_shadow_request_token_as_a_record(
+        control_plane, operator, runtime_token, tmp_path):
+    publish(operator, {2: 0.9, 4: 0.8})
+    with Runtime(deployment=DEPLOYMENT, runtime_id="shadow-req-agg", num_layers=NUM_LAYERS,
+                 exit_layers=EXIT_LAYERS, url=control_plane.url, token=runtime_token,
+                 state_dir=tmp_path / "state", raw_sample_rate=0.0,
+                 threshold_options=FAST) as rt:
+        points = rt.shadow({2: 0.4, 4: 0.7}, {2: True, 4: False})
+        for position in range(4):
+            rt.record(request_id="answer-2", position=position, exit_layer=NUM_LAYERS,
+                      signal_value=0.7, shadow=points, shadow_request=True,
+                      request_end=position == 3)
+        for position in range(10):  # ordinary tokens: counted, none shipped at rate 0
+            rt.record(request_id="plain-1", position=position, exit_layer=2,
+                      signal_value=0.95)
+        assert rt.flush(20)
+        assert rt.metrics["telemetry_rejected_batches"] == 0
+        assert rt.metrics["telemetry_sent_records"] == 4  # the shadow request's tokens only
+        assert rt.metrics["telemetry_sent_aggregate_tokens"] == 14  # every token counted
