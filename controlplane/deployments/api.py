@@ -242,6 +242,9 @@ async def pull_thresholds(
     applies_shadow_rate: Annotated[bool, Query(description=(
         "the runtime applies the shadow rate the control plane sets: the ETag then changes "
         "with the rate as well as with the set"))] = False,
+    applies_shadow_requests: Annotated[bool, Query(description=(
+        "the runtime serves shadow requests at the rate the control plane sets: the ETag "
+        "then changes with that rate too"))] = False,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """The set this runtime should apply (with the shadow rate the control plane asks for);
@@ -250,7 +253,7 @@ async def pull_thresholds(
     state = await delivery.current(name)
     principal.require_deployment(state.deployment_id)
     chosen = state.for_runtime(runtime_id)
-    etag = state.etag(chosen, applies_shadow_rate)
+    etag = state.etag(chosen, applies_shadow_rate, applies_shadow_requests)
     if wait > 0 and etag_matches(if_none_match, etag):
         timeout = long_poll_timeout(wait, request.app.state.settings)
         with delivery.holding(principal.token_id) as held:
@@ -260,13 +263,14 @@ async def pull_thresholds(
                     "this API process (EXITPLANE_LONG_POLLS_PER_TOKEN); poll again later",
                     retry_after=min(timeout, 10.0))
             state = await delivery.wait_for_change(name, runtime_id, etag, timeout,
-                                                   applies_shadow_rate=applies_shadow_rate)
+                                                   applies_shadow_rate=applies_shadow_rate,
+                                                   applies_shadow_requests=applies_shadow_requests)
         # The token may have been revoked while the poll was held: it is checked again (the
         # token cache, within its maximum age) before anything goes out.
         principal = await get_principal(request)
         principal.require_deployment(state.deployment_id)
         chosen = state.for_runtime(runtime_id)
-        etag = state.etag(chosen, applies_shadow_rate)
+        etag = state.etag(chosen, applies_shadow_rate, applies_shadow_requests)
     if etag_matches(if_none_match, etag):
         response = Response(status_code=status.HTTP_304_NOT_MODIFIED)
     else:

@@ -18,8 +18,10 @@ says so (`applies_shadow_rate=true`) and gets the ETag `pull_etag(checksum, rate
 of rate alone changes what its If-None-Match compares; any other runtime gets the set's
 checksum alone. A change of rate is announced on the bus like an alias move. The share of
 whole requests the deployment asks runtimes to serve as shadow requests
-(`Deployment.shadow_request_rate`, `ThresholdPull.shadow_request_rate`) goes out the same way,
-its `.r<rate>` part of the ETag likewise only for runtimes that apply the rates.
+(`Deployment.shadow_request_rate`, `ThresholdPull.shadow_request_rate`) goes out the same way;
+its `.r<rate>` part of the ETag goes only to runtimes that say they serve shadow requests
+(`applies_shadow_requests=true`), so a runtime that knows the shadow rate alone keeps the tag
+it computes.
 """
 
 from __future__ import annotations
@@ -76,12 +78,13 @@ class DeliveryState:
             return self.canary_json
         return pull_body(chosen, self.shadow_rate, self.shadow_request_rate)
 
-    def etag(self, chosen: ThresholdSetWire, applies_shadow_rate: bool) -> str:
-        """The entity tag of `chosen` for a runtime that does or does not apply the shadow
-        rates (`pull_etag`)."""
-        if not applies_shadow_rate:
-            return chosen.checksum
-        return pull_etag(chosen.checksum, self.shadow_rate, self.shadow_request_rate)
+    def etag(self, chosen: ThresholdSetWire, applies_shadow_rate: bool,
+             applies_shadow_requests: bool = False) -> str:
+        """The entity tag of `chosen` for a runtime that applies the shadow rate, serves shadow
+        requests at the control plane's rate, both or neither (`pull_etag` of the rates it
+        applies)."""
+        return pull_etag(chosen.checksum, self.shadow_rate if applies_shadow_rate else None,
+                         self.shadow_request_rate if applies_shadow_requests else None)
 
 
 def pull_body(chosen: ThresholdSetWire, shadow_rate: float | None,
@@ -240,8 +243,8 @@ class ConfigDelivery:
                 del self._held[token_id]
 
     async def wait_for_change(self, name: str, runtime_id: str, etag: str,
-                              timeout: float, *, applies_shadow_rate: bool = False
-                              ) -> DeliveryState:
+                              timeout: float, *, applies_shadow_rate: bool = False,
+                              applies_shadow_requests: bool = False) -> DeliveryState:
         """Return as soon as this runtime's entity tag (`DeliveryState.etag`: its set, and
         the shadow rate when it applies one) differs from `etag`, or after `timeout`. The
         time spent here is the long-poll's wait (its own histogram; not the pull's latency)."""
@@ -255,7 +258,8 @@ class ConfigDelivery:
                 wake = self._events.setdefault(name, asyncio.Event())
                 state = await self.current(name)
                 remaining = deadline - time.monotonic()
-                if state.etag(state.for_runtime(runtime_id), applies_shadow_rate) != etag \
+                if state.etag(state.for_runtime(runtime_id), applies_shadow_rate,
+                              applies_shadow_requests) != etag \
                         or remaining <= 0:
                     return state
                 with contextlib.suppress(TimeoutError):

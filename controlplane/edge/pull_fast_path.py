@@ -57,10 +57,10 @@ class NotModifiedFastPath:
         # The route's bucket, as its policy names it, and its path around the deployment's name.
         self.limiter = limiters[policy_for("GET", route.path).bucket]
         self._prefix, _, self._suffix = route.path.partition("{name}")
-        # Query string -> (runtime id, wait, applies_shadow_rate), or None when the route
-        # must answer (422): a runtime repeats the same query for its whole life, so it is
-        # parsed once.
-        self._queries: dict[bytes, tuple[str, float, bool] | None] = {}
+        # Query string -> (runtime id, wait, applies_shadow_rate, applies_shadow_requests), or
+        # None when the route must answer (422): a runtime repeats the same query for its
+        # whole life, so it is parsed once.
+        self._queries: dict[bytes, tuple[str, float, bool, bool] | None] = {}
         self._durations: dict[str, object] = {}  # root path -> the 304's duration histogram
 
     async def __call__(self, scope, receive, send) -> None:
@@ -122,12 +122,14 @@ class NotModifiedFastPath:
                     state = await self.delivery.wait_for_change(
                         pull.name, pull.runtime_id, etag,
                         long_poll_timeout(pull.wait, self.settings),
-                        applies_shadow_rate=pull.applies_shadow_rate)
+                        applies_shadow_rate=pull.applies_shadow_rate,
+                        applies_shadow_requests=pull.applies_shadow_requests)
                 except Exception:  # the store went away: the route answers
                     await self.app(scope, receive, send)
                     return
             latest = state.for_runtime(pull.runtime_id)
-            latest_etag = state.etag(latest, pull.applies_shadow_rate)
+            latest_etag = state.etag(latest, pull.applies_shadow_rate,
+                                     pull.applies_shadow_requests)
             if latest_etag != etag:
                 # The token may have been revoked (or its cached lookup aged out) while the
                 # poll was held: a new set goes out only to a caller still allowed now;
@@ -163,10 +165,10 @@ class NotModifiedFastPath:
         Callers skip the call while no limit is set (`rate` 0): there is nothing to take."""
         return await self.limiter.retry_after(str(pull.token_id)) is None
 
-    def _query(self, raw: bytes) -> tuple[str, float, bool] | None:
-        """(runtime id, wait, applies_shadow_rate) of a query string, or None when the route
-        must say what is wrong (remembered for short query strings, a bounded number of
-        them)."""
+    def _query(self, raw: bytes) -> tuple[str, float, bool, bool] | None:
+        """(runtime id, wait, applies_shadow_rate, applies_shadow_requests) of a query string,
+        or None when the route must say what is wrong (remembered for short query strings, a
+        bounded number of them)."""
         known = self._queries.get(raw, _UNPARSED)
         if known is not _UNPARSED:
             return known
@@ -175,8 +177,9 @@ class NotModifiedFastPath:
         runtime_id = query.get("runtime_id", "")
         wait = _wait_seconds(query.get("wait", "0"))
         applies = _BOOLEANS.get(query.get("applies_shadow_rate", "false").lower())
-        parsed = None if wait is None or applies is None or not RUNTIME_ID.fullmatch(runtime_id) \
-            else (runtime_id, wait, applies)
+        requests = _BOOLEANS.get(query.get("applies_shadow_requests", "false").lower())
+        parsed = None if wait is None or applies is None or requests is None \
+            or not RUNTIME_ID.fullmatch(runtime_id) else (runtime_id, wait, applies, requests)
         if len(raw) <= _QUERY_KEPT_BYTES:
             if len(self._queries) >= _QUERIES_KEPT:
                 self._queries.clear()
@@ -212,20 +215,22 @@ class NotModifiedFastPath:
         principal = self._allowed(token_key, state)
         if principal is None:
             return None
-        runtime_id, wait, applies_shadow_rate = query
+        runtime_id, wait, applies_shadow_rate, applies_shadow_requests = query
         chosen = state.for_runtime(runtime_id)
-        current = state.etag(chosen, applies_shadow_rate)
+        current = state.etag(chosen, applies_shadow_rate, applies_shadow_requests)
         if not etag_matches(etag, current):
             return None
         return _Pull(name=name, runtime_id=runtime_id, chosen=chosen, wait=wait,
                      token_id=principal.token_id, token_key=token_key, request_id=request_id,
-                     if_none_match=etag, etag=current, applies_shadow_rate=applies_shadow_rate)
+                     if_none_match=etag, etag=current, applies_shadow_rate=applies_shadow_rate,
+                     applies_shadow_requests=applies_shadow_requests)
 
 
 class _Pull(NamedTuple):
     """A pull the fast path answers: the deployment, the runtime, the set it holds, the
     seconds it may wait, its token's id and cache key, the request id, the If-None-Match it
-    sent, the entity tag it matched and whether the runtime applies the shadow rate."""
+    sent, the entity tag it matched and whether the runtime applies the shadow rate and serves
+    shadow requests at the control plane's rate."""
 
     name: str
     runtime_id: str
@@ -237,6 +242,7 @@ class _Pull(NamedTuple):
     if_none_match: str = ""
     etag: str = ""
     applies_shadow_rate: bool = False
+    applies_shadow_requests: bool = False
 
 
 _UNPARSED = object()

@@ -83,29 +83,31 @@ def test_the_pull_etag_carries_the_rate_for_runtimes_that_apply_it(
     _rate(operator, 0.125)
     with httpx.Client(base_url=control_plane.url, timeout=30,
                       headers={"Authorization": f"Bearer {runtime_token}"}) as http:
-        def pull(applies: bool) -> httpx.Response:
+        def pull(rate: bool, requests: bool, etag: str | None = None) -> httpx.Response:
             answer = http.get(f"/v1/deployments/{DEPLOYMENT}/thresholds",
                               params={"runtime_id": "etag-1",
-                                      "applies_shadow_rate": str(applies).lower()})
-            assert answer.status_code == 200, answer.text
+                                      "applies_shadow_rate": str(rate).lower(),
+                                      "applies_shadow_requests": str(requests).lower()},
+                              headers={"If-None-Match": etag} if etag else {})
+            assert answer.status_code in (200, 304), answer.text
             return answer
 
         def settled() -> bool:  # the delivery cache re-reads the deployment within its ttl
-            return ThresholdPull.model_validate_json(pull(True).content
+            return ThresholdPull.model_validate_json(pull(True, True).content
                                                      ).shadow_request_rate == 0.125
 
         wait_until(settled, timeout=30, message="the rate is in the pull body")
-        applying, other = pull(True), pull(False)
+        applying, rate_only, other = pull(True, True), pull(True, False), pull(False, False)
         body = ThresholdPull.model_validate_json(applying.content)
         assert applying.headers["etag"] == \
             f'"{pull_etag(body.checksum, body.shadow_rate, 0.125)}"'
         assert applying.headers["etag"].endswith('.r0.125"')
+        # A runtime that knows the shadow rate only keeps the tag it computes itself.
+        assert rate_only.headers["etag"] == f'"{pull_etag(body.checksum, body.shadow_rate)}"'
         assert other.headers["etag"] == f'"{body.checksum}"'  # the set's checksum alone
         body.threshold_set().verify()
-        current = http.get(f"/v1/deployments/{DEPLOYMENT}/thresholds",
-                           params={"runtime_id": "etag-1", "applies_shadow_rate": "true"},
-                           headers={"If-None-Match": applying.headers["etag"]})
-        assert current.status_code == 304
+        assert pull(True, True, applying.headers["etag"]).status_code == 304
+        assert pull(True, False, rate_only.headers["etag"]).status_code == 304
 
 
 def test_the_runtime_servers_engine_follows_the_shadow_request_rate():

@@ -21,6 +21,7 @@ from exitplane.app import create_app
 from tests.support.batches import random_batch
 from tests.support.deployments import deploy_for_telemetry
 from tests.support.network import RouterSpy
+from tests.support.waiting import wait_until
 
 PULL = "/v1/deployments/chat/thresholds"
 HEARTBEATS = "/v1/deployments/chat/heartbeats"
@@ -216,7 +217,7 @@ def test_a_change_of_shadow_rate_alone_is_delivered_alike(pair, tokens, engine):
                            headers={**runtime, "If-None-Match": first.headers["etag"]})
         tagged = client.get(PULL, params=applies,
                             headers={**runtime, "If-None-Match": stale.headers["etag"]})
-        untagged = client.get(PULL, params={"runtime_id": "r-1"},  # a runtime of before
+        untagged = client.get(PULL, params={"runtime_id": "r-1"},  # applies no rate
                               headers={**runtime, "If-None-Match": f'"{checksum}"'})
         bad = client.get(PULL, params={**applies, "applies_shadow_rate": "maybe"},
                          headers={**runtime, "If-None-Match": stale.headers["etag"]})
@@ -250,6 +251,42 @@ def test_a_change_of_shadow_rate_alone_is_delivered_alike(pair, tokens, engine):
     assert fast.get(PULL, params=applies,
                     headers={**runtime, "If-None-Match": current}).status_code == 304
     assert fast_app.router.paths == []
+
+
+def test_a_shadow_request_rate_is_tagged_only_for_runtimes_that_serve_it(pair, tokens,
+                                                                          engine):
+    """With a shadow-request rate set, a runtime that says it serves shadow requests gets
+    `.r<rate>` in its ETag; one that applies the shadow rate alone keeps the tag it computes
+    (304 on it), and one that applies neither keeps the checksum. The fast path answers as the
+    route does."""
+    apps = pair(rate_limit_pull_per_s=0)
+    _, fast = apps[True]
+    _, plain = apps[False]
+    operator, runtime, _ = _chat(fast, tokens, engine)
+    fixed = fast.patch("/v1/deployments/chat", headers=operator, json={
+        "shadow_rate_min": 0.25, "shadow_rate_max": 0.25, "shadow_request_rate": 0.125})
+    assert fixed.status_code == 200, fixed.text
+    both = {"runtime_id": "r-1", "applies_shadow_rate": "true",
+            "applies_shadow_requests": "true"}
+    rate_only = {"runtime_id": "r-1", "applies_shadow_rate": "true"}
+    answers = {}
+    for label, client in (("fast", fast), ("plain", plain)):
+        def settled(client=client) -> bool:  # each app's delivery cache re-reads in its ttl
+            return client.get(PULL, params=both, headers=runtime).json().get(
+                "shadow_request_rate") == 0.125
+        wait_until(settled, timeout=30, message="the shadow-request rate reaches the pull")
+        first = client.get(PULL, params=both, headers=runtime)
+        checksum = first.json()["checksum"]
+        assert first.headers["etag"] == f'"{checksum}.s0.25.r0.125"'
+        replies = [client.get(PULL, params=params, headers={**runtime, "If-None-Match": tag})
+                   for params, tag in ((both, first.headers["etag"]),
+                                       (rate_only, f'"{checksum}.s0.25"'),
+                                       ({"runtime_id": "r-1"}, f'"{checksum}"'),
+                                       (rate_only, first.headers["etag"]))]
+        assert [reply.status_code for reply in replies] == [304, 304, 304, 200]
+        assert replies[3].headers["etag"] == f'"{checksum}.s0.25"'
+        answers[label] = [_shape(reply) for reply in replies]
+    assert answers["fast"] == answers["plain"]
 
 
 def test_pull_refusals_past_the_rate_are_answered_alike(pair, tokens, engine):

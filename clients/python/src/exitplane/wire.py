@@ -273,8 +273,9 @@ def pull_etag(checksum: str, shadow_rate: float | None,
               shadow_request_rate: float | None = None) -> str:
     """The entity tag of a pull answer (without quotes): the set's checksum, followed by
     `.s<rate>` when the answer carries a shadow rate to a runtime that applies it
-    (`applies_shadow_rate=true`) and `.r<rate>` when it carries a shadow-request rate, so a
-    change of either rate alone changes the tag."""
+    (`applies_shadow_rate=true`) and `.r<rate>` when it carries a shadow-request rate to a
+    runtime that serves shadow requests at it (`applies_shadow_requests=true`), so a change
+    of either rate alone changes the tag. Pass None for a rate the runtime does not apply."""
     tag = checksum if shadow_rate is None else f"{checksum}.s{shadow_rate:.6g}"
     return tag if shadow_request_rate is None else f"{tag}.r{shadow_request_rate:.6g}"
 

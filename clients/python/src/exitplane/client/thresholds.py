@@ -350,7 +350,8 @@ class ThresholdClient:
 
     def _pull(self, etag: str | None, wait: float, cached: ThresholdSetWire | None) -> bool:
         """One GET; returns True when something new was applied."""
-        params: dict[str, Any] = {"runtime_id": self.runtime_id, "applies_shadow_rate": "true"}
+        params: dict[str, Any] = {"runtime_id": self.runtime_id, "applies_shadow_rate": "true",
+                                  "applies_shadow_requests": "true"}
         headers = {}
         if etag is not None:
             headers["If-None-Match"] = f'"{etag}"'
