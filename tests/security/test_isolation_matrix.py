@@ -215,6 +215,13 @@ UI: dict[str, tuple[str, Call]] = {
     "GET /ui/login": ("public", Call("/ui/login")),
     "POST /ui/login": ("public", Call("/ui/login", {"username": "viewer",
                                                      "password": PASSWORD})),
+    "GET /ui/login/oidc": ("public", Call(
+        "/ui/login/oidc", ok=(404,),
+        why="no OIDC provider is configured here: single sign-on is refused for everyone "
+        "(tests/dashboards/test_sso.py signs in through one)")),
+    "GET /ui/login/oidc/callback": ("public", Call(
+        "/ui/login/oidc/callback?code=c&state=s", ok=(404,),
+        why="no OIDC provider is configured here (tests/dashboards/test_sso.py)")),
     "GET /ui/vendor/plotly.min.js": ("public", Call("/ui/vendor/plotly.min.js")),
     "GET /ui/static/{path}": ("public", Call("/ui/static/app.css")),
     "POST /ui/logout": ("viewer", Call("/ui/logout", {})),
@@ -224,13 +231,6 @@ UI: dict[str, tuple[str, Call]] = {
     "GET /ui/": ("viewer", Call("/ui/")),
     "GET /ui/deployments/{name}": ("viewer", Call("/ui/deployments/alpha")),
     "GET /ui/deployments/{name}/charts.json": ("viewer", Call(
-    "GET /ui/login/oidc": ("public", Call(
-        "/ui/login/oidc", ok=(404,),
-        why="no OIDC provider is configured here: single sign-on is refused for everyone "
-        "(tests/dashboards/test_sso.py signs in through one)")),
-    "GET /ui/login/oidc/callback": ("public", Call(
-        "/ui/login/oidc/callback?code=c&state=s", ok=(404,),
-        why="no OIDC provider is configured here (tests/dashboards/test_sso.py)")),
         "/ui/deployments/alpha/charts.json")),
     "GET /ui/deployments/{name}/versions": ("viewer", Call("/ui/deployments/alpha/versions")),
     "GET /ui/deployments/{name}/what-if": ("operator", Call("/ui/deployments/alpha/what-if")),
