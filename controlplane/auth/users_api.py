@@ -35,6 +35,8 @@ class UserRead(BaseModel):
     username: str
     role: Role
     disabled: bool
+    origin: str = Field(description="how they sign in: `local` (a password here) or `sso` "
+                        "(single sign-on; no password works for them)")
     created_at: datetime
     last_login_at: datetime | None
 
@@ -71,7 +73,7 @@ def list_users(session: SessionDep, principal: AdminPrincipal) -> list[UserRead]
 
 @router.get("/{username}", response_model=UserRead)
 def show_user(username: Username, session: SessionDep, principal: AdminPrincipal) -> UserRead:
-    """One user."""
+    """One user: role, disabled or not, how they sign in, last sign-in."""
     return UserRead.model_validate(_user(session, username))
 
 
