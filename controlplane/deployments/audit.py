@@ -45,6 +45,24 @@ def record_audit(*, session: Session, deployment: Deployment, actor: str, action
     return event
 
 
+def archive_rows(*, session: Session, deployment: Deployment) -> list[dict]:
+    """The deployment's audit events as rows of the fleet-wide administrative log (oldest
+    first), for a deletion to keep: same time, actor, action, reason and object, the version
+    moves in the details (`archived_from`: the deployment they were recorded under)."""
+    events = session.scalars(select(AuditEvent).where(AuditEvent.deployment_id == deployment.id)
+                             .order_by(AuditEvent.created_at, AuditEvent.id))
+    rows = []
+    for event in events:
+        kind, ident = deployment_object(action=event.action, alias=event.alias,
+                                        to_version=event.to_version, deployment=deployment.name)
+        rows.append({"actor": event.actor, "action": event.action, "target": f"{kind}:{ident}",
+                     "deployment": deployment.name, "reason": event.reason,
+                     "details": {**_deployment_details(event),
+                                 "archived_from": "deployment_audit"},
+                     "created_at": event.created_at})
+    return rows
+
+
 def deployment_object(*, action: str, alias: str | None, to_version: int | None,
                       deployment: str) -> tuple[str, str]:
     """What a deployment event acted on: an alias ("alias", "chat/active"), a published

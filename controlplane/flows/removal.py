@@ -5,22 +5,24 @@ API tokens, runtimes, calibration jobs, canary runs, operating curves, alerts an
 reports go with the row. The telemetry tables carry the deployment's id without a foreign key
 (they are partitioned and bulk-written), so their rows are deleted here first. Runtime tokens
 are revoked before the row goes, so every API process drops its cached lookup of them when
-the transaction commits; the deletion itself is an administrative audit event, which outlives
-the deployment's own audit log.
+the transaction commits. The deployment's own audit log is copied into the fleet-wide
+administrative log first (same times, actors, actions, reasons and objects), so the history
+outlives the deployment, followed by the deletion's own event.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.audit import record_admin_event
-from controlplane.auth.models import ApiToken
+from controlplane.auth.models import AdminEvent, ApiToken
 from controlplane.auth.service import revoke_token
 from controlplane.coordination.bus import notify_after_commit
 from controlplane.db import utcnow
+from controlplane.deployments.audit import archive_rows
 from controlplane.deployments.locks import DEPLOYMENT_LOCK
 from controlplane.deployments.models import Deployment, ThresholdSet, UndeclaredSegmentTokens
 from controlplane.errors import Conflict
@@ -63,9 +65,13 @@ def delete_deployment(*, session: Session, deployment: Deployment, actor: str, r
     for model in _UNLINKED:
         session.execute(delete(model).where(model.deployment_id == deployment.id),
                         execution_options={"synchronize_session": False})
+    # Kept without a log line each: they were logged when they were recorded.
+    archived = archive_rows(session=session, deployment=deployment)
+    if archived:
+        session.execute(insert(AdminEvent), archived)
     details = {"model_ref": deployment.model_ref, "exit_layers": deployment.exit_layers,
                "threshold_sets": versions, "revoked_tokens": token_ids,
-               "live_runtimes": live, "forced": bool(live)}
+               "live_runtimes": live, "forced": bool(live), "archived_events": len(archived)}
     record_admin_event(session=session, actor=actor, action="deployment.delete",
                        target=f"deployment:{deployment.name}", reason=reason, details=details,
                        deployment=deployment.name)

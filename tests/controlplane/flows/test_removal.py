@@ -2,7 +2,8 @@
 PostgreSQL: refused while a runtime is live unless forced; then every row stored under the
 deployment is gone, telemetry included (it has no foreign key to cascade from), while other
 deployments keep theirs; its runtime tokens are revoked and refused; the deletion is an
-administrative audit event; the name can be created again, and the new deployment takes
+administrative audit event, and its own audit log is kept in the fleet-wide log; the name can
+be created again, and the new deployment takes
 telemetry under its own id."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from sqlalchemy import func, select
 from controlplane.auth.models import AdminEvent, ApiToken
 from controlplane.auth.service import create_token
 from controlplane.db import session_scope, utcnow
-from controlplane.deployments.models import Deployment
+from controlplane.deployments.audit import AuditFilter, fleet_audit
+from controlplane.deployments.models import AuditEvent, Deployment
 from controlplane.deployments.service import get_deployment
 from controlplane.errors import Conflict
 from controlplane.flows.removal import delete_deployment
@@ -64,8 +66,11 @@ def test_delete_takes_everything_under_the_deployment_and_nothing_else(engine):
     with session_scope(engine) as session:
         before = _rows_of(session, gone_id)
         kept_before = _rows_of(session, kept_id)
+        history = [(e.created_at, e.actor, e.action, e.reason) for e in session.scalars(
+            select(AuditEvent).where(AuditEvent.deployment_id == gone_id)
+            .order_by(AuditEvent.created_at, AuditEvent.id))]
     assert {"token_records", "shadow_samples", "rollups", "threshold_sets", "aliases",
-            "runtimes", "api_tokens"} <= set(before)
+            "runtimes", "api_tokens", "audit_events"} <= set(before) and history
 
     with pytest.raises(Conflict, match=r"has 1 live runtime\(s\) \(rt-1\)"), \
             session_scope(engine) as session:
@@ -92,6 +97,14 @@ def test_delete_takes_everything_under_the_deployment_and_nothing_else(engine):
         revoked = session.scalars(select(AdminEvent).where(
             AdminEvent.action == "token.revoke")).one()
         assert revoked.target == f"token:{token_id}"
+        # The deployment's own audit log outlives it in the fleet-wide log.
+        archived = [e for e in session.scalars(select(AdminEvent).order_by(AdminEvent.id))
+                    if e.details.get("archived_from") == "deployment_audit"]
+        assert [(e.created_at, e.actor, e.action, e.reason) for e in archived] == history
+        assert {e.deployment for e in archived} == {"chat"}
+        assert details["archived_events"] == len(history)
+        page = fleet_audit(session=session, rules=AuditFilter(deployment="chat"), limit=500)
+        assert {e.action for e in page} >= {e[2] for e in history} | {"deployment.delete"}
 
     with session_scope(engine) as session:  # the name is free again, under a new id
         again_id, _ = _fill(session, "chat")
