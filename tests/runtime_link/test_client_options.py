@@ -153,6 +153,30 @@ def test_a_ca_bundle_and_a_client_certificate_carry_every_request(
 
 @pytest.mark.slow  # a control plane over TLS
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_from_env_reads_the_ca_bundle_the_client_certificate_and_the_proxy(
+        tls_control_plane, operator, runtime_token, pki, tmp_path, monkeypatch):
+    first = publish(operator, {2: 0.9, 4: 0.9})
+    for name, value in {"URL": tls_control_plane, "TOKEN": runtime_token,
+                        "DEPLOYMENT": DEPLOYMENT, "RUNTIME_ID": "env-tls-1",
+                        "NUM_LAYERS": str(NUM_LAYERS),
+                        "EXIT_LAYERS": ",".join(map(str, EXIT_LAYERS)),
+                        "STATE_DIR": str(tmp_path / "state"), "CA_BUNDLE": pki["ca"],
+                        "CLIENT_CERT": pki["client_cert"],
+                        "CLIENT_KEY": pki["client_key"]}.items():
+        monkeypatch.setenv(f"EXITPLANE_{name}", str(value))
+    with Runtime.from_env(threshold_options=FAST, shipper_options=SHIP_FAST) as rt:
+        assert rt.version == first and not rt.thresholds.degraded
+    monkeypatch.delenv("EXITPLANE_CLIENT_CERT")
+    with pytest.raises(ValueError, match="EXITPLANE_CLIENT_KEY needs EXITPLANE_CLIENT_CERT"):
+        Runtime.from_env()
+    monkeypatch.delenv("EXITPLANE_CLIENT_KEY")
+    monkeypatch.setenv("EXITPLANE_PROXY", "ftp://proxy.invalid")
+    with pytest.raises(ValueError):  # the proxy URL is checked as the keyword's is
+        Runtime.from_env()
+
+
+@pytest.mark.slow  # a control plane over TLS
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_tls_server_refuses_what_the_options_leave_out(tls_control_plane, pki):
     path = f"/v1/deployments/{DEPLOYMENT}/thresholds"
     with http_client(base_url=tls_control_plane, token="t", timeout=5, verify=pki["ca"],

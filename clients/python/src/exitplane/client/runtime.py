@@ -147,6 +147,7 @@ class Runtime:
                 found[name] = _env_number(f"EXITPLANE_{name.upper()}", float)
         if found["token_file"]:
             found["token"] = None  # the file wins: it is the one that rotates
+        found.update(_tls_from_env(env))
         options = {key: value for key, value in found.items() if value is not None}
         options.update(overrides)
         missing = [name for name in ("deployment", "num_layers", "exit_layers")
@@ -467,6 +468,24 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime_ns / 1e9
     except OSError:
         return -1.0
+
+
+def _tls_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """`verify`, `cert` and `proxy` from EXITPLANE_CA_BUNDLE (a CA bundle file or directory),
+    EXITPLANE_CLIENT_CERT and EXITPLANE_CLIENT_KEY (mutual TLS: the certificate, and its key
+    when it is a file of its own) and EXITPLANE_PROXY (a proxy URL); unset ones are left out."""
+    found: dict[str, Any] = {}
+    if env.get("EXITPLANE_CA_BUNDLE"):
+        found["verify"] = env["EXITPLANE_CA_BUNDLE"]
+    if env.get("EXITPLANE_CLIENT_KEY") and not env.get("EXITPLANE_CLIENT_CERT"):
+        raise ValueError("EXITPLANE_CLIENT_KEY needs EXITPLANE_CLIENT_CERT (the certificate "
+                         "the key belongs to)")
+    if env.get("EXITPLANE_CLIENT_CERT"):
+        found["cert"] = (env["EXITPLANE_CLIENT_CERT"], env["EXITPLANE_CLIENT_KEY"]) \
+            if env.get("EXITPLANE_CLIENT_KEY") else env["EXITPLANE_CLIENT_CERT"]
+    if env.get("EXITPLANE_PROXY"):
+        found["proxy"] = env["EXITPLANE_PROXY"]
+    return found
 
 
 def _parse_int(variable: str, text: str) -> int:
