@@ -167,6 +167,8 @@ def test_a_mapped_user_is_signed_in_created_and_kept_up_to_date(browser, provide
 def test_no_password_signs_an_sso_user_in(browser, provider, engine):
     provider.steer(username="alice", groups=["ops"])
     assert sso_sign_in(browser).status_code == 303
+    account = signed_in_as(browser)  # no password to change there
+    assert "single sign-on" in account and "Change your password" not in account
     with httpx.Client(base_url=str(browser.base_url), follow_redirects=False) as other:
         token = csrf_of(other.get("/ui/login").text)
         refused = other.post("/ui/login", data={"username": "alice", "password": PASSWORD,
