@@ -9,7 +9,8 @@ that says why and no session; every sign-in and refusal is an audit event; refus
 from one address are throttled. Header sign-in: a trusted proxy's header signs the user in; the
 same header from another address (even with X-Forwarded-For naming the proxy) is ignored, and
 the API never reads it. In Chromium, the login page's "Sign in with ..." goes to the provider
-and back to the overview, signed in with the mapped role.
+and back to the overview, signed in with the mapped role, and a forged ID token is refused;
+Chromium sending a proxy's headers is signed in only by a control plane that trusts its address.
 """
 
 from __future__ import annotations
@@ -426,3 +427,40 @@ def test_signing_in_with_the_provider_in_chromium(served, provider, engine):
     finally:
         driver.quit()
     assert stored_user(engine, "erin").role == "operator"
+
+
+@pytest.mark.browser
+def test_header_sign_in_in_chromium_only_behind_a_trusted_proxy(served, engine, db_url, issuer,
+                                                                 tmp_path):
+    """Chromium sends the proxy's headers (as an authenticating proxy in front of it would):
+    the control plane that trusts this address signs bob in; one whose trusted proxies do not
+    include it shows the login page and signs no one in."""
+    from selenium.webdriver.common.by import By
+
+    from tests.support.browser import start_chromium, wait_for
+
+    elsewhere = create_app(Settings(
+        database_url=db_url, var_dir=tmp_path / "var-elsewhere", config_cache_ttl_s=0.2,
+        sso_role_mapping=MAPPING, trusted_proxies="10.0.0.0/8",
+        proxy_user_header="X-Forwarded-User", proxy_groups_header="X-Forwarded-Groups"),
+        engine=engine)
+    live = start_server(elsewhere)
+    driver = start_chromium()
+    try:
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": PROXIED})
+        driver.get(f"{live.url}/ui/")  # untrusted here: the header counts for nothing
+        wait_for(driver, "input[name=password]")
+        assert driver.find_elements(By.CSS_SELECTOR, ".whoami") == []
+        assert stored_user(engine, "bob") is None
+
+        driver.get(f"{served}/ui/")  # trusted here: signed in as the header says
+        who = wait_for(driver, ".whoami .who")
+        assert "bob" in who.text
+        assert who.find_element(By.CSS_SELECTOR, ".role").text.lower() == "operator"
+    finally:
+        driver.quit()
+        live.stop()
+        elsewhere.state.config_delivery.close()
+        elsewhere.state.heartbeats.close()
+    assert stored_user(engine, "bob").origin == "sso"
