@@ -44,7 +44,14 @@ from pathlib import Path
 import click
 import httpx
 
-from exitplane.demo_speed import SpeedCheck, echo_speed, held_out_chat, speed_check
+from exitplane.demo_speed import (
+    AnswerCheck,
+    SpeedCheck,
+    answer_check,
+    echo_speed,
+    held_out_chat,
+    speed_check,
+)
 from exitplane.ops.api import write_token_file
 
 # Domain B: raw Python source to continue (the model completes code, no chat template).
@@ -634,6 +641,7 @@ class _DefaultStory:
         self.chat = [corpus.chat_prompt_ids(tokenizer, p) for p in self.chat_prompts]
         self.tokenizer, self.corpus, self.quick = tokenizer, corpus, quick
         self.speed: SpeedCheck | None = None
+        self.answers: AnswerCheck | None = None
         self.code = _code_prompts(tokenizer, 64)
         self.streams = {"chat": _cycle(self.chat), "code": _cycle(self.code)}
         self.new_tokens = 48 if quick else 64
@@ -922,6 +930,13 @@ class _DefaultStory:
         self.timeline.mark(f"speed check on the same chat prompts: early exit "
                            f"{figures['measured_speedup']:.2f}x full depth, "
                            f"{figures['watched_speedup']:.2f}x with shadow tokens")
+        self.answers = answer_check(
+            self.runtime.model, self.runtime.engine.heads, self.tokenizer, self.corpus,
+            self.chat_prompts[:6 if self.quick else 12], version=version,
+            thresholds=self.thresholds_of(version), new_tokens=24 if self.quick else 48)
+        self.timeline.mark(f"answer check on the same chat prompts: {self.answers.identical} "
+                           f"of {self.answers.prompts} answers identical to full depth "
+                           f"under v{version}")
 
     def tell(self) -> bool:
         version_a = self.calibrate_on_chat()
@@ -969,7 +984,7 @@ def _story(*, cp, api, runtime, tokenizer, corpus, timeline, quick, delta, epsil
                f"{pace.tokens_per_s:.1f} tokens/s over {pace.tokens} tokens"
                + (f" (throttled to 1/{runtime.throttle:g})" if runtime.throttle > 1 else ""))
     ok = _report(timeline, story.phases, delta, epsilon, speed=story.speed,
-                 ui_url=f"{cp.url}/ui/deployments/demo") and told
+                 answers=story.answers, ui_url=f"{cp.url}/ui/deployments/demo") and told
     if serve:
         hold_ui(cp)
     return 0 if ok else 1
@@ -1003,7 +1018,8 @@ def _ratio(value: float | None) -> str:
 
 
 def _report(timeline: Timeline, phases: list[PhaseStats], delta: float, epsilon: float, *,
-            speed: SpeedCheck | None = None, ui_url: str = "/ui/deployments/demo") -> bool:
+            speed: SpeedCheck | None = None, answers: AnswerCheck | None = None,
+            ui_url: str = "/ui/deployments/demo") -> bool:
     """Print the timeline and summary; True when the loop closed: the recalibrated phase exits
     more than the fallback and its shadow tokens do not show disagreement above δ at 1-ε (a
     one-sided Clopper-Pearson lower bound, the judgement the quality test makes: on ~100
@@ -1030,7 +1046,7 @@ def _report(timeline: Timeline, phases: list[PhaseStats], delta: float, epsilon:
              if recovered else 1.0)
     ok = bool(recovered and fallback and recovered.exit_rate > fallback.exit_rate
               and lower <= delta)
-    echo_speed(speed, ui_url)
+    echo_speed(speed, ui_url, answers)
     click.echo(f"\nloop closed: {'yes' if ok else 'no'} (after recalibration: exit rate "
                f"{recovered.exit_rate if recovered else 0:.1%}, disagreement "
                f"{_ratio(recovered.disagreement if recovered else None)}, lower "

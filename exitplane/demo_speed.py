@@ -6,7 +6,8 @@ calibrated version's thresholds, and with those thresholds plus the serving phas
 tokens; one prompt at a time, the three ways in turn, so a machine whose load changes slows
 each way alike. The measured speed-ups, the cost model fitted on the runs' own token records
 (`controlplane.stats.cost_model`) and the net saving after checks and shadow tokens go into
-the demo's summary, whatever their sign.
+the demo's summary, whatever their sign. The answer check serves the same prompts as shadow
+requests and says how many whole answers the version leaves identical to full depth.
 """
 
 from __future__ import annotations
@@ -101,6 +102,56 @@ def speed_check(model, heads, tokenizer, corpus, prompts: list[str], *, version:
                       cpus=min(os.cpu_count() or 1, torch_threads()))
 
 
+@dataclass
+class AnswerCheck:
+    """Whole answers under a version against full depth (`answer_check`)."""
+
+    prompts: int
+    new_tokens: int
+    version: int
+    divergence: list[int]  # per prompt: the first position that differs, -1 when none
+
+    @property
+    def identical(self) -> int:
+        return sum(1 for position in self.divergence if position < 0)
+
+    def lines(self) -> list[str]:
+        differing = sorted(position for position in self.divergence if position >= 0)
+        where = (f"; the differing ones first differ at token {differing[len(differing) // 2]} "
+                 "(median)") if differing else ""
+        return [f"Answers against full depth ({self.prompts} held-out chat prompts served as "
+                f"shadow requests, {self.new_tokens} tokens each, v{self.version})",
+                f"  identical to the full model's answer: {self.identical} of {self.prompts}"
+                f"{where} (the exact answer loss: docs/concepts/statistics.md, \"The answer "
+                "guarantee\")"]
+
+
+def answer_check(model, heads, tokenizer, corpus, prompts: list[str], *, version: int,
+                 thresholds: dict[int, float], new_tokens: int) -> AnswerCheck:
+    """Serve each of `prompts` as a shadow request (full depth, every exit layer's signal and
+    match recorded, greedy) and compute, exactly, whether `thresholds` would have changed its
+    answer and where (`controlplane.stats.answers`): what the control plane certifies with an
+    answer target, on the demo's own prompts. Nothing is shipped."""
+    import numpy as np
+
+    from controlplane.stats.answers import first_divergence, request_evidence
+    from runtime.engine import Engine, EngineConfig
+
+    layers = sorted(heads.exit_layers)
+    engine = Engine(model, heads=heads, config=EngineConfig(
+        max_batch=1, max_seq_len=1024, shadow_request_rate=1.0, seed=0))
+    engine.generate([corpus.chat_prompt_ids(tokenizer, p) for p in prompts],
+                    max_new_tokens=new_tokens, stop_token_ids=[])
+    requests: dict[str, list] = {}
+    for record in engine.drain_records():
+        requests.setdefault(record.request_id, []).append(record)
+    chosen = np.array([[thresholds.get(layer, 1.0) for layer in layers]])
+    divergence = [int(first_divergence(*request_evidence(records, layers), chosen)[0])
+                  for records in requests.values()]
+    return AnswerCheck(prompts=len(divergence), new_tokens=new_tokens, version=version,
+                       divergence=divergence)
+
+
 def torch_threads() -> int:
     """The CPU threads the runtime's decoding uses."""
     import torch
@@ -108,11 +159,14 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def echo_speed(check: SpeedCheck | None, ui_url: str) -> None:
-    """Print the check's lines (or why there are none)."""
+def echo_speed(check: SpeedCheck | None, ui_url: str,
+               answers: AnswerCheck | None = None) -> None:
+    """Print the checks' lines (or why there are none)."""
     click.echo("")
     if check is None:
         click.echo("Speed against full depth: not measured (the story stopped before it)")
         return
     for line in check.lines(ui_url):
+        click.echo(line)
+    for line in answers.lines() if answers is not None else ():
         click.echo(line)

@@ -130,3 +130,42 @@ def test_the_segments_story_serves_held_out_chat_too():
     served = {"".join(map(chr, ids)) for ids in chat}
     assert served == set(held_out_chat(corpus, len(corpus.TRAIN_PROMPTS)))
     assert not served & set(corpus.TRAIN_PROMPTS)
+
+
+def test_the_answer_check_says_which_answers_the_version_changes_and_where():
+    import torch
+
+    from exitplane.demo_speed import answer_check
+    from exitplane.wire import Signal
+    from runtime.benchmark import run_engine
+    from runtime.engine import ExitPolicy
+    from runtime.heads import ExitHeads
+    from runtime.model import decoder_parts, tiny_llama
+    from runtime.testing import ascii_tokenizer
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0)
+    parts = decoder_parts(model)
+    heads = ExitHeads(exit_layers=[2, 4], hidden_size=parts.hidden_size, eps=1e-5,
+                      norm_weight=parts.norm.weight)
+    with torch.no_grad():
+        heads.confidence["2"].fc2.bias.fill_(5.0)  # every token may leave at layer 2
+    tokenizer, prompts = ascii_tokenizer(), corpus.HELD_OUT_PROMPTS[:4]
+    kept = answer_check(model, heads, tokenizer, corpus, prompts, version=1,
+                        thresholds={2: 1.0, 4: 1.0}, new_tokens=8)
+    assert kept.divergence == [-1, -1, -1, -1] and kept.identical == 4
+
+    early = {2: 0.5, 4: 0.5}
+    found = answer_check(model, heads, tokenizer, corpus, prompts, version=2,
+                         thresholds=early, new_tokens=8)
+    ids = [corpus.chat_prompt_ids(tokenizer, p) for p in prompts]
+    full, _, _ = run_engine(model, heads, ids, 8,
+                            policy=ExitPolicy.never_exit([2, 4], Signal.learned))
+    exited, _, _ = run_engine(model, heads, ids, 8, policy=ExitPolicy(
+        version=2, signal=Signal.learned, thresholds=early))
+    actual = [next((k for k, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), -1)
+              for x, y in zip(full, exited, strict=True)]
+    assert found.divergence == actual  # exact: the lazy cache keeps the full-depth cache
+    assert found.identical < 4  # random weights: early exit changes some answers
+    text = "\n".join(found.lines())
+    assert f"identical to the full model's answer: {found.identical} of 4" in text
