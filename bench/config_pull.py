@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - the bench needs the controlplane extra
     FastAPI = None
 
 ROOT = Path(__file__).resolve().parent.parent
+EXIT_LAYERS = list(range(6, 30, 3))
 EXE = str(Path(sys.executable).parent / "exitplane")
 
 trivial_app = FastAPI() if FastAPI else None
@@ -161,9 +162,10 @@ class Api:
         admin = self.run("bootstrap", "token", "--name", "bench", "--scope", "admin").stdout.strip()
         auth = {"Authorization": f"Bearer {admin}"}
         httpx.post(f"{base}/v1/deployments", headers=auth, timeout=30, json={
-            "name": name, "model_ref": "smollm2-135m", "num_layers": 30}).raise_for_status()
+            "name": name, "model_ref": "smollm2-135m", "num_layers": 30,
+            "exit_layers": EXIT_LAYERS}).raise_for_status()  # named: trees differ in defaults
         httpx.post(f"{base}/v1/deployments/{name}/threshold-sets", headers=auth, timeout=30,
-                   json={"thresholds": {str(k): 0.9 for k in range(6, 30, 3)},
+                   json={"thresholds": {str(k): 0.9 for k in EXIT_LAYERS},
                          "reason": "bench", "activate": True}).raise_for_status()
         runtime = httpx.post(f"{base}/v1/tokens", headers=auth, timeout=30, json={
             "name": "bench-rt", "scope": "runtime", "deployment": name}).json()["token"]
