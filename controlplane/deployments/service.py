@@ -92,6 +92,10 @@ def update_deployment(*, session: Session, deployment: Deployment, spec: Deploym
         registry_changed(session=session, deployment_id=deployment.id)
     if {"shadow_rate_min", "shadow_rate_max"} & changes.keys():
         shadow_rate.bounds_changed(session=session, deployment=deployment)
+    if "shadow_request_rate" in changes and before["shadow_request_rate"] != \
+            changes["shadow_request_rate"]:
+        # It goes out with every pull: long-polls wake, as for an alias move.
+        notify_after_commit(session=session, topic="config", message=deployment.name)
     record_audit(session=session, deployment=deployment, actor=actor,
                  action="deployment.update", reason="settings changed",
                  details={"before": before, "after": changes})

@@ -287,6 +287,20 @@ def test_a_shadow_request_rate_is_tagged_only_for_runtimes_that_serve_it(pair, t
         assert replies[3].headers["etag"] == f'"{checksum}.s0.25"'
         answers[label] = [_shape(reply) for reply in replies]
     assert answers["fast"] == answers["plain"]
+    # A change of the rate alone ends a held long-poll at once (the deployment's notice).
+    tag = fast.get(PULL, params=both, headers=runtime).headers["etag"]
+    held: list = []
+    poll = threading.Thread(target=lambda: held.append(fast.get(
+        PULL, params={**both, "wait": "20"}, headers={**runtime, "If-None-Match": tag})))
+    started = time.monotonic()
+    poll.start()
+    time.sleep(0.5)
+    assert fast.patch("/v1/deployments/chat", headers=operator, json={
+        "shadow_request_rate": 0.5}).status_code == 200
+    poll.join(timeout=30)
+    assert time.monotonic() - started < 10
+    assert held[0].status_code == 200 and held[0].json()["shadow_request_rate"] == 0.5
+    assert held[0].headers["etag"].endswith('.r0.5"')
 
 
 def test_pull_refusals_past_the_rate_are_answered_alike(pair, tokens, engine):
