@@ -1,57 +1,17 @@
 """Canary with automatic revert (Flagger / Argo Rollouts style), as plain functions.
 
-A candidate on the `canary` alias is served to a hash-sticky fraction of runtimes
-(`deployments.service.in_canary` at the deployment's `canary_fraction`): those runtime ids are the
-canary's members. Every `interval` the last whole-minute window of the members' telemetry at the
-canary version (rollups and shadow tokens with `version == canary`) is checked, beside the stable
-group (`version == active`):
-
-- failed: canary shadow disagreement significantly above δ (one-sided binomial test), or its exit
-  rate significantly and materially above the calibration's expectation (quality at risk);
-- inconclusive: too few canary shadow tokens or requests, or an upper confidence bound of the
-  disagreement above δ (the window cannot show that quality holds);
-- clean otherwise: the window shows disagreement within δ at confidence 1 - alpha;
-- with an answer target (delta_answer), the members' shadow requests since the canary started
-  also fail a window whose answers differ significantly above δ_answer, and keep a window
-  inconclusive until they bound them within it (`controlplane.flows.canary_answers`).
-
-Only members count. A runtime outside the canary group never pulled the candidate, so telemetry
-it stamps with the canary version is not evidence about it (at best a bug, at worst a liar
-vouching for a bad candidate); it is left out of every figure and test, and each check records
-how many non-member runtimes and tokens it ignored (`non_members`).
-
-Witnesses, not runtime ids, count: a runtime id belongs to the credential that registered it, and
-one credential may register many ids (enough to land some in the canary group), so the robust
-rules count the credentials that posted the tokens (`ShadowEvidence.witnesses`). From
-`min_runtimes` member witnesses up, a failure must show, and a clean window's bound hold, without
-each one witness's tokens (`stats.robust_evidence.leave_one_out`). A window that would be clean on
-fewer witnesses is not counted as clean: no one could check them against a fleet, so the canary
-pauses at once for an operator. A failure on fewer witnesses still reverts: reverting only
-returns the canary runtimes to the stable set.
-
-The quality test counts requests, not tokens: a request's tokens share a prompt and
-a topic, so disagreements cluster in requests, and a binomial test over tokens overstates its
-evidence by the design effect. The canary's shadow tokens are read with their request ids and
-tested as the drift detector tests them (`controlplane.stats.clustered`: ratio estimator with a
-cluster-robust variance, exact binomial bounds on the effective size). A canary whose
-disagreements sit in a few requests is therefore neither promoted nor reverted on token counts.
-
-`clean_windows` clean windows promote the candidate to `active`; `failure_limit` failed checks
-revert the alias and fire a `canary_failed` alert; `max_inconclusive` inconclusive windows, or one
-clean window on too few witnesses, pause the canary for a human (approve / reject the job, or
-promote / revert the canary).
-
-Outlier runtimes: before its windows are judged, each canary runtime is tested against the rest
-on the canary version's shadow tokens (`canary_outliers`, the drift cycle's outlier test at the
-same version and segment); one set aside counts for nothing in the verdicts, so a runtime that
-forges disagreement cannot hold a good candidate back, nor forged agreement push a bad one
-through.
-
-Traffic segments: a candidate is judged on each segment whose thresholds it changes
-(`judged_segments`), each on that segment's rows with the map it applies there and against its
-own expected exit rate; a window fails if any judged segment fails, is inconclusive if any is,
-and the tests are run at alpha / k for k judged segments. A deployment without segments is
-judged on all its traffic.
+A candidate on the `canary` alias is served to a hash-sticky fraction of runtimes (its
+members, `deployments.service.in_canary` at `canary_fraction`). Every `interval` the last
+whole-minute window of the members' telemetry at the canary version is judged beside the
+stable group: failed (disagreement significantly above δ, or an exit rate materially above the
+calibration's expectation), inconclusive (too little evidence, or a bound above δ) or clean.
+Only members count; witnesses (credentials), not runtime ids, count, and no single witness
+decides; requests are the test's clusters; each judged segment is tested on its own rows at
+alpha / k; outlier runtimes are set aside first; with an answer target, the members' shadow
+requests judge whole answers too (`canary_answers`). `clean_windows` clean windows promote,
+`failure_limit` failures revert and fire `canary_failed`, `max_inconclusive` inconclusive
+windows (or a clean one on too few witnesses) pause it for an operator.
+docs/guides/recalibrate-and-canary.md, "How a window is judged", says why each rule is there.
 """
 
 from __future__ import annotations
