@@ -204,6 +204,12 @@ def test_a_canary_without_live_members_warns_and_lists_its_members(plane, tmp_pa
               "--exit-layers", "2,4", "--signal", "maxprob")
     candidate = plane.json("versions", "publish", "cn", "--threshold", "2=0.9",
                            "--threshold", "4=0.8", "--reason", "candidate")["version"]
+    # A refused start changes nothing, its fraction included (one transaction).
+    before = plane.json("deployments", "show", "cn")["canary_fraction"]
+    refused = plane.run("canary", "start", "cn", "1", "--fraction", "0.3", "--reason", "no",
+                        code=1)
+    assert "active version" in refused.stderr and before != 0.3
+    assert plane.json("deployments", "show", "cn")["canary_fraction"] == before
     started = plane.run("canary", "start", "cn", str(candidate), "--fraction", "0.5",
                         "--reason", "first canary")
     assert started.stdout.strip() == f"cn: canary of version {candidate} running (stable: " \

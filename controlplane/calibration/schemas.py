@@ -40,6 +40,9 @@ class CanaryCreate(RequestModel):
         "the published threshold set version the canary runtimes apply (not the active one)"))
     reason: str = Field(default="", max_length=2000,
                         description="why (added to the audit log's own reason)")
+    canary_fraction: float | None = Field(default=None, gt=0, le=1, description=(
+        "set the deployment's canary fraction in the same transaction (nothing changes when "
+        "the start is refused); absent: the deployment's own"))
 
 
 class CalibrationJobRead(BaseModel):

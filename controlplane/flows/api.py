@@ -22,7 +22,8 @@ from controlplane.calibration.schemas import (
     Decision,
 )
 from controlplane.db import SessionDep
-from controlplane.deployments.service import get_deployment
+from controlplane.deployments.schemas import DeploymentUpdate
+from controlplane.deployments.service import get_deployment, update_deployment
 from controlplane.errors import Conflict, NotFound, error_answer
 from controlplane.flows import canary, recalibration
 from controlplane.flows.canary import (
@@ -166,6 +167,11 @@ def start_canary(name: str, spec: CanaryCreate, request: Request, session: Sessi
     fraction, the stable version and the reason. The answer names the live runtimes that fall
     into the canary, with a warning in `warnings` when none does."""
     deployment = get_deployment(session=session, name=name, lock=True)
+    if spec.canary_fraction is not None and spec.canary_fraction != deployment.canary_fraction:
+        # One unit of work with the start: a refused start leaves the fraction as it was.
+        update_deployment(session=session, deployment=deployment,
+                          spec=DeploymentUpdate(canary_fraction=spec.canary_fraction),
+                          actor=principal.actor)
     run = canary.start_canary(session=session, deployment=deployment, version=spec.version,
                               actor=principal.actor, reason=spec.reason, replace_open=False)
     return _canary_view(session, deployment, run, request)

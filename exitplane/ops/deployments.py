@@ -475,17 +475,17 @@ FRACTION = click.FloatRange(0, 1, min_open=True)
 @click.option("--reason", default="", help="why (added to the audit log)")
 @click.option("--fraction", type=FRACTION, default=None,
               help="set the deployment's canary fraction (the share of runtimes that apply "
-                   "VERSION) first; it stays set if the start is refused")
+                   "VERSION) with the start; unchanged if the start is refused")
 def canary_start(api: ControlPlane, deployment: str, version: int, reason: str,
                  fraction: float | None) -> None:
     """Serve VERSION to DEPLOYMENT's canary fraction of runtimes (the deployment's
     canary_fraction, or --fraction) beside the active version; the canary monitor judges its
     windows and promotes or reverts it. Refused while another canary runs or is paused; a
     warning when no live runtime falls into the canary."""
+    body = {"version": version, "reason": reason}
     if fraction is not None:
-        _set_fraction(api, deployment, fraction)
-    run = api.request("POST", _path(deployment, "canary"),
-                      json={"version": version, "reason": reason})
+        body["canary_fraction"] = fraction
+    run = api.request("POST", _path(deployment, "canary"), json=body)
     _warn(run)
     emit(api.output, run, lambda: click.echo(
         f"{deployment}: canary of version {run['version']} {run['status']} "
