@@ -86,7 +86,7 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
         "runtime": ["runtime", "serve", "--model", "tiny", "--deployment", "chat",
                     "--control-plane", api, "--token-file", str(token_file), "--state-dir",
                     str(tmp_path / "runtime"), "--port", str(ports["runtime"]),
-                    "--shadow-rate", "0.5"]}
+                    "--shadow-rate", "0.5", "--shadow-request-rate", "0.5"]}
     processes = []
     try:
         for name, args in commands.items():
@@ -102,7 +102,8 @@ def test_prometheus_finds_every_metric_the_dashboard_and_rules_read(postgres_mig
         wait_until(lambda: answers(f"{runtime}/readyz"), 120, "the runtime")
         for prompt in ("abc", "hello", "xyz!", "0123"):
             httpx.post(f"{runtime}/v1/completions", timeout=60, json={
-                "prompt": prompt, "max_tokens": 12, "ignore_eos": True}).raise_for_status()
+                "prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                "temperature": 0}).raise_for_status()  # greedy: shadow requests may be drawn
         # A refused batch and a replayed one, as a broken or retrying runtime would send.
         shipper = httpx.Client(base_url=api, timeout=30, headers={
             "Authorization": f"Bearer {token_file.read_text().strip()}"})
