@@ -64,7 +64,8 @@ def test_real_model_heads_small_budget(smollm2, prompts, tmp_path, monkeypatch):
     heads = ExitHeads.load(path)
     held = heads.metadata["heldout"]
     assert set(held) == {str(k) for k in heads.exit_layers}
-    assert held["27"]["agreement"] > held["6"]["agreement"]
+    first, last = str(heads.exit_layers[0]), str(heads.exit_layers[-1])
+    assert held[last]["agreement"] > held[first]["agreement"]
 
     engine = Engine(model, heads=heads, config=EngineConfig(max_batch=2, max_seq_len=256,
                                                             shadow_rate=1.0))
@@ -84,5 +85,5 @@ def test_real_model_heads_small_budget(smollm2, prompts, tmp_path, monkeypatch):
                                      thresholds=dict.fromkeys(heads.exit_layers, 0.0)))
     engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])
     records = engine.drain_records()
-    assert {r.exit_layer for r in records} == {6}
+    assert {r.exit_layer for r in records} == {heads.exit_layers[0]}
     assert {r.threshold_version for r in records} == {2}
