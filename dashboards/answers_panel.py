@@ -2,8 +2,8 @@
 the active set equal the full-depth ones, on the page's window of shadow requests.
 
 The window's complete shadow requests of the active version (`telemetry.shadow_requests`,
-trust-filtered, each witness cut to its share: `calibration.answers.capped`), each judged under
-its segment's thresholds (`calibration.answers.divergence_matrix`); the figures and their
+trust-filtered, each witness cut to its share: `ShadowRequests.capped`), each judged under
+its segment's thresholds (`ShadowRequests.divergence_by_segment`); the figures and their
 bound at 1-ε are `calibration.answers.consistency`. Beside them, the token disagreement of the
 same requests' tokens under the same thresholds. Two server-rendered SVGs: the identical share
 with its bound against 1-δ_answer, and where the differing answers first diverged.
@@ -21,9 +21,7 @@ from sqlalchemy.orm import Session
 from controlplane.calibration.answers import (
     HISTOGRAM_EDGES,
     AnswerConsistency,
-    capped,
     consistency,
-    divergence_matrix,
 )
 from controlplane.db import utcnow
 from controlplane.deployments.models import Deployment, ThresholdSet
@@ -81,7 +79,7 @@ def answers_panel(*, session: Session, deployment: Deployment, threshold_set: Th
         session=session, deployment_id=deployment.id, width=len(layers),
         since=utcnow() - timedelta(minutes=minutes), version=threshold_set.version,
         segment=segment, limit=MAX_REQUESTS)
-    evidence = capped(evidence, EvidencePolicy.from_settings(settings))
+    evidence = evidence.capped(EvidencePolicy.from_settings(settings))
     if not len(evidence):
         return panel
     segments = np.asarray(evidence.segments, dtype=object)
@@ -92,7 +90,7 @@ def answers_panel(*, session: Session, deployment: Deployment, threshold_set: Th
         part = evidence.take(mine)
         by_layer = thresholds_for(threshold_set, name)
         row = np.array([[by_layer[k] for k in layers]])
-        divergence[mine] = divergence_matrix(part, row)[:, 0]
+        divergence[mine] = part.divergence(row)[:, 0]
         column = exit_columns(part.signals, row)[0]  # (T,)
         hit = part.matched[np.arange(len(column)), np.maximum(column, 0)]
         wrong += int(((column >= 0) & ~hit).sum())

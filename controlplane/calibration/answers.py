@@ -29,46 +29,16 @@ from controlplane.calibration.learn_then_test import (
     binomial_upper_bound,
 )
 from controlplane.calibration.segments import AnswerTestFn, SegmentedCalibration
-from controlplane.stats.answers import exit_columns
 from controlplane.stats.robust_evidence import (
     EvidencePolicy,
-    cap_runtime_share,
     robust_p_values,
     runtime_count,
 )
 from controlplane.telemetry.shadow_requests import ShadowRequests
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
-# Elements of the (sets, tokens, layers) comparison built at once.
-_SLICE_ELEMENTS = 1 << 24
 # Divergence-position histogram edges (tokens into the answer); the last bin is open.
 HISTOGRAM_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-def divergence_matrix(evidence: ShadowRequests, thresholds: np.ndarray) -> np.ndarray:
-    """(m, K) int: each request's first divergence position under each set (rows of
-    `thresholds`, (K, L) in exit-layer order), -1 where its answer equals full depth: what
-    `stats.answers.first_divergence` gives request by request, computed for every token of
-    every request at once (sets taken in slices that bound the memory)."""
-    thresholds = np.atleast_2d(np.asarray(thresholds, dtype=float))
-    m, total = len(evidence), len(evidence.signals)
-    if m == 0 or total == 0:
-        return np.full((m, len(thresholds)), -1, dtype=np.int64)
-    starts = evidence.offsets[:-1]
-    request_of = np.repeat(np.arange(m), np.diff(evidence.offsets))  # (T,)
-    position = np.arange(total) - starts[request_of]  # (T,) position within its request
-    rows = np.arange(total)
-    never = np.iinfo(np.int64).max
-    out = np.empty((m, len(thresholds)), dtype=np.int64)
-    step = max(1, _SLICE_ELEMENTS // (total * evidence.signals.shape[1]))
-    for first in range(0, len(thresholds), step):
-        part = thresholds[first:first + step]
-        column = exit_columns(evidence.signals, part)  # (k, T), -1: full depth
-        wrong = (column >= 0) & ~evidence.matched[rows[None], np.maximum(column, 0)]
-        where = np.where(wrong, position[None], never)  # (k, T)
-        earliest = np.minimum.reduceat(where, starts, axis=1)  # (k, m)
-        out[:, first:first + step] = np.where(earliest == never, -1, earliest).T
-    return out
 
 
 @dataclass(frozen=True)
@@ -116,25 +86,12 @@ def consistency(divergence: np.ndarray, *, epsilon: float, tokens: np.ndarray | 
         mean_tokens=None if tokens is None or not len(tokens) else float(np.mean(tokens)))
 
 
-def capped(evidence: ShadowRequests, policy: EvidencePolicy, *, seed: int = 0
-           ) -> ShadowRequests:
-    """The requests with each witness cut to its share (`cap_runtime_share`: whole requests
-    drawn at random by `seed`)."""
-    if len(evidence) == 0:
-        return evidence
-    keep = cap_runtime_share(np.asarray(evidence.witnesses), evidence.keyed_requests(),
-                             max_share=policy.max_runtime_share, seed=seed,
-                             max_share_of_median=policy.max_share_of_median,
-                             min_runtimes=policy.robust_min_runtimes)
-    return evidence if keep.all() else evidence.take(keep)
-
-
 def evaluate(evidence: ShadowRequests, thresholds: np.ndarray, *, epsilon: float,
              policy: EvidencePolicy | None = None, seed: int = 0) -> list[AnswerConsistency]:
     """Answer consistency of each set (rows of `thresholds`) on `evidence`, after the share
     cap of `policy` (None: the default policy)."""
-    evidence = capped(evidence, policy or EvidencePolicy(), seed=seed)
-    divergence = divergence_matrix(evidence, thresholds)
+    evidence = evidence.capped(policy or EvidencePolicy(), seed=seed)
+    divergence = evidence.divergence(thresholds)
     tokens = np.diff(evidence.offsets)
     witnesses = runtime_count(evidence.witnesses)
     return [consistency(divergence[:, k], epsilon=epsilon, tokens=tokens, witnesses=witnesses)
@@ -176,7 +133,7 @@ class AnswerTest:
         `held_out`: the witnesses the path was held out from (the cross-runtime holdout); each
         p-value is then also the larger of this one and the one on their requests alone, so
         the answers must hold on witnesses the path did not learn from too."""
-        divergence = divergence_matrix(self.evidence, path)
+        divergence = self.evidence.divergence(path)
         witnesses = np.asarray(self.evidence.witnesses, dtype=str)
         p_values = answer_p_values(divergence, delta_answer=self.delta_answer,
                                    witnesses=witnesses, min_runtimes=self.min_runtimes)
@@ -188,7 +145,7 @@ class AnswerTest:
 
     def figures(self, thresholds: np.ndarray, epsilon: float) -> AnswerConsistency:
         """The chosen set's answer figures on the test's requests."""
-        divergence = divergence_matrix(self.evidence, np.atleast_2d(thresholds))[:, 0]
+        divergence = self.evidence.divergence(np.atleast_2d(thresholds))[:, 0]
         return consistency(divergence, epsilon=epsilon, tokens=np.diff(self.evidence.offsets),
                            witnesses=runtime_count(self.evidence.witnesses))
 
@@ -217,7 +174,7 @@ class AnswerTarget:
     @classmethod
     def of(cls, evidence: ShadowRequests, *, delta_answer: float, policy: EvidencePolicy,
            seed: int) -> AnswerTarget:
-        return cls(evidence=capped(evidence, policy, seed=seed), delta_answer=delta_answer,
+        return cls(evidence=evidence.capped(policy, seed=seed), delta_answer=delta_answer,
                    min_runtimes=policy.robust_min_runtimes)
 
     def test(self, segment: str | None = None) -> AnswerTest:

@@ -7,7 +7,7 @@ the trust rules of every evidence read (`telemetry.shadow_requests.shadow_reques
 excluded runtimes, lineage, witnesses set aside, backdating), cuts each witness to its share of
 the requests (`stats.robust_evidence.cap_runtime_share`, whole requests), and computes for each
 request whether the segment's thresholds would have changed its answer and where first
-(`stats.answers.summarize`, exact under greedy decoding with an exact KV policy).
+(`ShadowRequests.divergence`, exact under greedy decoding with an exact KV policy).
 
 Requests are drawn for shadowing at random and independently, so the number that differ among
 n is Binomial(n, P(answer differs)): no design effect. The test is one-sided and exact,
@@ -23,7 +23,7 @@ open alert neither refreshes nor clears). docs/concepts/statistics.md, "The answ
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
 
@@ -35,11 +35,10 @@ from controlplane.alerts.service import Condition
 from controlplane.deployments.models import Deployment
 from controlplane.drift.window_checks import DriftOptions
 from controlplane.settings import get_settings
-from controlplane.stats.answers import summarize
+from controlplane.stats.answers import AnswerSummary
 from controlplane.stats.clustered import binomial_upper_tail
 from controlplane.stats.robust_evidence import (
     EvidencePolicy,
-    cap_runtime_share,
     robust_p_values,
     runtime_count,
 )
@@ -65,35 +64,16 @@ def p_value_above(differs: np.ndarray, delta_answer: float) -> float:
     return 1.0 if n == 0 else float(binomial_upper_tail(int(np.sum(differs)), n, delta_answer))
 
 
-def requests_of(evidence: ShadowRequests) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Each request's (signals, matched), (T, L), in the evidence's order."""
-    offsets = evidence.offsets
-    for i in range(len(evidence)):
-        yield (evidence.signals[offsets[i]:offsets[i + 1]],
-               evidence.matched[offsets[i]:offsets[i + 1]])
-
-
-def capped_requests(evidence: ShadowRequests, policy: EvidencePolicy) -> ShadowRequests:
-    """The requests with each witness cut to its share (whole requests; the drift checks'
-    fixed seed, so that consecutive checks judge the same requests)."""
-    if len(evidence) == 0:
-        return evidence
-    keep = cap_runtime_share(np.asarray(evidence.witnesses), evidence.keyed_requests(),
-                             max_share=policy.max_runtime_share, seed=0,
-                             max_share_of_median=policy.max_share_of_median,
-                             min_runtimes=policy.robust_min_runtimes)
-    return evidence if keep.all() else evidence.take(keep)
-
-
 def answer_condition(evidence: ShadowRequests, thresholds: list[float], *, delta_answer: float,
                      alpha: float, min_requests: int, policy: EvidencePolicy,
                      window: Mapping) -> tuple[Condition | None, bool]:
     """(an `answer_regression` or None, whether the window had enough requests to be checked)
     for one segment's requests served at full depth and its thresholds (exit-layer order)."""
-    evidence = capped_requests(evidence, policy)
+    # the fixed seed: consecutive checks judge the same requests
+    evidence = evidence.capped(policy, seed=0)
     if len(evidence) < min_requests:
         return None, False
-    summary = summarize(requests_of(evidence), np.asarray([thresholds], dtype=float))
+    summary = AnswerSummary(evidence.divergence(np.asarray([thresholds], dtype=float)))
     differs = summary.divergence[:, 0] >= 0
     witnesses = np.asarray(evidence.witnesses, dtype=str)
     p_value = float(robust_p_values(

@@ -7,7 +7,7 @@ the operating curve evaluate.
 The evidence is the window's complete shadow requests under the trust rules every evidence read
 applies (`telemetry.trust`: excluded runtimes, lineage, witnesses set aside, backdating), without
 the witnesses the outlier screen set aside on the window's shadow tokens, each witness cut to its
-share (`calibration.answers.capped`).
+share (`ShadowRequests.capped`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.calibration.answers import (
     AnswerConsistency,
-    capped,
     consistency,
-    divergence_matrix,
 )
 from controlplane.calibration.service import CalibrationPolicy
 from controlplane.deployments.models import Deployment
@@ -54,7 +52,7 @@ def read_answers(*, session: Session, deployment: Deployment, since: datetime,
         keep &= ~np.isin(np.asarray(found.witnesses, dtype=str), list(set_aside))
     if not keep.all():
         found = found.take(keep)
-    return capped(found, policy.evidence, seed=seed)
+    return found.capped(policy.evidence, seed=seed)
 
 
 def answer_consistency(evidence: ShadowRequests, thresholds_of: Callable[[str], list[float]],
@@ -63,12 +61,7 @@ def answer_consistency(evidence: ShadowRequests, thresholds_of: Callable[[str], 
     `thresholds_of(its segment)` gives (exit-layer order); None without shadow requests."""
     if len(evidence) == 0:
         return None
-    segments = np.asarray(evidence.segments, dtype=object)
-    divergence = np.full(len(evidence), -1, dtype=np.int64)
-    for name in sorted(set(evidence.segments)):
-        mine = segments == name
-        divergence[mine] = divergence_matrix(evidence.take(mine),
-                                             np.array([thresholds_of(name)]))[:, 0]
+    divergence = evidence.divergence_by_segment(thresholds_of)
     return consistency(divergence, epsilon=epsilon, tokens=np.diff(evidence.offsets),
                        witnesses=runtime_count(evidence.witnesses))
 
@@ -134,7 +127,7 @@ def with_answers(evidence: ShadowRequests, sets: list[dict], *, layers: list[int
         return [item | {"answers": None} for item in sets]
     matrix = np.array([[float(item["thresholds"][str(layer)]) for layer in layers]
                        for item in sets])
-    divergence = divergence_matrix(evidence, matrix)
+    divergence = evidence.divergence(matrix)
     tokens, witnesses = np.diff(evidence.offsets), runtime_count(evidence.witnesses)
     out = []
     for k, item in enumerate(sets):

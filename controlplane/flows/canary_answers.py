@@ -4,9 +4,9 @@ Shadow requests (whole requests served at full depth) are a small share of the t
 fewer than the shadow tokens a one-minute window holds, so the answer check reads every
 complete shadow request the canary's members served at the candidate version since the canary
 started, up to the window's end (`telemetry.shadow_requests`, under the trust rules; each
-witness cut to its share, `calibration.answers.capped`; only members count, as for every canary
+witness cut to its share, `ShadowRequests.capped`; only members count, as for every canary
 figure). Each request is judged under the candidate's thresholds for its segment
-(`calibration.answers.divergence_matrix`). Requests are independent draws, so the number whose
+(`ShadowRequests.divergence_by_segment`). Requests are independent draws, so the number whose
 answer differs is binomial: no design effect.
 
 - failed: P(answer differs) significantly above δ_answer (exact one-sided binomial at the
@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session
 
-from controlplane.calibration.answers import capped, divergence_matrix
 from controlplane.calibration.learn_then_test import binomial_upper_bound
 from controlplane.deployments.models import Deployment, ThresholdSet
 from controlplane.deployments.segment_sets import thresholds_for
@@ -76,15 +75,10 @@ def answer_check(*, session: Session, deployment: Deployment, candidate: Thresho
         until=until, version=candidate.version, segment=segment)
     member = np.array([in_canary(runtime_id=runtime_id, fraction=deployment.canary_fraction)
                        for runtime_id in evidence.runtimes], dtype=bool)
-    evidence = capped(evidence.take(member), policy or EvidencePolicy(
+    evidence = evidence.take(member).capped(policy or EvidencePolicy(
         robust_min_runtimes=min_runtimes))
-    differs = np.zeros(len(evidence), dtype=bool)
-    segments = np.asarray(evidence.segments, dtype=object)
-    for name in sorted(set(evidence.segments)):
-        by_layer = thresholds_for(candidate, name)
-        mine = segments == name
-        differs[mine] = divergence_matrix(evidence.take(mine),
-                                          np.array([[by_layer[k] for k in layers]]))[:, 0] >= 0
+    differs = evidence.divergence_by_segment(
+        lambda name: [thresholds_for(candidate, name)[k] for k in layers]) >= 0
     subsets = [differs, *(differs[mask] for mask in leave_one_out(
         np.asarray(evidence.witnesses, dtype=str), min_runtimes))]
     p_value = max(1.0 if not len(part) else float(binomial_upper_tail(

@@ -113,6 +113,42 @@ def request_evidence(records: Sequence[TokenRecord],
     return signals, matched
 
 
+def packed_divergence(signals: np.ndarray, matched: np.ndarray, offsets: np.ndarray,
+                      thresholds: np.ndarray) -> np.ndarray:
+    """(m, K) int: the first divergence position of each of m requests packed one after the
+    other (request i is rows offsets[i]:offsets[i+1] of `signals`/`matched`) under each set
+    (rows of `thresholds`, (K, L)), -1 where its answer equals full depth: `first_divergence`
+    for every token of every request at once (sets taken in slices that bound the memory)."""
+    thresholds = np.atleast_2d(np.asarray(thresholds, dtype=float))
+    offsets = np.asarray(offsets, dtype=np.int64)
+    m, total = len(offsets) - 1, len(signals)
+    lengths = np.diff(offsets)
+    if m == 0 or total == 0:
+        return np.full((m, len(thresholds)), -1, dtype=np.int64)
+    if (lengths == 0).any():  # an empty answer is its full-depth answer
+        out = np.full((m, len(thresholds)), -1, dtype=np.int64)
+        kept = lengths > 0
+        out[kept] = packed_divergence(signals, matched, np.concatenate(
+            [[0], np.cumsum(lengths[kept])]), thresholds)
+        return out
+    starts = offsets[:-1]
+    request_of = np.repeat(np.arange(m), np.diff(offsets))  # (T,)
+    position = np.arange(total) - starts[request_of]  # (T,) position within its request
+    rows = np.arange(total)
+    never = np.iinfo(np.int64).max
+    out = np.empty((m, len(thresholds)), dtype=np.int64)
+    step = max(1, _CHUNK_ELEMENTS // (total * signals.shape[1]))
+    for first in range(0, len(thresholds), step):
+        part = thresholds[first:first + step]
+        column = exit_columns(signals, part)  # (k, T), -1: full depth
+        wrong = (column >= 0) & ~np.asarray(matched, dtype=bool)[rows[None],
+                                                                 np.maximum(column, 0)]
+        where = np.where(wrong, position[None], never)  # (k, T)
+        earliest = np.minimum.reduceat(where, starts, axis=1)  # (k, m)
+        out[:, first:first + step] = np.where(earliest == never, -1, earliest).T
+    return out
+
+
 @dataclass(frozen=True)
 class AnswerSummary:
     """Answer loss of R requests under K threshold sets: `divergence` (R, K) holds each
@@ -148,6 +184,10 @@ def summarize(requests: Iterable[tuple[np.ndarray, np.ndarray]],
     thresholds = np.asarray(thresholds, dtype=np.float64)
     if thresholds.ndim == 1:
         thresholds = thresholds[None]
-    rows = [first_divergence(signals, matched, thresholds) for signals, matched in requests]
-    divergence = np.stack(rows) if rows else np.zeros((0, len(thresholds)), dtype=np.int64)
-    return AnswerSummary(divergence=divergence)
+    pairs = list(requests)
+    if not pairs:
+        return AnswerSummary(divergence=np.zeros((0, len(thresholds)), dtype=np.int64))
+    offsets = np.concatenate([[0], np.cumsum([len(signals) for signals, _ in pairs])])
+    return AnswerSummary(divergence=packed_divergence(
+        np.concatenate([np.asarray(s, dtype=np.float64) for s, _ in pairs]),
+        np.concatenate([np.asarray(m, dtype=bool) for _, m in pairs]), offsets, thresholds))

@@ -28,7 +28,7 @@ the raw series would count each value once per API replica.
   over the last `ANSWER_WINDOW` (trust-filtered, `telemetry.shadow_requests`), and
   exitplane_answer_identical_share{deployment,segment}: the share of them whose whole answer
   under the active set (each request under its segment's thresholds) is the full-depth answer
-  (`stats.answers.first_divergence`); no series for a deployment without such requests
+  (`ShadowRequests.divergence_by_segment`); no series for a deployment without such requests
 
 The exit-behaviour gauges (exit_rate, tokens_checked, shadow_disagreement, shadow_tokens,
 mean_exit_depth, estimated_speedup) and the answer gauges carry a `segment` label: segment=""
@@ -61,7 +61,6 @@ from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.service import get_threshold_set
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import FORGET_AFTER
-from controlplane.stats.answers import first_divergence
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
 from controlplane.telemetry.savings import savings
 from controlplane.telemetry.shadow_requests import shadow_request_evidence
@@ -310,24 +309,19 @@ def _fill_answers(session, families: dict[str, GaugeMetricFamily],
             continue
         threshold_set = get_threshold_set(session=session, deployment=deployment,
                                           version=active)
-        rows: dict[str, list[float]] = {}
+        same = evidence.divergence_by_segment(
+            lambda name, chosen=threshold_set, order=layers:
+            [thresholds_for(chosen, name)[k] for k in order]) < 0
         # label -> [requests, identical]
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         known = segmented.get(deployment.id)
-        for i, segment in enumerate(evidence.segments):
-            if segment not in rows:
-                by_layer = thresholds_for(threshold_set, segment)
-                rows[segment] = [by_layer[k] for k in layers]
-            start, end = evidence.offsets[i], evidence.offsets[i + 1]
-            identical = int(first_divergence(evidence.signals[start:end],
-                                             evidence.matched[start:end],
-                                             [rows[segment]])[0] < 0)
+        for segment, identical in zip(evidence.segments, same.tolist(), strict=True):
             labels = [WHOLE_DEPLOYMENT]
             if known and (segment in known or segment == DEFAULT_SEGMENT):
                 labels.append(segment)
             for label in labels:
                 counts[label][0] += 1
-                counts[label][1] += identical
+                counts[label][1] += int(identical)
         for label, (requests, identical) in sorted(counts.items()):
             families["shadow_requests"].add_metric([deployment.name, label], requests)
             families["answer_identical_share"].add_metric([deployment.name, label],

@@ -18,7 +18,7 @@ row holding its tokens' labels in position order, and its staged tokens leave.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -29,6 +29,8 @@ from sqlalchemy.orm import Session
 from controlplane.db import dialect_insert
 from controlplane.runtimes.witnesses import witness_labels
 from controlplane.settings import get_settings
+from controlplane.stats.answers import packed_divergence
+from controlplane.stats.robust_evidence import EvidencePolicy, cap_runtime_share
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import ShadowRequestRow, ShadowRequestTokenRow
 from controlplane.telemetry.tables import shadow_labels
@@ -221,6 +223,35 @@ class ShadowRequests:
             segments=[self.segments[i] for i in index], versions=self.versions[index],
             offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
             signals=self.signals[rows], matched=self.matched[rows])
+
+    def divergence(self, thresholds: np.ndarray) -> np.ndarray:
+        """(m, K) int: each request's first divergence position under each set (rows of
+        `thresholds`, (K, L) in exit-layer order), -1 where its answer equals full depth
+        (`stats.answers.packed_divergence`)."""
+        return packed_divergence(self.signals, self.matched, self.offsets, thresholds)
+
+    def divergence_by_segment(self, thresholds_of: Callable[[str], Sequence[float]]
+                              ) -> np.ndarray:
+        """(m,) int: each request's first divergence position under the thresholds
+        `thresholds_of(its segment)` gives (exit-layer order), -1 where its answer is the
+        full-depth answer."""
+        out = np.full(len(self), -1, dtype=np.int64)
+        segments = np.asarray(self.segments, dtype=object)
+        for name in sorted(set(self.segments)):
+            mine = segments == name
+            out[mine] = self.take(mine).divergence(np.array([thresholds_of(name)]))[:, 0]
+        return out
+
+    def capped(self, policy: EvidencePolicy, *, seed: int = 0) -> ShadowRequests:
+        """These requests with each witness cut to its share of them (`cap_runtime_share`:
+        whole requests, drawn at random by `seed`)."""
+        if len(self) == 0:
+            return self
+        keep = cap_runtime_share(np.asarray(self.witnesses), self.keyed_requests(),
+                                 max_share=policy.max_runtime_share, seed=seed,
+                                 max_share_of_median=policy.max_share_of_median,
+                                 min_runtimes=policy.robust_min_runtimes)
+        return self if keep.all() else self.take(keep)
 
 
 def shadow_request_evidence(*, session: Session, deployment_id: int, width: int,

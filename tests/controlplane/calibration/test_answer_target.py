@@ -15,7 +15,6 @@ from controlplane.calibration.answers import (
     NotEnoughShadowRequests,
     answer_p_values,
     consistency,
-    divergence_matrix,
     evaluate,
 )
 from controlplane.calibration.learn_then_test import calibrate_thresholds
@@ -79,7 +78,7 @@ def test_divergence_over_many_requests_is_first_divergence_request_by_request():
     expected = np.stack([first_divergence(signals[offsets[i]:offsets[i + 1]],
                                           matched[offsets[i]:offsets[i + 1]], thresholds)
                          for i in range(300)])
-    found = divergence_matrix(evidence, thresholds)
+    found = evidence.divergence(thresholds)
     np.testing.assert_array_equal(found, expected)
     assert (found[:, 0] == -1).all() and (found[:, 1] >= 0).any()
 
@@ -89,7 +88,7 @@ def test_the_exact_answer_risk_of_the_synthetic_model_matches_simulation():
     rng = np.random.default_rng(7)
     evidence = _requests(rng, 20_000)
     for thresholds in ([0.9, 0.8, 0.7], [0.5, 0.5, 0.5], [1.0, 1.0, 0.2]):
-        share = (divergence_matrix(evidence, np.array([thresholds]))[:, 0] >= 0).mean()
+        share = (evidence.divergence(np.array([thresholds]))[:, 0] >= 0).mean()
         assert share == pytest.approx(MODEL.answer_risk(thresholds), abs=0.012)
 
 
@@ -149,7 +148,7 @@ def test_the_answers_must_hold_on_the_witnesses_held_out_of_the_path():
     held = test.p_values(sets, np.array(["runtime:rt-0"]))
     assert (held >= everyone).all()
     mine = np.asarray(evidence.witnesses) == "runtime:rt-0"
-    alone = answer_p_values(divergence_matrix(evidence.take(mine), sets), delta_answer=0.3)
+    alone = answer_p_values(evidence.take(mine).divergence(sets), delta_answer=0.3)
     np.testing.assert_allclose(held, np.maximum(everyone, alone))
 
 
@@ -212,7 +211,7 @@ def test_a_job_records_the_chosen_sets_answer_figures():
     assert answers["requests"] == 400 and answers["delta_answer"] == 0.1
     assert result.exit_rate > 0 and answers["p_value"] <= 0.1
     chosen = np.array([[result.thresholds[k] for k in LAYERS]])
-    differs = divergence_matrix(evidence, chosen)[:, 0] >= 0
+    differs = evidence.divergence(chosen)[:, 0] >= 0
     assert answers["differing"] == int(differs.sum())
     assert answers["differing_bound"] >= answers["differing_share"]
 
