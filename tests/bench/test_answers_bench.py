@@ -5,15 +5,13 @@ run prints one JSON line with the figures docs/benchmarks.md quotes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benches import load_bench
+
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--heads", "none", "--prompts-per-domain", "6", "--new-tokens", "10",
         "--trials", "3", "--calibration", "8", "--verify", "3", "--verify-trials", "1",
@@ -21,11 +19,7 @@ ARGS = ["--model", "tiny", "--heads", "none", "--prompts-per-domain", "6", "--ne
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_answers", ROOT / "bench" / "answers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("answers")
 
 
 def test_the_run_and_its_cached_pool(tmp_path, capsys):

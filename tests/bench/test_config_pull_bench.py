@@ -4,7 +4,6 @@ the baseline's figures and `ratio_to_baseline` beside `ratio_304_to_ceiling`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,16 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.benches import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_config_pull",
-                                                  ROOT / "bench" / "config_pull.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("config_pull")
 
 
 def test_the_options_are_checked_before_anything_starts(tmp_path, capsys):

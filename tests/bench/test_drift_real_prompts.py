@@ -4,23 +4,19 @@ group, and no window comes from text the exit heads were trained on."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from runtime import corpus
+from tests.support.benches import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINED_CHARS = 60_000  # the cached demo heads' `stdlib_chars` (exitplane.demo._heads, quick)
 
 
 def _drift_real():
-    spec = importlib.util.spec_from_file_location("bench_drift_real",
-                                                  ROOT / "bench" / "drift_real.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("drift_real")
 
 
 @pytest.fixture(scope="module")

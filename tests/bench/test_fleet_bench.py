@@ -4,26 +4,18 @@ replica benches ship these batches)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 
 from exitplane.wire import IntervalBatch, RecordColumns
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benches import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_fleet", ROOT / "bench" / "fleet.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("fleet")
 
 
 def test_simulated_record_columns_encode_as_a_valid_interval_batch():

@@ -5,7 +5,6 @@ requests stay whole, the mixes hold, and a pooled set calibrated on mostly-chat 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,15 +14,13 @@ import numpy as np
 import pytest
 
 from controlplane.stats.synthetic import shadow_samples
+from tests.support.benches import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_segments", ROOT / "bench" / "segments.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("segments")
 
 
 def _records(folder: Path) -> None:

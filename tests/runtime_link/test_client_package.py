@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 import zipfile
-from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -31,6 +30,7 @@ from controlplane.deployments.models import ThresholdSet
 from controlplane.deployments.service import get_deployment
 from controlplane.flows import recalibration
 from controlplane.telemetry.models import ShadowSampleRow
+from tests.support.install import fresh_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "clients" / "python"
@@ -40,20 +40,6 @@ CLIENT_DISTRIBUTIONS = ["pydantic", "pydantic-core", "annotated-types", "typing-
                         "certifi", "sniffio", "msgpack"]
 SERVER_STACK = ["torch", "transformers", "fastapi", "sqlalchemy", "celery", "numpy", "redis",
                 "click", "controlplane", "runtime", "workers", "dashboards", "migrations"]
-
-
-def _copy_distribution(name: str, site: Path) -> None:
-    """Install an already installed distribution into `site` file by file (its RECORD)."""
-    try:
-        distribution = metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return  # e.g. sniffio, no longer needed by newer anyio
-    for file in distribution.files or []:
-        source = Path(distribution.locate_file(file))
-        if source.is_file() and ".." not in file.parts and "__pycache__" not in file.parts:
-            target = site / file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
 
 
 def _build_wheel(source: Path, into: Path) -> Path:
@@ -74,15 +60,7 @@ def client_wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory, client_wheel) -> Path:
     """A venv with the client wheel and its dependencies only."""
-    venv = tmp_path_factory.mktemp("client-venv") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; "
-                                "print(sysconfig.get_paths()['purelib'])"], check=True,
-                               capture_output=True, text=True).stdout.strip())
-    for name in CLIENT_DISTRIBUTIONS:
-        _copy_distribution(name, site)
+    python = fresh_venv(tmp_path_factory.mktemp("client-venv") / "venv", CLIENT_DISTRIBUTIONS)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
                     "--no-deps", "--no-index", str(client_wheel)], check=True,
                    capture_output=True, timeout=300)
