@@ -61,7 +61,11 @@ def _pull_gaps(engine, status: int, retry_after: str, *, backoff_max_s: float,
                              long_poll_s=1.0, heartbeat_interval_s=60.0,
                              backoff_initial_s=0.02, backoff_max_s=backoff_max_s).start()
     try:
-        wait_until(lambda: len(server.pulls) >= pulls, timeout=30, message=f"{pulls} pulls")
+        # the server notes a pull before it answers, the client counts the error after: wait
+        # for both, or a stop between the two loses the last count
+        wait_until(lambda: len(server.pulls) >= pulls
+                   and client.counters["pull_errors"] >= pulls,
+                   timeout=30, message=f"{pulls} refused pulls, seen and counted")
     finally:
         client.stop()
         server.shutdown()
