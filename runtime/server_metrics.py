@@ -4,7 +4,9 @@ target names it).
 - Request-level latency and token metrics, named and bucketed after vLLM's
   (`vllm:time_to_first_token_seconds` -> `exitplane_runtime_time_to_first_token_seconds`, ...),
   so dashboards and alerts written for vLLM fleets carry over; each has a `model_name` label.
-- Engine steps, exits per layer and requests by outcome, counted as they happen.
+- Engine steps, exits per layer, shadow tokens and shadow requests (the cost of measuring
+  agreement: tokens and whole requests run at full depth) and requests by outcome, counted as
+  they happen.
 - The threshold client's and the telemetry shipper's state (applied version, built-in fallback,
   pulls, pull errors, refused sets, spool, drops) and the segment router's counts, read from
   them at scrape time (`ServeMetrics.watch`): counts are counters, levels gauges.
@@ -117,6 +119,14 @@ class ServeMetrics:
                                       registry=r)
         self.exits = Counter("exitplane_runtime_exits", "Tokens by exit layer", ["layer"],
                              registry=r)
+        self.shadow_tokens = Counter(
+            "exitplane_runtime_shadow_tokens",
+            "Tokens computed at full depth to measure their exit layers' agreement (shadow "
+            "tokens, including every token of a shadow request)", registry=r)
+        self.shadow_requests = Counter(
+            "exitplane_runtime_shadow_requests",
+            "Requests served whole at full depth as shadow requests, counted at their last "
+            "token", registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         for layer in range(1, num_layers + 1):  # every layer a token can leave at, from 0
@@ -136,7 +146,12 @@ class ServeMetrics:
         self.step_seconds.observe(seconds)
         self.tokens.inc(len(outputs))
         for output in outputs:
-            self.exits.labels(str(output.record.exit_layer)).inc()
+            record = output.record
+            self.exits.labels(str(record.exit_layer)).inc()
+            if record.shadow is not None:
+                self.shadow_tokens.inc()
+                if record.shadow_request and record.request_end:
+                    self.shadow_requests.inc()
 
 
 def _gauge(name: str, doc: str) -> GaugeMetricFamily:

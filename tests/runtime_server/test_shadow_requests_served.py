@@ -5,7 +5,9 @@ is never one."""
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.runtime_server import Served, tiny_engine, tiny_state
 from tests.support.runtime_server import serve as _serve
@@ -35,3 +37,11 @@ def test_greedy_requests_are_served_as_shadow_requests(served):
     served.client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=2,
                                      temperature=0)
     assert not any(r.shadow_request for r in engine.drain_records())
+
+    # /metrics counts what measuring cost: 5 shadow tokens of one finished shadow request
+    families = {family.name: sum(s.value for s in family.samples if s.name.endswith("_total"))
+                for family in text_string_to_metric_families(
+                    httpx.get(f"{served.url}/metrics", timeout=10).text)}
+    assert families["exitplane_runtime_shadow_requests"] == 1
+    assert families["exitplane_runtime_shadow_tokens"] == 5
+    assert families["exitplane_runtime_tokens"] == 10
