@@ -139,7 +139,7 @@ def create_hook(spec: HookCreate, request: Request, session: SessionDep,
     hook = hook_service.create_hook(
         session=session, name=spec.name, kind=spec.kind, url=str(spec.url), actor=principal.actor,
         deployment=target, min_severity=spec.min_severity, secret=spec.secret,
-        routing_key=spec.routing_key, enabled=spec.enabled, guard=guard)
+        routing_key=spec.routing_key, enabled=spec.enabled, guard=guard, reason=spec.reason)
     read = _hook_read(hook, _names(session, [hook.deployment_id]), guard, model=HookCreated)
     read.secret = guard.vault.decrypt(hook.secret)  # shown once, on this response only
     return read
@@ -158,20 +158,23 @@ def update_hook(hook_id: int, spec: HookUpdate, request: Request, session: Sessi
                 principal: AdminPrincipal) -> HookRead:
     """Change an alert hook's URL, severity floor or enabled state."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
-    changes = spec.model_dump(exclude_none=True)
+    changes = spec.model_dump(exclude_none=True, exclude={"reason"})
     if "url" in changes:
         changes["url"] = str(changes["url"])
     guard = _guard(request)
     hook_service.update_hook(session=session, hook=hook, changes=changes, guard=guard,
-                             actor=principal.actor)
+                             actor=principal.actor, reason=spec.reason)
     return _hook_read(hook, _names(session, [hook.deployment_id]), guard)
 
 
 @router.delete("/hooks/{hook_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal) -> Response:
+def delete_hook(hook_id: int, session: SessionDep, principal: AdminPrincipal,
+                reason: Annotated[str, Query(max_length=2000,
+                                             description="why, for the audit log")] = ""
+                ) -> Response:
     """Delete an alert hook and its deliveries."""
     hook = hook_service.get_hook(session=session, hook_id=hook_id)
-    hook_service.delete_hook(session=session, hook=hook, actor=principal.actor)
+    hook_service.delete_hook(session=session, hook=hook, actor=principal.actor, reason=reason)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

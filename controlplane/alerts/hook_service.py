@@ -47,9 +47,11 @@ def hook_guard(settings=None) -> HookGuard:
 def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
                 deployment: Deployment | None = None, min_severity: str = "warning",
                 secret: str | None = None, routing_key: str | None = None,
-                enabled: bool = True, guard: HookGuard | None = None) -> AlertHook:
+                enabled: bool = True, guard: HookGuard | None = None,
+                reason: str = "") -> AlertHook:
     """A hook whose URL may be reached (`guard.check`); webhook hooks get a random HMAC
-    secret unless one is given. URL, secret and routing key are stored encrypted."""
+    secret unless one is given. URL, secret and routing key are stored encrypted. The
+    creation is an audit event of `actor`, with `reason`."""
     if kind not in HOOK_KINDS:
         raise Invalid(f"unknown hook kind {kind!r}; use one of {', '.join(HOOK_KINDS)}")
     if min_severity not in SEVERITIES:
@@ -68,7 +70,7 @@ def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
     session.add(hook)
     session.flush()
     record_admin_event(session=session, actor=actor, action="hook.create",
-                       target=f"hook:{hook.id}",
+                       target=f"hook:{hook.id}", reason=reason,
                        details={"name": name, "kind": kind, "deployment_id": hook.deployment_id,
                                 "min_severity": min_severity},
                        deployment=deployment.name if deployment else None)
@@ -76,10 +78,11 @@ def create_hook(*, session: Session, name: str, kind: str, url: str, actor: str,
 
 
 def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
-                guard: HookGuard | None = None, actor: str = LOCAL_ACTOR) -> AlertHook:
+                guard: HookGuard | None = None, actor: str = LOCAL_ACTOR,
+                reason: str = "") -> AlertHook:
     """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted.
-    The change is an audit event of `actor` (naming the fields changed, never their values
-    where they are credentials or URLs)."""
+    The change is an audit event of `actor`, with `reason` (naming the fields changed, never
+    their values where they are credentials or URLs)."""
     guard = guard or hook_guard()
     for name, value in changes.items():
         if name == "min_severity" and value not in SEVERITIES:
@@ -93,7 +96,7 @@ def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
         raise Invalid("a pagerduty hook needs routing_key")
     session.flush()
     record_admin_event(session=session, actor=actor, action="hook.update",
-                       target=f"hook:{hook.id}",
+                       target=f"hook:{hook.id}", reason=reason,
                        details={name: (value if name in ("min_severity", "enabled", "name")
                                        else "(changed)") for name, value in changes.items()})
     return hook
@@ -116,10 +119,11 @@ def shown_url(*, hook: AlertHook, guard: HookGuard) -> str:
         return "(unreadable with this secret key)"
 
 
-def delete_hook(*, session: Session, hook: AlertHook, actor: str = LOCAL_ACTOR) -> None:
-    """Delete a hook and its delivery log (an audit event of `actor`)."""
+def delete_hook(*, session: Session, hook: AlertHook, actor: str = LOCAL_ACTOR,
+                reason: str = "") -> None:
+    """Delete a hook and its delivery log (an audit event of `actor`, with `reason`)."""
     record_admin_event(session=session, actor=actor, action="hook.delete",
-                       target=f"hook:{hook.id}", details={"name": hook.name})
+                       target=f"hook:{hook.id}", reason=reason, details={"name": hook.name})
     session.execute(delete(AlertDelivery).where(AlertDelivery.hook_id == hook.id))
     session.delete(hook)
     session.flush()

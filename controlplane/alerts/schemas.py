@@ -60,6 +60,7 @@ class HookCreate(RequestModel):
     routing_key: str | None = Field(default=None, min_length=1, max_length=200,
                                     description="PagerDuty integration key (required there)")
     enabled: bool = True
+    reason: str = Field(default="", max_length=2000, description="why, for the audit log")
 
 
 class HookUpdate(RequestModel):
@@ -69,6 +70,7 @@ class HookUpdate(RequestModel):
     secret: str | None = Field(default=None, min_length=16, max_length=200)
     routing_key: str | None = Field(default=None, min_length=1, max_length=200)
     enabled: bool | None = None
+    reason: str = Field(default="", max_length=2000, description="why, for the audit log")
 
 
 class HookRead(BaseModel):

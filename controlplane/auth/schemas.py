@@ -18,6 +18,7 @@ class TokenCreate(RequestModel):
     name: str = Field(min_length=1, max_length=200)
     scope: Scope
     deployment: str | None = None
+    reason: str = Field(default="", max_length=2000, description="why, for the audit log")
 
 
 class TokenRead(BaseModel):

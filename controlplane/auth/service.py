@@ -58,9 +58,9 @@ def digest(secret: str) -> str:
 
 def create_token(*, session: Session, name: str, scope: str,
                  deployment: DeploymentRef | None = None,
-                 actor: str = LOCAL_ACTOR) -> tuple[ApiToken, str]:
+                 actor: str = LOCAL_ACTOR, reason: str = "") -> tuple[ApiToken, str]:
     """Create a token; returns the row and the secret, which is never stored or shown again.
-    The creation is an audit event of `actor`."""
+    The creation is an audit event of `actor`, with `reason`."""
     if scope not in SCOPES:
         raise Invalid(f"unknown scope {scope!r}; use one of {', '.join(SCOPES)}")
     if scope == "runtime" and deployment is None:
@@ -71,7 +71,7 @@ def create_token(*, session: Session, name: str, scope: str,
     session.add(token)
     session.flush()
     record_admin_event(session=session, actor=actor, action="token.create",
-                       target=f"token:{token.id}",
+                       target=f"token:{token.id}", reason=reason,
                        details={"name": name, "scope": scope,
                                 "deployment_id": token.deployment_id})
     return token, secret
@@ -104,10 +104,11 @@ def list_tokens(*, session: Session) -> list[ApiToken]:
     return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
 
 
-def revoke_token(*, session: Session, token_id: int, actor: str = LOCAL_ACTOR) -> ApiToken:
+def revoke_token(*, session: Session, token_id: int, actor: str = LOCAL_ACTOR,
+                 reason: str = "") -> ApiToken:
     """Revoke a token; every API process drops its cached lookup once this commits (never
     before: a lookup in between would cache the old principal again). The revocation is an
-    audit event of `actor`."""
+    audit event of `actor`, with `reason`."""
     token = session.get(ApiToken, token_id)
     if token is None:
         raise NotFound(f"token {token_id} does not exist")
@@ -115,6 +116,7 @@ def revoke_token(*, session: Session, token_id: int, actor: str = LOCAL_ACTOR) -
         token.revoked_at = utcnow()
         notify_after_commit(session=session, topic="revocation", message=token.token_hash)
         record_admin_event(session=session, actor=actor, action="token.revoke",
-                           target=f"token:{token.id}", details={"name": token.name})
+                           target=f"token:{token.id}", reason=reason,
+                           details={"name": token.name})
     session.flush()
     return token

@@ -3,7 +3,9 @@ here, above it, because a runtime token names its one deployment, which they loo
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
 from sqlalchemy import select
 
 from controlplane.auth import service
@@ -32,7 +34,8 @@ def create_token(spec: TokenCreate, session: SessionDep,
     deployment)."""
     deployment = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
     token, secret = service.create_token(session=session, name=spec.name, scope=spec.scope,
-                                         deployment=deployment, actor=principal.actor)
+                                         deployment=deployment, actor=principal.actor,
+                                         reason=spec.reason)
     return TokenCreated(**_reads(session, [token])[0].model_dump(), token=secret)
 
 
@@ -43,8 +46,11 @@ def list_tokens(session: SessionDep, principal: AdminPrincipal) -> list[TokenRea
 
 
 @router.delete("/{token_id}", response_model=TokenRead)
-def revoke_token(token_id: int, session: SessionDep, principal: AdminPrincipal) -> TokenRead:
+def revoke_token(token_id: int, session: SessionDep, principal: AdminPrincipal,
+                 reason: Annotated[str, Query(max_length=2000,
+                                              description="why, for the audit log")] = ""
+                 ) -> TokenRead:
     """Revoke a token: every API process refuses it within seconds."""
     token = service.revoke_token(session=session, token_id=token_id,
-                                 actor=principal.actor)
+                                 actor=principal.actor, reason=reason)
     return _reads(session, [token])[0]

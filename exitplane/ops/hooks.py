@@ -74,14 +74,15 @@ def hooks_show(api: ControlPlane, hook_id: int) -> None:
 @click.option("--routing-key-file", type=click.Path(dir_okay=False), default=None,
               help="a PagerDuty hook's routing key, from this file")
 @click.option("--disabled", is_flag=True, help="create it switched off")
+@click.option("--reason", default="", help="why, for the audit log")
 def hooks_create(api: ControlPlane, name: str, kind: str, hook_url: str,
                  deployment: str | None, min_severity: str | None, secret_file: str | None,
-                 routing_key_file: str | None, disabled: bool) -> None:
+                 routing_key_file: str | None, disabled: bool, reason: str) -> None:
     """Create an alert hook; a webhook's signing secret is shown once."""
     spec = {"name": name, "kind": kind, "url": hook_url, "deployment": deployment,
             "min_severity": min_severity, "secret": _secret(secret_file, "secret"),
             "routing_key": _secret(routing_key_file, "routing key"),
-            "enabled": False if disabled else None}
+            "enabled": False if disabled else None, "reason": reason or None}
     made = api.request("POST", "/v1/hooks",
                        json={key: value for key, value in spec.items() if value is not None})
     emit(api.output, made, lambda: record(made, [*HOOK_FIELDS, ("secret (shown once)",
@@ -99,9 +100,10 @@ def hooks_create(api: ControlPlane, name: str, kind: str, hook_url: str,
               help="a new HMAC signing key, from this file")
 @click.option("--routing-key-file", type=click.Path(dir_okay=False), default=None,
               help="a new PagerDuty routing key, from this file")
+@click.option("--reason", default="", help="why, for the audit log")
 def hooks_update(api: ControlPlane, hook_id: int, name: str | None, hook_url: str | None,
                  min_severity: str | None, enabled: bool | None, secret_file: str | None,
-                 routing_key_file: str | None) -> None:
+                 routing_key_file: str | None, reason: str) -> None:
     """Change alert hook HOOK_ID; what is not given keeps its value."""
     changes = {"name": name, "url": hook_url, "min_severity": min_severity, "enabled": enabled,
                "secret": _secret(secret_file, "secret"),
@@ -110,7 +112,8 @@ def hooks_update(api: ControlPlane, hook_id: int, name: str | None, hook_url: st
     if not changes:
         fail("give something to change: --name, --endpoint, --min-severity, --enable/"
              "--disable, --secret-file or --routing-key-file")
-    found = api.request("PATCH", f"/v1/hooks/{hook_id}", json=changes)
+    found = api.request("PATCH", f"/v1/hooks/{hook_id}",
+                        json={**changes, **({"reason": reason} if reason else {})})
     emit(api.output, found, lambda: click.echo(
         f"hook {found['id']} ({found['name']}) updated"), names=_ids)
 
@@ -118,7 +121,8 @@ def hooks_update(api: ControlPlane, hook_id: int, name: str | None, hook_url: st
 @operator_command(hooks, "delete")
 @click.argument("hook_id", type=int)
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
-def hooks_delete(api: ControlPlane, hook_id: int, yes: bool) -> None:
+@click.option("--reason", default="", help="why, for the audit log")
+def hooks_delete(api: ControlPlane, hook_id: int, yes: bool, reason: str) -> None:
     """Delete alert hook HOOK_ID and its deliveries."""
     if not yes:
         try:
@@ -128,7 +132,7 @@ def hooks_delete(api: ControlPlane, hook_id: int, yes: bool) -> None:
             confirmed = False
         if not confirmed:
             fail("nothing deleted (--yes deletes without asking)", REFUSED)
-    api.request("DELETE", f"/v1/hooks/{hook_id}")
+    api.request("DELETE", f"/v1/hooks/{hook_id}", params={"reason": reason} if reason else None)
     gone = {"id": hook_id, "deleted": True}
     emit(api.output, gone, lambda: click.echo(f"hook {hook_id} deleted"), names=_ids)
 

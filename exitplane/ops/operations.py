@@ -316,11 +316,13 @@ def tokens_list(api: ControlPlane) -> None:
 
 @operator_command(tokens, "create")
 @new_token_options
+@click.option("--reason", default="", help="why, for the audit log")
 def tokens_create(api: ControlPlane, name: str, scope: str, deployment: str | None,
-                  out_file: str | None) -> None:
+                  out_file: str | None, reason: str) -> None:
     """Create a token; its secret is shown once (table: the secret alone on stdout)."""
     made = api.request("POST", "/v1/tokens",
-                       json={"name": name, "scope": scope, "deployment": deployment})
+                       json={"name": name, "scope": scope, "deployment": deployment,
+                             **({"reason": reason} if reason else {})})
     if out_file:
         write_token_file(out_file, made["token"])
         click.echo(f"wrote the {scope} token {name!r} (id {made['id']}) to {out_file}",
@@ -333,9 +335,11 @@ def tokens_create(api: ControlPlane, name: str, scope: str, deployment: str | No
 
 @operator_command(tokens, "revoke")
 @click.argument("token_id", type=int)
-def tokens_revoke(api: ControlPlane, token_id: int) -> None:
+@click.option("--reason", default="", help="why, for the audit log")
+def tokens_revoke(api: ControlPlane, token_id: int, reason: str) -> None:
     """Revoke token TOKEN_ID: every request with it is refused from now on."""
-    revoked = api.request("DELETE", f"/v1/tokens/{token_id}")
+    revoked = api.request("DELETE", f"/v1/tokens/{token_id}",
+                          params={"reason": reason} if reason else None)
     emit(api.output, revoked, lambda: click.echo(
         f"token {revoked['id']} ({revoked['name']}) revoked"))
 

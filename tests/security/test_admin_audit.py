@@ -45,8 +45,10 @@ def test_admin_actions_over_the_api_are_audited_and_logged(client, tokens, engin
     admin, op = tokens.headers(tokens.admin), tokens.headers(tokens.operator)
     caplog.set_level(logging.INFO, logger="exitplane.audit")
     made = client.post("/v1/tokens", headers=admin,
-                       json={"name": "ci", "scope": "runtime", "deployment": "chat"}).json()
-    assert client.delete(f"/v1/tokens/{made['id']}", headers=admin).status_code == 200
+                       json={"name": "ci", "scope": "runtime", "deployment": "chat",
+                             "reason": "ci pipeline"}).json()
+    assert client.delete(f"/v1/tokens/{made['id']}", headers=admin,
+                         params={"reason": "leaked in a log"}).status_code == 200
     hook = client.post("/v1/hooks", headers=admin, json={
         "name": "ops", "kind": "webhook", "url": "http://127.0.0.1:9/hook",
         "min_severity": "critical"}).json()
@@ -79,14 +81,21 @@ def test_admin_actions_over_the_api_are_audited_and_logged(client, tokens, engin
     assert resolved["object"] == {"kind": "alert", "id": str(alert_id)}
     assert resolved["deployment"] == "chat"
     assert resolved["at"] == resolved["created_at"]
-    assert update["reason"] is None and update["deployment"] is None
+    assert update["reason"] is None and update["deployment"] is None  # none given
+    reasons = {e["action"]: e["reason"] for e in listed.json()[::-1]  # the newest of each
+               if e["source"] == "admin"}
+    assert reasons["token.create"] == "ci pipeline"
+    assert reasons["token.revoke"] == "leaked in a log"
+    assert client.delete("/v1/tokens/999999", headers=admin,
+                         params={"reason": "x" * 2001}).status_code == 422
     assert client.get("/v1/audit", headers=admin,
                       params={"action": "token.revoke"}).json()[0]["target"] == \
         f"token:{made['id']}"
     assert client.get("/v1/audit", headers=op).status_code == 403
     assert client.get("/v1/audit", headers=admin, params={"limit": 501}).status_code == 422
     lines = [record.getMessage() for record in _audit_lines(caplog)]
-    assert any(line.startswith("audit: token:test-admin token.revoke token:") for line in lines)
+    assert any(line.startswith("audit: token:test-admin token.revoke token:")
+               and line.endswith(": leaked in a log") for line in lines)
     assert any("alert.resolve" in line and line.endswith(": recalibrated") for line in lines)
 
 
@@ -233,6 +242,35 @@ def test_the_cli_filters_and_follows_pages(client, tokens, engine, live_server, 
     run = CliRunner().invoke(main, ["audit", "--since", "last week", *connection])
     assert run.exit_code == 2
     assert "--since" in run.stderr and "neither an ISO time" in run.stderr
+
+
+def test_the_cli_gives_reasons_for_token_and_hook_changes(client, tokens, engine, live_server,
+                                                         tmp_path):
+    with Session(engine) as session:
+        make_deployment(session)
+        session.commit()
+    token_file = tmp_path / "token"
+    token_file.write_text(tokens.admin)
+    connection = ["--url", live_server.url, "--token-file", str(token_file), "-o", "json"]
+
+    def cli(*args: str) -> dict:
+        run = CliRunner().invoke(main, [*args, *connection])
+        assert run.exit_code == 0, run.output
+        return json.loads(run.stdout)
+
+    made = cli("tokens", "create", "--name", "edge", "--scope", "runtime", "--deployment",
+               "chat", "--reason", "new edge site")
+    cli("tokens", "revoke", str(made["id"]), "--reason", "site closed")
+    hook = cli("hooks", "create", "--name", "pager", "--kind", "webhook", "--endpoint",
+               "http://127.0.0.1:9/hook", "--reason", "on-call rota")
+    cli("hooks", "update", str(hook["id"]), "--disable", "--reason", "maintenance")
+    cli("hooks", "delete", str(hook["id"]), "--yes", "--reason", "rota moved")
+    events = client.get("/v1/audit", headers=tokens.headers(tokens.admin)).json()
+    mine = {f"token:{made['id']}", f"hook:{hook['id']}"}
+    reasons = [(e["action"], e["reason"]) for e in events if e["target"] in mine][::-1]
+    assert reasons == [("token.create", "new edge site"), ("token.revoke", "site closed"),
+                       ("hook.create", "on-call rota"), ("hook.update", "maintenance"),
+                       ("hook.delete", "rota moved")]
 
 
 def test_the_workers_actions_are_audited_as_system_actors(engine, outbox):
