@@ -15,9 +15,16 @@ from controlplane.alerts.models import Alert
 from controlplane.db import utcnow
 from controlplane.deployments.models import Alias
 from controlplane.deployments.service import aliases_of
-from controlplane.drift.answers import ANSWER_REGRESSION, answer_look_alpha, p_value_above
+from controlplane.drift.answers import (
+    ANSWER_REGRESSION,
+    answer_condition,
+    answer_look_alpha,
+    p_value_above,
+)
 from controlplane.drift.service import DriftOptions, check_deployment, exit_behaviour_conditions
+from controlplane.stats.robust_evidence import EvidencePolicy
 from controlplane.telemetry.service import ingest
+from controlplane.telemetry.shadow_requests import ShadowRequests
 from exitplane.wire import TelemetryBatch
 from tests.support.alerts import FULL, LAYERS, make_deployment
 from tests.support.batches import telemetry_batch
@@ -164,3 +171,40 @@ def test_the_per_look_level_shares_the_hourly_budget():
     assert answer_look_alpha(options.for_segments(4)) == 0.01 / 480
     assert p_value_above(np.zeros(0, dtype=bool), 0.1) == 1.0
     assert p_value_above(np.array([True, False]), 0.5) == 0.75
+
+
+def _window(rng: np.random.Generator, n: int, p_differs: float, witnesses: int):
+    """n one-token shadow requests from `witnesses` runtimes, each token exiting at the one
+    exit layer under threshold 0.5 with a prediction that misses full depth with probability
+    `p_differs`: P(answer differs) is exactly `p_differs`."""
+    return ShadowRequests(
+        requests=[f"q-{i}" for i in range(n)], runtimes=[f"rt-{i % witnesses}" for i in range(n)],
+        witnesses=[f"runtime:rt-{i % witnesses}" for i in range(n)], segments=["default"] * n,
+        versions=np.full(n, 2, dtype=np.int64), offsets=np.arange(n + 1, dtype=np.int64),
+        signals=np.full((n, 1), 0.9, dtype=np.float32),
+        matched=(rng.random((n, 1)) >= p_differs))
+
+
+def _alarm_rate(p_differs: float, *, looks: int, alpha: float, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    alarms = 0
+    for _ in range(looks):
+        condition, checked = answer_condition(
+            _window(rng, 200, p_differs, witnesses=4), [0.5], delta_answer=0.1, alpha=alpha,
+            min_requests=50, policy=EvidencePolicy(), window={})
+        assert checked
+        alarms += condition is not None
+    return alarms / looks
+
+
+def test_steady_answers_at_delta_answer_alarm_at_most_alpha_per_look():
+    """The worst case the test allows, P(answer differs) = δ_answer on steady traffic: each
+    look alarms with probability at most its level (exact binomial; the leave-one-witness-out
+    maximum only lowers it), so the looks of an hour spend at most the hourly budget. 3,000
+    looks at α = 0.05: the rate stays under α plus three standard errors. A regression to
+    twice δ_answer is caught in most looks."""
+    looks, alpha = 3000, 0.05
+    assert _alarm_rate(0.1, looks=looks, alpha=alpha, seed=1) <= \
+        alpha + 3 * np.sqrt(alpha * (1 - alpha) / looks)
+    assert _alarm_rate(0.05, looks=500, alpha=alpha, seed=2) == 0.0
+    assert _alarm_rate(0.2, looks=300, alpha=alpha, seed=3) >= 0.9
