@@ -58,10 +58,11 @@ def _sentence(error: Exception) -> str:
 
 
 def _safe_next(request: Request, wanted: str | None) -> str:
-    """Only paths inside the UI: never another site (open redirect)."""
+    """Only paths inside the UI: never another site (open redirect), and nothing a browser
+    would rewrite (backslashes, whitespace or control characters, which browsers drop)."""
     root = ui_root(request)
     if wanted and wanted.startswith(root + "/") and not wanted.startswith("//") \
-            and "\\" not in wanted:
+            and "\\" not in wanted and not any(c <= " " or c == "\x7f" for c in wanted):
         return wanted[len(root):]
     return "/"
 

@@ -316,11 +316,13 @@ def test_wrong_password_then_throttled(ui, people):
     assert sign_in(ui, "nobody", password="whatever").status_code == 401
 
 
-def test_next_never_leaves_the_ui(ui, people):
-    page = ui.get("/ui/login?next=https://evil.example/")
+@pytest.mark.parametrize("wanted", [
+    "https://evil.example/", "//evil.example/", "/ui/\\evil.example", "/ui/\t/evil.example",
+    "/ui/\n/evil.example", "/ui/ /x"])
+def test_next_never_leaves_the_ui(ui, people, wanted):
+    page = ui.get("/ui/login", params={"next": wanted})
     response = ui.post("/ui/login", data={"username": "admin", "password": PASSWORD,
-                                          "next": "https://evil.example/",
-                                          "csrf_token": csrf_of(page.text)},
+                                          "next": wanted, "csrf_token": csrf_of(page.text)},
                        follow_redirects=False)
     assert response.headers["location"] == "/ui/"
     page = ui.get("/ui/login")
