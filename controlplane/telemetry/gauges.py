@@ -25,7 +25,8 @@ the raw series would count each value once per API replica.
 - exitplane_net_seconds_saved_last_hour{deployment}: what early exit saved over the last hour
   (telemetry/savings.py), net of exit checks and shadow tokens; negative when it cost time
 - exitplane_shadow_requests{deployment,segment}: complete shadow requests of the active version
-  over the last `ANSWER_WINDOW` (trust-filtered, `telemetry.shadow_requests`), and
+  over the last `ANSWER_WINDOW` (trust-filtered, `telemetry.shadow_requests`, each witness cut
+  to its share like every answer figure, `ShadowRequests.capped`), and
   exitplane_answer_identical_share{deployment,segment}: the share of them whose whole answer
   under the active set (each request under its segment's thresholds) is the full-depth answer
   (`ShadowRequests.divergence_by_segment`); no series for a deployment without such requests
@@ -61,6 +62,8 @@ from controlplane.deployments.segment_sets import thresholds_for
 from controlplane.deployments.service import get_threshold_set
 from controlplane.runtimes.models import Runtime
 from controlplane.runtimes.service import FORGET_AFTER
+from controlplane.settings import get_settings
+from controlplane.stats.robust_evidence import EvidencePolicy
 from controlplane.telemetry.models import Rollup, TelemetryBatchRow
 from controlplane.telemetry.savings import savings
 from controlplane.telemetry.shadow_requests import shadow_request_evidence
@@ -297,6 +300,7 @@ def _fill_answers(session, families: dict[str, GaugeMetricFamily],
     for row in session.execute(select(DeploymentSegment.deployment_id, DeploymentSegment.name)
                                .where(DeploymentSegment.removed_at.is_(None))):
         segmented[row.deployment_id].add(row.name)
+    policy = EvidencePolicy.from_settings(get_settings())
     for deployment in deployments.values():
         active = aliases[deployment.id].get("active")
         if active is None:
@@ -307,6 +311,9 @@ def _fill_answers(session, families: dict[str, GaugeMetricFamily],
             since=now - ANSWER_WINDOW, version=active, limit=ANSWER_MAX_REQUESTS)
         if not len(evidence):
             continue
+        # the same cut as the answers panel and the drift check (seed 0): one witness that
+        # floods shadow requests moves the gauge no more than its share
+        evidence = evidence.capped(policy, seed=0)
         threshold_set = get_threshold_set(session=session, deployment=deployment,
                                           version=active)
         same = evidence.divergence_by_segment(

@@ -22,7 +22,8 @@ from tests.support.shadow_requests import shadow_request_records
 SEGMENT_GAUGES = ("exitplane_shadow_requests", "exitplane_answer_identical_share")
 
 
-def _records(outcomes, *, start: float, segment: str, version: int = 2) -> list[dict]:
+def _records(outcomes, *, start: float, segment: str, version: int = 2,
+             prefix: str = "") -> list[dict]:
     """One 5-token shadow request per outcome (True: under thresholds 4: 0.9 its token 2 exits
     at layer 4 with a mismatched prediction, so its answer differs)."""
     records = []
@@ -32,7 +33,7 @@ def _records(outcomes, *, start: float, segment: str, version: int = 2) -> list[
         if differs:
             signals[2, 0], matched[2, 0] = 0.95, False
         records += shadow_request_records(
-            signals, matched, request_id=f"{segment}-{version}-{i}", start=start + i,
+            signals, matched, request_id=f"{prefix}{segment}-{version}-{i}", start=start + i,
             version=version, segment=None if segment == "default" else segment,
             layers=LAYERS, num_layers=FULL)
     return records
@@ -77,3 +78,23 @@ def test_answer_gauges_per_deployment_and_segment(client, answered):
     assert identical[("mix", "default")] == pytest.approx(6 / 8)
     assert identical[("mix", "code")] == pytest.approx(1 / 4)
     assert not any(deployment == "quiet" for deployment, _ in requests | identical)
+
+
+def test_one_witness_moves_the_answer_gauges_no_more_than_its_share(client, engine):
+    """rt-flood sends 30 differing answers, rt-a and rt-b 6 identical ones each: with each
+    witness cut to half of the requests at most (EXITPLANE_EVIDENCE_MAX_RUNTIME_SHARE 0.5),
+    the flood keeps 12 of its 30 and the gauge reads 12 identical of 24, not 12 of 42."""
+    start = (utcnow() - timedelta(minutes=10)).timestamp()
+    with Session(engine) as session:
+        flooded = make_deployment(session, "flooded")
+        for runtime, outcomes in (("rt-flood", [True] * 30), ("rt-a", [False] * 6),
+                                  ("rt-b", [False] * 6)):
+            records = _records(outcomes, start=start, segment="default", prefix=runtime)
+            ingest(session=session, deployment=flooded, batches=[TelemetryBatch.model_validate(
+                telemetry_batch(records, deployment="flooded", runtime_id=runtime,
+                                num_layers=FULL))])
+        session.commit()
+    scrape = client.get("/metrics").text
+    assert _samples(scrape, "exitplane_shadow_requests")[("flooded", "")] == 24
+    assert _samples(scrape, "exitplane_answer_identical_share")[("flooded", "")] == \
+        pytest.approx(12 / 24)
