@@ -9,6 +9,7 @@ from exitplane.wire import Signal, ThresholdSetWire
 from runtime.engine import Engine, EngineConfig, ExitPolicy
 from runtime.heads import ExitHeads
 from runtime.model import decoder_parts, tiny_llama
+from tests.support.generation import greedy_full_depth
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 17, 3], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1]]
 NEW_TOKENS = 16
@@ -22,13 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """Greedy HF generate, one prompt at a time."""
-    outputs = []
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return greedy_full_depth(model, PROMPTS, NEW_TOKENS)
 
 
 def engine(model, **config) -> Engine:

@@ -11,6 +11,7 @@ from runtime.engine import Engine, EngineConfig, ExitPolicy
 from runtime.heads import ExitHeads
 from runtime.model import load_model
 from runtime.train import TrainConfig, train_heads
+from tests.support.generation import greedy_full_depth
 
 # slow: the real SmolLM2 model
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -33,12 +34,7 @@ def prompts(smollm2):
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
     model, _ = smollm2
-    # An explicit mask: SmolLM2's pad id is <|im_end|> (2), which its chat template puts in
-    # every prompt, so generate() would otherwise mask those prompt tokens out.
-    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                                                         dtype=torch.long),
-                           max_new_tokens=NEW_TOKENS, do_sample=False,
-                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    return greedy_full_depth(model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("kv_policy", ["lazy", "propagate"])
