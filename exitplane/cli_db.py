@@ -216,7 +216,8 @@ def bootstrap_token(name: str, scope: str, deployment: str | None, out_file: str
     try:
         with session_scope() as session:
             target = get_deployment(session=session, name=deployment) if deployment else None
-            _, secret = create_token(session=session, name=name, scope=scope, deployment=target)
+            _, secret = create_token(session=session, name=name, scope=scope, deployment=target,
+                                     actor="cli:bootstrap")
     except DomainError as error:
         _fail(str(error))
     if out_file:
@@ -301,7 +302,7 @@ def bootstrap_user(username: str, role: str, password_file: str | None) -> None:
     try:
         with session_scope() as session:
             created = create_user(session=session, username=username, password=password,
-                                  role=role)
+                                  role=role, actor="cli:bootstrap")
             name = created.username
     except DomainError as error:
         _fail(str(error))

@@ -375,6 +375,8 @@ def test_the_store_commands_are_audited(tmp_path, sqlite_template):
             events = {(e.action, e.actor, e.target) for e in fleet_audit(session=session)}
     finally:
         engine.dispose()
-    assert ("user.create", "local", "user:root") in events
+    # every bootstrap command writes as the one actor `cli:bootstrap`
+    assert ("user.create", "cli:bootstrap", "user:root") in events
     assert ("deployment.create", "cli:bootstrap", "deployment:chat") in events
-    assert any(action == "token.create" and actor == "local" for action, actor, _ in events)
+    assert any(action == "token.create" and actor == "cli:bootstrap"
+               for action, actor, _ in events)
