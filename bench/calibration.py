@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from controlplane.calibration.learn_then_test import calibrate_thresholds, simulate_policy
+from controlplane.calibration.learn_then_test import calibrate_thresholds
+from controlplane.stats.exits import policy_outcomes
 from controlplane.stats.synthetic import DEFAULT_EXIT_LAYERS, DEFAULT_NUM_LAYERS, shadow_samples
 
 
@@ -35,7 +36,7 @@ def _oracle_exit_rate(curve, signals, matched, exit_layers, delta) -> float:
     """Exit rate of the most aggressive path step with disagreement <= δ on the data itself."""
     best = 0.0
     for point in curve:
-        first, disagree = simulate_policy(
+        first, disagree = policy_outcomes(
             signals, matched, [point.thresholds[k] for k in exit_layers]
         )
         if disagree.mean() <= delta:
@@ -53,7 +54,7 @@ def _trial(cal, fresh, *, exit_layers, num_layers, delta, epsilon, seed) -> dict
         epsilon=epsilon,
         seed=seed,
     )
-    first, disagree = simulate_policy(
+    first, disagree = policy_outcomes(
         fresh[0], fresh[1], [result.thresholds[k] for k in exit_layers]
     )
     depth = np.append(exit_layers, num_layers)[first].mean()

@@ -104,10 +104,10 @@ def _load(source: str) -> dict:
 
 
 def _served(thresholds: dict[int, float], records: dict) -> dict[str, float]:
-    from controlplane.calibration.learn_then_test import simulate_policy
+    from controlplane.stats.exits import policy_outcomes
 
     layers = [int(k) for k in records["exit_layers"]]
-    first, disagree = simulate_policy(records["signals"], records["matched"],
+    first, disagree = policy_outcomes(records["signals"], records["matched"],
                                       [thresholds[k] for k in layers])
     return {"exit_rate": round(float((first < len(layers)).mean()), 3),
             "disagreement": round(float(disagree.mean()), 3)}

@@ -386,7 +386,7 @@ def rollup_slots(tokens: dict, thresholds: list[float], layers: list[int], num_l
                  seconds: float) -> dict:
     """Per half-minute slot what ingestion would add to the rollups: tokens reaching and
     exiting each exit layer, the signal histogram per exit layer (full depth included)."""
-    from controlplane.stats.clustered import policy_outcomes
+    from controlplane.stats.exits import policy_outcomes
     from controlplane.telemetry.models import HISTOGRAM_BINS
 
     slots = int(np.ceil(seconds / SLOT_S))
@@ -513,7 +513,7 @@ class Episode:
     def true_disagreement(self, t: float, seconds: float | None = None) -> float:
         """Disagreement of every token (not only shadow ones) of the last `seconds` (default:
         the recent window)."""
-        from controlplane.stats.clustered import policy_outcomes
+        from controlplane.stats.exits import policy_outcomes
 
         seconds = self.options.recent_s if seconds is None else seconds
         lo, hi = np.searchsorted(self.tokens["ts"], [max(t - seconds, 0), t])
@@ -576,7 +576,7 @@ class Episode:
 
 def conditional_rates(source: Source, thresholds: list[float]) -> tuple[np.ndarray, float]:
     """Conditional exit rate per layer and disagreement of a source's replay half."""
-    from controlplane.stats.clustered import policy_outcomes
+    from controlplane.stats.exits import policy_outcomes
 
     tokens = np.concatenate(source.requests)
     first, disagree = policy_outcomes(source.signals[tokens], source.matched[tokens],

@@ -62,7 +62,7 @@ from sqlalchemy import select
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controlplane.auth.service import create_token
-from controlplane.calibration.learn_then_test import calibrate_thresholds, simulate_policy
+from controlplane.calibration.learn_then_test import calibrate_thresholds
 from controlplane.calibration.models import CalibrationJob, OperatingCurve
 from controlplane.calibration.service import CalibrationPolicy
 from controlplane.db import make_engine, session_scope
@@ -83,6 +83,7 @@ from controlplane.migrate import upgrade
 from controlplane.runtimes.service import RuntimeCaps, record_heartbeat
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.settings import Settings, get_settings
+from controlplane.stats.exits import policy_outcomes
 from controlplane.telemetry.savings import savings
 from controlplane.telemetry.service import ingest
 from exitplane.wire import Heartbeat, TelemetryBatch
@@ -106,7 +107,7 @@ def traffic(n: int, rng, centres) -> tuple[np.ndarray, np.ndarray]:
 
 def truth(thresholds: dict[int, float], sample) -> tuple[float, float]:
     """(disagreement, exit rate) of `thresholds` on a large sample."""
-    first, disagree = simulate_policy(*sample, [thresholds[k] for k in LAYERS])
+    first, disagree = policy_outcomes(*sample, [thresholds[k] for k in LAYERS])
     return float(disagree.mean()), float((first < len(LAYERS)).mean())
 
 
@@ -198,7 +199,7 @@ def timed(records: list[dict], signals: np.ndarray, rng, thresholds: dict[int, f
     """Turn `records` into served tokens: each exits where `thresholds` let it (a
     `shadow_share` of them stay shadow tokens at full depth, every check), with its exit checks
     and its wall time under COST times lognormal noise; the true net time saved (us)."""
-    first, _ = simulate_policy(signals, np.ones(signals.shape, dtype=bool),
+    first, _ = policy_outcomes(signals, np.ones(signals.shape, dtype=bool),
                                [thresholds[k] for k in LAYERS])
     saved = 0.0
     for i, record in enumerate(records):

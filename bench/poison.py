@@ -89,7 +89,6 @@ from controlplane.alerts.kinds import AlertKind
 from controlplane.alerts.models import Alert
 from controlplane.auth.service import create_token
 from controlplane.calibration import service as calibration
-from controlplane.calibration.learn_then_test import simulate_policy
 from controlplane.calibration.models import CalibrationJob
 from controlplane.db import make_engine, session_scope, utcnow
 from controlplane.deployments.models import Alias
@@ -115,6 +114,7 @@ from controlplane.runtimes.models import RuntimeOutlier
 from controlplane.runtimes.service import RuntimeCaps, claim_runtime_ids, record_heartbeat
 from controlplane.runtimes.witnesses import witness_of
 from controlplane.settings import get_settings
+from controlplane.stats.exits import policy_outcomes
 from controlplane.telemetry.service import ingest
 from exitplane.wire import DEFAULT_SEGMENT, Heartbeat, TelemetryBatch
 
@@ -167,7 +167,7 @@ def liar(kind: str, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def truth(thresholds: dict[int, float], sample) -> tuple[float, float]:
     """(disagreement, exit rate) of `thresholds` on the honest sample."""
-    first, disagree = simulate_policy(*sample, [thresholds[k] for k in LAYERS])
+    first, disagree = policy_outcomes(*sample, [thresholds[k] for k in LAYERS])
     return float(disagree.mean()), float((first < len(LAYERS)).mean())
 
 

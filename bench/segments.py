@@ -108,9 +108,9 @@ from controlplane.calibration.learn_then_test import (
     TESTS,
     NotEnoughShadowData,
     calibrate_thresholds,
-    simulate_policy,
 )
 from controlplane.calibration.segments import calibrate_segments
+from controlplane.stats.exits import policy_outcomes
 
 SEGMENTS = ("chat", "code")
 
@@ -200,7 +200,7 @@ def _replay(signals, matched, labels, by_segment: dict[str, list[float]]):
     wrong = np.zeros(len(signals), dtype=bool)
     for name, thresholds in by_segment.items():
         mine = labels == name
-        first, disagree = simulate_policy(signals[mine], matched[mine], thresholds)
+        first, disagree = policy_outcomes(signals[mine], matched[mine], thresholds)
         exits[mine] = first < signals.shape[1]
         wrong[mine] = disagree
     return exits, wrong

@@ -27,6 +27,7 @@ from controlplane.stats.clustered import (
     few_clusters_factor,
     null_design_effect,
 )
+from controlplane.stats.exits import policy_outcomes
 from controlplane.stats.robust_evidence import holdout_runtimes, robust_p_values, runtime_count
 
 NEVER_EXIT = 1.0
@@ -283,23 +284,12 @@ def clustered_risk_upper_bound(request_losses: Any, request_tokens: Any, epsilon
     return hi
 
 
-def simulate_policy(
-    signals: np.ndarray, matched: np.ndarray, thresholds: Sequence[float]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Exit index per sample (L = full depth) and whether the policy disagrees with full depth."""
-    exits = signals > np.asarray(thresholds, dtype=float)[None, :]  # (n, L); NaN never exits
-    any_exit = exits.any(axis=1)
-    first = np.where(any_exit, exits.argmax(axis=1), signals.shape[1])
-    rows = np.arange(len(first))
-    disagree = any_exit & ~matched[rows, np.minimum(first, signals.shape[1] - 1)]
-    return first, disagree
-
 
 def policy_disagreement(
     signals: np.ndarray, matched: np.ndarray, thresholds: Sequence[float]
 ) -> tuple[int, int]:
     """(disagreements, samples) of a threshold vector on shadow samples, for drift checks."""
-    _, disagree = simulate_policy(np.asarray(signals), np.asarray(matched, bool), thresholds)
+    _, disagree = policy_outcomes(np.asarray(signals), np.asarray(matched, bool), thresholds)
     return int(disagree.sum()), len(disagree)
 
 
@@ -521,7 +511,7 @@ def check_holdout(
     effect under δ (`null_design_effect`, read on these requests, with the few-requests
     shrink), then the binomial upper tail: tokens of one request disagree together
     (docs/concepts/statistics.md, "The holdout check")."""
-    first, disagree = simulate_policy(signals, matched, [thresholds[k] for k in exit_layers])
+    first, disagree = policy_outcomes(signals, matched, [thresholds[k] for k in exit_layers])
     n, k = len(first), int(disagree.sum())
     p = binomtest(k, n, p=delta, alternative="greater").pvalue if n else 1.0
     if n and k and codes is not None and np.bincount(codes).max() > 1:
@@ -617,10 +607,10 @@ def _test_path(path, signals, matched, match_prob, *, delta, epsilon, risk_test,
     disagreements = []
     for thresholds in path:
         if codes is not None and reference is not None:
-            ref_disagree = simulate_policy(reference[0], reference[1], thresholds)[1]
+            ref_disagree = policy_outcomes(reference[0], reference[1], thresholds)[1]
             by_reference.append(np.bincount(reference[2], weights=ref_disagree,
                                             minlength=reference[2].max() + 1))
-        first, disagree = simulate_policy(signals, matched, thresholds)
+        first, disagree = policy_outcomes(signals, matched, thresholds)
         rows = np.flatnonzero(first < n_layers)
         firsts.append(first)
         if runtimes is not None and codes is None:
@@ -664,7 +654,7 @@ def _held_out_p_values(path, signals, matched, codes, runtimes=None, *, delta, e
     is independent of the held-out outcome. With `min_runtimes` held-out `runtimes`, the
     largest over them without each one (`robust_evidence.robust_p_values`): no held-out runtime
     decides alone."""
-    disagreements = [simulate_policy(signals, matched, thresholds)[1] for thresholds in path]
+    disagreements = [policy_outcomes(signals, matched, thresholds)[1] for thresholds in path]
 
     def p_of(mask):
         kept = slice(None) if mask is None else mask
@@ -863,7 +853,7 @@ def calibrate_thresholds(
             )
         )
     best = curve[chosen]
-    disagree = simulate_policy(s_test, m_test, path[chosen])[1]
+    disagree = policy_outcomes(s_test, m_test, path[chosen])[1]
     holdout_check = None
     if len(holdout):
         holdout_check = check_holdout(
@@ -913,7 +903,7 @@ def calibrate_thresholds(
 def _exit_rates_by(labels: np.ndarray, signals: np.ndarray, thresholds, width: int
                    ) -> dict[str, float]:
     """The exit rate of `thresholds` on each label's samples."""
-    first, _ = simulate_policy(signals, np.ones(signals.shape, dtype=bool), thresholds)
+    first, _ = policy_outcomes(signals, np.ones(signals.shape, dtype=bool), thresholds)
     names, codes = np.unique(labels, return_inverse=True)
     exits = np.bincount(codes, weights=first < width, minlength=len(names))
     return {str(name): float(exits[i] / max(1, (codes == i).sum()))

@@ -23,9 +23,9 @@ from controlplane.calibration.learn_then_test import (
     check_counts,
     clustered_risk_p_values,
     risk_p_values,
-    simulate_policy,
 )
 from controlplane.stats.clustered import cluster_codes
+from controlplane.stats.exits import policy_outcomes
 from controlplane.stats.robust_evidence import robust_p_values, runtime_count
 from exitplane.wire import DEFAULT_SEGMENT
 
@@ -420,7 +420,7 @@ def _pooled_check(thresholds: dict[int, float], signals: np.ndarray, matched: np
     n = int(check.sum())
     if n == 0:
         return PooledCheck(tokens=0, disagreements=0, p_value=1.0, level=level, certified=False)
-    _, disagree = simulate_policy(signals, matched, [thresholds[k] for k in layers])
+    _, disagree = policy_outcomes(signals, matched, [thresholds[k] for k in layers])
     wrong = int(disagree[check].sum())
     codes = cluster_codes(requests)
     clustered = np.bincount(codes).max() > 1

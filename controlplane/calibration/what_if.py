@@ -23,6 +23,7 @@ import numpy as np
 from controlplane.calibration.learn_then_test import NEVER_EXIT, clustered_risk_upper_bound
 from controlplane.stats.clustered import cluster_codes
 from controlplane.stats.cost_model import CostModel
+from controlplane.stats.exits import first_exit, passes
 
 
 class InvalidThresholds(ValueError):
@@ -100,12 +101,9 @@ def validate_thresholds(thresholds: Mapping, exit_layers: Sequence[int]) -> dict
 
 
 def exits_of(signals: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """Exit index per token (L: full depth); `thresholds` (L,) or one row per token (n, L).
-    A token exits at the first exit layer whose signal is above the threshold (NaN never)."""
-    exits = np.asarray(signals, dtype=float) > np.asarray(thresholds, dtype=float)
-    exits = np.atleast_2d(exits)
-    width = exits.shape[1]
-    return np.where(exits.any(axis=1), exits.argmax(axis=1), width)
+    """Exit index per token (L: full depth); `thresholds` (L,) or one row per token (n, L),
+    under the exit rule (`stats.exits`)."""
+    return first_exit(np.atleast_2d(passes(signals, thresholds)))
 
 
 def token_cost(first: np.ndarray, exit_layers: Sequence[int], num_layers: int

@@ -28,7 +28,8 @@ from controlplane.drift.window_checks import DriftOptions
 from controlplane.runtimes.models import Runtime, RuntimeOutlier
 from controlplane.runtimes.outliers import excluded_witnesses, set_aside
 from controlplane.runtimes.witnesses import RUNTIME_PREFIX, token_of
-from controlplane.stats.clustered import cluster_codes, null_design_effect, policy_outcomes
+from controlplane.stats.clustered import cluster_codes, null_design_effect
+from controlplane.stats.exits import policy_outcomes
 from controlplane.stats.robust_evidence import cap_runtime_share
 from controlplane.telemetry.service import shadow_evidence
 from exitplane.wire import DEFAULT_SEGMENT

@@ -39,10 +39,10 @@ from controlplane.stats.clustered import (
     layer_design_effects,
     mean_design_effect,
     per_cluster,
-    policy_outcomes,
     scale_design_effect,
     weighted_cluster_size,
 )
+from controlplane.stats.exits import policy_outcomes
 from controlplane.stats.robust_evidence import leave_one_out
 from controlplane.telemetry.models import HISTOGRAM_BINS
 from exitplane.wire import DEFAULT_SEGMENT

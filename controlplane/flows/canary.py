@@ -45,7 +45,8 @@ from controlplane.drift.window_checks import DriftOptions
 from controlplane.errors import Conflict, NotFound
 from controlplane.flows.canary_answers import answer_check, with_answers
 from controlplane.runtimes.outliers import excluded_runtime_ids
-from controlplane.stats.clustered import ClusteredProportion, clustered_rate, policy_outcomes
+from controlplane.stats.clustered import ClusteredProportion, clustered_rate
+from controlplane.stats.exits import policy_outcomes
 from controlplane.stats.robust_evidence import leave_one_out
 from controlplane.telemetry.models import Rollup
 from controlplane.telemetry.service import shadow_evidence

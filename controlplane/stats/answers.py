@@ -4,9 +4,8 @@ A shadow request is served entirely at full depth and records, for every generat
 order, each exit layer's signal and whether that layer's top-1 matched the full model's. Under
 greedy decoding, the answer a threshold set θ would have given is the full-depth answer up to
 the first token that would have exited (at its first exit layer whose signal is strictly
-greater than θ at that layer, the rule every runtime applies: `exitplane.wire`, "Signal
-convention") at a layer whose prediction did not match; from that token on the answers
-differ. So the position of that token, or -1, is the answer loss of the request under θ,
+greater than θ at that layer, compared in 32 bits as the runtime compares: `stats.exits`) at
+a layer whose prediction did not match; from that token on the answers differ. So the position of that token, or -1, is the answer loss of the request under θ,
 exactly, provided that before it the runtime's KV cache after an early exit holds what the
 full model would (skipped layers computed later or recomputed, the `lazy` policy): then every
 earlier token, its hidden states and its signals are those the shadow request recorded. Under
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controlplane.stats.exits import as_compared, passes
 from exitplane.wire import TokenRecord
 
 # Elements of the (sets, tokens, layers) comparison built at once; larger inputs are taken in
@@ -33,9 +33,9 @@ _CHUNK_ELEMENTS = 1 << 24
 
 def _check(signals: np.ndarray, matched: np.ndarray,
            thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    signals = np.asarray(signals, dtype=np.float64)
+    signals = as_compared(signals)
     matched = np.asarray(matched, dtype=bool)
-    thresholds = np.asarray(thresholds, dtype=np.float64)
+    thresholds = as_compared(thresholds)
     if thresholds.ndim == 1:
         thresholds = thresholds[None]
     if signals.ndim != 2 or signals.shape != matched.shape:
@@ -88,9 +88,9 @@ def _slices(signals: np.ndarray, thresholds: np.ndarray) -> Iterable[np.ndarray]
 
 
 def _exits(signals: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    passes = signals[None] > thresholds[:, None, :]  # (k, T, L); NaN compares False
-    column = np.argmax(passes, axis=2)
-    return np.where(passes.any(axis=2), column, -1)
+    cleared = passes(signals[None], thresholds[:, None, :])  # (k, T, L); NaN never clears
+    column = np.argmax(cleared, axis=2)
+    return np.where(cleared.any(axis=2), column, -1)
 
 
 def request_evidence(records: Sequence[TokenRecord],

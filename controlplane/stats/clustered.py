@@ -151,20 +151,6 @@ def weighted_cluster_size(tokens: np.ndarray) -> float:
     return float((tokens @ tokens) / tokens.sum()) if tokens.sum() > 0 else 0.0
 
 
-def policy_outcomes(signals: np.ndarray, matched: np.ndarray,
-                    thresholds: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """Per shadow token under a threshold vector (exit-layer order): the exit slot (L = full
-    depth) and whether that exit disagrees with full depth."""
-    signals = np.asarray(signals, dtype=float)
-    matched = np.asarray(matched, dtype=bool)
-    exits = signals > np.asarray(thresholds, dtype=float)[None, :]  # (n, L)
-    any_exit = exits.any(axis=1)
-    first = np.where(any_exit, exits.argmax(axis=1), signals.shape[1])
-    rows = np.arange(len(first))
-    disagree = any_exit & ~matched[rows, np.minimum(first, signals.shape[1] - 1)]
-    return first, disagree
-
-
 def layer_design_effects(cluster_ids: Sequence, exit_slot: np.ndarray, layers: Sequence[int],
                          *, min_clusters: int = 10) -> dict[int, ClusteredProportion]:
     """Per exit layer, the clustered conditional exit rate of shadow tokens under the policy

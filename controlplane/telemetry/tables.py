@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from controlplane.runtimes.witnesses import witness_of
+from controlplane.stats.exits import passes
 from controlplane.telemetry.bulk import Table, number_groups
 from controlplane.telemetry.columns import BatchColumns
 from controlplane.telemetry.models import HISTOGRAM_BINS
@@ -135,7 +136,7 @@ def tables_of(*, deployment_id: int, exit_layers: list[int], num_layers: int,
     applied = np.array([policy_thresholds(thresholds, v, segments[s]) for v, s in zip(
         pairs[0].tolist(), pairs[1].tolist(), strict=True)]) if len(shadow_at) else \
         np.zeros((0, len(exit_layers)))
-    over = signals > applied[pair].reshape(signals.shape)
+    over = passes(signals, applied[pair].reshape(signals.shape))
     timed = counted & (joined("exit_checks") >= 0)
     costs = (cell[timed], tokens["latency_us"][timed], joined("exit_checks")[timed])
     rollups = _rollups(key_of, layers, cell[counted], group[shadow_at], exit_layers, over,

@@ -42,15 +42,9 @@ def test_hb_upper_bound_known_answer():
     assert cal.hb_p_value(0.03, 2000, bound) == pytest.approx(0.05, rel=1e-3)
 
 
-def test_simulate_policy_exits_at_first_layer_above_threshold():
+def test_policy_disagreement_counts_exits_that_miss_full_depth():
     signals = np.array([[0.9, 0.1], [0.2, 0.95], [0.2, 0.3], [0.5, 0.99]])
     matched = np.array([[False, True], [True, True], [True, False], [True, False]])
-    first, disagree = cal.simulate_policy(signals, matched, [0.8, 0.9])
-    assert first.tolist() == [0, 1, 2, 1]
-    assert disagree.tolist() == [True, False, False, True]
-    # strict ">": a signal equal to the threshold does not exit; 1.0 never exits
-    first, _ = cal.simulate_policy(np.array([[0.8, 1.0]]), np.array([[True, True]]), [0.8, 1.0])
-    assert first.tolist() == [2]
     assert cal.policy_disagreement(signals, matched, [0.8, 0.9]) == (2, 4)
 
 

@@ -16,7 +16,6 @@ from controlplane.calibration.learn_then_test import (
     LogisticMatchModel,
     calibrate_thresholds,
     policy_disagreement,
-    simulate_policy,
 )
 from controlplane.calibration.models import CalibrationJob
 from controlplane.calibration.segments import calibrate_segments, recalibration_level
@@ -24,6 +23,7 @@ from controlplane.db import session_scope, utcnow
 from controlplane.deployments.segments import declare_segment
 from controlplane.deployments.service import get_deployment
 from controlplane.flows import recalibration
+from controlplane.stats.exits import policy_outcomes
 from tests.support.calibration import make_deployment, separable_samples, write_traffic
 from tests.support.simulated_requests import LAYERS, NUM_LAYERS, TOKENS, simulated_requests
 
@@ -97,7 +97,7 @@ def test_a_small_segment_certifies_more_exits_with_a_borrowed_path_on_the_same_d
         for kind, options in (("borrowed", {}), ("own", {"borrow_path": False})):
             result = _calibrate(chat, code, seed=trial, **options)
             thresholds = result.segments["code"].thresholds
-            first, _ = simulate_policy(fresh[0], fresh[1], [thresholds[k] for k in LAYERS])
+            first, _ = policy_outcomes(fresh[0], fresh[1], [thresholds[k] for k in LAYERS])
             exits[kind].append(float((first < len(LAYERS)).mean()))
     borrowed, own = np.mean(exits["borrowed"]), np.mean(exits["own"])
     print(f"small segment's fresh exit rate: borrowed path {borrowed:.4f}, own path {own:.4f}")

@@ -11,9 +11,9 @@ from controlplane.stats.clustered import (
     clustered_proportion,
     clustered_rate,
     layer_design_effects,
-    policy_outcomes,
     scale_design_effect,
 )
+from controlplane.stats.exits import policy_outcomes
 
 
 def _requests(rng, count: int, size: int, mean: float, spread: float):
