@@ -22,6 +22,7 @@ import itertools
 import queue
 import random
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -150,6 +151,9 @@ class Engine:
         self._request_rng = random.Random(f"{self.config.seed}-shadow-requests")
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: OrderedDict[str, Request] = OrderedDict()
+        # default request ids: a random prefix per engine, so a restarted runtime (same
+        # runtime id) never repeats an id the control plane already assembled
+        self._id_prefix = f"req-{secrets.token_hex(6)}-"
         self._ids = itertools.count()
         self.decoder = Decoder(self.parts, self.cache, self.config.max_seq_len)
 
@@ -181,7 +185,7 @@ class Engine:
         a shadow token marked `shadow_request`, the last one `request_end` (greedy only: a
         sampled answer is not the one its evidence describes). None draws it: a greedy
         request is a shadow request with probability `config.shadow_request_rate`."""
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"{self._id_prefix}{next(self._ids)}"
         segment = segment or DEFAULT_SEGMENT
         if not prompt:
             raise ValueError("a prompt needs at least one token")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exitplane.wire import Signal, ThresholdSetWire
+from exitplane.wire import Signal, ThresholdSetWire, TokenRecord
 from runtime.engine import Engine, EngineConfig, ExitPolicy
 from runtime.heads import ExitHeads
 from runtime.model import decoder_parts, tiny_llama
@@ -265,3 +265,16 @@ def test_unchecked_tokens_record_no_signal_whatever_shares_their_step(model):
     for record in (r for r in records if r.shadow is not None):
         # the recorded signal is layer 2's (the live check), not layer 4's (a shadow label)
         assert record.signal_value == pytest.approx(record.shadow[0].signal, abs=1e-6)
+
+
+def test_default_request_ids_differ_across_engines_and_fit_the_wire(model):
+    """Default request ids never repeat across engines (a restarted runtime keeps its runtime
+    id, and the control plane never assembles a completed request id again), and they fit the
+    wire's request_id."""
+    first, second = engine(model), engine(model)
+    ids = [eng.add_request(PROMPTS[1], max_new_tokens=1) for eng in (first, second, first)]
+    assert len(set(ids)) == 3
+    for request_id in ids:
+        TokenRecord(threshold_version=0, request_id=request_id, position=0, exit_layer=4,
+                    signal_value=0.5, latency_us=1, ts=1.0)
+        assert len(request_id) <= 32
