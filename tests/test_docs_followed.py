@@ -11,6 +11,8 @@ from pathlib import Path
 
 import markdown
 import pytest
+from alembic.config import Config
+from alembic.script import ScriptDirectory
 from mkdocs.config import load_config
 
 from scripts import docs_reference
@@ -134,3 +136,13 @@ def test_the_getting_started_pages_can_be_followed_one_after_the_other():
             for name in made[kind]:
                 assert name not in seen, f"{page} and {seen[name]} both create {kind} {name}"
                 seen[name] = page
+
+
+def test_the_operator_guide_shows_the_head_migration():
+    """The `db current` example names the newest migration, as a store at head answers."""
+    root = Path(__file__).resolve().parents[1]
+    config = Config()
+    config.set_main_option("script_location", str(root / "migrations"))
+    head = ScriptDirectory.from_config(config).get_current_head()
+    guide = (root / "docs" / "guides" / "operator-cli.md").read_text()
+    assert f"$ exitplane db current\n{head} (head)\n" in guide

@@ -37,6 +37,10 @@ def get_hook(*, session: Session, hook_id: int) -> AlertHook:
     return hook
 
 
+# Stored encrypted: a new value is never compared with the stored one.
+_SEALED = ("url", "secret", "routing_key")
+
+
 def hook_guard(settings=None) -> HookGuard:
     """The allow-list and vault of `settings` (default: this process's)."""
     from controlplane.settings import get_settings
@@ -82,14 +86,19 @@ def update_hook(*, session: Session, hook: AlertHook, changes: dict[str, Any],
                 reason: str = "") -> AlertHook:
     """Apply `changes`; a new URL is checked like a new hook's, credentials are encrypted.
     The change is an audit event of `actor`, with `reason` (naming the fields changed, never
-    their values where they are credentials or URLs)."""
+    their values where they are credentials or URLs); values equal to the current ones change
+    nothing and record nothing."""
     guard = guard or hook_guard()
+    changes = {name: value for name, value in changes.items()
+               if name in _SEALED or getattr(hook, name) != value}
+    if not changes:
+        return hook
     for name, value in changes.items():
         if name == "min_severity" and value not in SEVERITIES:
             raise Invalid(f"unknown severity {value!r}")
         if name == "url":
             guard.check(value, kind=hook.kind, must_resolve=False)
-        if name in ("url", "secret", "routing_key"):
+        if name in _SEALED:
             value = guard.vault.encrypt(value)
         setattr(hook, name, value)
     if hook.kind == "pagerduty" and not hook.routing_key:

@@ -80,7 +80,13 @@ def create_deployment(*, session: Session, spec: DeploymentCreate, actor: str) -
 
 def update_deployment(*, session: Session, deployment: Deployment, spec: DeploymentUpdate,
                       actor: str) -> Deployment:
-    changes = spec.changes()
+    """Apply the settings `spec` changes; an audit event names each one that takes a new
+    value (before and after). Values equal to the current ones change nothing and record
+    nothing."""
+    changes = {key: value for key, value in spec.changes().items()
+               if getattr(deployment, key) != value}
+    if not changes:
+        return deployment
     low = changes.get("shadow_rate_min", deployment.shadow_rate_min)
     high = changes.get("shadow_rate_max", deployment.shadow_rate_max)
     if low > high:

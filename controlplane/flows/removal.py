@@ -1,11 +1,13 @@
 """Deleting a deployment, across the domains that keep rows under it.
 
 The foreign keys to `deployments` cascade: threshold sets, aliases, its audit log, segments,
-API tokens, runtimes, calibration jobs, canary runs, operating curves, alerts and their
-reports go with the row. The telemetry tables carry the deployment's id without a foreign key
-(they are partitioned and bulk-written), so their rows are deleted here first. Runtime tokens
-are revoked before the row goes, so every API process drops its cached lookup of them when
-the transaction commits. The deployment's own audit log is copied into the fleet-wide
+runtimes, calibration jobs, canary runs, operating curves, alerts and their reports go with
+the row. The telemetry tables carry the deployment's id without a foreign key (they are
+partitioned and bulk-written), so their rows are deleted here first. Its runtime tokens are
+revoked (every API process drops its cached lookup of them when the transaction commits) and
+kept, revoked and no longer bound to a deployment, so the token list still shows them; its
+alert hooks are deleted with their delivery logs. Each revocation and hook deletion is an audit
+event with the deletion's reason. The deployment's own audit log is copied into the fleet-wide
 administrative log first (same times, actors, actions, reasons and objects), so the history
 outlives the deployment, followed by the deletion's own event.
 """
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
+from controlplane.alerts.hook_service import delete_hook
+from controlplane.alerts.models import AlertHook
 from controlplane.auth.audit import record_admin_event
 from controlplane.auth.models import AdminEvent, ApiToken
 from controlplane.auth.service import revoke_token
@@ -58,8 +62,16 @@ def delete_deployment(*, session: Session, deployment: Deployment, actor: str, r
     token_ids = list(session.scalars(select(ApiToken.id).where(
         ApiToken.deployment_id == deployment.id, ApiToken.revoked_at.is_(None))
         .order_by(ApiToken.id)))
+    cause = f"deployment {deployment.name} deleted: {reason}"
     for token_id in token_ids:
-        revoke_token(session=session, token_id=token_id, actor=actor)
+        revoke_token(session=session, token_id=token_id, actor=actor, reason=cause)
+    session.execute(update(ApiToken).where(ApiToken.deployment_id == deployment.id)
+                    .values(deployment_id=None), execution_options={"synchronize_session": False})
+    hooks = list(session.scalars(select(AlertHook).where(
+        AlertHook.deployment_id == deployment.id).order_by(AlertHook.id)))
+    hook_ids = [hook.id for hook in hooks]
+    for hook in hooks:
+        delete_hook(session=session, hook=hook, actor=actor, reason=cause)
     versions = session.scalar(select(func.count()).select_from(ThresholdSet)
                               .where(ThresholdSet.deployment_id == deployment.id)) or 0
     for model in _UNLINKED:
@@ -71,6 +83,7 @@ def delete_deployment(*, session: Session, deployment: Deployment, actor: str, r
         session.execute(insert(AdminEvent), archived)
     details = {"model_ref": deployment.model_ref, "exit_layers": deployment.exit_layers,
                "threshold_sets": versions, "revoked_tokens": token_ids,
+               "deleted_hooks": hook_ids,
                "live_runtimes": live, "forced": bool(live), "archived_events": len(archived)}
     record_admin_event(session=session, actor=actor, action="deployment.delete",
                        target=f"deployment:{deployment.name}", reason=reason, details=details,

@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from controlplane.auth.deps import AdminPrincipal
 from controlplane.db import SessionDep, utcnow
@@ -24,6 +24,8 @@ class DeploymentDeleted(BaseModel):
     deleted_at: datetime
     threshold_sets: int
     revoked_tokens: list[int]
+    deleted_hooks: list[int] = Field(default_factory=list,
+                                     description="the alert hooks bound to it, deleted")
     live_runtimes: list[str]
 
 
@@ -36,10 +38,10 @@ def delete(name: str, request: Request, session: SessionDep, principal: AdminPri
            force: Annotated[bool, Query(description=(
                "delete even while runtimes are live: they lose their thresholds and "
                "their tokens"))] = False) -> DeploymentDeleted:
-    """Delete a deployment with its threshold sets, aliases, audit log, segments, tokens (its
-    runtime tokens stop working), runtimes, calibration jobs, canaries, alerts and telemetry
-    (409 while runtimes heard from within EXITPLANE_RUNTIME_STALE_AFTER_S are live, unless
-    `force`). The deletion is an administrative audit event (`GET /v1/audit`)."""
+    """Delete a deployment with its threshold sets, aliases, audit log, segments, alert hooks,
+    runtimes, calibration jobs, canaries, alerts and telemetry; its runtime tokens are revoked
+    (kept in the token list, bound to no deployment). 409 while runtimes heard from within
+    EXITPLANE_RUNTIME_STALE_AFTER_S are live, unless `force`. The deletion is an administrative audit event (`GET /v1/audit`)."""
     deployment = get_deployment(session=session, name=name)
     details = delete_deployment(
         session=session, deployment=deployment, actor=principal.actor, reason=reason,
@@ -47,4 +49,5 @@ def delete(name: str, request: Request, session: SessionDep, principal: AdminPri
     return DeploymentDeleted(name=name, deleted_at=utcnow(),
                              threshold_sets=details["threshold_sets"],
                              revoked_tokens=details["revoked_tokens"],
+                             deleted_hooks=details["deleted_hooks"],
                              live_runtimes=details["live_runtimes"])

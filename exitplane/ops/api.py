@@ -44,6 +44,7 @@ class ControlPlane:
         self.output = output
         self.timeout_s = timeout_s
         self.headers = headers
+        self.ignored: list[str] = []  # the request fields the last answer said it ignored
 
     def request(self, method: str, path: str, *, json: Any = None,
                 params: dict | None = None) -> Any:
@@ -71,9 +72,13 @@ class ControlPlane:
             fail(f"cannot reach {self.url}: {_reason(error)}")
         if answer.is_error:
             fail(_refusal(answer), REFUSED)
-        if ignored := answer.headers.get("exitplane-ignored-fields"):
-            click.echo(f"exitplane: warning: this control plane ignored {ignored} (an older "
-                       "release than this CLI?)", err=True)
+        self.ignored = [name.strip() for name in
+                        answer.headers.get("exitplane-ignored-fields", "").split(",")
+                        if name.strip()]
+        if self.ignored:
+            click.echo(f"exitplane: warning: this control plane ignored {', '.join(self.ignored)}"
+                       ": fields it does not know (a misspelt name, or one of a newer release "
+                       "than the server's)", err=True)
         if not answer.content:
             return None
         try:

@@ -149,9 +149,13 @@ def deployments_update(api: ControlPlane, name: str, auto_segments: bool | None,
     if not changes:
         fail("give a setting to change, e.g. --delta 0.02 or --set fallback_mode=last_good")
     found = api.request("PATCH", _path(name), json=changes)
+    applied = {key: value for key, value in changes.items() if key not in api.ignored}
+    if not applied:
+        fail(f"deployment {name} not updated: the control plane knows none of "
+             f"{', '.join(changes)}", REFUSED)
     emit(api.output, found, lambda: click.echo(
         f"deployment {name} updated: " + ", ".join(
-            f"{key}={found.get(key, value)}" for key, value in changes.items())))
+            f"{key}={found.get(key, value)}" for key, value in applied.items())))
 
 
 @operator_command(deployments, "delete")
@@ -163,8 +167,8 @@ def deployments_update(api: ControlPlane, name: str, auto_segments: bool | None,
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 def deployments_delete(api: ControlPlane, name: str, reason: str, force: bool,
                        yes: bool) -> None:
-    """Delete deployment NAME with its versions, aliases, tokens (its runtime tokens stop
-    working), runtimes, calibrations, canaries, alerts and telemetry (admin token). Refused
+    """Delete deployment NAME with its versions, aliases, alert hooks, runtimes, calibrations,
+    canaries, alerts and telemetry; its runtime tokens are revoked (admin token). Refused
     while runtimes of it are live, unless --force."""
     if not yes:
         try:
@@ -178,7 +182,8 @@ def deployments_delete(api: ControlPlane, name: str, reason: str, force: bool,
                        params={"reason": reason, "force": "true" if force else None})
     emit(api.output, gone, lambda: click.echo(
         f"deployment {gone['name']} deleted ({gone['threshold_sets']} threshold set(s), "
-        f"{len(gone['revoked_tokens'])} runtime token(s) revoked)"))
+        f"{len(gone['revoked_tokens'])} runtime token(s) revoked, "
+        f"{len(gone.get('deleted_hooks', []))} alert hook(s) deleted)"))
 
 
 SHADOW_FIELDS = [("deployment", "name"), ("shadow rate", "shadow_rate"),

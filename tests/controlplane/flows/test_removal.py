@@ -1,7 +1,8 @@
 """Deleting a deployment (flows.removal, DELETE /v1/deployments/{name}) on SQLite and
 PostgreSQL: refused while a runtime is live unless forced; then every row stored under the
 deployment is gone, telemetry included (it has no foreign key to cascade from), while other
-deployments keep theirs; its runtime tokens are revoked and refused; the deletion is an
+deployments keep theirs; its runtime tokens are revoked and refused (and kept, revoked, in the
+token list), its alert hooks deleted, each with an audit event; the deletion is an
 administrative audit event, and its own audit log is kept in the fleet-wide log; the name can
 be created again, and the new deployment takes
 telemetry under its own id."""
@@ -13,6 +14,8 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
+from controlplane.alerts.hook_service import create_hook
+from controlplane.alerts.models import AlertHook
 from controlplane.auth.models import AdminEvent, ApiToken
 from controlplane.auth.service import create_token
 from controlplane.db import session_scope, utcnow
@@ -54,6 +57,8 @@ def _fill(session, name: str) -> tuple[int, int]:
     write_traffic(session, name, signals, matched, start=utcnow() - timedelta(minutes=10))
     token, _ = create_token(session=session, name=f"rt-{name}", scope="runtime",
                             deployment=deployment)
+    create_hook(session=session, name=f"pager-{name}", kind="webhook",
+                url="http://127.0.0.1:9/hook", actor="user:ops", deployment=deployment)
     record_heartbeat(session=session, deployment=deployment,
                      beat=Heartbeat(runtime_id="rt-1"), token_id=token.id)
     return deployment.id, token.id
@@ -85,11 +90,14 @@ def test_delete_takes_everything_under_the_deployment_and_nothing_else(engine):
             session=session, deployment=get_deployment(session=session, name="chat"),
             actor="user:ops", reason="typo", stale_after_s=120, force=True)
     assert details["revoked_tokens"] == [token_id] and details["live_runtimes"] == ["rt-1"]
+    assert len(details["deleted_hooks"]) == 1
     assert details["threshold_sets"] == before["threshold_sets"]
     with session_scope(engine) as session:
         assert _rows_of(session, gone_id) == {}
         assert _rows_of(session, kept_id) == kept_before
-        assert session.get(ApiToken, token_id) is None
+        kept_token = session.get(ApiToken, token_id)  # in the token list, revoked, unbound
+        assert kept_token.revoked_at is not None and kept_token.deployment_id is None
+        assert session.get(AlertHook, details["deleted_hooks"][0]) is None
         event = session.scalars(select(AdminEvent).where(
             AdminEvent.action == "deployment.delete")).one()
         assert (event.actor, event.target, event.reason) == ("user:ops", "deployment:chat",
@@ -97,6 +105,11 @@ def test_delete_takes_everything_under_the_deployment_and_nothing_else(engine):
         revoked = session.scalars(select(AdminEvent).where(
             AdminEvent.action == "token.revoke")).one()
         assert revoked.target == f"token:{token_id}"
+        assert revoked.reason == "deployment chat deleted: typo"
+        hook_gone = session.scalars(select(AdminEvent).where(
+            AdminEvent.action == "hook.delete")).one()
+        assert (hook_gone.target, hook_gone.reason) == (
+            f"hook:{details['deleted_hooks'][0]}", "deployment chat deleted: typo")
         # The deployment's own audit log outlives it in the fleet-wide log.
         archived = [e for e in session.scalars(select(AdminEvent).order_by(AdminEvent.id))
                     if e.details.get("archived_from") == "deployment_audit"]
