@@ -286,3 +286,40 @@ def test_the_workers_actions_are_audited_as_system_actors(engine, outbox):
     assert ("system:fallback", "calibration.request") in done  # the recalibration it queued
     assert (fell.object_kind, fell.object_id) == ("alias", "chat/active")
     assert fell.details["alert_id"] == alert_id and f"alert {alert_id}" in fell.reason
+
+
+def test_changes_that_change_nothing_record_nothing(client, tokens, engine, live_server,
+                                                    tmp_path):
+    admin = tokens.headers(tokens.admin)
+    with Session(engine) as session:
+        make_deployment(session)
+        session.commit()
+    hook = client.post("/v1/hooks", headers=admin, json={
+        "name": "ops", "kind": "webhook", "url": "http://127.0.0.1:9/hook"}).json()
+
+    def count(action: str) -> int:
+        return sum(e["action"] == action for e in client.get("/v1/audit", headers=admin).json())
+
+    assert client.patch(f"/v1/hooks/{hook['id']}", headers=admin,
+                        json={"reason": "nothing else"}).status_code == 200
+    assert client.patch(f"/v1/hooks/{hook['id']}", headers=admin,
+                        json={"name": "ops", "enabled": True}).status_code == 200
+    assert count("hook.update") == 0
+    assert client.patch(f"/v1/hooks/{hook['id']}", headers=admin,
+                        json={"enabled": False}).status_code == 200
+    assert count("hook.update") == 1
+
+    current = client.get("/v1/deployments/chat", headers=admin).json()
+    for same in ({}, {"delta": current["delta"]}, {"bogus": 1}):
+        assert client.patch("/v1/deployments/chat", headers=admin, json=same).status_code == 200
+    assert count("deployment.update") == 0
+    assert client.patch("/v1/deployments/chat", headers=admin,
+                        json={"delta": current["delta"] / 2}).status_code == 200
+    assert count("deployment.update") == 1
+
+    token_file = tmp_path / "token"
+    token_file.write_text(tokens.admin)
+    run = CliRunner().invoke(main, ["deployments", "update", "chat", "--set", "bogus=1",
+                                    "--url", live_server.url, "--token-file", str(token_file)])
+    assert run.exit_code == 1
+    assert "not updated" in run.stderr and "bogus" in run.stderr
