@@ -196,8 +196,10 @@ class Settings(BaseSettings):
     # Tokens of a shadow request still incomplete after this long are dropped.
     shadow_request_ttl_s: float = Field(
         default=3600.0, gt=0,
-        description="seconds a shadow request's tokens wait for the rest of their request "
-        "(the end marker and every position) before they are dropped")
+        description="seconds, counted from a staged shadow-request token's own timestamp "
+        "(not its arrival), after which it is dropped if its request is still incomplete; a "
+        "request missing a dropped token never completes, so keep it at least "
+        "evidence_max_delay_s for spooled requests to complete")
     # Share of the calibration split that fits the threshold path (the rest tests it).
     calibration_learn_fraction: float = Field(
         default=0.3, gt=0, lt=1,

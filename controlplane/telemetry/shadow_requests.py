@@ -9,21 +9,27 @@ arrived and every position from 0 to the end is staged; it then becomes one `sha
 row holding its tokens' labels in position order, and its staged tokens leave.
 
 - Idempotent: a replayed batch is skipped by its id before it gets here; a position staged
-  twice, or a token of a request already complete, is ignored.
+  again with the same content, or a token of a request already complete, is ignored. A request
+  id is used once per runtime: a completed one is never assembled again.
 - Consistent: a request whose tokens disagree on threshold version, segment, witness or
-  lineage is no evidence about one served request and is dropped when its end arrives.
+  lineage, that holds two ends or tokens past its end, or one of whose positions arrives again
+  with other content (signals, matched, end marker, version, segment, witness, lineage: two
+  requests under one id), is no evidence about one served request: its staged tokens are
+  dropped and it is marked so that it never completes (the mark expires like a token).
 - Bounded: positions at or past `shadow_request_max_tokens` are not staged (such a request never
-  completes), and staged tokens older than `shadow_request_ttl_s` are dropped.
+  completes), and a staged token whose own timestamp is older than `shadow_request_ttl_s` is
+  dropped. Only the requests whose staged counts say they can be complete (their end staged and
+  as many positions as it says) or inconsistent are read back whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
-from sqlalchemy import delete, select, tuple_
+from sqlalchemy import case, delete, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from controlplane.db import dialect_insert
@@ -77,19 +83,21 @@ def stage(*, session: Session, deployment_id: int, exit_layers: list[int],
     if not rows:
         return 0
     expire(session=session, deployment_id=deployment_id, now=now)
-    keys = sorted({(row["runtime_id"], row["request_id"]) for row in rows})
-    done = _completed(session=session, deployment_id=deployment_id, keys=keys)
-    rows = [row for row in rows if (row["runtime_id"], row["request_id"]) not in done]
-    for start in range(0, len(rows), _CHUNK):
-        session.execute(dialect_insert(session, ShadowRequestTokenRow).on_conflict_do_nothing(),
-                        rows[start:start + _CHUNK])
-    ended = sorted({(row["runtime_id"], row["request_id"]) for row in rows})
-    return assemble(session=session, deployment_id=deployment_id, keys=ended)
+    keys = sorted({_key(row) for row in rows})
+    closed = _closed(session=session, deployment_id=deployment_id, keys=keys)
+    rows, clashing = _distinct(row for row in rows if _key(row) not in closed)
+    rows = [row for row in rows if _key(row) not in clashing]
+    clashing |= _clashing_with_staged(session=session, deployment_id=deployment_id, rows=rows)
+    _mark_inconsistent(session=session, deployment_id=deployment_id, keys=sorted(clashing),
+                       now=now)
+    staged = sorted({_key(row) for row in rows} - clashing)
+    return assemble(session=session, deployment_id=deployment_id, keys=staged)
 
 
 def expire(*, session: Session, deployment_id: int | None = None,
            now: datetime | None = None) -> int:
-    """Drop staged tokens older than `shadow_request_ttl_s` (of one deployment, or all)."""
+    """Drop staged tokens whose own timestamp is older than `shadow_request_ttl_s` (of one
+    deployment, or all), and the marks of inconsistent requests as old."""
     cutoff = (now or datetime.now(UTC)) - timedelta(seconds=get_settings().shadow_request_ttl_s)
     query = delete(ShadowRequestTokenRow).where(ShadowRequestTokenRow.ts < cutoff)
     if deployment_id is not None:
@@ -97,50 +105,154 @@ def expire(*, session: Session, deployment_id: int | None = None,
     return session.execute(query).rowcount
 
 
-def _completed(*, session: Session, deployment_id: int, keys: list[Key]) -> set[Key]:
-    found: set[Key] = set()
+def _key(row: dict) -> Key:
+    return row["runtime_id"], row["request_id"]
+
+
+def _content(row) -> tuple:
+    """What two stagings of one position must agree on (not when they arrived)."""
+    get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
+    return tuple(get(name) for name in _CONTENT)
+
+
+_CONTENT = ("threshold_version", "segment", "witness", "model_revision", "head_digest",
+            "request_end", "signals", "matched")
+
+
+def _distinct(rows: Iterable[dict]) -> tuple[list[dict], set[Key]]:
+    """`rows` with each position once, and the requests one batch sent a position of twice
+    with different content (an identical repeat is one token)."""
+    first: dict[tuple[str, str, int], dict] = {}
+    clashing: set[Key] = set()
+    for row in rows:
+        seen = first.setdefault((*_key(row), row["position"]), row)
+        if seen is not row and _content(seen) != _content(row):
+            clashing.add(_key(row))
+    return list(first.values()), clashing
+
+
+def _clashing_with_staged(*, session: Session, deployment_id: int,
+                          rows: list[dict]) -> set[Key]:
+    """Stage `rows`; returns the requests of those whose position was staged already with
+    different content. Only the positions the insert skipped are read back."""
+    table = ShadowRequestTokenRow
+    skipped: list[dict] = []
+    for start in range(0, len(rows), _CHUNK):
+        chunk = rows[start:start + _CHUNK]
+        inserted = {(row.runtime_id, row.request_id, row.position) for row in session.execute(
+            dialect_insert(session, table).on_conflict_do_nothing().returning(
+                table.runtime_id, table.request_id, table.position), chunk)}
+        skipped += [row for row in chunk if (*_key(row), row["position"]) not in inserted]
+    clashing: set[Key] = set()
+    for start in range(0, len(skipped), _CHUNK):
+        chunk = {(*_key(row), row["position"]): row for row in skipped[start:start + _CHUNK]}
+        for token in session.scalars(select(table).where(
+                table.deployment_id == deployment_id,
+                tuple_(table.runtime_id, table.request_id, table.position).in_(list(chunk)))):
+            mine = chunk[(token.runtime_id, token.request_id, token.position)]
+            if _content(token) != _content(mine):
+                clashing.add((token.runtime_id, token.request_id))
+    return clashing
+
+
+# A staged row at this position marks its request inconsistent: its tokens were dropped and
+# any that arrive later are not staged, until the mark expires with the time to live.
+_INCONSISTENT = -1
+
+
+def _mark_inconsistent(*, session: Session, deployment_id: int, keys: list[Key],
+                       now: datetime) -> None:
+    """Drop the staged tokens of `keys` and mark them so that they never complete."""
+    table = ShadowRequestTokenRow
     for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start:start + _CHUNK]
+        session.execute(delete(table).where(
+            table.deployment_id == deployment_id,
+            tuple_(table.runtime_id, table.request_id).in_(chunk)))
+        session.execute(dialect_insert(session, table).on_conflict_do_nothing(), [
+            {"deployment_id": deployment_id, "runtime_id": runtime_id, "request_id": request_id,
+             "position": _INCONSISTENT, "ts": now, "threshold_version": 0, "segment": "",
+             "witness": "", "model_revision": "", "head_digest": "", "arrival_delay_s": 0.0,
+             "request_end": False, "signals": b"", "matched": b""}
+            for runtime_id, request_id in chunk])
+
+
+def _closed(*, session: Session, deployment_id: int, keys: list[Key]) -> set[Key]:
+    """The requests among `keys` that take no more tokens: complete, or marked inconsistent."""
+    found: set[Key] = set()
+    staged = ShadowRequestTokenRow
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start:start + _CHUNK]
         found |= {(row.runtime_id, row.request_id) for row in session.execute(
             select(ShadowRequestRow.runtime_id, ShadowRequestRow.request_id).where(
                 ShadowRequestRow.deployment_id == deployment_id,
-                tuple_(ShadowRequestRow.runtime_id, ShadowRequestRow.request_id).in_(
-                    keys[start:start + _CHUNK])))}
+                tuple_(ShadowRequestRow.runtime_id, ShadowRequestRow.request_id).in_(chunk))
+            .union(select(staged.runtime_id, staged.request_id).where(
+                staged.deployment_id == deployment_id, staged.position == _INCONSISTENT,
+                tuple_(staged.runtime_id, staged.request_id).in_(chunk))))}
     return found
+
+
+def _decidable(*, session: Session, deployment_id: int, keys: list[Key]) -> list[Key]:
+    """The requests among `keys` whose staged tokens can be complete or are inconsistent, by
+    counts alone: the end marker staged, and as many positions as it says or too many ends
+    or positions past the end. The others wait, and their tokens are not read."""
+    table = ShadowRequestTokenRow
+    ends = func.sum(case((table.request_end, 1), else_=0))
+    end_at = func.max(case((table.request_end, table.position), else_=None))
+    found: list[Key] = []
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start:start + _CHUNK]
+        for row in session.execute(
+                select(table.runtime_id, table.request_id, func.count().label("tokens"),
+                       func.max(table.position).label("last"), ends.label("ends"),
+                       end_at.label("end_at"))
+                .where(table.deployment_id == deployment_id, table.position >= 0,
+                       tuple_(table.runtime_id, table.request_id).in_(chunk))
+                .group_by(table.runtime_id, table.request_id)):
+            if row.ends and (row.ends > 1 or row.last != row.end_at
+                             or row.tokens == row.end_at + 1):
+                found.append((row.runtime_id, row.request_id))
+    return sorted(found)
 
 
 def assemble(*, session: Session, deployment_id: int, keys: list[Key] | None = None) -> int:
     """Turn the staged requests among `keys` (None: every staged request whose end arrived)
-    that are complete into `shadow_requests` rows; drop the inconsistent ones. Returns how many
-    were completed."""
+    that are complete into `shadow_requests` rows; drop and mark the inconsistent ones.
+    Returns how many were completed."""
     table = ShadowRequestTokenRow
     if keys is None:
         keys = sorted({(row.runtime_id, row.request_id) for row in session.execute(
             select(table.runtime_id, table.request_id).where(
                 table.deployment_id == deployment_id, table.request_end))})
+    keys = _decidable(session=session, deployment_id=deployment_id, keys=keys)
     completed = 0
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start:start + _CHUNK]
         staged: dict[Key, list] = {}
         for token in session.scalars(select(table).where(
-                table.deployment_id == deployment_id,
+                table.deployment_id == deployment_id, table.position >= 0,
                 tuple_(table.runtime_id, table.request_id).in_(chunk))
                 .order_by(table.runtime_id, table.request_id, table.position)):
             staged.setdefault((token.runtime_id, token.request_id), []).append(token)
-        finished, dropped = [], []
+        finished, done, inconsistent = [], [], []
         for key, tokens in staged.items():
             state = _state(tokens)
             if state == "complete":
                 finished.append(_request_row(deployment_id, tokens))
-            if state != "waiting":
-                dropped.append(key)
+                done.append(key)
+            elif state == "inconsistent":
+                inconsistent.append(key)
         if finished:
             session.execute(dialect_insert(session, ShadowRequestRow).on_conflict_do_nothing(),
                             finished)
             completed += len(finished)
-        if dropped:
+        if done:
             session.execute(delete(table).where(
                 table.deployment_id == deployment_id,
-                tuple_(table.runtime_id, table.request_id).in_(dropped)))
+                tuple_(table.runtime_id, table.request_id).in_(done)))
+        _mark_inconsistent(session=session, deployment_id=deployment_id, keys=inconsistent,
+                           now=datetime.now(UTC))
     session.flush()
     return completed
 
