@@ -8,6 +8,10 @@ The evidence is the window's complete shadow requests under the trust rules ever
 applies (`telemetry.trust`: excluded runtimes, lineage, witnesses set aside, backdating), without
 the witnesses the outlier screen set aside on the window's shadow tokens, each witness cut to its
 share (`ShadowRequests.capped`).
+
+The report per version (`report`) covers the stored versions (1 and up). Requests served under
+version 0, the built-in never-exit set a runtime applies before its first pull, are left out:
+under it no token exits, so every such answer is the full-depth answer by construction.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from controlplane.settings import get_settings
 from controlplane.stats.robust_evidence import runtime_count
 from controlplane.telemetry.shadow_requests import ShadowRequests, shadow_request_evidence
 from exitplane.wire import DEFAULT_SEGMENT
+
+# The version of the built-in never-exit set a runtime serves before its first pull (no stored
+# threshold set has it).
+NEVER_EXIT_VERSION = 0
 
 
 def read_answers(*, session: Session, deployment: Deployment, since: datetime,
@@ -69,15 +77,25 @@ def answer_consistency(evidence: ShadowRequests, thresholds_of: Callable[[str], 
 def report(*, session: Session, deployment: Deployment, since: datetime, until: datetime,
            segment: str | None = None, version: int | None = None) -> dict:
     """Answer consistency per version and segment over the window (module docstring): each
-    version served with shadow requests in it (or `version`), each segment (or `segment`),
-    that version's map for the segment on the requests served under it in that segment."""
+    stored version served with shadow requests in it (or `version`), each segment (or
+    `segment`), that version's map for the segment on the requests served under it in that
+    segment; without the witnesses the outlier screen sets aside on the window, as the what-if
+    reads it (`flows.what_if.read_evidence`)."""
     if segment not in (None, DEFAULT_SEGMENT) and segment not in known_segments(
             session=session, deployment_id=deployment.id):
         raise Invalid(f"deployment {deployment.name!r} knows no traffic segment {segment!r}")
     if version is not None:
         get_threshold_set(session=session, deployment=deployment, version=version)  # 404
+    # flows.what_if reads its evidence through this module: imported here, not at the top
+    from controlplane.flows.what_if import read_evidence
+
+    policy = CalibrationPolicy.from_settings(get_settings())
+    screened = read_evidence(session=session, deployment=deployment, since=since, until=until,
+                             segment=segment, policy=policy)
     evidence = read_answers(session=session, deployment=deployment, since=since, until=until,
-                            segment=segment, version=version)
+                            segment=segment, version=version, set_aside=screened.set_aside,
+                            policy=policy)
+    evidence = evidence.take(evidence.versions != NEVER_EXIT_VERSION)
     layers = sorted(int(layer) for layer in deployment.exit_layers)
     served = sorted(set(evidence.versions.tolist())) if version is None else [version]
     versions = []

@@ -6,6 +6,7 @@ keeps the requests that test it out of the path, and waits when they are too few
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.service import get_deployment, move_alias, publish
 from controlplane.flows import recalibration
+from controlplane.flows.answers import read_answers, report
 from controlplane.flows.operating_curve import latest_curve, refresh_deployment
 from controlplane.flows.what_if import what_if
 from controlplane.settings import Settings
@@ -195,3 +197,48 @@ def test_a_recalibration_without_enough_shadow_requests_waits(engine, outbox):
     assert job.status == "waiting_for_data"
     assert "not enough shadow requests" in job.status_reason
     assert job.summary["counts"] == {"shadow_requests": 20} and job.summary["required"] == 150
+
+
+def test_requests_served_under_version_zero_are_left_out_of_the_report(client, tokens, engine):
+    """A shadow request served under version 0 (the built-in never-exit set a runtime applies
+    before its first pull) leaves the stored versions' figures as they are and is not reported;
+    `version=0` names no stored set and is refused."""
+    _, under_two = _seed(engine)
+    with session_scope(engine) as session:
+        _send_requests(session, _labels(3, 6), version=0,
+                       start=(utcnow() - timedelta(minutes=5)).timestamp(), prefix="z")
+    operator = tokens.headers(tokens.operator)
+    answer = client.get("/v1/deployments/chat/answers?window=3600", headers=operator)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert [v["version"] for v in body["versions"]] == [1, 2] and body["requests"] == 120
+    row = body["versions"][1]["segments"][0]
+    assert row["differing"] == int((_truth(under_two, SET) >= 0).sum())
+    assert client.get("/v1/deployments/chat/answers?version=0", headers=operator
+                      ).status_code == 422
+
+
+def test_the_report_leaves_out_the_witnesses_the_outlier_screen_sets_aside(engine,
+                                                                           monkeypatch):
+    """The answers report reads the window as the what-if does: the witnesses the outlier
+    screen sets aside on the window's shadow tokens are not in its figures."""
+    _seed(engine)
+    since, until = utcnow() - timedelta(hours=1), utcnow()
+    with session_scope(engine) as session:
+        deployment = get_deployment(session=session, name="chat")
+        before = report(session=session, deployment=deployment, since=since,
+                                until=until)
+        everyone = read_answers(session=session, deployment=deployment, since=since,
+                                        until=until)
+        liar = next(witness for witness, runtime
+                    in zip(everyone.witnesses, everyone.runtimes, strict=True)
+                    if runtime == "rt-2")
+
+        def screen(**_) -> SimpleNamespace:
+            return SimpleNamespace(findings=[SimpleNamespace(runtime_id=liar)])
+
+        monkeypatch.setattr("controlplane.flows.what_if.screen_witnesses", screen)
+        after = report(session=session, deployment=deployment, since=since,
+                               until=until)
+    assert before["requests"] == 120
+    assert after["requests"] == 80  # rt-2 served a third of each version's requests
