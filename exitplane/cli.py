@@ -45,13 +45,20 @@ class LazyGroup(click.Group):
 
 
 def _database_problem(error: Exception) -> str | None:
-    """One line for an error that says the database cannot be reached or opened, else None."""
-    if type(error).__module__ != "sqlalchemy.exc" or \
-            type(error).__name__ not in ("OperationalError", "InterfaceError"):
+    """One line for an error that says the database cannot be reached or opened, or holds no
+    exitplane schema yet, else None."""
+    if type(error).__module__ != "sqlalchemy.exc" or type(error).__name__ not in (
+            "OperationalError", "InterfaceError", "ProgrammingError"):
         return None
     from controlplane.settings import get_settings
 
     reason = (str(getattr(error, "orig", None) or error).strip().splitlines() or ["?"])[0]
+    if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
+        return (f"the database at {_redact(get_settings().effective_database_url)} is not "
+                f"migrated ({reason}): run `exitplane db upgrade` first (`exitplane up` "
+                "migrates before serving)")
+    if type(error).__name__ == "ProgrammingError":
+        return None
     return (f"cannot reach the database at {_redact(get_settings().effective_database_url)}: "
             f"{reason}")
 

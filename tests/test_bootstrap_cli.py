@@ -112,3 +112,12 @@ def test_the_deprecated_spellings_say_so_then_run(env, tmp_path):
     assert {"bootstrap", "deployments", "tokens", "segments", "calibrations", "users",
             "hooks"} <= commands
     assert not commands & {"deployment", "token", "segment", "user", "calibrate"}
+
+
+def test_an_unmigrated_store_says_to_migrate(env, tmp_path):
+    empty = {**env, "EXITPLANE_DATABASE_URL": f"sqlite:///{tmp_path / 'empty.db'}"}
+    done = _run(empty, *ENSURE)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "is not migrated (no such table: " in done.stderr
+    assert "run `exitplane db upgrade` first" in done.stderr

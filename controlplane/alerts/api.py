@@ -133,7 +133,8 @@ def list_hooks(request: Request, session: SessionDep, principal: AdminPrincipal,
 @router.post("/hooks", status_code=status.HTTP_201_CREATED, response_model=HookCreated)
 def create_hook(spec: HookCreate, request: Request, session: SessionDep,
                 principal: AdminPrincipal) -> HookCreated:
-    """Create an alert hook; its signing secret is in this answer only."""
+    """Create an alert hook; a signing secret generated for it is in this answer only (one the
+    request gave is never sent back)."""
     target = get_deployment(session=session, name=spec.deployment) if spec.deployment else None
     guard = _guard(request)
     hook = hook_service.create_hook(
@@ -141,7 +142,8 @@ def create_hook(spec: HookCreate, request: Request, session: SessionDep,
         deployment=target, min_severity=spec.min_severity, secret=spec.secret,
         routing_key=spec.routing_key, enabled=spec.enabled, guard=guard, reason=spec.reason)
     read = _hook_read(hook, _names(session, [hook.deployment_id]), guard, model=HookCreated)
-    read.secret = guard.vault.decrypt(hook.secret)  # shown once, on this response only
+    # generated: shown once, on this response only; one the request gave is never sent back
+    read.secret = guard.vault.decrypt(hook.secret) if spec.secret is None else None
     return read
 
 

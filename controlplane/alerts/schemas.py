@@ -90,7 +90,9 @@ class HookRead(BaseModel):
 
 
 class HookCreated(HookRead):
-    secret: str | None = Field(default=None, description="shown once: the webhook HMAC key")
+    secret: str | None = Field(default=None, description=(
+        "the webhook HMAC key generated for the hook, shown once (null when the request gave "
+        "one)"))
 
 
 class DeliveryRead(BaseModel):

@@ -41,7 +41,8 @@ def delete(name: str, request: Request, session: SessionDep, principal: AdminPri
     """Delete a deployment with its threshold sets, aliases, audit log, segments, alert hooks,
     runtimes, calibration jobs, canaries, alerts and telemetry; its runtime tokens are revoked
     (kept in the token list, bound to no deployment). 409 while runtimes heard from within
-    EXITPLANE_RUNTIME_STALE_AFTER_S are live, unless `force`. The deletion is an administrative audit event (`GET /v1/audit`)."""
+    EXITPLANE_RUNTIME_STALE_AFTER_S are live, unless `force`. The deletion is an
+    administrative audit event (`GET /v1/audit`)."""
     deployment = get_deployment(session=session, name=name)
     details = delete_deployment(
         session=session, deployment=deployment, actor=principal.actor, reason=reason,

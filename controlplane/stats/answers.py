@@ -4,13 +4,14 @@ A shadow request is served entirely at full depth and records, for every generat
 order, each exit layer's signal and whether that layer's top-1 matched the full model's. Under
 greedy decoding, the answer a threshold set θ would have given is the full-depth answer up to
 the first token that would have exited (at its first exit layer whose signal is strictly
-greater than θ at that layer, compared in 32 bits as the runtime compares: `stats.exits`) at
-a layer whose prediction did not match; from that token on the answers differ. So the position of that token, or -1, is the answer loss of the request under θ,
-exactly, provided that before it the runtime's KV cache after an early exit holds what the
-full model would (skipped layers computed later or recomputed, the `lazy` policy): then every
-earlier token, its hidden states and its signals are those the shadow request recorded. Under
-a policy that approximates the skipped layers' KV (`propagate`), the prediction is exact up to
-and including the first token that exits; later tokens see an approximate cache and may move.
+greater than θ at that layer, compared in 32 bits as the runtime compares: `stats.exits`) at a
+layer whose prediction did not match; from that token on the answers differ. So the position of
+that token, or -1, is the answer loss of the request under θ, exactly, provided that before it
+the runtime's KV cache after an early exit holds what the full model would (skipped layers
+computed later or recomputed, the `lazy` policy): then every earlier token, its hidden states
+and its signals are those the shadow request recorded. Under a policy that approximates the
+skipped layers' KV (`propagate`), the prediction is exact up to and including the first token
+that exits; later tokens see an approximate cache and may move.
 A sampled (temperature > 0) answer is not covered.
 
 Plain numpy, vectorised over many threshold sets at once; no database.

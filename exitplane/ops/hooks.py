@@ -78,7 +78,10 @@ def hooks_show(api: ControlPlane, hook_id: int) -> None:
 def hooks_create(api: ControlPlane, name: str, kind: str, hook_url: str,
                  deployment: str | None, min_severity: str | None, secret_file: str | None,
                  routing_key_file: str | None, disabled: bool, reason: str) -> None:
-    """Create an alert hook; a webhook's signing secret is shown once."""
+    """Create an alert hook; the signing secret generated for a webhook is shown once."""
+    if api.output == "name" and kind == "webhook" and not secret_file:
+        fail("-o name would not show the webhook's generated signing secret, which is shown "
+             "only once: give --secret-file FILE, or use -o table, json or yaml")
     spec = {"name": name, "kind": kind, "url": hook_url, "deployment": deployment,
             "min_severity": min_severity, "secret": _secret(secret_file, "secret"),
             "routing_key": _secret(routing_key_file, "routing key"),

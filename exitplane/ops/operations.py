@@ -319,7 +319,11 @@ def tokens_list(api: ControlPlane) -> None:
 @click.option("--reason", default="", help="why, for the audit log")
 def tokens_create(api: ControlPlane, name: str, scope: str, deployment: str | None,
                   out_file: str | None, reason: str) -> None:
-    """Create a token; its secret is shown once (table: the secret alone on stdout)."""
+    """Create a token; its secret is shown once (table: the secret alone on stdout; with
+    --out FILE, `-o name` prints its id)."""
+    if api.output == "name" and not out_file:
+        fail("-o name would not show the token's secret, which is shown only once: give "
+             "--out FILE, or use -o table, json or yaml")
     made = api.request("POST", "/v1/tokens",
                        json={"name": name, "scope": scope, "deployment": deployment,
                              **({"reason": reason} if reason else {})})
@@ -328,7 +332,7 @@ def tokens_create(api: ControlPlane, name: str, scope: str, deployment: str | No
         click.echo(f"wrote the {scope} token {name!r} (id {made['id']}) to {out_file}",
                    err=True)
         made = {**made, "token": None}
-        emit(api.output, made, lambda: None)
+        emit(api.output, made, lambda: None, names=lambda token: [token["id"]])
         return
     emit(api.output, made, lambda: click.echo(made["token"]))
 
@@ -386,4 +390,6 @@ def audit(api: ControlPlane, actor: str | None, action: str | None, deployment: 
         if len(page) < wanted:  # the last page
             break
         cursor = page[-1]["cursor"]
-    emit(api.output, found, lambda: table(found, AUDIT_COLUMNS))
+    # ids are per table: an event is named by its source and id
+    emit(api.output, found, lambda: table(found, AUDIT_COLUMNS),
+         names=lambda events: [f"{event['source']}:{event['id']}" for event in events])

@@ -323,3 +323,42 @@ def test_changes_that_change_nothing_record_nothing(client, tokens, engine, live
                                     "--url", live_server.url, "--token-file", str(token_file)])
     assert run.exit_code == 1
     assert "not updated" in run.stderr and "bogus" in run.stderr
+
+
+def test_create_commands_never_lose_a_secret_nor_echo_a_given_one(client, tokens, engine,
+                                                                  live_server, tmp_path):
+    with Session(engine) as session:
+        make_deployment(session)
+        session.commit()
+    token_file = tmp_path / "token"
+    token_file.write_text(tokens.admin)
+    connection = ["--url", live_server.url, "--token-file", str(token_file)]
+
+    def cli(*args: str):
+        return CliRunner().invoke(main, [*args, *connection])
+
+    before = len(client.get("/v1/tokens", headers=tokens.headers(tokens.admin)).json())
+    refused = cli("tokens", "create", "--name", "ci", "--scope", "operator", "-o", "name")
+    assert refused.exit_code == 2 and "shown only once" in refused.stderr
+    assert len(client.get("/v1/tokens", headers=tokens.headers(tokens.admin)).json()) == before
+    written = cli("tokens", "create", "--name", "ci", "--scope", "operator", "-o", "name",
+                  "--out", str(tmp_path / "ci.token"))
+    assert written.exit_code == 0, written.output
+    assert written.stdout.strip().isdigit()  # its id, as `tokens list -o name` prints
+    assert (tmp_path / "ci.token").read_text().strip().startswith("ept_")
+
+    assert cli("hooks", "create", "--name", "a", "--kind", "webhook", "--endpoint",
+               "http://127.0.0.1:9/a", "-o", "name").exit_code == 2
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    given = cli("hooks", "create", "--name", "b", "--kind", "webhook", "--endpoint",
+                "http://127.0.0.1:9/b", "--secret-file", str(key), "-o", "json")
+    assert given.exit_code == 0, given.output
+    assert json.loads(given.stdout)["secret"] is None and "k" * 32 not in given.stdout
+    made = cli("hooks", "create", "--name", "c", "--kind", "webhook", "--endpoint",
+               "http://127.0.0.1:9/c", "-o", "json")
+    assert len(json.loads(made.stdout)["secret"]) >= 32  # generated: shown once
+
+    named = cli("audit", "-o", "name").stdout.split()
+    assert named and len(named) == len(set(named))
+    assert all(line.split(":")[0] in ("admin", "deployment") for line in named)
