@@ -244,6 +244,8 @@ def test_failures_are_one_line_with_their_exit_status(plane, tmp_path):
                      process=True)
     assert down.stderr == f"exitplane: cannot reach http://127.0.0.1:{closed}: connection refused\n"
     plane.run("deployments", "list", "--url", "ftp://example", code=2)
+    api_path = plane.run("deployments", "list", "--url", f"{plane.url}/v1/", code=2)
+    assert "ends in /v1: give its base URL" in api_path.stderr
 
     bogus = tmp_path / "bogus.token"
     bogus.write_text("ep_not-a-token\n")

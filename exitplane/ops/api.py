@@ -40,6 +40,9 @@ class ControlPlane:
     def __init__(self, *, url: str, token: str | None, output: str, timeout_s: float,
                  headers: bool = True) -> None:
         self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            fail(f"the control plane URL {url!r} ends in /v1: give its base URL, as "
+                 f"{self.url[:-3]!r}; each command adds the API's path")
         self.token = token
         self.output = output
         self.timeout_s = timeout_s
