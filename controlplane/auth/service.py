@@ -22,10 +22,11 @@ SCOPE_RANK = {"runtime": 0, "operator": 1, "admin": 2}
 
 
 class DeploymentRef(Protocol):
-    """What a token needs of the deployment it belongs to: its id. The caller looks the
-    deployment up (auth sits below the deployments domain)."""
+    """What a token needs of the deployment it belongs to: its id, and its name for the audit
+    log. The caller looks the deployment up (auth sits below the deployments domain)."""
 
     id: int
+    name: str
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ def create_token(*, session: Session, name: str, scope: str,
         raise Invalid(f"unknown scope {scope!r}; use one of {', '.join(SCOPES)}")
     if scope == "runtime" and deployment is None:
         raise Invalid("a runtime token needs a deployment")
+    if scope != "runtime" and deployment is not None:
+        raise Invalid(f"only a runtime token serves one deployment; an {scope} token reaches "
+                      "every deployment: leave the deployment out, or create a runtime token")
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = ApiToken(name=name, scope=scope, deployment_id=deployment.id if deployment else None,
                      prefix=secret[:12], token_hash=digest(secret))
@@ -73,7 +77,8 @@ def create_token(*, session: Session, name: str, scope: str,
     record_admin_event(session=session, actor=actor, action="token.create",
                        target=f"token:{token.id}", reason=reason,
                        details={"name": name, "scope": scope,
-                                "deployment_id": token.deployment_id})
+                                "deployment_id": token.deployment_id},
+                       deployment=deployment.name if deployment else None)
     return token, secret
 
 
@@ -117,6 +122,17 @@ def revoke_token(*, session: Session, token_id: int, actor: str = LOCAL_ACTOR,
         notify_after_commit(session=session, topic="revocation", message=token.token_hash)
         record_admin_event(session=session, actor=actor, action="token.revoke",
                            target=f"token:{token.id}", reason=reason,
-                           details={"name": token.name})
+                           details={"name": token.name},
+                           deployment=_deployment_name(session, token.deployment_id))
     session.flush()
     return token
+
+
+def _deployment_name(session: Session, deployment_id: int | None) -> str | None:
+    """The name of the deployment a runtime token serves, read through the token's foreign
+    key (auth sits below the deployments domain and imports none of it)."""
+    if deployment_id is None:
+        return None
+    [key] = ApiToken.__table__.c.deployment_id.foreign_keys
+    deployments = key.column.table
+    return session.scalar(select(deployments.c.name).where(deployments.c.id == deployment_id))
