@@ -46,11 +46,20 @@ def log_after_commit(*, session: Session, row: object, line: dict) -> None:
     session.info.setdefault(PENDING_LINES, []).append((row, line))
 
 
+def escape_field(text: str) -> str:
+    """`text` for one field of the text log line: every character that is not printable
+    (newlines, tabs, terminal escapes, DEL, the C1 range, line separators) and the backslash
+    written as a Python escape (\\n, \\x1b, \\u2028, \\\\), so no value can end the line
+    or forge another. The stored event and the JSON line keep the value as given."""
+    return "".join(char if char.isprintable() and char != "\\"
+                   else char.encode("unicode_escape").decode("ascii") for char in text)
+
+
 def _write(line: dict) -> None:
     target = f"{line['object']['kind']}:{line['object']['id']}"
-    reason = f": {line['reason']}" if line["reason"] else ""
-    log.info("audit: %s %s %s%s", line["actor"], line["action"], target, reason,
-             extra={"audit": line})
+    reason = f": {escape_field(line['reason'])}" if line["reason"] else ""
+    log.info("audit: %s %s %s%s", escape_field(line["actor"]), escape_field(line["action"]),
+             escape_field(target), reason, extra={"audit": line})
 
 
 @event.listens_for(Session, "after_commit")
