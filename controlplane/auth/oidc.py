@@ -5,9 +5,11 @@ process, starts a sign-in (`start`: the authorization URL with a fresh `state`, 
 code verifier, which the caller keeps for the callback) and finishes one (`finish`: the code is
 exchanged at the token endpoint with the verifier, through Authlib's client, and the ID token is
 verified: signature against the provider's keys, with an asymmetric algorithm the provider
-announces; `iss`, `aud`, `azp`, `exp`, `iat` and `nonce`). A token signed by an unknown key id
-fetches the key set again (at most once per KEYS_REFRESH_MIN_S), so a provider's key rotation
-is followed and a flood of forged tokens cannot make every callback a JWKS fetch.
+announces; `iss`, `aud`, `azp`, `exp`, `iat` and `nonce`). A token without a key id (`kid`) is
+checked against the provider's one key of its algorithm, and refused when there are several or
+none. A token signed by an unknown key id fetches the key set again (at most once per
+KEYS_REFRESH_MIN_S), so a provider's key rotation is followed and a flood of forged tokens
+cannot make every callback a JWKS fetch.
 
 Every refusal is `SignInRefused` (an Unauthorized) naming what was wrong; a provider that cannot
 be reached or answers nonsense is `Unavailable`.
@@ -34,8 +36,10 @@ from joserfc.errors import (
     JoseError,
     MissingClaimError,
 )
-from joserfc.jwk import KeySet
+from joserfc.jwk import Key, KeySet, guess_key
+from joserfc.jwt import Token
 
+from controlplane.auth.sso import username_of
 from controlplane.errors import Unauthorized, Unavailable
 from controlplane.settings import Settings, oidc_url_problem
 
@@ -248,11 +252,13 @@ class OidcClient:
                         access_token: str | None = None) -> dict:
         """The claims of `id_token` once its signature and claims are verified."""
         metadata = self.metadata()
+        decoded: Token | None = None
         try:
             try:
-                decoded = jwt.decode(id_token, self.key_set(), algorithms=metadata.algorithms)
+                decoded = jwt.decode(id_token, _signing_key(self.key_set()),
+                                     algorithms=metadata.algorithms)
             except InvalidKeyIdError:
-                decoded = jwt.decode(id_token, self.key_set(refresh=True),
+                decoded = jwt.decode(id_token, _signing_key(self.key_set(refresh=True)),
                                      algorithms=metadata.algorithms)
             claims = CodeIDToken(
                 decoded.claims, decoded.header,
@@ -272,7 +278,8 @@ class OidcClient:
             raise SignInRefused("the ID token has expired; sign in again (if this repeats, "
                                 "check the clocks of this host and the provider)") from None
         except (InvalidClaimError, MissingClaimError) as error:
-            raise SignInRefused(_claim_problem(error)) from None
+            raise SignInRefused(_claim_problem(error, decoded.claims if decoded else {})
+                                ) from None
         except (JoseError, ValueError) as error:
             raise SignInRefused(f"the ID token is not valid ({error})") from None
         if claims["iat"] < time.time() - MAX_TOKEN_AGE_S - LEEWAY_S:
@@ -281,22 +288,53 @@ class OidcClient:
         return dict(claims)
 
     def identity(self, claims: dict) -> VerifiedIdentity:
-        """The username (the configured claim, lowercased) and groups of verified claims."""
+        """The username (the configured claim: an ASCII exitplane username as the provider
+        gives it, then lowercased) and groups of verified claims."""
         raw = claims.get(self.config.username_claim)
         if not isinstance(raw, str) or not raw.strip():
             raise SignInRefused(f"the ID token has no {self.config.username_claim!r} claim to "
                                 "name the user by (EXITPLANE_OIDC_USERNAME_CLAIM)")
+        username = username_of(raw)
+        if username is None:
+            raise SignInRefused(f"the ID token's {self.config.username_claim!r} claim "
+                                f"({raw.strip()[:80]!r}) cannot be an exitplane username (1-64 "
+                                "of a-z 0-9 _ . @ -, ASCII only); ask an admin to choose "
+                                "another claim (EXITPLANE_OIDC_USERNAME_CLAIM)")
         groups = claims.get(self.config.role_claim, [])
         if isinstance(groups, str):
             groups = [groups]
         if not isinstance(groups, list):
             groups = []
-        return VerifiedIdentity(subject=str(claims["sub"]), username=raw.strip().lower(),
+        return VerifiedIdentity(subject=str(claims["sub"]), username=username,
                                 groups=tuple(str(group) for group in groups
                                              if isinstance(group, str | int)))
 
 
-def _claim_problem(error: InvalidClaimError | MissingClaimError) -> str:
+def _signing_key(keys: KeySet):
+    """How `jwt.decode` finds the key that signed a token among `keys`: the one its `kid`
+    names; a token without a kid, the one key of its algorithm the provider publishes (a
+    provider with a single key may leave the kid out), refused when there are none or
+    several."""
+
+    def resolve(token) -> Key:
+        header = token.headers()
+        if header.get("kid") is not None:
+            return guess_key(keys, token)
+        algorithm = header.get("alg")
+        usable = [key for key in keys
+                  if key.key_type in KeySet.algorithm_keys.get(algorithm, ())
+                  and key.get("use", "sig") == "sig" and key.get("alg", algorithm) == algorithm]
+        if len(usable) != 1:
+            raise SignInRefused(f"the ID token names no signing key (no `kid` in its header) "
+                                f"and the provider publishes {len(usable) or 'no'} "
+                                f"{algorithm} key{'' if len(usable) == 1 else 's'}; the provider "
+                                "must name the key it signs with")
+        return usable[0]
+
+    return resolve
+
+
+def _claim_problem(error: InvalidClaimError | MissingClaimError, claims: dict) -> str:
     claim = getattr(error, "claim", None) or str(error)
     if "nonce" in claim:
         return "the ID token answers another sign-in (nonce mismatch); start again"
@@ -305,6 +343,11 @@ def _claim_problem(error: InvalidClaimError | MissingClaimError) -> str:
     if "aud" in claim or "azp" in claim:
         return "the ID token was issued to another client than exitplane's (aud)"
     if "iat" in claim:
+        if isinstance(error, MissingClaimError) or "iat" not in claims:
+            return "the ID token carries no issue time (iat), which OpenID Connect requires"
+        iat = claims["iat"]
+        if isinstance(iat, bool) or not isinstance(iat, int | float):
+            return f"the ID token's issue time (iat) is not a number of seconds ({iat!r:.40})"
         return "the ID token's issue time (iat) is in the future; check the clocks"
     return f"the ID token's claims do not hold ({error})"
 

@@ -2,10 +2,12 @@
 external authentication, ...).
 
 The proxy authenticates the person and names them in EXITPLANE_PROXY_USER_HEADER (their groups
-in EXITPLANE_PROXY_GROUPS_HEADER, comma-separated). The header is believed only when the
-connection itself comes from an address in EXITPLANE_TRUSTED_PROXIES: the socket's peer, never
-X-Forwarded-For or anything else the request says about itself. From any other peer the
-header is ignored, and logged without its value (a client can write anything there).
+in EXITPLANE_PROXY_GROUPS_HEADER, comma-separated: a group name cannot hold a comma, and each
+is compared with the role mapping exactly as sent, case and inner spaces included). The header
+is believed only when the connection itself comes from an address in EXITPLANE_TRUSTED_PROXIES:
+the socket's peer, never X-Forwarded-For or anything else the request says about itself. From
+any other peer the header is ignored, and logged without its value (a client can write
+anything there).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 
-from controlplane.auth.sso import SsoIdentity
+from controlplane.auth.sso import SsoIdentity, username_of
 from controlplane.settings import Network, Settings, parse_networks
 
 log = logging.getLogger("exitplane.auth")
@@ -56,7 +58,8 @@ class ProxySignIn:
     def identity(self, *, peer: str, headers) -> SsoIdentity | None:
         """Who the proxy says this request is from; None when the request carries no user
         header, or carries one from a peer that is not a trusted proxy (logged). `headers`:
-        the request's headers (case-insensitive mapping)."""
+        the request's headers (case-insensitive mapping). The name is checked as sent (ASCII
+        before it is lowercased: sso.username_of)."""
         user = headers.get(self.user_header)
         if user is None:
             return None
@@ -72,4 +75,5 @@ class ProxySignIn:
             raw = (headers.get(self.groups_header) or "")[:MAX_GROUPS_CHARS]
             groups = tuple(group.strip() for group in raw.split(",") if group.strip())
             groups = groups[:MAX_GROUPS]
-        return SsoIdentity(username=user, groups=groups, method="proxy")
+        # An ASCII name is lowercased here; any other stays as sent, for sign-in to refuse.
+        return SsoIdentity(username=username_of(user) or user, groups=groups, method="proxy")

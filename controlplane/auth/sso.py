@@ -7,7 +7,11 @@ sign-in. A user is created at their first sign-in with origin `sso`; no password
 (their hash is of a random secret nobody holds, and an admin cannot set one). A local user's
 name is never taken over by a single sign-on: local users stay the break-glass way in. An
 OpenID Connect user is bound to the provider's issuer and subject at their first sign-in, so a
-renamed account at the provider cannot sign in as another user whose name it now carries.
+renamed account at the provider cannot sign in as another user whose name it now carries. A
+single sign-on user belongs to the method that created them: a user bound to a provider's
+subject is refused through the proxy, and one the proxy created (bound to no subject) is refused
+through OpenID Connect. A username is taken only as ASCII (checked before it is lowercased: the
+Kelvin sign "\u212a" lowercases to "k").
 
 Every sign-in and every refusal is an administrative audit event of the user it names
 (`user.sso_sign_in`, `user.sso_refused`); a refusal is recorded in a transaction of its own,
@@ -80,6 +84,16 @@ def _unusable_hash() -> str:
     return users.hash_password(secrets.token_urlsafe(32))
 
 
+def username_of(raw: str) -> str | None:
+    """The exitplane username a provider or proxy name stands for (lowercased), or None when
+    it cannot be one: only an ASCII name is lowercased, since some other characters lowercase
+    to ASCII letters and would take another user's name."""
+    name = raw.strip()
+    if not name.isascii() or not users.USERNAME_PATTERN.fullmatch(name.lower()):
+        return None
+    return name.lower()
+
+
 def actor_of(username: str) -> str:
     """How a user appears in the audit log (as the admin UI writes it)."""
     return f"user:{username}"
@@ -93,16 +107,19 @@ def _audited(identity: SsoIdentity, address: str) -> dict:
 def sign_in(*, session: Session, identity: SsoIdentity, mapping: RoleMapping,
             address: str) -> User:
     """The user `identity` names, created (origin `sso`) or brought up to date (role from the
-    mapping), with the sign-in recorded; SsoRefused, or Invalid for a username exitplane cannot
-    hold. Flushes; the caller commits."""
-    username = identity.username.strip().lower()
-    if not users.USERNAME_PATTERN.match(username):
-        raise SsoRefused(f"{identity.username[:80]!r} cannot be an exitplane username (1-64 of "
-                         "a-z 0-9 _ . @ -); ask an admin to choose another claim or header")
+    mapping), with the sign-in recorded; SsoRefused when they may not sign in (a name that
+    cannot be an exitplane username included). Flushes; the caller commits."""
+    username = username_of(identity.username)
+    if username is None:
+        raise SsoRefused(f"{identity.username.strip()[:80]!r} cannot be an exitplane username "
+                         "(1-64 of a-z 0-9 _ . @ -, ASCII only); ask an admin to choose another "
+                         "claim or header")
     user = session.scalar(select(User).where(User.username == username))
     if user is not None and user.origin != SSO_ORIGIN:
         raise SsoRefused(f"{username!r} is a local exitplane user, who signs in with a password; "
                          "single sign-on does not sign in as them")
+    if user is not None:
+        _check_method(user=user, identity=identity)
     role = mapping.role_of(identity.groups)
     if role is None:
         raise SsoRefused(f"none of your groups ({', '.join(identity.groups[:10]) or 'none'}) is"
@@ -110,7 +127,8 @@ def sign_in(*, session: Session, identity: SsoIdentity, mapping: RoleMapping,
                          "(EXITPLANE_SSO_ROLE_MAPPING)")
     actor = actor_of(username)
     if user is None:
-        user = _provision(session=session, username=username, role=role, actor=actor)
+        user = _provision(session=session, username=username, role=role, actor=actor,
+                          identity=identity)
     if identity.subject is not None:
         if user.sso_subject is None:
             user.sso_subject = identity.subject
@@ -133,9 +151,22 @@ def sign_in(*, session: Session, identity: SsoIdentity, mapping: RoleMapping,
     return user
 
 
-def _provision(*, session: Session, username: str, role: str, actor: str) -> User:
+def _check_method(*, user: User, identity: SsoIdentity) -> None:
+    """A single sign-on user signs in only by the method that created them: a provider's
+    subject is bound at the first OpenID Connect sign-in, and the proxy binds none."""
+    if identity.method == "proxy" and user.sso_subject is not None:
+        raise SsoRefused(f"{user.username!r} signs in through the OpenID Connect provider, "
+                         "which vouched for them first; the authenticating proxy does not sign "
+                         "in as them")
+    if identity.method == "oidc" and user.sso_subject is None:
+        raise SsoRefused(f"{user.username!r} signs in through the authenticating proxy, which "
+                         "created them; OpenID Connect does not sign in as them (ask an admin)")
+
+
+def _provision(*, session: Session, username: str, role: str, actor: str,
+               identity: SsoIdentity) -> User:
     """A new single sign-on user; when a concurrent first sign-in of the same person created
-    them first, that user (still checked: it must be a single sign-on user)."""
+    them first, that user (still checked: a single sign-on user of `identity`'s method)."""
     try:
         with session.begin_nested():
             user = users.create_user(session=session, username=username, role=role,
@@ -148,6 +179,7 @@ def _provision(*, session: Session, username: str, role: str, actor: str) -> Use
         if user is None or user.origin != SSO_ORIGIN:
             raise SsoRefused(f"{username!r} is a local exitplane user, who signs in with a "
                              "password; single sign-on does not sign in as them") from None
+        _check_method(user=user, identity=identity)
         return user
 
 
@@ -155,11 +187,14 @@ def record_refusal(*, session: Session, identity: SsoIdentity | None, method: st
                    address: str, reason: str) -> None:
     """Record a refused single sign-on (in the caller's transaction, which must be one of its
     own). `identity` None: nothing verified names a user (a forged or expired token)."""
-    actor = actor_of(identity.username.strip().lower()[:64]) if identity else UNVERIFIED_ACTOR
+    username = username_of(identity.username) if identity else None
     details = _audited(identity, address) if identity else {"method": method,
                                                             "address": address}
+    if identity and username is None:  # a name no user can have: kept as given, in details
+        details["username"] = identity.username.strip()[:80]
+    actor = actor_of(username) if username else UNVERIFIED_ACTOR
     record_admin_event(session=session, actor=actor, action="user.sso_refused",
-                       target=actor if identity else f"address:{address}",
+                       target=actor if username else f"address:{address}",
                        reason=reason[:500], details=details)
 
 
