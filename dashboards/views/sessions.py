@@ -143,17 +143,41 @@ def oidc_sign_in(request: Request, next: Annotated[str, Query(max_length=2000)] 
     return response
 
 
+def _flow_under_way(request: Request) -> dict | None:
+    """The sign-in this browser started (oidc_sign_in's signed cookie) while it is fresh and
+    whole, else None."""
+    flow = unsign(request, "oidc", request.cookies.get(FLOW_COOKIE))
+    if not isinstance(flow, dict):
+        return None
+    started = flow.get("t")
+    if not isinstance(started, int | float) or time.time() - started > FLOW_MAX_AGE_S \
+            or not all(isinstance(flow.get(key), str) for key in "snvrx"):
+        return None
+    return flow
+
+
 @router.get("/login/oidc/callback")
 def oidc_callback(request: Request,
                   code: Annotated[str, Query(max_length=4096)] = "",
                   state: Annotated[str, Query(max_length=512)] = "",
                   error: Annotated[str, Query(max_length=200)] = "") -> Response:
     """The provider's answer: verified, the user signed in with their mapped role (and created
-    at their first sign-in); refused, the login page says why and no session starts. Each
-    answer is counted by the sign-in throttle from the client's address until it succeeds."""
+    at their first sign-in); refused, the login page says why and no session starts. Only the
+    answer to a sign-in this browser started (its signed flow cookie) is looked at: any other
+    request here is refused at once (400), neither counted by the sign-in throttle nor
+    recorded, so a page elsewhere cannot lock single sign-on for an address by sending
+    browsers here. An answer that is looked at counts against the throttle from the client's
+    address until one succeeds."""
     oidc = _oidc(request)
     if oidc is None:
         raise NotFound("single sign-on is not configured here (EXITPLANE_OIDC_ISSUER)")
+    flow = _flow_under_way(request)
+    if flow is None:
+        return _drop_flow(request, _login_page(
+            request, status_code=400,
+            error="Single sign-on refused: this browser has no single sign-on under way (it "
+                  f"took longer than {FLOW_MAX_AGE_S // 60} minutes, began in another browser, "
+                  "or was answered already). Start again with the sign-in button."))
     address = client_address(request)
     checks: PasswordChecks = request.app.state.password_checks
     attempt = checks.throttle.attempt(SSO_THROTTLE_NAME, address, per_user=False)
@@ -162,7 +186,6 @@ def oidc_callback(request: Request,
                            f"from your address; try again in {math.ceil(attempt.wait)} s.")
         page.headers["Retry-After"] = str(max(1, math.ceil(attempt.wait)))
         return _drop_flow(request, page)
-    flow = unsign(request, "oidc", request.cookies.get(FLOW_COOKIE)) or {}
     factory = request.app.state.session_factory
     identity: SsoIdentity | None = None
     try:
@@ -171,12 +194,6 @@ def oidc_callback(request: Request,
             # a link to this page.
             raise SignInRefused("the identity provider did not sign you in ("
                                 f"{error if ERROR_CODE.fullmatch(error) else 'an error'})")
-        started = flow.get("t")
-        if not isinstance(started, int | float) or time.time() - started > FLOW_MAX_AGE_S \
-                or not all(isinstance(flow.get(key), str) for key in "snvr"):
-            raise SignInRefused("this browser has no single sign-on under way (it took longer "
-                                f"than {FLOW_MAX_AGE_S // 60} minutes, or began elsewhere); "
-                                "start again")
         verified = oidc.finish(code=code, state=state, expected_state=flow["s"],
                                nonce=flow["n"], code_verifier=flow["v"],
                                redirect_uri=flow["r"])
