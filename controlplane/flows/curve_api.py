@@ -16,7 +16,7 @@ from controlplane.calibration.service import CalibrationPolicy
 from controlplane.db import SessionDep
 from controlplane.deployments.service import get_deployment
 from controlplane.errors import NotFound, error_answer
-from controlplane.flows.answers import report
+from controlplane.flows.answers_report import report
 from controlplane.flows.operating_curve import latest_curve
 from controlplane.flows.what_if import MAX_WINDOW, what_if, window_bounds
 from controlplane.request_models import RequestModel
@@ -160,8 +160,9 @@ def answers(name: str, session: SessionDep, principal: OperatorPrincipal,
             segment: Annotated[SegmentName | None, Query(description=(
                 "this traffic segment only (default: each segment)"))] = None,
             version: Annotated[int | None, Query(ge=1, le=INT32, description=(
-                "this version only (default: each version that served shadow requests in "
-                "the window)"))] = None) -> AnswersRead:
+                "this stored version only (default: each stored version that served shadow "
+                "requests in the window; requests under the built-in never-exit version 0 "
+                "are left out)"))] = None) -> AnswersRead:
     """Answer consistency per version and segment: of the window's complete shadow requests
     served under a version in a segment, the share its map would have answered exactly as
     full depth, the bound on the share that would differ, and where the others diverged."""

@@ -181,7 +181,10 @@ def shadow_share(*, session: Session, deployment: Deployment, since: datetime,
     tokens, shadow = session.execute(select(
         func.coalesce(func.sum(Rollup.tokens), 0),
         func.coalesce(func.sum(Rollup.shadow_total), 0)).where(*rows)).one()
-    return float(shadow) / float(tokens) if tokens else 0.0
+    # A record batch may carry shadow tokens an aggregate batch of the same runtime counted
+    # too (or not at all): the two counts come from different batches, so the ratio is bounded
+    # here to the share it is.
+    return min(1.0, float(shadow) / float(tokens)) if tokens else 0.0
 
 
 def deployment_cost_model(*, session: Session, deployment: Deployment, since: datetime,

@@ -17,7 +17,8 @@ from controlplane.calibration.models import CalibrationJob
 from controlplane.db import session_scope, utcnow
 from controlplane.deployments.service import get_deployment, move_alias, publish
 from controlplane.flows import recalibration
-from controlplane.flows.answers import read_answers, report
+from controlplane.flows.answers import read_answers
+from controlplane.flows.answers_report import report
 from controlplane.flows.operating_curve import latest_curve, refresh_deployment
 from controlplane.flows.what_if import what_if
 from controlplane.settings import Settings
