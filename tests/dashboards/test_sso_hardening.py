@@ -17,15 +17,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.auth.models import AdminEvent, User
-from controlplane.settings import Settings
-from exitplane.app import create_app
-from tests.support.network import start_server
-from tests.support.oidc_provider import OidcProvider, issuer_url
+from tests.support.oidc_provider import issuer_url
+from tests.support.sso import http_browser, provider_for, served_api, sso_settings
 
 # slow: a provider process and a served API per test
 pytestmark = pytest.mark.slow
 
-MAPPING = {"ops-admins": "admin", "ops": "operator", "readers": "viewer"}
 NO_FLOW = "no single sign-on under way"
 
 
@@ -36,33 +33,19 @@ def issuer() -> str:
 
 @pytest.fixture
 def served(db_url, tmp_path, issuer, engine):
-    """OIDC at the test provider, and header sign-in from 127.0.0.1 (the test's own
-    address)."""
-    app = create_app(Settings(
-        database_url=db_url, var_dir=tmp_path / "var", config_cache_ttl_s=0.2,
-        oidc_issuer=issuer, oidc_client_id="exitplane",
-        oidc_client_secret="provider-test-secret", oidc_allow_insecure_http=True,
-        oidc_display_name="Test IdP", sso_role_mapping=MAPPING,
-        trusted_proxies="127.0.0.1/32", proxy_user_header="X-Forwarded-User",
-        proxy_groups_header="X-Forwarded-Groups"), engine=engine)
-    live = start_server(app)
-    yield live.url
-    live.stop()
-    app.state.config_delivery.close()
-    app.state.heartbeats.close()
+    with served_api(sso_settings(db_url, tmp_path, issuer), engine) as url:
+        yield url
 
 
 @pytest.fixture
 def provider(served, issuer, tmp_path):
-    started = OidcProvider.start(redirect_uri=f"{served}/ui/login/oidc/callback",
-                                 log=tmp_path / "oidc-provider.log", issuer=issuer)
-    yield started
-    started.stop()
+    with provider_for(served, issuer, tmp_path / "oidc-provider.log") as started:
+        yield started
 
 
 @pytest.fixture
 def browser(served):
-    with httpx.Client(base_url=served, follow_redirects=False, timeout=30) as client:
+    with http_browser(served) as client:
         yield client
 
 
