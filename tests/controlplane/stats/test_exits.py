@@ -1,18 +1,16 @@
 """The exit rule on shadow evidence: the first exit layer whose signal is strictly greater than
 its threshold, compared as 32-bit floats as the runtime compares them, so a threshold 32 bits
-cannot hold decides a signal at its boundary as the runtime does; calibration, the drift
-checks, what-if and the answer loss all use it."""
+cannot hold decides a signal at its boundary as the runtime does (checked against the runtime
+itself in tests/runtime/test_exit_rule_agrees.py); calibration, the drift checks, what-if and
+the answer loss all use it."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from controlplane.calibration.what_if import exits_of
 from controlplane.stats.answers import first_divergence
 from controlplane.stats.exits import passes, policy_outcomes
-from exitplane.wire import Signal
-from runtime.policy import ExitPolicy
 
 
 def test_a_token_exits_at_its_first_layer_above_the_threshold():
@@ -43,22 +41,3 @@ def test_signals_at_a_threshold_float32_cannot_hold_decide_as_in_the_runtime():
                             np.array([[0.8]])).tolist() == [-1]
     assert first_divergence(signals, np.zeros((2, 1), dtype=bool),
                             np.array([[0.8]])).tolist() == [1]
-
-
-def test_the_rule_is_the_runtimes_on_random_boundaries():
-    """Thresholds drawn at, just below and just above 32-bit signals, and in between: the
-    control plane's verdict equals the runtime's comparison (its float32 signals against the
-    thresholds as its policy holds them, `runtime.policy.SegmentRows.limits`) on every pair."""
-    rng = np.random.default_rng(0)
-    drawn = rng.random(4000).astype(np.float32)
-    wide = drawn.astype(np.float64)
-    thresholds = np.concatenate([wide, np.nextafter(wide, 2.0), np.nextafter(wide, -1.0),
-                                 rng.random(4000)])
-    signals = np.tile(drawn, 4)
-    policy = ExitPolicy(version=1, signal=Signal.maxprob, thresholds={
-        layer: float(t) for layer, t in enumerate(thresholds, start=1)})
-    limits = policy.segment_rows.limits[0]  # layer order 1..n: the thresholds' order
-    runtime = (torch.from_numpy(signals) > torch.from_numpy(limits)).numpy()
-    assert runtime.sum() not in (0, len(runtime))  # both verdicts occur
-    assert (passes(signals, thresholds) == runtime).all()
-    assert (passes(signals.astype(np.float64), thresholds) == runtime).all()
