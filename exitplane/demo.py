@@ -149,6 +149,15 @@ class Evidence:
 COLLECTING = "B code: conservative fallback (collecting samples)"
 
 
+def first_sentence(text: str | None, limit: int = 120) -> str:
+    """A job's reason for the timeline: its first sentence, cut at a word (with "...") when
+    longer than `limit` characters."""
+    sentence = (text or "").split(". ")[0].rstrip(".")
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0] + "..."
+
+
 def held_bound(stats: PhaseStats) -> float:
     """The 90% upper bound on a phase's shadow disagreement (one-sided Clopper-Pearson)."""
     from controlplane.calibration.learn_then_test import binomial_upper_bound
@@ -744,13 +753,14 @@ class _DefaultStory:
             if finished.get("result_version") is not None:
                 version = finished["result_version"]
                 summary = finished.get("summary") or {}
+                rate = summary.get("exit_rate")
                 self.timeline.mark(f"version {version} certified (expected exit rate "
-                                   f"{summary.get('exit_rate')})")
+                                   + (f"{rate:.1%})" if isinstance(rate, float) else f"{rate})"))
                 if finished.get("promotion") == "awaiting_approval":
                     self.approve(finished)
                 return version
             self.timeline.mark(f"job {job['id']} published nothing "
-                               f"({finished.get('status_reason', '')[:120]}); collecting "
+                               f"({first_sentence(finished.get('status_reason'))}); collecting "
                                "another minimum of shadow samples")
         self.failure = "four calibrations on chat traffic certified nothing"
         return None
@@ -912,7 +922,7 @@ class _DefaultStory:
             created = self.api.post("/v1/deployments/demo/calibrations", json={
                 "since": since.isoformat(),
                 "reason": f"recalibration on code traffic ({stats.shadow} shadow tokens)"})
-            self.timeline.mark(f"job {job['id']} failed ({job['status_reason'][:90]}); "
+            self.timeline.mark(f"job {job['id']} failed ({first_sentence(job['status_reason'])}); "
                                f"job {created.json()['job']['id']} requested on "
                                f"{stats.shadow} shadow tokens")
 

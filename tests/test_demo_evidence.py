@@ -19,6 +19,7 @@ from exitplane.demo import (
     Timeline,
     _report,
     control_plane_settings,
+    first_sentence,
     held_bound,
     paced_step,
     phase_line,
@@ -233,3 +234,13 @@ def test_a_version_that_holds_on_the_new_traffic_closes_the_loop_without_a_fallb
     closed = _phase("B code: recalibrated", served=500, exits=40, shadow=111, disagreements=3)
     assert _report(Timeline(), [held, collecting, closed], delta=0.05, epsilon=0.1)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("loop closed: yes")
+
+
+def test_a_jobs_reason_shows_as_its_first_sentence_cut_at_a_word():
+    reason = ("no exit step could be certified at δ=0.05, ε=0.1 on these samples; the current "
+              "active set stays. Widen the window, collect more")
+    assert first_sentence(reason) == ("no exit step could be certified at δ=0.05, ε=0.1 on "
+                                      "these samples; the current active set stays")
+    cut = first_sentence("word " * 40, limit=30)
+    assert cut.endswith("...") and len(cut) <= 33 and " wor..." not in cut
+    assert first_sentence(None) == ""
