@@ -165,9 +165,11 @@ def test_readiness_follows_the_threshold_client(live_server, tokens, engine):
     from controlplane.deployments.service import get_deployment
 
     op = tokens.headers(tokens.operator)
-    httpx.post(f"{live_server.url}/v1/deployments", headers=op, json={
+    # generous timeouts: a loaded machine (the whole suite beside it) answers slowly
+    created = httpx.post(f"{live_server.url}/v1/deployments", headers=op, timeout=60, json={
         "name": "tiny", "model_ref": "tiny", "num_layers": 6, "exit_layers": EXIT_LAYERS,
         "signal": "maxprob"})
+    assert created.status_code == 201, created.text
     with Session(engine) as session:
         _, secret = create_token(session=session, name="rt", scope="runtime",
                                  deployment=get_deployment(session=session, name="tiny"))
@@ -180,13 +182,13 @@ def test_readiness_follows_the_threshold_client(live_server, tokens, engine):
                           token=secret, state_dir=tempfile.mkdtemp())
     for served in _serve(offline):
         offline.thresholds.wait_ready(10)
-        assert httpx.get(f"{served.url}/readyz").status_code == 503
-        assert httpx.post(f"{served.url}/v1/completions",
+        assert httpx.get(f"{served.url}/readyz", timeout=60).status_code == 503
+        assert httpx.post(f"{served.url}/v1/completions", timeout=60,
                           json={"prompt": "x", "max_tokens": 2}).status_code == 200
     online = build_state(engine=_engine(), tokenizer=ascii_tokenizer(), model_name="t",
                          control_plane=live_server.url, deployment="tiny", token=secret,
                          state_dir=tempfile.mkdtemp())
     for served in _serve(online):
         assert online.thresholds.wait_ready(10)
-        ready = httpx.get(f"{served.url}/readyz")
+        ready = httpx.get(f"{served.url}/readyz", timeout=60)
         assert ready.status_code == 200 and ready.json()["threshold_version"] == 1
